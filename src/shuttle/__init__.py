@@ -1,0 +1,28 @@
+"""shuttle: read every LoRA-style adapter, apply it exactly and fast, run models larger than the GPU.
+
+The public API; see docs/ for guides.
+"""
+
+from shuttle import errors
+from shuttle.apply import MergeReport, apply_lora, merge_lora
+from shuttle.formats import FORMATS, LoRA, load_lora, register_format, save_lora
+from shuttle.patches import PATCH_KINDS, register_patch
+from shuttle.targets import Resolution, resolve
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FORMATS",
+    "PATCH_KINDS",
+    "LoRA",
+    "MergeReport",
+    "Resolution",
+    "apply_lora",
+    "errors",
+    "load_lora",
+    "merge_lora",
+    "register_format",
+    "register_patch",
+    "resolve",
+    "save_lora",
+]

@@ -1,0 +1,163 @@
+"""Permanent merges: fold adapters into a model's weights, validated first, rounded once.
+
+Per parameter the contributions are applied in float32 in order (adapter order, then file
+order) and the result is rounded to the weight's dtype once. On CUDA, a parameter whose only
+contributions are plain low-rank products in the weight's own dtype takes one in-place
+``addmm_`` per row range: cuBLAS accumulates ``W + alpha * up @ down`` in float32 and rounds once,
+reading and writing the weight a single time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Iterator
+
+import torch
+from tqdm.auto import tqdm
+
+from shuttle.apply.plan import AdapterList, Contribution, MergePlan, plan_merge
+from shuttle.apply.rounding import Rounding, round_to
+from shuttle.errors import InvalidStrengthError, NonFiniteAdapterError
+from shuttle.patches import LowRank
+from shuttle.targets import KeyMapping
+
+__all__ = ["MergeReport", "merge_lora", "merge_plan"]
+
+log = logging.getLogger("shuttle")
+_PROGRESS_MIN_PARAMS = 64
+
+
+@dataclasses.dataclass
+class MergeReport:
+    """What a merge did.
+
+    Attributes:
+        applied: names of the parameters that changed, in merge order.
+        unmatched: adapter keys that reached no parameter -> why (prefixed ``source::`` when
+            several adapters were merged).
+        skipped: adapter keys that were not turned into patches -> why (from ``load_lora``).
+    """
+
+    applied: list[str]
+    unmatched: dict[str, str]
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def merge_lora(
+    model: torch.nn.Module,
+    loras: AdapterList,
+    *,
+    rounding: Rounding = "nearest",
+    seed: int | None = None,
+    mapping: KeyMapping | None = None,
+    progress: bool | None = None,
+) -> MergeReport:
+    """Fold adapters into ``model``'s weights permanently.
+
+    Args:
+        model: the model; its parameters change in place.
+        loras: ``[(lora, strength), ...]``; each lora a :class:`~shuttle.LoRA` or anything
+            :func:`~shuttle.load_lora` reads. A strength of exactly 0 skips that adapter.
+        rounding: ``"nearest"``, or ``"stochastic"`` (unbiased; seeded by parameter name and
+            ``seed``, so repeatable).
+        seed: mixed into the stochastic rounding seed.
+        mapping: adapter module key -> model module path (or ``(path, (start, end))``).
+        progress: show a progress bar (default: when many parameters change).
+
+    Returns:
+        A :class:`MergeReport`.
+
+    Raises:
+        InvalidStrengthError: a strength is NaN, infinite or not a number.
+        ShapeMismatchError: an update does not fit its parameter.
+        DuplicateTargetError: two keys of one adapter reach the same parameter.
+        NonFiniteAdapterError: an adapter tensor holds NaN or infinity.
+        UnsupportedLayerError: a parameter cannot take the patch (integer dtype, meta device).
+        All of these are raised before any weight changes.
+    """
+    if rounding not in ("nearest", "stochastic"):
+        raise InvalidStrengthError(f"rounding={rounding!r}: expected 'nearest' or 'stochastic'")
+    plan = plan_merge(model, loras, mapping)
+    merge_plan(model, plan, rounding=rounding, seed=seed, progress=progress)
+    return MergeReport(list(plan.params), plan.unmatched, plan.skipped)
+
+
+def merge_plan(model: torch.nn.Module, plan: MergePlan, *, rounding: Rounding = "nearest",
+               seed: int | None = None, progress: bool | None = None) -> None:
+    """Apply a validated :class:`MergePlan` to ``model``'s parameters."""
+    params = dict(model.named_parameters())
+    show = progress if progress is not None else len(plan.params) >= _PROGRESS_MIN_PARAMS
+    with torch.no_grad(), _exact_cublas():
+        for name in tqdm(plan.params, desc="merging", unit="param", disable=not show):
+            merge_param(params[name], name, plan.params[name], rounding, seed)
+
+
+def merge_param(p: torch.Tensor, name: str, contribs: list[Contribution],
+                rounding: Rounding = "nearest", seed: int | None = None) -> None:
+    """Apply ``contribs`` to parameter ``p`` (named ``name``) with one rounding per element."""
+    if rounding == "nearest" and _merge_inplace_gemm(p, contribs):
+        return
+    compute = torch.float64 if p.dtype == torch.float64 else torch.float32
+    w = p.detach().to(compute, copy=True)
+    for c in contribs:
+        view = w if c.rows is None else w[c.rows[0]:c.rows[1]]
+        out = c.patch.apply(view, c.strength)
+        if out is not view:
+            view.copy_(out)
+    if not bool(torch.isfinite(w).all()):
+        raise NonFiniteAdapterError(
+            f"merging into {name!r} gives NaN or infinity (the update overflows "
+            f"{p.dtype}); lower the strength. Parameters merged before it keep their merge; "
+            "use apply_lora for a scoped merge that always restores."
+        )
+    p.data.copy_(round_to(w, p.dtype, rounding, name, seed))
+
+
+def _merge_inplace_gemm(p: torch.Tensor, contribs: list[Contribution]) -> bool:
+    """The single-pass CUDA path; returns False (doing nothing) where it does not apply."""
+    if not p.is_cuda or not p.is_contiguous() or p.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    groups: dict[tuple[int, int] | None, list[Contribution]] = {}
+    for c in contribs:
+        patch = c.patch
+        if not (isinstance(patch, LowRank) and patch.mid is None and not patch.transposed
+                and patch.up.dtype == p.dtype == patch.down.dtype):
+            return False
+        groups.setdefault(c.rows, []).append(c)
+    if None in groups and len(groups) > 1:
+        return False  # a whole-weight and a row-range update overlap
+    work = []
+    for rows, cs in groups.items():
+        alphas = {c.strength * c.patch.effective_scale for c in cs}
+        if len(alphas) != 1:
+            return False  # different scales: concatenating would round the scaled factors
+        ups, downs = zip(*(c.patch.factors() for c in cs), strict=True)
+        up = ups[0] if len(ups) == 1 else torch.cat(ups, dim=1)
+        down = downs[0] if len(downs) == 1 else torch.cat(downs, dim=0)
+        w2d = p.data.view(p.shape[0], -1)
+        work.append((w2d if rows is None else w2d[rows[0]:rows[1]], up, down, alphas.pop()))
+    for w2d, up, down, alpha in work:
+        w2d.addmm_(up, down, alpha=alpha)
+    return True
+
+
+@contextlib.contextmanager
+def _exact_cublas() -> Iterator[None]:
+    """Keep cuBLAS exact while merging: no bf16/fp16 split-K partial sums, no TF32."""
+    m = torch.backends.cuda.matmul
+    names = ["allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction"]
+    exact: dict[str, object] = dict.fromkeys(names, False)
+    if hasattr(m, "fp32_precision"):
+        exact["fp32_precision"] = "ieee"
+    else:
+        exact["allow_tf32"] = False
+    saved = {k: getattr(m, k) for k in exact}
+    for k, v in exact.items():
+        setattr(m, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(m, k, v)

@@ -1,0 +1,167 @@
+"""Plan a merge: resolve every adapter, validate every target, read every tensor, change nothing.
+
+Everything that can fail because of the input fails here, before the first weight changes:
+strengths, shapes, duplicate targets, capabilities, unreadable or non-finite adapter tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import numbers
+from collections.abc import Sequence
+
+import torch
+
+from shuttle.errors import (
+    InvalidStrengthError,
+    NonFiniteAdapterError,
+    ShuttleError,
+    UnsupportedLayerError,
+)
+from shuttle.formats import LoRA, load_lora
+from shuttle.formats.source import Source
+from shuttle.patches import DoRA, Patch
+from shuttle.targets import KeyMapping, ModelNames, Target, resolve
+
+__all__ = ["AdapterList", "Contribution", "MergePlan", "normalize_loras", "plan_merge"]
+
+log = logging.getLogger("shuttle")
+
+AdapterList = Sequence[tuple["LoRA | Source", float]] | LoRA
+
+
+@dataclasses.dataclass(frozen=True)
+class Contribution:
+    """One loaded patch at one strength on (rows of) one parameter."""
+
+    patch: Patch
+    strength: float
+    rows: tuple[int, int] | None
+    module_key: str
+
+
+@dataclasses.dataclass
+class MergePlan:
+    """Validated work: parameter name -> contributions in application order."""
+
+    params: dict[str, list[Contribution]]
+    unmatched: dict[str, str]
+    skipped: dict[str, str]
+
+
+def normalize_loras(loras: AdapterList) -> list[tuple[LoRA, float]]:
+    """``[(LoRA, strength)]`` from user input, with strengths checked and zeros dropped.
+
+    Raises:
+        InvalidStrengthError: a strength is not a finite real number.
+    """
+    if isinstance(loras, LoRA):
+        loras = [(loras, 1.0)]
+    out = []
+    for i, item in enumerate(loras):
+        if not (isinstance(item, tuple) and len(item) == 2):
+            raise InvalidStrengthError(
+                f"loras[{i}] is {type(item).__name__}; pass a list of (lora, strength) pairs, "
+                "e.g. [(lora, 0.8)]"
+            )
+        lora, strength = item
+        if isinstance(strength, torch.Tensor) and strength.numel() == 1:
+            strength = strength.item()
+        if not isinstance(strength, numbers.Real) or not math.isfinite(float(strength)):
+            raise InvalidStrengthError(
+                f"loras[{i}] has strength {strength!r}; strengths must be finite real numbers"
+            )
+        if strength == 0:
+            continue  # exact zeros are skipped: nothing to read, nothing to round
+        out.append((load_lora(lora), float(strength)))
+    return out
+
+
+def plan_merge(
+    model: torch.nn.Module,
+    loras: AdapterList,
+    mapping: KeyMapping | None = None,
+) -> MergePlan:
+    """Resolve, validate and load everything a merge needs (tensors land on each weight's device).
+
+    Raises:
+        InvalidStrengthError, ShapeMismatchError, DuplicateTargetError, UnsupportedLayerError,
+        NonFiniteAdapterError, CorruptFileError: see the messages; the model is untouched.
+    """
+    pairs = normalize_loras(loras)
+    params = dict(model.named_parameters())
+    names = ModelNames({n: p.shape for n, p in params.items()})
+    plan = MergePlan({}, {}, {})
+    several = len(pairs) > 1
+    staged: list[tuple[Target, float]] = []
+    for lora, strength in pairs:
+        res = resolve(lora, names, mapping)
+        tag = f"{lora.source}::" if several else ""
+        plan.unmatched.update({tag + k: v for k, v in res.unmatched.items()})
+        plan.skipped.update({tag + k: v for k, v in lora.skipped.items()})
+        for t in res.targets:
+            _validate(t, params[t.param])
+            staged.append((t, strength))
+    for t, strength in staged:
+        p = params[t.param]
+        if p.device.type == "meta":
+            raise UnsupportedLayerError(
+                f"parameter {t.param!r} is on the meta device; materialize the model (or load "
+                "its checkpoint) before merging"
+            )
+        loaded = t.patch.load(p.device)
+        plan.params.setdefault(t.param, []).append(
+            Contribution(loaded, strength, t.rows, t.module_key))
+    _check_finite(plan)
+    if plan.unmatched:
+        log.warning("%d adapter key(s) matched no parameter: %s", len(plan.unmatched),
+                    "; ".join(f"{k}: {v}" for k, v in list(plan.unmatched.items())[:5]))
+    return plan
+
+
+def _validate(t: Target, p: torch.nn.Parameter) -> None:
+    shape = tuple(p.shape)
+    if t.rows is not None:
+        start, end = t.rows
+        if not 0 <= start < end <= shape[0]:
+            raise ShuttleError(f"rows {t.rows} of {t.param!r} are outside its {shape[0]} rows")
+        shape = (end - start, *shape[1:])
+        if isinstance(t.patch, DoRA) and t.patch.magnitude.shape[0] != shape[0]:
+            raise UnsupportedLayerError(
+                f"{t.module_key!r}: a DoRA patch with input-axis norms cannot update a slice of "
+                f"fused {t.param!r}; split the fused layer or merge another adapter format."
+            )
+    if not p.dtype.is_floating_point:
+        raise UnsupportedLayerError(
+            f"parameter {t.param!r} has dtype {p.dtype}; merging needs a floating-point weight "
+            "(quantized weights: use dynamic mode)"
+        )
+    t.patch.check(shape, t.param)
+
+
+def _check_finite(plan: MergePlan) -> None:
+    flags, where = [], []
+    for name, contribs in plan.params.items():
+        for c in contribs:
+            for field, t in c.patch.tensors():
+                if t.dtype.is_floating_point:
+                    flags.append(torch.isfinite(t).all())
+                    where.append((c.module_key, field, name))
+    if not flags:
+        return
+    # One host sync per device, not one per tensor.
+    by_device: dict[torch.device, list[int]] = {}
+    for i, f in enumerate(flags):
+        by_device.setdefault(f.device, []).append(i)
+    if all(bool(torch.stack([flags[i] for i in idx]).all()) for idx in by_device.values()):
+        return
+    bad = [w for f, w in zip(flags, where, strict=True) if not bool(f)]
+    if bad:
+        key, field, name = bad[0]
+        raise NonFiniteAdapterError(
+            f"adapter module {key!r} tensor {field!r} (for {name!r}) holds NaN or infinity"
+            f"{f', as do {len(bad) - 1} more' if len(bad) > 1 else ''}. The adapter is corrupt "
+            "or diverged in training; nothing was merged."
+        )

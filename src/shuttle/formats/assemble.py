@@ -1,0 +1,231 @@
+"""Group an adapter's tensors by module and build each module's patches.
+
+Scale rules (the same in every format; see docs/formats.md):
+    * a module's ``alpha`` tensor gives ``scale = alpha / rank`` (rank = ``down.shape[0]``), with
+      ``alpha == 0`` meaning ``alpha = rank``;
+    * without one, a PEFT config gives ``lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA, per-module
+      patterns applied);
+    * without either, the scale is 1.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Mapping
+
+from shuttle.errors import AdapterFormatError, UnknownKeyError, UnsupportedFormatError
+from shuttle.formats.peft import PeftConfig
+from shuttle.formats.registry import AdapterFormat
+from shuttle.formats.roles import split_key, unsupported_kind
+from shuttle.patches import IA3, Diff, DoRA, LoHa, LoKr, LowRank, Patch, Set, materialize
+from shuttle.patches.patch import Tensorish
+
+__all__ = ["assemble"]
+
+_MAX_LISTED = 8
+
+
+def assemble(
+    table: Mapping[str, Tensorish],
+    fmt: AdapterFormat,
+    config: PeftConfig | None,
+    *,
+    strict: bool = True,
+    source: str = "adapter",
+) -> tuple[dict[str, list[Patch]], dict[str, str]]:
+    """Build ``{module_key: [patches]}`` from an adapter's tensors.
+
+    Args:
+        table: tensor name -> tensor or lazy reference.
+        fmt: the detected format (its ``rename`` is applied to every key first).
+        config: the PEFT config, if the adapter has one.
+        strict: raise on keys of no known kind; otherwise report them in the second result.
+        source: how to name the adapter in messages.
+
+    Returns:
+        ``(modules, skipped)``: the patches of each module, and keys that were not used with
+        the reason (harmless ones such as an ``alpha`` without factors).
+
+    Raises:
+        UnsupportedFormatError: keys of a recognized but unimplemented format (OFT, GLoRA, ...).
+        UnknownKeyError: keys of no known kind (with ``strict``).
+        AdapterFormatError: a module's tensors do not form a patch (an up without a down, ...).
+    """
+    roles: dict[str, dict[str, tuple[str, Tensorish]]] = defaultdict(dict)
+    unknown: list[str] = []
+    skipped: dict[str, str] = {}
+    on_input_modules = {k[: -len(".on_input")] for k in table if k.endswith(".on_input")}
+    for key, t in table.items():
+        name = fmt.rename(key) if fmt.rename else key
+        split = split_key(name)
+        if split is None and name.endswith(".weight") and name[:-7] in on_input_modules:
+            split = (name[:-7], "ia3_weight")
+        if split is None:
+            kind = unsupported_kind(name)
+            if kind is not None:
+                raise UnsupportedFormatError(
+                    f"{source}: key {key!r} belongs to a {kind} adapter, which shuttle does not "
+                    "implement yet. Supported: LoRA/LoCon/Tucker, DoRA, LoHa, LoKr, full/norm "
+                    "diffs, set_weight, (IA)3."
+                )
+            if key.startswith("bundle_emb.") or key.startswith("emb_params"):
+                skipped[key] = "embedding bundle (textual inversion), not a weight update"
+                continue
+            unknown.append(key)
+            continue
+        module, role = split
+        if role in roles[module]:
+            raise AdapterFormatError(
+                f"{source}: keys {roles[module][role][0]!r} and {key!r} both give the {role!r} "
+                f"tensor of module {module!r}; remove one of them from the file."
+            )
+        roles[module][role] = (key, t)
+    if unknown:
+        listed = ", ".join(repr(k) for k in unknown[:_MAX_LISTED])
+        more = f" and {len(unknown) - _MAX_LISTED} more" if len(unknown) > _MAX_LISTED else ""
+        if strict:
+            raise UnknownKeyError(
+                f"{source}: {len(unknown)} key(s) of no known adapter kind: {listed}{more}. "
+                "If this is a full model checkpoint, it is not an adapter; to skip these keys, "
+                "pass strict=False to load_lora."
+            )
+        for k in unknown:
+            skipped[k] = "key of no known adapter kind (strict=False)"
+    modules: dict[str, list[Patch]] = {}
+    for module, r in roles.items():
+        patches = _build_module(module, r, config, fmt, source)
+        if patches:
+            modules[module] = patches
+        else:
+            for key, _ in r.values():
+                skipped[key] = "alpha without factors: nothing to apply"
+    return modules, skipped
+
+
+def _scalar(key: str, t: Tensorish, source: str) -> float:
+    v = materialize(t)
+    if v.numel() != 1:
+        raise AdapterFormatError(f"{source}: {key!r} should hold one number, has shape "
+                                 f"{tuple(v.shape)}")
+    x = float(v.reshape(()).float().item())
+    if not math.isfinite(x):
+        raise AdapterFormatError(f"{source}: {key!r} is {x}; alpha must be finite. The file is "
+                                 "corrupt; export it again.")
+    return x
+
+
+def _build_module(
+    module: str,
+    r: dict[str, tuple[str, Tensorish]],
+    config: PeftConfig | None,
+    fmt: AdapterFormat,
+    source: str,
+) -> list[Patch]:
+    def get(role: str) -> Tensorish | None:
+        return r[role][1] if role in r else None
+
+    def need(*names: str) -> None:
+        missing = [n for n in names if n not in r]
+        if missing:
+            have = ", ".join(repr(k) for k, _ in r.values())
+            raise AdapterFormatError(
+                f"{source}: module {module!r} has {have} but lacks its {' and '.join(missing)} "
+                "tensor(s); the file is incomplete. Export the adapter again."
+            )
+
+    alpha = _scalar(*r["alpha"], source) if "alpha" in r else None
+
+    def scale(rank: int | None) -> float:
+        if rank is None:  # LoKr with both factors full: LyCORIS forces scale 1, PEFT does not
+            if config is not None and alpha is None:
+                return config.alpha_for(module) / config.rank_for(module)
+            return 1.0
+        if alpha is not None:
+            return (alpha if alpha != 0 else rank) / rank
+        if config is not None:
+            return config.scale_for(module, rank)
+        return 1.0
+
+    transposed = bool(config and config.fan_in_fan_out)
+    patches: list[Patch] = []
+    main: Patch | None = None
+    if "up" in r or "down" in r or "mid" in r:
+        need("up", "down")
+        down = get("down")
+        key_up = r["up"][0]
+        split = (
+            fmt.name == "kohya" and key_up.endswith("lora_up.weight")
+            and module.endswith(("qkv", "linear1")) and alpha is not None
+        )
+        main = LowRank("weight", up=get("up"), down=down, mid=get("mid"),
+                       scale=scale(down.shape[0]), alpha_value=alpha, transposed=transposed,
+                       split_qkv=split)
+    if "emb_up" in r or "emb_down" in r:
+        need("emb_up", "emb_down")
+        down = get("emb_down")
+        main = _one(main, LowRank("weight", up=get("emb_up"), down=down,
+                                  scale=scale(down.shape[0]), alpha_value=alpha,
+                                  transposed=True), module, source)
+    hada = [k for k in r if k.startswith("hada_")]
+    if hada:
+        need("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
+        main = _one(main, LoHa(
+            "weight", w1a=get("hada_w1_a"), w1b=get("hada_w1_b"), w2a=get("hada_w2_a"),
+            w2b=get("hada_w2_b"), t1=get("hada_t1"), t2=get("hada_t2"),
+            scale=scale(get("hada_w1_b").shape[0]), alpha_value=alpha), module, source)
+    if any(k.startswith("lokr_") for k in r):
+        if "lokr_w1" not in r:
+            need("lokr_w1_a", "lokr_w1_b")
+        if "lokr_w2" not in r:
+            need("lokr_w2_a", "lokr_w2_b")
+        rank = (get("lokr_w1_b").shape[0] if "lokr_w1_b" in r
+                else get("lokr_w2_b").shape[0] if "lokr_w2_b" in r else None)
+        main = _one(main, LoKr(
+            "weight", w1=get("lokr_w1"), w1a=get("lokr_w1_a"), w1b=get("lokr_w1_b"),
+            w2=get("lokr_w2"), w2a=get("lokr_w2_a"), w2b=get("lokr_w2_b"), t2=get("lokr_t2"),
+            scale=scale(rank), alpha_value=alpha), module, source)
+    if "magnitude" in r or "dora_scale" in r:
+        if main is None:
+            raise AdapterFormatError(
+                f"{source}: module {module!r} has a DoRA magnitude but no LoRA/LoHa/LoKr factors "
+                "to decompose; the file is incomplete."
+            )
+        if "magnitude" in r:
+            main = DoRA("weight", magnitude=get("magnitude"), inner=main, mode="inner")
+        else:
+            main = DoRA("weight", magnitude=get("dora_scale"), inner=main, mode="blend")
+    if main is not None:
+        patches.append(main)
+    if "up_bias" in r:
+        patches.append(Diff("bias", diff=get("up_bias"),
+                            scale=main.inner.scale if isinstance(main, DoRA) else
+                            getattr(main, "scale", 1.0)))
+    for role, param in (("diff", "weight"), ("w_norm", "weight"), ("diff_b", "bias"),
+                        ("b_norm", "bias")):
+        if role in r:
+            patches.append(Diff(param, diff=get(role)))
+    if "set_weight" in r:
+        patches.append(Set("weight", value=get("set_weight")))
+    if "norm_scale" in r:
+        patches.append(Set("scale", value=get("norm_scale")))
+    if "ia3_weight" in r:
+        on_input = bool(materialize(r["on_input"][1]).reshape(-1)[0].item())
+        patches.append(IA3("weight", weight=get("ia3_weight"), on_input=on_input))
+    weight_patches = [p for p in patches if p.param == "weight"]
+    sets = [p for p in weight_patches if isinstance(p, Set)]
+    if sets and len(weight_patches) > 1:
+        raise AdapterFormatError(
+            f"{source}: module {module!r} both replaces its weight (set_weight) and updates it; "
+            "the update would be lost. Remove one of them from the file."
+        )
+    return patches
+
+
+def _one(prev: Patch | None, new: Patch, module: str, source: str) -> Patch:
+    if prev is not None:
+        raise AdapterFormatError(
+            f"{source}: module {module!r} has factors of two kinds ({prev.kind} and {new.kind}); "
+            "an adapter gives one update per weight. The file is malformed."
+        )
+    return new

@@ -1,0 +1,165 @@
+"""Lazy safetensors access: the header is read and checked first, each tensor only when asked.
+
+File layout: an 8-byte little-endian header length ``n``, ``n`` bytes of JSON mapping each tensor
+name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to the end of the
+header), then the data. Every entry is checked against the file's size before any tensor is read,
+so a truncated file or a header that lies about sizes fails at open, naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import struct
+from pathlib import Path
+
+import torch
+
+from shuttle.errors import AdapterFileError, CorruptFileError
+
+__all__ = ["DTYPES", "LazyTensor", "SafetensorsFile"]
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_MAX_HEADER = 100 * 2**20  # the safetensors format's own limit
+
+
+class LazyTensor:
+    """One tensor of a :class:`SafetensorsFile`: shape and dtype now, data on :meth:`load`."""
+
+    __slots__ = ("_file", "dtype", "key", "shape")
+
+    def __init__(self, file: SafetensorsFile, key: str, dtype: torch.dtype, shape: torch.Size):
+        self._file = file
+        self.key = key
+        self.dtype = dtype
+        self.shape = shape
+
+    def load(self) -> torch.Tensor:
+        """Read the tensor (a copy-on-write view of the memory-mapped file)."""
+        return self._file.read(self.key)
+
+    def __repr__(self) -> str:
+        return f"LazyTensor({self.key!r}, {tuple(self.shape)}, {self.dtype})"
+
+
+class SafetensorsFile:
+    """A safetensors file opened by its header.
+
+    Args:
+        path: the file.
+
+    Raises:
+        AdapterFileError: the file does not exist.
+        CorruptFileError: the file is truncated, its header is not valid JSON, or an entry's
+            dtype, shape or offsets are inconsistent with each other or with the file size.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise AdapterFileError(f"{self.path}: no such file")
+        self.size = self.path.stat().st_size
+        header, self.data_start = self._read_header()
+        meta = header.pop("__metadata__", None) or {}
+        if not isinstance(meta, dict):
+            raise self._corrupt("__metadata__ is not a JSON object")
+        self.metadata: dict[str, str] = {str(k): str(v) for k, v in meta.items()}
+        self._entries: dict[str, tuple[torch.dtype, torch.Size, int, int]] = {}
+        data_size = self.size - self.data_start
+        spans = []
+        for key, entry in header.items():
+            dtype, shape, begin, end = self._parse_entry(key, entry, data_size)
+            self._entries[key] = (dtype, shape, begin, end)
+            spans.append((begin, end, key))
+        spans.sort()
+        for (_, end_a, key_a), (begin_b, end_b, key_b) in zip(spans, spans[1:]):
+            if begin_b < end_a and end_b > begin_b:
+                raise self._corrupt(f"tensors {key_a!r} and {key_b!r} overlap in the data")
+        self._mmap: mmap.mmap | None = None
+
+    def _corrupt(self, what: str) -> CorruptFileError:
+        return CorruptFileError(
+            f"{self.path}: {what}. The file is truncated or corrupt; download or export it again."
+        )
+
+    def _read_header(self) -> tuple[dict, int]:
+        if self.size < 8:
+            raise self._corrupt(f"only {self.size} bytes, shorter than the 8-byte header length")
+        with open(self.path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > _MAX_HEADER or 8 + n > self.size:
+                raise self._corrupt(
+                    f"header claims {n} bytes but the file has {self.size - 8} after the length"
+                )
+            raw = f.read(n)
+        try:
+            header = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise self._corrupt(f"header is not valid JSON ({e})") from None
+        if not isinstance(header, dict):
+            raise self._corrupt("header is not a JSON object")
+        return header, 8 + n
+
+    def _parse_entry(self, key: str, entry: object, data_size: int):
+        if not isinstance(entry, dict):
+            raise self._corrupt(f"entry {key!r} is not an object")
+        dtype = DTYPES.get(entry.get("dtype"))  # type: ignore[arg-type]
+        if dtype is None:
+            raise self._corrupt(f"tensor {key!r} has unknown dtype {entry.get('dtype')!r}")
+        shape, offsets = entry.get("shape"), entry.get("data_offsets")
+        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+            raise self._corrupt(f"tensor {key!r} has an invalid shape {shape!r}")
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(isinstance(o, int) for o in offsets)):
+            raise self._corrupt(f"tensor {key!r} has invalid data_offsets {offsets!r}")
+        begin, end = offsets
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if not 0 <= begin <= end <= data_size:
+            raise self._corrupt(
+                f"tensor {key!r} spans bytes {begin}..{end} but the data section has {data_size}"
+            )
+        if end - begin != nbytes:
+            raise self._corrupt(
+                f"tensor {key!r} of shape {shape} and dtype {entry['dtype']} needs {nbytes} bytes "
+                f"but its offsets span {end - begin}"
+            )
+        return dtype, torch.Size(shape), begin, end
+
+    def keys(self) -> list[str]:
+        """Tensor names in header order."""
+        return list(self._entries)
+
+    def tensor_ref(self, key: str) -> LazyTensor:
+        """A :class:`LazyTensor` for ``key``."""
+        dtype, shape, _, _ = self._entries[key]
+        return LazyTensor(self, key, dtype, shape)
+
+    def read(self, key: str) -> torch.Tensor:
+        """Read one tensor; its storage is a private copy-on-write map of the file."""
+        dtype, shape, begin, end = self._entries[key]
+        if end == begin:
+            return torch.empty(shape, dtype=dtype)
+        if self._mmap is None:
+            with open(self.path, "rb") as f:
+                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        flat = torch.frombuffer(
+            self._mmap, dtype=torch.uint8, count=end - begin, offset=self.data_start + begin
+        )
+        if (self.data_start + begin) % flat.new_empty((), dtype=dtype).element_size():
+            flat = flat.clone()  # unaligned offset: a dtype view needs an aligned start
+        return flat.view(dtype).reshape(shape)

@@ -1,0 +1,203 @@
+"""Write a :class:`LoRA` in another tool's spelling: ``peft``, ``kohya`` or ``comfy``.
+
+Tensors are written unchanged; only names change, and each low-rank patch's scale is stored as
+``alpha = scale * rank`` (float64) so that reading the file back gives the same scale. What a
+target format cannot express raises :class:`~shuttle.errors.UnsupportedFormatError` before
+anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+import torch
+from safetensors.torch import save_file
+
+from shuttle.errors import UnsupportedFormatError
+from shuttle.formats.kohya import KOHYA_PREFIXES
+from shuttle.formats.lora import LoRA
+from shuttle.patches import IA3, Diff, DoRA, LoHa, LoKr, LowRank, Patch, Set, materialize
+
+__all__ = ["TARGETS", "save_lora"]
+
+Target = Literal["peft", "kohya", "comfy"]
+TARGETS: tuple[str, ...] = ("peft", "kohya", "comfy")
+
+# Component prefixes and the kohya prefix each becomes.
+_KOHYA_OF_PREFIX = {
+    "text_encoder_3.": "lora_te3_", "text_encoder_2.": "lora_te2_", "text_encoder.": "lora_te1_",
+    "base_model.model.": "lora_unet_", "diffusion_model.": "lora_unet_",
+    "transformer.": "lora_unet_", "unet.": "lora_unet_", "model.": "lora_unet_",
+}
+
+
+def _kohya_name(module: str) -> str:
+    if module.startswith(KOHYA_PREFIXES):
+        return module
+    for prefix, kohya in _KOHYA_OF_PREFIX.items():
+        if module.startswith(prefix):
+            return kohya + module[len(prefix):].replace(".", "_")
+    return "lora_unet_" + module.replace(".", "_")
+
+
+def _alpha(p: LowRank | LoHa | LoKr) -> torch.Tensor:
+    rank = p.rank
+    return torch.tensor(p.scale * rank if rank is not None else 1.0, dtype=torch.float64)
+
+
+def _lycoris_tensors(name: str, p: Patch, to: str) -> dict[str, torch.Tensor]:
+    """Tensors of one patch under kohya/LyCORIS suffixes on module ``name``."""
+    t = {k: materialize(v) for k, v in p.tensors() if not k.startswith("inner.")}
+    if isinstance(p, DoRA):
+        out = _lycoris_tensors(name, p.inner, to)
+        m = t["magnitude"]
+        out[f"{name}.dora_scale"] = m.reshape(m.shape[0], 1) if m.dim() == 1 else m
+        return out
+    if isinstance(p, LowRank):
+        if p.transposed:
+            raise UnsupportedFormatError(
+                f"module {name!r}: transposed low-rank factors (embeddings, fan_in_fan_out) have "
+                f"no {to} spelling; convert to peft instead."
+            )
+        out = {f"{name}.lora_up.weight": t["up"], f"{name}.lora_down.weight": t["down"]}
+        if p.mid is not None:
+            out[f"{name}.lora_mid.weight"] = t["mid"]
+        return {**out, f"{name}.alpha": _alpha(p)}
+    if isinstance(p, LoHa):
+        names = {"w1a": "hada_w1_a", "w1b": "hada_w1_b", "w2a": "hada_w2_a", "w2b": "hada_w2_b",
+                 "t1": "hada_t1", "t2": "hada_t2"}
+        return {**{f"{name}.{names[k]}": v for k, v in t.items()}, f"{name}.alpha": _alpha(p)}
+    if isinstance(p, LoKr):
+        out = {f"{name}.lokr_{k[:2]}{'_' + k[2] if len(k) == 3 else ''}": v for k, v in t.items()}
+        if p.rank is None and p.scale != 1.0:
+            raise UnsupportedFormatError(
+                f"module {name!r}: a LoKr with two full factors and scale {p.scale} (PEFT's "
+                f"convention) cannot be written as {to}, whose readers force scale 1 there."
+            )
+        return {**out, f"{name}.alpha": _alpha(p)}
+    if isinstance(p, Diff):
+        if p.scale != 1.0:
+            raise UnsupportedFormatError(
+                f"module {name!r}: a scaled bias delta ({p.scale}) has no {to} spelling; "
+                "convert to peft instead."
+            )
+        suffix = {"weight": "diff", "bias": "diff_b"}.get(p.param)
+        if suffix is None:
+            raise UnsupportedFormatError(f"module {name!r}: a diff of {p.param!r} has no {to} "
+                                         "spelling")
+        return {f"{name}.{suffix}": t["diff"]}
+    if isinstance(p, Set):
+        if p.param != "weight":
+            return {f"{name}.{p.param}.set_weight": t["value"]}
+        return {f"{name}.set_weight": t["value"]}
+    if isinstance(p, IA3):
+        return {f"{name}.weight": t["weight"],
+                f"{name}.on_input": torch.tensor(p.on_input)}
+    raise UnsupportedFormatError(f"module {name!r}: patch kind {p.kind!r} has no {to} spelling")
+
+
+def _peft_tensors(lora: LoRA) -> tuple[dict[str, torch.Tensor], dict]:
+    tensors: dict[str, torch.Tensor] = {}
+    ranks: dict[str, int] = {}
+    alphas: dict[str, float] = {}
+    use_dora = lora_bias = False
+    for module, p in lora.patches():
+        base = module if module.startswith("base_model.model.") else f"base_model.model.{module}"
+        inner = p.inner if isinstance(p, DoRA) else p
+        if isinstance(p, Diff) and p.param == "bias":
+            tensors[f"{base}.lora_B.bias"] = materialize(p.diff)
+            lora_bias = True
+            continue
+        if not isinstance(inner, LowRank) or inner.mid is not None or inner.split_qkv:
+            raise UnsupportedFormatError(
+                f"module {module!r}: a {p.kind} patch has no PEFT LoRA spelling; convert to "
+                "comfy (which spells every kind) instead."
+            )
+        # Transposed factors (embeddings, fan_in_fan_out) use PEFT's embedding spelling, which
+        # reads back as the same transposed product.
+        emb = "embedding_" if inner.transposed else ""
+        tensors[f"{base}.lora_{emb}A{'' if emb else '.weight'}"] = materialize(inner.down)
+        tensors[f"{base}.lora_{emb}B{'' if emb else '.weight'}"] = materialize(inner.up)
+        if isinstance(p, DoRA):
+            use_dora = True
+            if p.mode != "inner":
+                raise UnsupportedFormatError(
+                    f"module {module!r}: a LyCORIS dora_scale blends with strength differently "
+                    "from PEFT's magnitude vector; keep it in kohya or comfy spelling."
+                )
+            tensors[f"{base}.lora_magnitude_vector"] = materialize(p.magnitude)
+        name = module.removeprefix("base_model.model.")
+        ranks[name] = inner.rank
+        alphas[name] = inner.scale * inner.rank
+    r = max(ranks.values(), default=8)
+    config = {
+        "peft_type": "LORA", "r": r, "lora_alpha": float(r), "use_rslora": False,
+        "use_dora": use_dora, "target_modules": sorted(ranks),
+        "rank_pattern": {_exact(m): v for m, v in ranks.items() if v != r},
+        "alpha_pattern": {_exact(m): v for m, v in alphas.items() if v != float(r)},
+        "fan_in_fan_out": False, "lora_bias": lora_bias,
+    }
+    return tensors, config
+
+
+def _exact(module: str) -> str:
+    # PEFT matches pattern keys as regexes "(.*\.)?(key)$"; anchor at the full module name.
+    return "^" + module.replace(".", r"\.")
+
+
+def save_lora(lora: LoRA, path: str | os.PathLike[str], to: Target = "comfy") -> Path:
+    """Write ``lora`` in the spelling of ``to``.
+
+    Args:
+        lora: the adapter.
+        path: a ``.safetensors`` file for ``kohya`` and ``comfy``; a directory for ``peft``
+            (``adapter_model.safetensors`` + ``adapter_config.json``).
+        to: ``"peft"``, ``"kohya"`` or ``"comfy"``.
+
+    Returns:
+        The path of the written weight file.
+
+    Raises:
+        UnsupportedFormatError: a patch has no spelling in ``to``; nothing is written.
+        ValueError: ``to`` is not one of :data:`TARGETS`.
+    """
+    path = Path(path)
+    if to == "peft":
+        tensors, config = _peft_tensors(lora)
+        path.mkdir(parents=True, exist_ok=True)
+        out = path / "adapter_model.safetensors"
+        _save(tensors, out, lora)
+        (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
+        return out
+    namer: Callable[[str], str]
+    if to == "kohya":
+        namer = _kohya_name
+    elif to == "comfy":
+        namer = lambda m: m.removeprefix("base_model.model.")  # noqa: E731
+    else:
+        raise ValueError(f"to={to!r}: expected one of {TARGETS}")
+    tensors = {}
+    for module, p in lora.patches():
+        name = namer(module)
+        if to == "kohya" and isinstance(p, (Diff, Set)) and p.param not in ("weight", "bias"):
+            raise UnsupportedFormatError(f"module {module!r}: {p.kind} of {p.param!r} has no "
+                                         "kohya spelling; convert to comfy instead.")
+        for k, v in _lycoris_tensors(name, p, to).items():
+            if k in tensors:
+                raise UnsupportedFormatError(
+                    f"modules map to the same {to} key {k!r}; convert to another format"
+                )
+            tensors[k] = v
+    _save(tensors, path, lora)
+    return path
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path, lora: LoRA) -> None:
+    meta = {"shuttle_source_format": lora.format}
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
+    os.replace(tmp, path)

@@ -1,0 +1,45 @@
+"""(IA)3 (LyCORIS): ``W' = W * (1 + m * w)``, ``w`` broadcast per output row or input column."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from shuttle.errors import ShapeMismatchError
+from shuttle.patches.patch import Patch, Tensorish, materialize, register_patch
+
+__all__ = ["IA3"]
+
+
+@register_patch("ia3")
+@dataclasses.dataclass(frozen=True, eq=False)
+class IA3(Patch):
+    """Rescales rows (or, with ``on_input``, columns) of the weight: delta = W * w."""
+
+    weight: Tensorish
+    on_input: bool = False
+    tensor_fields = ("weight",)
+    additive = False  # the delta depends on the weight it scales
+
+    def _view(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        if self.on_input:
+            return (1, shape[1], *([1] * (len(shape) - 2)))
+        return (shape[0], *([1] * (len(shape) - 1)))
+
+    def check(self, shape: tuple[int, ...], name: str) -> None:
+        want = shape[1] if self.on_input else shape[0]
+        if len(shape) < 2 or math.prod(self.weight.shape) != want:
+            raise ShapeMismatchError(
+                f"ia3 patch for {name!r} has {math.prod(self.weight.shape)} scales but the "
+                f"parameter of shape {tuple(shape)} has {want} "
+                f"{'input columns' if self.on_input else 'output rows'}."
+            )
+
+    def delta(self, shape: tuple[int, ...]) -> torch.Tensor:
+        raise TypeError("an (IA)3 delta depends on the weight; use apply()")
+
+    def apply(self, weight: torch.Tensor, strength: float) -> torch.Tensor:
+        w = materialize(self.weight).float().reshape(self._view(tuple(weight.shape)))
+        return weight.mul_(w.mul(strength).add_(1.0))

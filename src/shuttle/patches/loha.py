@@ -1,0 +1,71 @@
+"""LoHa (LyCORIS): ``delta = scale * (w1a @ w1b) * (w2a @ w2b)`` (Hadamard product).
+
+Shapes (r = rank): w1a, w2a (out, r); w1b, w2b (r, in * k...). With Tucker cores t1, t2
+(r, r, k...) the factors are ``einsum("i j ..., i p, j q -> p q ...", t, wa, wb)`` with wa (r, out)
+and wb (r, in), as LyCORIS rebuilds them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from shuttle.patches.patch import Patch, Tensorish, expect_numel, materialize, register_patch
+
+__all__ = ["LoHa", "rebuild_tucker"]
+
+
+def rebuild_tucker(t: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor) -> torch.Tensor:
+    """Tucker product: t (r1, r2, k...), wa (r1, out), wb (r2, in) -> (out, in, k...)."""
+    return torch.einsum("i j ..., i p, j q -> p q ...", t, wa, wb)
+
+
+@register_patch("loha")
+@dataclasses.dataclass(frozen=True, eq=False)
+class LoHa(Patch):
+    """Hadamard product of two low-rank products, times ``scale``."""
+
+    w1a: Tensorish
+    w1b: Tensorish
+    w2a: Tensorish
+    w2b: Tensorish
+    t1: Tensorish | None = None
+    t2: Tensorish | None = None
+    scale: float = 1.0
+    alpha_value: float | None = None
+    tensor_fields = ("w1a", "w1b", "w2a", "w2b", "t1", "t2")
+
+    @property
+    def rank(self) -> int:
+        return self.w1b.shape[0]
+
+    @property
+    def alpha(self) -> float | None:
+        return self.alpha_value
+
+    def _out_in(self) -> tuple[int, int]:
+        if self.t1 is not None:
+            return self.w1a.shape[1], self.w1b.shape[1] * math.prod(self.t1.shape[2:])
+        return self.w1a.shape[0], math.prod(self.w1b.shape[1:])
+
+    @property
+    def out_rows(self) -> int:
+        return self._out_in()[0]
+
+    def check(self, shape: tuple[int, ...], name: str) -> None:
+        out, inn = self._out_in()
+        expect_numel(self, tuple(shape), name, out * inn, out)
+
+    def delta(self, shape: tuple[int, ...]) -> torch.Tensor:
+        w1a, w1b, w2a, w2b = (materialize(t).float() for t in (self.w1a, self.w1b, self.w2a,
+                                                               self.w2b))
+        if self.t1 is not None:
+            assert self.t2 is not None, "LoHa Tucker form needs both t1 and t2"
+            f1 = rebuild_tucker(materialize(self.t1).float(), w1a, w1b)
+            f2 = rebuild_tucker(materialize(self.t2).float(), w2a, w2b)
+        else:
+            f1 = w1a.flatten(1) @ w1b.flatten(1)
+            f2 = w2a.flatten(1) @ w2b.flatten(1)
+        return f1.mul_(f2).mul_(self.scale).reshape(shape)

@@ -1,0 +1,88 @@
+"""LoKr (LyCORIS): ``delta = scale * kron(w1, w2)`` reshaped to the weight.
+
+w1 is ``lokr_w1`` (a, b) or ``lokr_w1_a @ lokr_w1_b``; w2 is ``lokr_w2`` (c, d[, k...]),
+``lokr_w2_a @ lokr_w2_b`` (c, d * k...), or the Tucker form
+``einsum("i j ..., i p, j q -> p q ...", lokr_t2, w2a, w2b)``. The product has a*c rows and
+b*d*k... columns. A 2-D kron reshaped equals the 4-D kron of the conv layout, since row-major
+flattening of (b*d, k...) matches the 2-D column index.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from shuttle.patches.loha import rebuild_tucker
+from shuttle.patches.patch import Patch, Tensorish, expect_numel, materialize, register_patch
+
+__all__ = ["LoKr"]
+
+
+@register_patch("lokr")
+@dataclasses.dataclass(frozen=True, eq=False)
+class LoKr(Patch):
+    """Kronecker product of two (possibly low-rank) factors, times ``scale``."""
+
+    w1: Tensorish | None = None
+    w1a: Tensorish | None = None
+    w1b: Tensorish | None = None
+    w2: Tensorish | None = None
+    w2a: Tensorish | None = None
+    w2b: Tensorish | None = None
+    t2: Tensorish | None = None
+    scale: float = 1.0
+    alpha_value: float | None = None
+    tensor_fields = ("w1", "w1a", "w1b", "w2", "w2a", "w2b", "t2")
+
+    def __post_init__(self) -> None:
+        assert (self.w1 is None) != (self.w1a is None), "LoKr needs w1 or w1a/w1b"
+        assert (self.w2 is None) != (self.w2a is None), "LoKr needs w2 or w2a/w2b"
+
+    @property
+    def rank(self) -> int | None:
+        if self.w1b is not None:
+            return self.w1b.shape[0]
+        if self.w2b is not None:
+            return self.w2b.shape[0]
+        return None
+
+    @property
+    def alpha(self) -> float | None:
+        return self.alpha_value
+
+    def _w1_shape(self) -> tuple[int, int]:
+        if self.w1 is not None:
+            return self.w1.shape[0], math.prod(self.w1.shape[1:])
+        return self.w1a.shape[0], math.prod(self.w1b.shape[1:])
+
+    def _w2_shape(self) -> tuple[int, int]:
+        if self.w2 is not None:
+            return self.w2.shape[0], math.prod(self.w2.shape[1:])
+        if self.t2 is not None:
+            return self.w2a.shape[1], self.w2b.shape[1] * math.prod(self.t2.shape[2:])
+        return self.w2a.shape[0], math.prod(self.w2b.shape[1:])
+
+    def check(self, shape: tuple[int, ...], name: str) -> None:
+        (a, b), (c, d) = self._w1_shape(), self._w2_shape()
+        expect_numel(self, tuple(shape), name, a * b * c * d, a * c)
+
+    @property
+    def out_rows(self) -> int:
+        return self._w1_shape()[0] * self._w2_shape()[0]
+
+    def delta(self, shape: tuple[int, ...]) -> torch.Tensor:
+        def f(t: Tensorish | None) -> torch.Tensor | None:
+            return None if t is None else materialize(t).float()
+
+        w1 = f(self.w1) if self.w1 is not None else f(self.w1a).flatten(1) @ f(self.w1b).flatten(1)
+        if self.w2 is not None:
+            w2 = f(self.w2)
+        elif self.t2 is not None:
+            w2 = rebuild_tucker(f(self.t2), f(self.w2a), f(self.w2b))
+        else:
+            w2 = f(self.w2a).flatten(1) @ f(self.w2b).flatten(1)
+        w1 = w1.reshape(w1.shape[0], -1)
+        w1 = w1.reshape(*w1.shape, *([1] * (w2.dim() - 2)))
+        return torch.kron(w1, w2).mul_(self.scale).reshape(shape)

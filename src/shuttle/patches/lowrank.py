@@ -1,0 +1,177 @@
+"""Low-rank patches: ``delta = scale * up @ down`` (LoRA, LoCon, Tucker ``mid``, embeddings).
+
+Shapes (r = rank):
+    up    (out, r[, 1, ...])       also called B or ``lora_up``
+    down  (r, in[, k, ...])        also called A or ``lora_down``
+    mid   (r, r, k, ...)           optional Tucker core; then down is (r, in, 1, ...)
+
+The flattened product ``up.flatten(1) @ down.flatten(1)`` reshaped to the weight is the delta of a
+Linear weight, and of a Conv weight whose ``down`` carries the kernel (LoCon). With ``transposed``
+the delta is ``(up @ down).T``: PEFT's embedding factors and ``fan_in_fan_out`` Conv1D layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import cached_property
+
+import torch
+import torch.nn.functional as F
+
+from shuttle.patches.patch import Patch, Tensorish, expect_numel, materialize, register_patch
+
+__all__ = ["LowRank", "split_blocks"]
+
+
+@register_patch("lora")
+@dataclasses.dataclass(frozen=True, eq=False)
+class LowRank(Patch):
+    """``scale * up @ down`` (Tucker form with ``mid``), optionally transposed.
+
+    Attributes:
+        up: (out, r, ...) factor.
+        down: (r, in, ...) factor.
+        mid: optional (r, r, k, ...) Tucker core.
+        scale: alpha / rank (or alpha / sqrt(rank) for rsLoRA), decided by the format reader.
+        alpha_value: the alpha stored in the file or config, for reports (None when absent).
+        transposed: the delta is ``(up @ down).T`` (PEFT embeddings, ``fan_in_fan_out``).
+        split_qkv: the file may be a kohya Flux split-qkv save: ``down`` concatenates the
+            downs of n splits and ``up`` is block diagonal, while ``alpha`` was left as the
+            alpha of one split. When the zeros confirm it, the scale is multiplied by n.
+    """
+
+    up: Tensorish
+    down: Tensorish
+    mid: Tensorish | None = None
+    scale: float = 1.0
+    alpha_value: float | None = None
+    transposed: bool = False
+    split_qkv: bool = False
+    tensor_fields = ("up", "down", "mid")
+
+    @property
+    def rank(self) -> int:
+        return self.down.shape[0]
+
+    @property
+    def alpha(self) -> float | None:
+        return self.alpha_value
+
+    @property
+    def out_features(self) -> int:
+        """Rows of the (untransposed) delta."""
+        return self.up.shape[0]
+
+    @property
+    def out_rows(self) -> int:
+        return self.in_numel if self.transposed else self.out_features
+
+    @property
+    def in_numel(self) -> int:
+        """Columns of the flattened delta: inputs times kernel size."""
+        n = math.prod(self.down.shape[1:])
+        if self.mid is not None:
+            n *= math.prod(self.mid.shape[2:])
+        return n
+
+    def check(self, shape: tuple[int, ...], name: str) -> None:
+        shape = tuple(shape)
+        numel = self.out_features * self.in_numel
+        if self.transposed:
+            expect_numel(self, shape, name, numel, out=self.in_numel if self.mid is None else None)
+        else:
+            expect_numel(self, shape, name, numel, out=self.out_features)
+
+    @cached_property
+    def effective_scale(self) -> float:
+        """``scale``, times n for a confirmed n-way split-qkv save (reads ``up``)."""
+        if not self.split_qkv:
+            return self.scale
+        return self.scale * len(split_blocks(materialize(self.up).flatten(1), self.rank))
+
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(up2d, down2d)`` with ``up2d @ down2d`` the flattened delta before scale.
+
+        up2d is (out, r); down2d is (r, in * k...) with any Tucker core folded into it.
+        """
+        up = materialize(self.up).flatten(1)
+        down = materialize(self.down).flatten(1)
+        if self.mid is not None:
+            mid = materialize(self.mid)
+            # mid: (r_up, r_down, *k); fold the core into down: (r_up, in, *k) -> (r_up, in*k)
+            d = torch.einsum("i j ..., j n -> i n ...", mid.float(), down.float())
+            down = d.flatten(1).to(down.dtype) if d.dtype != down.dtype else d.flatten(1)
+        return up, down
+
+    def delta(self, shape: tuple[int, ...]) -> torch.Tensor:
+        up, down = self.factors()
+        d = up.float() @ down.float()
+        if self.transposed:
+            d = d.T
+        return d.mul_(self.effective_scale).reshape(shape)
+
+    def apply(self, weight: torch.Tensor, strength: float) -> torch.Tensor:
+        if self.transposed or self.mid is not None:
+            return weight.add_(self.delta(weight.shape), alpha=strength)
+        up, down = self.factors()
+        # One fused multiply-add into the float32 weight: w += (m * s) * up @ down.
+        w2d = weight.view(weight.shape[0], -1)
+        w2d.addmm_(up.float(), down.float(), alpha=strength * self.effective_scale)
+        return weight
+
+    def residual(self, x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+        """``scale * up(down(x))`` computed through the layer's own op, before strength.
+
+        Supports Linear (and transposed Conv1D-style), Conv1d/2d/3d and Embedding layers.
+        """
+        up, down = (materialize(t) for t in (self.up, self.down))
+        s = self.effective_scale
+        if isinstance(layer, torch.nn.Embedding):
+            # delta^T = down^T up^T: (vocab, r) @ (r, dim)
+            h = F.embedding(x, down.T, layer.padding_idx)
+            return (h @ up.T) * s
+        if isinstance(layer, torch.nn.modules.conv._ConvNd):
+            spatial = layer.weight.dim() - 2
+            conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[spatial]
+            if self.mid is None:
+                k = down.reshape(down.shape[0], layer.in_channels, *layer.kernel_size)
+                h = conv(x, k.to(x.dtype), None, layer.stride, layer.padding, layer.dilation)
+            else:
+                d = down.reshape(down.shape[0], layer.in_channels, *([1] * spatial))
+                h = conv(x, d.to(x.dtype))
+                h = conv(h, materialize(self.mid).to(x.dtype), None, layer.stride,
+                         layer.padding, layer.dilation)
+            u = up.reshape(up.shape[0], up.shape[1], *([1] * spatial))
+            return conv(h, u.to(x.dtype)) * s
+        return F.linear(F.linear(x, down.flatten(1).to(x.dtype)), up.flatten(1).to(x.dtype)) * s
+
+
+def split_blocks(up: torch.Tensor, rank: int) -> list[tuple[int, int]]:
+    """Row ranges of a block-diagonal ``up`` (out, rank) made of n column groups, or one range.
+
+    kohya's Flux trainer with ``split_qkv`` saves q, k, v (and the single blocks' MLP) LoRAs as
+    one: downs concatenated to rank n*r and ups placed on the block diagonal. The column groups
+    are found from the zeros: group j (columns j*r/n ... (j+1)*r/n) must be non-zero on exactly
+    one contiguous row range, the ranges ordered and tiling all rows. Anything else is an
+    ordinary LoRA of rank ``rank`` and gives ``[(0, out)]``.
+    """
+    out = up.shape[0]
+    for n in (3, 4, 2):
+        if rank % n:
+            continue
+        r = rank // n
+        ranges: list[tuple[int, int]] = []
+        start = 0
+        for j in range(n):
+            rows = up[:, j * r:(j + 1) * r].ne(0).any(dim=1).nonzero().flatten()
+            if rows.numel() == 0 or rows[0].item() != start:
+                break
+            end = int(rows[-1].item()) + 1
+            if up[start:end, :j * r].any() or up[start:end, (j + 1) * r:].any():
+                break
+            ranges.append((start, end))
+            start = end
+        if len(ranges) == n and start == out:
+            return ranges
+    return [(0, out)]

@@ -1,0 +1,84 @@
+"""The model side of key resolution: its module paths, component roots and kohya spellings.
+
+kohya writes a module path with every ``.`` turned into ``_``, which cannot be undone by guessing
+(``to_q`` and ``img_attn`` contain underscores of their own). :class:`ModelNames` instead builds
+the map forward: every module path of the model, spelled the kohya way from each root it may be
+relative to, pointing back at the path.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Mapping
+
+import torch
+
+__all__ = ["ADAPTER_PREFIXES", "ModelNames"]
+
+# Prefixes adapters put before module paths, and that models may have as component roots.
+ADAPTER_PREFIXES = (
+    "base_model.model.", "model.diffusion_model.", "diffusion_model.", "transformer.", "unet.",
+    "model.", "text_encoder_3.", "text_encoder_2.", "text_encoder.", "text_encoders.",
+)
+_TE = re.compile(r"^text_encoder(_(\d))?\.")
+
+
+class ModelNames:
+    """Parameter names and shapes of a model, indexed for resolution.
+
+    Args:
+        params: parameter name -> shape (``dict((n, p.shape) for n, p in
+            model.named_parameters())``); a model's tensors may be on the ``meta`` device.
+    """
+
+    def __init__(self, params: Mapping[str, torch.Size | tuple[int, ...]]):
+        self.shapes = {n: torch.Size(s) for n, s in params.items()}
+        # module path -> its parameter names (relative); a bare parameter is its own module.
+        self.modules: dict[str, set[str]] = defaultdict(set)
+        for name in self.shapes:
+            module, _, leaf = name.rpartition(".")
+            self.modules[module].add(leaf)
+        self.roots = [""] + [p for p in ADAPTER_PREFIXES
+                             if any(m.startswith(p) for m in self.modules)]
+        self._kohya: dict[str, list[tuple[str, str]]] | None = None
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> ModelNames:
+        """Index ``model.named_parameters()`` (tied parameters are listed once)."""
+        return cls({n: p.shape for n, p in model.named_parameters()})
+
+    def param(self, module: str, leaf: str) -> str | None:
+        """The full name of parameter ``leaf`` of ``module``, or of the bare parameter
+        ``module`` itself when ``leaf`` is ``"weight"``.
+        """
+        if leaf in self.modules.get(module, ()):
+            return f"{module}.{leaf}" if module else leaf
+        if leaf == "weight" and module in self.shapes:
+            return module
+        return None
+
+    def has_module(self, path: str) -> bool:
+        """Whether ``path`` owns parameters or is a parameter."""
+        return path in self.modules or path in self.shapes
+
+    def kohya_candidates(self, underscored: str) -> list[tuple[str, str]]:
+        """``(root, module_path)`` pairs whose path below ``root``, spelled with ``_``, is
+        ``underscored``.
+        """
+        if self._kohya is None:
+            table: dict[str, list[tuple[str, str]]] = defaultdict(list)
+            for path in set(self.modules) | set(self.shapes):
+                for root in self.roots:
+                    if path.startswith(root) and path != root.rstrip("."):
+                        table[path[len(root):].replace(".", "_")].append((root, path))
+            self._kohya = table
+        return list(dict.fromkeys(self._kohya.get(underscored, ())))
+
+    @staticmethod
+    def text_encoder_index(root: str) -> int | None:
+        """1 for ``text_encoder.``, 2 for ``text_encoder_2.``, ...; None for other roots."""
+        m = _TE.match(root)
+        if m is None:
+            return None
+        return int(m.group(2)) if m.group(2) else 1

@@ -1,0 +1,243 @@
+"""Resolve an adapter's module keys onto a model's parameter names.
+
+Order of rules for one module key:
+    1. the caller's ``mapping`` (a dict or a function), which may also give a row range;
+    2. kohya names (``lora_unet_``, ``lora_te2_``, ...): the model's forward-built underscore
+       spellings, the prefix choosing between components (``lora_te2_`` -> ``text_encoder_2.``);
+    3. dotted names: the key as is, then with adapter prefixes removed (``base_model.model.``,
+       ``diffusion_model.``, ``transformer.``, ...) and the model's own roots added, and legacy
+       ``.processor.`` segments dropped;
+    4. a split projection onto the model's fused one (``to_q`` onto rows of ``to_qkv``).
+A key that no rule places, or that several place equally well, is reported with the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+
+import torch
+
+from shuttle.errors import DuplicateTargetError
+from shuttle.formats import LoRA
+from shuttle.formats.kohya import KOHYA_PREFIXES
+from shuttle.patches import Patch
+from shuttle.targets.fused import fused_candidates
+from shuttle.targets.names import ADAPTER_PREFIXES, ModelNames
+
+__all__ = ["KeyMapping", "Resolution", "Target", "resolve"]
+
+Rows = tuple[int, int]
+KeyMapping = (
+    Mapping[str, "str | tuple[str, Rows]"] | Callable[[str], "str | tuple[str, Rows] | None"]
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One patch placed on one parameter.
+
+    Attributes:
+        param: the model's parameter name.
+        module_key: the adapter's module key it came from.
+        patch: the update.
+        rows: ``(start, end)`` rows of the parameter it covers (split q/k/v), or None for all.
+    """
+
+    param: str
+    module_key: str
+    patch: Patch
+    rows: Rows | None = None
+
+
+@dataclasses.dataclass
+class Resolution:
+    """The outcome of :func:`resolve`: placed patches, and adapter keys left over with why."""
+
+    targets: list[Target]
+    unmatched: dict[str, str]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Place:
+    path: str
+    fused: tuple[int, tuple[str, ...]] | None = None  # (index, group) on a fused projection
+    rows: Rows | None = None
+
+
+def resolve(
+    lora: LoRA,
+    model: torch.nn.Module | ModelNames | Mapping[str, torch.Size],
+    mapping: KeyMapping | None = None,
+) -> Resolution:
+    """Place every patch of ``lora`` on a parameter of ``model``.
+
+    Args:
+        lora: the adapter.
+        model: a module, a :class:`ModelNames`, or a dict of parameter name -> shape.
+        mapping: module key -> module path (or ``(path, (start, end))`` rows), as a dict or a
+            function returning None for keys it leaves to the built-in rules.
+
+    Returns:
+        A :class:`Resolution`. Shapes are not checked here (merging does, before any write).
+
+    Raises:
+        DuplicateTargetError: two module keys of ``lora`` reach the same parameter rows.
+    """
+    names = model if isinstance(model, ModelNames) else (
+        ModelNames.of(model) if isinstance(model, torch.nn.Module) else ModelNames(model))
+    unmatched: dict[str, str] = {}
+    places: dict[str, _Place] = {}
+    for module in lora.modules:
+        place = _from_mapping(module, mapping, names, unmatched)
+        if place is None and module not in unmatched:
+            place = _locate(module, names, unmatched)
+        if place is not None:
+            places[module] = place
+    _fused_rows(lora, places, names, unmatched)
+    targets = []
+    for module, place in places.items():
+        for patch in lora.modules[module]:
+            param = names.param(place.path, patch.param)
+            if param is None:
+                unmatched[f"{module} ({patch.param})"] = (
+                    f"module {place.path!r} of the model has no parameter {patch.param!r}")
+                continue
+            targets.append(Target(param, module, patch, place.rows))
+    _check_duplicates(targets)
+    return Resolution(targets, unmatched)
+
+
+def _from_mapping(module: str, mapping: KeyMapping | None, names: ModelNames,
+                  unmatched: dict[str, str]) -> _Place | None:
+    if mapping is None:
+        return None
+    value = mapping(module) if callable(mapping) else mapping.get(module)
+    if value is None:
+        return None
+    path, rows = (value, None) if isinstance(value, str) else value
+    if not names.has_module(path):
+        unmatched[module] = f"the mapping sends it to {path!r}, which the model does not have"
+        return None
+    return _Place(path, rows=tuple(rows) if rows is not None else None)
+
+
+def _locate(module: str, names: ModelNames, unmatched: dict[str, str]) -> _Place | None:
+    kohya = next((p for p in sorted(KOHYA_PREFIXES, key=len, reverse=True)
+                  if module.startswith(p)), None)
+    if kohya is not None:
+        found = _kohya(module[len(kohya):], kohya, names)
+        if not found:
+            found = [_Place(p.path, (i, g)) for f, i, g in
+                     fused_candidates(module[len(kohya):], "_")
+                     for p in _kohya(f, kohya, names)]
+    else:
+        found = _dotted(module, names)
+        if not found:
+            found = [_Place(p.path, (i, g)) for v in _variants(module)
+                     for f, i, g in fused_candidates(v)
+                     for p in _dotted(f, names, variants=False)]
+    found = list({p.path: p for p in reversed(found)}.values())[::-1]  # first place per path
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        unmatched[module] = "no module of the model matches this name; pass mapping={...}"
+    else:
+        paths = ", ".join(repr(p.path) for p in found[:4])
+        unmatched[module] = f"ambiguous: matches {paths}; pass mapping={{...}} to choose"
+    return None
+
+
+def _affinity(prefix: str, root: str) -> int:
+    """0 when a kohya prefix names this root's component, 1 a plausible one, 2 the wrong kind."""
+    te = ModelNames.text_encoder_index(root)
+    if prefix in ("lora_unet_", "lora_transformer_", "lycoris_"):
+        return 0 if te is None and root != "text_encoders." else 2
+    want = {"lora_te_": 1, "lora_te1_": 1, "lora_te2_": 2, "lora_te3_": 3}[prefix]
+    return 0 if te == want else 1 if (te is not None or root == "text_encoders.") else 2
+
+
+def _kohya(underscored: str, prefix: str, names: ModelNames) -> list[_Place]:
+    cands = names.kohya_candidates(underscored)
+    if not cands:
+        return []
+    best = min(_affinity(prefix, root) for root, _ in cands)
+    if best == 2:
+        return []
+    return [_Place(path) for root, path in cands if _affinity(prefix, root) == best]
+
+
+def _variants(module: str) -> list[str]:
+    """The key, then with adapter prefixes stripped (repeatedly) and ``.processor`` dropped."""
+    out = [module]
+    i = 0
+    while i < len(out):
+        v = out[i]
+        for prefix in ADAPTER_PREFIXES:
+            if v.startswith(prefix) and v[len(prefix):] not in out:
+                out.append(v[len(prefix):])
+        if ".processor." in v and v.replace(".processor.", ".") not in out:
+            out.append(v.replace(".processor.", "."))
+        i += 1
+    return out
+
+
+def _dotted(module: str, names: ModelNames, variants: bool = True) -> list[_Place]:
+    if names.has_module(module):
+        return [_Place(module)]
+    found = []
+    for v in (_variants(module) if variants else [module]):
+        for root in names.roots:
+            if names.has_module(root + v):
+                found.append(_Place(root + v))
+        if found:  # the least-stripped spelling that matches wins
+            break
+    return found
+
+
+def _fused_rows(lora: LoRA, places: dict[str, _Place], names: ModelNames,
+                unmatched: dict[str, str]) -> None:
+    """Give each split module placed on a fused projection its row range."""
+    groups: dict[tuple[str, tuple[str, ...]], dict[int, str]] = defaultdict(dict)
+    for module, place in places.items():
+        if place.fused is not None:
+            groups[(place.path, place.fused[1])][place.fused[0]] = module
+    for (path, group), members in groups.items():
+        total = names.shapes[names.param(path, "weight") or path][0]
+        outs = {i: _out_rows(lora, m) for i, m in members.items()}
+        n = len(group)
+        if len(members) == n and all(o is not None for o in outs.values()) \
+                and sum(outs.values()) == total:
+            sizes = [outs[i] for i in range(n)]
+        elif total % n == 0:
+            sizes = [total // n] * n
+        else:
+            for m in members.values():
+                unmatched[m] = f"cannot tell which rows of fused {path!r} belong to it"
+                places.pop(m)
+            continue
+        starts = [sum(sizes[:i]) for i in range(n)]
+        for i, m in members.items():
+            places[m] = _Place(path, rows=(starts[i], starts[i] + sizes[i]))
+
+
+def _out_rows(lora: LoRA, module: str) -> int | None:
+    return next((p.out_rows for p in lora.modules[module] if p.param == "weight"), None)
+
+
+def _check_duplicates(targets: list[Target]) -> None:
+    by_param: dict[str, list[Target]] = defaultdict(list)
+    for t in targets:
+        by_param[t.param].append(t)
+    for param, ts in by_param.items():
+        if len({t.module_key for t in ts}) < 2:
+            continue
+        spans = sorted(((t.rows or (0, 1 << 62)), t.module_key) for t in ts)
+        for (a, ka), (b, kb) in zip(spans, spans[1:]):
+            if ka != kb and b[0] < a[1]:
+                raise DuplicateTargetError(
+                    f"adapter keys {ka!r} and {kb!r} both update parameter {param!r}"
+                    f"{'' if a == b == (0, 1 << 62) else ' on overlapping rows'}. Remove one "
+                    "from the adapter, or pass mapping={...} to send one elsewhere."
+                )
