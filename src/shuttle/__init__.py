@@ -1,4 +1,4 @@
-"""shuttle: read every LoRA-style adapter, apply it exactly and fast, run models larger than the GPU.
+"""shuttle: read every LoRA-style adapter and apply it exactly and fast.
 
 The public API; see docs/ for guides.
 """

@@ -44,7 +44,7 @@ def stochastic_round(x: torch.Tensor, dtype: torch.dtype,
 def round_to(x: torch.Tensor, dtype: torch.dtype, rounding: Rounding, name: str,
              seed: int | None = None) -> torch.Tensor:
     """``x`` (float32) in ``dtype``, rounded once by ``rounding``; seeded by ``name``."""
-    if rounding == "nearest" or dtype in (torch.float32, torch.float64) or not dtype.is_floating_point:
+    if rounding == "nearest" or dtype in (torch.float32, torch.float64):
         return x.to(dtype)
     g = torch.Generator(device=x.device)
     g.manual_seed(param_seed(name, seed))

@@ -87,7 +87,7 @@ class SafetensorsFile:
             self._entries[key] = (dtype, shape, begin, end)
             spans.append((begin, end, key))
         spans.sort()
-        for (_, end_a, key_a), (begin_b, end_b, key_b) in zip(spans, spans[1:]):
+        for (_, end_a, key_a), (begin_b, end_b, key_b) in zip(spans, spans[1:], strict=False):
             if begin_b < end_a and end_b > begin_b:
                 raise self._corrupt(f"tensors {key_a!r} and {key_b!r} overlap in the data")
         self._mmap: mmap.mmap | None = None

@@ -77,7 +77,7 @@ def _open_files(paths: list[Path], name: str) -> AdapterSource:
             raise AdapterFileError(f"{path}: no such file or directory")
         if path.suffix == ".safetensors":
             f = SafetensorsFile(path)
-            part: dict[str, Tensorish] = {k: f.tensor_ref(k) for k in f.keys()}
+            part: dict[str, Tensorish] = {k: f.tensor_ref(k) for k in f}
             metadata.update(f.metadata)
         elif path.suffix in _PICKLE_SUFFIXES:
             part = _load_pickle(path)

@@ -234,7 +234,7 @@ def _check_duplicates(targets: list[Target]) -> None:
         if len({t.module_key for t in ts}) < 2:
             continue
         spans = sorted(((t.rows or (0, 1 << 62)), t.module_key) for t in ts)
-        for (a, ka), (b, kb) in zip(spans, spans[1:]):
+        for (a, ka), (b, kb) in zip(spans, spans[1:], strict=False):
             if ka != kb and b[0] < a[1]:
                 raise DuplicateTargetError(
                     f"adapter keys {ka!r} and {kb!r} both update parameter {param!r}"
