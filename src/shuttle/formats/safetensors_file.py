@@ -140,6 +140,12 @@ class SafetensorsFile:
             )
         return dtype, torch.Size(shape), begin, end
 
+    def __iter__(self):
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
     def keys(self) -> list[str]:
         """Tensor names in header order."""
         return list(self._entries)

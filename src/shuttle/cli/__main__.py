@@ -1,0 +1,5 @@
+import sys
+
+from shuttle.cli import main
+
+sys.exit(main())

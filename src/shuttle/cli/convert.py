@@ -1,0 +1,22 @@
+"""``shuttle convert IN OUT --to peft|kohya|comfy``: rename an adapter's keys for another tool."""
+
+from __future__ import annotations
+
+import argparse
+
+from shuttle.formats import load_lora, save_lora
+from shuttle.formats.writer import TARGETS
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # noqa: D103
+    p = sub.add_parser("convert", help="write an adapter in another tool's key spelling")
+    p.add_argument("source", help="adapter file or PEFT directory")
+    p.add_argument("out", help="output .safetensors (a directory for --to peft)")
+    p.add_argument("--to", required=True, choices=TARGETS, help="target spelling")
+
+
+def run(args: argparse.Namespace) -> int:  # noqa: D103
+    lora = load_lora(args.source)
+    path = save_lora(lora, args.out, to=args.to)
+    print(f"wrote {len(lora)} modules ({lora.format} -> {args.to}) to {path}")
+    return 0
