@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import math
 import numbers
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -141,14 +142,31 @@ def _validate(t: Target, p: torch.nn.Parameter) -> None:
     t.patch.check(shape, t.param)
 
 
+# Tensors already found finite, with their version counter then: an adapter merged again
+# (a server switching adapters) is not re-scanned unless it was modified in place since.
+# Keyed by id(): tensors compare elementwise, so they cannot be dict keys themselves.
+_FINITE: dict[int, tuple[weakref.ref, int]] = {}
+
+
+def _known_finite(t: torch.Tensor) -> bool:
+    entry = _FINITE.get(id(t))
+    return entry is not None and entry[0]() is t and entry[1] == t._version
+
+
+def _mark_finite(t: torch.Tensor) -> None:
+    key = id(t)
+    _FINITE[key] = (weakref.ref(t, lambda _: _FINITE.pop(key, None)), t._version)
+
+
 def _check_finite(plan: MergePlan) -> None:
-    flags, where = [], []
+    flags, where, tensors = [], [], []
     for name, contribs in plan.params.items():
         for c in contribs:
             for field, t in c.patch.tensors():
-                if t.dtype.is_floating_point:
+                if t.dtype.is_floating_point and not _known_finite(t):
                     flags.append(torch.isfinite(t).all())
                     where.append((c.module_key, field, name))
+                    tensors.append(t)
     if not flags:
         return
     # One host sync per device, not one per tensor.
@@ -156,6 +174,8 @@ def _check_finite(plan: MergePlan) -> None:
     for i, f in enumerate(flags):
         by_device.setdefault(f.device, []).append(i)
     if all(bool(torch.stack([flags[i] for i in idx]).all()) for idx in by_device.values()):
+        for t in tensors:
+            _mark_finite(t)
         return
     bad = [w for f, w in zip(flags, where, strict=True) if not bool(f)]
     if bad:

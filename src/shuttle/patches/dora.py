@@ -62,6 +62,10 @@ class DoRA(Patch):
         """Broadcastable shape of m for a weight of ``shape``."""
         m = tuple(self.magnitude.shape)
         numel = math.prod(m)
+        if self.mode == "inner" and numel == shape[0]:
+            # PEFT's magnitude is always per output row, (1, out, 1, 1) for convs: with
+            # in == out the literal broadcast below would read it as per input column.
+            return (shape[0], *([1] * (len(shape) - 1)))
         if len(m) == len(shape) and all(a in (1, b) for a, b in zip(m, shape, strict=True)):
             return m
         if numel == shape[0]:  # (out,) or (out, 1): per output row
@@ -90,7 +94,7 @@ class DoRA(Patch):
         dims = tuple(i for i, (a, b) in enumerate(zip(ms, shape, strict=True)) if a == 1 and b > 1)
         inner_k = strength if self.mode == "inner" else 1.0
         v = self.inner.apply(weight.clone(), inner_k)
-        d = v.mul_(m / v.norm(dim=dims, keepdim=True))
+        d = v.mul_(m / torch.linalg.vector_norm(v, dim=dims, keepdim=True))
         if self.mode == "inner":
             return weight.copy_(d)
         return weight.add_(d.sub_(weight), alpha=strength)

@@ -106,12 +106,18 @@ class Patch:
         return {name: tuple(t.shape) for name, t in self.tensors()}
 
     def load(self: _PatchT, device: torch.device | str | None = None) -> _PatchT:
-        """Return this patch with every tensor read (and moved to ``device`` if given)."""
+        """Return this patch with every tensor read (and moved to ``device`` if given).
+
+        A patch whose tensors are all real and already there is returned as is.
+        """
         changes: dict[str, Any] = {}
         for name, t in self.tensors():
             real = materialize(t)
-            changes[name] = real if device is None else real.to(device, non_blocking=True)
-        return dataclasses.replace(self, **changes)
+            if device is not None:
+                real = real.to(device, non_blocking=True)
+            if real is not t:
+                changes[name] = real
+        return dataclasses.replace(self, **changes) if changes else self
 
     # -- per kind ---------------------------------------------------------------------------
     @property

@@ -28,6 +28,11 @@ from shuttle.targets.names import ADAPTER_PREFIXES, ModelNames
 
 __all__ = ["KeyMapping", "Resolution", "Target", "resolve"]
 
+# Wrapper levels that adapters spell but newer model code dropped: transformers 5's CLIPTextModel
+# has no ``text_model.`` (kohya's ``lora_te1_text_model_...`` and diffusers' keys keep it).
+_WRAPPERS = ("text_model.",)
+_DROPPED_WRAPPERS = tuple(w.replace(".", "_") for w in _WRAPPERS)
+
 Rows = tuple[int, int]
 KeyMapping = (
     Mapping[str, "str | tuple[str, Rows]"] | Callable[[str], "str | tuple[str, Rows] | None"]
@@ -127,11 +132,15 @@ def _locate(module: str, names: ModelNames, unmatched: dict[str, str]) -> _Place
     kohya = next((p for p in sorted(KOHYA_PREFIXES, key=len, reverse=True)
                   if module.startswith(p)), None)
     if kohya is not None:
-        found = _kohya(module[len(kohya):], kohya, names)
-        if not found:
-            found = [_Place(p.path, (i, g)) for f, i, g in
-                     fused_candidates(module[len(kohya):], "_")
-                     for p in _kohya(f, kohya, names)]
+        rest = module[len(kohya):]
+        spellings = [rest] + [rest[len(w):] for w in _DROPPED_WRAPPERS if rest.startswith(w)]
+        for rest in spellings:
+            found = _kohya(rest, kohya, names)
+            if not found:
+                found = [_Place(p.path, (i, g)) for f, i, g in fused_candidates(rest, "_")
+                         for p in _kohya(f, kohya, names)]
+            if found:
+                break
     else:
         found = _dotted(module, names)
         if not found:
@@ -174,7 +183,7 @@ def _variants(module: str) -> list[str]:
     i = 0
     while i < len(out):
         v = out[i]
-        for prefix in ADAPTER_PREFIXES:
+        for prefix in ADAPTER_PREFIXES + _WRAPPERS:
             if v.startswith(prefix) and v[len(prefix):] not in out:
                 out.append(v[len(prefix):])
         if ".processor." in v and v.replace(".processor.", ".") not in out:

@@ -1,0 +1,98 @@
+"""Shared benchmark timing and reporting.
+
+Timing: CUDA events around each call, after warm-up; variants run interleaved (A B C A B C ...)
+so that clock and power drift hit every variant alike; the median of the rounds is reported.
+Callables receive the round index so they can rotate through several input sets (never timing
+the same cached buffer, never zeros).
+
+Results: ``docs/benchmarks/<name>.json`` (every number, plus device, torch version, commit and
+date) and ``docs/benchmarks/<name>.md`` (a table).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import statistics
+import subprocess
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT_DIR = Path(os.environ.get("SHUTTLE_BENCH_OUT", ROOT / "docs" / "benchmarks"))
+
+
+def environment() -> dict[str, str]:
+    """Device, versions, commit and date for the record."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                capture_output=True, text=True, check=False).stdout.strip()
+    except OSError:
+        commit = ""
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {
+        "device": dev,
+        "torch": torch.__version__,
+        "cuda": str(torch.version.cuda),
+        "commit": os.environ.get("SHUTTLE_COMMIT", commit) or "unknown",
+        "date": _dt.date.today().isoformat(),
+    }
+
+
+def time_once(fn: Callable[[int], object], i: int) -> float:
+    """Milliseconds of one call of ``fn(i)``, by CUDA events (host clock on CPU)."""
+    if torch.cuda.is_available():
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(i)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    import time
+
+    t0 = time.perf_counter()
+    fn(i)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def interleaved(variants: dict[str, Callable[[int], object]], rounds: int = 20,
+                warmup: int = 3, between: Callable[[str, int], object] | None = None
+                ) -> dict[str, dict[str, float]]:
+    """Time each variant ``rounds`` times, interleaved; return median/min/max ms per variant.
+
+    ``between(name, i)``, if given, runs untimed after each call (e.g. to undo a merge).
+    """
+    samples: dict[str, list[float]] = {k: [] for k in variants}
+    for r in range(warmup + rounds):
+        for name, fn in variants.items():
+            ms = time_once(fn, r)
+            if between is not None:
+                between(name, r)
+            if r >= warmup:
+                samples[name].append(ms)
+    return {k: {"median_ms": statistics.median(v), "min_ms": min(v), "max_ms": max(v),
+                "rounds": len(v)} for k, v in samples.items()}
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A GitHub markdown table."""
+    out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def write_results(name: str, payload: dict, table: str, title: str, notes: str = "") -> Path:
+    """Write ``<name>.json`` and ``<name>.md`` under the results folder; return the .md path."""
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    (OUT_DIR / f"{name}.json").write_text(json.dumps({"env": env, **payload}, indent=2))
+    md = (f"# {title}\n\n{env['date']}, {env['device']}, torch {env['torch']} "
+          f"(CUDA {env['cuda']}), commit {env['commit']}.\n\n{table}\n")
+    if notes:
+        md += f"\n{notes}\n"
+    path = OUT_DIR / f"{name}.md"
+    path.write_text(md)
+    return path
