@@ -2,9 +2,9 @@
 
 Per parameter the contributions are applied in float32 in order (adapter order, then file
 order) and the result is rounded to the weight's dtype once. On CUDA, a parameter whose only
-contributions are plain low-rank products in the weight's own dtype takes one in-place
-``addmm_`` per row range: cuBLAS accumulates ``W + alpha * up @ down`` in float32 and rounds once,
-reading and writing the weight a single time.
+contributions are plain low-rank products goes through one fused Triton kernel per row range
+(``shuttle.kernels.merge_lowrank``): the weight is read once and written once, the products are
+accumulated in float32 and rounded once.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from shuttle.apply.plan import AdapterList, Contribution, MergePlan, plan_merge
 from shuttle.apply.rounding import Rounding, round_to
 from shuttle.errors import InvalidStrengthError, NonFiniteAdapterError
+from shuttle.kernels import merge_lowrank, triton_available
 from shuttle.patches import LowRank
 from shuttle.targets import KeyMapping
 
@@ -97,7 +98,7 @@ def merge_plan(model: torch.nn.Module, plan: MergePlan, *, rounding: Rounding = 
 def merge_param(p: torch.Tensor, name: str, contribs: list[Contribution],
                 rounding: Rounding = "nearest", seed: int | None = None) -> None:
     """Apply ``contribs`` to parameter ``p`` (named ``name``) with one rounding per element."""
-    if rounding == "nearest" and _merge_inplace_gemm(p, contribs):
+    if rounding == "nearest" and _merge_fused(p, contribs):
         return
     compute = torch.float64 if p.dtype == torch.float64 else torch.float32
     w = p.detach().to(compute, copy=True)
@@ -106,40 +107,43 @@ def merge_param(p: torch.Tensor, name: str, contribs: list[Contribution],
         out = c.patch.apply(view, c.strength)
         if out is not view:
             view.copy_(out)
+    w = round_to(w, p.dtype, rounding, name, seed)  # checked after rounding: float16 overflows
     if not bool(torch.isfinite(w).all()):
         raise NonFiniteAdapterError(
             f"merging into {name!r} gives NaN or infinity (the update overflows "
             f"{p.dtype}); lower the strength. Parameters merged before it keep their merge; "
             "use apply_lora for a scoped merge that always restores."
         )
-    p.data.copy_(round_to(w, p.dtype, rounding, name, seed))
+    p.data.copy_(w)
 
 
-def _merge_inplace_gemm(p: torch.Tensor, contribs: list[Contribution]) -> bool:
-    """The single-pass CUDA path; returns False (doing nothing) where it does not apply."""
-    if not p.is_cuda or not p.is_contiguous() or p.dtype not in (torch.bfloat16, torch.float16):
+def _merge_fused(p: torch.Tensor, contribs: list[Contribution]) -> bool:
+    """The single-pass CUDA path; returns False (doing nothing) where it does not apply.
+
+    Plain low-rank contributions are concatenated along the rank per row range and merged by
+    the fused Triton kernel: W read once, written once, one rounding.
+    """
+    if not (p.is_cuda and triton_available()) or p.dim() < 2 or not p.is_contiguous():
         return False
     groups: dict[tuple[int, int] | None, list[Contribution]] = {}
+    factor_dtypes = set()
     for c in contribs:
         patch = c.patch
-        if not (isinstance(patch, LowRank) and patch.mid is None and not patch.transposed
-                and patch.up.dtype == p.dtype == patch.down.dtype):
+        if not (isinstance(patch, LowRank) and patch.mid is None and not patch.transposed):
             return False
+        factor_dtypes |= {patch.up.dtype, patch.down.dtype}
         groups.setdefault(c.rows, []).append(c)
-    if None in groups and len(groups) > 1:
-        return False  # a whole-weight and a row-range update overlap
-    work = []
+    if len(factor_dtypes) != 1 or (None in groups and len(groups) > 1):
+        return False  # mixed factor dtypes, or a whole-weight and a row-range update overlap
+    w2d = p.data.view(p.shape[0], -1)
     for rows, cs in groups.items():
-        alphas = {c.strength * c.patch.effective_scale for c in cs}
-        if len(alphas) != 1:
-            return False  # different scales: concatenating would round the scaled factors
         ups, downs = zip(*(c.patch.factors() for c in cs), strict=True)
-        up = ups[0] if len(ups) == 1 else torch.cat(ups, dim=1)
-        down = downs[0] if len(downs) == 1 else torch.cat(downs, dim=0)
-        w2d = p.data.view(p.shape[0], -1)
-        work.append((w2d if rows is None else w2d[rows[0]:rows[1]], up, down, alphas.pop()))
-    for w2d, up, down, alpha in work:
-        w2d.addmm_(up, down, alpha=alpha)
+        seg = [0]
+        for d in downs:
+            seg.append(seg[-1] + d.shape[0])
+        merge_lowrank(w2d if rows is None else w2d[rows[0]:rows[1]],
+                      torch.cat(ups, dim=1), torch.cat(downs, dim=0), seg,
+                      [c.strength * c.patch.effective_scale for c in cs])
     return True
 
 

@@ -85,4 +85,5 @@ class LoKr(Patch):
             w2 = f(self.w2a).flatten(1) @ f(self.w2b).flatten(1)
         w1 = w1.reshape(w1.shape[0], -1)
         w1 = w1.reshape(*w1.shape, *([1] * (w2.dim() - 2)))
-        return torch.kron(w1, w2).mul_(self.scale).reshape(shape)
+        # torch.kron fails on non-contiguous inputs (the Tucker einsum gives a permuted view)
+        return torch.kron(w1.contiguous(), w2.contiguous()).mul_(self.scale).reshape(shape)

@@ -134,10 +134,10 @@ def _locate(module: str, names: ModelNames, unmatched: dict[str, str]) -> _Place
     if kohya is not None:
         rest = module[len(kohya):]
         spellings = [rest] + [rest[len(w):] for w in _DROPPED_WRAPPERS if rest.startswith(w)]
-        for rest in spellings:
-            found = _kohya(rest, kohya, names)
+        for name in spellings:
+            found = _kohya(name, kohya, names)
             if not found:
-                found = [_Place(p.path, (i, g)) for f, i, g in fused_candidates(rest, "_")
+                found = [_Place(p.path, (i, g)) for f, i, g in fused_candidates(name, "_")
                          for p in _kohya(f, kohya, names)]
             if found:
                 break
@@ -183,6 +183,9 @@ def _variants(module: str) -> list[str]:
     i = 0
     while i < len(out):
         v = out[i]
+        for w in _WRAPPERS:  # a dropped level below a component prefix keeps the prefix
+            if f".{w}" in v and v.replace(f".{w}", ".") not in out:
+                out.append(v.replace(f".{w}", "."))
         for prefix in ADAPTER_PREFIXES + _WRAPPERS:
             if v.startswith(prefix) and v[len(prefix):] not in out:
                 out.append(v[len(prefix):])

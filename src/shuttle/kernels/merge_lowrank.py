@@ -1,0 +1,132 @@
+"""Fused low-rank merge: ``W <- round(W + sum_i alpha_i * B_i @ A_i)`` with one rounding.
+
+W is (M, N) in bf16/fp16/fp32; the factors of all contributions are concatenated along the rank:
+B (M, R) and A (R, N), with contribution i owning ranks ``seg[i]:seg[i+1]`` and scale
+``alpha[i]``. Each program loads one (BM, BN) tile of W once, accumulates every contribution's
+product in float32 (the products of bf16/fp16 factors are exact in float32), adds, rounds once
+and stores: W is read once and written once, which makes the merge memory-bound at about the
+device's copy bandwidth. cuBLAS's in-place ``addmm_`` on bf16 does not give this: it rounds the
+scaled product to bf16 before adding it to W (measured, docs/benchmarks/merge.md).
+
+:func:`merge_lowrank_reference` is the same computation in PyTorch, used as the fallback and as
+the oracle the kernel is tested against (on CPU under ``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["merge_lowrank", "merge_lowrank_reference", "triton_available"]
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether Triton can be imported (it is an optional dependency: ``shuttle[triton]``)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def merge_lowrank_reference(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                            seg: list[int], alpha: list[float]) -> None:
+    """``w += sum_i alpha_i * up[:, seg_i] @ down[seg_i]`` in float32, rounded once, in place."""
+    acc = w.float()
+    for i, a in enumerate(alpha):
+        r0, r1 = seg[i], seg[i + 1]
+        acc.addmm_(up[:, r0:r1].float(), down[r0:r1].float(), alpha=a)
+    w.copy_(acc)
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def merge_kernel(w_ptr, b_ptr, a_ptr, seg_ptr, alpha_ptr, M, N, n_seg,
+                     stride_wm, stride_bm, stride_ar,
+                     BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
+                     IEEE: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        mask_m = rm < M
+        mask_n = rn < N
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for s in range(n_seg):
+            r0 = tl.load(seg_ptr + s)
+            r1 = tl.load(seg_ptr + s + 1)
+            part = tl.zeros((BM, BN), dtype=tl.float32)
+            for k in range(r0, r1, BR):
+                rk = k + tl.arange(0, BR)
+                mask_k = rk < r1
+                b = tl.load(b_ptr + rm[:, None] * stride_bm + rk[None, :],
+                            mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                a = tl.load(a_ptr + rk[:, None] * stride_ar + rn[None, :],
+                            mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+                if IEEE:  # float32 factors, or the interpreter (whose bf16 dot is wrong)
+                    part += tl.dot(b.to(tl.float32), a.to(tl.float32), input_precision="ieee")
+                else:
+                    part += tl.dot(b, a)
+            acc += part * tl.load(alpha_ptr + s)
+        mask = mask_m[:, None] & mask_n[None, :]
+        ptrs = w_ptr + rm[:, None] * stride_wm + rn[None, :]
+        w = tl.load(ptrs, mask=mask, other=0.0)
+        out = w.to(tl.float32) + acc
+        if w_ptr.dtype.element_ty == tl.bfloat16:
+            # Round to nearest even by hand: the interpreter's float32->bf16 cast truncates,
+            # and spelling it out keeps GPU and CPU checks on one code path. out is finite.
+            bits = out.to(tl.uint32, bitcast=True)
+            bits += ((bits >> 16) & 1) + 0x7FFF
+            tl.store(ptrs, (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+        else:
+            tl.store(ptrs, out.to(w_ptr.dtype.element_ty), mask=mask)
+
+    return merge_kernel
+
+
+def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                  seg: list[int], alpha: list[float]) -> None:
+    """In place: ``w += sum_i alpha_i * up[:, seg_i] @ down[seg_i]``, float32 sum, one rounding.
+
+    Args:
+        w: (M, N) weight, unit stride along N.
+        up: (M, R) concatenated up factors, unit stride along R.
+        down: (R, N) concatenated down factors, unit stride along N; same dtype as ``up``.
+        seg: R-offsets of the contributions, ``[0, r_1, r_1 + r_2, ..., R]``.
+        alpha: the scale of each contribution (strength x alpha / rank).
+
+    Uses the Triton kernel where Triton is installed and the tensors are on CUDA (or under
+    ``TRITON_INTERPRET=1``), else :func:`merge_lowrank_reference`.
+    """
+    assert w.dim() == up.dim() == down.dim() == 2, "merge_lowrank works on 2-D views"
+    assert up.shape[1] == down.shape[0] == seg[-1] and len(seg) == len(alpha) + 1
+    interpret = _interpreting()
+    if not triton_available() or not (w.is_cuda or interpret) or w.stride(1) != 1:
+        merge_lowrank_reference(w, up, down, seg, alpha)
+        return
+    import triton
+
+    up, down = up.contiguous(), down.contiguous()
+    m, n = w.shape
+    max_r = max(seg[i + 1] - seg[i] for i in range(len(alpha)))
+    br = max(16, min(64, triton.next_power_of_2(max_r)))
+    bm, bn = (32, 32) if interpret else (128, 128)
+    seg_t = torch.tensor(seg, dtype=torch.int32, device=w.device)
+    alpha_t = torch.tensor(alpha, dtype=torch.float32, device=w.device)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    _kernel()[grid](w, up, down, seg_t, alpha_t, m, n, len(alpha),
+                    w.stride(0), up.stride(0), down.stride(0),
+                    BM=bm, BN=bn, BR=br, IEEE=up.dtype == torch.float32 or interpret,
+                    num_warps=8 if not interpret else 4)
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"

@@ -1,0 +1,83 @@
+"""The fused merge kernel against its PyTorch reference and float64 math.
+
+On CPU the kernel runs under TRITON_INTERPRET=1 (set in conftest); on CUDA it is compiled.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shuttle.kernels import merge_lowrank, merge_lowrank_reference, triton_available
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _case(m, n, ranks, wdtype, fdtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = sum(ranks)
+    w = torch.randn(m, n, generator=g).to(wdtype).to(DEVICE)
+    up = (torch.randn(m, r, generator=g) * 0.3).to(fdtype).to(DEVICE)
+    down = (torch.randn(r, n, generator=g) * 0.3).to(fdtype).to(DEVICE)
+    seg = [0]
+    for k in ranks:
+        seg.append(seg[-1] + k)
+    alpha = [0.5 + 0.37 * i * (-1) ** i for i in range(len(ranks))]
+    return w, up, down, seg, alpha
+
+
+def _float64(w, up, down, seg, alpha):
+    acc = w.double()
+    for i, a in enumerate(alpha):
+        acc += a * (up[:, seg[i]:seg[i + 1]].double() @ down[seg[i]:seg[i + 1]].double())
+    return acc
+
+
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fdtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("m", "n", "ranks"), [(70, 45, [5, 7]), (33, 130, [70]), (16, 16, [1])])
+def test_kernel_matches_reference_bit_for_bit(wdtype, fdtype, m, n, ranks):
+    w, up, down, seg, alpha = _case(m, n, ranks, wdtype, fdtype)
+    got, want = w.clone(), w.clone()
+    merge_lowrank(got, up, down, seg, alpha)
+    merge_lowrank_reference(want, up, down, seg, alpha)
+    # Both sum in float32 and round once; only float32 summation order may differ, which can
+    # move a value across a rounding boundary in rare cases: allow one ulp on a few elements.
+    diff = (got.double() - want.double()).abs()
+    ulp = (torch.nextafter(want, torch.full_like(want, torch.inf)).double() - want.double()).abs()
+    assert bool((diff <= ulp).all())
+    assert int((got != want).sum()) <= max(1, got.numel() // 1000)
+    # and the result is the float64 update rounded once, to within that same ulp
+    ref = _float64(w, up, down, seg, alpha).to(wdtype)
+    assert int((got != ref).sum()) <= max(1, got.numel() // 1000)
+
+
+def test_float32_weight_close_to_float64():
+    w, up, down, seg, alpha = _case(40, 50, [8, 3], torch.float32, torch.float32)
+    got = w.clone()
+    merge_lowrank(got, up, down, seg, alpha)
+    torch.testing.assert_close(got.double(), _float64(w, up, down, seg, alpha), rtol=1e-6,
+                               atol=1e-5)
+
+
+def test_row_slice_view_leaves_other_rows_alone():
+    w, up, down, seg, alpha = _case(64, 40, [4], torch.bfloat16, torch.bfloat16)
+    full = w.clone()
+    merge_lowrank(full[16:40], up[16:40], down, seg, alpha)
+    assert torch.equal(full[:16], w[:16]) and torch.equal(full[40:], w[40:])
+    want = w[16:40].clone()
+    merge_lowrank_reference(want, up[16:40], down, seg, alpha)
+    assert int((full[16:40] != want).sum()) <= 1
+
+
+def test_single_rounding_differs_from_double_rounding():
+    """The kernel rounds once; rounding the scaled product to bf16 first (cuBLAS addmm_ on bf16
+    weights, PEFT's merge) gives different, less accurate weights."""
+    w, up, down, seg, alpha = _case(128, 128, [16], torch.bfloat16, torch.bfloat16)
+    got = w.clone()
+    merge_lowrank(got, up, down, seg, alpha)
+    ref = _float64(w, up, down, seg, alpha).to(torch.bfloat16)
+    double = w + (alpha[0] * (up.float() @ down.float())).to(torch.bfloat16)
+    assert int((got != ref).sum()) <= 16
+    assert int((double != ref).sum()) > int((got != ref).sum())
