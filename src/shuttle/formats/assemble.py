@@ -24,6 +24,7 @@ from shuttle.patches.patch import Tensorish
 __all__ = ["assemble"]
 
 _MAX_LISTED = 8
+_FACTOR_ROLES = ("up", "down", "mid", "emb_up", "emb_down")  # and hada_*, lokr_*
 
 
 def assemble(
@@ -108,7 +109,7 @@ def _scalar(key: str, t: Tensorish, source: str) -> float:
     if v.numel() != 1:
         raise AdapterFormatError(f"{source}: {key!r} should hold one number, has shape "
                                  f"{tuple(v.shape)}")
-    x = float(v.reshape(()).float().item())
+    x = float(v.reshape(()).double().item())  # float64: a writer's alpha keeps its scale
     if not math.isfinite(x):
         raise AdapterFormatError(f"{source}: {key!r} is {x}; alpha must be finite. The file is "
                                  "corrupt; export it again.")
@@ -134,6 +135,13 @@ def _build_module(
                 "tensor(s); the file is incomplete. Export the adapter again."
             )
 
+    for role, (key, t) in r.items():
+        factor = role in _FACTOR_ROLES or role.startswith(("hada_", "lokr_"))
+        if factor and len(t.shape) < 2:
+            raise AdapterFormatError(
+                f"{source}: {key!r} has shape {tuple(t.shape)}; adapter factors are matrices "
+                "or conv kernels. The file is corrupt; export it again."
+            )
     alpha = _scalar(*r["alpha"], source) if "alpha" in r else None
 
     def scale(rank: int | None) -> float:
@@ -210,7 +218,10 @@ def _build_module(
     if "norm_scale" in r:
         patches.append(Set("scale", value=get("norm_scale")))
     if "ia3_weight" in r:
-        on_input = bool(materialize(r["on_input"][1]).reshape(-1)[0].item())
+        flag = materialize(r["on_input"][1]).reshape(-1)
+        if flag.numel() == 0:
+            raise AdapterFormatError(f"{source}: {r['on_input'][0]!r} is empty; it is corrupt")
+        on_input = bool(flag[0].item())
         patches.append(IA3("weight", weight=get("ia3_weight"), on_input=on_input))
     weight_patches = [p for p in patches if p.param == "weight"]
     sets = [p for p in weight_patches if isinstance(p, Set)]

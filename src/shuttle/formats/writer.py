@@ -53,6 +53,11 @@ def _lycoris_tensors(name: str, p: Patch, to: str) -> dict[str, torch.Tensor]:
     """Tensors of one patch under kohya/LyCORIS suffixes on module ``name``."""
     t = {k: materialize(v) for k, v in p.tensors() if not k.startswith("inner.")}
     if isinstance(p, DoRA):
+        if p.mode != "blend":
+            raise UnsupportedFormatError(
+                f"module {name!r}: PEFT's magnitude vector takes strength differently from a "
+                f"LyCORIS dora_scale, which is the only DoRA {to} spells; convert to peft instead."
+            )
         out = _lycoris_tensors(name, p.inner, to)
         m = t["magnitude"]
         out[f"{name}.dora_scale"] = m.reshape(m.shape[0], 1) if m.dim() == 1 else m
@@ -109,6 +114,15 @@ def _peft_tensors(lora: LoRA) -> tuple[dict[str, torch.Tensor], dict]:
         base = module if module.startswith("base_model.model.") else f"base_model.model.{module}"
         inner = p.inner if isinstance(p, DoRA) else p
         if isinstance(p, Diff) and p.param == "bias":
+            # PEFT's reader scales lora_B.bias by the module's LoRA scale (1 without a LoRA).
+            main = next((q for q in lora.modules[module] if q.param == "weight"), None)
+            main = main.inner if isinstance(main, DoRA) else main
+            if p.scale != getattr(main, "scale", 1.0):
+                raise UnsupportedFormatError(
+                    f"module {module!r}: a bias delta with scale {p.scale} beside a LoRA of "
+                    f"scale {getattr(main, 'scale', 1.0)} has no PEFT spelling (lora_B.bias takes "
+                    "the LoRA's scale); convert to comfy instead."
+                )
             tensors[f"{base}.lora_B.bias"] = materialize(p.diff)
             lora_bias = True
             continue

@@ -57,6 +57,9 @@ def _kernel():
         rn = pid_n * BN + tl.arange(0, BN)
         mask_m = rm < M
         mask_n = rn < N
+        mask = mask_m[:, None] & mask_n[None, :]
+        ptrs = w_ptr + rm[:, None] * stride_wm + rn[None, :]
+        w = tl.load(ptrs, mask=mask, other=0.0)  # issued first: in flight during the products
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for s in range(n_seg):
             r0 = tl.load(seg_ptr + s)
@@ -74,9 +77,6 @@ def _kernel():
                 else:
                     part += tl.dot(b, a)
             acc += part * tl.load(alpha_ptr + s)
-        mask = mask_m[:, None] & mask_n[None, :]
-        ptrs = w_ptr + rm[:, None] * stride_wm + rn[None, :]
-        w = tl.load(ptrs, mask=mask, other=0.0)
         out = w.to(tl.float32) + acc
         if w_ptr.dtype.element_ty == tl.bfloat16:
             # Round to nearest even by hand: the interpreter's float32->bf16 cast truncates,
@@ -90,8 +90,13 @@ def _kernel():
     return merge_kernel
 
 
+# (BM, BN, num_warps, num_stages) on CUDA; chosen by benchmarks/tune_merge_kernel.py on an H200.
+CUDA_CONFIG: tuple[int, int, int, int] = (128, 128, 8, 2)
+
+
 def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                  seg: list[int], alpha: list[float]) -> None:
+                  seg: list[int], alpha: list[float],
+                  config: tuple[int, int, int, int] | None = None) -> None:
     """In place: ``w += sum_i alpha_i * up[:, seg_i] @ down[seg_i]``, float32 sum, one rounding.
 
     Args:
@@ -100,6 +105,7 @@ def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
         down: (R, N) concatenated down factors, unit stride along N; same dtype as ``up``.
         seg: R-offsets of the contributions, ``[0, r_1, r_1 + r_2, ..., R]``.
         alpha: the scale of each contribution (strength x alpha / rank).
+        config: ``(BM, BN, num_warps, num_stages)`` to override :data:`CUDA_CONFIG`.
 
     Uses the Triton kernel where Triton is installed and the tensors are on CUDA (or under
     ``TRITON_INTERPRET=1``), else :func:`merge_lowrank_reference`.
@@ -116,14 +122,14 @@ def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
     m, n = w.shape
     max_r = max(seg[i + 1] - seg[i] for i in range(len(alpha)))
     br = max(16, min(64, triton.next_power_of_2(max_r)))
-    bm, bn = (32, 32) if interpret else (128, 128)
+    bm, bn, warps, stages = (32, 32, 4, 1) if interpret else (config or CUDA_CONFIG)
     seg_t = torch.tensor(seg, dtype=torch.int32, device=w.device)
     alpha_t = torch.tensor(alpha, dtype=torch.float32, device=w.device)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _kernel()[grid](w, up, down, seg_t, alpha_t, m, n, len(alpha),
                     w.stride(0), up.stride(0), down.stride(0),
                     BM=bm, BN=bn, BR=br, IEEE=up.dtype == torch.float32 or interpret,
-                    num_warps=8 if not interpret else 4)
+                    num_warps=warps, num_stages=stages)
 
 
 def _interpreting() -> bool:

@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from shuttle.errors import ShapeMismatchError
 from shuttle.patches.patch import Patch, Tensorish, expect_numel, materialize, register_patch
 
 __all__ = ["LoHa", "rebuild_tucker"]
@@ -55,6 +56,19 @@ class LoHa(Patch):
         return self._out_in()[0]
 
     def check(self, shape: tuple[int, ...], name: str) -> None:
+        def product(wa: Tensorish, wb: Tensorish, t: Tensorish | None) -> tuple[int, ...] | None:
+            if t is None:  # wa (out, r) @ wb (r, in...)
+                ok = math.prod(wa.shape[1:]) == wb.shape[0]
+                return (wa.shape[0], math.prod(wb.shape[1:])) if ok else None
+            ok = tuple(t.shape[:2]) == (wa.shape[0], wb.shape[0])  # Tucker: wa (r1, out)...
+            return (wa.shape[1], wb.shape[1], *t.shape[2:]) if ok else None
+
+        f1, f2 = product(self.w1a, self.w1b, self.t1), product(self.w2a, self.w2b, self.t2)
+        if f1 is None or f1 != f2:
+            raise ShapeMismatchError(
+                f"loha patch for {name!r} has tensors {self.shapes()} that do not form two "
+                "products of one shape. The file is corrupt; export it again."
+            )
         out, inn = self._out_in()
         expect_numel(self, tuple(shape), name, out * inn, out)
 

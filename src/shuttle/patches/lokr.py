@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from shuttle.errors import ShapeMismatchError
 from shuttle.patches.loha import rebuild_tucker
 from shuttle.patches.patch import Patch, Tensorish, expect_numel, materialize, register_patch
 
@@ -65,6 +66,19 @@ class LoKr(Patch):
         return self.w2a.shape[0], math.prod(self.w2b.shape[1:])
 
     def check(self, shape: tuple[int, ...], name: str) -> None:
+        # w1a (a, r) @ w1b (r, b); w2a (c, r) @ w2b (r, d...), or Tucker t2 (r1, r2, k...)
+        # with w2a (r1, c) and w2b (r2, d).
+        pairs = [] if self.w1 is not None else [(math.prod(self.w1a.shape[1:]),
+                                                 self.w1b.shape[0])]
+        if self.t2 is not None:
+            pairs.append((tuple(self.t2.shape[:2]), (self.w2a.shape[0], self.w2b.shape[0])))
+        elif self.w2 is None:
+            pairs.append((math.prod(self.w2a.shape[1:]), self.w2b.shape[0]))
+        if any(x != y for x, y in pairs):
+            raise ShapeMismatchError(
+                f"lokr patch for {name!r} has tensors {self.shapes()} whose rank dimensions "
+                "differ, so they do not multiply. The file is corrupt; export it again."
+            )
         (a, b), (c, d) = self._w1_shape(), self._w2_shape()
         expect_numel(self, tuple(shape), name, a * b * c * d, a * c)
 

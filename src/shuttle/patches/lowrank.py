@@ -19,6 +19,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
+from shuttle.errors import ShapeMismatchError
 from shuttle.patches.patch import Patch, Tensorish, expect_numel, materialize, register_patch
 
 __all__ = ["LowRank", "split_blocks"]
@@ -77,6 +78,14 @@ class LowRank(Patch):
 
     def check(self, shape: tuple[int, ...], name: str) -> None:
         shape = tuple(shape)
+        # up (out, r1), mid (r1, r2, k...), down (r2, in...): each inner size must match.
+        r_up = math.prod(self.up.shape[1:])
+        chain = [r_up, self.rank] if self.mid is None else [r_up, *self.mid.shape[:2], self.rank]
+        if chain[0::2] != chain[1::2]:
+            raise ShapeMismatchError(
+                f"lora patch for {name!r} has tensors {self.shapes()} whose rank dimensions "
+                "differ, so they do not multiply. The file is corrupt; export it again."
+            )
         numel = self.out_features * self.in_numel
         if self.transposed:
             expect_numel(self, shape, name, numel, out=self.in_numel if self.mid is None else None)

@@ -1,0 +1,44 @@
+"""Tile shapes for the fused merge kernel (shuttle.kernels.merge_lowrank) on this GPU.
+
+One bf16 weight of 12288x3072 (rotating among 8 so the L2 never holds it), rank 64; GB/s of the
+weight read + written; the copy of the same bytes is the ceiling. Writes
+docs/benchmarks/merge_kernel_tuning.{json,md}.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+
+from shuttle.kernels.merge_lowrank import merge_lowrank  # noqa: E402
+
+
+def main() -> None:
+    m, n, r, k = 12288, 3072, 64, 8
+    ws = [torch.randn(m, n, device="cuda").bfloat16() for _ in range(k)]
+    up = (torch.randn(m, r, device="cuda") * 0.02).bfloat16()
+    down = (torch.randn(r, n, device="cuda") * 0.02).bfloat16()
+    src, dst = ws[0].clone(), ws[1].clone()
+    configs = [c for c in itertools.product((64, 128, 256), (64, 128, 256), (4, 8), (1, 2, 3))
+               if c[0] * c[1] <= 128 * 256]
+    variants = {"copy": lambda i: dst.copy_(src)}
+    for c in configs:
+        variants[str(c)] = lambda i, c=c: merge_lowrank(ws[i % k], up, down, [0, r], [0.5], c)
+    t = harness.interleaved(variants, rounds=10, warmup=2)
+    nbytes = 2 * m * n * 2
+    rows = sorted(([k_, f"{v['median_ms'] * 1e3:.1f}", f"{nbytes / v['median_ms'] / 1e6:.0f}"]
+                   for k_, v in t.items()), key=lambda row: float(row[1]))
+    table = harness.markdown_table(["(BM, BN, warps, stages)", "median us", "GB/s"], rows)
+    harness.write_results("merge_kernel_tuning", {"timings": t}, table,
+                          "Fused merge kernel tile shapes (benchmarks/tune_merge_kernel.py)")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
