@@ -11,7 +11,7 @@ import torch
 from shuttle.apply.merge import MergeReport, merge_plan
 from shuttle.apply.plan import AdapterList, plan_merge
 from shuttle.apply.rounding import Rounding
-from shuttle.errors import ShuttleError
+from shuttle.errors import InvalidStrengthError, ShuttleError
 from shuttle.targets import KeyMapping
 
 __all__ = ["apply_lora"]
@@ -53,6 +53,8 @@ def apply_lora(
     """
     if mode not in MODES:
         raise ShuttleError(f"mode={mode!r}: apply_lora supports {', '.join(MODES)}")
+    if rounding not in ("nearest", "stochastic"):
+        raise InvalidStrengthError(f"rounding={rounding!r}: expected 'nearest' or 'stochastic'")
     plan = plan_merge(model, loras, mapping)
     params = dict(model.named_parameters())
     backups = {

@@ -47,56 +47,58 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def merge_kernel(w_ptr, b_ptr, a_ptr, seg_ptr, alpha_ptr, M, N, n_seg,
+    def merge_kernel(w_ptr, b_ptr, a_ptr, seg_ptr, alpha_ptr, M, N,
                      stride_wm, stride_bm, stride_ar,
-                     BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
-                     IEEE: tl.constexpr):
+                     N_SEG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
+                     IEEE: tl.constexpr, STAGES: tl.constexpr):
+        # Each program owns a strip of BM rows and walks every n_prog-th tile of BN columns,
+        # so the loads of the next tiles are pipelined (STAGES deep) behind this one's math.
         pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
         rm = pid_m * BM + tl.arange(0, BM)
-        rn = pid_n * BN + tl.arange(0, BN)
         mask_m = rm < M
-        mask_n = rn < N
-        mask = mask_m[:, None] & mask_n[None, :]
-        ptrs = w_ptr + rm[:, None] * stride_wm + rn[None, :]
-        w = tl.load(ptrs, mask=mask, other=0.0)  # issued first: in flight during the products
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for s in range(n_seg):
-            r0 = tl.load(seg_ptr + s)
-            r1 = tl.load(seg_ptr + s + 1)
-            part = tl.zeros((BM, BN), dtype=tl.float32)
-            for k in range(r0, r1, BR):
-                rk = k + tl.arange(0, BR)
-                mask_k = rk < r1
+        for j in tl.range(tl.program_id(1), tl.cdiv(N, BN), tl.num_programs(1),
+                          num_stages=STAGES):
+            rn = j * BN + tl.arange(0, BN)
+            mask = mask_m[:, None] & (rn < N)[None, :]
+            ptrs = w_ptr + rm[:, None] * stride_wm + rn[None, :]
+            w = tl.load(ptrs, mask=mask, other=0.0)
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for s in tl.static_range(N_SEG):
+                r0 = tl.load(seg_ptr + s)
+                rk = r0 + tl.arange(0, BR)
+                mask_k = rk < tl.load(seg_ptr + s + 1)  # every rank fits one BR step
                 b = tl.load(b_ptr + rm[:, None] * stride_bm + rk[None, :],
                             mask=mask_m[:, None] & mask_k[None, :], other=0.0)
                 a = tl.load(a_ptr + rk[:, None] * stride_ar + rn[None, :],
-                            mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+                            mask=mask_k[:, None] & (rn < N)[None, :], other=0.0)
                 if IEEE:  # float32 factors, or the interpreter (whose bf16 dot is wrong)
-                    part += tl.dot(b.to(tl.float32), a.to(tl.float32), input_precision="ieee")
-                else:
-                    part += tl.dot(b, a)
-            acc += part * tl.load(alpha_ptr + s)
-        out = w.to(tl.float32) + acc
-        if w_ptr.dtype.element_ty == tl.bfloat16:
-            # Round to nearest even by hand: the interpreter's float32->bf16 cast truncates,
-            # and spelling it out keeps GPU and CPU checks on one code path. out is finite.
-            bits = out.to(tl.uint32, bitcast=True)
-            bits += ((bits >> 16) & 1) + 0x7FFF
-            tl.store(ptrs, (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
-        else:
-            tl.store(ptrs, out.to(w_ptr.dtype.element_ty), mask=mask)
+                    part = tl.dot(b.to(tl.float32), a.to(tl.float32), input_precision="ieee")
+                else:  # bf16/fp16 products are exact in the float32 accumulator
+                    part = tl.dot(b, a)
+                acc += part * tl.load(alpha_ptr + s)
+            out = w.to(tl.float32) + acc
+            if w_ptr.dtype.element_ty == tl.bfloat16:
+                # Round to nearest even by hand: the interpreter's float32->bf16 cast
+                # truncates, and spelling it out keeps GPU and CPU checks on one code path.
+                bits = out.to(tl.uint32, bitcast=True)
+                bits += ((bits >> 16) & 1) + 0x7FFF
+                tl.store(ptrs, (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True),
+                         mask=mask)
+            else:
+                tl.store(ptrs, out.to(w_ptr.dtype.element_ty), mask=mask)
 
     return merge_kernel
 
 
-# (BM, BN, num_warps, num_stages) on CUDA; chosen by benchmarks/tune_merge_kernel.py on an H200.
-CUDA_CONFIG: tuple[int, int, int, int] = (128, 128, 8, 2)
+# (BM, BN, num_warps, num_stages, programs per SM) on CUDA; chosen by
+# benchmarks/tune_merge_kernel.py on an H200.
+CUDA_CONFIG: tuple[int, int, int, int, int] = (64, 128, 4, 3, 4)
+_MAX_RANK_STEP = 256  # larger ranks are split into several contributions of at most this
 
 
 def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                   seg: list[int], alpha: list[float],
-                  config: tuple[int, int, int, int] | None = None) -> None:
+                  config: tuple[int, int, int, int, int] | None = None) -> None:
     """In place: ``w += sum_i alpha_i * up[:, seg_i] @ down[seg_i]``, float32 sum, one rounding.
 
     Args:
@@ -105,7 +107,8 @@ def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
         down: (R, N) concatenated down factors, unit stride along N; same dtype as ``up``.
         seg: R-offsets of the contributions, ``[0, r_1, r_1 + r_2, ..., R]``.
         alpha: the scale of each contribution (strength x alpha / rank).
-        config: ``(BM, BN, num_warps, num_stages)`` to override :data:`CUDA_CONFIG`.
+        config: ``(BM, BN, num_warps, num_stages, programs per SM)`` to override
+            :data:`CUDA_CONFIG`.
 
     Uses the Triton kernel where Triton is installed and the tensors are on CUDA (or under
     ``TRITON_INTERPRET=1``), else :func:`merge_lowrank_reference`.
@@ -118,18 +121,35 @@ def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
         return
     import triton
 
+    seg, alpha = _split_large_ranks(seg, alpha)
     up, down = up.contiguous(), down.contiguous()
     m, n = w.shape
     max_r = max(seg[i + 1] - seg[i] for i in range(len(alpha)))
-    br = max(16, min(64, triton.next_power_of_2(max_r)))
-    bm, bn, warps, stages = (32, 32, 4, 1) if interpret else (config or CUDA_CONFIG)
+    br = max(16, triton.next_power_of_2(max_r))
+    bm, bn, warps, stages, per_sm = (32, 32, 4, 1, 1) if interpret else (config or CUDA_CONFIG)
     seg_t = torch.tensor(seg, dtype=torch.int32, device=w.device)
     alpha_t = torch.tensor(alpha, dtype=torch.float32, device=w.device)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    _kernel()[grid](w, up, down, seg_t, alpha_t, m, n, len(alpha),
-                    w.stride(0), up.stride(0), down.stride(0),
-                    BM=bm, BN=bn, BR=br, IEEE=up.dtype == torch.float32 or interpret,
-                    num_warps=warps, num_stages=stages)
+    m_tiles, n_tiles = triton.cdiv(m, bm), triton.cdiv(n, bn)
+    sms = torch.cuda.get_device_properties(w.device).multi_processor_count if w.is_cuda else 1
+    split = max(1, min(n_tiles, triton.cdiv(per_sm * sms, m_tiles)))
+    _kernel()[(m_tiles, split)](
+        w, up, down, seg_t, alpha_t, m, n, w.stride(0), up.stride(0), down.stride(0),
+        N_SEG=len(alpha), BM=bm, BN=bn, BR=br, IEEE=up.dtype == torch.float32 or interpret,
+        STAGES=stages, num_warps=warps)
+
+
+def _split_large_ranks(seg: list[int], alpha: list[float]) -> tuple[list[int], list[float]]:
+    """Cut contributions wider than one rank step into several with the same scale."""
+    out_seg, out_alpha = [seg[0]], []
+    for i, a in enumerate(alpha):
+        r0, r1 = seg[i], seg[i + 1]
+        while r1 - r0 > _MAX_RANK_STEP:
+            r0 += _MAX_RANK_STEP
+            out_seg.append(r0)
+            out_alpha.append(a)
+        out_seg.append(r1)
+        out_alpha.append(a)
+    return out_seg, out_alpha
 
 
 def _interpreting() -> bool:
