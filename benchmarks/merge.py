@@ -64,7 +64,15 @@ def main() -> None:
     ap.add_argument("--inp", type=int, default=3072)
     ap.add_argument("--rank", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--kernel-config", default=None,
+                    help="(BM, BN, warps, stages, programs/SM) for the fused kernel")
     args = ap.parse_args()
+    if args.kernel_config:
+        import ast
+
+        import shuttle.kernels.merge_lowrank as mk
+
+        mk.CUDA_CONFIG = tuple(ast.literal_eval(args.kernel_config))
     n, out_f, in_f, rank, alpha = args.layers, args.out, args.inp, args.rank, 32.0
     scale = alpha / rank
     torch.manual_seed(0)
@@ -145,7 +153,10 @@ def main() -> None:
     table = harness.markdown_table(
         ["variant", "median ms", "GB/s (W read+write)", "vs shuttle",
          "elements != float64 single rounding", "max err (ulp)"], rows)
-    notes = (f"{n} bf16 weights of {out_f}x{in_f} ({weight_bytes / 1e9:.2f} GB), rank {rank}, "
+    from shuttle.kernels.merge_lowrank import CUDA_CONFIG
+
+    notes = (f"kernel config {CUDA_CONFIG}; {n} bf16 weights of {out_f}x{in_f} "
+             f"({weight_bytes / 1e9:.2f} GB), rank {rank}, "
              f"alpha {alpha:g}; {args.rounds} interleaved rounds after 3 warm-up, median; two "
              "adapters alternate between rounds. Target: shuttle >= 1500 GB/s with a single "
              "rounding.")

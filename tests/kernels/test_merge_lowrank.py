@@ -36,7 +36,9 @@ def _float64(w, up, down, seg, alpha):
 
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("fdtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize(("m", "n", "ranks"), [(70, 45, [5, 7]), (33, 130, [70]), (16, 16, [1]), (20, 24, [300, 3])])
+@pytest.mark.parametrize(
+    ("m", "n", "ranks"), [(70, 45, [5, 7]), (33, 130, [70]), (16, 16, [1]), (20, 24, [300, 3])]
+)
 def test_kernel_matches_reference_bit_for_bit(wdtype, fdtype, m, n, ranks):
     w, up, down, seg, alpha = _case(m, n, ranks, wdtype, fdtype)
     got, want = w.clone(), w.clone()

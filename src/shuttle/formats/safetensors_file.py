@@ -109,7 +109,7 @@ class SafetensorsFile:
             raw = f.read(n)
         try:
             header = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise self._corrupt(f"header is not valid JSON ({e})") from None
         if not isinstance(header, dict):
             raise self._corrupt("header is not a JSON object")
@@ -118,7 +118,8 @@ class SafetensorsFile:
     def _parse_entry(self, key: str, entry: object, data_size: int):
         if not isinstance(entry, dict):
             raise self._corrupt(f"entry {key!r} is not an object")
-        dtype = DTYPES.get(entry.get("dtype"))  # type: ignore[arg-type]
+        name = entry.get("dtype")
+        dtype = DTYPES.get(name) if isinstance(name, str) else None  # a list is unhashable
         if dtype is None:
             raise self._corrupt(f"tensor {key!r} has unknown dtype {entry.get('dtype')!r}")
         shape, offsets = entry.get("shape"), entry.get("data_offsets")

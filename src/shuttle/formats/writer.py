@@ -21,6 +21,7 @@ from shuttle.errors import UnsupportedFormatError
 from shuttle.formats.kohya import KOHYA_PREFIXES
 from shuttle.formats.lora import LoRA
 from shuttle.patches import IA3, Diff, DoRA, LoHa, LoKr, LowRank, Patch, Set, materialize
+from shuttle.patches.lowrank import split_blocks
 
 __all__ = ["TARGETS", "save_lora"]
 
@@ -52,6 +53,11 @@ def _alpha(p: LowRank | LoHa | LoKr) -> torch.Tensor:
 def _lycoris_tensors(name: str, p: Patch, to: str) -> dict[str, torch.Tensor]:
     """Tensors of one patch under kohya/LyCORIS suffixes on module ``name``."""
     t = {k: materialize(v) for k, v in p.tensors() if not k.startswith("inner.")}
+    if isinstance(p, (LowRank, LoHa, LoKr)) and p.rank is not None and p.scale == 0:
+        raise UnsupportedFormatError(
+            f"module {name!r}: scale 0 would be written as alpha 0, which {to} readers take as "
+            "alpha = rank (scale 1); convert to peft instead."
+        )
     if isinstance(p, DoRA):
         if p.mode != "blend":
             raise UnsupportedFormatError(
@@ -67,6 +73,13 @@ def _lycoris_tensors(name: str, p: Patch, to: str) -> dict[str, torch.Tensor]:
             raise UnsupportedFormatError(
                 f"module {name!r}: transposed low-rank factors (embeddings, fan_in_fan_out) have "
                 f"no {to} spelling; convert to peft instead."
+            )
+        if (not p.split_qkv and name.endswith(("qkv", "linear1"))
+                and len(split_blocks(t["up"].flatten(1), p.rank)) > 1):
+            raise UnsupportedFormatError(
+                f"module {name!r}: a block-diagonal up on a qkv/linear1 layer reads back as a "
+                f"kohya Flux split-qkv save, whose scale is multiplied by the number of blocks; "
+                "convert to peft instead."
             )
         out = {f"{name}.lora_up.weight": t["up"], f"{name}.lora_down.weight": t["down"]}
         if p.mid is not None:
