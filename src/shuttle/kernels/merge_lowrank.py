@@ -47,30 +47,29 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def merge_kernel(w_ptr, b_ptr, a_ptr, seg_ptr, alpha_ptr, M, N,
-                     stride_wm, stride_bm, stride_ar,
+    def merge_kernel(w_ptr, b_ptr, a_ptr, alpha_ptr, M, N, stride_wm, stride_bm, stride_ar,
                      N_SEG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
                      IEEE: tl.constexpr, STAGES: tl.constexpr):
-        # Each program owns a strip of BM rows and walks every n_prog-th tile of BN columns,
-        # so the loads of the next tiles are pipelined (STAGES deep) behind this one's math.
-        pid_m = tl.program_id(0)
-        rm = pid_m * BM + tl.arange(0, BM)
+        # b: (M, N_SEG * BR), a: (N_SEG * BR, N); contribution s owns ranks s*BR ... (s+1)*BR,
+        # zero-padded, so rank offsets are compile-time multiples of BR (aligned vector loads,
+        # no rank masks). Each program owns a strip of BM rows and walks every n_prog-th tile
+        # of BN columns, so the next tiles' loads are pipelined behind this one's math.
+        rm = tl.program_id(0) * BM + tl.arange(0, BM)
         mask_m = rm < M
         for j in tl.range(tl.program_id(1), tl.cdiv(N, BN), tl.num_programs(1),
                           num_stages=STAGES):
             rn = j * BN + tl.arange(0, BN)
-            mask = mask_m[:, None] & (rn < N)[None, :]
+            mask_n = rn < N
+            mask = mask_m[:, None] & mask_n[None, :]
             ptrs = w_ptr + rm[:, None] * stride_wm + rn[None, :]
             w = tl.load(ptrs, mask=mask, other=0.0)
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             for s in tl.static_range(N_SEG):
-                r0 = tl.load(seg_ptr + s)
-                rk = r0 + tl.arange(0, BR)
-                mask_k = rk < tl.load(seg_ptr + s + 1)  # every rank fits one BR step
+                rk = s * BR + tl.arange(0, BR)
                 b = tl.load(b_ptr + rm[:, None] * stride_bm + rk[None, :],
-                            mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                            mask=mask_m[:, None], other=0.0)
                 a = tl.load(a_ptr + rk[:, None] * stride_ar + rn[None, :],
-                            mask=mask_k[:, None] & (rn < N)[None, :], other=0.0)
+                            mask=mask_n[None, :], other=0.0)
                 if IEEE:  # float32 factors, or the interpreter (whose bf16 dot is wrong)
                     part = tl.dot(b.to(tl.float32), a.to(tl.float32), input_precision="ieee")
                 else:  # bf16/fp16 products are exact in the float32 accumulator
@@ -93,7 +92,7 @@ def _kernel():
 # (BM, BN, num_warps, num_stages, programs per SM) on CUDA; chosen by
 # benchmarks/tune_merge_kernel.py on an H200.
 CUDA_CONFIG: tuple[int, int, int, int, int] = (64, 128, 4, 3, 4)
-_MAX_RANK_STEP = 256  # larger ranks are split into several contributions of at most this
+_MAX_RANK_STEP = 128  # larger ranks are split into several contributions of at most this
 
 
 def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
@@ -122,18 +121,23 @@ def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
     import triton
 
     seg, alpha = _split_large_ranks(seg, alpha)
-    up, down = up.contiguous(), down.contiguous()
     m, n = w.shape
     max_r = max(seg[i + 1] - seg[i] for i in range(len(alpha)))
     br = max(16, triton.next_power_of_2(max_r))
+    # Each contribution's factors zero-padded to br ranks: (m, S*br) and (S*br, n).
+    up_p = up.new_zeros(m, len(alpha) * br)
+    down_p = down.new_zeros(len(alpha) * br, n)
+    for i in range(len(alpha)):
+        r0, r1 = seg[i], seg[i + 1]
+        up_p[:, i * br:i * br + r1 - r0] = up[:, r0:r1]
+        down_p[i * br:i * br + r1 - r0] = down[r0:r1]
     bm, bn, warps, stages, per_sm = (32, 32, 4, 1, 1) if interpret else (config or CUDA_CONFIG)
-    seg_t = torch.tensor(seg, dtype=torch.int32, device=w.device)
     alpha_t = torch.tensor(alpha, dtype=torch.float32, device=w.device)
     m_tiles, n_tiles = triton.cdiv(m, bm), triton.cdiv(n, bn)
     sms = torch.cuda.get_device_properties(w.device).multi_processor_count if w.is_cuda else 1
     split = max(1, min(n_tiles, triton.cdiv(per_sm * sms, m_tiles)))
     _kernel()[(m_tiles, split)](
-        w, up, down, seg_t, alpha_t, m, n, w.stride(0), up.stride(0), down.stride(0),
+        w, up_p, down_p, alpha_t, m, n, w.stride(0), up_p.stride(0), down_p.stride(0),
         N_SEG=len(alpha), BM=bm, BN=bn, BR=br, IEEE=up.dtype == torch.float32 or interpret,
         STAGES=stages, num_warps=warps)
 
