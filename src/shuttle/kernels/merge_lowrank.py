@@ -124,15 +124,19 @@ def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
     m, n = w.shape
     max_r = max(seg[i + 1] - seg[i] for i in range(len(alpha)))
     br = max(16, triton.next_power_of_2(max_r))
-    # Each contribution's factors zero-padded to br ranks: (m, S*br) and (S*br, n).
-    up_p = up.new_zeros(m, len(alpha) * br)
-    down_p = down.new_zeros(len(alpha) * br, n)
-    for i in range(len(alpha)):
-        r0, r1 = seg[i], seg[i + 1]
-        up_p[:, i * br:i * br + r1 - r0] = up[:, r0:r1]
-        down_p[i * br:i * br + r1 - r0] = down[r0:r1]
+    # Each contribution's factors zero-padded to br ranks: (m, S*br) and (S*br, n); a single
+    # contribution whose rank is already br is used as it is.
+    if len(alpha) == 1 and max_r == br:
+        up_p, down_p = up.contiguous(), down.contiguous()
+    else:
+        up_p = up.new_zeros(m, len(alpha) * br)
+        down_p = down.new_zeros(len(alpha) * br, n)
+        for i in range(len(alpha)):
+            r0, r1 = seg[i], seg[i + 1]
+            up_p[:, i * br:i * br + r1 - r0] = up[:, r0:r1]
+            down_p[i * br:i * br + r1 - r0] = down[r0:r1]
     bm, bn, warps, stages, per_sm = (32, 32, 4, 1, 1) if interpret else (config or CUDA_CONFIG)
-    alpha_t = torch.tensor(alpha, dtype=torch.float32, device=w.device)
+    alpha_t = _device_floats(alpha, w.device)
     m_tiles, n_tiles = triton.cdiv(m, bm), triton.cdiv(n, bn)
     sms = torch.cuda.get_device_properties(w.device).multi_processor_count if w.is_cuda else 1
     split = max(1, min(n_tiles, triton.cdiv(per_sm * sms, m_tiles)))
@@ -140,6 +144,19 @@ def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
         w, up_p, down_p, alpha_t, m, n, w.stride(0), up_p.stride(0), down_p.stride(0),
         N_SEG=len(alpha), BM=bm, BN=bn, BR=br, IEEE=up.dtype == torch.float32 or interpret,
         STAGES=stages, num_warps=warps)
+
+
+def _device_floats(values: list[float], device: torch.device) -> torch.Tensor:
+    """A float32 tensor on ``device`` without a host sync.
+
+    ``torch.tensor(values, device="cuda")`` copies from pageable memory, which waits for the
+    stream to drain: once per weight, that idles the GPU between merges. A pinned staging buffer
+    from the caching host allocator is copied asynchronously instead.
+    """
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=torch.float32, device=device)
+    host = torch.tensor(values, dtype=torch.float32).pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 def _split_large_ranks(seg: list[int], alpha: list[float]) -> tuple[list[int], list[float]]:
