@@ -4,7 +4,14 @@ The public API; see docs/ for guides.
 """
 
 from shuttle import errors
-from shuttle.apply import MergeReport, apply_lora, merge_lora
+from shuttle.apply import (
+    DynamicAdapters,
+    MergeReport,
+    apply_lora,
+    attach_lora,
+    lora_scale,
+    merge_lora,
+)
 from shuttle.formats import FORMATS, LoRA, load_lora, register_format, save_lora
 from shuttle.patches import PATCH_KINDS, register_patch
 from shuttle.targets import Resolution, resolve
@@ -13,13 +20,16 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FORMATS",
+    "DynamicAdapters",
     "PATCH_KINDS",
     "LoRA",
     "MergeReport",
     "Resolution",
     "apply_lora",
+    "attach_lora",
     "errors",
     "load_lora",
+    "lora_scale",
     "merge_lora",
     "register_format",
     "register_patch",

@@ -41,6 +41,7 @@ class Contribution:
     strength: float
     rows: tuple[int, int] | None
     module_key: str
+    adapter: int = 0  # index of its adapter among the (non-zero) adapters of the plan
 
 
 @dataclasses.dataclass
@@ -50,6 +51,7 @@ class MergePlan:
     params: dict[str, list[Contribution]]
     unmatched: dict[str, str]
     skipped: dict[str, str]
+    adapters: list[tuple[LoRA, float]] = dataclasses.field(default_factory=list)
 
 
 def normalize_loras(loras: AdapterList) -> list[tuple[LoRA, float]]:
@@ -94,18 +96,18 @@ def plan_merge(
     pairs = normalize_loras(loras)
     params = dict(model.named_parameters())
     names = ModelNames({n: p.shape for n, p in params.items()})
-    plan = MergePlan({}, {}, {})
+    plan = MergePlan({}, {}, {}, pairs)
     several = len(pairs) > 1
-    staged: list[tuple[Target, float]] = []
-    for lora, strength in pairs:
+    staged: list[tuple[Target, float, int]] = []
+    for index, (lora, strength) in enumerate(pairs):
         res = resolve(lora, names, mapping)
         tag = f"{lora.source}::" if several else ""
         plan.unmatched.update({tag + k: v for k, v in res.unmatched.items()})
         plan.skipped.update({tag + k: v for k, v in lora.skipped.items()})
         for t in res.targets:
             _validate(t, params[t.param])
-            staged.append((t, strength))
-    for t, strength in staged:
+            staged.append((t, strength, index))
+    for t, strength, index in staged:
         p = params[t.param]
         if p.device.type == "meta":
             raise UnsupportedLayerError(
@@ -114,7 +116,7 @@ def plan_merge(
             )
         loaded = t.patch.load(p.device)
         plan.params.setdefault(t.param, []).append(
-            Contribution(loaded, strength, t.rows, t.module_key))
+            Contribution(loaded, strength, t.rows, t.module_key, index))
     _check_finite(plan)
     if plan.unmatched:
         log.warning("%d adapter key(s) matched no parameter: %s", len(plan.unmatched),

@@ -8,6 +8,8 @@ from typing import Literal
 
 import torch
 
+from shuttle.apply.dynamic import DynamicAdapters, attach_lora
+from shuttle.apply.dynamic_layer import Quality
 from shuttle.apply.merge import MergeReport, merge_plan
 from shuttle.apply.plan import AdapterList, plan_merge
 from shuttle.apply.rounding import Rounding
@@ -16,8 +18,8 @@ from shuttle.targets import KeyMapping
 
 __all__ = ["apply_lora"]
 
-Mode = Literal["merge"]
-MODES: tuple[str, ...] = ("merge",)
+Mode = Literal["merge", "dynamic"]
+MODES: tuple[str, ...] = ("merge", "dynamic")
 
 
 @contextlib.contextmanager
@@ -30,22 +32,27 @@ def apply_lora(
     seed: int | None = None,
     mapping: KeyMapping | None = None,
     backup_device: torch.device | str | None = None,
-) -> Iterator[MergeReport]:
+    quality: Quality | None = None,
+) -> Iterator[MergeReport | DynamicAdapters]:
     """Apply adapters for the duration of a ``with`` block.
 
     With ``mode="merge"`` the adapters are merged as by :func:`~shuttle.merge_lora`; a copy of
     every changed parameter is kept (on ``backup_device``, default the parameter's own) and
     copied back on exit, so the weights are bit-identical to before, also when the body raises.
+    With ``mode="dynamic"`` they are attached as by :func:`~shuttle.attach_lora` (weights never
+    written) and detached on exit.
 
     Args:
         model: the model.
         loras: ``[(lora, strength), ...]``.
-        mode: ``"merge"``.
+        mode: ``"merge"`` or ``"dynamic"``.
         rounding, seed, mapping: as for :func:`~shuttle.merge_lora`.
         backup_device: where to keep the originals (``"cpu"`` saves device memory).
+        quality: the dynamic tier (``"exact"``, ``"lossless"``, ``"fused"``).
 
     Yields:
-        The :class:`~shuttle.MergeReport`.
+        The :class:`~shuttle.MergeReport` (merge), or the :class:`~shuttle.DynamicAdapters`
+        handle (dynamic: change strengths with ``set_strength``).
 
     Raises:
         ShuttleError: ``mode`` is not one of the implemented modes; plus everything
@@ -53,6 +60,13 @@ def apply_lora(
     """
     if mode not in MODES:
         raise ShuttleError(f"mode={mode!r}: apply_lora supports {', '.join(MODES)}")
+    if mode == "dynamic":
+        handle = attach_lora(model, loras, quality=quality, mapping=mapping)
+        try:
+            yield handle
+        finally:
+            handle.detach()
+        return
     if rounding not in ("nearest", "stochastic"):
         raise InvalidStrengthError(f"rounding={rounding!r}: expected 'nearest' or 'stochastic'")
     plan = plan_merge(model, loras, mapping)

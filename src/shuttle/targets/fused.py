@@ -29,7 +29,7 @@ def fused_candidates(path: str, sep: str = ".") -> list[tuple[str, int, tuple[st
     out = []
     for group, fused_names in FUSED_GROUPS:
         for index, leaf in enumerate(group):
-            if path.endswith(sep + leaf):
+            if path == leaf or path.endswith(sep + leaf):
                 parent = path[: -len(leaf)]
                 out.extend((parent + fused, index, group) for fused in fused_names)
     return out

@@ -1,0 +1,155 @@
+"""Dynamic LoRA overhead over the base linear, at the shapes of h200-limits.md, one interleaved run.
+
+Per shape (tokens T, in K, out N, rank r), bf16 with bias:
+    base      the nn.Linear alone
+    naive     delta = x @ A.T @ B.T materialized, scaled by alpha/r then strength, added
+    lossless  shuttle.attach_lora(quality="lossless"): scale on the rank-wide intermediate,
+              addmm_ onto the base output
+    fused     shuttle.attach_lora(quality="fused"): Triton shrink + one kernel for x W^T + S B^T
+    floor     max(extra bytes / copy bandwidth, extra FLOPs / GEMM rate) over the base time,
+              with the ceilings of h200-limits.md (4213 GB/s read+write, 780 TFLOP/s)
+Then a whole small DiT forward (LoRA on every linear): merged vs lossless vs fused.
+
+Writes docs/benchmarks/dynamic_lora.{json,md} after every shape (a cut-off run keeps its rows).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+import shuttle  # noqa: E402
+
+SHAPES = {
+    "wan1.3b_attn": (32760, 1536, 1536, 128),
+    "wan1.3b_ffn_up": (32760, 1536, 8960, 128),
+    "wan1.3b_ffn_down": (32760, 8960, 1536, 128),
+    "zimage_attn": (4352, 3840, 3840, 32),
+    "zimage_ffn_up": (4352, 3840, 10240, 32),
+    "llm_8b_decode_qkv": (16, 4096, 6144, 16),
+    "llm_8b_prefill_mlp": (8192, 4096, 14336, 16),
+}
+COPY_GBS, GEMM_TFLOPS = 4213.0, 780.0
+
+
+def floor_ms(t: int, k: int, n: int, r: int) -> float:
+    extra_bytes = 2 * t * k + 2 * 2 * t * r  # re-read x; write and read x A^T (bf16)
+    extra_flops = 2 * t * r * (k + n)
+    return max(extra_bytes / (COPY_GBS * 1e9), extra_flops / (GEMM_TFLOPS * 1e12)) * 1e3
+
+
+def adapter(k: int, n: int, r: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return {"0.lora_A.weight": (torch.randn(r, k, device="cuda", generator=g)
+                                / k**0.5).bfloat16(),
+            "0.lora_B.weight": (torch.randn(n, r, device="cuda", generator=g) * 0.02).bfloat16(),
+            "0.alpha": torch.tensor(float(r) / 2)}
+
+
+def bench_shape(name: str, t: int, k: int, n: int, r: int, rounds: int) -> dict:
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(k, n)).cuda().bfloat16()
+    mods = {q: nn.Sequential(nn.Linear(k, n)).cuda().bfloat16() for q in ("lossless", "fused")}
+    for m in mods.values():
+        m.load_state_dict(base.state_dict())
+    sd = adapter(k, n, r, 1)
+    xs = [torch.randn(t, k, device="cuda").bfloat16() for _ in range(2)]
+    handles = {q: shuttle.attach_lora(m, [(sd, 0.8)], quality=q) for q, m in mods.items()}
+    a, b, s = sd["0.lora_A.weight"], sd["0.lora_B.weight"], 0.5
+
+    def naive(i):
+        x = xs[i % 2]
+        d = x @ a.T @ b.T
+        d = d * s
+        d = d * 0.8
+        return base(x) + d
+
+    variants = {"base": lambda i: base(xs[i % 2]), "naive": naive,
+                "lossless": lambda i: mods["lossless"](xs[i % 2]),
+                "fused": lambda i: mods["fused"](xs[i % 2])}
+    with torch.no_grad():
+        timings = harness.interleaved(variants, rounds=rounds, warmup=3)
+        lin = base[0]
+        ref = (xs[0].double() @ lin.weight.double().T + lin.bias.double()
+               + 0.8 * s * (xs[0].double() @ a.double().T @ b.double().T))
+        err = {q: float((variants[q](0).double() - ref).norm() / ref.norm())
+               for q in ("naive", "lossless", "fused")}
+    for h in handles.values():
+        h.detach()
+    t_base = timings["base"]["median_ms"]
+    return {"shape": (t, k, n, r), "timings": timings, "rel_err_vs_float64": err,
+            "overhead_pct": {q: 100 * (timings[q]["median_ms"] - t_base) / t_base
+                             for q in ("naive", "lossless", "fused")},
+            "floor_pct": 100 * floor_ms(t, k, n, r) / t_base}
+
+
+def bench_dit(rounds: int) -> dict:
+    from shuttle.cli.demo import DemoDiT
+
+    torch.manual_seed(0)
+    dims = {"channels": 16, "dim": 1536, "mlp": 6144, "depth": 4}
+    models = {q: DemoDiT(**dims).cuda().bfloat16() for q in ("merged", "lossless", "fused")}
+    for m in models.values():
+        m.load_state_dict(models["merged"].state_dict())
+    g = torch.Generator(device="cuda").manual_seed(2)
+    sd = {}
+    for name, mod in models["merged"].named_modules():
+        if isinstance(mod, nn.Linear):
+            sd[f"{name}.lora_A.weight"] = (torch.randn(64, mod.in_features, device="cuda",
+                                                       generator=g) * 0.02).bfloat16()
+            sd[f"{name}.lora_B.weight"] = (torch.randn(mod.out_features, 64, device="cuda",
+                                                       generator=g) * 0.02).bfloat16()
+    shuttle.merge_lora(models["merged"], [(sd, 1.0)])
+    handles = [shuttle.attach_lora(models[q], [(sd, 1.0)], quality=q)
+               for q in ("lossless", "fused")]
+    xs = [torch.randn(1, 16, 128, 128, device="cuda").bfloat16() for _ in range(2)]  # 4096 tok
+    with torch.no_grad():
+        timings = harness.interleaved({q: (lambda i, m=m: m(xs[i % 2])) for q, m in
+                                       models.items()}, rounds=rounds, warmup=3)
+    for h in handles:
+        h.detach()
+    return {"config": dims, "tokens": 4096, "rank": 64, "timings": timings}
+
+
+def write(rows: dict, dit: dict | None) -> None:
+    table_rows = []
+    for name, r in rows.items():
+        o = r["overhead_pct"]
+        table_rows.append([name, str(r["shape"]), f"{r['timings']['base']['median_ms']:.3f}",
+                           f"{o['naive']:.0f}", f"{o['lossless']:.0f}", f"{o['fused']:.0f}",
+                           f"{r['floor_pct']:.1f}",
+                           f"{r['rel_err_vs_float64']['lossless']:.1e}",
+                           f"{r['rel_err_vs_float64']['fused']:.1e}"])
+    table = harness.markdown_table(
+        ["shape", "(T, K, N, r)", "base ms", "naive %", "lossless %", "fused %", "floor %",
+         "lossless err", "fused err"], table_rows)
+    notes = "Overheads are (t - t_base) / t_base, medians of interleaved rounds."
+    if dit:
+        t = dit["timings"]
+        m = t["merged"]["median_ms"]
+        notes += (f"\n\nWhole DiT forward ({dit['config']}, {dit['tokens']} tokens, LoRA rank "
+                  f"{dit['rank']} on every linear): merged {m:.2f} ms, lossless "
+                  f"{t['lossless']['median_ms']:.2f} ms ({t['lossless']['median_ms'] / m:.2f}x), "
+                  f"fused {t['fused']['median_ms']:.2f} ms ({t['fused']['median_ms'] / m:.2f}x).")
+    harness.write_results("dynamic_lora", {"shapes": rows, "dit": dit}, table,
+                          "Dynamic LoRA overhead (benchmarks/dynamic_lora.py)", notes)
+    print(table)
+    print(notes)
+
+
+def main() -> None:
+    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 15
+    rows: dict = {}
+    for name, shape in SHAPES.items():
+        rows[name] = bench_shape(name, *shape, rounds=rounds)
+        write(rows, None)
+    write(rows, bench_dit(rounds))
+
+
+if __name__ == "__main__":
+    main()

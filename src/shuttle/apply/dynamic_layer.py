@@ -1,0 +1,271 @@
+"""The per-module hook of a dynamic adapter: the update added at forward time, weights untouched.
+
+Low-rank patches on a Linear run in one of three tiers (x: (..., K), down_i: (r_i, K),
+up_i: (N, r_i), s_i = strength_i * alpha_i / r_i * request scale):
+
+    exact     out = base(x); per adapter d = x @ down_i.T @ up_i.T, then d * (alpha/r), d * m,
+              d * request (each skipped when it is 1: x * 1.0 is exact), out = out + d.
+              Bit-identical to that reference chain; scales are Python floats.
+    lossless  h = x @ down.T over all adapters' ranks concatenated (R = sum r_i), h *= s
+              per rank column (float32), then out.addmm_(h, up.T) onto the base output.
+    fused     S = (x @ down.T) * s in float32 (one kernel), then one kernel whose float32
+              accumulator runs over x @ W.T and S @ up.T, adds the bias and writes out once.
+
+Low-rank patches on Conv and Embedding layers go through the patch's own residual (its conv or
+lookup). Every other patch kind (LoHa, LoKr, diffs, norms, set, (IA)3, DoRA) and every other
+module is applied as a float32 weight residual ``R = patch(W) - W`` computed once per attach (and
+again when a strength changes): the forward uses ``W + request * R``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch.nn.utils.stateless import _reparametrize_module
+
+from shuttle.apply.plan import Contribution
+from shuttle.apply.scale import generation, request_scale, request_scale_value
+from shuttle.errors import UnsupportedLayerError
+from shuttle.hooks import ModuleHook
+from shuttle.kernels import lora_linear_fused, lora_shrink, triton_available
+from shuttle.patches import LowRank
+
+__all__ = ["LoRAHook", "Quality"]
+
+Quality = Literal["exact", "lossless", "fused"]
+
+
+@dataclasses.dataclass
+class _Slot:
+    """One adapter's low-rank patch on this module."""
+
+    adapter: int
+    patch: LowRank
+    rows: tuple[int, int] | None
+    columns: tuple[int, int]  # its ranks in the concatenated factors
+
+
+def _runs_as_residual(kind: str, patch: object) -> bool:
+    """Whether a weight patch runs through the low-rank path of a layer of ``kind``."""
+    if not isinstance(patch, LowRank):
+        return False
+    if kind == "linear":
+        return patch.mid is None and not patch.transposed
+    if kind == "conv":
+        return not patch.transposed
+    return kind == "embedding" and patch.transposed
+
+
+class LoRAHook(ModuleHook):
+    """Adds the active adapters' updates to one module's forward.
+
+    Args:
+        name: the module's name in the model (for messages).
+        module: the module.
+        contribs: parameter leaf name -> its contributions.
+        strengths: shared per-adapter strengths (Python floats), indexed by ``adapter``.
+        strength_tensor: ``device -> (n_adapters,) float32`` tensor of the same strengths.
+        quality: the tier for low-rank patches on Linear layers.
+        pad_rank: pad each adapter's rank to this (so a later adapter of rank <= it can be
+            swapped in without a recompile).
+    """
+
+    def __init__(self, name: str, module: torch.nn.Module,
+                 contribs: dict[str, list[Contribution]], strengths: list[float],
+                 strength_tensor: Callable[[torch.device], torch.Tensor], quality: Quality,
+                 pad_rank: int | None = None):
+        self.name = name
+        self.quality = quality
+        self._strengths = strengths
+        self._strength_tensor = strength_tensor
+        lin = isinstance(module, torch.nn.Linear)
+        conv = isinstance(module, torch.nn.modules.conv._ConvNd)
+        emb = isinstance(module, torch.nn.Embedding)
+        self.kind = "linear" if lin else "conv" if conv else "embedding" if emb else "other"
+        self.slots: list[_Slot] = []
+        self.dense: dict[str, list[Contribution]] = {}
+        for leaf, cs in contribs.items():
+            for c in cs:
+                if leaf == "weight" and _runs_as_residual(self.kind, c.patch):
+                    if c.rows is not None and self.kind != "linear":
+                        raise UnsupportedLayerError(
+                            f"{name}: a low-rank patch on rows {c.rows} of a "
+                            f"{type(module).__name__} cannot run dynamically; use mode='merge'"
+                        )
+                    self.slots.append(_Slot(c.adapter, c.patch, c.rows, (0, 0)))
+                else:
+                    self.dense.setdefault(leaf, []).append(c)
+        self._build_lowrank(module, pad_rank)
+        self.residuals: dict[str, torch.Tensor] = {}
+        self.refresh(module)
+        # Create the shared scale tensors now: created inside a compiled forward, they would
+        # change a guarded dict and cost a recompile on the next call.
+        for p in module.parameters(recurse=False):
+            request_scale(p.device)
+            strength_tensor(p.device)
+
+    # -- building --------------------------------------------------------------------------
+    def _build_lowrank(self, module: torch.nn.Module, pad_rank: int | None) -> None:
+        """Concatenate the Linear slots' factors: down (R, K), up (N, R) zero outside rows."""
+        self.down = self.up = self.base_scale = self.col_adapter = None
+        if self.kind != "linear" or not self.slots:
+            return
+        w = module.weight
+        dtypes = {t.dtype for s in self.slots for t in (s.patch.up, s.patch.down)}
+        # A float32 adapter keeps float32 GEMMs; other factors run in the weight's dtype.
+        fdtype = torch.float32 if torch.float32 in dtypes else w.dtype
+        widths = [max(s.patch.rank, pad_rank or 0) for s in self.slots]
+        total = sum(widths)
+        self.down = w.new_zeros(total, w.shape[1], dtype=fdtype)
+        self.up = w.new_zeros(w.shape[0], total, dtype=fdtype)
+        self.base_scale = torch.zeros(total, dtype=torch.float32, device=w.device)
+        self.col_adapter = torch.zeros(total, dtype=torch.long, device=w.device)
+        start = 0
+        for slot, width in zip(self.slots, widths, strict=True):
+            self._place(slot, start, width)
+            start += width
+
+    def _place(self, slot: _Slot, start: int, width: int) -> None:
+        up, down = slot.patch.factors()
+        r = down.shape[0]
+        r0, r1 = slot.rows or (0, self.up.shape[0])
+        self.down[start:start + width].zero_()
+        self.up[:, start:start + width].zero_()
+        self.down[start:start + r] = down
+        self.up[r0:r1, start:start + r] = up
+        self.base_scale[start:start + width] = slot.patch.effective_scale
+        self.col_adapter[start:start + width] = slot.adapter
+        slot.columns = (start, start + width)
+
+    def refresh(self, module: torch.nn.Module) -> None:
+        """Recompute the float32 weight residuals from the current strengths."""
+        self.residuals = {}
+        for leaf, cs in self.dense.items():
+            p = getattr(module, leaf)
+            w = p.detach().float()
+            out = w.clone()
+            for c in cs:
+                view = out if c.rows is None else out[c.rows[0]:c.rows[1]]
+                new = c.patch.apply(view, self._strengths[c.adapter])
+                if new is not view:
+                    view.copy_(new)
+            self.residuals[leaf] = out.sub_(w)
+        self._cache_gen = -1
+
+    # -- forward ---------------------------------------------------------------------------
+    def _scale_vector(self, device: torch.device) -> torch.Tensor:
+        """(R,) float32: alpha/r * strength * request per rank column."""
+        if not torch.compiler.is_compiling() and self._cache_gen == generation():
+            return self._cached
+        s = self.base_scale * self._strength_tensor(device)[self.col_adapter] \
+            * request_scale(device)
+        if not torch.compiler.is_compiling():
+            self._cached, self._cache_gen = s, generation()
+        return s
+
+    def _overrides(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        if not self.residuals:
+            return {}
+        req = request_scale(module.weight.device if hasattr(module, "weight") else
+                            next(iter(self.residuals.values())).device)
+        out = {}
+        for leaf, r in self.residuals.items():
+            p = getattr(module, leaf)
+            out[leaf] = (p.float() + r * req).to(p.dtype)
+        return out
+
+    def forward(self, module: torch.nn.Module, inner: Callable[..., Any], *args: Any,
+                **kwargs: Any) -> Any:
+        overrides = self._overrides(module)
+        x = args[0] if args else None
+        if self.kind == "linear" and self.slots and self.quality == "fused" and \
+                self._fused_ok(module, x):
+            return self._fused(module, x, overrides)
+        if overrides:
+            with _reparametrize_module(module, overrides):
+                out = inner(*args, **kwargs)
+        else:
+            out = inner(*args, **kwargs)
+        if not self.slots:
+            return out
+        if self.kind == "linear":
+            return self._exact(x, out) if self.quality == "exact" else self._lossless(x, out)
+        return self._residuals(module, x, out)
+
+    def _exact(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        req = request_scale_value()
+        for slot in self.slots:
+            up, down = slot.patch.factors()
+            xf = x if down.dtype == x.dtype else x.to(down.dtype)
+            d = xf @ down.T @ up.T
+            if slot.patch.effective_scale != 1:
+                d = d * slot.patch.effective_scale
+            if self._strengths[slot.adapter] != 1:
+                d = d * self._strengths[slot.adapter]
+            if req != 1:
+                d = d * req
+            d = d.to(out.dtype)
+            if slot.rows is None:
+                out = out + d
+            else:
+                r0, r1 = slot.rows
+                out = torch.cat([out[..., :r0], out[..., r0:r1] + d, out[..., r1:]], dim=-1)
+        return out
+
+    def _lossless(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        xf = x if self.down.dtype == x.dtype else x.to(self.down.dtype)
+        h = F.linear(xf, self.down)
+        h = (h.float() * self._scale_vector(x.device)).to(self.up.dtype)
+        if self.up.dtype != out.dtype or not out.is_contiguous():
+            return out + F.linear(h, self.up).to(out.dtype)
+        out2d = out.view(-1, out.shape[-1])
+        out2d.addmm_(h.reshape(-1, h.shape[-1]), self.up.T)
+        return out
+
+    def _fused_ok(self, module: torch.nn.Module, x: torch.Tensor | None) -> bool:
+        import os
+
+        on_device = x is not None and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+        return (triton_available() and on_device and x.dtype == module.weight.dtype
+                and x.dtype in (torch.bfloat16, torch.float16, torch.float32))
+
+    def _fused(self, module: torch.nn.Linear, x: torch.Tensor,
+               overrides: dict[str, torch.Tensor]) -> torch.Tensor:
+        w = overrides.get("weight", module.weight)
+        b = overrides.get("bias", module.bias)
+        x2d = x.reshape(-1, x.shape[-1])
+        s = lora_shrink(x2d, self.down, self._scale_vector(x.device))
+        out = lora_linear_fused(x2d, w, b, s, self.up)
+        return out.view(*x.shape[:-1], w.shape[0])
+
+    def _residuals(self, module: torch.nn.Module, x: torch.Tensor, out: torch.Tensor
+                   ) -> torch.Tensor:
+        """Conv / Embedding low-rank residuals through the patch's own op."""
+        exact = self.quality == "exact"
+        req = request_scale_value() if exact else request_scale(out.device)
+        for slot in self.slots:
+            r = slot.patch.residual(x, module).to(out.dtype)
+            m = self._strengths[slot.adapter] if exact else \
+                self._strength_tensor(out.device)[slot.adapter]
+            out = out + r * (m * req)
+        return out
+
+    # -- swapping --------------------------------------------------------------------------
+    def swap(self, adapter: int, patch: LowRank) -> None:
+        """Copy another adapter's factors into ``adapter``'s columns, in place (no new tensors,
+        so compiled graphs keep running).
+        """
+        slot = next(s for s in self.slots if s.adapter == adapter)
+        width = slot.columns[1] - slot.columns[0]
+        if patch.rank > width:
+            raise UnsupportedLayerError(
+                f"{self.name}: the new adapter has rank {patch.rank} but the slot holds "
+                f"{width}; attach with max_rank >= {patch.rank} to allow swapping"
+            )
+        slot.patch = patch
+        self._place(slot, slot.columns[0], width)
+        self._cache_gen = -1

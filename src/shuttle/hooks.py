@@ -1,0 +1,102 @@
+"""One hook interface for everything that attaches to a module (dynamic adapters, streaming).
+
+A :class:`ModuleHook` sees a module's calls at three points: ``pre_forward`` (may rewrite the
+arguments), ``forward`` (runs the module's original forward, or replaces it) and ``post_forward``
+(may rewrite the output). :func:`add_hook` installs hooks by setting an instance attribute
+``forward`` that wraps the class's; :func:`remove_hook` deletes it again, so the module is exactly
+what it was: same class, same ``forward``, same signature (``inspect.signature`` follows
+``__wrapped__`` while hooked).
+
+Several hooks on one module chain in the order they were added: pre_forward first to last,
+forward nested (the first added is outermost), post_forward last to first.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from shuttle.errors import ShuttleError
+
+__all__ = ["ModuleHook", "add_hook", "hooks_of", "remove_hook"]
+
+_HOOKS = "_shuttle_hooks"
+
+
+class ModuleHook:
+    """Base class: override what you need. Every method's default does nothing."""
+
+    def on_attach(self, module: torch.nn.Module) -> None:
+        """Called once by :func:`add_hook`, before the first forward."""
+
+    def pre_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict
+                    ) -> tuple[tuple, dict]:
+        """Return the (possibly rewritten) arguments."""
+        return args, kwargs
+
+    def forward(self, module: torch.nn.Module, inner: Callable[..., Any], *args: Any,
+                **kwargs: Any) -> Any:
+        """Compute the output; ``inner`` runs the original forward (and inner hooks)."""
+        return inner(*args, **kwargs)
+
+    def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
+        """Return the (possibly rewritten) output."""
+        return output
+
+    def on_detach(self, module: torch.nn.Module) -> None:
+        """Called once by :func:`remove_hook`, after the hook stopped being called."""
+
+
+def hooks_of(module: torch.nn.Module) -> list[ModuleHook]:
+    """The hooks installed on ``module``, in the order they were added."""
+    return list(module.__dict__.get(_HOOKS, ()))
+
+
+def add_hook(module: torch.nn.Module, hook: ModuleHook) -> None:
+    """Install ``hook`` on ``module`` (after any hooks already there)."""
+    hooks: list[ModuleHook] | None = module.__dict__.get(_HOOKS)
+    if hooks is None:
+        if "forward" in module.__dict__:
+            raise ShuttleError(
+                f"{type(module).__name__} already has an instance-level forward (another "
+                "library's hook?); remove it before attaching shuttle hooks"
+            )
+        hooks = []
+        module.__dict__[_HOOKS] = hooks
+        original = module.forward  # the bound class forward
+
+        @functools.wraps(original)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            chain = module.__dict__[_HOOKS]
+            for h in chain:
+                args, kwargs = h.pre_forward(module, args, kwargs)
+            call: Callable[..., Any] = original
+            for h in reversed(chain):
+                call = functools.partial(h.forward, module, call)
+            out = call(*args, **kwargs)
+            for h in reversed(chain):
+                out = h.post_forward(module, out)
+            return out
+
+        module.forward = forward
+    if hook in hooks:
+        raise ShuttleError("this hook is already attached to the module")
+    hook.on_attach(module)
+    hooks.append(hook)
+
+
+def remove_hook(module: torch.nn.Module, hook: ModuleHook | None = None) -> None:
+    """Remove ``hook`` (or every shuttle hook) from ``module``; the last one restores it."""
+    hooks: list[ModuleHook] | None = module.__dict__.get(_HOOKS)
+    if not hooks:
+        return
+    for h in list(hooks) if hook is None else [hook]:
+        if h in hooks:
+            hooks.remove(h)
+            h.on_detach(module)
+    if not hooks:
+        del module.__dict__[_HOOKS]
+        del module.__dict__["forward"]

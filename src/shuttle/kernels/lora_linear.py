@@ -1,0 +1,439 @@
+"""Unmerged LoRA linear in two kernels: a rank-wide shrink, then one GEMM that also adds the update.
+
+For an adapter with down factor A (R, K), up factor B (N, R) and per-rank scales ``scale`` (R,)
+(strength x alpha / rank, repeated over each adapter's ranks; several adapters can be concatenated
+along the rank), the layer output is::
+
+    S   = (x @ A.T) * scale                  # lora_shrink: (T, R), rounded once
+    out = x @ W.T + S @ B.T + bias            # lora_linear_fused: (T, N), rounded once
+
+:func:`lora_linear_fused` keeps one float32 accumulator per output tile: it runs the base K loop
+(x against W), then a second, short loop over the rank (S against B), adds the bias in its
+epilogue and stores the tile once. The update is never materialised at (T, N) and never rounded
+on its own, and the output is not read back: over the base GEMM the extra traffic is reading S
+(T x R) and B (N x R), and the extra work 2·T·N·R FLOPs. The scale is applied to the rank-wide S,
+not to the wide output.
+
+Numerics: products of bf16/fp16 operands are exact in float32, so both kernels equal their
+references (:func:`lora_shrink_reference`, :func:`lora_linear_fused_reference`) up to float32
+summation order, which can move a rounded result by one ulp in rare cases. float32 factors keep
+float32 math (an IEEE float32 dot; activations are upcast inside the kernel).
+
+The references are plain PyTorch; they are the fallback where Triton is missing, the tensors are
+on the CPU without ``TRITON_INTERPRET=1``, or autograd is recording (the kernels have no backward).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+from shuttle.kernels.merge_lowrank import _interpreting, triton_available
+
+__all__ = [
+    "FUSED_CUDA_CONFIG",
+    "FUSED_CUDA_SMALL_T_CONFIG",
+    "SHRINK_CUDA_CONFIG",
+    "FusedConfig",
+    "ShrinkConfig",
+    "lora_linear_fused",
+    "lora_linear_fused_reference",
+    "lora_shrink",
+    "lora_shrink_reference",
+]
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class ShrinkConfig(NamedTuple):
+    """Launch parameters of the shrink kernel (a plain tuple in this order works too)."""
+
+    block_t: int  # rows of x per program
+    block_r: int  # most ranks per program (R is padded to a power of two >= 16, up to this)
+    block_k: int  # reduction step
+    num_warps: int
+    num_stages: int
+    split_k: int  # programs sharing one K range; 0 picks it from the grid size and SM count
+
+
+class FusedConfig(NamedTuple):
+    """Launch parameters of the fused kernel (a plain tuple in this order works too)."""
+
+    block_t: int  # output rows per program; 0: the next power of two >= T, 16 to 64
+    block_n: int  # output columns per program
+    block_k: int  # base reduction step
+    block_r: int  # most ranks per rank-loop step (>= 16)
+    group: int  # row tiles per group in the swizzled program order (L2 reuse of W tiles)
+    num_warps: int
+    num_stages: int
+
+
+# Defaults for the H200 (sm_90, 132 SMs, 227 KiB shared memory per block). The fused kernel at
+# T > 64 is a compute-bound GEMM: the Triton matmul tutorial's Hopper bf16 tile (128 x 256 x 64,
+# 8 warps, 3 stages: 3 x (128 + 256) x 64 x 2 B = 144 KiB of staged tiles). In one sweep on an
+# H200 (bf16, prefill shapes) it beat 128 x 128 and 64 x 256 tiles by 10-25%; 4 stages and
+# 32-rank steps were within that run's noise (about 8%). float32 operands get shorter K/rank
+# steps so their staged tiles fit (_fit_step). At T <= 64 (decode) the kernel is bound by reading
+# W, so smaller column tiles give more programs; decode timings were dominated by host overhead
+# and are not settled.
+FUSED_CUDA_CONFIG = FusedConfig(128, 256, 64, 64, 8, 8, 3)
+FUSED_CUDA_SMALL_T_CONFIG = FusedConfig(0, 64, 128, 64, 1, 4, 4)
+# The shrink reads x once and is memory-bound (its output has only R columns); split-K (float32
+# partial sums reduced on the host) engages when the (T, R) tiles alone cannot fill the SMs.
+SHRINK_CUDA_CONFIG = ShrinkConfig(64, 128, 64, 4, 4, 0)
+# Under the interpreter: small blocks so that test shapes span several tiles and rank steps.
+_FUSED_INTERPRET_CONFIG = FusedConfig(16, 32, 16, 16, 2, 1, 1)
+_SHRINK_INTERPRET_CONFIG = ShrinkConfig(16, 16, 16, 1, 1, 1)
+_SMALL_T = 64
+
+
+# ----------------------------------------------------------------------------------------------
+# References (also the fallback)
+
+
+def _acc_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
+    """float32, or float64 when an input is float64 (never less precise than the inputs)."""
+    if any(t is not None and t.dtype == torch.float64 for t in tensors):
+        return torch.float64
+    return torch.float32
+
+
+def _shrink_out_dtype(x: torch.Tensor, down: torch.Tensor) -> torch.dtype:
+    """x.dtype when the factor has x's dtype, else float32 (or float64 for float64 inputs)."""
+    return x.dtype if down.dtype == x.dtype else _acc_dtype(x, down)
+
+
+def lora_shrink_reference(x: torch.Tensor, down: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``(x @ down.T) * scale`` accumulated in float32 and rounded once; see :func:`lora_shrink`."""
+    acc = _acc_dtype(x, down)
+    s = torch.matmul(x.to(acc), down.to(acc).T)
+    s.mul_(scale.to(acc))
+    return s.to(_shrink_out_dtype(x, down))
+
+
+def lora_linear_fused_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                                s: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T + s @ up.T + bias`` in float32, rounded once to ``x.dtype``.
+
+    Materialises float32 copies of the operands: a fallback and an oracle, not a fast path.
+    """
+    acc = _acc_dtype(x, weight, s, up, bias)
+    out = torch.matmul(x.to(acc), weight.to(acc).T)
+    out.addmm_(s.to(acc), up.to(acc).T)
+    if bias is not None:
+        out.add_(bias.to(acc))
+    return out.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def shrink_kernel(x_ptr, d_ptr, scale_ptr, o_ptr, T, R, K, K_PER_SPLIT, stride_xt,
+                      stride_dr, stride_ot, stride_os,
+                      BT: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
+                      SPLIT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr):
+        # One (BT, BR) tile of S over the K range [pid_k * K_PER_SPLIT, ... + K_PER_SPLIT).
+        # With SPLIT > 1 the float32 partial sums go to a workspace (SPLIT, T, R) that the host
+        # reduces, scales and rounds; with SPLIT == 1 the tile is scaled and rounded here.
+        pid_t = tl.program_id(0)
+        pid_r = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        rt = pid_t * BT + tl.arange(0, BT)
+        rr = pid_r * BR + tl.arange(0, BR)
+        # Out-of-range rows and ranks load a valid row again (wrapped) instead of being masked;
+        # the store below masks them out.
+        rt_l = (rt % T).to(tl.int64)
+        rr_l = (rr % R).to(tl.int64)
+        k0 = pid_k * K_PER_SPLIT
+        rk = tl.arange(0, BK)
+        x_ptrs = x_ptr + rt_l[:, None] * stride_xt + (k0 + rk)[None, :]
+        d_ptrs = d_ptr + rr_l[None, :] * stride_dr + (k0 + rk)[:, None]
+        acc = tl.zeros((BT, BR), dtype=tl.float32)
+        k_end = tl.minimum(K - k0, K_PER_SPLIT)
+        for k in range(0, tl.cdiv(k_end, BK)):
+            if EVEN_K:
+                a = tl.load(x_ptrs)
+                b = tl.load(d_ptrs)
+            else:
+                k_left = k_end - k * BK
+                a = tl.load(x_ptrs, mask=rk[None, :] < k_left, other=0.0)
+                b = tl.load(d_ptrs, mask=rk[:, None] < k_left, other=0.0)
+            if IEEE:  # float32 factor, mixed dtypes, or the interpreter (whose bf16 dot is wrong)
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            else:  # bf16/fp16 products are exact in the float32 accumulator
+                acc = tl.dot(a, b, acc)
+            x_ptrs += BK
+            d_ptrs += BK
+        mask = (rt[:, None] < T) & (rr[None, :] < R)
+        o_ptrs = (o_ptr + pid_k * stride_os + rt.to(tl.int64)[:, None] * stride_ot
+                  + rr[None, :])
+        if SPLIT > 1:
+            tl.store(o_ptrs, acc, mask=mask)
+        else:
+            out = acc * tl.load(scale_ptr + rr_l)[None, :]
+            if o_ptr.dtype.element_ty == tl.bfloat16:
+                # Round to nearest even by hand: the interpreter's float32->bf16 cast truncates,
+                # and one spelling keeps the GPU and the CPU checks on one code path.
+                bits = out.to(tl.uint32, bitcast=True)
+                bits += ((bits >> 16) & 1) + 0x7FFF
+                tl.store(o_ptrs, (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True),
+                         mask=mask)
+            else:
+                tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def fused_kernel(x_ptr, w_ptr, b_ptr, s_ptr, u_ptr, o_ptr, T, N, K, R,
+                     stride_xt, stride_wn, stride_st, stride_un, stride_ot,
+                     BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
+                     GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BASE_IEEE: tl.constexpr,
+                     LORA_IEEE: tl.constexpr, EVEN_K: tl.constexpr):
+        # Swizzled program order (the Triton matmul tutorial's): GROUP row tiles walk the column
+        # tiles together, so a W tile is fetched into L2 once for GROUP programs running close
+        # in time.
+        pid = tl.program_id(0)
+        grid_t = tl.cdiv(T, BT)
+        grid_n = tl.cdiv(N, BN)
+        in_group = GROUP * grid_n
+        first_t = (pid // in_group) * GROUP
+        group_t = tl.minimum(grid_t - first_t, GROUP)
+        pid_t = first_t + (pid % in_group) % group_t
+        pid_n = (pid % in_group) // group_t
+
+        rt = pid_t * BT + tl.arange(0, BT)
+        rn = pid_n * BN + tl.arange(0, BN)
+        # Wrapped row/column indices: loads stay in bounds without row masks (only the K tail
+        # is masked); the store masks the wrapped rows and columns out.
+        rt_l = (rt % T).to(tl.int64)
+        rn_l = (rn % N).to(tl.int64)
+        acc = tl.zeros((BT, BN), dtype=tl.float32)
+
+        # Base: acc = x @ W.T over K.
+        rk = tl.arange(0, BK)
+        x_ptrs = x_ptr + rt_l[:, None] * stride_xt + rk[None, :]
+        w_ptrs = w_ptr + rn_l[None, :] * stride_wn + rk[:, None]
+        for k in range(0, tl.cdiv(K, BK)):
+            if EVEN_K:
+                a = tl.load(x_ptrs)
+                b = tl.load(w_ptrs)
+            else:
+                k_left = K - k * BK
+                a = tl.load(x_ptrs, mask=rk[None, :] < k_left, other=0.0)
+                b = tl.load(w_ptrs, mask=rk[:, None] < k_left, other=0.0)
+            if BASE_IEEE:
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+            x_ptrs += BK
+            w_ptrs += BK
+
+        # LoRA update into the same accumulator: acc += S @ up.T over the rank.
+        rr = tl.arange(0, BR)
+        s_ptrs = s_ptr + rt_l[:, None] * stride_st + rr[None, :]
+        u_ptrs = u_ptr + rn_l[None, :] * stride_un + rr[:, None]
+        for r in range(0, tl.cdiv(R, BR)):
+            r_left = R - r * BR
+            a = tl.load(s_ptrs, mask=rr[None, :] < r_left, other=0.0)
+            b = tl.load(u_ptrs, mask=rr[:, None] < r_left, other=0.0)
+            if LORA_IEEE:
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+            s_ptrs += BR
+            u_ptrs += BR
+
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn_l).to(tl.float32)[None, :]
+        mask = (rt[:, None] < T) & (rn[None, :] < N)
+        o_ptrs = o_ptr + rt.to(tl.int64)[:, None] * stride_ot + rn[None, :]
+        if o_ptr.dtype.element_ty == tl.bfloat16:
+            # Round to nearest even by hand (see shrink_kernel).
+            bits = acc.to(tl.uint32, bitcast=True)
+            bits += ((bits >> 16) & 1) + 0x7FFF
+            tl.store(o_ptrs, (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True),
+                     mask=mask)
+        else:
+            tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=mask)
+
+    return shrink_kernel, fused_kernel
+
+
+# ----------------------------------------------------------------------------------------------
+# Dispatch
+
+
+def _use_kernel(*tensors: torch.Tensor | None) -> bool:
+    present = [t for t in tensors if t is not None]
+    if not triton_available():
+        return False
+    if any(t.dtype not in _KERNEL_DTYPES for t in present):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in present):
+        return False  # the kernels have no backward; the reference is differentiable
+    return present[0].is_cuda or _interpreting()
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with unit stride along its last dimension (copied only when it has not)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _ieee(a: torch.dtype, b: torch.dtype) -> bool:
+    """Whether a dot of these operand dtypes runs as an IEEE float32 dot (else a native one)."""
+    return a != b or a == torch.float32 or _interpreting()
+
+
+_SMEM_BUDGET = 160 * 1024  # staged operand tiles; the H200 allows 227 KiB per block
+
+
+def _fit_step(step: int, rows: int, cols: int, a_bytes: int, b_bytes: int, stages: int) -> int:
+    """Halve a reduction step (down to 16) until ``stages`` staged tiles fit the budget."""
+    while step > 16 and stages * step * (rows * a_bytes + cols * b_bytes) > _SMEM_BUDGET:
+        step //= 2
+    return step
+
+
+@functools.cache
+def _sm_count(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _device_guard(t: torch.Tensor):
+    import contextlib
+
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def lora_shrink(x: torch.Tensor, down: torch.Tensor, scale: torch.Tensor,
+                config: tuple[int, int, int, int, int, int] | None = None) -> torch.Tensor:
+    """``S = (x @ down.T) * scale``: the rank-wide LoRA intermediate, rounded once.
+
+    Args:
+        x: (T, K) activations, bf16/fp16/fp32.
+        down: (R, K) down factor(s), of x's dtype or float32.
+        scale: (R,) per-rank scale (float32), e.g. strength x alpha / rank for each adapter's ranks.
+        config: a :class:`ShrinkConfig` (or the same 6-tuple) to override
+            :data:`SHRINK_CUDA_CONFIG` (or the small interpreter blocks).
+
+    Returns:
+        (T, R) in x's dtype when ``down`` has x's dtype, else float32 (a float32 adapter on bf16
+        activations keeps float32 math: x is upcast in the kernel and the dot is IEEE float32).
+        The product is accumulated in float32, multiplied by ``scale`` in float32, rounded once.
+
+    Uses the Triton kernel where Triton is installed and the tensors are on CUDA (or under
+    ``TRITON_INTERPRET=1``), else :func:`lora_shrink_reference`.
+    """
+    if x.dim() != 2 or down.dim() != 2 or down.shape[1] != x.shape[1]:
+        raise ValueError(f"lora_shrink: x (T, K) and down (R, K) expected, "
+                         f"got {tuple(x.shape)} and {tuple(down.shape)}")
+    t, k = x.shape
+    r = down.shape[0]
+    if scale.shape != (r,):
+        raise ValueError(f"lora_shrink: scale of shape ({r},) expected, got {tuple(scale.shape)}")
+    if t == 0 or r == 0 or not _use_kernel(x, down, scale):
+        return lora_shrink_reference(x, down, scale)
+    import triton
+
+    interpret = _interpreting()
+    cfg = ShrinkConfig(*(config or (_SHRINK_INTERPRET_CONFIG if interpret else SHRINK_CUDA_CONFIG)))
+    x, down = _rows(x), _rows(down)
+    scale = scale.to(torch.float32).contiguous()
+    out_dtype = _shrink_out_dtype(x, down)
+    bt = cfg.block_t
+    br = min(max(16, cfg.block_r), max(16, triton.next_power_of_2(r)))
+    bk = _fit_step(cfg.block_k, bt, br, x.element_size(), down.element_size(), cfg.num_stages)
+    tiles = triton.cdiv(t, bt) * triton.cdiv(r, br)
+    k_blocks = max(1, triton.cdiv(k, bk))
+    split = cfg.split_k
+    if split <= 0:  # about two programs per SM, each with at least 4 K steps
+        sms = _sm_count(x.device.index) if x.is_cuda else 1
+        split = 1 if tiles >= sms else max(1, min(triton.cdiv(2 * sms, tiles), k_blocks // 4))
+    per_split = triton.cdiv(k_blocks, min(split, k_blocks))
+    split = triton.cdiv(k_blocks, per_split)  # no empty splits
+    if split > 1:
+        out = torch.empty(split, t, r, dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty(1, t, r, dtype=out_dtype, device=x.device)
+    with _device_guard(x):
+        _kernels()[0][(triton.cdiv(t, bt), triton.cdiv(r, br), split)](
+            x, down, scale, out, t, r, k, per_split * bk, x.stride(0), down.stride(0),
+            out.stride(1), out.stride(0),
+            BT=bt, BR=br, BK=bk, SPLIT=split, IEEE=_ieee(x.dtype, down.dtype),
+            EVEN_K=k % bk == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split > 1:
+        return out.sum(0).mul_(scale).to(out_dtype)
+    return out[0]
+
+
+def lora_linear_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      s: torch.Tensor, up: torch.Tensor,
+                      config: tuple[int, int, int, int, int, int, int] | None = None
+                      ) -> torch.Tensor:
+    """``out = x @ weight.T + s @ up.T + bias`` in one kernel, float32 accumulator, one rounding.
+
+    Args:
+        x: (T, K) activations, bf16/fp16/fp32.
+        weight: (N, K) base weight, normally of x's dtype.
+        bias: (N,) or None.
+        s: (T, R) the scaled LoRA intermediate from :func:`lora_shrink` (x's dtype or float32).
+        up: (N, R) up factor(s), of s's dtype or float32. When ``s`` or ``up`` is float32 the
+            rank part runs as an IEEE float32 dot; so does the base part for float32 operands.
+        config: a :class:`FusedConfig` (or the same 7-tuple) to override
+            :data:`FUSED_CUDA_CONFIG` / :data:`FUSED_CUDA_SMALL_T_CONFIG` (or the interpreter's).
+
+    Returns:
+        (T, N) in x's dtype. R may be any size >= 1 (the rank loop is masked).
+
+    Uses the Triton kernel where Triton is installed and the tensors are on CUDA (or under
+    ``TRITON_INTERPRET=1``), else :func:`lora_linear_fused_reference`.
+    """
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"lora_linear_fused: x (T, K) and weight (N, K) expected, "
+                         f"got {tuple(x.shape)} and {tuple(weight.shape)}")
+    t, k = x.shape
+    n = weight.shape[0]
+    if s.dim() != 2 or up.dim() != 2 or s.shape[0] != t or up.shape != (n, s.shape[1]):
+        raise ValueError(f"lora_linear_fused: s (T={t}, R) and up (N={n}, R) expected, "
+                         f"got {tuple(s.shape)} and {tuple(up.shape)}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"lora_linear_fused: bias of shape ({n},) expected, "
+                         f"got {tuple(bias.shape)}")
+    r = s.shape[1]
+    if t == 0 or n == 0 or r == 0 or not _use_kernel(x, weight, bias, s, up):
+        return lora_linear_fused_reference(x, weight, bias, s, up)
+    import triton
+
+    interpret = _interpreting()
+    if config is not None:
+        cfg = FusedConfig(*config)
+    elif interpret:
+        cfg = _FUSED_INTERPRET_CONFIG
+    else:
+        cfg = FUSED_CUDA_SMALL_T_CONFIG if t <= _SMALL_T else FUSED_CUDA_CONFIG
+    bt = cfg.block_t or min(_SMALL_T, max(16, triton.next_power_of_2(t)))
+    bn = cfg.block_n
+    # float32 operands take twice the staged shared memory: shorter K/rank steps keep them fit.
+    bk = _fit_step(cfg.block_k, bt, bn, x.element_size(), weight.element_size(), cfg.num_stages)
+    br = _fit_step(min(max(16, cfg.block_r), max(16, triton.next_power_of_2(r))), bt, bn,
+                   s.element_size(), up.element_size(), cfg.num_stages)
+    x, weight, s, up = _rows(x), _rows(weight), _rows(s), _rows(up)
+    if bias is not None:
+        bias = bias.contiguous()
+    out = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(t, bt) * triton.cdiv(n, bn),)
+    with _device_guard(x):
+        _kernels()[1][grid](
+            x, weight, bias if bias is not None else out, s, up, out, t, n, k, r,
+            x.stride(0), weight.stride(0), s.stride(0), up.stride(0), out.stride(0),
+            BT=bt, BN=bn, BK=bk, BR=br, GROUP=max(1, cfg.group), HAS_BIAS=bias is not None,
+            BASE_IEEE=_ieee(x.dtype, weight.dtype), LORA_IEEE=_ieee(s.dtype, up.dtype),
+            EVEN_K=k % bk == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out

@@ -1,0 +1,242 @@
+"""Dynamic adapters: tiers against the reference chain and float64, every layer and patch kind,
+exact detach, strengths, request scales and torch.compile without recompiles."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from torch import nn
+
+import shuttle
+from shuttle.errors import InvalidStrengthError, ShapeMismatchError
+from shuttle.hooks import hooks_of
+
+
+def _lora_sd(prefix, out_f, in_f, rank, g, alpha=None, dtype=torch.bfloat16, scale=0.1):
+    sd = {f"{prefix}.lora_A.weight": (torch.randn(rank, in_f, generator=g) * scale).to(dtype),
+          f"{prefix}.lora_B.weight": (torch.randn(out_f, rank, generator=g) * scale).to(dtype)}
+    if alpha is not None:
+        sd[f"{prefix}.alpha"] = torch.tensor(float(alpha))
+    return sd
+
+
+def _linear_model(dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 16)).to(dtype)
+
+
+def _reference_chain(x, a, b, scale, strength, req):
+    """The chain the exact tier promises to reproduce: delta, then each scale, then add."""
+    d = x @ a.T @ b.T
+    for s in (scale, strength, req):
+        if s != 1:
+            d = d * s
+    return d
+
+
+@pytest.mark.parametrize(("alpha", "strength", "req"),
+                         [(None, 1.0, 1.0), (8.0, 1.0, 1.0), (4.0, 0.7, 1.0), (8.0, 0.3, 0.5)])
+@pytest.mark.parametrize("shape", [(5, 32), (2, 3, 32)])
+def test_exact_tier_is_bit_identical_to_the_reference_chain(alpha, strength, req, shape):
+    g = torch.Generator().manual_seed(1)
+    m = _linear_model()
+    sd = _lora_sd("0", 48, 32, 8, g, alpha)
+    x = torch.randn(*shape, generator=g).bfloat16()
+    base = m[0](x)
+    scale = (alpha / 8) if alpha is not None else 1.0
+    want = base + _reference_chain(x, sd["0.lora_A.weight"], sd["0.lora_B.weight"], scale,
+                                   strength, req)
+    with shuttle.apply_lora(m, [(sd, strength)], mode="dynamic", quality="exact"), \
+            shuttle.lora_scale(req):
+        got = m[0](x)
+    assert torch.equal(got, want)
+
+
+def test_exact_tier_on_fused_rows():
+    g = torch.Generator().manual_seed(2)
+    m = nn.Module()
+    m.to_qkv = nn.Linear(16, 48).bfloat16()
+    sd = {}
+    for n in ("to_q", "to_k", "to_v"):
+        sd |= _lora_sd(n, 16, 16, 4, g)
+    x = torch.randn(3, 16, generator=g).bfloat16()
+    base = m.to_qkv(x)
+    parts = [base[:, 16 * i:16 * (i + 1)] + _reference_chain(
+        x, sd[f"{n}.lora_A.weight"], sd[f"{n}.lora_B.weight"], 1.0, 0.5, 1.0)
+        for i, n in enumerate(("to_q", "to_k", "to_v"))]
+    with shuttle.apply_lora(m, [(sd, 0.5)], mode="dynamic", quality="exact"):
+        got = m.to_qkv(x)
+    assert torch.equal(got, torch.cat(parts, dim=-1))
+
+
+def _error(got, ref64):
+    return float((got.double() - ref64).norm() / ref64.norm())
+
+
+@pytest.mark.parametrize("quality", ["lossless", "fused"])
+@pytest.mark.parametrize("factor_dtype", [torch.bfloat16, torch.float32])
+def test_fast_tiers_are_no_worse_than_exact_against_float64(quality, factor_dtype):
+    g = torch.Generator().manual_seed(3)
+    m = _linear_model()
+    sds = [_lora_sd("0", 48, 32, 8, g, 4.0, factor_dtype, scale=0.3),
+           _lora_sd("0", 48, 32, 5, g, None, factor_dtype, scale=0.3)]
+    x = torch.randn(40, 32, generator=g).bfloat16()
+    ref = torch.nn.functional.linear(x.double(), m[0].weight.double(), m[0].bias.double())
+    for sd, s, k in ((sds[0], 0.5, 0.8), (sds[1], 1.0, -0.4)):
+        ref = ref + k * s * (x.double() @ sd["0.lora_A.weight"].double().T
+                             @ sd["0.lora_B.weight"].double().T)
+    loras = [(sds[0], 0.8), (sds[1], -0.4)]
+    with shuttle.apply_lora(m, loras, mode="dynamic", quality="exact"):
+        exact = m[0](x)
+    with shuttle.apply_lora(m, loras, mode="dynamic", quality=quality):
+        fast = m[0](x)
+    assert _error(fast, ref) <= _error(exact, ref) * 1.05
+    assert _error(fast, ref) < 1e-2
+
+
+@pytest.mark.parametrize("quality", ["exact", "lossless"])
+def test_conv_and_embedding_low_rank(quality):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(4)
+    m = nn.Module()
+    m.conv = nn.Conv2d(3, 8, 3, padding=1)
+    m.emb = nn.Embedding(20, 6)
+    sd = {"conv.lora_down.weight": torch.randn(2, 3, 3, 3, generator=g) * 0.2,
+          "conv.lora_up.weight": torch.randn(8, 2, 1, 1, generator=g) * 0.2,
+          "conv.alpha": torch.tensor(1.0),
+          "base_model.model.emb.lora_embedding_A": torch.randn(3, 20, generator=g),
+          "base_model.model.emb.lora_embedding_B": torch.randn(6, 3, generator=g)}
+    x = torch.randn(2, 3, 5, 5, generator=g)
+    ids = torch.tensor([[1, 4, 19], [0, 2, 2]])
+    merged = nn.Module()
+    merged.conv, merged.emb = nn.Conv2d(3, 8, 3, padding=1), nn.Embedding(20, 6)
+    merged.load_state_dict(m.state_dict())
+    shuttle.merge_lora(merged, [(sd, 0.6)])
+    with shuttle.apply_lora(m, [(sd, 0.6)], mode="dynamic", quality=quality):
+        torch.testing.assert_close(m.conv(x), merged.conv(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(m.emb(ids), merged.emb(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_every_patch_kind_runs_dynamically():
+    """LoHa, LoKr, full diff, bias diff, norm, (IA)3, set and DoRA: dynamic equals merged."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(5)
+
+    def model():
+        torch.manual_seed(0)
+        m = nn.Module()
+        m.a, m.b, m.c = nn.Linear(8, 8), nn.Linear(8, 6), nn.Linear(6, 4)
+        m.d, m.norm = nn.Linear(8, 8), nn.LayerNorm(8)
+        return m
+
+    sd = {"lycoris_a.hada_w1_a": torch.randn(8, 2, generator=g),
+          "lycoris_a.hada_w1_b": torch.randn(2, 8, generator=g),
+          "lycoris_a.hada_w2_a": torch.randn(8, 2, generator=g),
+          "lycoris_a.hada_w2_b": torch.randn(2, 8, generator=g),
+          "lycoris_b.lokr_w1": torch.randn(2, 2, generator=g),
+          "lycoris_b.lokr_w2": torch.randn(3, 4, generator=g),
+          "lycoris_b.diff_b": torch.randn(6, generator=g),
+          "lycoris_c.weight": torch.randn(4, generator=g) * 0.1,
+          "lycoris_c.on_input": torch.tensor(False),
+          "lycoris_d.lora_down.weight": torch.randn(2, 8, generator=g),
+          "lycoris_d.lora_up.weight": torch.randn(8, 2, generator=g),
+          "lycoris_d.dora_scale": torch.rand(8, 1, generator=g) + 0.5,
+          "lycoris_norm.w_norm": torch.randn(8, generator=g) * 0.1,
+          "lycoris_norm.b_norm": torch.randn(8, generator=g) * 0.1}
+    dyn, merged = model(), model()
+    shuttle.merge_lora(merged, [(sd, 0.7)])
+    x = torch.randn(3, 8, generator=g)
+
+    def run(m):
+        return m.c(m.b(m.a(x)) if False else torch.relu(m.b(m.a(x)))), m.d(x), m.norm(x)
+
+    with shuttle.apply_lora(dyn, [(sd, 0.7)], mode="dynamic", quality="lossless") as h:
+        assert len(h.applied) == 7
+        for got, want in zip(run(dyn), run(merged), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_detach_restores_the_model_exactly():
+    m = _linear_model()
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    sig = inspect.signature(m[0].forward)
+    x = torch.randn(4, 32).bfloat16()
+    y0 = m(x)
+    g = torch.Generator().manual_seed(6)
+    h = shuttle.attach_lora(m, [(_lora_sd("0", 48, 32, 4, g), 1.0)], quality="lossless")
+    assert isinstance(m[0], nn.Linear) and type(m[0]) is nn.Linear
+    assert inspect.signature(m[0].forward) == sig
+    assert not torch.equal(m(x), y0)
+    h.detach()
+    assert "forward" not in m[0].__dict__ and not hooks_of(m[0])
+    assert torch.equal(m(x), y0)
+    assert all(torch.equal(p, before[n]) for n, p in m.named_parameters())
+
+
+def test_scoped_dynamic_detaches_when_the_body_raises():
+    m = _linear_model()
+    g = torch.Generator().manual_seed(7)
+    with pytest.raises(RuntimeError, match="boom"), \
+            shuttle.apply_lora(m, [(_lora_sd("0", 48, 32, 4, g), 1.0)], mode="dynamic"):
+        raise RuntimeError("boom")
+    assert not hooks_of(m[0])
+
+
+def test_strength_and_request_scale():
+    m = _linear_model(torch.float32)
+    g = torch.Generator().manual_seed(8)
+    sd = _lora_sd("0", 48, 32, 4, g, dtype=torch.float32, scale=0.5)
+    x = torch.randn(3, 32, generator=g)
+    base = m[0](x)
+    delta = x @ sd["0.lora_A.weight"].T @ sd["0.lora_B.weight"].T
+    h = shuttle.attach_lora(m, [(sd, 1.0)], quality="lossless")
+    torch.testing.assert_close(m[0](x), base + delta)
+    h.set_strength(0, 0.25)
+    torch.testing.assert_close(m[0](x), base + 0.25 * delta)
+    with shuttle.lora_scale(2.0):
+        torch.testing.assert_close(m[0](x), base + 0.5 * delta)
+    torch.testing.assert_close(m[0](x), base + 0.25 * delta)
+    with pytest.raises(InvalidStrengthError):
+        h.set_strength(0, float("nan"))
+    with pytest.raises(InvalidStrengthError), shuttle.lora_scale(float("inf")):
+        pass
+    h.detach()
+
+
+def test_bad_input_attaches_nothing():
+    m = _linear_model()
+    g = torch.Generator().manual_seed(9)
+    bad = _lora_sd("0", 47, 32, 4, g)  # wrong output size
+    with pytest.raises(ShapeMismatchError):
+        shuttle.attach_lora(m, [(bad, 1.0)])
+    with pytest.raises(InvalidStrengthError):
+        shuttle.attach_lora(m, [(_lora_sd("0", 48, 32, 4, g), float("nan"))])
+    assert not any(hooks_of(mod) for mod in m.modules())
+
+
+def test_compiled_model_does_not_recompile_on_strength_scale_or_swap():
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    m = _linear_model(torch.float32)
+    g = torch.Generator().manual_seed(10)
+    h = shuttle.attach_lora(m, [(_lora_sd("0", 48, 32, 4, g, dtype=torch.float32), 1.0)],
+                            quality="lossless", max_rank=8)
+    compiled = torch.compile(m, backend="eager")
+    x = torch.randn(3, 32)
+    compiled(x)
+    frames = counters["stats"]["unique_graphs"]
+    h.set_strength(0, 0.3)
+    y1 = compiled(x)
+    with shuttle.lora_scale(0.5):
+        y2 = compiled(x)
+    new = shuttle.load_lora(_lora_sd("0", 48, 32, 8, g, dtype=torch.float32))
+    h.swap(0, new)
+    y3 = compiled(x)
+    assert counters["stats"]["unique_graphs"] == frames
+    eager = [m(x) for _ in range(1)]
+    torch.testing.assert_close(y3, eager[0])
+    assert not torch.allclose(y1, y2)
+    h.detach()
