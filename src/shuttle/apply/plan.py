@@ -11,7 +11,8 @@ import logging
 import math
 import numbers
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 import torch
 
@@ -26,7 +27,15 @@ from shuttle.formats.source import Source
 from shuttle.patches import DoRA, Patch
 from shuttle.targets import KeyMapping, ModelNames, Target, resolve
 
-__all__ = ["AdapterList", "Contribution", "MergePlan", "normalize_loras", "plan_merge"]
+__all__ = [
+    "AdapterList",
+    "Contribution",
+    "MergePlan",
+    "TensorSpec",
+    "normalize_loras",
+    "plan_merge",
+    "plan_params",
+]
 
 log = logging.getLogger("shuttle")
 
@@ -82,6 +91,19 @@ def normalize_loras(loras: AdapterList) -> list[tuple[LoRA, float]]:
     return out
 
 
+class TensorSpec(Protocol):
+    """What planning needs of a parameter: a tensor, or any object with these attributes."""
+
+    @property
+    def shape(self) -> torch.Size: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+
 def plan_merge(
     model: torch.nn.Module,
     loras: AdapterList,
@@ -93,8 +115,28 @@ def plan_merge(
         InvalidStrengthError, ShapeMismatchError, DuplicateTargetError, UnsupportedLayerError,
         NonFiniteAdapterError, CorruptFileError: see the messages; the model is untouched.
     """
+    return plan_params(dict(model.named_parameters()), loras, mapping)
+
+
+def plan_params(
+    params: Mapping[str, TensorSpec],
+    loras: AdapterList,
+    mapping: KeyMapping | None = None,
+    *,
+    device: torch.device | str | None = None,
+    load: bool = True,
+) -> MergePlan:
+    """:func:`plan_merge` over parameter specs instead of a model (a checkpoint's header, ...).
+
+    Args:
+        params: parameter name -> tensor or :class:`TensorSpec`.
+        loras, mapping: as for :func:`plan_merge`.
+        device: where to read the patches (default: each parameter's device; required for
+            parameters on the ``meta`` device).
+        load: read the patches and check them finite; with False they stay lazy (and
+            ``device`` is ignored), for planning without reading tensors.
+    """
     pairs = normalize_loras(loras)
-    params = dict(model.named_parameters())
     names = ModelNames({n: p.shape for n, p in params.items()})
     plan = MergePlan({}, {}, {}, pairs)
     several = len(pairs) > 1
@@ -108,23 +150,26 @@ def plan_merge(
             _validate(t, params[t.param])
             staged.append((t, strength, index))
     for t, strength, index in staged:
-        p = params[t.param]
-        if p.device.type == "meta":
-            raise UnsupportedLayerError(
-                f"parameter {t.param!r} is on the meta device; materialize the model (or load "
-                "its checkpoint) before merging"
-            )
-        loaded = t.patch.load(p.device)
+        patch = t.patch
+        if load:
+            target = torch.device(device) if device is not None else params[t.param].device
+            if target.type == "meta":
+                raise UnsupportedLayerError(
+                    f"parameter {t.param!r} is on the meta device; materialize the model (or "
+                    "load its checkpoint) before merging, or pass device="
+                )
+            patch = patch.load(target)
         plan.params.setdefault(t.param, []).append(
-            Contribution(loaded, strength, t.rows, t.module_key, index))
-    _check_finite(plan)
+            Contribution(patch, strength, t.rows, t.module_key, index))
+    if load:
+        _check_finite(plan)
     if plan.unmatched:
         log.warning("%d adapter key(s) matched no parameter: %s", len(plan.unmatched),
                     "; ".join(f"{k}: {v}" for k, v in list(plan.unmatched.items())[:5]))
     return plan
 
 
-def _validate(t: Target, p: torch.nn.Parameter) -> None:
+def _validate(t: Target, p: TensorSpec) -> None:
     shape = tuple(p.shape)
     if t.rows is not None:
         start, end = t.rows
