@@ -241,3 +241,32 @@ def test_compiled_model_does_not_recompile_on_strength_scale_or_swap():
     torch.testing.assert_close(y3, eager[0])
     assert not torch.allclose(y1, y2)
     h.detach()
+
+
+def test_conv_and_embedding_errors_no_worse_than_exact():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(11)
+    m = nn.Module()
+    m.conv = nn.Conv2d(4, 6, 3, padding=1).bfloat16()
+    sd = {"conv.lora_down.weight": (torch.randn(3, 4, 3, 3, generator=g) * 0.3).bfloat16(),
+          "conv.lora_up.weight": (torch.randn(6, 3, 1, 1, generator=g) * 0.3).bfloat16()}
+    x = torch.randn(2, 4, 6, 6, generator=g).bfloat16()
+    w = m.conv.weight.double() + 0.9 * (sd["conv.lora_up.weight"].double().flatten(1)
+                                        @ sd["conv.lora_down.weight"].double().flatten(1)
+                                        ).reshape(m.conv.weight.shape)
+    ref = torch.nn.functional.conv2d(x.double(), w, m.conv.bias.double(), padding=1)
+    errs = {}
+    for q in ("exact", "lossless"):
+        with shuttle.apply_lora(m, [(sd, 0.9)], mode="dynamic", quality=q):
+            errs[q] = _error(m.conv(x), ref)
+    assert errs["lossless"] <= errs["exact"] * 1.05 and errs["lossless"] < 2e-2
+
+
+def test_a_patch_the_layer_cannot_take_names_the_layer():
+    m = nn.Module()
+    m.conv = nn.Conv2d(4, 6, 1)
+    sd = {"conv.lora_down.weight": torch.randn(2, 4, 1, 1),
+          "conv.lora_up.weight": torch.randn(3, 2, 1, 1)}
+    with pytest.raises(shuttle.errors.UnsupportedLayerError, match="conv"):
+        shuttle.attach_lora(m, [(sd, 1.0)], mapping={"conv": ("conv", (0, 3))})
+    assert not hooks_of(m.conv)
