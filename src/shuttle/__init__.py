@@ -6,12 +6,18 @@ The public API; see docs/ for guides.
 from shuttle import errors
 from shuttle.apply import (
     DynamicAdapters,
+    ExtractReport,
+    LoadReport,
     MergeReport,
     apply_lora,
     attach_lora,
+    extract_lora,
+    load_checkpoint,
     lora_scale,
     merge_lora,
+    replacement_parameters,
 )
+from shuttle.apply.merge_files import FileMergeReport, merge_files
 from shuttle.formats import FORMATS, LoRA, load_lora, register_format, save_lora
 from shuttle.patches import PATCH_KINDS, register_patch
 from shuttle.targets import Resolution, resolve
@@ -21,18 +27,25 @@ __version__ = "0.1.0"
 __all__ = [
     "FORMATS",
     "DynamicAdapters",
+    "ExtractReport",
+    "FileMergeReport",
     "PATCH_KINDS",
     "LoRA",
+    "LoadReport",
     "MergeReport",
     "Resolution",
     "apply_lora",
     "attach_lora",
     "errors",
+    "extract_lora",
+    "load_checkpoint",
     "load_lora",
     "lora_scale",
+    "merge_files",
     "merge_lora",
     "register_format",
     "register_patch",
+    "replacement_parameters",
     "resolve",
     "save_lora",
 ]

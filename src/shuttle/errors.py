@@ -9,10 +9,12 @@ from __future__ import annotations
 __all__ = [
     "AdapterFileError",
     "AdapterFormatError",
+    "CheckpointError",
     "CorruptFileError",
     "DuplicateTargetError",
     "InvalidStrengthError",
     "MissingDependencyError",
+    "MissingParameterError",
     "NonFiniteAdapterError",
     "ShapeMismatchError",
     "ShuttleError",
@@ -46,6 +48,12 @@ class UnsupportedFormatError(AdapterFormatError):
     """An adapter uses a known format that shuttle does not implement (OFT, GLoRA, ...)."""
 
 
+class CheckpointError(ShuttleError, ValueError):
+    """Two checkpoints cannot be turned into an adapter as asked (a parameter only in the base
+    with ``strict``, a changed integer tensor, no parameter that differs, names that collide).
+    """
+
+
 class ShapeMismatchError(ShuttleError, ValueError):
     """An adapter's update does not have the shape of the parameter it targets."""
 
@@ -68,3 +76,7 @@ class UnsupportedLayerError(ShuttleError, TypeError):
 
 class MissingDependencyError(ShuttleError, ImportError):
     """An optional dependency is needed; the message names the extra to install."""
+
+
+class MissingParameterError(ShuttleError, LookupError):
+    """A model parameter gets a value from neither the checkpoint nor an adapter (a load)."""

@@ -1,6 +1,11 @@
-"""Applying adapters to models: permanent and scoped merges, dynamic (forward-time) adapters."""
+"""Applying adapters: merges (permanent, scoped, file to file, at load), dynamic adapters.
+
+``merge_files`` is re-exported by ``shuttle`` only: here the name is its module's.
+"""
 
 from shuttle.apply.dynamic import DynamicAdapters, attach_lora
+from shuttle.apply.extract import ExtractReport, extract_lora
+from shuttle.apply.load import LoadReport, load_checkpoint, replacement_parameters
 from shuttle.apply.merge import MergeReport, merge_lora
 from shuttle.apply.plan import MergePlan, plan_merge
 from shuttle.apply.rounding import round_to, stochastic_round
@@ -9,13 +14,18 @@ from shuttle.apply.scoped import apply_lora
 
 __all__ = [
     "DynamicAdapters",
+    "ExtractReport",
+    "LoadReport",
     "MergePlan",
     "MergeReport",
     "apply_lora",
     "attach_lora",
+    "extract_lora",
+    "load_checkpoint",
     "lora_scale",
     "merge_lora",
     "plan_merge",
+    "replacement_parameters",
     "round_to",
     "stochastic_round",
 ]

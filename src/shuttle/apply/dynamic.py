@@ -16,7 +16,7 @@ import torch
 
 from shuttle.apply.dynamic_layer import LoRAHook, Quality
 from shuttle.apply.merge import MergeReport
-from shuttle.apply.plan import AdapterList, Contribution, plan_merge
+from shuttle.apply.plan import AdapterList, Contribution, MergePlan, plan_merge
 from shuttle.apply.scale import bump_generation
 from shuttle.errors import InvalidStrengthError, ShuttleError
 from shuttle.formats import LoRA, load_lora
@@ -24,7 +24,7 @@ from shuttle.hooks import add_hook, remove_hook
 from shuttle.patches import LowRank
 from shuttle.targets import KeyMapping, resolve
 
-__all__ = ["QUALITIES", "DynamicAdapters", "attach_lora", "default_quality"]
+__all__ = ["QUALITIES", "DynamicAdapters", "attach_lora", "attach_plan", "default_quality"]
 
 QUALITIES: tuple[str, ...] = ("exact", "lossless", "fused")
 
@@ -152,7 +152,19 @@ def attach_lora(
     quality = quality or default_quality(model)
     if quality not in QUALITIES:
         raise ShuttleError(f"quality={quality!r}: expected one of {', '.join(QUALITIES)}")
-    plan = plan_merge(model, loras, mapping)
+    return attach_plan(model, plan_merge(model, loras, mapping), quality, max_rank)
+
+
+def attach_plan(model: torch.nn.Module, plan: MergePlan, quality: Quality,
+                max_rank: int | None = None) -> DynamicAdapters:
+    """Attach a validated (and loaded) plan: :func:`attach_lora` after planning.
+
+    ``plan.params`` may be a subset of a plan's parameters (``mode="auto"`` attaches the ones
+    it does not merge); only those get hooks.
+
+    Raises:
+        UnsupportedLayerError: a patch a layer cannot take dynamically; nothing is attached.
+    """
     per_module: dict[str, dict[str, list[Contribution]]] = defaultdict(lambda: defaultdict(list))
     for param, contribs in plan.params.items():
         module, _, leaf = param.rpartition(".")

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import Literal
 
 import torch
 
-from shuttle.apply.dynamic import DynamicAdapters, attach_lora
+from shuttle.apply.auto import DEFAULT_THRESHOLD, AutoReport, check_threshold, decide
+from shuttle.apply.dynamic import (
+    QUALITIES,
+    DynamicAdapters,
+    attach_lora,
+    attach_plan,
+    default_quality,
+)
 from shuttle.apply.dynamic_layer import Quality
 from shuttle.apply.merge import MergeReport, merge_plan
 from shuttle.apply.plan import AdapterList, plan_merge
@@ -18,8 +26,8 @@ from shuttle.targets import KeyMapping
 
 __all__ = ["apply_lora"]
 
-Mode = Literal["merge", "dynamic"]
-MODES: tuple[str, ...] = ("merge", "dynamic")
+Mode = Literal["merge", "dynamic", "auto"]
+MODES: tuple[str, ...] = ("merge", "dynamic", "auto")
 
 
 @contextlib.contextmanager
@@ -33,30 +41,38 @@ def apply_lora(
     mapping: KeyMapping | None = None,
     backup_device: torch.device | str | None = None,
     quality: Quality | None = None,
-) -> Iterator[MergeReport | DynamicAdapters]:
+    auto_threshold: float = DEFAULT_THRESHOLD,
+) -> Iterator[MergeReport | DynamicAdapters | AutoReport]:
     """Apply adapters for the duration of a ``with`` block.
 
     With ``mode="merge"`` the adapters are merged as by :func:`~shuttle.merge_lora`; a copy of
     every changed parameter is kept (on ``backup_device``, default the parameter's own) and
     copied back on exit, so the weights are bit-identical to before, also when the body raises.
     With ``mode="dynamic"`` they are attached as by :func:`~shuttle.attach_lora` (weights never
-    written) and detached on exit.
+    written) and detached on exit. With ``mode="auto"`` each parameter is merged where a merge
+    in its dtype keeps the update (at most ``auto_threshold`` of the update's norm rounded away,
+    see :func:`shuttle.apply.auto.decide`) and attached dynamically otherwise; both are undone
+    on exit.
 
     Args:
         model: the model.
         loras: ``[(lora, strength), ...]``.
-        mode: ``"merge"`` or ``"dynamic"``.
+        mode: ``"merge"``, ``"dynamic"`` or ``"auto"``.
         rounding, seed, mapping: as for :func:`~shuttle.merge_lora`.
         backup_device: where to keep the originals (``"cpu"`` saves device memory).
         quality: the dynamic tier (``"exact"``, ``"lossless"``, ``"fused"``).
+        auto_threshold: with ``mode="auto"``, the largest fraction of a parameter's update a
+            merge may lose to rounding (0 merges only where rounding loses nothing).
 
     Yields:
-        The :class:`~shuttle.MergeReport` (merge), or the :class:`~shuttle.DynamicAdapters`
-        handle (dynamic: change strengths with ``set_strength``).
+        The :class:`~shuttle.MergeReport` (merge), the :class:`~shuttle.DynamicAdapters`
+        handle (dynamic: change strengths with ``set_strength``), or an
+        :class:`~shuttle.apply.auto.AutoReport` (auto: ``decisions``, ``losses``, ``dynamic``).
 
     Raises:
         ShuttleError: ``mode`` is not one of the implemented modes; plus everything
             :func:`~shuttle.merge_lora` raises, before any change.
+        InvalidStrengthError: ``auto_threshold`` is not a finite number >= 0.
     """
     if mode not in MODES:
         raise ShuttleError(f"mode={mode!r}: apply_lora supports {', '.join(MODES)}")
@@ -69,16 +85,40 @@ def apply_lora(
         return
     if rounding not in ("nearest", "stochastic"):
         raise InvalidStrengthError(f"rounding={rounding!r}: expected 'nearest' or 'stochastic'")
+    if mode == "auto":
+        auto_threshold = check_threshold(auto_threshold)
+        quality = quality or default_quality(model)
+        if quality not in QUALITIES:
+            raise ShuttleError(f"quality={quality!r}: expected one of {', '.join(QUALITIES)}")
     plan = plan_merge(model, loras, mapping)
     params = dict(model.named_parameters())
+    merged, dynamic = plan, None
+    report: MergeReport | AutoReport = MergeReport(list(plan.params), plan.unmatched,
+                                                   plan.skipped)
+    if mode == "auto":
+        decisions = decide(plan, params, auto_threshold, rounding=rounding, seed=seed)
+        merged = dataclasses.replace(plan, params={
+            n: cs for n, cs in plan.params.items() if decisions[n].mode == "merge"})
+        dynamic = dataclasses.replace(plan, params={
+            n: cs for n, cs in plan.params.items() if decisions[n].mode == "dynamic"})
     backups = {
         name: params[name].detach().to(backup_device or params[name].device, copy=True)
-        for name in plan.params
+        for name in merged.params
     }
+    handle: DynamicAdapters | None = None
     try:
-        merge_plan(model, plan, rounding=rounding, seed=seed)
-        yield MergeReport(list(plan.params), plan.unmatched, plan.skipped)
+        if dynamic is not None:
+            # Hooks first: attaching validates every dynamic patch and writes no weight, and
+            # the hooks' residuals are computed from the unmerged weights they belong to.
+            handle = attach_plan(model, dynamic, quality, None)
+            report = AutoReport({n: d.mode for n, d in decisions.items()},
+                                {n: d.loss for n, d in decisions.items()}, handle,
+                                plan.unmatched, plan.skipped)
+        merge_plan(model, merged, rounding=rounding, seed=seed)
+        yield report
     finally:
+        if handle is not None:
+            handle.detach()
         with torch.no_grad():
             for name, saved in backups.items():
                 params[name].copy_(saved)

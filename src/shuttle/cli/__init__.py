@@ -1,4 +1,4 @@
-"""The ``shuttle`` command: ``inspect``, ``convert``, ``demo``.
+"""The ``shuttle`` command: ``inspect``, ``convert``, ``merge``, ``extract``, ``demo``.
 
 Each subcommand is a thin front over the library: parsing arguments and printing.
 """
@@ -9,12 +9,14 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from shuttle.cli import convert, demo, inspect
+from shuttle.cli import convert, demo, extract, inspect, merge
 from shuttle.errors import ShuttleError
 
 __all__ = ["main"]
 
-_COMMANDS = {"inspect": inspect, "convert": convert, "demo": demo}
+_COMMANDS = {
+    "inspect": inspect, "convert": convert, "merge": merge, "extract": extract, "demo": demo,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

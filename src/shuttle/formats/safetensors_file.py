@@ -8,6 +8,7 @@ so a truncated file or a header that lies about sizes fails at open, naming the 
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import mmap
@@ -49,9 +50,11 @@ class LazyTensor:
         self.dtype = dtype
         self.shape = shape
 
-    def load(self) -> torch.Tensor:
-        """Read the tensor (a copy-on-write view of the memory-mapped file)."""
-        return self._file.read(self.key)
+    def load(self, *, copy: bool = False) -> torch.Tensor:
+        """Read the tensor: a copy-on-write view of the memory-mapped file, or with ``copy``
+        memory of its own (see :meth:`SafetensorsFile.read`).
+        """
+        return self._file.read(self.key, copy=copy)
 
     def __repr__(self) -> str:
         return f"LazyTensor({self.key!r}, {tuple(self.shape)}, {self.dtype})"
@@ -156,11 +159,21 @@ class SafetensorsFile:
         dtype, shape, _, _ = self._entries[key]
         return LazyTensor(self, key, dtype, shape)
 
-    def read(self, key: str) -> torch.Tensor:
-        """Read one tensor; its storage is a private copy-on-write map of the file."""
+    def read(self, key: str, *, copy: bool = False) -> torch.Tensor:
+        """Read one tensor; its storage is a private copy-on-write map of the file.
+
+        Args:
+            key: the tensor's name.
+            copy: read into memory of its own instead (``readinto``, no map). For streaming a
+                large file: every page of the map that was touched counts towards the process's
+                resident memory until the file is closed, so reading a 20 GB checkpoint through
+                it leaves the process 20 GB large; a copy is freed when dropped.
+        """
         dtype, shape, begin, end = self._entries[key]
         if end == begin:
             return torch.empty(shape, dtype=dtype)
+        if copy:
+            return self._read_copy(begin, end).view(dtype).reshape(shape)
         if self._mmap is None:
             with open(self.path, "rb") as f:
                 self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
@@ -170,3 +183,19 @@ class SafetensorsFile:
         if (self.data_start + begin) % flat.new_empty((), dtype=dtype).element_size():
             flat = flat.clone()  # unaligned offset: a dtype view needs an aligned start
         return flat.view(dtype).reshape(shape)
+
+    def _read_copy(self, begin: int, end: int) -> torch.Tensor:
+        n = end - begin
+        raw = torch.empty(n, dtype=torch.uint8)  # 64-byte aligned: any dtype view is valid
+        # readinto needs a writable buffer; ctypes gives one over the tensor's memory without
+        # numpy (an optional dependency).
+        view = memoryview((ctypes.c_ubyte * n).from_address(raw.data_ptr())).cast("B")
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(self.data_start + begin)
+            got = 0
+            while got < n:  # one read() returns at most ~2 GiB on Linux
+                k = f.readinto(view[got:])
+                if not k:
+                    raise self._corrupt(f"it ended {n - got} bytes early while reading")
+                got += k
+        return raw

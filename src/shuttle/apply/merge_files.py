@@ -1,0 +1,329 @@
+"""File-to-file merges: a checkpoint and adapters in, a merged checkpoint out, one tensor at a time.
+
+The merge is planned from the headers alone (the base checkpoint's and the adapters'), so every
+input error (missing file, bad strength, shape, duplicate target, dtype or rounding) is raised
+before a byte is written. Then each base tensor is read, merged exactly as
+:func:`~shuttle.merge_lora` merges a parameter (the contributions applied in float32, rounded
+once, here to the output dtype) and streamed into its shard; memory holds one tensor at a time.
+Shards are written under temporary names next to the output and renamed only when all are
+complete, so a failure (a non-finite result, a full disk, Ctrl-C) never replaces a good output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from shuttle.apply.merge import merge_param
+from shuttle.apply.plan import AdapterList, Contribution, MergePlan, plan_params
+from shuttle.apply.rounding import Rounding, round_to
+from shuttle.errors import (
+    AdapterFileError,
+    InvalidStrengthError,
+    NonFiniteAdapterError,
+    ShuttleError,
+)
+from shuttle.formats.model_checkpoint import open_checkpoint
+from shuttle.formats.safetensors_file import LazyTensor
+from shuttle.formats.safetensors_writer import SafetensorsWriter
+from shuttle.targets import KeyMapping
+
+__all__ = ["OUTPUT_DTYPES", "FileMergeReport", "merge_files"]
+
+log = logging.getLogger("shuttle")
+
+OUTPUT_DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+    "fp8_e4m3fn": torch.float8_e4m3fn,
+}
+_LONG_NAMES = {str(d).removeprefix("torch."): d for d in OUTPUT_DTYPES.values()}
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+BaseSource = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
+
+
+@dataclasses.dataclass
+class FileMergeReport:
+    """What :func:`merge_files` wrote.
+
+    Attributes:
+        files: the safetensors files written (one, or the shards in order).
+        index: the ``*.safetensors.index.json`` written with several shards, else None.
+        applied: names of the tensors the adapters changed, in checkpoint order.
+        unmatched: adapter keys that reached no tensor -> why (``source::`` prefixed when
+            several adapters were merged).
+        skipped: adapter keys that were not turned into patches -> why.
+        total_size: bytes of tensor data written.
+        metadata: the ``__metadata__`` written into every file.
+    """
+
+    files: list[Path]
+    index: Path | None
+    applied: list[str]
+    unmatched: dict[str, str]
+    skipped: dict[str, str]
+    total_size: int
+    metadata: dict[str, str]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    """A tensor as planning sees it: shape and dtype from the header (a TensorSpec)."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device = torch.device("cpu")
+
+
+def merge_files(
+    base: BaseSource,
+    loras: AdapterList,
+    out: str | os.PathLike[str],
+    *,
+    dtype: str | torch.dtype | None = None,
+    rounding: Rounding = "nearest",
+    seed: int | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+    mapping: KeyMapping | None = None,
+    progress: bool | None = None,
+) -> FileMergeReport:
+    """Merge adapters into a safetensors checkpoint, writing a new checkpoint.
+
+    The result equals loading ``base`` into a model, :func:`~shuttle.merge_lora` and saving its
+    state dict, bit for bit (with ``dtype``: the float32 result rounded once to ``dtype``).
+
+    Args:
+        base: a ``.safetensors`` file, a list of them (shards), or a ``*.safetensors.index.json``.
+        loras: ``[(lora, strength), ...]``, as for :func:`~shuttle.merge_lora`; the tensor names
+            of ``base`` play the model's parameter names.
+        out: a ``.safetensors`` path (several shards become ``NAME-00001-of-0000N.safetensors``
+            beside it, with ``NAME.safetensors.index.json``), or a directory (files named
+            ``model*.safetensors`` in it).
+        dtype: output dtype of every floating-point tensor: ``"bf16"``, ``"fp16"``, ``"fp32"``,
+            ``"fp8_e4m3fn"`` (or the torch dtype); None keeps each tensor's own. Other tensors
+            are copied as they are.
+        rounding: ``"nearest"`` or ``"stochastic"`` (seeded by tensor name and ``seed``);
+            stochastic rounding to float8 is not implemented.
+        seed: mixed into the stochastic rounding seed.
+        max_shard_bytes: most tensor bytes per file; a larger single tensor gets its own file.
+        mapping: adapter module key -> tensor path, as for :func:`~shuttle.merge_lora`.
+        progress: show a progress bar (default: when writing to a terminal).
+
+    Returns:
+        A :class:`FileMergeReport`.
+
+    Raises:
+        AdapterFileError: a base or adapter file is missing, or ``base`` is not safetensors.
+        CorruptFileError: a file is truncated, or the index names tensors its files lack.
+        InvalidStrengthError: a bad strength or rounding, or stochastic rounding to float8.
+        ShapeMismatchError, DuplicateTargetError, UnsupportedLayerError: as for a merge.
+        ShuttleError: an unknown ``dtype``, a bad ``max_shard_bytes`` or ``out``.
+            All of the above are raised before anything is written.
+        NonFiniteAdapterError: while writing: a tensor merges to NaN or infinity, or outside
+            the range of the output dtype. The output is then left as it was.
+    """
+    out_dtype = _parse_dtype(dtype)
+    if rounding not in ("nearest", "stochastic"):
+        raise InvalidStrengthError(f"rounding={rounding!r}: expected 'nearest' or 'stochastic'")
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) \
+            or max_shard_bytes <= 0:
+        raise ShuttleError(f"max_shard_bytes={max_shard_bytes!r}: pass a positive number of bytes")
+    tensors, base_meta = _open_base(base)
+    plan = plan_params({n: _Spec(t.shape, t.dtype) for n, t in tensors.items()}, loras, mapping,
+                       load=False)
+    dtypes = {n: out_dtype if out_dtype is not None and t.dtype.is_floating_point else t.dtype
+              for n, t in tensors.items()}
+    if rounding == "stochastic":
+        _check_stochastic(tensors, dtypes, plan)
+    shards = _shards(tensors, dtypes, max_shard_bytes)
+    paths, index = _output_paths(Path(out), len(shards))
+    metadata = _metadata(base_meta, plan, out_dtype, rounding, seed)
+
+    paths[0].parent.mkdir(parents=True, exist_ok=True)
+    token = uuid.uuid4().hex[:8]
+    temps: list[Path] = []
+    weight_map: dict[str, str] = {}
+    total = sum(_nbytes(tensors[n].shape, dtypes[n]) for n in tensors)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="merging",
+               disable=None if progress is None else not progress)
+    try:
+        for names, path in zip(shards, paths, strict=True):
+            temps.append(path.with_name(f".{path.name}.{token}.tmp"))
+            entries = {n: (dtypes[n], tensors[n].shape) for n in names}
+            with SafetensorsWriter(temps[-1], entries, metadata) as writer:
+                for name in writer.order:
+                    value = _merged(tensors[name], name, plan.params.get(name, []),
+                                    dtypes[name], rounding, seed)
+                    writer.write(name, value)
+                    weight_map[name] = path.name
+                    bar.update(_nbytes(value.shape, value.dtype))
+        if index is not None:
+            temps.append(index.with_name(f".{index.name}.{token}.tmp"))
+            ordered = {n: weight_map[n] for n in tensors}  # checkpoint order, not write order
+            temps[-1].write_text(json.dumps(
+                {"metadata": {"total_size": total}, "weight_map": ordered}, indent=2) + "\n")
+        # Every file is complete: publish them, the index last (readers follow the index).
+        for tmp, final in zip(temps, [*paths, *([index] if index else [])], strict=True):
+            os.replace(tmp, final)
+    except BaseException:
+        for tmp in temps:
+            tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        bar.close()
+    _warn_stale(paths, index)
+    applied = [n for n in tensors if n in plan.params]
+    return FileMergeReport(paths, index, applied, plan.unmatched, plan.skipped, total, metadata)
+
+
+def _parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None:
+        return None
+    if isinstance(dtype, torch.dtype):
+        found = dtype if dtype in OUTPUT_DTYPES.values() else None
+    else:
+        found = OUTPUT_DTYPES.get(dtype) or _LONG_NAMES.get(dtype)
+    if found is None:
+        raise ShuttleError(
+            f"dtype={dtype!r}: pass one of {', '.join(OUTPUT_DTYPES)} (or None to keep each "
+            "tensor's dtype)"
+        )
+    return found
+
+
+def _open_base(base: BaseSource) -> tuple[dict[str, LazyTensor], dict[str, str]]:
+    """Tensor name -> lazy tensor, in checkpoint order, and the files' metadata merged."""
+    if isinstance(base, Mapping):
+        raise AdapterFileError("base must be checkpoint files (.safetensors, shards or an "
+                               "index.json); to merge a state dict, load it and use merge_lora")
+    ckpt = open_checkpoint(base)
+    return ckpt.tensors, ckpt.metadata  # type: ignore[return-value]  # files: all LazyTensor
+
+
+def _check_stochastic(tensors: Mapping[str, LazyTensor], dtypes: Mapping[str, torch.dtype],
+                      plan: MergePlan) -> None:
+    # Stochastic rounding steps to a neighbour with torch.nextafter, which has no float8 kernel.
+    rounded = [n for n, t in tensors.items()
+               if dtypes[n] in _FP8 and (n in plan.params or dtypes[n] != t.dtype)]
+    if rounded:
+        raise InvalidStrengthError(
+            f"stochastic rounding to {dtypes[rounded[0]]} (tensor {rounded[0]!r}) is not "
+            "implemented; use rounding='nearest' for float8 output, or stochastic rounding "
+            "to bf16/fp16"
+        )
+
+
+def _nbytes(shape: torch.Size, dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def _shards(tensors: Mapping[str, LazyTensor], dtypes: Mapping[str, torch.dtype],
+            max_bytes: int) -> list[list[str]]:
+    """Tensor names split greedily in checkpoint order into files of at most ``max_bytes``."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, t in tensors.items():
+        n = _nbytes(t.shape, dtypes[name])
+        if shards[-1] and size + n > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    return shards
+
+
+def _output_paths(out: Path, n: int) -> tuple[list[Path], Path | None]:
+    """The final file names for ``n`` shards, and the index path when ``n > 1``."""
+    if out.suffix == ".safetensors":
+        if out.is_dir():
+            raise ShuttleError(f"out={out} is a directory; pass a file name or the directory")
+        directory, stem = out.parent, out.name.removesuffix(".safetensors")
+    else:
+        if out.exists() and not out.is_dir():
+            raise ShuttleError(
+                f"out={out} is a file without the .safetensors suffix; name the output "
+                "NAME.safetensors, or pass a directory"
+            )
+        directory, stem = out, "model"
+    if n == 1:
+        return [directory / f"{stem}.safetensors"], None
+    return ([directory / f"{stem}-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)],
+            directory / f"{stem}.safetensors.index.json")
+
+
+def _metadata(base: Mapping[str, str], plan: MergePlan, dtype: torch.dtype | None,
+              rounding: str, seed: int | None) -> dict[str, str]:
+    from shuttle import __version__  # the package is initialized by the time this runs
+
+    meta = dict(base)
+    meta.setdefault("format", "pt")  # transformers refuses safetensors metadata without it
+    meta["shuttle.version"] = __version__
+    meta["shuttle.adapters"] = json.dumps(
+        [{"source": lora.source, "format": lora.format, "strength": s}
+         for lora, s in plan.adapters])
+    meta["shuttle.rounding"] = rounding
+    meta["shuttle.dtype"] = str(dtype).removeprefix("torch.") if dtype else "unchanged"
+    if seed is not None:
+        meta["shuttle.seed"] = str(seed)
+    return meta
+
+
+def _merged(t: LazyTensor, name: str, contribs: list[Contribution], dtype: torch.dtype,
+            rounding: Rounding, seed: int | None) -> torch.Tensor:
+    """Base tensor ``t`` with its contributions, rounded once to ``dtype``."""
+    # A copy, not a view of the file's map: touched map pages stay resident until the file is
+    # closed, so a view would grow the process to the checkpoint's size; a copy is freed here.
+    value = t.load(copy=True)
+    if not contribs and dtype == value.dtype:
+        return value  # untouched: the file's bytes as they are
+    # Read the patches now, not at planning: one tensor's adapters in memory at a time.
+    contribs = [dataclasses.replace(c, patch=c.patch.load("cpu")) for c in contribs]
+    compute = torch.float64 if torch.float64 in (value.dtype, dtype) else torch.float32
+    w = value.to(compute, copy=True)
+    if contribs:
+        # merge_lora's own per-parameter code, on a float32 copy: its rounding (to float32)
+        # is the identity, so the one rounding is round_to below, seeded exactly as merge_lora.
+        merge_param(w, name, contribs, rounding, seed)
+    out = round_to(w, dtype, rounding, name, seed)
+    # Overflow: float16 rounds to inf, float8 saturates silently; both are lost values.
+    fi = torch.finfo(dtype)
+    limit = fi.max + 2.0 ** math.floor(math.log2(fi.max)) * fi.eps / 2  # max + half an ulp
+    overflow = w.abs() >= limit
+    if dtype not in _FP8:  # stochastic rounding may step from near max to inf (fp8 has no isfinite)
+        overflow |= ~torch.isfinite(out)
+    finite = torch.isfinite(w)
+    bad = finite & overflow
+    if bool(bad.any()):
+        raise NonFiniteAdapterError(
+            f"tensor {name!r} {'merges to' if contribs else 'holds'} values beyond the range of "
+            f"{dtype} (largest |value| {float(w[finite].abs().max()):.4g}, limit {fi.max:.4g}); "
+            f"{'lower the strength or ' if contribs else ''}choose a wider output dtype "
+            "(bf16/fp32). Nothing was written."
+        )
+    return out
+
+
+def _warn_stale(paths: list[Path], index: Path | None) -> None:
+    """Warn about files of an earlier merge to the same name that this one did not replace."""
+    first = paths[0]
+    stem = first.name.removesuffix(".safetensors").rsplit("-00001-of-", 1)[0]
+    stale = sorted(p.name for p in first.parent.glob(f"{stem}-*-of-*.safetensors")
+                   if p not in paths)
+    old_index = first.parent / f"{stem}.safetensors.index.json"
+    if index is None and old_index.exists():
+        stale.insert(0, old_index.name)  # first: loaders that find an index follow it
+    if stale:
+        log.warning("%s holds %d file(s) of an earlier output that this merge did not replace "
+                    "(%s); delete them so loaders do not mix them in", first.parent, len(stale),
+                    ", ".join(stale[:5]) + (", ..." if len(stale) > 5 else ""))

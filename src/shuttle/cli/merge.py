@@ -1,0 +1,85 @@
+"""``shuttle merge --base MODEL --lora A:0.8 -o OUT``: merge adapters into a checkpoint file."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+from shuttle.apply.merge_files import OUTPUT_DTYPES, merge_files
+from shuttle.cli.table import format_bytes
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_lora(text: str) -> tuple[str, float]:
+    """``PATH[:STRENGTH]`` -> ``(path, strength)``, the strength 1.0 when not given.
+
+    Only the text after the last ``:`` is a strength, and only when it reads as a number and
+    the whole text is not itself an existing path, so paths with colons (``C:\\x``, ``a:b/c``)
+    still work.
+
+    Raises:
+        argparse.ArgumentTypeError: the text ends with ``:`` and no strength.
+    """
+    path, sep, tail = text.rpartition(":")
+    if not sep or not path or Path(text).exists():
+        return text, 1.0
+    if not tail.strip():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} ends with ':' but no strength; write PATH:0.8 or just PATH"
+        )
+    try:
+        return path, float(tail)  # "nan"/"inf" parse; the merge rejects them with a typed error
+    except ValueError:
+        return text, 1.0
+
+
+def parse_size(text: str) -> int:
+    """``5GB`` (10**9 bytes), ``5GiB`` (2**30), ``500MB``, or a plain number of bytes -> bytes.
+
+    Raises:
+        argparse.ArgumentTypeError: not a positive size with a known unit.
+    """
+    m = _SIZE.match(text)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _UNITS or float(m.group(1)) * _UNITS[unit] < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size; write e.g. 5GB, 4GiB, 500MB or a number of bytes"
+        )
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # noqa: D103
+    p = sub.add_parser("merge", help="merge adapters into a checkpoint, writing a new one")
+    p.add_argument("--base", required=True, nargs="+", metavar="FILE",
+                   help="base .safetensors file(s), or a *.safetensors.index.json")
+    p.add_argument("--lora", action="append", default=[], type=parse_lora,
+                   metavar="PATH[:STRENGTH]", help="adapter and strength (default 1.0); repeat")
+    p.add_argument("-o", "--out", required=True,
+                   help="output NAME.safetensors (shards go beside it) or a directory")
+    p.add_argument("--dtype", choices=list(OUTPUT_DTYPES),
+                   help="output dtype of floating-point tensors (default: keep each one's)")
+    p.add_argument("--rounding", choices=["nearest", "stochastic"], default="nearest",
+                   help="rounding to the output dtype (default nearest)")
+    p.add_argument("--seed", type=int, default=None, help="stochastic rounding seed")
+    p.add_argument("--shard-size", type=parse_size, default=None, metavar="SIZE",
+                   help="most tensor bytes per file, e.g. 5GB or 4GiB (default 5GiB)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:  # noqa: D103
+    base = args.base[0] if len(args.base) == 1 else args.base
+    kwargs = {} if args.shard_size is None else {"max_shard_bytes": args.shard_size}
+    report = merge_files(base, args.lora, args.out, dtype=args.dtype, rounding=args.rounding,
+                         seed=args.seed, progress=False if args.no_progress else None, **kwargs)
+    where = report.index or report.files[0]
+    print(f"merged {len(args.lora)} adapter(s) into {len(report.applied)} tensor(s); wrote "
+          f"{len(report.files)} file(s), {format_bytes(report.total_size)}: {where}")
+    if report.unmatched:
+        print(f"{len(report.unmatched)} adapter key(s) matched no tensor:")
+        for key, why in list(report.unmatched.items())[:10]:
+            print(f"  {key}: {why}")
+    return 0

@@ -1,0 +1,140 @@
+"""``shuttle merge``: argument parsing (PATH:STRENGTH, sizes) and a small end-to-end run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+import shuttle
+from shuttle.apply.merge_files import merge_files
+from shuttle.cli import merge as merge_cli
+from shuttle.errors import InvalidStrengthError
+
+
+def _parser() -> argparse.ArgumentParser:
+    # The subcommand on its own parser, as shuttle.cli.main builds it.
+    parser = argparse.ArgumentParser(prog="shuttle")
+    merge_cli.add_parser(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+@pytest.mark.parametrize(("text", "want"), [
+    ("a.safetensors", ("a.safetensors", 1.0)),
+    ("a.safetensors:0.8", ("a.safetensors", 0.8)),
+    ("a.safetensors:-1.5", ("a.safetensors", -1.5)),
+    ("a.safetensors:1e-1", ("a.safetensors", 0.1)),
+    ("C:\\loras\\a.safetensors", ("C:\\loras\\a.safetensors", 1.0)),
+    ("C:\\loras\\a.safetensors:0.5", ("C:\\loras\\a.safetensors", 0.5)),
+    ("runs/2024-01-01T10:30/a.safetensors", ("runs/2024-01-01T10:30/a.safetensors", 1.0)),
+    ("hf:org/name:0.25", ("hf:org/name", 0.25)),
+])
+def test_parse_lora(text, want):
+    assert merge_cli.parse_lora(text) == want
+
+
+def test_parse_lora_prefers_an_existing_path(tmp_path):
+    odd = tmp_path / "style:2"
+    odd.write_bytes(b"")
+    assert merge_cli.parse_lora(str(odd)) == (str(odd), 1.0)
+    assert merge_cli.parse_lora(f"{odd}:0.5") == (str(odd), 0.5)
+
+
+def test_parse_lora_rejects_an_empty_strength():
+    with pytest.raises(argparse.ArgumentTypeError, match="no strength"):
+        merge_cli.parse_lora("a.safetensors:")
+
+
+@pytest.mark.parametrize(("text", "want"), [
+    ("5GB", 5 * 10**9), ("5gb", 5 * 10**9), ("4GiB", 4 * 2**30), ("500MB", 500 * 10**6),
+    ("1.5 GiB", 3 * 2**29), ("1024", 1024), ("10KiB", 10240), ("7B", 7),
+])
+def test_parse_size(text, want):
+    assert merge_cli.parse_size(text) == want
+
+
+@pytest.mark.parametrize("text", ["", "GB", "5 parsecs", "-1GB", "0", "0.1B"])
+def test_parse_size_rejects(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        merge_cli.parse_size(text)
+
+
+def test_arguments():
+    args = _parser().parse_args([
+        "merge", "--base", "m.safetensors", "--lora", "a.safetensors:0.8", "--lora",
+        "b.safetensors", "-o", "out.safetensors", "--dtype", "bf16", "--rounding", "stochastic",
+        "--shard-size", "2GB", "--seed", "3"])
+    assert args.base == ["m.safetensors"]
+    assert args.lora == [("a.safetensors", 0.8), ("b.safetensors", 1.0)]
+    assert (args.out, args.dtype, args.rounding) == ("out.safetensors", "bf16", "stochastic")
+    assert (args.shard_size, args.seed) == (2 * 10**9, 3)
+
+
+@pytest.mark.parametrize("bad", [["--dtype", "int4"], ["--rounding", "up"],
+                                 ["--shard-size", "lots"]])
+def test_bad_arguments_exit(bad, capsys):
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["merge", "--base", "m.safetensors", "-o", "o", *bad])
+
+
+def _files(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8)).bfloat16()
+    base = tmp_path / "model.safetensors"
+    save_file(model.state_dict(), str(base))
+    g = torch.Generator().manual_seed(1)
+    lora = tmp_path / "style.safetensors"
+    save_file({"lora_unet_0.lora_down.weight": torch.randn(4, 16, generator=g) * 0.1,
+               "lora_unet_0.lora_up.weight": torch.randn(32, 4, generator=g) * 0.1,
+               "lora_unet_2.lora_down.weight": torch.randn(4, 32, generator=g) * 0.1,
+               "lora_unet_2.lora_up.weight": torch.randn(8, 4, generator=g) * 0.1,
+               "lora_unet_0.alpha": torch.tensor(2.0)}, str(lora))
+    return model, base, lora
+
+
+def test_end_to_end(tmp_path, capsys):
+    model, base, lora = _files(tmp_path)
+    out = tmp_path / "merged.safetensors"
+    args = _parser().parse_args(["merge", "--base", str(base), "--lora", f"{lora}:0.8",
+                                 "-o", str(out), "--no-progress"])
+    assert merge_cli.run(args) == 0
+    printed = capsys.readouterr().out
+    assert "into 2 tensor(s)" in printed and str(out) in printed
+    shuttle.merge_lora(model, [(str(lora), 0.8)])
+    got = load_file(str(out))
+    for k, v in model.state_dict().items():
+        assert torch.equal(got[k].view(torch.int16), v.view(torch.int16)), k
+    with safe_open(str(out), "pt") as f:
+        adapters = json.loads(f.metadata()["shuttle.adapters"])
+    assert adapters == [{"source": str(lora), "format": "kohya", "strength": 0.8}]
+
+
+def test_end_to_end_sharded_with_dtype(tmp_path, capsys):
+    _, base, lora = _files(tmp_path)
+    out = tmp_path / "merged"
+    args = _parser().parse_args(["merge", "--base", str(base), "--lora", str(lora), "-o",
+                                 str(out), "--dtype", "fp32", "--shard-size", "1KiB",
+                                 "--no-progress"])
+    assert merge_cli.run(args) == 0
+    assert "model.safetensors.index.json" in capsys.readouterr().out
+    want = merge_files(base, [(lora, 1.0)], tmp_path / "lib.safetensors", dtype="fp32")
+    got: dict[str, torch.Tensor] = {}
+    for path in sorted(out.glob("model-*.safetensors")):
+        got.update(load_file(str(path)))
+    ref = load_file(str(want.files[0]))
+    assert got.keys() == ref.keys()
+    assert all(torch.equal(got[k], ref[k]) for k in ref)
+
+
+def test_library_errors_propagate_for_main_to_report(tmp_path):
+    _, base, lora = _files(tmp_path)
+    args = _parser().parse_args(["merge", "--base", str(base), "--lora", f"{lora}:nan",
+                                 "-o", str(tmp_path / "o.safetensors")])
+    with pytest.raises(InvalidStrengthError):  # main() prints it and exits with status 2
+        merge_cli.run(args)
+    assert not (tmp_path / "o.safetensors").exists()
