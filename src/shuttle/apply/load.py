@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from shuttle.apply.merge import _exact_cublas, merge_param
+from shuttle.apply.merge import exact_cublas, merge_param
 from shuttle.apply.plan import AdapterList, Contribution, MergePlan, plan_params
 from shuttle.apply.rounding import Rounding, round_to
 from shuttle.errors import (
@@ -186,7 +186,7 @@ def load_checkpoint(
     total = len(reads) + len(supplied)
     show = progress if progress is not None else total > _PROGRESS_MIN_TENSORS
     loaded = []
-    with torch.no_grad(), _exact_cublas(), \
+    with torch.no_grad(), exact_cublas(), \
             tqdm(total=total, desc="loading", unit="tensor", disable=not show) as bar:
         for key, name in reads:
             slot = slots[name]

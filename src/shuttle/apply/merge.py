@@ -24,7 +24,7 @@ from shuttle.kernels import merge_lowrank, triton_available
 from shuttle.patches import LowRank
 from shuttle.targets import KeyMapping
 
-__all__ = ["MergeReport", "merge_lora", "merge_plan"]
+__all__ = ["MergeReport", "exact_cublas", "merge_lora", "merge_param", "merge_plan"]
 
 log = logging.getLogger("shuttle")
 _PROGRESS_MIN_PARAMS = 64
@@ -90,7 +90,7 @@ def merge_plan(model: torch.nn.Module, plan: MergePlan, *, rounding: Rounding = 
     """Apply a validated :class:`MergePlan` to ``model``'s parameters."""
     params = dict(model.named_parameters())
     show = progress if progress is not None else len(plan.params) >= _PROGRESS_MIN_PARAMS
-    with torch.no_grad(), _exact_cublas():
+    with torch.no_grad(), exact_cublas():
         for name in tqdm(plan.params, desc="merging", unit="param", disable=not show):
             merge_param(params[name], name, plan.params[name], rounding, seed)
 
@@ -148,7 +148,7 @@ def _merge_fused(p: torch.Tensor, contribs: list[Contribution]) -> bool:
 
 
 @contextlib.contextmanager
-def _exact_cublas() -> Iterator[None]:
+def exact_cublas() -> Iterator[None]:
     """Keep cuBLAS exact while merging: no bf16/fp16 split-K partial sums, no TF32."""
     m = torch.backends.cuda.matmul
     names = ["allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction"]
