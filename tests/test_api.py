@@ -10,7 +10,7 @@ DOCUMENTED = {
     "register_patch", "resolve", "Resolution", "merge_lora", "MergeReport", "apply_lora",
     "attach_lora", "DynamicAdapters", "lora_scale", "load_checkpoint", "LoadReport",
     "replacement_parameters", "merge_files", "FileMergeReport", "extract_lora", "ExtractReport",
-    "errors",
+    "errors", "ModelOffloader", "StreamConfig",
 }
 
 

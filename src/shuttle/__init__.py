@@ -19,6 +19,7 @@ from shuttle.apply import (
 )
 from shuttle.apply.merge_files import FileMergeReport, merge_files
 from shuttle.formats import FORMATS, LoRA, load_lora, register_format, save_lora
+from shuttle.offload import ModelOffloader, StreamConfig
 from shuttle.patches import PATCH_KINDS, register_patch
 from shuttle.targets import Resolution, resolve
 
@@ -33,7 +34,9 @@ __all__ = [
     "LoRA",
     "LoadReport",
     "MergeReport",
+    "ModelOffloader",
     "Resolution",
+    "StreamConfig",
     "apply_lora",
     "attach_lora",
     "errors",

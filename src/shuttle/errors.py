@@ -7,15 +7,22 @@ of these is raised by a mutating call, nothing was changed.
 from __future__ import annotations
 
 __all__ = [
+    "ActivationError",
     "AdapterFileError",
     "AdapterFormatError",
+    "AlreadyActiveError",
+    "BlockLayoutError",
+    "BlockPathError",
+    "BudgetTooSmallError",
     "CheckpointError",
     "CorruptFileError",
     "DuplicateTargetError",
+    "HostBackingError",
     "InvalidStrengthError",
     "MissingDependencyError",
     "MissingParameterError",
     "NonFiniteAdapterError",
+    "OffloadError",
     "ShapeMismatchError",
     "ShuttleError",
     "UnknownKeyError",
@@ -80,3 +87,35 @@ class MissingDependencyError(ShuttleError, ImportError):
 
 class MissingParameterError(ShuttleError, LookupError):
     """A model parameter gets a value from neither the checkpoint nor an adapter (a load)."""
+
+
+class OffloadError(ShuttleError, ValueError):
+    """An offloader cannot be built or activated as asked; nothing was changed."""
+
+
+class BlockPathError(OffloadError, LookupError):
+    """A block path names no module, or not a non-empty ``nn.ModuleList``/``nn.Sequential``."""
+
+
+class BlockLayoutError(OffloadError):
+    """Blocks of one group differ in their tensors (names, shapes, dtypes, ties), or a tensor
+    is shared between a streamed block and another part of the model.
+    """
+
+
+class HostBackingError(OffloadError):
+    """A tensor cannot be kept in host storage as asked (``host="adopt"`` with a non-CPU
+    tensor, a meta tensor, a tensor subclass).
+    """
+
+
+class BudgetTooSmallError(OffloadError):
+    """A VRAM budget cannot hold the non-block weights plus one slot per block group."""
+
+
+class ActivationError(ShuttleError, RuntimeError):
+    """An offloader's activation lifecycle is misused (e.g. activating twice)."""
+
+
+class AlreadyActiveError(ActivationError):
+    """``activate``/``use`` was called while the offloader is already active."""

@@ -1,0 +1,25 @@
+"""Host storage, whole-model and block-streamed device residency, activation lifecycle."""
+
+from shuttle.offload.host_storage import HostStorage, HostUnit, Layout
+from shuttle.offload.offloader import (
+    CPU_COPY_ENV,
+    ModelOffloader,
+    ResidencyPlan,
+    StreamConfig,
+    plan_residency,
+)
+from shuttle.offload.slots import SlotPool
+from shuttle.offload.streamer import BlockStreamer
+
+__all__ = [
+    "CPU_COPY_ENV",
+    "BlockStreamer",
+    "HostStorage",
+    "HostUnit",
+    "Layout",
+    "ModelOffloader",
+    "ResidencyPlan",
+    "SlotPool",
+    "StreamConfig",
+    "plan_residency",
+]

@@ -1,0 +1,311 @@
+"""Host storage: every parameter and buffer of a model captured once, in units.
+
+A *unit* is one streamed block, or the rest of the model (everything outside the blocks). Each
+unit's unique tensors are laid out in one flat byte buffer (:class:`Layout`): offsets aligned to
+16 bytes, tied tensors stored once. With ``host="pinned"`` that buffer is a host *arena*: one
+allocation per unit, page-locked by registering exactly its bytes with CUDA (the caching host
+allocator behind ``pin_memory()`` would round each allocation up to a power of two, up to 2x).
+The module's parameters then point at views of the arena and the pageable originals are freed
+unit by unit. With ``host="adopt"`` the module's own CPU tensors (pageable or mmap-backed) are
+kept as they are: nothing is copied.
+
+Without CUDA, pinning is unavailable: arenas are plain memory and :attr:`HostStorage.pinned`
+is False.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+import torch
+
+from shuttle.errors import BlockLayoutError, HostBackingError
+
+__all__ = ["HostBacking", "HostStorage", "HostUnit", "Layout"]
+
+HostBacking = Literal["pinned", "adopt"]
+
+_ALIGN = 16  # bytes; keeps every view aligned for vectorized loads on the device
+_PAGE = 4096
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each unique tensor of a unit lies in its flat ``uint8`` buffer.
+
+    The same layout describes the host arena and every device slot of a block group, so one
+    ``copy_`` moves a whole block.
+    """
+
+    offsets: tuple[int, ...]
+    dtypes: tuple[torch.dtype, ...]
+    shapes: tuple[torch.Size, ...]
+    nbytes: int
+
+    @classmethod
+    def of(cls, tensors: Sequence[tuple[torch.dtype, torch.Size]]) -> Layout:
+        offsets, end = [], 0
+        for dtype, shape in tensors:
+            start = _round_up(end, _ALIGN)
+            offsets.append(start)
+            end = start + math.prod(shape) * dtype.itemsize
+        return cls(tuple(offsets), tuple(d for d, _ in tensors), tuple(s for _, s in tensors),
+                   _round_up(end, _ALIGN))
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the tensors themselves, without alignment padding."""
+        return sum(math.prod(s) * d.itemsize for d, s in zip(self.dtypes, self.shapes, strict=True))
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """The unit's tensors as views of ``flat`` (``uint8``, ``nbytes`` long)."""
+        out = []
+        for off, dtype, shape in zip(self.offsets, self.dtypes, self.shapes, strict=True):
+            n = math.prod(shape) * dtype.itemsize
+            out.append(flat[off:off + n].view(dtype).view(shape))
+        return out
+
+
+class _Binding(NamedTuple):
+    module: torch.nn.Module
+    name: str
+    is_param: bool
+    entry: int  # index into the unit's layout
+
+
+class HostUnit:
+    """One captured unit: its layout, host tensors, and where they plug into the model."""
+
+    def __init__(self, name: str, layout: Layout, bindings: list[_Binding],
+                 host_views: list[torch.Tensor], arena: torch.Tensor | None):
+        self.name = name
+        self.layout = layout
+        self.bindings = bindings
+        self.host_views = host_views  # per layout entry: the tensor kept on the host
+        self.arena = arena  # the flat host buffer (None when adopted: tensors lie apart)
+
+    def bind(self, views: Sequence[torch.Tensor]) -> None:
+        """Point the unit's parameters (``.data``; identity kept) and buffers at ``views``."""
+        for b in self.bindings:
+            if b.is_param:
+                b.module._parameters[b.name].data = views[b.entry]
+            else:
+                b.module._buffers[b.name] = views[b.entry]
+
+    def bind_host(self) -> None:
+        """Point the unit back at its host tensors."""
+        self.bind(self.host_views)
+
+    def copy_into(self, flat: torch.Tensor, views: Sequence[torch.Tensor],
+                  non_blocking: bool) -> None:
+        """Copy the host tensors into a device buffer laid out by :attr:`layout`.
+
+        One copy of the whole arena when there is one; one per tensor when adopted.
+        """
+        if self.arena is not None:
+            flat.copy_(self.arena, non_blocking=non_blocking)
+        else:
+            for dst, src in zip(views, self.host_views, strict=True):
+                dst.copy_(src, non_blocking=non_blocking)
+
+
+class _UnitSurvey(NamedTuple):
+    name: str
+    layout: Layout
+    bindings: list[_Binding]
+    signature: tuple  # what must match across the blocks of one group
+    sources: list[_Binding]  # per entry, where to read the tensor from
+
+
+def _walk(root: torch.nn.Module, stop: set[int]):
+    """``(relative path, module)`` of ``root``'s modules, not entering modules in ``stop``."""
+    seen: set[int] = set()
+    stack = [("", root)]
+    while stack:
+        path, module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        yield path, module
+        for name, child in reversed(module._modules.items()):
+            if child is not None and id(child) not in stop:
+                stack.append((f"{path}.{name}" if path else name, child))
+
+
+def _alias_key(t: torch.Tensor) -> tuple:
+    # Two registrations of one tensor (tied weights) share storage, offset, shape and stride.
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+            t.stride(), t.dtype)
+
+
+def _check(t: torch.Tensor, where: str, adopt: bool) -> None:
+    if type(t.detach()) is not torch.Tensor:
+        raise HostBackingError(
+            f"{where} is a {type(t.detach()).__name__}; tensor subclasses (quantized weights) "
+            "are not supported by the offloader yet: dequantize it or keep it out of the model"
+        )
+    if adopt and t.device.type != "cpu":
+        raise HostBackingError(
+            f"{where} is on {t.device}; host='adopt' keeps CPU tensors as they are: move the "
+            "model to the CPU first, or use host='pinned' (copies)"
+        )
+    if t.device.type == "meta":
+        raise HostBackingError(f"{where} is on the meta device; load real weights first "
+                               "(e.g. load_state_dict(..., assign=True))")
+
+
+def _survey(model: torch.nn.Module, groups: dict[str, Sequence[torch.nn.Module]],
+            adopt: bool) -> tuple[_UnitSurvey, dict[str, list[_UnitSurvey]]]:
+    """Check every tensor and lay out every unit; changes nothing."""
+    block_ids = {id(b) for blocks in groups.values() for b in blocks}
+    owner: dict[tuple, tuple[str, str]] = {}  # alias key -> (unit, full name)
+
+    def unit(name: str, root: torch.nn.Module, stop: set[int]) -> _UnitSurvey:
+        entries: dict[tuple, int] = {}
+        specs: list[tuple[torch.dtype, torch.Size]] = []
+        bindings, sources, sig = [], [], []
+        for path, module in _walk(root, stop):
+            for kind, table in ((True, module._parameters), (False, module._buffers)):
+                for leaf, t in table.items():
+                    if t is None:
+                        continue
+                    full = ".".join(p for p in (name, path, leaf) if p)
+                    _check(t, full, adopt)
+                    key = _alias_key(t)
+                    other = owner.setdefault(key, (name, full))
+                    if other[0] != name:
+                        raise BlockLayoutError(
+                            f"{full} and {other[1]} are one tensor shared between two offload "
+                            "units; tie weights within one block or within the rest of the "
+                            "model, or leave one of them out of the block paths"
+                        )
+                    e = entries.get(key)
+                    if e is None:
+                        e = entries[key] = len(specs)
+                        specs.append((t.dtype, t.shape))
+                        sources.append(_Binding(module, leaf, kind, e))
+                    bindings.append(_Binding(module, leaf, kind, e))
+                    sig.append((path, leaf, kind, e))
+        return _UnitSurvey(name, Layout.of(specs), bindings, (tuple(specs), tuple(sig)), sources)
+
+    rest = unit("", model, block_ids)
+    surveyed: dict[str, list[_UnitSurvey]] = {}
+    for gname, blocks in groups.items():
+        units = [unit(f"{gname}.{i}", b, set()) for i, b in enumerate(blocks)]
+        for u in units[1:]:
+            if u.signature != units[0].signature:
+                raise BlockLayoutError(
+                    f"block {u.name} differs from {units[0].name} in its parameters or buffers "
+                    f"({_first_difference(units[0].signature, u.signature)}); blocks of one group "
+                    "share one slot layout: list differing blocks under separate block paths"
+                )
+        surveyed[gname] = units
+    return rest, surveyed
+
+
+def _first_difference(a: tuple, b: tuple) -> str:
+    specs_a, sig_a = a
+    specs_b, sig_b = b
+    for x, y in zip(sig_a, sig_b, strict=False):
+        if x != y:
+            return f"{'.'.join(p for p in x[:2] if p)} vs {'.'.join(p for p in y[:2] if p)}"
+    for x, y in zip(specs_a, specs_b, strict=False):
+        if x != y:
+            return f"a tensor is {x[0]} {tuple(x[1])} vs {y[0]} {tuple(y[1])}"
+    return f"{len(sig_a)} vs {len(sig_b)} tensors"
+
+
+def _allocate(nbytes: int, pin: bool, registered: list[int]) -> tuple[torch.Tensor, int, bool]:
+    """A host buffer of ``nbytes``; returns (buffer, bytes allocated, pinned)."""
+    if not pin or nbytes == 0:
+        return torch.empty(nbytes, dtype=torch.uint8), nbytes, False
+    # Page-aligned and page-sized so that no registered page is shared with another allocation.
+    size = _round_up(nbytes, _PAGE)
+    raw = torch.empty(size + _PAGE, dtype=torch.uint8)
+    shift = (-raw.data_ptr()) % _PAGE
+    arena = raw[shift:shift + size]
+    err = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), size, 0)
+    if int(err) != 0:
+        warnings.warn(f"cudaHostRegister of {size} bytes failed ({err}); this unit stays in "
+                      "pageable memory (slower copies). Raise the locked-memory limit "
+                      "(ulimit -l) or use host='adopt'.", RuntimeWarning, stacklevel=4)
+        return arena[:nbytes], raw.numel(), False
+    registered.append(arena.data_ptr())
+    return arena[:nbytes], raw.numel(), True
+
+
+def _unregister(ptrs: list[int]) -> None:
+    for p in ptrs:
+        torch.cuda.cudart().cudaHostUnregister(p)
+
+
+class HostStorage:
+    """Every parameter and buffer of ``model``, captured into host memory once.
+
+    Args:
+        model: the model; with ``"pinned"`` its parameters are re-pointed (identity kept) at
+            arena views and its buffers replaced by arena views.
+        groups: block-list name -> its blocks; each block is one unit, the rest one more.
+        host: ``"pinned"`` (copies into page-locked arenas) or ``"adopt"`` (zero-copy).
+
+    Raises:
+        HostBackingError: a tensor that cannot be kept as asked; nothing was changed.
+        BlockLayoutError: blocks of one group differ, or a tensor spans two units.
+    """
+
+    def __init__(self, model: torch.nn.Module, groups: dict[str, Sequence[torch.nn.Module]],
+                 host: HostBacking = "pinned"):
+        rest, surveyed = _survey(model, groups, adopt=host == "adopt")
+        self.host: HostBacking = host
+        self.host_bytes = 0  # bytes this storage allocated on the host
+        self.pinned_bytes = 0  # of which page-locked
+        self._registered: list[int] = []
+        # Runs before the arenas are released (weakref callbacks precede clearing attributes).
+        self._finalizer = weakref.finalize(self, _unregister, self._registered)
+        pin = host == "pinned" and torch.cuda.is_available()
+        self.rest = self._capture(rest, pin)
+        self.groups = {g: [self._capture(u, pin) for u in units] for g, units in surveyed.items()}
+
+    @property
+    def units(self) -> list[HostUnit]:
+        """Every unit: the rest of the model first, then each group's blocks in order."""
+        return [self.rest] + [u for units in self.groups.values() for u in units]
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the model's unique tensors (tied weights counted once)."""
+        return sum(u.layout.weight_bytes for u in self.units)
+
+    @property
+    def pinned(self) -> bool:
+        """Whether every host byte is page-locked (False on a machine without CUDA)."""
+        return self.host == "pinned" and self.pinned_bytes == self.host_bytes > 0
+
+    def _capture(self, s: _UnitSurvey, pin: bool) -> HostUnit:
+        if self.host == "adopt":
+            host = [_read(b) if b.is_param else b.module._buffers[b.name] for b in s.sources]
+            return HostUnit(s.name, s.layout, s.bindings, host, None)
+        arena, allocated, pinned = _allocate(s.layout.nbytes, pin, self._registered)
+        self.host_bytes += allocated
+        self.pinned_bytes += allocated if pinned else 0
+        views = s.layout.views(arena)
+        with torch.no_grad():
+            for b in s.sources:
+                views[b.entry].copy_(_read(b))
+        unit = HostUnit(s.name, s.layout, s.bindings, views, arena)
+        unit.bind_host()  # the pageable originals are freed here, unit by unit
+        return unit
+
+
+def _read(b: _Binding) -> torch.Tensor:
+    table = b.module._parameters if b.is_param else b.module._buffers
+    return table[b.name].detach()

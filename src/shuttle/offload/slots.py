@@ -1,0 +1,94 @@
+"""A fixed pool of device buffers ("slots") for the units of one layout.
+
+Every slot is one flat ``uint8`` buffer allocated at activation; a block's tensors are views into
+it (:meth:`Layout.views`), so loading a block is one ``copy_`` and nothing is allocated while
+streaming.
+
+On CUDA, copies run on a side stream and ordering uses events only (no host synchronization):
+
+    copy stream:     wait freed[s] -> copy host arena into slot s -> record loaded[s]
+    compute stream:  wait loaded[s] -> the block's kernels -> record freed[s]
+
+so a slot is overwritten only after the kernels of its previous block were queued before
+``freed[s]``, and a block's kernels start only after its bytes landed. Waiting on an event that
+was never recorded is a no-op, which makes the first use of each slot free of special cases.
+
+On other devices (the CPU test mode included) copies are plain synchronous ``copy_`` calls and
+the events are absent; the bookkeeping around them is the same.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shuttle.offload.host_storage import HostUnit, Layout
+
+__all__ = ["SlotPool"]
+
+
+class SlotPool:
+    """``n_slots`` device buffers laid out by ``layout``.
+
+    Args:
+        layout: the layout every unit loaded here shares.
+        n_slots: how many buffers (fixed for the pool's life).
+        device: where the buffers live.
+        copy_stream: the CUDA side stream for copies; None for synchronous copies.
+    """
+
+    def __init__(self, layout: Layout, n_slots: int, device: torch.device,
+                 copy_stream: torch.cuda.Stream | None = None):
+        self.layout = layout
+        self.device = device
+        self.buffers = [torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+                        for _ in range(n_slots)]
+        self.views = [layout.views(b) for b in self.buffers]
+        self._stream = copy_stream
+        cuda = copy_stream is not None
+        if cuda:
+            # The new buffers may reuse memory that queued compute kernels still touch.
+            copy_stream.wait_stream(torch.cuda.current_stream(device))
+        self._loaded = [torch.cuda.Event() if cuda else None for _ in range(n_slots)]
+        self._freed = [torch.cuda.Event() if cuda else None for _ in range(n_slots)]
+
+    @property
+    def n_slots(self) -> int:
+        return len(self.buffers)
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes held by the pool."""
+        return self.layout.nbytes * len(self.buffers)
+
+    def load(self, slot: int, unit: HostUnit) -> None:
+        """Copy ``unit``'s host tensors into ``slot`` once the slot's last reader is done."""
+        if self._stream is None:
+            unit.copy_into(self.buffers[slot], self.views[slot], non_blocking=False)
+            return
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(self._freed[slot])
+            # From pinned memory this returns at once; the DMA runs on the side stream.
+            unit.copy_into(self.buffers[slot], self.views[slot], non_blocking=True)
+            self._loaded[slot].record(self._stream)
+
+    def wait_loaded(self, slot: int) -> None:
+        """Make the current (compute) stream wait until ``slot``'s last load landed."""
+        if self._stream is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._loaded[slot])
+
+    def release(self, slot: int) -> None:
+        """Mark ``slot`` reusable after the work queued so far on the current stream."""
+        if self._stream is not None:
+            self._freed[slot].record(torch.cuda.current_stream(self.device))
+
+    def close(self) -> None:
+        """Drop the buffers; later work on the current stream is ordered after every copy.
+
+        The caching allocator hands freed memory to the stream it was allocated on (the
+        current one), so it must not be reused before copies still in flight on the side
+        stream (a prefetch for the next step) have finished; ``wait_stream`` orders that on
+        the device, without a host synchronization.
+        """
+        if self._stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        self.buffers, self.views = [], []

@@ -1,0 +1,154 @@
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from shuttle.errors import BlockLayoutError, HostBackingError
+from shuttle.offload import HostStorage, Layout
+from tests.offload.models import Block, TinyDiT
+
+
+def snapshot(model):
+    return {k: (v.data_ptr(), v.clone()) for k, v in model.state_dict(keep_vars=True).items()}
+
+
+def assert_unchanged(model, before):
+    after = model.state_dict(keep_vars=True)
+    assert after.keys() == before.keys()
+    for k, (ptr, value) in before.items():
+        assert after[k].data_ptr() == ptr, k
+        assert torch.equal(after[k], value), k
+
+
+def groups(model):
+    return {"blocks": list(model.blocks), "single": list(model.single)}
+
+
+def inside(t: torch.Tensor, flat: torch.Tensor) -> bool:
+    return flat.data_ptr() <= t.data_ptr() < flat.data_ptr() + flat.numel()
+
+
+def test_layout_aligns_and_round_trips():
+    specs = [(torch.float32, torch.Size([3])), (torch.bfloat16, torch.Size([2, 5])),
+             (torch.int64, torch.Size([])), (torch.float32, torch.Size([0, 4]))]
+    layout = Layout.of(specs)
+    assert all(o % 16 == 0 for o in layout.offsets)
+    assert layout.weight_bytes == 12 + 20 + 8
+    flat = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    views = layout.views(flat)
+    assert [(v.dtype, v.shape) for v in views] == specs
+    views[1].fill_(1.5)
+    assert torch.equal(layout.views(flat)[1], torch.full((2, 5), 1.5, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pinned_capture_copies_once_into_arenas(dtype):
+    model = TinyDiT(dtype=dtype)
+    params = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
+    values = {k: v.clone() for k, v in model.state_dict().items()}
+    storage = HostStorage(model, groups(model), "pinned")
+    assert storage.pinned is False  # no CUDA here: plain memory, reported honestly
+    unique = {id(p): p for p in params.values()}
+    weights = sum(p.nbytes for p in unique.values()) + sum(b.nbytes for b in model.buffers())
+    assert storage.weight_bytes == weights
+    assert storage.host_bytes <= 1.02 * weights
+    # identity kept, values kept, every tensor a view of its unit's arena
+    for n, p in model.named_parameters(remove_duplicate=False):
+        assert p is params[n]
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, values[k]), k
+    for i, block in enumerate(model.blocks):
+        arena = storage.groups["blocks"][i].arena
+        assert all(inside(t, arena) for t in [*block.parameters(), *block.buffers()])
+    assert inside(model.embed.weight, storage.rest.arena)
+
+
+def test_tied_weights_are_one_host_copy():
+    model = TinyDiT()
+    storage = HostStorage(model, groups(model))
+    assert model.head.weight is model.embed.weight
+    assert model.head.weight.data_ptr() == model.embed.weight.data_ptr()
+    untied = TinyDiT(tie=False)
+    assert HostStorage(untied, groups(untied)).weight_bytes == (
+        storage.weight_bytes + model.embed.weight.nbytes)
+
+
+def test_buffers_are_captured():
+    model = TinyDiT()
+    scale = model.blocks[2].scale.clone()
+    storage = HostStorage(model, groups(model))
+    assert torch.equal(model.blocks[2].scale, scale)
+    assert inside(model.blocks[2].scale, storage.groups["blocks"][2].arena)
+
+
+def test_adopt_is_zero_copy():
+    model = TinyDiT()
+    before = snapshot(model)
+    storage = HostStorage(model, groups(model), "adopt")
+    assert storage.host_bytes == 0
+    assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("host", ["pinned", "adopt"])
+def test_meta_tensors_raise_before_any_change(host):
+    model = TinyDiT()
+    model.single[1].up = torch.nn.Linear(32, 64, device="meta")
+    before = {k: v.data_ptr() for k, v in model.state_dict().items() if not v.is_meta}
+    with pytest.raises(HostBackingError, match="single.1.up.weight.*meta"):
+        HostStorage(model, groups(model), host)
+    assert {k: v.data_ptr() for k, v in model.state_dict().items() if not v.is_meta} == before
+
+
+def test_tie_across_units_raises_before_any_change():
+    model = TinyDiT()
+    model.blocks[0].attn.weight = model.blocks[1].attn.weight
+    before = snapshot(model)
+    with pytest.raises(BlockLayoutError, match="shared between two offload units"):
+        HostStorage(model, groups(model))
+    assert_unchanged(model, before)
+
+
+def test_blocks_of_different_layouts_in_one_group_raise():
+    model = TinyDiT()
+    before = snapshot(model)
+    with pytest.raises(BlockLayoutError, match="separate block paths"):
+        HostStorage(model, {"mixed": [*model.blocks, *model.single]})
+    model.blocks[3].register_buffer("extra", torch.zeros(2))
+    with pytest.raises(BlockLayoutError, match="blocks.3"):
+        HostStorage(model, groups(model))
+    before["blocks.3.extra"] = (model.blocks[3].extra.data_ptr(), torch.zeros(2))
+    assert_unchanged(model, before)
+
+
+class FakeCudart:
+    def __init__(self):
+        self.registered: dict[int, int] = {}
+        self.unregistered: list[int] = []
+
+    def cudaHostRegister(self, ptr, size, flags):  # noqa: N802 - CUDA's name
+        assert ptr % 4096 == 0 and size % 4096 == 0
+        self.registered[ptr] = size
+        return 0
+
+    def cudaHostUnregister(self, ptr):  # noqa: N802
+        self.unregistered.append(ptr)
+        return 0
+
+
+def test_pinned_bytes_are_exact_registrations(monkeypatch):
+    # The CUDA path without CUDA: registration is mocked, the accounting is real.
+    fake = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256),
+                                torch.nn.ModuleList(Block(256, 1024) for _ in range(3)))
+    storage = HostStorage(model, {"1": list(model[1])}, "pinned")
+    assert storage.pinned and storage.pinned_bytes == storage.host_bytes
+    assert len(fake.registered) == 4  # one arena per block plus the rest: no per-tensor pins
+    assert storage.host_bytes <= 1.02 * storage.weight_bytes
+    ptrs = set(fake.registered)
+    del storage
+    gc.collect()
+    assert set(fake.unregistered) == ptrs

@@ -1,0 +1,260 @@
+from __future__ import annotations
+
+import copy
+import gc
+import inspect
+import weakref
+
+import pytest
+import torch
+
+import shuttle
+from shuttle.errors import (
+    AlreadyActiveError,
+    BlockLayoutError,
+    BlockPathError,
+    BudgetTooSmallError,
+    HostBackingError,
+    OffloadError,
+)
+from shuttle.hooks import hooks_of
+from shuttle.offload import CPU_COPY_ENV, ModelOffloader, SlotPool, StreamConfig
+from shuttle.offload import streamer as streamer_module
+from tests.offload.models import TinyDiT
+from tests.offload.test_host_storage import assert_unchanged, snapshot
+
+PATHS = ["blocks", "single"]
+
+
+@pytest.fixture
+def cpu_copy(monkeypatch):
+    monkeypatch.setenv(CPU_COPY_ENV, "1")
+
+
+def pair(dtype=torch.float32, host="pinned"):
+    model = TinyDiT(dtype=dtype)
+    ref = copy.deepcopy(model)
+    return ref, ModelOffloader.from_module(model, blocks=PATHS, host=host)
+
+
+def tokens():
+    return torch.randint(0, 64, (2, 9))
+
+
+def pointers_into(off, module):
+    """Record, during forward, whether ``module``'s tensors lie in an activation slot."""
+    seen = []
+
+    def hook(m, args):
+        bufs = [b for p in off._active.pools for b in p.buffers]
+        seen.append(all(any(b.data_ptr() <= t.data_ptr() < b.data_ptr() + b.numel()
+                            for b in bufs) for t in [*m.parameters(), *m.buffers()]))
+
+    return seen, module.register_forward_pre_hook(hook)
+
+
+MODES = {
+    "whole": None,
+    "stream0": StreamConfig(prefetch=0),
+    "stream2": StreamConfig(prefetch=2),
+    "resident": StreamConfig(prefetch=1, resident=2),
+    "budget": StreamConfig(prefetch=2, vram_budget=150_000),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("host", ["pinned", "adopt"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_every_mode_matches_the_resident_model(cpu_copy, mode, host, dtype):
+    ref, off = pair(dtype, host)
+    x = tokens()
+    with torch.no_grad():
+        want = ref(x)
+        with off.use("cpu", MODES[mode]) as model:
+            seen, handle = pointers_into(off, model.blocks[3].up)
+            for _ in range(3):  # steady state, wrapping the ring across steps
+                assert torch.equal(model(x), want)
+            handle.remove()
+        assert seen and all(seen)  # weights really came through the device slots
+        assert torch.equal(off.model(x), want)  # and after deactivate, from the host
+
+
+def test_two_block_lists_are_separate_groups(cpu_copy):
+    _, off = pair()
+    with off.use("cpu", StreamConfig(prefetch=1)):
+        pools = {g: s.pool for g, s in off.streamers.items()}
+        assert set(pools) == set(PATHS)
+        assert pools["blocks"].layout != pools["single"].layout
+        assert pools["blocks"].n_slots == pools["single"].n_slots == 2
+
+
+def test_cpu_activation_is_a_pass_through():
+    ref, off = pair()
+    before = snapshot(off.model)
+    with off.use("cpu", StreamConfig(prefetch=2)) as model, torch.no_grad():
+        assert off.active and off.plan is None and off.streamers == {}
+        assert all(hooks_of(b) == [] for b in model.blocks)
+        x = tokens()
+        assert torch.equal(model(x), ref(x))
+    assert_unchanged(off.model, before)
+
+
+def test_budget_chooses_resident_counts(cpu_copy):
+    _, off = pair()
+    rest = off.storage.rest.layout.nbytes
+    block = off.storage.groups["blocks"][0].layout.nbytes
+    single = off.storage.groups["single"][0].layout.nbytes
+    total = rest + 5 * block + 3 * single
+    counts = []
+    for budget in [rest + block + single, rest + 3 * block + 3 * single, total - 1, total]:
+        with off.use("cpu", StreamConfig(prefetch=2, vram_budget=budget)):
+            plan = off.plan
+            assert plan.device_bytes <= budget
+            counts.append(sum(len(r) for r in plan.resident.values()))
+            if budget == rest + block + single:
+                assert plan.prefetch == 0 and plan.ring == {"blocks": 1, "single": 1}
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 8
+    with off.use("cpu", StreamConfig(vram_budget=total)):
+        assert off.streamers == {}  # everything fits: nothing streams
+
+
+def test_resident_blocks_are_spread_evenly(cpu_copy):
+    _, off = pair()
+    with off.use("cpu", StreamConfig(resident=2)):
+        assert off.plan.resident == {"blocks": (1, 3), "single": (0, 2)}
+
+
+def test_budget_below_one_block_raises_before_any_change(cpu_copy):
+    _, off = pair()
+    before = snapshot(off.model)
+    need = off.storage.rest.layout.nbytes + sum(
+        us[0].layout.nbytes for us in off.storage.groups.values())
+    with pytest.raises(BudgetTooSmallError, match=f"at least {need} bytes"):
+        off.activate("cpu", StreamConfig(vram_budget=need - 1))
+    assert not off.active
+    assert all(hooks_of(b) == [] for b in off.model.blocks)
+    assert_unchanged(off.model, before)
+
+
+def test_tied_weights_stay_tied_on_the_device(cpu_copy):
+    ref, off = pair()
+    with off.use("cpu", StreamConfig()) as model:
+        assert model.head.weight is model.embed.weight
+        pool = off._active.pools[0]
+        assert model.embed.weight.data_ptr() == pool.views[0][0].data_ptr()
+        assert sum(v.data_ptr() == model.embed.weight.data_ptr() for v in pool.views[0]) == 1
+
+
+def test_overlapping_activation_raises(cpu_copy):
+    _, off = pair()
+    with off.use("cpu", StreamConfig()):
+        with pytest.raises(AlreadyActiveError, match="deactivate"):
+            off.activate("cpu")
+        with pytest.raises(AlreadyActiveError), off.use("cpu"):
+            pass
+        assert off.active  # the failed attempts left the first activation alone
+    assert not off.active
+
+
+def test_deactivate_releases_slots_and_restores_forward_exactly(cpu_copy):
+    ref, off = pair()
+    model = off.model
+    sig = inspect.signature(model.blocks[0].forward)
+    host_ptrs = {k: v.data_ptr() for k, v in model.state_dict().items()}
+    off.activate("cpu", StreamConfig(prefetch=1))
+    buffers = [weakref.ref(b) for p in off._active.pools for b in p.buffers]
+    assert "forward" in model.blocks[0].__dict__
+    with torch.no_grad():
+        model(tokens())
+    off.deactivate()
+    gc.collect()
+    assert all(r() is None for r in buffers)
+    assert off.streamers == {} and off.plan is None and off.device is None
+    for b in [*model.blocks, *model.single]:
+        assert "forward" not in b.__dict__ and hooks_of(b) == []
+        assert inspect.signature(b.forward) == sig
+    assert {k: v.data_ptr() for k, v in model.state_dict().items()} == host_ptrs
+    off.deactivate()  # a second deactivate does nothing
+
+
+def fail_on_call(n, fn):
+    calls = {"n": 0}
+
+    def wrapper(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise RuntimeError("injected failure")
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@pytest.mark.parametrize("where", ["copy", "hook"])
+@pytest.mark.parametrize("n", [1, 3, 5])  # 5 loads: rest, 2 + 2 ring slots
+def test_a_failing_activation_rolls_back(cpu_copy, monkeypatch, where, n):
+    ref, off = pair()
+    host_ptrs = {k: v.data_ptr() for k, v in off.model.state_dict().items()}
+    with monkeypatch.context() as m:
+        if where == "copy":
+            m.setattr(SlotPool, "load", fail_on_call(n, SlotPool.load))
+        else:
+            m.setattr(streamer_module, "add_hook", fail_on_call(n, streamer_module.add_hook))
+        with pytest.raises(RuntimeError, match="injected"):
+            off.activate("cpu", StreamConfig(prefetch=1))
+    assert not off.active
+    for b in [*off.model.blocks, *off.model.single]:
+        assert "forward" not in b.__dict__ and hooks_of(b) == []
+    assert {k: v.data_ptr() for k, v in off.model.state_dict().items()} == host_ptrs
+    x = tokens()
+    with off.use("cpu", StreamConfig(prefetch=1)) as model, torch.no_grad():  # usable again
+        assert torch.equal(model(x), ref(x))
+
+
+def test_a_raising_forward_leaves_the_activation_usable(cpu_copy):
+    ref, off = pair()
+    with off.use("cpu", StreamConfig(prefetch=1)) as model, torch.no_grad():
+        with pytest.raises(IndexError):
+            model(torch.full((1, 3), 1000))
+        x = tokens()
+        assert torch.equal(model(x), ref(x))
+
+
+@pytest.mark.parametrize("blocks,err,match", [
+    (["nope"], BlockPathError, "names no submodule"),
+    (["norm"], BlockPathError, "not a non-empty"),
+    (["blocks", "blocks"], BlockPathError, "twice"),
+    (["blocks", "blocks.1"], BlockPathError, "not a non-empty"),
+])
+def test_bad_block_paths_raise_before_any_change(blocks, err, match):
+    model = TinyDiT()
+    before = snapshot(model)
+    with pytest.raises(err, match=match):
+        ModelOffloader.from_module(model, blocks=blocks)
+    assert_unchanged(model, before)
+
+
+def test_nested_block_lists_raise():
+    model = TinyDiT()
+    model.blocks[0].inner = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
+    with pytest.raises(BlockPathError, match="overlaps"):
+        ModelOffloader.from_module(model, blocks=["blocks", "blocks.0.inner"])
+
+
+def test_other_bad_inputs_raise_before_any_change():
+    model = TinyDiT()
+    before = snapshot(model)
+    with pytest.raises(BlockLayoutError):
+        ModelOffloader.from_module(torch.nn.Sequential(torch.nn.Linear(2, 2),
+                                                       torch.nn.Linear(2, 3)), blocks="")
+    with pytest.raises(OffloadError, match="host="):
+        ModelOffloader.from_module(model, blocks=PATHS, host="mmap")
+    with pytest.raises(HostBackingError, match="adopt"):
+        ModelOffloader.from_module(TinyDiT().to("meta"), blocks=PATHS, host="adopt")
+    for bad in [dict(prefetch=-1), dict(resident=1.5), dict(resident=1, vram_budget=10)]:
+        with pytest.raises(OffloadError):
+            StreamConfig(**bad)
+    assert_unchanged(model, before)
+
+
+def test_exports():
+    assert shuttle.ModelOffloader is ModelOffloader and shuttle.StreamConfig is StreamConfig
