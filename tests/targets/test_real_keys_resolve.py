@@ -213,27 +213,35 @@ def test_te3_prefix_lands_on_t5(models):
         "encoder.layers.0.self_attn.q_proj")
 
 
+def _check_cross_layout(lora, model) -> None:
+    """Every module placed (possibly split over several layers) and every piece fits."""
+    res = resolve(lora, model)
+    assert res.unmatched == {}
+    shapes = ModelNames.of(model).shapes
+    placed = set()
+    for t in res.targets:
+        shape = shapes[t.param]
+        if t.rows is not None:
+            shape = (t.rows[1] - t.rows[0], *shape[1:])
+        t.patch.check(shape, t.param)
+        placed.add(t.module_key)
+    assert placed == set(lora.modules)
+
+
 @pytest.mark.parametrize("name", ["flux-dev-diffusers.json", "flux-dev-peft.json",
-                                  "flux-dev-dora.json"])
-def test_diffusers_names_on_bfl_model_are_reported_not_misplaced(name, models):
-    """Gap: diffusers-named adapters need a Flux name table (to_q -> rows of img_attn.qkv,
-    proj_mlp -> rows of linear1, ...) to apply to a BFL-named model; shuttle has none, so every
-    key is reported unmatched and none is placed on a wrong layer.
-    """
-    lora = shuttle.load_lora(meta_state_dict(name))
-    res = resolve(lora, models("bfl"))
-    assert res.targets == []
-    assert set(res.unmatched) == set(lora.modules)
+                                  "flux-dev-dora.json", "flux-dev-diffusers-norm-out.json"])
+def test_diffusers_names_on_bfl_model_through_the_flux_table(name, models):
+    """diffusers-named adapters land on rows of the BFL model's fused layers (to_q -> rows of
+    img_attn.qkv, proj_mlp -> rows of linear1, norm_out halves swapped, ...)."""
+    _check_cross_layout(shuttle.load_lora(meta_state_dict(name)), models("bfl"))
 
 
 @pytest.mark.parametrize("name", ["flux-dev-kohya.json", "flux-dev-aitoolkit.json",
                                   "flux-dev-xlabs.json"])
-def test_bfl_names_on_diffusers_model_are_reported_not_misplaced(name, models):
-    """Gap (the reverse): BFL names onto diffusers' Flux need splitting of qkv/linear1."""
+def test_bfl_names_on_diffusers_model_through_the_flux_table(name, models):
+    """BFL-named adapters split their fused qkv / linear1 updates over diffusers' layers."""
     lora = shuttle.load_lora(meta_state_dict(name))
-    res = resolve(lora, models("diffusers_pipeline"))
-    assert res.targets == []
-    assert set(res.unmatched) == set(lora.modules)
+    _check_cross_layout(lora, models("diffusers_pipeline"))
 
 
 def test_lokr_sample_names_resolve_but_shapes_do_not_fit(models):

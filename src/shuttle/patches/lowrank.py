@@ -49,6 +49,7 @@ class LowRank(Patch):
     alpha_value: float | None = None
     transposed: bool = False
     split_qkv: bool = False
+    scale_source: Tensorish | None = None  # the whole up when this patch is rows of a split save
     tensor_fields = ("up", "down", "mid")
 
     @property
@@ -97,7 +98,8 @@ class LowRank(Patch):
         """``scale``, times n for a confirmed n-way split-qkv save (reads ``up``)."""
         if not self.split_qkv:
             return self.scale
-        return self.scale * len(split_blocks(materialize(self.up).flatten(1), self.rank))
+        up = self.scale_source if self.scale_source is not None else self.up
+        return self.scale * len(split_blocks(materialize(up).flatten(1), self.rank))
 
     def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(up2d, down2d)`` with ``up2d @ down2d`` the flattened delta before scale.

@@ -1,15 +1,22 @@
 """Resolving adapter keys onto a model's parameter names, and the report of what did not match."""
 
+# Model families register their name tables on import.
+from shuttle.targets import flux  # noqa: F401
+from shuttle.targets.family import FAMILY_MAPS, register_family
 from shuttle.targets.fused import FUSED_GROUPS
 from shuttle.targets.names import ADAPTER_PREFIXES, ModelNames
 from shuttle.targets.resolve import KeyMapping, Resolution, Target, resolve
+from shuttle.targets.split import Split
 
 __all__ = [
     "ADAPTER_PREFIXES",
+    "FAMILY_MAPS",
     "FUSED_GROUPS",
     "KeyMapping",
     "ModelNames",
     "Resolution",
+    "Split",
     "Target",
+    "register_family",
     "resolve",
 ]

@@ -22,21 +22,20 @@ import torch
 from shuttle.errors import DuplicateTargetError
 from shuttle.formats import LoRA
 from shuttle.formats.kohya import KOHYA_PREFIXES
-from shuttle.patches import Patch
+from shuttle.patches import Patch, select_rows
+from shuttle.targets.family import FAMILY_MAPS
 from shuttle.targets.fused import fused_candidates
 from shuttle.targets.names import ADAPTER_PREFIXES, ModelNames
+from shuttle.targets.split import MappingValue, Rows, Split
 
-__all__ = ["KeyMapping", "Resolution", "Target", "resolve"]
+__all__ = ["KeyMapping", "Resolution", "Split", "Target", "resolve"]
 
 # Wrapper levels that adapters spell but newer model code dropped: transformers 5's CLIPTextModel
 # has no ``text_model.`` (kohya's ``lora_te1_text_model_...`` and diffusers' keys keep it).
 _WRAPPERS = ("text_model.",)
 _DROPPED_WRAPPERS = tuple(w.replace(".", "_") for w in _WRAPPERS)
 
-Rows = tuple[int, int]
-KeyMapping = (
-    Mapping[str, "str | tuple[str, Rows]"] | Callable[[str], "str | tuple[str, Rows] | None"]
-)
+KeyMapping = Mapping[str, MappingValue] | Callable[[str], "MappingValue | None"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +67,8 @@ class Resolution:
 class _Place:
     path: str
     fused: tuple[int, tuple[str, ...]] | None = None  # (index, group) on a fused projection
-    rows: Rows | None = None
+    rows: Rows | None = None  # rows of the model's parameter
+    source_rows: Rows | None = None  # rows of the adapter's update (one module split in several)
 
 
 def resolve(
@@ -93,39 +93,70 @@ def resolve(
     names = model if isinstance(model, ModelNames) else (
         ModelNames.of(model) if isinstance(model, torch.nn.Module) else ModelNames(model))
     unmatched: dict[str, str] = {}
-    places: dict[str, _Place] = {}
+    places: dict[str, list[_Place]] = {}
     for module in lora.modules:
-        place = _from_mapping(module, mapping, names, unmatched)
-        if place is None and module not in unmatched:
+        found = _from_mapping(module, mapping, names, unmatched)
+        if found is None and module not in unmatched:
             place = _locate(module, names, unmatched)
-        if place is not None:
-            places[module] = place
+            found = [place] if place is not None else None
+        if found is None and module in unmatched:
+            found = _from_family(module, names, unmatched)
+        if found:
+            places[module] = found
     _fused_rows(lora, places, names, unmatched)
     targets = []
-    for module, place in places.items():
-        for patch in lora.modules[module]:
-            param = names.param(place.path, patch.param)
-            if param is None:
-                unmatched[f"{module} ({patch.param})"] = (
-                    f"module {place.path!r} of the model has no parameter {patch.param!r}")
-                continue
-            targets.append(Target(param, module, patch, place.rows))
+    for module, module_places in places.items():
+        for place in module_places:
+            for patch in lora.modules[module]:
+                param = names.param(place.path, patch.param)
+                if param is None:
+                    unmatched[f"{module} ({patch.param})"] = (
+                        f"module {place.path!r} of the model has no parameter {patch.param!r}")
+                    continue
+                if place.source_rows is not None:
+                    patch = select_rows(patch, *place.source_rows)
+                targets.append(Target(param, module, patch, place.rows))
     _check_duplicates(targets)
     return Resolution(targets, unmatched)
 
 
+def _places(module: str, value: MappingValue, names: ModelNames,
+            unmatched: dict[str, str], who: str) -> list[_Place] | None:
+    """Places from a mapping value: a path, ``(path, rows)``, or a list of :class:`Split`."""
+    if isinstance(value, str):
+        splits = [Split(value)]
+    elif isinstance(value, list):
+        splits = [v if isinstance(v, Split) else Split(*v) for v in value]
+    else:
+        splits = [Split(value[0], rows=value[1])]
+    missing = [s.path for s in splits if not names.has_module(s.path)]
+    if missing:
+        unmatched[module] = f"{who} sends it to {missing[0]!r}, which the model does not have"
+        return None
+    unmatched.pop(module, None)
+    return [_Place(s.path, rows=tuple(s.rows) if s.rows is not None else None,
+                   source_rows=tuple(s.source_rows) if s.source_rows is not None else None)
+            for s in splits]
+
+
 def _from_mapping(module: str, mapping: KeyMapping | None, names: ModelNames,
-                  unmatched: dict[str, str]) -> _Place | None:
+                  unmatched: dict[str, str]) -> list[_Place] | None:
     if mapping is None:
         return None
     value = mapping(module) if callable(mapping) else mapping.get(module)
     if value is None:
         return None
-    path, rows = (value, None) if isinstance(value, str) else value
-    if not names.has_module(path):
-        unmatched[module] = f"the mapping sends it to {path!r}, which the model does not have"
-        return None
-    return _Place(path, rows=tuple(rows) if rows is not None else None)
+    return _places(module, value, names, unmatched, "the mapping")
+
+
+def _from_family(module: str, names: ModelNames, unmatched: dict[str, str]
+                 ) -> list[_Place] | None:
+    """A model family's own name table (BFL vs diffusers Flux, ...) when the rules failed."""
+    for family in FAMILY_MAPS:
+        value = family(module, names)
+        if value is not None:
+            return _places(module, value, names, unmatched, "the model family's name table")
+    return None
 
 
 def _locate(module: str, names: ModelNames, unmatched: dict[str, str]) -> _Place | None:
@@ -212,7 +243,8 @@ def _fused_rows(lora: LoRA, places: dict[str, _Place], names: ModelNames,
                 unmatched: dict[str, str]) -> None:
     """Give each split module placed on a fused projection its row range."""
     groups: dict[tuple[str, tuple[str, ...]], dict[int, str]] = defaultdict(dict)
-    for module, place in places.items():
+    for module, module_places in places.items():
+        place = module_places[0]
         if place.fused is not None:
             groups[(place.path, place.fused[1])][place.fused[0]] = module
     for (path, group), members in groups.items():
@@ -231,7 +263,7 @@ def _fused_rows(lora: LoRA, places: dict[str, _Place], names: ModelNames,
             continue
         starts = [sum(sizes[:i]) for i in range(n)]
         for i, m in members.items():
-            places[m] = _Place(path, rows=(starts[i], starts[i] + sizes[i]))
+            places[m] = [_Place(path, rows=(starts[i], starts[i] + sizes[i]))]
 
 
 def _out_rows(lora: LoRA, module: str) -> int | None:
