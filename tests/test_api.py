@@ -11,6 +11,7 @@ DOCUMENTED = {
     "attach_lora", "DynamicAdapters", "lora_scale", "load_checkpoint", "LoadReport",
     "replacement_parameters", "merge_files", "FileMergeReport", "extract_lora", "ExtractReport",
     "errors", "ModelOffloader", "StreamConfig",
+    "ResourceCache", "ModelCache", "ModelSpec", "LoRASpec", "ObjectSpec", "LRUEvictionPolicy",
 }
 
 

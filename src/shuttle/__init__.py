@@ -18,6 +18,14 @@ from shuttle.apply import (
     replacement_parameters,
 )
 from shuttle.apply.merge_files import FileMergeReport, merge_files
+from shuttle.cache import (
+    LoRASpec,
+    LRUEvictionPolicy,
+    ModelCache,
+    ModelSpec,
+    ObjectSpec,
+    ResourceCache,
+)
 from shuttle.formats import FORMATS, LoRA, load_lora, register_format, save_lora
 from shuttle.offload import ModelOffloader, StreamConfig
 from shuttle.patches import PATCH_KINDS, register_patch
@@ -32,10 +40,16 @@ __all__ = [
     "FileMergeReport",
     "PATCH_KINDS",
     "LoRA",
+    "LoRASpec",
+    "LRUEvictionPolicy",
     "LoadReport",
     "MergeReport",
+    "ModelCache",
     "ModelOffloader",
+    "ModelSpec",
+    "ObjectSpec",
     "Resolution",
+    "ResourceCache",
     "StreamConfig",
     "apply_lora",
     "attach_lora",

@@ -14,18 +14,26 @@ __all__ = [
     "BlockLayoutError",
     "BlockPathError",
     "BudgetTooSmallError",
+    "CacheError",
     "CheckpointError",
     "CorruptFileError",
+    "DuplicateResourceKeyError",
     "DuplicateTargetError",
+    "EvictionPolicyError",
     "HostBackingError",
     "InvalidStrengthError",
     "MissingDependencyError",
     "MissingParameterError",
+    "ModelInUseError",
     "NonFiniteAdapterError",
     "OffloadError",
+    "ResourceLeasedError",
+    "ResourceNotRegisteredError",
+    "ResourceTooLargeError",
     "ShapeMismatchError",
     "ShuttleError",
     "UnknownKeyError",
+    "UnsupportedFeatureError",
     "UnsupportedFormatError",
     "UnsupportedLayerError",
 ]
@@ -119,3 +127,51 @@ class ActivationError(ShuttleError, RuntimeError):
 
 class AlreadyActiveError(ActivationError):
     """``activate``/``use`` was called while the offloader is already active."""
+
+
+class CacheError(ShuttleError):
+    """A resource cache is used against its rules (budget, leases, keys, policy)."""
+
+
+class ResourceTooLargeError(CacheError):
+    """An entry cannot be admitted (or the budget shrunk) without evicting leased entries.
+
+    Attributes:
+        required: bytes the admission (or the smaller budget) needs free.
+        used: bytes charged when it was refused.
+        limit: the cache's budget (``max_bytes``).
+    """
+
+    def __init__(self, message: str, *, required: int, used: int, limit: int):
+        super().__init__(message)
+        self.required = required
+        self.used = used
+        self.limit = limit
+
+
+class EvictionPolicyError(CacheError, RuntimeError):
+    """An eviction policy chose keys twice, keys that are not candidates, or too few bytes;
+    nothing was evicted.
+    """
+
+
+class ResourceLeasedError(CacheError, RuntimeError):
+    """An entry that is leased (or being built) was asked to be evicted."""
+
+
+class DuplicateResourceKeyError(CacheError, ValueError):
+    """A key is registered already (by ``register``, or with a different spec)."""
+
+
+class ResourceNotRegisteredError(CacheError, LookupError):
+    """A key names no entry of the cache."""
+
+
+class ModelInUseError(CacheError, RuntimeError):
+    """``ModelCache.use`` of a model that another ``use`` holds active (uses are sequential)."""
+
+
+class UnsupportedFeatureError(CacheError, NotImplementedError):
+    """A cache call needs a feature that the layer below does not offer yet (the message
+    names it).
+    """

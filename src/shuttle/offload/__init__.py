@@ -1,5 +1,6 @@
 """Host storage, whole-model and block-streamed device residency, activation lifecycle."""
 
+from shuttle.offload.adapters import LORA_MODES, ActivationAdapters
 from shuttle.offload.host_storage import HostStorage, HostUnit, Layout
 from shuttle.offload.offloader import (
     CPU_COPY_ENV,
@@ -13,6 +14,8 @@ from shuttle.offload.streamer import BlockStreamer
 
 __all__ = [
     "CPU_COPY_ENV",
+    "LORA_MODES",
+    "ActivationAdapters",
     "BlockStreamer",
     "HostStorage",
     "HostUnit",

@@ -8,6 +8,10 @@
 * with one: the rest of the model and the resident blocks are copied once; every other block
   streams through a fixed ring of slots (:class:`BlockStreamer`), ``prefetch`` blocks ahead.
 
+Either can apply adapters for the activation (``loras=``): merged into each weight as its copy
+lands (``lora_mode="merge"``) or added at forward time (``"dynamic"``); see
+:mod:`shuttle.offload.adapters`. The host copy is never modified.
+
 ``deactivate`` points every tensor back at host storage and drops the device buffers. On the
 CPU, activation is a pass-through (the host tensors are already where compute runs), unless the
 test-only environment variable ``SHUTTLE_OFFLOAD_CPU_COPY=1`` is set: then CPU activation copies
@@ -23,15 +27,19 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shuttle.apply.dynamic_layer import Quality
+from shuttle.apply.plan import AdapterList, normalize_loras
 from shuttle.errors import (
     AlreadyActiveError,
     BlockPathError,
     BudgetTooSmallError,
     OffloadError,
 )
+from shuttle.offload.adapters import ActivationAdapters, LoRAMode, check_lora_mode
 from shuttle.offload.host_storage import HostBacking, HostStorage
 from shuttle.offload.slots import SlotPool
 from shuttle.offload.streamer import BlockStreamer
+from shuttle.targets import KeyMapping
 
 __all__ = ["CPU_COPY_ENV", "ModelOffloader", "ResidencyPlan", "StreamConfig"]
 
@@ -140,9 +148,11 @@ def plan_residency(storage: HostStorage, config: StreamConfig | None) -> Residen
 class _Activation:
     """What one activation put on the device, so that teardown can undo it."""
 
-    def __init__(self, device: torch.device, plan: ResidencyPlan | None):
+    def __init__(self, device: torch.device, plan: ResidencyPlan | None,
+                 adapters: ActivationAdapters | None = None):
         self.device = device
         self.plan = plan
+        self.adapters = adapters
         self.pools: list[SlotPool] = []
         self.streamers: dict[str, BlockStreamer] = {}
 
@@ -215,17 +225,37 @@ class ModelOffloader:
         """The current activation's streamers, per group that streams."""
         return dict(self._active.streamers) if self._active else {}
 
+    @property
+    def adapters(self) -> ActivationAdapters | None:
+        """The current activation's adapters (``report``, ``mode``); None without any."""
+        return self._active.adapters if self._active else None
+
     def activate(self, device: str | torch.device = "cuda",
-                 stream: StreamConfig | None = None) -> torch.nn.Module:
-        """Place the model on ``device``; returns the model.
+                 stream: StreamConfig | None = None, *, loras: AdapterList = (),
+                 lora_mode: LoRAMode = "merge", quality: Quality | None = None,
+                 mapping: KeyMapping | None = None) -> torch.nn.Module:
+        """Place the model on ``device``, with adapters applied if given; returns the model.
 
         Args:
             device: where to compute. ``"cpu"`` is a pass-through.
             stream: stream blocks as configured; None puts the whole model on the device.
+            loras: ``[(lora, strength), ...]`` applied for this activation only; strengths of
+                exactly 0 are dropped before anything is built.
+            lora_mode: ``"merge"``: folded into each weight right after its copy lands (float32
+                sum, one rounding: the weights :func:`~shuttle.merge_lora` would give; a block
+                streamed again is merged again from the pristine host copy). ``"dynamic"``:
+                added at forward time by hooks (as :func:`~shuttle.attach_lora`), weights
+                untouched. Either way the patch tensors are read onto ``device`` once.
+            quality: the dynamic tier (``"exact"``, ``"lossless"``, ``"fused"``).
+            mapping: adapter module key -> model module path, as for ``merge_lora``.
 
         Raises:
             AlreadyActiveError: an activation is in progress (call ``deactivate`` first).
             BudgetTooSmallError: ``stream.vram_budget`` is too small; nothing was changed.
+            OffloadError: an unknown ``lora_mode`` or ``quality``.
+            Everything :func:`~shuttle.merge_lora` raises for bad adapters (and
+            ``UnsupportedLayerError`` for a patch a layer cannot take dynamically), before any
+            device memory is taken for weights; the offloader stays inactive.
             Any failure while placing the model is re-raised after a full rollback (hooks
             removed, device buffers dropped, tensors back on the host); the offloader stays
             usable.
@@ -235,16 +265,23 @@ class ModelOffloader:
                 f"the offloader is already active on {self._active.device}; call deactivate() "
                 "(or leave the use() block) before activating again"
             )
+        check_lora_mode(lora_mode, quality)
+        pairs = normalize_loras(loras)
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        if device.type == "cpu" and os.environ.get(CPU_COPY_ENV) != "1":
-            self._active = _Activation(device, None)
-            return self.model
-        plan = plan_residency(self.storage, stream)
-        active = _Activation(device, plan)
+        through = device.type == "cpu" and os.environ.get(CPU_COPY_ENV) != "1"
+        plan = None if through else plan_residency(self.storage, stream)
+        adapters = ActivationAdapters(self.model, self.storage, pairs, lora_mode, device,
+                                      quality, mapping) if pairs else None
+        active = _Activation(device, plan, adapters)
         try:
-            self._place(active, stream)
+            if through:
+                self._pass_through(active)
+            else:
+                self._place(active, stream)
+            if adapters is not None and adapters.mode == "dynamic":
+                adapters.attach()  # after the stream hooks: they bind weights first
         except BaseException:
             self._teardown(active)
             raise
@@ -262,29 +299,43 @@ class ModelOffloader:
             self._teardown(active)
 
     @contextlib.contextmanager
-    def use(self, device: str | torch.device = "cuda",
-            stream: StreamConfig | None = None) -> Iterator[torch.nn.Module]:
+    def use(self, device: str | torch.device = "cuda", stream: StreamConfig | None = None, *,
+            loras: AdapterList = (), lora_mode: LoRAMode = "merge",
+            quality: Quality | None = None, mapping: KeyMapping | None = None
+            ) -> Iterator[torch.nn.Module]:
         """``activate`` for the ``with`` block, ``deactivate`` after it (also on error)."""
-        model = self.activate(device, stream)
+        model = self.activate(device, stream, loras=loras, lora_mode=lora_mode,
+                              quality=quality, mapping=mapping)
         try:
             yield model
         finally:
             self.deactivate()
 
+    def _pass_through(self, active: _Activation) -> None:
+        # The host tensors are where compute runs: adapted tensors get merged copies instead.
+        adapters = active.adapters
+        if adapters is not None and adapters.mode == "merge":
+            for unit in self.storage.units:
+                if adapters.touches(unit):
+                    unit.bind(adapters.merged_copies(unit))
+
     def _place(self, active: _Activation, stream: StreamConfig | None) -> None:
         plan, device = active.plan, active.device
         assert plan is not None
         copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        fold = active.adapters.fold if active.adapters and active.adapters.mode == "merge" \
+            else None
         rest = self.storage.rest
         if rest.layout.offsets:
-            pool = SlotPool(rest.layout, 1, device, copy_stream)
+            pool = SlotPool(rest.layout, 1, device, copy_stream, fold)
             active.pools.append(pool)
             pool.load(0, rest)
             pool.wait_loaded(0)
             rest.bind(pool.views[0])
         for g, units in self.storage.groups.items():
             resident = plan.resident[g]
-            pool = SlotPool(units[0].layout, len(resident) + plan.ring[g], device, copy_stream)
+            pool = SlotPool(units[0].layout, len(resident) + plan.ring[g], device, copy_stream,
+                            fold)
             active.pools.append(pool)
             for slot, pos in enumerate(resident):
                 pool.load(slot, units[pos])
@@ -297,6 +348,8 @@ class ModelOffloader:
                 streamer.warm()
 
     def _teardown(self, active: _Activation) -> None:
+        if active.adapters is not None:
+            active.adapters.detach()
         for streamer in active.streamers.values():
             streamer.detach()
         for unit in self.storage.units:

@@ -19,6 +19,8 @@ the events are absent; the bookkeeping around them is the same.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from shuttle.offload.host_storage import HostUnit, Layout
@@ -34,11 +36,16 @@ class SlotPool:
         n_slots: how many buffers (fixed for the pool's life).
         device: where the buffers live.
         copy_stream: the CUDA side stream for copies; None for synchronous copies.
+        fold: called as ``fold(unit, views)`` right after each copy lands in a slot, before
+            the slot counts as loaded (on the copy stream on CUDA): merges adapters into the
+            slot. The host copy is never passed, so every load starts pristine.
     """
 
     def __init__(self, layout: Layout, n_slots: int, device: torch.device,
-                 copy_stream: torch.cuda.Stream | None = None):
+                 copy_stream: torch.cuda.Stream | None = None,
+                 fold: Callable[[HostUnit, list[torch.Tensor]], None] | None = None):
         self.layout = layout
+        self.fold = fold
         self.device = device
         self.buffers = [torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
                         for _ in range(n_slots)]
@@ -64,11 +71,15 @@ class SlotPool:
         """Copy ``unit``'s host tensors into ``slot`` once the slot's last reader is done."""
         if self._stream is None:
             unit.copy_into(self.buffers[slot], self.views[slot], non_blocking=False)
+            if self.fold is not None:
+                self.fold(unit, self.views[slot])
             return
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(self._freed[slot])
             # From pinned memory this returns at once; the DMA runs on the side stream.
             unit.copy_into(self.buffers[slot], self.views[slot], non_blocking=True)
+            if self.fold is not None:  # ordered after the copy on this stream
+                self.fold(unit, self.views[slot])
             self._loaded[slot].record(self._stream)
 
     def wait_loaded(self, slot: int) -> None:

@@ -1,0 +1,156 @@
+"""``ModelCache``: a :class:`ResourceCache` that also activates the models it holds.
+
+``use`` leases the adapters, then the model (building whatever is missing, under the shared
+budget), activates the model's offloader on the device with the adapters, yields the model,
+and unwinds in reverse order: deactivate, release the model's lease, release the adapters'.
+A failure at any step unwinds the steps already taken and re-raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import math
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from shuttle.cache.policy import EvictionPolicy
+from shuttle.cache.resource_cache import ResourceCache
+from shuttle.cache.specs import LoRASpec, ModelSpec, Spec
+from shuttle.errors import (
+    CacheError,
+    InvalidStrengthError,
+    ModelInUseError,
+    UnsupportedFeatureError,
+)
+from shuttle.offload import ModelOffloader, StreamConfig
+
+__all__ = ["ModelCache"]
+
+logger = logging.getLogger(__name__)
+
+
+class ModelCache(ResourceCache):
+    """Models and adapters under one byte budget, activated on a device by :meth:`use`.
+
+    Every ``ResourceCache`` method works here too. A model entry is one offloader holding one
+    model: its uses are sequential (a second overlapping ``use`` raises ``ModelInUseError``).
+    For concurrent replicas, register separately built models under distinct keys.
+
+    Args:
+        max_bytes: the host byte budget shared by every model and adapter.
+        policy: chooses victims among unleased entries (default LRU).
+    """
+
+    def __init__(self, max_bytes: int, policy: EvictionPolicy | None = None):
+        super().__init__(max_bytes, policy)
+        self._in_use: set[Hashable] = set()  # model keys inside a use(); guarded by _cond
+
+    def in_use(self, key: Hashable) -> bool:
+        """Whether a ``use`` of the model under ``key`` is in progress."""
+        with self._cond:
+            return key in self._in_use
+
+    @contextlib.contextmanager
+    def use(self, model: ModelSpec | Spec | Hashable, device: str | torch.device = "cuda",
+            loras: Sequence[tuple[LoRASpec | Spec | Hashable, float]] = (),
+            lora_mode: str | None = None,
+            stream: StreamConfig | None = None) -> Iterator[torch.nn.Module]:
+        """Lease, build if missing, and activate a model for the ``with`` block.
+
+        Args:
+            model: the model's spec (built and admitted on first use) or the key of a
+                registered one. Its value must be a ``ModelOffloader``.
+            device: where to compute.
+            loras: ``(adapter spec or key, strength)`` pairs, applied while active; those of
+                strength 0 are skipped (not leased, not built).
+            lora_mode: how the offloader applies them (its own default when None).
+            stream: block streaming for this activation (None: the whole model on the device).
+
+        Yields:
+            The model, active on ``device``.
+
+        Raises:
+            ModelInUseError: another ``use`` of this model is in progress.
+            InvalidStrengthError: a strength is not a finite number.
+            UnsupportedFeatureError: ``loras``/``lora_mode`` given, but the offloader does not
+                accept them yet.
+            CacheError: the model's value is not a ``ModelOffloader``.
+            Any error of leasing (``ResourceTooLargeError``, ...), building or activating,
+            after every lease taken so far was released.
+        """
+        pairs = _check_loras(loras)
+        wanted = ([("loras", "LoRA during activation")] if pairs else []) + (
+            [("lora_mode", "a LoRA mode for activation")] if lora_mode is not None else [])
+        if isinstance(model, ModelSpec):  # fail before building anything
+            _require(ModelOffloader.use, wanted)
+        key = model.key if hasattr(model, "build") else model  # type: ignore[union-attr]
+        with self._cond:
+            if key in self._in_use:
+                raise ModelInUseError(f"model {key!r} is in use by another use() (this thread "
+                                      "or another); uses of one model are sequential")
+            self._in_use.add(key)
+        try:
+            with contextlib.ExitStack() as stack:
+                adapters = [(stack.enter_context(self.lease(spec)), w) for spec, w in pairs]
+                off = stack.enter_context(self.lease(model))
+                if not isinstance(off, ModelOffloader):
+                    raise CacheError(f"cache entry {key!r} holds a {type(off).__name__}, not a "
+                                     "ModelOffloader; use() needs a ModelSpec (or a spec "
+                                     "building an offloader)")
+                _require(off.use, wanted)
+                kwargs: dict[str, Any] = {"stream": stream}
+                if pairs:
+                    kwargs["loras"] = adapters
+                if lora_mode is not None:
+                    kwargs["lora_mode"] = lora_mode
+                active = stack.enter_context(off.use(device, **kwargs))
+                _log_residency(key, off)
+                yield active
+        finally:
+            with self._cond:
+                self._in_use.discard(key)
+
+
+def _check_loras(loras: Sequence[tuple[Any, float]]) -> list[tuple[Any, float]]:
+    pairs = []
+    for i, pair in enumerate(loras):
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            raise CacheError(f"loras[{i}]={pair!r}: expected a (LoRASpec or key, strength) "
+                             "pair")
+        spec, w = pair
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+            raise InvalidStrengthError(f"loras[{i}] strength={w!r}: expected a finite number")
+        if w != 0:  # as the offloader does: an adapter at strength 0 is not even built
+            pairs.append((spec, float(w)))
+    return pairs
+
+
+def _require(method: Callable[..., Any], wanted: list[tuple[str, str]]) -> None:
+    params = inspect.signature(method).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    missing = [(name, what) for name, what in wanted if name not in params]
+    if missing:
+        names = ", ".join(f"{name}= ({what})" for name, what in missing)
+        raise UnsupportedFeatureError(
+            f"ModelCache.use: ModelOffloader.use does not accept {names} yet, so the "
+            "adapters cannot be applied during activation. Use the model without loras= and "
+            "apply them yourself inside the block (shuttle.apply_lora).")
+
+
+def _log_residency(key: Hashable, off: ModelOffloader) -> None:
+    plan = off.plan
+    if plan is None:
+        logger.info("model %r active on %s: host tensors used in place (no copies)", key,
+                    off.device)
+        return
+    for group, resident in plan.resident.items():
+        n = len(off.blocks[group])
+        logger.info("model %r active on %s: %s: %d of %d blocks resident %s, %d streamed "
+                    "through %d slots (prefetch %d)", key, off.device, group, len(resident), n,
+                    list(resident), n - len(resident), plan.ring[group], plan.prefetch)
+    logger.info("model %r: %d weight bytes on %s", key, plan.device_bytes, off.device)

@@ -1,0 +1,177 @@
+"""Adapters applied for the length of one activation: merged as weights land, or dynamic.
+
+:class:`ActivationAdapters` is built before the offloader takes any device memory for weights:
+every adapter is resolved and validated against the model's (host) parameters by
+:func:`~shuttle.apply.plan.plan_params`, and only then are the patch tensors read onto the
+device, once; they stay there for the activation (they are small), so nothing is rebuilt per
+step.
+
+* ``mode="merge"``: :meth:`fold` is called by each :class:`~shuttle.offload.slots.SlotPool`
+  right after a unit's bytes land in a slot (on CUDA on the copy stream, before the slot's
+  ``loaded`` event, so compute that waits on the event sees merged weights). It runs
+  :func:`~shuttle.apply.merge.merge_param` on the slot's views: float32 sum, one rounding,
+  exactly what :func:`~shuttle.merge_lora` does to a resident copy. The host copy is never
+  written, so every load (a block streamed again next step) starts from pristine weights and
+  is merged exactly once.
+* ``mode="dynamic"``: one :class:`~shuttle.apply.dynamic_layer.LoRAHook` per adapted module
+  (the machinery of :func:`~shuttle.attach_lora`), built against device copies of the module's
+  own parameters so its factors and residuals live on the device; attached after the streaming
+  hooks (so on a module with both, the stream hook is outermost and binds the weights first)
+  and removed at deactivate.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Literal, NamedTuple
+
+import torch
+from torch.nn.utils.stateless import _reparametrize_module
+
+from shuttle.apply.dynamic import QUALITIES, DynamicAdapters, default_quality
+from shuttle.apply.dynamic_layer import LoRAHook, Quality
+from shuttle.apply.merge import MergeReport, exact_cublas, merge_param
+from shuttle.apply.plan import AdapterList, Contribution, plan_params
+from shuttle.errors import OffloadError
+from shuttle.hooks import add_hook
+from shuttle.offload.host_storage import HostStorage, HostUnit
+from shuttle.targets import KeyMapping
+
+__all__ = ["LORA_MODES", "ActivationAdapters", "LoRAMode", "check_lora_mode"]
+
+LoRAMode = Literal["merge", "dynamic"]
+LORA_MODES: tuple[str, ...] = ("merge", "dynamic")
+
+
+class _Target(NamedTuple):
+    entry: int  # index into the unit's layout
+    name: str  # the parameter's name in the model
+    contribs: list[Contribution]
+
+
+def check_lora_mode(lora_mode: str, quality: Quality | None) -> None:
+    """Raise :class:`OffloadError` for an unknown ``lora_mode`` or ``quality``."""
+    if lora_mode not in LORA_MODES:
+        raise OffloadError(f"lora_mode={lora_mode!r}: expected 'merge' (folded into each weight "
+                           "as it lands) or 'dynamic' (added at forward time)")
+    if quality is not None and quality not in QUALITIES:
+        raise OffloadError(f"quality={quality!r}: expected one of {', '.join(QUALITIES)}")
+
+
+class ActivationAdapters:
+    """Validated adapters for one activation of a model held in ``storage``.
+
+    Args:
+        model: the offloaded model, inactive (its tensors on host storage).
+        storage: its host storage.
+        loras: ``[(lora, strength), ...]`` with at least one non-zero strength.
+        mode: ``"merge"`` or ``"dynamic"``.
+        device: the activation's device; the patch tensors are read onto it.
+        quality: the dynamic tier (default: :func:`~shuttle.apply.dynamic.default_quality`).
+        mapping: adapter module key -> model module path, as for :func:`~shuttle.merge_lora`.
+
+    Attributes:
+        mode: the mode.
+        report: parameters adapted (``applied``), adapter keys left over (``unmatched``,
+            ``skipped``).
+        folds: merges done so far (one per adapted parameter per unit load; merge mode).
+
+    Raises:
+        Everything :func:`~shuttle.merge_lora` raises (before any patch is read), and
+        UnsupportedLayerError: a patch a layer cannot take dynamically (dynamic mode).
+    """
+
+    def __init__(self, model: torch.nn.Module, storage: HostStorage, loras: AdapterList,
+                 mode: LoRAMode, device: torch.device, quality: Quality | None = None,
+                 mapping: KeyMapping | None = None):
+        self.model = model
+        self.mode = mode
+        # Validates every target over the host tensors' specs first, then reads the patches
+        # onto the device and checks them finite.
+        plan = plan_params(dict(model.named_parameters()), loras, mapping, device=device)
+        self.plan = plan
+        self.report = MergeReport(list(plan.params), plan.unmatched, plan.skipped)
+        self.folds = 0
+        self._targets = _targets_by_unit(model, storage, plan.params)
+        self.handle: DynamicAdapters | None = None
+        self._built: dict[str, LoRAHook] = {}
+        if mode == "dynamic":
+            self._build_hooks(device, quality or default_quality(model))
+
+    def touches(self, unit: HostUnit) -> bool:
+        """Whether any adapted parameter lies in ``unit``."""
+        return unit.name in self._targets
+
+    def fold(self, unit: HostUnit, views: list[torch.Tensor]) -> None:
+        """Merge the adapters into ``unit``'s tensors, ``views`` (just copied from the host)."""
+        targets = self._targets.get(unit.name)
+        if self.mode != "merge" or not targets:
+            return
+        with torch.no_grad(), exact_cublas():
+            for t in targets:
+                merge_param(views[t.entry], t.name, t.contribs)
+                self.folds += 1
+
+    def merged_copies(self, unit: HostUnit) -> list[torch.Tensor]:
+        """``unit``'s host tensors with merged copies of the adapted ones (CPU pass-through)."""
+        views = list(unit.host_views)
+        for t in self._targets.get(unit.name, ()):
+            views[t.entry] = views[t.entry].clone()
+        self.fold(unit, views)
+        return views
+
+    def attach(self) -> None:
+        """Install the dynamic hooks (dynamic mode; undone by :meth:`detach`)."""
+        assert self.handle is not None, "attach() is for dynamic mode"
+        modules = dict(self.model.named_modules())
+        for name, hook in self._built.items():
+            add_hook(modules[name], hook)
+            self.handle.hooks[name] = hook
+
+    def detach(self) -> None:
+        """Remove every dynamic hook installed (nothing to do in merge mode)."""
+        if self.handle is not None:
+            self.handle.detach()
+
+    def _build_hooks(self, device: torch.device, quality: Quality) -> None:
+        per_module: dict[str, dict[str, list[Contribution]]] = defaultdict(
+            lambda: defaultdict(list))
+        for param, contribs in self.plan.params.items():
+            module, _, leaf = param.rpartition(".")
+            per_module[module][leaf].extend(contribs)
+        adapters = self.plan.adapters
+        self.handle = DynamicAdapters(self.model, [lora for lora, _ in adapters],
+                                      [s for _, s in adapters], quality, self.report)
+        modules = dict(self.model.named_modules())
+        for name, leaves in per_module.items():
+            module = modules[name]
+            # The hook sizes its factors and computes its float32 residuals from the module's
+            # weights: give it device copies (one module at a time, transient) so both land on
+            # the device even for a block that streams.
+            on_device = {k: p.detach().to(device)
+                         for k, p in module.named_parameters(recurse=False)}
+            with _reparametrize_module(module, on_device):
+                self._built[name] = LoRAHook(name, module, dict(leaves), self.handle.strengths,
+                                             self.handle.strength_tensor, quality)
+
+
+def _targets_by_unit(model: torch.nn.Module, storage: HostStorage,
+                     params: dict[str, list[Contribution]]) -> dict[str, list[_Target]]:
+    """Unit name -> the adapted parameters in it, as layout entries."""
+    names = {id(m): n for n, m in model.named_modules()}
+    out: dict[str, list[_Target]] = {}
+    found: set[str] = set()
+    for unit in storage.units:
+        seen: set[int] = set()
+        for b in unit.bindings:
+            if not b.is_param:
+                continue
+            prefix = names[id(b.module)]
+            full = f"{prefix}.{b.name}" if prefix else b.name
+            if full in params and b.entry not in seen:  # a tied tensor is merged once
+                seen.add(b.entry)
+                found.add(full)
+                out.setdefault(unit.name, []).append(_Target(b.entry, full, params[full]))
+    missing = set(params) - found
+    assert not missing, f"adapted parameters not found in host storage: {sorted(missing)[:4]}"
+    return out
