@@ -35,6 +35,7 @@ class TinyDiT(nn.Module):
         self.head = nn.Linear(dim, vocab, bias=False)
         if tie:
             self.head.weight = self.embed.weight
+            assert self.head.weight is self.embed.weight  # tests rely on one shared Parameter
         self.to(dtype)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

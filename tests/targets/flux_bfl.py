@@ -16,6 +16,7 @@ HEAD_DIM = 128
 MLP = 4 * HIDDEN  # 12288
 DOUBLE_BLOCKS = 19
 SINGLE_BLOCKS = 38
+assert HIDDEN % HEAD_DIM == 0, "the attention heads must tile the hidden size"
 
 
 class RMSNorm(nn.Module):
