@@ -33,6 +33,7 @@ __all__ = [
     "ShapeMismatchError",
     "ShuttleError",
     "UnknownKeyError",
+    "UnmergeableWeightError",
     "UnsupportedFeatureError",
     "UnsupportedFormatError",
     "UnsupportedLayerError",
@@ -174,4 +175,10 @@ class ModelInUseError(CacheError, RuntimeError):
 class UnsupportedFeatureError(CacheError, NotImplementedError):
     """A cache call needs a feature that the layer below does not offer yet (the message
     names it).
+    """
+
+
+class UnmergeableWeightError(ShuttleError, TypeError):
+    """A weight's representation cannot take a merge (GGUF blocks, tile-packed int4): its
+    encoding is fixed offline. Apply the adapter with ``mode="dynamic"`` instead.
     """

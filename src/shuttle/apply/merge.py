@@ -12,17 +12,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import weakref
 from collections.abc import Iterator
 
 import torch
 from tqdm.auto import tqdm
 
 from shuttle.apply.plan import AdapterList, Contribution, MergePlan, plan_merge
-from shuttle.apply.rounding import Rounding, round_to
+from shuttle.apply.rounding import Rounding, param_seed, round_to
 from shuttle.errors import InvalidStrengthError, NonFiniteAdapterError
 from shuttle.kernels import merge_lowrank, triton_available
 from shuttle.patches import LowRank
 from shuttle.targets import KeyMapping
+from shuttle.weights import FP8_DTYPES, represent
 
 __all__ = ["MergeReport", "exact_cublas", "merge_lora", "merge_param", "merge_plan"]
 
@@ -50,7 +52,7 @@ def merge_lora(
     model: torch.nn.Module,
     loras: AdapterList,
     *,
-    rounding: Rounding = "nearest",
+    rounding: Rounding | None = None,
     seed: int | None = None,
     mapping: KeyMapping | None = None,
     progress: bool | None = None,
@@ -62,7 +64,8 @@ def merge_lora(
         loras: ``[(lora, strength), ...]``; each lora a :class:`~shuttle.LoRA` or anything
             :func:`~shuttle.load_lora` reads. A strength of exactly 0 skips that adapter.
         rounding: ``"nearest"``, or ``"stochastic"`` (unbiased; seeded by parameter name and
-            ``seed``, so repeatable).
+            ``seed``, so repeatable). Default: nearest for float16/bfloat16/float32 weights,
+            stochastic for float8 weights (also seeded by how many merges the parameter took).
         seed: mixed into the stochastic rounding seed.
         mapping: adapter module key -> model module path (or ``(path, (start, end))``).
         progress: show a progress bar (default: when many parameters change).
@@ -78,14 +81,15 @@ def merge_lora(
         UnsupportedLayerError: a parameter cannot take the patch (integer dtype, meta device).
         All of these are raised before any weight changes.
     """
-    if rounding not in ("nearest", "stochastic"):
-        raise InvalidStrengthError(f"rounding={rounding!r}: expected 'nearest' or 'stochastic'")
+    if rounding not in (None, "nearest", "stochastic"):
+        raise InvalidStrengthError(
+            f"rounding={rounding!r}: expected 'nearest', 'stochastic' or None (the default)")
     plan = plan_merge(model, loras, mapping)
     merge_plan(model, plan, rounding=rounding, seed=seed, progress=progress)
     return MergeReport(list(plan.params), plan.unmatched, plan.skipped)
 
 
-def merge_plan(model: torch.nn.Module, plan: MergePlan, *, rounding: Rounding = "nearest",
+def merge_plan(model: torch.nn.Module, plan: MergePlan, *, rounding: Rounding | None = None,
                seed: int | None = None, progress: bool | None = None) -> None:
     """Apply a validated :class:`MergePlan` to ``model``'s parameters."""
     params = dict(model.named_parameters())
@@ -96,17 +100,20 @@ def merge_plan(model: torch.nn.Module, plan: MergePlan, *, rounding: Rounding = 
 
 
 def merge_param(p: torch.Tensor, name: str, contribs: list[Contribution],
-                rounding: Rounding = "nearest", seed: int | None = None) -> None:
-    """Apply ``contribs`` to parameter ``p`` (named ``name``) with one rounding per element."""
+                rounding: Rounding | None = None, seed: int | None = None) -> None:
+    """Apply ``contribs`` to parameter ``p`` (named ``name``) with one rounding per element.
+
+    ``rounding=None`` is nearest for float16/bfloat16/float32/float64 and stochastic for float8
+    (see :func:`_merge_fp8`).
+    """
+    if p.dtype in FP8_DTYPES:
+        _merge_fp8(p, name, contribs, rounding or "stochastic", seed)
+        return
+    rounding = rounding or "nearest"
     if rounding == "nearest" and _merge_fused(p, contribs):
         return
     compute = torch.float64 if p.dtype == torch.float64 else torch.float32
-    w = p.detach().to(compute, copy=True)
-    for c in contribs:
-        view = w if c.rows is None else w[c.rows[0]:c.rows[1]]
-        out = c.patch.apply(view, c.strength)
-        if out is not view:
-            view.copy_(out)
+    w = _apply_contribs(p.detach().to(compute, copy=True), contribs)
     w = round_to(w, p.dtype, rounding, name, seed)  # checked after rounding: float16 overflows
     if not bool(torch.isfinite(w).all()):
         raise NonFiniteAdapterError(
@@ -115,6 +122,57 @@ def merge_param(p: torch.Tensor, name: str, contribs: list[Contribution],
             "use apply_lora for a scoped merge that always restores."
         )
     p.data.copy_(w)
+
+
+def _apply_contribs(w: torch.Tensor, contribs: list[Contribution]) -> torch.Tensor:
+    """``w`` (float32/64, changed in place) with ``contribs`` applied in order."""
+    for c in contribs:
+        view = w if c.rows is None else w[c.rows[0]:c.rows[1]]
+        out = c.patch.apply(view, c.strength)
+        if out is not view:
+            view.copy_(out)
+    return w
+
+
+# Merges already folded into a float8 parameter, keyed by id() (tensors compare elementwise),
+# with a weak reference so that an entry dies with its tensor. The count is mixed into the
+# stochastic-rounding seed: a second merge into the same weight draws fresh noise instead of
+# repeating the first one's (which would correlate the rounding errors), and a process that
+# repeats the same merges gets the same bits.
+_FP8_MERGES: dict[int, tuple[weakref.ref, int]] = {}
+
+
+def _merge_count(p: torch.Tensor) -> int:
+    entry = _FP8_MERGES.get(id(p))
+    return entry[1] if entry is not None and entry[0]() is p else 0
+
+
+def _count_merge(p: torch.Tensor, count: int) -> None:
+    key = id(p)
+    _FP8_MERGES[key] = (weakref.ref(p, lambda _: _FP8_MERGES.pop(key, None)), count)
+
+
+def _merge_fp8(p: torch.Tensor, name: str, contribs: list[Contribution], rounding: Rounding,
+               seed: int | None) -> None:
+    """Merge into a plain float8 parameter: dequantize to float32, apply, encode once.
+
+    Values beyond the format's finite range clamp to ``±finfo.max``. The stochastic seed is
+    ``param_seed(name, seed)`` for the first merge into ``p`` and moves on with each merge.
+    """
+    rep = represent(p.detach())
+    w = _apply_contribs(rep.dequantize(), contribs)
+    if not bool(torch.isfinite(w).all()):
+        raise NonFiniteAdapterError(
+            f"merging into {name!r} gives NaN or infinity in float32; lower the strength. "
+            "Parameters merged before it keep their merge; use apply_lora for a scoped merge "
+            "that always restores."
+        )
+    count = _merge_count(p)
+    g = torch.Generator(device=p.device)
+    g.manual_seed((param_seed(name, seed) + count * 0x9E3779B97F4A7C15) & (2**63 - 1))
+    out = rep.encode(w, rounding, g)
+    p.data.copy_(out.data)
+    _count_merge(p, count + 1)
 
 
 def _merge_fused(p: torch.Tensor, contribs: list[Contribution]) -> bool:

@@ -1,0 +1,95 @@
+"""Float8 weights (``float8_e4m3fn``, ``float8_e5m2``), unscaled or with a float32 scale.
+
+The weight is ``data.float() * scale``, with ``scale`` absent (1), one number for the tensor
+(shape ``()``), or one per row (shape ``(rows,)``, broadcast over the other dims).
+Re-encoding after a merge recomputes the scale as ``amax / finfo.max`` at the same granularity,
+so the largest magnitude lands on the format's largest finite value; an unscaled weight is
+clamped to ``±finfo.max`` (float8 has no room to grow, and e4m3fn has no infinity).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from shuttle.errors import ShuttleError
+from shuttle.weights.representation import Rounding, WeightRepresentation, register_representation
+from shuttle.weights.rounding import round_float
+
+__all__ = ["FP8_DTYPES", "Fp8Weight"]
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@register_representation("fp8")
+@dataclasses.dataclass
+class Fp8Weight(WeightRepresentation):
+    """A float8 tensor, optionally scaled per tensor or per row.
+
+    Attributes:
+        data: the float8 values, of the weight's logical shape.
+        scale: ``None``, a float32 scalar, or float32 of shape ``(data.shape[0],)``.
+        compute_dtype: the dtype layers compute in (default bfloat16).
+
+    Raises:
+        ShuttleError: ``data`` is not float8, or ``scale`` has another shape.
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor | None = None
+    compute: torch.dtype = torch.bfloat16
+
+    tensor_names = ("data", "scale")
+
+    def __post_init__(self) -> None:
+        if self.data.dtype not in FP8_DTYPES:
+            raise ShuttleError(f"Fp8Weight data has dtype {self.data.dtype}; expected one of "
+                               f"{FP8_DTYPES}")
+        s = self.scale
+        if s is not None and tuple(s.shape) not in ((), tuple(self.data.shape[:1])):
+            raise ShuttleError(
+                f"Fp8Weight scale has shape {tuple(s.shape)}; expected () for one scale per "
+                f"tensor or ({self.data.shape[0]},) for one per row"
+            )
+
+    @property
+    def logical_shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.compute
+
+    def _broadcast(self, scale: torch.Tensor) -> torch.Tensor:
+        # (rows,) -> (rows, 1, ..., 1) against data of (rows, ...); () broadcasts as is.
+        return scale.reshape(scale.shape + (1,) * (self.data.dim() - scale.dim()))
+
+    def dequantize(self) -> torch.Tensor:
+        x = self.data.float()
+        return x if self.scale is None else x * self._broadcast(self.scale.float())
+
+    def encode(self, x: torch.Tensor, rounding: Rounding = "nearest",
+               generator: torch.Generator | None = None) -> Fp8Weight:
+        dtype = self.data.dtype
+        fmax = torch.finfo(dtype).max
+        x = x.float()
+        scale = None
+        if self.scale is not None:
+            if self.scale.dim() == 0:
+                amax = x.abs().amax()
+            else:
+                amax = x.abs().reshape(x.shape[0], -1).amax(dim=1)
+            # An all-zero tensor (or row) keeps scale 1: any scale encodes zeros exactly.
+            scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
+            x = x / self._broadcast(scale)
+        data = round_float(x.clamp(-fmax, fmax), dtype, rounding, generator)
+        return dataclasses.replace(self, data=data, scale=scale)
+
+    @classmethod
+    def accepts(cls, tensor: torch.Tensor) -> bool:
+        return isinstance(tensor, torch.Tensor) and tensor.dtype in FP8_DTYPES
+
+    @classmethod
+    def from_tensor(cls, tensor: torch.Tensor) -> Fp8Weight:
+        return cls(tensor)

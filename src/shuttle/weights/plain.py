@@ -1,0 +1,47 @@
+"""Plain floating-point weights (float16, bfloat16, float32, float64): the tensor is the weight."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from shuttle.weights.representation import Rounding, WeightRepresentation, register_representation
+from shuttle.weights.rounding import round_float
+
+__all__ = ["PLAIN_DTYPES", "PlainWeight"]
+
+PLAIN_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@register_representation("plain")
+@dataclasses.dataclass
+class PlainWeight(WeightRepresentation):
+    """A dense float tensor; ``encode`` rounds to its dtype once (nearest or stochastic)."""
+
+    data: torch.Tensor
+
+    tensor_names = ("data",)
+
+    @property
+    def logical_shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    def dequantize(self) -> torch.Tensor:
+        return self.data.float()
+
+    def encode(self, x: torch.Tensor, rounding: Rounding = "nearest",
+               generator: torch.Generator | None = None) -> PlainWeight:
+        return PlainWeight(round_float(x, self.data.dtype, rounding, generator))
+
+    @classmethod
+    def accepts(cls, tensor: torch.Tensor) -> bool:
+        return isinstance(tensor, torch.Tensor) and tensor.dtype in PLAIN_DTYPES
+
+    @classmethod
+    def from_tensor(cls, tensor: torch.Tensor) -> PlainWeight:
+        return cls(tensor)

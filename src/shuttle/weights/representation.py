@@ -1,0 +1,171 @@
+"""The base of every weight representation, and the registry that finds one for a tensor.
+
+A representation is a dataclass that names its data tensors once in ``tensor_names``; byte
+counts, pinning and device copies are derived from that list, so code that moves weights has no
+per-format branches. Each representation adds the math only it knows: its logical shape and
+compute dtype, ``dequantize`` (to float32) and ``encode`` (float32 back to the same
+representation, data-dependent scales recomputed: the re-encoding after a merge).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import ClassVar, Literal, TypeVar
+
+import torch
+
+from shuttle.errors import ShuttleError, UnmergeableWeightError
+
+__all__ = [
+    "REPRESENTATIONS",
+    "Rounding",
+    "WeightRepresentation",
+    "register_representation",
+    "represent",
+]
+
+Rounding = Literal["nearest", "stochastic"]
+
+R = TypeVar("R", bound="WeightRepresentation")
+
+
+@dataclasses.dataclass
+class WeightRepresentation:
+    """One weight in one storage form. Subclasses are dataclasses.
+
+    Class attributes:
+        tensor_names: the dataclass fields that hold tensors (a field may be ``None``); every
+            derived operation (``nbytes``, ``to``, ``pin``, ``tensors``) walks this list only.
+        mergeable: whether ``encode`` can re-encode a merged float32 weight.
+    """
+
+    tensor_names: ClassVar[tuple[str, ...]] = ()
+    mergeable: ClassVar[bool] = True
+
+    # -- derived from tensor_names ------------------------------------------------------------
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Declared name -> tensor, leaving out fields that are ``None``."""
+        out = {n: getattr(self, n) for n in self.tensor_names}
+        return {n: t for n, t in out.items() if t is not None}
+
+    def _map(self: R, fn: Callable[[torch.Tensor], torch.Tensor]) -> R:
+        return dataclasses.replace(self, **{n: fn(t) for n, t in self.tensors().items()})
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of storage held by the declared tensors (what a cache charges)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the first declared tensor."""
+        return next(iter(self.tensors().values())).device
+
+    def to(self: R, device: torch.device | str, non_blocking: bool = False) -> R:
+        """A copy of this representation with every declared tensor on ``device``."""
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin(self: R) -> R:
+        """This representation with every declared tensor in page-locked host memory.
+
+        Without an accelerator there is nothing to pin for, and ``self`` is returned as is.
+        """
+        if not torch.accelerator.is_available():
+            return self
+        return self._map(lambda t: t if t.is_pinned() else t.pin_memory())
+
+    def is_pinned(self) -> bool:
+        """Whether every declared tensor is in page-locked host memory."""
+        return all(t.is_pinned() for t in self.tensors().values())
+
+    # -- what each representation knows -------------------------------------------------------
+
+    @property
+    def logical_shape(self) -> torch.Size:
+        """The shape of the weight this stands for (not of its storage)."""
+        raise NotImplementedError(f"{type(self).__qualname__} must define logical_shape")
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype a layer computes in with this weight."""
+        raise NotImplementedError(f"{type(self).__qualname__} must define compute_dtype")
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight as a float32 tensor of ``logical_shape``, on this representation's device."""
+        raise NotImplementedError(f"{type(self).__qualname__} must define dequantize")
+
+    def encode(self: R, x: torch.Tensor, rounding: Rounding = "nearest",
+               generator: torch.Generator | None = None) -> R:
+        """``x`` (float32, ``logical_shape``) encoded in this representation's form.
+
+        Data-dependent parameters (scales) are recomputed from ``x``; the form (dtypes, scale
+        granularity) is kept. ``generator`` drives stochastic rounding.
+
+        Raises:
+            UnmergeableWeightError: the representation cannot be re-encoded (``mergeable`` is
+                False).
+        """
+        raise UnmergeableWeightError(
+            f"{type(self).__qualname__} weights cannot be merged into (their encoding is fixed "
+            'offline); apply the adapter with mode="dynamic" instead'
+        )
+
+    @classmethod
+    def accepts(cls, tensor: torch.Tensor) -> bool:
+        """Whether :func:`represent` should wrap ``tensor`` in this class (default: never)."""
+        return False
+
+    @classmethod
+    def from_tensor(cls: type[R], tensor: torch.Tensor) -> R:
+        """Wrap a tensor that :meth:`accepts` said yes to."""
+        raise NotImplementedError(f"{cls.__qualname__} accepts tensors but cannot wrap them")
+
+
+REPRESENTATIONS: dict[str, type[WeightRepresentation]] = {}
+
+
+def register_representation(name: str) -> Callable[[type[R]], type[R]]:
+    """Class decorator: register a :class:`WeightRepresentation` under ``name``.
+
+    :func:`represent` asks the most recently registered classes first, so a user's class can
+    claim tensors that a built-in one would also accept.
+
+    Raises:
+        ShuttleError: ``name`` is registered already, or the class is no representation.
+    """
+
+    def deco(cls: type[R]) -> type[R]:
+        if not (isinstance(cls, type) and issubclass(cls, WeightRepresentation)):
+            raise ShuttleError(f"register_representation({name!r}) needs a WeightRepresentation "
+                               f"subclass, got {cls!r}")
+        if name in REPRESENTATIONS:
+            raise ShuttleError(f"weight representation {name!r} is registered already "
+                               f"({REPRESENTATIONS[name].__qualname__}); pick another name")
+        REPRESENTATIONS[name] = cls
+        return cls
+
+    return deco
+
+
+def represent(tensor: torch.Tensor | WeightRepresentation) -> WeightRepresentation:
+    """The representation of ``tensor``: the last registered class that accepts it.
+
+    Args:
+        tensor: a tensor (plain float, float8, or a type a registered class accepts); a
+            :class:`WeightRepresentation` is returned unchanged.
+
+    Raises:
+        ShuttleError: no registered representation accepts it.
+    """
+    if isinstance(tensor, WeightRepresentation):
+        return tensor
+    for cls in reversed(list(REPRESENTATIONS.values())):
+        if cls.accepts(tensor):
+            return cls.from_tensor(tensor)
+    raise ShuttleError(
+        f"no weight representation accepts a {type(tensor).__qualname__} of dtype "
+        f"{getattr(tensor, 'dtype', None)}; register one with "
+        "shuttle.weights.register_representation"
+    )

@@ -1,0 +1,91 @@
+"""Stochastic rounding by bit stepping: neighbours, unbiasedness, repeatability."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from shuttle.apply.rounding import stochastic_round as nextafter_round
+from shuttle.weights.rounding import round_float, stochastic_round
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+# (mantissa bits, exponent of the smallest normal)
+_LAYOUT = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
+
+
+def fp8_gap(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float64 distance between the two float8 values around ``v`` (its step)."""
+    mant, emin = _LAYOUT[dtype]
+    a = v.double().abs()
+    e = torch.where(a > 0, torch.floor(torch.log2(torch.where(a > 0, a, 1.0))),
+                    torch.full_like(a, emin))
+    return torch.exp2(torch.clamp(e, min=emin) - mant)
+
+
+def sample(dtype: torch.dtype, n: int = 256) -> torch.Tensor:
+    """float32 values of both signs across normal and subnormal float8 ranges, plus edges."""
+    g = torch.Generator().manual_seed(1)
+    fmax = torch.finfo(dtype).max
+    tiny = torch.finfo(dtype).tiny
+    mag = torch.exp(torch.empty(n).uniform_(math.log(tiny / 8), math.log(fmax / 2), generator=g))
+    sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+    edges = torch.tensor([0.0, -0.0, fmax, -fmax, tiny, -tiny, tiny / 16, -tiny / 16])
+    return torch.cat([mag * sign, edges])
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_result_is_a_neighbour(dtype):
+    x = sample(dtype)
+    r = stochastic_round(x, dtype, torch.Generator().manual_seed(0)).double()
+    gap = fp8_gap(x, dtype)
+    assert r.dtype == torch.float64 and torch.isfinite(r).all()
+    assert ((r - x.double()).abs() < gap).all()
+    # exact values stay exact
+    exact = x.to(dtype)
+    assert torch.equal(stochastic_round(exact.float(), dtype).view(torch.uint8),
+                       exact.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_unbiased_over_seeds(dtype):
+    x = sample(dtype)
+    seeds = 400
+    total = torch.zeros_like(x, dtype=torch.float64)
+    for s in range(seeds):
+        total += stochastic_round(x, dtype, torch.Generator().manual_seed(s)).double()
+    mean = total / seeds
+    gap = fp8_gap(x, dtype)
+    # Each draw is one of two values gap apart: std of the mean <= gap / (2 sqrt(seeds));
+    # allow 5 of those.
+    tol = 5 * gap / (2 * math.sqrt(seeds))
+    assert ((mean - x.double()).abs() <= tol).all()
+    # nearest rounding is biased on these inputs, so the test can tell the two apart
+    near = x.to(dtype).double()
+    assert ((near - x.double()).abs() > tol).any()
+
+
+@pytest.mark.parametrize("dtype", FP8 + [torch.bfloat16, torch.float16])
+def test_repeatable_for_a_seed(dtype):
+    x = sample(torch.float8_e5m2).clamp(-60000, 60000)
+    a = stochastic_round(x, dtype, torch.Generator().manual_seed(7))
+    b = stochastic_round(x, dtype, torch.Generator().manual_seed(7))
+    c = stochastic_round(x, dtype, torch.Generator().manual_seed(8))
+    assert torch.equal(a.float(), b.float())
+    assert not torch.equal(a.float(), c.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_matches_nextafter_rounding_for_16_bit_floats(dtype):
+    x = torch.randn(4096) * torch.logspace(-10, 4, 4096)
+    x[:4] = torch.tensor([0.0, -0.0, 1.0, 1e-30])
+    a = stochastic_round(x, dtype, torch.Generator().manual_seed(3))
+    b = nextafter_round(x, dtype, torch.Generator().manual_seed(3))
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_round_float_nearest_and_wide_targets():
+    x = torch.randn(64)
+    assert torch.equal(round_float(x, torch.bfloat16), x.bfloat16())
+    assert torch.equal(round_float(x, torch.float32, "stochastic"), x)
