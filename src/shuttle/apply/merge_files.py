@@ -113,8 +113,7 @@ def merge_files(
         dtype: output dtype of every floating-point tensor: ``"bf16"``, ``"fp16"``, ``"fp32"``,
             ``"fp8_e4m3fn"`` (or the torch dtype); None keeps each tensor's own. Other tensors
             are copied as they are.
-        rounding: ``"nearest"`` or ``"stochastic"`` (seeded by tensor name and ``seed``);
-            stochastic rounding to float8 is not implemented.
+        rounding: ``"nearest"`` or ``"stochastic"`` (seeded by tensor name and ``seed``).
         seed: mixed into the stochastic rounding seed.
         max_shard_bytes: most tensor bytes per file; a larger single tensor gets its own file.
         mapping: adapter module key -> tensor path, as for :func:`~shuttle.merge_lora`.
@@ -126,7 +125,7 @@ def merge_files(
     Raises:
         AdapterFileError: a base or adapter file is missing, or ``base`` is not safetensors.
         CorruptFileError: a file is truncated, or the index names tensors its files lack.
-        InvalidStrengthError: a bad strength or rounding, or stochastic rounding to float8.
+        InvalidStrengthError: a bad strength or rounding.
         ShapeMismatchError, DuplicateTargetError, UnsupportedLayerError: as for a merge.
         ShuttleError: an unknown ``dtype``, a bad ``max_shard_bytes`` or ``out``.
             All of the above are raised before anything is written.
@@ -144,8 +143,6 @@ def merge_files(
                        load=False)
     dtypes = {n: out_dtype if out_dtype is not None and t.dtype.is_floating_point else t.dtype
               for n, t in tensors.items()}
-    if rounding == "stochastic":
-        _check_stochastic(tensors, dtypes, plan)
     shards = _shards(tensors, dtypes, max_shard_bytes)
     paths, index = _output_paths(Path(out), len(shards))
     metadata = _metadata(base_meta, plan, out_dtype, rounding, seed)
@@ -209,19 +206,6 @@ def _open_base(base: BaseSource) -> tuple[dict[str, LazyTensor], dict[str, str]]
                                "index.json); to merge a state dict, load it and use merge_lora")
     ckpt = open_checkpoint(base)
     return ckpt.tensors, ckpt.metadata  # type: ignore[return-value]  # files: all LazyTensor
-
-
-def _check_stochastic(tensors: Mapping[str, LazyTensor], dtypes: Mapping[str, torch.dtype],
-                      plan: MergePlan) -> None:
-    # Stochastic rounding steps to a neighbour with torch.nextafter, which has no float8 kernel.
-    rounded = [n for n, t in tensors.items()
-               if dtypes[n] in _FP8 and (n in plan.params or dtypes[n] != t.dtype)]
-    if rounded:
-        raise InvalidStrengthError(
-            f"stochastic rounding to {dtypes[rounded[0]]} (tensor {rounded[0]!r}) is not "
-            "implemented; use rounding='nearest' for float8 output, or stochastic rounding "
-            "to bf16/fp16"
-        )
 
 
 def _nbytes(shape: torch.Size, dtype: torch.dtype) -> int:
