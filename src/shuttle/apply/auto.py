@@ -24,6 +24,7 @@ from typing import Literal
 import torch
 
 from shuttle.apply.dynamic import DynamicAdapters
+from shuttle.apply.merge import apply_contributions
 from shuttle.apply.plan import MergePlan
 from shuttle.apply.rounding import Rounding, round_to
 from shuttle.errors import InvalidStrengthError
@@ -126,12 +127,7 @@ def decide(
             p = params[name]
             compute = torch.float64 if p.dtype == torch.float64 else torch.float32
             w0 = p.detach().to(compute)
-            w = w0.clone()
-            for c in contribs:  # as merge_param's float path
-                view = w if c.rows is None else w[c.rows[0]:c.rows[1]]
-                new = c.patch.apply(view, c.strength)
-                if new is not view:
-                    view.copy_(new)
+            w = apply_contributions(w0.clone(), contribs)  # as merge_param's float path
             lost = round_to(w, p.dtype, rounding, name, seed).to(compute) - w
             update = float(torch.linalg.vector_norm(w - w0))
             err = float(torch.linalg.vector_norm(lost))

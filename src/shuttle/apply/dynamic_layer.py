@@ -27,11 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.stateless import _reparametrize_module
 
+from shuttle.apply.merge import apply_contributions
 from shuttle.apply.plan import Contribution
 from shuttle.apply.scale import generation, request_scale, request_scale_value
 from shuttle.errors import UnsupportedLayerError
 from shuttle.hooks import ModuleHook
-from shuttle.kernels import lora_linear_fused, lora_shrink, triton_available
+from shuttle.kernels import interpreting, lora_linear_fused, lora_shrink, triton_available
 from shuttle.patches import LowRank
 
 __all__ = ["LoRAHook", "Quality"]
@@ -147,12 +148,7 @@ class LoRAHook(ModuleHook):
         for leaf, cs in self.dense.items():
             p = getattr(module, leaf)
             w = p.detach().float()
-            out = w.clone()
-            for c in cs:
-                view = out if c.rows is None else out[c.rows[0]:c.rows[1]]
-                new = c.patch.apply(view, self._strengths[c.adapter])
-                if new is not view:
-                    view.copy_(new)
+            out = apply_contributions(w.clone(), cs, self._strengths)
             self.residuals[leaf] = out.sub_(w)
         self._cache_gen = -1
 
@@ -227,9 +223,7 @@ class LoRAHook(ModuleHook):
         return out
 
     def _fused_ok(self, module: torch.nn.Module, x: torch.Tensor | None) -> bool:
-        import os
-
-        on_device = x is not None and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+        on_device = x is not None and (x.is_cuda or interpreting())
         return (triton_available() and on_device and x.dtype == module.weight.dtype
                 and x.dtype in (torch.bfloat16, torch.float16, torch.float32))
 

@@ -24,7 +24,14 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from shuttle.apply.merge import exact_cublas, merge_param
-from shuttle.apply.plan import AdapterList, Contribution, MergePlan, plan_params
+from shuttle.apply.plan import (
+    AdapterList,
+    Contribution,
+    MergePlan,
+    ParamSpec,
+    check_finite,
+    plan_params,
+)
 from shuttle.apply.rounding import Rounding, round_to
 from shuttle.errors import (
     DuplicateTargetError,
@@ -83,14 +90,6 @@ class _Slot(NamedTuple):
     homes: list[tuple[nn.Module, str]]  # (owning module, attribute) per name
     tensor: torch.Tensor
     is_param: bool
-
-
-class _Spec(NamedTuple):
-    """What planning sees of a parameter: its shape and where and how it will land."""
-
-    shape: torch.Size
-    dtype: torch.dtype
-    device: torch.device
 
 
 def load_checkpoint(
@@ -162,7 +161,7 @@ def load_checkpoint(
             source.setdefault(alias[key], key)
     _check_checkpoint(ckpt, slots, source)
 
-    specs = {name: _Spec(s.tensor.shape, _final_dtype(s, ckpt, source.get(name), dtype),
+    specs = {name: ParamSpec(s.tensor.shape, _final_dtype(s, ckpt, source.get(name), dtype),
                          _device(s, target))
              for name, s in slots.items() if s.is_param}
     plan = plan_params(specs, loras, mapping, load=False)
@@ -178,7 +177,7 @@ def load_checkpoint(
             f"{' ...' if len(missing) > 8 else ''}. Load the checkpoint made for this model, add "
             "the adapter that supplies them, or pass strict=False to leave them as they are."
         )
-    _check_adapters_finite(plan)
+    check_finite(plan)  # every adapter tensor read once before any write
     dense_unmatched = _report_dense(plan)
 
     # The checkpoint's own order, file by file: reads go through each file front to back.
@@ -317,30 +316,6 @@ def _check_sets(plan: MergePlan) -> None:
                     f"{plan.adapters[ib][0].source!r} both supply (set_weight) parameter "
                     f"{name!r}; which value should win is ambiguous. Pass only one of them."
                 )
-
-
-def _check_adapters_finite(plan: MergePlan) -> None:
-    # One read of every adapter tensor before any write (the merge reads them again): a NaN
-    # found mid-load would leave the model half loaded.
-    for name, contribs in plan.params.items():
-        for c in contribs:
-            for field, t in c.patch.tensors():
-                if t.dtype.is_floating_point and not _finite(materialize(t)):
-                    raise NonFiniteAdapterError(
-                        f"adapter module {c.module_key!r} tensor {field!r} (for {name!r}) holds "
-                        "NaN or infinity. The adapter is corrupt or diverged in training; "
-                        "nothing was loaded."
-                    )
-
-
-def _finite(t: torch.Tensor) -> bool:
-    """Whether ``t`` holds no NaN or infinity. ``aminmax`` propagates NaN and shows an infinity
-    as an extreme, and is several times faster on the CPU than ``isfinite().all()``.
-    """
-    if t.numel() == 0:
-        return True
-    lo, hi = torch.aminmax(t.float() if t.element_size() == 1 else t)  # float8: no aminmax
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 def _report_dense(plan: MergePlan) -> dict[str, str]:

@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import logging
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -26,7 +26,14 @@ from shuttle.patches import LowRank
 from shuttle.targets import KeyMapping
 from shuttle.weights import FP8_DTYPES, represent
 
-__all__ = ["MergeReport", "exact_cublas", "merge_lora", "merge_param", "merge_plan"]
+__all__ = [
+    "MergeReport",
+    "apply_contributions",
+    "exact_cublas",
+    "merge_lora",
+    "merge_param",
+    "merge_plan",
+]
 
 log = logging.getLogger("shuttle")
 _PROGRESS_MIN_PARAMS = 64
@@ -113,7 +120,7 @@ def merge_param(p: torch.Tensor, name: str, contribs: list[Contribution],
     if rounding == "nearest" and _merge_fused(p, contribs):
         return
     compute = torch.float64 if p.dtype == torch.float64 else torch.float32
-    w = _apply_contribs(p.detach().to(compute, copy=True), contribs)
+    w = apply_contributions(p.detach().to(compute, copy=True), contribs)
     w = round_to(w, p.dtype, rounding, name, seed)  # checked after rounding: float16 overflows
     if not bool(torch.isfinite(w).all()):
         raise NonFiniteAdapterError(
@@ -124,11 +131,16 @@ def merge_param(p: torch.Tensor, name: str, contribs: list[Contribution],
     p.data.copy_(w)
 
 
-def _apply_contribs(w: torch.Tensor, contribs: list[Contribution]) -> torch.Tensor:
-    """``w`` (float32/64, changed in place) with ``contribs`` applied in order."""
+def apply_contributions(w: torch.Tensor, contribs: list[Contribution],
+                        strengths: Sequence[float] | None = None) -> torch.Tensor:
+    """``w`` (float32/64, changed in place) with ``contribs`` applied in order.
+
+    ``strengths``, if given, replaces each contribution's strength by ``strengths[c.adapter]``
+    (a dynamic adapter whose strength changed after planning).
+    """
     for c in contribs:
         view = w if c.rows is None else w[c.rows[0]:c.rows[1]]
-        out = c.patch.apply(view, c.strength)
+        out = c.patch.apply(view, c.strength if strengths is None else strengths[c.adapter])
         if out is not view:
             view.copy_(out)
     return w
@@ -160,7 +172,7 @@ def _merge_fp8(p: torch.Tensor, name: str, contribs: list[Contribution], roundin
     ``param_seed(name, seed)`` for the first merge into ``p`` and moves on with each merge.
     """
     rep = represent(p.detach())
-    w = _apply_contribs(rep.dequantize(), contribs)
+    w = apply_contributions(rep.dequantize(), contribs)
     if not bool(torch.isfinite(w).all()):
         raise NonFiniteAdapterError(
             f"merging into {name!r} gives NaN or infinity in float32; lower the strength. "

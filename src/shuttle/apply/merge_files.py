@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from shuttle.apply.merge import merge_param
-from shuttle.apply.plan import AdapterList, Contribution, MergePlan, plan_params
+from shuttle.apply.plan import AdapterList, Contribution, MergePlan, ParamSpec, plan_params
 from shuttle.apply.rounding import Rounding, round_to
 from shuttle.errors import (
     AdapterFileError,
@@ -75,15 +75,6 @@ class FileMergeReport:
     skipped: dict[str, str]
     total_size: int
     metadata: dict[str, str]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Spec:
-    """A tensor as planning sees it: shape and dtype from the header (a TensorSpec)."""
-
-    shape: torch.Size
-    dtype: torch.dtype
-    device: torch.device = torch.device("cpu")
 
 
 def merge_files(
@@ -139,7 +130,7 @@ def merge_files(
             or max_shard_bytes <= 0:
         raise ShuttleError(f"max_shard_bytes={max_shard_bytes!r}: pass a positive number of bytes")
     tensors, base_meta = _open_base(base)
-    plan = plan_params({n: _Spec(t.shape, t.dtype) for n, t in tensors.items()}, loras, mapping,
+    plan = plan_params({n: ParamSpec(t.shape, t.dtype) for n, t in tensors.items()}, loras, mapping,
                        load=False)
     dtypes = {n: out_dtype if out_dtype is not None and t.dtype.is_floating_point else t.dtype
               for n, t in tensors.items()}

@@ -12,7 +12,7 @@ import math
 import numbers
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -24,14 +24,16 @@ from shuttle.errors import (
 )
 from shuttle.formats import LoRA, load_lora
 from shuttle.formats.source import Source
-from shuttle.patches import DoRA, Patch
+from shuttle.patches import DoRA, Patch, materialize
 from shuttle.targets import KeyMapping, ModelNames, Target, resolve
 
 __all__ = [
     "AdapterList",
     "Contribution",
     "MergePlan",
+    "ParamSpec",
     "TensorSpec",
+    "check_finite",
     "normalize_loras",
     "plan_merge",
     "plan_params",
@@ -89,6 +91,14 @@ def normalize_loras(loras: AdapterList) -> list[tuple[LoRA, float]]:
             continue  # exact zeros are skipped: nothing to read, nothing to round
         out.append((load_lora(lora), float(strength)))
     return out
+
+
+class ParamSpec(NamedTuple):
+    """A parameter as planning sees it without the tensor: a checkpoint header's entry."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device = torch.device("cpu")
 
 
 class TensorSpec(Protocol):
@@ -162,7 +172,7 @@ def plan_params(
         plan.params.setdefault(t.param, []).append(
             Contribution(patch, strength, t.rows, t.module_key, index))
     if load:
-        _check_finite(plan)
+        check_finite(plan)
     if plan.unmatched:
         log.warning("%d adapter key(s) matched no parameter: %s", len(plan.unmatched),
                     "; ".join(f"{k}: {v}" for k, v in list(plan.unmatched.items())[:5]))
@@ -205,13 +215,26 @@ def _mark_finite(t: torch.Tensor) -> None:
     _FINITE[key] = (weakref.ref(t, lambda _: _FINITE.pop(key, None)), t._version)
 
 
-def _check_finite(plan: MergePlan) -> None:
+def check_finite(plan: MergePlan) -> None:
+    """Raise :class:`NonFiniteAdapterError` if any patch tensor of ``plan`` holds NaN or inf.
+
+    Loaded tensors are checked on their device with one host sync per device (and skipped when
+    already found finite and not modified since); lazy ones are read one at a time and dropped,
+    so a plan that defers loading (a checkpoint load, a file merge) is checked without holding
+    every adapter tensor at once.
+    """
     flags, where, tensors = [], [], []
     for name, contribs in plan.params.items():
         for c in contribs:
             for field, t in c.patch.tensors():
-                if t.dtype.is_floating_point and not _known_finite(t):
-                    flags.append(torch.isfinite(t).all())
+                if not t.dtype.is_floating_point:
+                    continue
+                if not isinstance(t, torch.Tensor):
+                    if not _finite(materialize(t)):
+                        _raise_non_finite([(c.module_key, field, name)])
+                elif not _known_finite(t):
+                    # float8 has no isfinite kernel: check its float32 values
+                    flags.append(torch.isfinite(t.float() if t.element_size() == 1 else t).all())
                     where.append((c.module_key, field, name))
                     tensors.append(t)
     if not flags:
@@ -224,11 +247,23 @@ def _check_finite(plan: MergePlan) -> None:
         for t in tensors:
             _mark_finite(t)
         return
-    bad = [w for f, w in zip(flags, where, strict=True) if not bool(f)]
-    if bad:
-        key, field, name = bad[0]
-        raise NonFiniteAdapterError(
-            f"adapter module {key!r} tensor {field!r} (for {name!r}) holds NaN or infinity"
-            f"{f', as do {len(bad) - 1} more' if len(bad) > 1 else ''}. The adapter is corrupt "
-            "or diverged in training; nothing was merged."
-        )
+    _raise_non_finite([w for f, w in zip(flags, where, strict=True) if not bool(f)])
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds no NaN or infinity. ``aminmax`` propagates NaN and shows an infinity
+    as an extreme, and is several times faster on the CPU than ``isfinite().all()``.
+    """
+    if t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t.float() if t.element_size() == 1 else t)  # float8: no aminmax
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
+def _raise_non_finite(bad: list[tuple[str, str, str]]) -> None:
+    key, field, name = bad[0]
+    raise NonFiniteAdapterError(
+        f"adapter module {key!r} tensor {field!r} (for {name!r}) holds NaN or infinity"
+        f"{f', as do {len(bad) - 1} more' if len(bad) > 1 else ''}. The adapter is corrupt "
+        "or diverged in training; nothing was changed."
+    )

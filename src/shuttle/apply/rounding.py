@@ -15,7 +15,7 @@ import torch
 # One implementation for every float dtype (float8 included): it steps bit patterns rather than
 # calling torch.nextafter, which has no float8 kernel.
 from shuttle.weights.representation import Rounding
-from shuttle.weights.rounding import stochastic_round
+from shuttle.weights.rounding import round_float, stochastic_round
 
 __all__ = ["Rounding", "param_seed", "round_to", "stochastic_round"]
 
@@ -28,8 +28,8 @@ def param_seed(name: str, seed: int | None) -> int:
 def round_to(x: torch.Tensor, dtype: torch.dtype, rounding: Rounding, name: str,
              seed: int | None = None) -> torch.Tensor:
     """``x`` (float32) in ``dtype``, rounded once by ``rounding``; seeded by ``name``."""
-    if rounding == "nearest" or dtype in (torch.float32, torch.float64):
-        return x.to(dtype)
-    g = torch.Generator(device=x.device)
-    g.manual_seed(param_seed(name, seed))
-    return stochastic_round(x, dtype, g)
+    g = None
+    if rounding == "stochastic" and dtype not in (torch.float32, torch.float64):
+        g = torch.Generator(device=x.device)
+        g.manual_seed(param_seed(name, seed))
+    return round_float(x, dtype, rounding, g)

@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from shuttle.kernels.merge_lowrank import _interpreting, triton_available
+from shuttle.kernels.merge_lowrank import interpreting, triton_available
 
 __all__ = [
     "FUSED_CUDA_CONFIG",
@@ -278,7 +278,7 @@ def _use_kernel(*tensors: torch.Tensor | None) -> bool:
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in present):
         return False  # the kernels have no backward; the reference is differentiable
-    return present[0].is_cuda or _interpreting()
+    return present[0].is_cuda or interpreting()
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -288,7 +288,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 def _ieee(a: torch.dtype, b: torch.dtype) -> bool:
     """Whether a dot of these operand dtypes runs as an IEEE float32 dot (else a native one)."""
-    return a != b or a == torch.float32 or _interpreting()
+    return a != b or a == torch.float32 or interpreting()
 
 
 _SMEM_BUDGET = 160 * 1024  # staged operand tiles; the H200 allows 227 KiB per block
@@ -342,7 +342,7 @@ def lora_shrink(x: torch.Tensor, down: torch.Tensor, scale: torch.Tensor,
         return lora_shrink_reference(x, down, scale)
     import triton
 
-    interpret = _interpreting()
+    interpret = interpreting()
     cfg = ShrinkConfig(*(config or (_SHRINK_INTERPRET_CONFIG if interpret else SHRINK_CUDA_CONFIG)))
     x, down = _rows(x), _rows(down)
     scale = scale.to(torch.float32).contiguous()
@@ -411,7 +411,7 @@ def lora_linear_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         return lora_linear_fused_reference(x, weight, bias, s, up)
     import triton
 
-    interpret = _interpreting()
+    interpret = interpreting()
     if config is not None:
         cfg = FusedConfig(*config)
     elif interpret:

@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-__all__ = ["merge_lowrank", "merge_lowrank_reference", "triton_available"]
+__all__ = ["interpreting", "merge_lowrank", "merge_lowrank_reference", "triton_available"]
 
 
 @functools.cache
@@ -114,7 +114,7 @@ def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
     """
     assert w.dim() == up.dim() == down.dim() == 2, "merge_lowrank works on 2-D views"
     assert up.shape[1] == down.shape[0] == seg[-1] and len(seg) == len(alpha) + 1
-    interpret = _interpreting()
+    interpret = interpreting()
     if not triton_available() or not (w.is_cuda or interpret) or w.stride(1) != 1:
         merge_lowrank_reference(w, up, down, seg, alpha)
         return
@@ -173,7 +173,8 @@ def _split_large_ranks(seg: list[int], alpha: list[float]) -> tuple[list[int], l
     return out_seg, out_alpha
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """Whether Triton kernels run in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     import os
 
     return os.environ.get("TRITON_INTERPRET") == "1"
