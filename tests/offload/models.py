@@ -45,3 +45,16 @@ class TinyDiT(nn.Module):
         for b in self.single:
             x = b(x)
         return self.head(self.norm(x))
+
+
+def fail_on_call(n, fn):
+    """``fn`` wrapped to raise RuntimeError on its ``n``-th call (failure injection)."""
+    calls = {"n": 0}
+
+    def wrapper(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise RuntimeError("injected failure")
+        return fn(*args, **kwargs)
+
+    return wrapper

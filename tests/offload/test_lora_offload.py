@@ -17,7 +17,7 @@ from shuttle.errors import (
 from shuttle.hooks import hooks_of
 from shuttle.offload import CPU_COPY_ENV, ModelOffloader, SlotPool, StreamConfig
 from shuttle.offload import adapters as adapters_module
-from tests.offload.models import TinyDiT
+from tests.offload.models import TinyDiT, fail_on_call
 from tests.offload.test_host_storage import assert_unchanged, snapshot
 
 PATHS = ["blocks", "single"]
@@ -204,18 +204,6 @@ def _spy(fn, calls):
     return wrapper
 
 
-def _fail_on_call(n, fn):
-    calls = {"n": 0}
-
-    def wrapper(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == n:
-            raise RuntimeError("injected failure")
-        return fn(*args, **kwargs)
-
-    return wrapper
-
-
 @pytest.mark.parametrize("lora_mode,where", [("merge", "merge_param"),
                                              ("dynamic", "add_hook")])
 @pytest.mark.parametrize("n", [1, 3, 6])  # merge: 6 merges at activation
@@ -223,7 +211,7 @@ def test_a_failure_in_the_lora_step_rolls_back(cpu_copy, monkeypatch, lora_mode,
     ref, off, loras = setup()
     before = snapshot(off.model)
     with monkeypatch.context() as m:
-        m.setattr(adapters_module, where, _fail_on_call(n, getattr(adapters_module, where)))
+        m.setattr(adapters_module, where, fail_on_call(n, getattr(adapters_module, where)))
         with pytest.raises(RuntimeError, match="injected"):
             off.activate("cpu", StreamConfig(prefetch=1), loras=loras, lora_mode=lora_mode)
     check_pristine_and_reusable(off, ref, before, StreamConfig(prefetch=1))
@@ -262,7 +250,7 @@ def test_a_failing_merge_while_streaming_leaves_the_activation_usable(cpu_copy, 
     x = tokens()
     # 6 merges at activation (rest, then blocks 0 and 1 into the ring); the 8th is a prefetch.
     monkeypatch.setattr(adapters_module, "merge_param",
-                        _fail_on_call(8, adapters_module.merge_param))
+                        fail_on_call(8, adapters_module.merge_param))
     with torch.no_grad(), off.use("cpu", StreamConfig(prefetch=1), loras=loras) as model:
         with pytest.raises(RuntimeError, match="injected"):
             model(x)

@@ -20,7 +20,7 @@ from shuttle.errors import (
 from shuttle.hooks import hooks_of
 from shuttle.offload import CPU_COPY_ENV, ModelOffloader, SlotPool, StreamConfig
 from shuttle.offload import streamer as streamer_module
-from tests.offload.models import TinyDiT
+from tests.offload.models import TinyDiT, fail_on_call
 from tests.offload.test_host_storage import assert_unchanged, snapshot
 
 PATHS = ["blocks", "single"]
@@ -175,18 +175,6 @@ def test_deactivate_releases_slots_and_restores_forward_exactly(cpu_copy):
         assert inspect.signature(b.forward) == sig
     assert {k: v.data_ptr() for k, v in model.state_dict().items()} == host_ptrs
     off.deactivate()  # a second deactivate does nothing
-
-
-def fail_on_call(n, fn):
-    calls = {"n": 0}
-
-    def wrapper(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == n:
-            raise RuntimeError("injected failure")
-        return fn(*args, **kwargs)
-
-    return wrapper
 
 
 @pytest.mark.parametrize("where", ["copy", "hook"])

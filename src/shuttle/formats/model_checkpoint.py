@@ -19,6 +19,7 @@ import torch
 
 from shuttle.errors import AdapterFileError, CheckpointError, CorruptFileError
 from shuttle.formats.safetensors_file import SafetensorsFile
+from shuttle.formats.source import tensor_dict
 from shuttle.patches.patch import Tensorish
 
 __all__ = ["Checkpoint", "CheckpointSource", "open_checkpoint"]
@@ -60,12 +61,7 @@ def open_checkpoint(source: CheckpointSource) -> Checkpoint:
         CheckpointError: a tensor appears in two files, or a state dict holds non-tensors.
     """
     if isinstance(source, Mapping):
-        bad = [k for k, v in source.items() if not isinstance(v, torch.Tensor)]
-        if bad:
-            raise CheckpointError(
-                f"state dict values must be tensors; {bad[:4]!r} are not. Pass a dict of tensors."
-            )
-        return Checkpoint("<state dict>", dict(source))
+        return Checkpoint("<state dict>", tensor_dict(source, CheckpointError))
     paths = [source] if isinstance(source, (str, os.PathLike)) else list(source)
     if not paths:
         raise AdapterFileError("an empty list of checkpoint files was given; pass at least one")

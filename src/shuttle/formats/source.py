@@ -20,7 +20,7 @@ from shuttle.errors import AdapterFileError, AdapterFormatError, CorruptFileErro
 from shuttle.formats.safetensors_file import SafetensorsFile
 from shuttle.patches.patch import Tensorish
 
-__all__ = ["AdapterSource", "Source", "open_source"]
+__all__ = ["AdapterSource", "Source", "open_source", "tensor_dict"]
 
 Source = str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | Mapping[str, torch.Tensor]
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
@@ -52,12 +52,7 @@ def open_source(source: Source) -> AdapterSource:
         AdapterFormatError: a key appears in two files, or a state dict holds non-tensors.
     """
     if isinstance(source, Mapping):
-        bad = [k for k, v in source.items() if not isinstance(v, torch.Tensor)]
-        if bad:
-            raise AdapterFormatError(
-                f"state dict values must be tensors; {bad[:4]!r} are not. Pass a dict of tensors."
-            )
-        return AdapterSource("<state dict>", dict(source), {}, None)
+        return AdapterSource("<state dict>", tensor_dict(source, AdapterFormatError), {}, None)
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         if path.is_dir():
@@ -67,6 +62,16 @@ def open_source(source: Source) -> AdapterSource:
     if not paths:
         raise AdapterFileError("an empty list of adapter files was given; pass at least one")
     return _open_files(paths, ", ".join(str(p) for p in paths))
+
+
+def tensor_dict(source: Mapping[str, object], error: type[Exception]) -> dict[str, torch.Tensor]:
+    """A copy of ``source`` after checking every value is a tensor (else ``error``)."""
+    bad = [k for k, v in source.items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise error(
+            f"state dict values must be tensors; {bad[:4]!r} are not. Pass a dict of tensors."
+        )
+    return dict(source)  # type: ignore[arg-type]
 
 
 def _open_files(paths: list[Path], name: str) -> AdapterSource:
