@@ -5,6 +5,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shuttle import StreamConfig
+
+# The residency modes every offload test runs through (whole model, streamed, budgeted).
+RESIDENCY_MODES = {
+    "whole": None,
+    "stream0": StreamConfig(prefetch=0),
+    "stream2": StreamConfig(prefetch=2),
+    "resident": StreamConfig(prefetch=1, resident=2),
+    "budget": StreamConfig(prefetch=2, vram_budget=150_000),
+}
+
 
 class Block(nn.Module):
     """Pre-norm attention-free mixer + MLP, with a buffer (a per-block scale)."""

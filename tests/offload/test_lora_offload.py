@@ -17,18 +17,12 @@ from shuttle.errors import (
 from shuttle.hooks import hooks_of
 from shuttle.offload import CPU_COPY_ENV, ModelOffloader, SlotPool, StreamConfig
 from shuttle.offload import adapters as adapters_module
-from tests.offload.models import TinyDiT, fail_on_call
+from tests.offload.models import RESIDENCY_MODES, TinyDiT, fail_on_call
 from tests.offload.test_host_storage import assert_unchanged, snapshot
 
 PATHS = ["blocks", "single"]
 
-MODES = {
-    "whole": None,
-    "stream0": StreamConfig(prefetch=0),
-    "stream2": StreamConfig(prefetch=2),
-    "resident": StreamConfig(prefetch=1, resident=2),
-    "budget": StreamConfig(prefetch=2, vram_budget=150_000),
-}
+MODES = RESIDENCY_MODES
 
 
 @pytest.fixture

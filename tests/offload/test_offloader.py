@@ -20,7 +20,7 @@ from shuttle.errors import (
 from shuttle.hooks import hooks_of
 from shuttle.offload import CPU_COPY_ENV, ModelOffloader, SlotPool, StreamConfig
 from shuttle.offload import streamer as streamer_module
-from tests.offload.models import TinyDiT, fail_on_call
+from tests.offload.models import RESIDENCY_MODES, TinyDiT, fail_on_call
 from tests.offload.test_host_storage import assert_unchanged, snapshot
 
 PATHS = ["blocks", "single"]
@@ -53,13 +53,7 @@ def pointers_into(off, module):
     return seen, module.register_forward_pre_hook(hook)
 
 
-MODES = {
-    "whole": None,
-    "stream0": StreamConfig(prefetch=0),
-    "stream2": StreamConfig(prefetch=2),
-    "resident": StreamConfig(prefetch=1, resident=2),
-    "budget": StreamConfig(prefetch=2, vram_budget=150_000),
-}
+MODES = RESIDENCY_MODES
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
