@@ -65,7 +65,7 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--kernel-config", default=None,
-                    help="(BM, BN, warps, stages, programs/SM) for the fused kernel")
+                    help="(BM, BN, warps) for the fused kernel")
     args = ap.parse_args()
     if args.kernel_config:
         import ast

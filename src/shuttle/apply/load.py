@@ -43,6 +43,7 @@ from shuttle.errors import (
     UnsupportedLayerError,
 )
 from shuttle.formats import LoRA, load_lora
+from shuttle.formats.device_reader import DeviceReader
 from shuttle.formats.model_checkpoint import Checkpoint, CheckpointSource, open_checkpoint
 from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.formats.source import Source
@@ -185,12 +186,17 @@ def load_checkpoint(
     total = len(reads) + len(supplied)
     show = progress if progress is not None else total > _PROGRESS_MIN_TENSORS
     loaded = []
+    staged = DeviceReader(target) if target is not None and target.type == "cuda" else None
     with torch.no_grad(), exact_cublas(), \
             tqdm(total=total, desc="loading", unit="tensor", disable=not show) as bar:
         for key, name in reads:
             slot = slots[name]
             contribs = plan.params.get(name, [])
-            t = _read(ckpt.tensors[key], bool(contribs)).to(_device(slot, target))
+            ref, dev = ckpt.tensors[key], _device(slot, target)
+            if staged is not None and isinstance(ref, LazyTensor) and dev == staged.device:
+                t = staged.read(ref)  # pinned and double-buffered: no pageable copy
+            else:
+                t = _read(ref, bool(contribs)).to(dev)
             final = _final_dtype(slot, ckpt, key, dtype)
             _install(slot, _land(t, final, name, contribs, rounding, seed))
             loaded.append(key)

@@ -211,8 +211,10 @@ def _merge_fused(p: torch.Tensor, contribs: list[Contribution]) -> bool:
         seg = [0]
         for d in downs:
             seg.append(seg[-1] + d.shape[0])
+        one = len(cs) == 1  # no concatenation (a copy) for the usual single adapter
         merge_lowrank(w2d if rows is None else w2d[rows[0]:rows[1]],
-                      torch.cat(ups, dim=1), torch.cat(downs, dim=0), seg,
+                      ups[0] if one else torch.cat(ups, dim=1),
+                      downs[0] if one else torch.cat(downs, dim=0), seg,
                       [c.strength * c.patch.effective_scale for c in cs])
     return True
 

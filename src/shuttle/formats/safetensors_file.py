@@ -56,6 +56,14 @@ class LazyTensor:
         """
         return self._file.read(self.key, copy=copy)
 
+    @property
+    def nbytes(self) -> int:
+        return self.shape.numel() * self.dtype.itemsize
+
+    def load_into(self, out: torch.Tensor) -> torch.Tensor:
+        """Read the tensor into the CPU ``uint8`` buffer ``out``; returns its typed view."""
+        return self._file.read_into(self.key, out)
+
     def __repr__(self) -> str:
         return f"LazyTensor({self.key!r}, {tuple(self.shape)}, {self.dtype})"
 
@@ -184,9 +192,22 @@ class SafetensorsFile:
             flat = flat.clone()  # unaligned offset: a dtype view needs an aligned start
         return flat.view(dtype).reshape(shape)
 
-    def _read_copy(self, begin: int, end: int) -> torch.Tensor:
+    def read_into(self, key: str, out: torch.Tensor) -> torch.Tensor:
+        """Read one tensor into ``out`` (a CPU ``uint8`` buffer of at least its size, e.g. a
+        pinned staging buffer reused across tensors); returns the typed view of ``out``.
+        """
+        dtype, shape, begin, end = self._entries[key]
+        if out.dtype != torch.uint8 or out.device.type != "cpu" or out.numel() < end - begin:
+            raise ValueError(f"read_into: out must be a CPU uint8 buffer of at least "
+                             f"{end - begin} bytes, got {out.dtype} {tuple(out.shape)}")
+        return self._read_copy(begin, end, out[:end - begin]).view(dtype).reshape(shape)
+
+    def _read_copy(self, begin: int, end: int, raw: torch.Tensor | None = None) -> torch.Tensor:
         n = end - begin
-        raw = torch.empty(n, dtype=torch.uint8)  # 64-byte aligned: any dtype view is valid
+        if raw is None:
+            raw = torch.empty(n, dtype=torch.uint8)  # 64-byte aligned: any dtype view is valid
+        if n == 0:
+            return raw
         # readinto needs a writable buffer; ctypes gives one over the tensor's memory without
         # numpy (an optional dependency).
         view = memoryview((ctypes.c_ubyte * n).from_address(raw.data_ptr())).cast("B")

@@ -49,55 +49,54 @@ def _kernel():
     @triton.jit
     def merge_kernel(w_ptr, b_ptr, a_ptr, alpha_ptr, M, N, stride_wm, stride_bm, stride_ar,
                      N_SEG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
-                     IEEE: tl.constexpr, STAGES: tl.constexpr):
+                     IEEE: tl.constexpr):
         # b: (M, N_SEG * BR), a: (N_SEG * BR, N); contribution s owns ranks s*BR ... (s+1)*BR,
         # zero-padded, so rank offsets are compile-time multiples of BR (aligned vector loads,
-        # no rank masks). Each program owns a strip of BM rows and walks every n_prog-th tile
-        # of BN columns, so the next tiles' loads are pipelined behind this one's math.
-        rm = tl.program_id(0) * BM + tl.arange(0, BM)
-        mask_m = rm < M
-        for j in tl.range(tl.program_id(1), tl.cdiv(N, BN), tl.num_programs(1),
-                          num_stages=STAGES):
-            rn = j * BN + tl.arange(0, BN)
-            mask_n = rn < N
-            mask = mask_m[:, None] & mask_n[None, :]
-            ptrs = w_ptr + rm[:, None] * stride_wm + rn[None, :]
-            w = tl.load(ptrs, mask=mask, other=0.0)
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            for s in tl.static_range(N_SEG):
-                rk = s * BR + tl.arange(0, BR)
-                b = tl.load(b_ptr + rm[:, None] * stride_bm + rk[None, :],
-                            mask=mask_m[:, None], other=0.0)
-                a = tl.load(a_ptr + rk[:, None] * stride_ar + rn[None, :],
-                            mask=mask_n[None, :], other=0.0)
-                if IEEE:  # float32 factors, or the interpreter (whose bf16 dot is wrong)
-                    part = tl.dot(b.to(tl.float32), a.to(tl.float32), input_precision="ieee")
-                else:  # bf16/fp16 products are exact in the float32 accumulator
-                    part = tl.dot(b, a)
-                acc += part * tl.load(alpha_ptr + s)
-            out = w.to(tl.float32) + acc
-            if w_ptr.dtype.element_ty == tl.bfloat16:
-                # Round to nearest even by hand: the interpreter's float32->bf16 cast
-                # truncates, and spelling it out keeps GPU and CPU checks on one code path.
-                bits = out.to(tl.uint32, bitcast=True)
-                bits += ((bits >> 16) & 1) + 0x7FFF
-                tl.store(ptrs, (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True),
-                         mask=mask)
-            else:
-                tl.store(ptrs, out.to(w_ptr.dtype.element_ty), mask=mask)
+        # no rank masks). One (BM, BN) tile of W per program, and many programs per SM: the
+        # W load is issued first, so its latency hides behind the factor loads and the dot,
+        # and other programs' loads fill the gaps. (A persistent loop over tiles measured
+        # 2-3x slower: the tiles' loads were not overlapped.)
+        pid = tl.program_id(0)
+        n_tiles = tl.cdiv(N, BN)
+        rm = (pid // n_tiles) * BM + tl.arange(0, BM)
+        rn = (pid % n_tiles) * BN + tl.arange(0, BN)
+        mask_m, mask_n = rm < M, rn < N
+        mask = mask_m[:, None] & mask_n[None, :]
+        ptrs = w_ptr + rm[:, None] * stride_wm + rn[None, :]
+        w = tl.load(ptrs, mask=mask, other=0.0)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for s in tl.static_range(N_SEG):
+            rk = s * BR + tl.arange(0, BR)
+            b = tl.load(b_ptr + rm[:, None] * stride_bm + rk[None, :],
+                        mask=mask_m[:, None], other=0.0)
+            a = tl.load(a_ptr + rk[:, None] * stride_ar + rn[None, :],
+                        mask=mask_n[None, :], other=0.0)
+            if IEEE:  # float32 factors, or the interpreter (whose bf16 dot is wrong)
+                part = tl.dot(b.to(tl.float32), a.to(tl.float32), input_precision="ieee")
+            else:  # bf16/fp16 products are exact in the float32 accumulator
+                part = tl.dot(b, a)
+            acc += part * tl.load(alpha_ptr + s)
+        out = w.to(tl.float32) + acc
+        if w_ptr.dtype.element_ty == tl.bfloat16:
+            # Round to nearest even by hand: the interpreter's float32->bf16 cast
+            # truncates, and spelling it out keeps GPU and CPU checks on one code path.
+            bits = out.to(tl.uint32, bitcast=True)
+            bits += ((bits >> 16) & 1) + 0x7FFF
+            tl.store(ptrs, (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+        else:
+            tl.store(ptrs, out.to(w_ptr.dtype.element_ty), mask=mask)
 
     return merge_kernel
 
 
-# (BM, BN, num_warps, num_stages, programs per SM) on CUDA; chosen by
-# benchmarks/tune_merge_kernel.py on an H200.
-CUDA_CONFIG: tuple[int, int, int, int, int] = (64, 128, 4, 3, 4)
+# (BM, BN, num_warps) on CUDA; chosen by benchmarks/tune_merge_kernel.py on an H200.
+CUDA_CONFIG: tuple[int, int, int] = (64, 128, 8)
 _MAX_RANK_STEP = 128  # larger ranks are split into several contributions of at most this
 
 
 def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                   seg: list[int], alpha: list[float],
-                  config: tuple[int, int, int, int, int] | None = None) -> None:
+                  config: tuple[int, int, int] | None = None) -> None:
     """In place: ``w += sum_i alpha_i * up[:, seg_i] @ down[seg_i]``, float32 sum, one rounding.
 
     Args:
@@ -106,8 +105,7 @@ def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
         down: (R, N) concatenated down factors, unit stride along N; same dtype as ``up``.
         seg: R-offsets of the contributions, ``[0, r_1, r_1 + r_2, ..., R]``.
         alpha: the scale of each contribution (strength x alpha / rank).
-        config: ``(BM, BN, num_warps, num_stages, programs per SM)`` to override
-            :data:`CUDA_CONFIG`.
+        config: ``(BM, BN, num_warps)`` to override :data:`CUDA_CONFIG`.
 
     Uses the Triton kernel where Triton is installed and the tensors are on CUDA (or under
     ``TRITON_INTERPRET=1``), else :func:`merge_lowrank_reference`.
@@ -135,16 +133,13 @@ def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
             r0, r1 = seg[i], seg[i + 1]
             up_p[:, i * br:i * br + r1 - r0] = up[:, r0:r1]
             down_p[i * br:i * br + r1 - r0] = down[r0:r1]
-    bm, bn, warps, stages, per_sm = (32, 32, 4, 1, 1) if interpret else (config or CUDA_CONFIG)
+    bm, bn, warps = (32, 32, 4) if interpret else (config or CUDA_CONFIG)
     alpha_t = _device_floats(alpha, w.device)
-    m_tiles, n_tiles = triton.cdiv(m, bm), triton.cdiv(n, bn)
-    sms = torch.cuda.get_device_properties(w.device).multi_processor_count if w.is_cuda else 1
-    split = max(1, min(n_tiles, triton.cdiv(per_sm * sms, m_tiles)))
-    _kernel()[(m_tiles, split)](
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    _kernel()[grid](
         w, up_p, down_p, alpha_t, m, n, w.stride(0), up_p.stride(0), down_p.stride(0),
         N_SEG=len(alpha), BM=bm, BN=bn, BR=br, IEEE=up.dtype == torch.float32 or interpret,
-        STAGES=stages, num_warps=warps)
-
+        num_warps=warps, num_stages=1)
 
 def _device_floats(values: list[float], device: torch.device) -> torch.Tensor:
     """A float32 tensor on ``device`` without a host sync.
