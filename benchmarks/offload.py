@@ -17,16 +17,16 @@ always runs):
     shuttle_min               StreamConfig(prefetch): nothing resident, every block streamed
     shuttle_<f>x              StreamConfig(prefetch, vram_budget=f * weight bytes), --fractions
     shuttle_<B>GiB            StreamConfig(prefetch, vram_budget=B GiB), --budgets
-    shuttle_min_lora_dynamic  shuttle_min with a rank-32 LoRA on every Linear of the blocks,
-                              added at forward time (lora_mode="dynamic")
+    shuttle_min_lora_dynamic  shuttle_min with a rank-32 (--lora-rank) LoRA on every Linear of
+                              the blocks, added at forward time (lora_mode="dynamic")
     diffusers_group           enable_group_offload(block_level, 1 block per group,
                               use_stream=True, record_stream=True)
     accelerate_cpu            accelerate.cpu_offload (flux only unless --wan-accelerate; few
                               rounds)
 
 One ModelOffloader (one capture) serves every shuttle variant; it is dropped before the diffusers
-variant, so that at most three copies of the weights are alive at once (the benchmark's own, the
-resident one on the GPU, the variant's).
+variant, so that at most two host copies of the weights are alive at once: the benchmark's own
+(shared by every model it builds, never cloned) and the variant's.
 
 Timing: after its warm-up steps, each variant's steps alternate with the resident reference's in
 chunks of --chunk back-to-back steps (an event after each step, no host sync inside a chunk, as
@@ -37,7 +37,7 @@ host->device copy). Host syncs per step: CUDA runtime synchronize calls and bloc
 in one profiled steady-state step.
 
     PYTHONPATH=src python benchmarks/offload.py --model both      # the H200 run
-    PYTHONPATH=src python benchmarks/offload.py --layers 2 --single-layers 4 --rounds 4
+    PYTHONPATH=src python benchmarks/offload.py --layers 4 --single-layers 8 --fractions 0.75
 
 Writes docs/benchmarks/offload.{json,md} (under $SHUTTLE_BENCH_OUT when set) after every
 variant, so a cut-off run keeps its rows.
@@ -118,15 +118,16 @@ def rss_bytes() -> int:
     return 0
 
 
-def pinned_cache_bytes() -> int:
-    """Bytes held by PyTorch's pinned host allocator (``pin_memory()``); 0 if unreported."""
+def pinned_cache_bytes() -> int | None:
+    """Bytes held by PyTorch's pinned host allocator (``pin_memory()``); None if unreported."""
     try:
         stats = torch.cuda.host_memory_stats()
     except (AttributeError, RuntimeError):
-        return 0
-    # "reserved_bytes" up to torch 2.11 ("allocated_bytes" is the in-use part there); newer
-    # releases report the held bytes as "allocated_bytes".
-    return int(stats.get("reserved_bytes.current", stats.get("allocated_bytes.current", 0)))
+        return None
+    # Held bytes (in use and cached): "reserved_bytes" in releases that report it, where
+    # "allocated_bytes" is the in-use part; "allocated_bytes" in later ones.
+    held = stats.get("reserved_bytes.current", stats.get("allocated_bytes.current"))
+    return None if held is None else int(held)
 
 
 def release_pinned_cache() -> None:
@@ -136,8 +137,8 @@ def release_pinned_cache() -> None:
         empty()
 
 
-def pinned_bandwidth(nbytes: int = 2 * GIB, reps: int = 10) -> float:
-    """Host->device GB/s of one pinned ``nbytes`` copy (median of ``reps``): the copy ceiling."""
+def copy_ms(nbytes: int, reps: int) -> float:
+    """Median ms of a host->device copy of ``nbytes`` from pinned memory, after one warm-up."""
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
 
@@ -145,10 +146,14 @@ def pinned_bandwidth(nbytes: int = 2 * GIB, reps: int = 10) -> float:
         dev.copy_(host, non_blocking=True)
 
     copy(0)
-    ms = statistics.median(harness.time_once(copy, i) for i in range(reps))
-    del host, dev
+    return statistics.median(harness.time_once(copy, i) for i in range(reps))
+
+
+def pinned_bandwidth(nbytes: int = 2 * GIB, reps: int = 10) -> float:
+    """Host->device GB/s of one pinned ``nbytes`` copy (median of ``reps``): the copy ceiling."""
+    ms = copy_ms(nbytes, reps)
     torch.cuda.synchronize()
-    release_pinned_cache()
+    release_pinned_cache()  # the 2 GiB buffer, so it counts in no variant's host memory
     torch.cuda.empty_cache()
     return nbytes / GB / (ms / 1e3)
 
@@ -299,9 +304,9 @@ def host_syncs(step: Step) -> int | None:
     """
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     try:
-        with torch.profiler.profile(activities=acts) as prof:
-            with torch.profiler.record_function(STEP_MARK):
-                step(0)
+        with (torch.profiler.profile(activities=acts) as prof,
+              torch.profiler.record_function(STEP_MARK)):
+            step(0)
         return count_syncs(prof.events())
     except Exception as e:  # a profiler failure costs this column only
         print(f"  profiler failed: {type(e).__name__}: {e}", flush=True)
@@ -331,7 +336,9 @@ def measure(setup: Setup, batches: list[dict], reference: Step | None, rounds: i
     row["setup_s"] = time.perf_counter() - t0
     try:
         row["host_rss"] = rss_bytes()
-        row.setdefault("pinned_bytes", pinned_cache_bytes() - pinned0)
+        pinned1 = pinned_cache_bytes()
+        row.setdefault("pinned_bytes", None if pinned0 is None or pinned1 is None
+                       else pinned1 - pinned0)
         step = make_step(model, batches)
         for i in range(max(warmup, 1)):
             step(i)
@@ -354,7 +361,8 @@ def derive(row: dict, pinned_gbs: float) -> None:
     row["transfer_ms"] = streamed / (pinned_gbs * GB) * 1e3
     row["copy_gbs"] = streamed / GB / (step / 1e3) if streamed else None
     row["copy_of_pinned"] = row["copy_gbs"] / pinned_gbs if streamed else None
-    row["pinned_over_weights"] = row["pinned_bytes"] / row["weight_bytes"]
+    pinned = row["pinned_bytes"]
+    row["pinned_over_weights"] = None if pinned is None else pinned / row["weight_bytes"]
     if ref:
         row["vs_resident"] = step / ref
         row["bound_ms"] = max(ref, row["transfer_ms"])
@@ -384,7 +392,8 @@ def table(rows: list[dict]) -> str:
         out.append([r["model"], r["variant"], f"{r['step_ms']:.1f}",
                     fmt(r.get("vs_resident"), ".3f"), fmt(r.get("bound_ms"), ".1f"),
                     fmt(r.get("step_over_bound"), ".3f"), copy, f"{r['peak_vram_gib']:.2f}",
-                    f"{r['pinned_bytes'] / GIB:.2f}", f"{r['pinned_over_weights']:.3f}",
+                    fmt(None if r["pinned_bytes"] is None else r["pinned_bytes"] / GIB, ".2f"),
+                    fmt(r["pinned_over_weights"], ".3f"),
                     f"{r['host_rss_gib']:.1f}", setup, fmt(r["syncs_per_step"], "d")])
     return harness.markdown_table(HEADERS, out)
 
@@ -414,9 +423,9 @@ class Report:
         lines = [f"Pinned host->device bandwidth: {self.pinned_gbs:.1f} GB/s (one 2 GiB copy, "
                  "median of 10)."]
         for name, m in self.models.items():
-            lines.append(f"{name}: {m['class']}({m['config']}), weights {m['weight_bytes'] / GB:.2f}"
-                         f" GB, {m['tokens']} tokens; {m['rounds']} timed steps per variant "
-                         f"(warm-up {m['warmup']}).")
+            lines.append(f"{name}: {m['class']}({m['config']}), weights "
+                         f"{m['weight_bytes'] / GB:.2f} GB, {m['tokens']} tokens; {m['rounds']} "
+                         f"timed steps per variant (warm-up {m['warmup']}).")
             by = {r["variant"]: r for r in self.rows if r["model"] == name and "vs_resident" in r}
             if "shuttle_min" in by and "shuttle_min_lora_dynamic" in by:
                 extra = by["shuttle_min_lora_dynamic"]["vs_resident"] / by["shuttle_min"][
