@@ -72,7 +72,7 @@ def main() -> None:
 
         import shuttle.kernels.merge_lowrank as mk
 
-        mk.CUDA_CONFIG = tuple(ast.literal_eval(args.kernel_config))
+        mk.CUDA_CONFIG = mk.CUDA_CONFIG_TMA = tuple(ast.literal_eval(args.kernel_config))
     n, out_f, in_f, rank, alpha = args.layers, args.out, args.inp, args.rank, 32.0
     scale = alpha / rank
     torch.manual_seed(0)
@@ -153,9 +153,9 @@ def main() -> None:
     table = harness.markdown_table(
         ["variant", "median ms", "GB/s (W read+write)", "vs shuttle",
          "elements != float64 single rounding", "max err (ulp)"], rows)
-    from shuttle.kernels.merge_lowrank import CUDA_CONFIG
+    from shuttle.kernels.merge_lowrank import CUDA_CONFIG_TMA
 
-    notes = (f"kernel config {CUDA_CONFIG}; {n} bf16 weights of {out_f}x{in_f} "
+    notes = (f"TMA kernel config {CUDA_CONFIG_TMA}; {n} bf16 weights of {out_f}x{in_f} "
              f"({weight_bytes / 1e9:.2f} GB), rank {rank}, "
              f"alpha {alpha:g}; {args.rounds} interleaved rounds after 3 warm-up, median; two "
              "adapters alternate between rounds. Target: shuttle >= 1500 GB/s with a single "

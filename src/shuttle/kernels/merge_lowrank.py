@@ -18,7 +18,8 @@ import functools
 
 import torch
 
-__all__ = ["interpreting", "merge_lowrank", "merge_lowrank_reference", "triton_available"]
+__all__ = ["interpreting", "merge_lowrank", "merge_lowrank_reference", "tma_addressable",
+           "triton_available"]
 
 
 @functools.cache
@@ -86,17 +87,51 @@ def _kernel():
         else:
             tl.store(ptrs, out.to(w_ptr.dtype.element_ty), mask=mask)
 
-    return merge_kernel
+    @triton.jit
+    def merge_kernel_tma(w_desc, b_desc, a_desc, alpha_ptr, M, N, N_SEG: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
+                         IEEE: tl.constexpr):
+        # The same computation with every tile moved by the Hopper tensor memory accelerator:
+        # whole-tile bulk copies between global and shared memory, so the W tile is read and
+        # written in full 128-byte lines whatever register layout the dot's accumulator has.
+        # (With plain loads, W is read and written in the accumulator's layout, two elements
+        # per thread: half-used memory sectors, about half the copy bandwidth.) Out-of-range
+        # rows and columns of edge tiles are zero on load and dropped on store.
+        pid = tl.program_id(0)
+        n_tiles = tl.cdiv(N, BN)
+        om = (pid // n_tiles) * BM
+        on = (pid % n_tiles) * BN
+        w = w_desc.load([om, on])
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for s in tl.static_range(N_SEG):
+            b = b_desc.load([om, s * BR])
+            a = a_desc.load([s * BR, on])
+            if IEEE:
+                part = tl.dot(b.to(tl.float32), a.to(tl.float32), input_precision="ieee")
+            else:
+                part = tl.dot(b, a)
+            acc += part * tl.load(alpha_ptr + s)
+        out = w.to(tl.float32) + acc
+        if w.dtype == tl.bfloat16:
+            bits = out.to(tl.uint32, bitcast=True)  # round to nearest even (see merge_kernel)
+            bits += ((bits >> 16) & 1) + 0x7FFF
+            w_desc.store([om, on], (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True))
+        else:
+            w_desc.store([om, on], out.to(w.dtype))
+
+    return merge_kernel, merge_kernel_tma
 
 
-# (BM, BN, num_warps) on CUDA; chosen by benchmarks/tune_merge_kernel.py on an H200.
+# (BM, BN, num_warps) on CUDA, for the TMA kernel (Hopper and newer) and the plain one; chosen
+# by benchmarks/tune_merge_kernel.py on an H200.
 CUDA_CONFIG: tuple[int, int, int] = (64, 128, 8)
+CUDA_CONFIG_TMA: tuple[int, int, int] = (64, 128, 8)
 _MAX_RANK_STEP = 128  # larger ranks are split into several contributions of at most this
 
 
 def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                   seg: list[int], alpha: list[float],
-                  config: tuple[int, int, int] | None = None) -> None:
+                  config: tuple[int, int, int] | None = None, tma: bool | None = None) -> None:
     """In place: ``w += sum_i alpha_i * up[:, seg_i] @ down[seg_i]``, float32 sum, one rounding.
 
     Args:
@@ -105,7 +140,10 @@ def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
         down: (R, N) concatenated down factors, unit stride along N; same dtype as ``up``.
         seg: R-offsets of the contributions, ``[0, r_1, r_1 + r_2, ..., R]``.
         alpha: the scale of each contribution (strength x alpha / rank).
-        config: ``(BM, BN, num_warps)`` to override :data:`CUDA_CONFIG`.
+        config: ``(BM, BN, num_warps)`` to override :data:`CUDA_CONFIG` /
+            :data:`CUDA_CONFIG_TMA`.
+        tma: use the tensor-memory-accelerator kernel; default: on CUDA devices of compute
+            capability 9.0 and newer when every operand is 16-byte aligned (as TMA requires).
 
     Uses the Triton kernel where Triton is installed and the tensors are on CUDA (or under
     ``TRITON_INTERPRET=1``), else :func:`merge_lowrank_reference`.
@@ -133,13 +171,44 @@ def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
             r0, r1 = seg[i], seg[i + 1]
             up_p[:, i * br:i * br + r1 - r0] = up[:, r0:r1]
             down_p[i * br:i * br + r1 - r0] = down[r0:r1]
-    bm, bn, warps = (32, 32, 4) if interpret else (config or CUDA_CONFIG)
+    if tma is None:
+        tma = not interpret and tma_addressable(w, up_p, down_p)
+    if interpret:
+        bm, bn, warps = config or (32, 32, 4)
+    else:
+        bm, bn, warps = config or (CUDA_CONFIG_TMA if tma else CUDA_CONFIG)
     alpha_t = _device_floats(alpha, w.device)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    _kernel()[grid](
-        w, up_p, down_p, alpha_t, m, n, w.stride(0), up_p.stride(0), down_p.stride(0),
-        N_SEG=len(alpha), BM=bm, BN=bn, BR=br, IEEE=up.dtype == torch.float32 or interpret,
-        num_warps=warps, num_stages=1)
+    ieee = up.dtype == torch.float32 or interpret
+    plain, with_tma = _kernel()
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        with_tma[grid](
+            TensorDescriptor.from_tensor(w, [bm, bn]), TensorDescriptor.from_tensor(up_p, [bm, br]),
+            TensorDescriptor.from_tensor(down_p, [br, bn]), alpha_t, m, n,
+            N_SEG=len(alpha), BM=bm, BN=bn, BR=br, IEEE=ieee, num_warps=warps, num_stages=1)
+    else:
+        plain[grid](
+            w, up_p, down_p, alpha_t, m, n, w.stride(0), up_p.stride(0), down_p.stride(0),
+            N_SEG=len(alpha), BM=bm, BN=bn, BR=br, IEEE=ieee, num_warps=warps, num_stages=1)
+
+
+def tma_addressable(*tensors: torch.Tensor) -> bool:
+    """Whether TMA descriptors can address these 2-D tensors: CUDA tensors on a device with a
+    tensor memory accelerator (compute capability 9.0+), Triton's host-side descriptors
+    available (Triton 3.4+), 16-byte aligned starts and row strides, unit column stride.
+    """
+    if not all(t.is_cuda for t in tensors):
+        return False
+    if torch.cuda.get_device_capability(tensors[0].device) < (9, 0):
+        return False
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:  # triton < 3.4
+        return False
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+               and t.stride(1) == 1 for t in tensors)
 
 def _device_floats(values: list[float], device: torch.device) -> torch.Tensor:
     """A float32 tensor on ``device`` without a host sync.
