@@ -41,8 +41,8 @@ def main() -> None:
     harness.write_results("merge_kernel_tuning", {"timings": t}, table,
                           "Fused merge kernel tile shapes (benchmarks/tune_merge_kernel.py)")
     print(table)
-    best = next(row[0] for row in rows if row[0].startswith("tma"))
-    (harness.OUT_DIR / "merge_kernel_best.txt").write_text(best.split(" ", 1)[1])
+    best = next(row[0] for row in rows if row[0] != "copy")
+    (harness.OUT_DIR / "merge_kernel_best.txt").write_text(best)  # e.g. "tma (64, 128, 8)"
 
 
 if __name__ == "__main__":

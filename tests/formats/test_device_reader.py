@@ -49,3 +49,15 @@ def test_device_reader_matches_the_file(file):
     out = {k: reader.read(f.tensor_ref(k)) for k in [*sd, *sd]}  # every buffer reused
     for k, want in sd.items():
         assert out[k].is_cuda and torch.equal(out[k].cpu(), want)
+
+
+def test_reads_split_into_pieces_read_the_same_bytes(file, monkeypatch):
+    import shuttle.formats.safetensors_file as sf
+
+    f, sd = file
+    monkeypatch.setattr(sf, "_READ_PIECE", 8)  # "a" (462 bytes) becomes pieces on the pool
+    monkeypatch.setattr(sf, "_READERS", 3)
+    buf = torch.empty(1024, dtype=torch.uint8)
+    for key, want in sd.items():
+        assert torch.equal(f.read(key, copy=True), want)
+        assert torch.equal(f.read_into(key, buf), want)

@@ -9,11 +9,13 @@ so a truncated file or a header that lies about sizes fails at open, naming the 
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import math
 import mmap
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -37,6 +39,13 @@ DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
 }
 _MAX_HEADER = 100 * 2**20  # the safetensors format's own limit
+_READ_PIECE = 16 * 2**20  # smallest piece a large read is split into
+_READERS = max(1, min(8, os.cpu_count() or 1))
+
+
+@functools.cache
+def _reader_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(_READERS, thread_name_prefix="shuttle-read")
 
 
 class LazyTensor:
@@ -202,21 +211,37 @@ class SafetensorsFile:
                              f"{end - begin} bytes, got {out.dtype} {tuple(out.shape)}")
         return self._read_copy(begin, end, out[:end - begin]).view(dtype).reshape(shape)
 
+    def _pread(self, fd: int, view: memoryview, offset: int) -> None:
+        got = 0
+        while got < len(view):  # one read returns at most ~2 GiB on Linux
+            k = os.preadv(fd, [view[got:]], offset + got)
+            if not k:
+                raise self._corrupt(f"it ended {len(view) - got} bytes early while reading")
+            got += k
+
     def _read_copy(self, begin: int, end: int, raw: torch.Tensor | None = None) -> torch.Tensor:
         n = end - begin
         if raw is None:
             raw = torch.empty(n, dtype=torch.uint8)  # 64-byte aligned: any dtype view is valid
         if n == 0:
             return raw
-        # readinto needs a writable buffer; ctypes gives one over the tensor's memory without
+        # preadv needs a writable buffer; ctypes gives one over the tensor's memory without
         # numpy (an optional dependency).
         view = memoryview((ctypes.c_ubyte * n).from_address(raw.data_ptr())).cast("B")
-        with open(self.path, "rb", buffering=0) as f:
-            f.seek(self.data_start + begin)
-            got = 0
-            while got < n:  # one read() returns at most ~2 GiB on Linux
-                k = f.readinto(view[got:])
-                if not k:
-                    raise self._corrupt(f"it ended {n - got} bytes early while reading")
-                got += k
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            # A large tensor is read in a few contiguous pieces at once: one thread copies
+            # from the page cache at ~5 GB/s, several at the memory's speed. preadv releases
+            # the GIL and takes an offset, so the threads share the descriptor.
+            step = max(_READ_PIECE, -(-n // _READERS))
+            pieces = [(o, min(o + step, n)) for o in range(0, n, step)]
+            start = self.data_start + begin
+            if len(pieces) == 1:
+                self._pread(fd, view, start)
+            else:
+                for f in [_reader_pool().submit(self._pread, fd, view[a:b], start + a)
+                          for a, b in pieces]:
+                    f.result()
+        finally:
+            os.close(fd)
         return raw

@@ -30,7 +30,8 @@ from typing import NamedTuple
 
 import torch
 
-from shuttle.kernels.merge_lowrank import interpreting, tma_addressable, triton_available
+from shuttle.kernels.merge_lowrank import interpreting, triton_available
+from shuttle.kernels.tma import ensure_allocator, tma_addressable
 
 __all__ = [
     "FUSED_CUDA_CONFIG",
@@ -272,8 +273,9 @@ def _kernels():
             tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def linear_kernel_tma(x_desc, w_desc, s_desc, u_desc, o_desc, bias_ptr, scale_ptr,
-                          T, N, K, R, n_progs,
+    def linear_kernel_tma(x_ptr, w_ptr, s_ptr, u_ptr, o_ptr, bias_ptr, scale_ptr,
+                          T, N, K, R, stride_xt, stride_wn, stride_st, stride_un, stride_ot,
+                          n_progs,
                           BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                           BR: tl.constexpr, GROUP: tl.constexpr, HAS_LORA: tl.constexpr,
                           HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, IEEE: tl.constexpr,
@@ -283,6 +285,18 @@ def _kernels():
         # shared memory (pipelined STAGES deep), and the n_progs persistent programs walk the
         # tiles in the swizzled order, so one tile's epilogue overlaps the next tile's loads.
         # Also the shrink: x against the down factor, with the per-rank scale as column scale.
+        # Descriptors are built here, on the device (see shuttle.kernels.tma).
+        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[T, K], strides=[stride_xt, 1],
+                                           block_shape=[BT, BK])
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1],
+                                           block_shape=[BN, BK])
+        o_desc = tl.make_tensor_descriptor(o_ptr, shape=[T, N], strides=[stride_ot, 1],
+                                           block_shape=[BT, BN])
+        if HAS_LORA:
+            s_desc = tl.make_tensor_descriptor(s_ptr, shape=[T, R], strides=[stride_st, 1],
+                                               block_shape=[BT, BR])
+            u_desc = tl.make_tensor_descriptor(u_ptr, shape=[N, R], strides=[stride_un, 1],
+                                               block_shape=[BN, BR])
         grid_t = tl.cdiv(T, BT)
         grid_n = tl.cdiv(N, BN)
         in_group = GROUP * grid_n
@@ -525,27 +539,24 @@ def _linear_tma(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None,
                 out: torch.Tensor, cfg: FusedConfig) -> None:
     """``out = x @ w.T (+ s @ up.T) (* scale) (+ bias)`` by the TMA kernel (see _kernels)."""
     import triton
-    from triton.tools.tensor_descriptor import TensorDescriptor
 
     t, k = x.shape
     n = w.shape[0]
     r = s.shape[1] if s is not None else 0
     bt, bk, br = cfg.block_t, cfg.block_k, max(16, min(cfg.block_r, triton.next_power_of_2(r)))
     bn = cfg.block_n if s is not None else max(16, min(cfg.block_n, triton.next_power_of_2(n)))
-    x_desc = TensorDescriptor.from_tensor(x, [bt, bk])
-    w_desc = TensorDescriptor.from_tensor(w, [bn, bk])
-    # Without a LoRA part, x and w stand in for the unused descriptors (never read).
-    s_desc = TensorDescriptor.from_tensor(s, [bt, br]) if s is not None else x_desc
-    u_desc = TensorDescriptor.from_tensor(up, [bn, br]) if up is not None else w_desc
-    o_desc = TensorDescriptor.from_tensor(out, [bt, bn])
     tiles = triton.cdiv(t, bt) * triton.cdiv(n, bn)
     progs = min(tiles, _sm_count(x.device.index)) if x.is_cuda else min(tiles, 2)
     if bias is not None:
         bias = bias.contiguous()
+    # Without a LoRA part (the shrink), x and w stand in for the unused S and B (never read).
+    s_, up_ = (s, up) if s is not None else (x, w)
+    ensure_allocator()
     with _device_guard(x):
         _kernels()[2][(progs,)](
-            x_desc, w_desc, s_desc, u_desc, o_desc, bias if bias is not None else out,
-            scale if scale is not None else out, t, n, k, r, progs,
+            x, w, s_, up_, out, bias if bias is not None else out,
+            scale if scale is not None else out, t, n, k, r, x.stride(0), w.stride(0),
+            s_.stride(0), up_.stride(0), out.stride(0), progs,
             BT=bt, BN=bn, BK=bk, BR=br, GROUP=max(1, cfg.group), HAS_LORA=s is not None,
             HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, IEEE=interpreting(),
             OUT_BF16=out.dtype == torch.bfloat16, STAGES=cfg.num_stages,

@@ -18,8 +18,9 @@ import functools
 
 import torch
 
-__all__ = ["interpreting", "merge_lowrank", "merge_lowrank_reference", "tma_addressable",
-           "triton_available"]
+from shuttle.kernels.tma import ensure_allocator, tma_addressable
+
+__all__ = ["interpreting", "merge_lowrank", "merge_lowrank_reference", "triton_available"]
 
 
 @functools.cache
@@ -88,15 +89,19 @@ def _kernel():
             tl.store(ptrs, out.to(w_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def merge_kernel_tma(w_desc, b_desc, a_desc, alpha_ptr, M, N, N_SEG: tl.constexpr,
-                         BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
-                         IEEE: tl.constexpr):
+    def merge_kernel_tma(w_ptr, b_ptr, a_ptr, alpha_ptr, M, N, stride_wm, stride_bm, stride_ar,
+                         N_SEG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                         BR: tl.constexpr, IEEE: tl.constexpr):
         # The same computation with every tile moved by the Hopper tensor memory accelerator:
-        # whole-tile bulk copies between global and shared memory, so the W tile is read and
-        # written in full 128-byte lines whatever register layout the dot's accumulator has.
-        # (With plain loads, W is read and written in the accumulator's layout, two elements
-        # per thread: half-used memory sectors, about half the copy bandwidth.) Out-of-range
-        # rows and columns of edge tiles are zero on load and dropped on store.
+        # whole-tile bulk copies between global and shared memory, so W is read and written
+        # in full lines whatever register layout the dot's accumulator has. Out-of-range rows
+        # and columns of edge tiles are zero on load and dropped on store.
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[M, N], strides=[stride_wm, 1],
+                                           block_shape=[BM, BN])
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[M, N_SEG * BR], strides=[stride_bm, 1],
+                                           block_shape=[BM, BR])
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[N_SEG * BR, N], strides=[stride_ar, 1],
+                                           block_shape=[BR, BN])
         pid = tl.program_id(0)
         n_tiles = tl.cdiv(N, BN)
         om = (pid // n_tiles) * BM
@@ -126,6 +131,9 @@ def _kernel():
 # by benchmarks/tune_merge_kernel.py on an H200.
 CUDA_CONFIG: tuple[int, int, int] = (64, 128, 8)
 CUDA_CONFIG_TMA: tuple[int, int, int] = (64, 128, 8)
+# Whether the TMA kernel is the default where it applies; set by the H200 measurements in
+# docs/benchmarks/merge_kernel_tuning.md.
+PREFER_TMA = False
 _MAX_RANK_STEP = 128  # larger ranks are split into several contributions of at most this
 
 
@@ -142,8 +150,8 @@ def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
         alpha: the scale of each contribution (strength x alpha / rank).
         config: ``(BM, BN, num_warps)`` to override :data:`CUDA_CONFIG` /
             :data:`CUDA_CONFIG_TMA`.
-        tma: use the tensor-memory-accelerator kernel; default: on CUDA devices of compute
-            capability 9.0 and newer when every operand is 16-byte aligned (as TMA requires).
+        tma: use the tensor-memory-accelerator kernel (CUDA devices of compute capability
+            9.0+, every operand 16-byte aligned); default: :data:`PREFER_TMA` where it applies.
 
     Uses the Triton kernel where Triton is installed and the tensors are on CUDA (or under
     ``TRITON_INTERPRET=1``), else :func:`merge_lowrank_reference`.
@@ -172,7 +180,7 @@ def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
             up_p[:, i * br:i * br + r1 - r0] = up[:, r0:r1]
             down_p[i * br:i * br + r1 - r0] = down[r0:r1]
     if tma is None:
-        tma = not interpret and tma_addressable(w, up_p, down_p)
+        tma = PREFER_TMA and not interpret and tma_addressable(w, up_p, down_p)
     if interpret:
         bm, bn, warps = config or (32, 32, 4)
     else:
@@ -181,34 +189,12 @@ def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     ieee = up.dtype == torch.float32 or interpret
     plain, with_tma = _kernel()
+    kernel = with_tma if tma else plain
     if tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        with_tma[grid](
-            TensorDescriptor.from_tensor(w, [bm, bn]), TensorDescriptor.from_tensor(up_p, [bm, br]),
-            TensorDescriptor.from_tensor(down_p, [br, bn]), alpha_t, m, n,
-            N_SEG=len(alpha), BM=bm, BN=bn, BR=br, IEEE=ieee, num_warps=warps, num_stages=1)
-    else:
-        plain[grid](
-            w, up_p, down_p, alpha_t, m, n, w.stride(0), up_p.stride(0), down_p.stride(0),
-            N_SEG=len(alpha), BM=bm, BN=bn, BR=br, IEEE=ieee, num_warps=warps, num_stages=1)
-
-
-def tma_addressable(*tensors: torch.Tensor) -> bool:
-    """Whether TMA descriptors can address these 2-D tensors: CUDA tensors on a device with a
-    tensor memory accelerator (compute capability 9.0+), Triton's host-side descriptors
-    available (Triton 3.4+), 16-byte aligned starts and row strides, unit column stride.
-    """
-    if not all(t.is_cuda for t in tensors):
-        return False
-    if torch.cuda.get_device_capability(tensors[0].device) < (9, 0):
-        return False
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
-    except ImportError:  # triton < 3.4
-        return False
-    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
-               and t.stride(1) == 1 for t in tensors)
+        ensure_allocator()
+    kernel[grid](
+        w, up_p, down_p, alpha_t, m, n, w.stride(0), up_p.stride(0), down_p.stride(0),
+        N_SEG=len(alpha), BM=bm, BN=bn, BR=br, IEEE=ieee, num_warps=warps, num_stages=1)
 
 def _device_floats(values: list[float], device: torch.device) -> torch.Tensor:
     """A float32 tensor on ``device`` without a host sync.
