@@ -1,0 +1,57 @@
+"""Find the block lists worth streaming in a model: uniform lists holding a large share of it."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["find_block_lists"]
+
+
+def find_block_lists(model: torch.nn.Module, min_share: float = 0.1) -> list[str]:
+    """Dotted paths of the block lists of ``model`` that should stream.
+
+    A candidate is an ``nn.ModuleList``/``nn.Sequential`` of at least two entries that all have
+    the same tensors (names, shapes, dtypes): only such a list can stream through one ring of
+    device slots. The walk stops at the outermost candidate (its entries stream whole) and
+    descends into every other module, so a list of unlike entries (a UNet's ``down_blocks``)
+    is searched for uniform lists inside it. Candidates holding at least ``min_share`` of the
+    model's bytes are returned, in module order.
+
+    Args:
+        model: the model (any device; only shapes and dtypes are read).
+        min_share: the smallest fraction of the model's tensor bytes a list must hold.
+
+    Returns:
+        Paths such as ``["transformer_blocks", "single_transformer_blocks"]`` or
+        ``["model.layers"]``; empty when nothing qualifies.
+    """
+    total = _nbytes(model)
+    found: list[str] = []
+
+    def visit(path: str, module: torch.nn.Module) -> None:
+        if _uniform(module):
+            if total and _nbytes(module) >= min_share * total:
+                found.append(path)
+            return  # a smaller uniform list inside one entry would stream less
+        for name, child in module.named_children():
+            visit(f"{path}.{name}" if path else name, child)
+
+    visit("", model)
+    return found
+
+
+def _uniform(module: torch.nn.Module) -> bool:
+    if not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) or len(module) < 2:
+        return False
+    signatures = {_signature(entry) for entry in module}
+    return len(signatures) == 1 and bool(next(iter(signatures))[1])
+
+
+def _signature(module: torch.nn.Module) -> tuple:
+    tensors = [*module.named_parameters(), *module.named_buffers()]
+    return type(module), tuple((n, tuple(t.shape), t.dtype) for n, t in tensors)
+
+
+def _nbytes(module: torch.nn.Module) -> int:
+    unique = {id(t): t for t in [*module.parameters(), *module.buffers()]}
+    return sum(t.numel() * t.element_size() for t in unique.values())

@@ -1,0 +1,346 @@
+"""``OffloadHandle``: several modules under one :class:`~shuttle.ModelCache`, activated on call.
+
+Each module (a pipeline component, or a whole model) is captured into host storage by the
+cache (one host byte budget for all of them and their adapters) and leased for the handle's
+lifetime: its bytes live in the caller's object, so evicting it would free nothing. A shuttle
+hook on its ``forward`` (and wrappers on entry methods such as a VAE's ``decode``) activates
+it on the device when it is called; it stays active across calls (a denoiser called once per
+step keeps its resident blocks) until another module needs the device room, the adapters
+change, or :meth:`OffloadHandle.deactivate`/:meth:`OffloadHandle.remove` is called.
+
+Uses are single-threaded: one call into the offloaded modules at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shuttle.apply.merge import MergeReport
+from shuttle.apply.plan import AdapterList, normalize_loras
+from shuttle.cache import LoRASpec, ModelCache, ModelSpec
+from shuttle.errors import BudgetTooSmallError, CacheError, OffloadError
+from shuttle.formats import LoRA
+from shuttle.hooks import ModuleHook, add_hook, hooks_of, remove_hook
+from shuttle.integrations.routing import route_lora
+from shuttle.offload import ModelOffloader, StreamConfig, plan_residency
+from shuttle.offload.adapters import LoRAMode, check_lora_mode
+from shuttle.offload.host_storage import HostBacking, HostStorage
+
+__all__ = ["OffloadHandle", "cache_for"]
+
+logger = logging.getLogger(__name__)
+
+
+def cache_for(max_host_bytes: int | None, cache: ModelCache | None) -> ModelCache:
+    """The cache an ``offload`` call uses: a new one of ``max_host_bytes``, or ``cache``.
+
+    Raises:
+        CacheError: both or neither given.
+    """
+    if (max_host_bytes is None) == (cache is None):
+        raise CacheError(f"max_host_bytes={max_host_bytes!r}, cache={cache!r}: give exactly "
+                         "one (a byte budget for a new cache, or a ModelCache to share)")
+    return cache if cache is not None else ModelCache(max_host_bytes)  # type: ignore[arg-type]
+
+
+@dataclass
+class _Component:
+    name: str
+    module: torch.nn.Module
+    spec: ModelSpec
+    devices: dict[tuple[int, str, bool], torch.device]  # (module id, name, is_param) -> device
+    hook: ModuleHook | None = None
+    wrapped: list[str] = field(default_factory=list)  # entry methods set on the instance
+    attrs: list[str] = field(default_factory=list)  # instance attributes set by the handle
+    stream: StreamConfig | None = None
+    need: int = 0  # device weight bytes while active
+
+
+@dataclass
+class _Active:
+    stack: contextlib.ExitStack  # holds the ModelCache.use() of the activation
+    config: tuple  # (adapter keys and strengths, mode) it was activated with
+
+
+class _Activate(ModuleHook):
+    """Runs the module's forward inside :meth:`OffloadHandle._call`."""
+
+    def __init__(self, handle: OffloadHandle, name: str):
+        self.handle = handle
+        self.name = name
+
+    def forward(self, module: torch.nn.Module, inner: Callable[..., Any], *args: Any,
+                **kwargs: Any) -> Any:
+        return self.handle._call(self.name, inner, *args, **kwargs)
+
+
+class OffloadHandle:
+    """Modules offloaded through one cache; built by the integrations' ``offload`` functions.
+
+    Args:
+        modules: name -> module (on any device; captured into host storage here).
+        blocks: name -> block-list paths that stream (absent or empty: moved whole).
+        cache: the cache that holds them (and their adapters).
+        device: where they compute.
+        prefetch: blocks loaded ahead while streaming.
+        vram_budget: device bytes for weights of everything active at once (None: one module
+            active at a time, streamed ones with ``prefetch`` and no resident blocks).
+        host: ``"pinned"`` or ``"adopt"`` (see :class:`~shuttle.ModelSpec`).
+        methods: name -> entry methods besides ``forward`` that activate the module.
+        attrs: instance attributes set on every module while offloaded (removed at the end).
+        key_prefix: prefix of the cache keys (``f"{key_prefix}.{name}"``).
+
+    Attributes:
+        device: the compute device.
+        unmatched: adapter keys of the current :meth:`set_loras` that reach no parameter.
+
+    Raises:
+        OffloadError: a bad ``prefetch``/``vram_budget``, a module offloaded already, or an
+            attribute in ``attrs`` or a
+            method in ``methods`` is already set on an instance (another offloading library).
+        BudgetTooSmallError: ``vram_budget`` cannot hold a module moved whole, or a streamed
+            module's non-block weights plus one slot per block list.
+        ResourceTooLargeError: the modules do not fit in the cache's budget.
+        Whatever ``ModelOffloader.from_module`` raises (``BlockPathError``, ...).
+        On any error every module is as it was before the call.
+    """
+
+    def __init__(self, modules: Mapping[str, torch.nn.Module],
+                 blocks: Mapping[str, Sequence[str]], *, cache: ModelCache,
+                 device: str | torch.device, prefetch: int = 2, vram_budget: int | None = None,
+                 host: HostBacking = "pinned", methods: Mapping[str, Sequence[str]] | None = None,
+                 attrs: Mapping[str, Any] | None = None, key_prefix: str = "offloaded"):
+        methods, attrs = methods or {}, attrs or {}
+        StreamConfig(prefetch=prefetch, vram_budget=vram_budget)  # validates both
+        self.device = torch.device(device)
+        self.unmatched: dict[str, str] = {}
+        self._cache = cache
+        self._vram_budget = vram_budget
+        self._components: dict[str, _Component] = {}
+        self._offloaders: dict[str, ModelOffloader] = {}
+        self._leases = contextlib.ExitStack()
+        self._active: dict[str, _Active] = {}  # least recently used first
+        self._running: dict[str, int] = {}  # calls in progress: never deactivated
+        self._loras: dict[str, list[tuple[LoRASpec, float]]] = {}
+        self._mode: LoRAMode = "merge"
+        self._routed: dict[int, tuple[LoRA, dict[str, LoRASpec]]] = {}  # id(lora) -> specs
+        _check_free(modules, methods, attrs)
+        try:
+            for name, module in modules.items():
+                self._capture(name, module, tuple(blocks.get(name, ())), host, key_prefix,
+                              prefetch)
+            for name, c in self._components.items():
+                self._install(c, methods.get(name, ()), attrs)
+        except BaseException:
+            self.remove()
+            raise
+
+    @property
+    def offloaders(self) -> dict[str, ModelOffloader]:
+        """Each module's offloader by name (``plan``, ``adapters.report`` while active)."""
+        return dict(self._offloaders)
+
+    @property
+    def reports(self) -> dict[str, MergeReport]:
+        """The adapter report of each module active with adapters now, by name."""
+        return {n: off.adapters.report for n, off in self._offloaders.items()
+                if off.adapters is not None}
+
+    def set_loras(self, loras: AdapterList, mode: LoRAMode = "merge") -> dict[str, str]:
+        """Apply ``loras`` from the next call on (``[]`` removes every adapter).
+
+        Each adapter is split over the modules it touches (see
+        :func:`~shuttle.integrations.routing.route_lora`) and applied by each module's
+        offloader while it is active: merged into the weights as they land (``"merge"``, the
+        weights :func:`~shuttle.merge_lora` gives) or at forward time (``"dynamic"``). Modules
+        active with other adapters are deactivated now; the host weights never change.
+
+        Args:
+            loras: ``[(lora or source, strength), ...]``; strengths of exactly 0 are dropped.
+            mode: ``"merge"`` or ``"dynamic"``.
+
+        Returns:
+            Adapter keys that reach no parameter of any module -> why (also in
+            :attr:`unmatched`, and logged as a warning).
+
+        Raises:
+            InvalidStrengthError: a strength is not a finite number.
+            OffloadError: an unknown ``mode``.
+            DuplicateTargetError: one key lands in two modules.
+            Whatever ``shuttle.load_lora`` raises for a source. Nothing changes on error.
+        """
+        check_lora_mode(mode, None)
+        pairs = normalize_loras(loras)
+        modules = {n: c.module for n, c in self._components.items()}
+        specs: dict[int, tuple[LoRA, dict[str, LoRASpec]]] = {}
+        unmatched: dict[str, str] = {}
+        wanted: dict[str, list[tuple[LoRASpec, float]]] = {}
+        for lora, strength in pairs:
+            if id(lora) not in specs:
+                subs, missed = route_lora(lora, modules)
+                unmatched.update(missed)
+                old = self._routed.get(id(lora), (lora, {}))[1]
+                # The same LoRA object keeps its specs: an adapter already loaded stays cached.
+                specs[id(lora)] = (lora, {comp: old.get(comp) or LoRASpec(
+                    f"{self._components[comp].spec.key}.lora{id(sub):x}", sub)
+                    for comp, sub in subs.items()})
+            for comp, spec in specs[id(lora)][1].items():
+                wanted.setdefault(comp, []).append((spec, strength))
+        self._mode, self._loras = mode, wanted
+        for name in list(self._active):
+            if self._active[name].config != self._config(name):
+                self._deactivate(name, "its adapters changed")
+        self._drop_specs(specs)
+        self.unmatched = unmatched
+        if unmatched:
+            logger.warning("%d adapter keys reach no parameter: %s", len(unmatched),
+                           dict(list(unmatched.items())[:4]))
+        return dict(unmatched)
+
+    def deactivate(self) -> None:
+        """Take every module off the device (its weights stay in host storage)."""
+        for name in list(self._active):
+            self._deactivate(name, "deactivate() was called")
+
+    def remove(self) -> None:
+        """Undo the offload: every module as it was, on its original devices, unhooked.
+
+        Adapters and host copies are dropped from the cache. Calling it twice does nothing.
+        """
+        self.deactivate()
+        for c in self._components.values():
+            if c.hook is not None:
+                remove_hook(c.module, c.hook)
+            for attr in c.wrapped + c.attrs:
+                del c.module.__dict__[attr]
+            c.hook, c.wrapped, c.attrs = None, [], []
+        self._leases.close()
+        self._drop_specs({})
+        for name, off in self._offloaders.items():
+            _restore(off.storage, self._components[name].devices)
+            self._cache.evict(self._components[name].spec.key)
+        self._offloaders.clear()
+        self._components.clear()
+
+    # -- internals -------------------------------------------------------------------------
+    def _capture(self, name: str, module: torch.nn.Module, paths: tuple[str, ...],
+                 host: HostBacking, key_prefix: str, prefetch: int) -> None:
+        devices = {(id(m), n, p): t.device for m in module.modules()
+                   for p, table in ((True, m._parameters), (False, m._buffers))
+                   for n, t in table.items() if t is not None}
+        spec = ModelSpec(f"{key_prefix}.{name}", factory=lambda: module,
+                         estimated_bytes=_weight_bytes(module), blocks=paths, host=host)
+        c = _Component(name, module, spec, devices)
+        # Leased until remove(): nothing could rebuild the module after an eviction.
+        off = self._leases.enter_context(self._cache.lease(spec))
+        self._components[name], self._offloaders[name] = c, off
+        budget = self._vram_budget
+        if paths:
+            c.stream = StreamConfig(prefetch=prefetch, vram_budget=budget)
+        c.need = plan_residency(off.storage, c.stream).device_bytes  # raises if too small
+        if c.stream is None and budget is not None and c.need > budget:
+            raise BudgetTooSmallError(
+                f"vram_budget={budget} bytes cannot hold {name!r} moved whole ({c.need} bytes):"
+                f" raise it, or stream {name!r} by giving its block lists in blocks=")
+        logger.info("%s: %s", name, f"streams {list(paths)} ({c.need} device bytes)" if paths
+                    else f"moves whole ({c.need} device bytes)")
+
+    def _install(self, c: _Component, methods: Sequence[str], attrs: Mapping[str, Any]
+                 ) -> None:
+        c.hook = _Activate(self, c.name)
+        add_hook(c.module, c.hook)
+        for method in methods:
+            original = getattr(c.module, method)
+            c.module.__dict__[method] = functools.wraps(original)(
+                functools.partial(self._call, c.name, original))
+            c.wrapped.append(method)
+        for attr, value in attrs.items():
+            c.module.__dict__[attr] = value
+            c.attrs.append(attr)
+
+    def _call(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        self._enter(name)
+        self._running[name] = self._running.get(name, 0) + 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._running[name] -= 1
+
+    def _config(self, name: str) -> tuple:
+        pairs = tuple((spec.key, w) for spec, w in self._loras.get(name, ()))
+        return pairs, self._mode if pairs else None
+
+    def _enter(self, name: str) -> None:
+        active = self._active.get(name)
+        if active is not None:
+            self._active[name] = self._active.pop(name)  # most recently used now
+            return
+        c = self._components[name]
+        self._make_room(c)
+        stack = contextlib.ExitStack()
+        with stack:
+            pairs = self._loras.get(name, [])
+            stack.enter_context(self._cache.use(
+                c.spec, self.device, loras=pairs, stream=c.stream,
+                lora_mode=self._mode if pairs else None))
+            self._active[name] = _Active(stack.pop_all(), self._config(name))
+
+    def _make_room(self, c: _Component) -> None:
+        budget = self._vram_budget
+        used = sum(self._components[n].need for n in self._active)
+        for other in list(self._active):
+            if budget is not None and used + c.need <= budget:
+                break
+            if self._running.get(other):
+                continue  # its call is still on the stack (it called this module)
+            used -= self._components[other].need
+            self._deactivate(other, f"make room for {c.name!r}" if budget is not None
+                             else f"{c.name!r} is called (vram_budget=None: one at a time)")
+
+    def _deactivate(self, name: str, why: str) -> None:
+        logger.info("deactivating %s (%d device bytes): %s", name,
+                    self._components[name].need, why)
+        self._active.pop(name).stack.close()
+
+    def _drop_specs(self, keep: dict[int, tuple[LoRA, dict[str, LoRASpec]]]) -> None:
+        """Evict the adapters of the previous :meth:`set_loras` that ``keep`` lacks."""
+        kept = {spec.key for _, specs in keep.values() for spec in specs.values()}
+        for _, specs in self._routed.values():
+            for spec in specs.values():
+                if spec.key not in kept and spec.key in self._cache:
+                    self._cache.evict(spec.key)
+        self._routed = keep
+
+
+def _check_free(modules: Mapping[str, torch.nn.Module], methods: Mapping[str, Sequence[str]],
+                attrs: Mapping[str, Any]) -> None:
+    for name, module in modules.items():
+        if any(isinstance(h, _Activate) for h in hooks_of(module)):
+            raise OffloadError(f"{name} is offloaded already; remove() its handle first")
+        taken = [a for a in [*methods.get(name, ()), *attrs] if a in module.__dict__]
+        if taken:
+            raise OffloadError(f"{name}: instance attributes {taken} are set already (another "
+                               "library's offload hooks?); remove them before offloading")
+
+
+def _weight_bytes(module: torch.nn.Module) -> int:
+    unique = {id(t): t for t in [*module.parameters(), *module.buffers()]}
+    return sum(t.numel() * t.element_size() for t in unique.values())
+
+
+def _restore(storage: HostStorage, devices: dict[tuple[int, str, bool], torch.device]) -> None:
+    """Give every tensor back its original device and its own memory (no host arena)."""
+    with torch.no_grad():
+        for unit in storage.units:
+            where: dict[int, torch.device] = {}
+            for b in unit.bindings:  # tied tensors share an entry: they stay tied
+                where.setdefault(b.entry, devices[(id(b.module), b.name, b.is_param)])
+            unit.bind([v if storage.host == "adopt" and where[i].type == "cpu"
+                       else v.to(where[i], copy=True) for i, v in enumerate(unit.host_views)])

@@ -1,0 +1,68 @@
+"""Offload a transformers model: its decoder layers streamed, everything else moved whole.
+
+``offload(model, ...)`` leaves ``model(...)`` and ``model.generate(...)`` working unchanged:
+the model is activated on the device at its first forward and stays active (each forward
+streams the layers) until :meth:`~shuttle.integrations.handle.OffloadHandle.deactivate` or
+``remove``. Inputs go on ``device``, as for any model there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from shuttle.cache import ModelCache
+from shuttle.errors import MissingDependencyError, OffloadError
+from shuttle.integrations.blocks import find_block_lists
+from shuttle.integrations.handle import OffloadHandle, cache_for
+from shuttle.offload.host_storage import HostBacking
+
+__all__ = ["offload"]
+
+
+def offload(model: Any, max_host_bytes: int | None = None, *, cache: ModelCache | None = None,
+            vram_budget: int | None = None, device: str | torch.device = "cuda",
+            prefetch: int = 2, blocks: Sequence[str] | None = None,
+            host: HostBacking = "pinned") -> OffloadHandle:
+    """Keep ``model`` in host memory and stream its layers on every forward.
+
+    Args:
+        model: a ``transformers.PreTrainedModel`` (``LlamaForCausalLM``, ...).
+        max_host_bytes: host byte budget of a new cache for the model and its adapters.
+        cache: a :class:`~shuttle.ModelCache` to share instead (exclusive with
+            ``max_host_bytes``).
+        vram_budget: device bytes for weights; as many layers as fit stay resident. None: all
+            layers stream, ``prefetch`` ahead.
+        device: where the model computes.
+        prefetch: layers loaded ahead of the one computing.
+        blocks: block-list paths to stream (default: the uniform layer lists holding most of
+            the weights, e.g. ``model.layers`` or ``transformer.h``; ``[]``: move it whole).
+        host: ``"pinned"`` (page-locked copies) or ``"adopt"`` (keep the CPU tensors).
+
+    Returns:
+        The handle (its one module is named ``"model"``): ``set_loras``, ``deactivate``,
+        ``remove``.
+
+    Raises:
+        MissingDependencyError: transformers is not installed.
+        OffloadError: ``model`` is not a ``PreTrainedModel``, or is offloaded already.
+        CacheError: both or neither of ``max_host_bytes`` and ``cache``.
+        ResourceTooLargeError: the model does not fit in the host budget.
+        BudgetTooSmallError: ``vram_budget`` cannot hold the non-layer weights and one slot.
+        On any error the model is as it was.
+    """
+    try:
+        import transformers
+    except ImportError as e:
+        raise MissingDependencyError("shuttle.integrations.transformers needs transformers: "
+                                     "pip install transformers") from e
+    if not isinstance(model, transformers.PreTrainedModel):
+        raise OffloadError(f"model is a {type(model).__name__}, not a "
+                           "transformers.PreTrainedModel")
+    cache = cache_for(max_host_bytes, cache)
+    paths = find_block_lists(model) if blocks is None else list(blocks)
+    return OffloadHandle({"model": model}, {"model": paths}, cache=cache, device=device,
+                         prefetch=prefetch, vram_budget=vram_budget, host=host,
+                         key_prefix=f"{type(model).__name__}@{id(model):x}")

@@ -1,0 +1,116 @@
+"""Tiny random-weight pipelines and models for the integration tests (no downloads)."""
+
+from __future__ import annotations
+
+import torch
+
+import shuttle
+
+# Flux's CLIP ids are padded to the tokenizer's max length; 77 as in the real tokenizer.
+_WORDS = ["[PAD]", "[UNK]", "</s>", "a", "red", "cat", "blue", "dog"]
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    t = Tokenizer(models.WordLevel({w: i for i, w in enumerate(_WORDS)}, unk_token="[UNK]"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=t, pad_token="[PAD]", unk_token="[UNK]",
+                                   model_max_length=77)
+
+
+def tiny_flux():
+    """A FluxPipeline of random weights: 2 double and 3 single blocks, CLIP, T5, a 1-level VAE."""
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        FluxPipeline,
+        FluxTransformer2DModel,
+    )
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=4, num_layers=2, num_single_layers=3, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+        axes_dims_rope=[4, 4, 8])
+    clip = CLIPTextModel(CLIPTextConfig(
+        bos_token_id=0, eos_token_id=2, pad_token_id=1, hidden_size=32, intermediate_size=37,
+        num_attention_heads=4, num_hidden_layers=2, vocab_size=16, projection_dim=32))
+    t5 = T5EncoderModel(T5Config(vocab_size=16, d_model=32, d_kv=8, d_ff=37, num_layers=2,
+                                 num_heads=4, decoder_start_token_id=0))
+    vae = AutoencoderKL(
+        sample_size=32, in_channels=3, out_channels=3, block_out_channels=(4,),
+        layers_per_block=1, latent_channels=1, norm_num_groups=1, use_quant_conv=False,
+        use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5035)
+    for m in (transformer, clip, t5, vae):
+        m.eval()  # built from configs they start in training mode (T5's dropout is on)
+    return FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), text_encoder=clip,
+                        tokenizer=_tokenizer(), text_encoder_2=t5, tokenizer_2=_tokenizer(),
+                        transformer=transformer, vae=vae)
+
+
+def run_flux(pipe, output_type: str = "latent") -> torch.Tensor:
+    """Two denoising steps of a 16x16 image, seeded; latents or decoded pixels."""
+    with torch.no_grad():
+        return pipe("a red cat", num_inference_steps=2, height=16, width=16,
+                    max_sequence_length=16, output_type=output_type,
+                    generator=torch.Generator().manual_seed(0)).images
+
+
+def flux_lora() -> shuttle.LoRA:
+    """Diffusers-style keys on a streamed block, a non-block layer and the CLIP encoder."""
+    g = torch.Generator().manual_seed(5)
+    sd = {}
+    for key, (out_f, in_f) in {
+        "transformer.single_transformer_blocks.1.attn.to_q": (32, 32),
+        "transformer.transformer_blocks.0.ff.net.2": (32, 128),
+        "transformer.x_embedder": (32, 4),
+        "text_encoder.text_model.encoder.layers.1.self_attn.q_proj": (32, 32),
+    }.items():
+        sd[f"{key}.lora_A.weight"] = torch.randn(4, in_f, generator=g) * 0.3
+        sd[f"{key}.lora_B.weight"] = torch.randn(out_f, 4, generator=g) * 0.3
+    return shuttle.load_lora(sd)
+
+
+def tiny_llama():
+    """A LlamaForCausalLM of random weights: 3 layers, hidden 32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64)
+    return LlamaForCausalLM(config).eval()
+
+
+def llama_lora() -> shuttle.LoRA:
+    """PEFT-style keys on two streamed layers and the (non-layer) head."""
+    g = torch.Generator().manual_seed(6)
+    sd = {}
+    for key, (out_f, in_f) in {"model.layers.0.self_attn.q_proj": (32, 32),
+                               "model.layers.2.mlp.down_proj": (32, 64),
+                               "lm_head": (64, 32)}.items():
+        sd[f"base_model.model.{key}.lora_A.weight"] = torch.randn(4, in_f, generator=g) * 0.3
+        sd[f"base_model.model.{key}.lora_B.weight"] = torch.randn(out_f, 4, generator=g) * 0.3
+    return shuttle.load_lora(sd)
+
+
+def snapshot(module: torch.nn.Module) -> dict[str, tuple[int, torch.device, torch.Tensor]]:
+    """Name -> (identity, device, value copy) of every parameter and buffer."""
+    tensors = [*module.named_parameters(), *module.named_buffers()]
+    return {n: (id(t), t.device, t.detach().clone()) for n, t in tensors}
+
+
+def assert_restored(module: torch.nn.Module, before: dict) -> None:
+    """Same parameter objects, devices and bits everywhere; no instance attribute left over."""
+    params = dict(module.named_parameters())
+    after = {**params, **dict(module.named_buffers())}
+    assert after.keys() == before.keys()
+    for name, (ident, device, value) in before.items():
+        t = after[name]
+        assert t.device == device and torch.equal(t.detach(), value), name
+        assert name not in params or id(t) == ident, f"{name} is a new Parameter"
+    for m in module.modules():
+        assert not {"forward", "_shuttle_hooks", "_hf_hook", "decode", "encode"} & set(m.__dict__)

@@ -1,0 +1,42 @@
+"""Which block lists stream: uniform lists holding a large share of the model."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from shuttle.integrations.blocks import find_block_lists
+from tests.integrations.models import tiny_llama
+
+
+def _unet_like() -> nn.Module:
+    """Unlike down blocks (different widths), each with a uniform list inside."""
+    def stage(width: int) -> nn.Module:
+        s = nn.Module()
+        s.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(3))
+        s.norms = nn.ModuleList(nn.LayerNorm(width) for _ in range(3))  # too small to stream
+        return s
+
+    model = nn.Module()
+    model.stem = nn.Linear(8, 8)
+    model.down = nn.ModuleList([stage(16), stage(32)])
+    model.acts = nn.Sequential(nn.GELU(), nn.GELU())  # uniform but holds no tensors
+    return model
+
+
+def test_uniform_lists_inside_unlike_ones_are_found():
+    assert find_block_lists(_unet_like()) == ["down.0.layers", "down.1.layers"]
+
+
+def test_a_share_threshold_drops_small_lists():
+    assert find_block_lists(_unet_like(), min_share=0.5) == ["down.1.layers"]
+
+
+def test_decoder_layers_of_a_causal_lm():
+    assert find_block_lists(tiny_llama()) == ["model.layers"]
+
+
+def test_flux_double_and_single_blocks():
+    from tests.integrations.models import tiny_flux
+
+    assert find_block_lists(tiny_flux().transformer) == ["transformer_blocks",
+                                                         "single_transformer_blocks"]
