@@ -182,3 +182,27 @@ class UnmergeableWeightError(ShuttleError, TypeError):
     """A weight's representation cannot take a merge (GGUF blocks, tile-packed int4): its
     encoding is fixed offline. Apply the adapter with ``mode="dynamic"`` instead.
     """
+
+
+class StreamModeError(OffloadError):
+    """Options of an offloader that do not combine (``compile`` with layer mode, training a
+    weight that a merge-mode adapter folds into); the message names the supported choice.
+    """
+
+
+class CheckpointRequiredError(ActivationError):
+    """A forward that records autograd ran through a streamed block (or a streamed layer)
+    whose device slot is reused before the backward could read it: wrap each streamed block in
+    ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, or run under
+    ``torch.no_grad()``.
+    """
+
+
+class PendingGradientError(ActivationError):
+    """``optimizer_step()`` ended with gradients still on offloaded trainable parameters; they
+    would live on the host while the parameters move back to the device. Clear them inside the
+    block (``optimizer.zero_grad()``).
+    """
+
+
+__all__ += ["CheckpointRequiredError", "PendingGradientError", "StreamModeError"]

@@ -152,3 +152,20 @@ def test_pinned_bytes_are_exact_registrations(monkeypatch):
     del storage
     gc.collect()
     assert set(fake.unregistered) == ptrs
+
+
+@pytest.mark.parametrize("nbytes", [5000, 3 * 2**20 + 5])
+def test_arenas_to_pin_are_whole_aligned_pages(nbytes):
+    """Arenas that will be registered cover whole pages from a page boundary (large ones are
+    huge-page maps, aligned to 2 MiB); arenas that will not are exactly the bytes asked for."""
+    import mmap
+
+    from shuttle.offload.host_storage import _arena
+
+    pages = _arena(nbytes, pin=True)
+    assert pages.numel() == -(-nbytes // 4096) * 4096 and pages.data_ptr() % 4096 == 0
+    if nbytes >= 2**21 and hasattr(mmap, "MADV_HUGEPAGE"):
+        assert pages.data_ptr() % 2**21 == 0
+    pages.fill_(7)  # writable, all of it
+    assert int(pages[-1]) == 7
+    assert _arena(nbytes, pin=False).numel() == nbytes

@@ -8,6 +8,8 @@ up_i: (N, r_i), s_i = strength_i * alpha_i / r_i * request scale):
               Bit-identical to that reference chain; scales are Python floats.
     lossless  h = x @ down.T over all adapters' ranks concatenated (R = sum r_i), h *= s
               per rank column (float32), then out.addmm_(h, up.T) onto the base output.
+              On CUDA with at most 64 tokens (decode) one kernel does all of it in float32
+              (shuttle.kernels.lora_decode): launches, not bytes, are the cost there.
     fused     S = (x @ down.T) * s in float32 (one kernel), then one kernel whose float32
               accumulator runs over x @ W.T and S @ up.T, adds the bias and writes out once.
 
@@ -28,11 +30,12 @@ import torch.nn.functional as F
 from torch.nn.utils.stateless import _reparametrize_module
 
 from shuttle.apply.merge import apply_contributions
-from shuttle.apply.plan import Contribution
+from shuttle.apply.plan import Contribution, is_plain_tensor, logical_spec
 from shuttle.apply.scale import generation, request_scale, request_scale_value
 from shuttle.errors import UnsupportedLayerError
 from shuttle.hooks import ModuleHook
 from shuttle.kernels import interpreting, lora_linear_fused, lora_shrink, triton_available
+from shuttle.kernels.lora_decode import DECODE_MAX_T, lora_decode_add
 from shuttle.patches import LowRank
 
 __all__ = ["LoRAHook", "Quality"]
@@ -87,6 +90,9 @@ class LoRAHook(ModuleHook):
         conv = isinstance(module, torch.nn.modules.conv._ConvNd)
         emb = isinstance(module, torch.nn.Embedding)
         self.kind = "linear" if lin else "conv" if conv else "embedding" if emb else "other"
+        # A quantized layer's output can come from a custom autograd Function, which forbids
+        # in-place updates of it: the residual is then added out of place.
+        self.in_place = is_plain_tensor(getattr(module, "weight", None))
         self.slots: list[_Slot] = []
         self.dense: dict[str, list[Contribution]] = {}
         for leaf, cs in contribs.items():
@@ -98,6 +104,14 @@ class LoRAHook(ModuleHook):
                             f"{type(module).__name__} cannot run dynamically; use mode='merge'"
                         )
                     self.slots.append(_Slot(c.adapter, c.patch, c.rows, (0, 0)))
+                elif not is_plain_tensor(getattr(module, leaf)):
+                    # The residual path overrides the weight with W + R: a quantized layer's
+                    # forward cannot take a float weight, so only low-rank residuals run here.
+                    raise UnsupportedLayerError(
+                        f"{name}.{leaf}: a {c.patch.kind} patch cannot run dynamically over a "
+                        f"quantized {type(module).__name__} weight (only low-rank patches on "
+                        "Linear layers can); merge it with mode='merge' instead"
+                    )
                 else:
                     self.dense.setdefault(leaf, []).append(c)
         self._build_lowrank(module, pad_rank)
@@ -116,13 +130,14 @@ class LoRAHook(ModuleHook):
         if self.kind != "linear" or not self.slots:
             return
         w = module.weight
+        spec = logical_spec(w)  # a quantized weight: its logical shape and compute dtype
         dtypes = {t.dtype for s in self.slots for t in (s.patch.up, s.patch.down)}
         # A float32 adapter keeps float32 GEMMs; other factors run in the weight's dtype.
-        fdtype = torch.float32 if torch.float32 in dtypes else w.dtype
+        fdtype = torch.float32 if torch.float32 in dtypes else spec.dtype
         widths = [max(s.patch.rank, pad_rank or 0) for s in self.slots]
         total = sum(widths)
-        self.down = w.new_zeros(total, w.shape[1], dtype=fdtype)
-        self.up = w.new_zeros(w.shape[0], total, dtype=fdtype)
+        self.down = torch.zeros(total, spec.shape[1], dtype=fdtype, device=w.device)
+        self.up = torch.zeros(spec.shape[0], total, dtype=fdtype, device=w.device)
         self.base_scale = torch.zeros(total, dtype=torch.float32, device=w.device)
         self.col_adapter = torch.zeros(total, dtype=torch.long, device=w.device)
         start = 0
@@ -213,10 +228,20 @@ class LoRAHook(ModuleHook):
         return out
 
     def _lossless(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        scale = self._scale_vector(x.device)
+        if (x.is_cuda and self.in_place and out.is_contiguous()
+                and x.numel() <= DECODE_MAX_T * x.shape[-1]
+                and x.dtype == out.dtype == self.down.dtype == self.up.dtype):
+            # A few tokens (decode): the whole update in one launch, h kept in float32.
+            lora_decode_add(out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]),
+                            self.down, self.up, scale)
+            return out
         xf = x if self.down.dtype == x.dtype else x.to(self.down.dtype)
         h = F.linear(xf, self.down)
-        h = (h.float() * self._scale_vector(x.device)).to(self.up.dtype)
-        if self.up.dtype != out.dtype or not out.is_contiguous():
+        # h * scale computed in float32 and rounded once; in place (one kernel) when h already
+        # has the up factor's dtype (type promotion computes a bf16 * fp32 product in fp32).
+        h = h.mul_(scale) if h.dtype == self.up.dtype else (h.float() * scale).to(self.up.dtype)
+        if self.up.dtype != out.dtype or not out.is_contiguous() or not self.in_place:
             return out + F.linear(h, self.up).to(out.dtype)
         out2d = out.view(-1, out.shape[-1])
         out2d.addmm_(h.reshape(-1, h.shape[-1]), self.up.T)
@@ -224,7 +249,9 @@ class LoRAHook(ModuleHook):
 
     def _fused_ok(self, module: torch.nn.Module, x: torch.Tensor | None) -> bool:
         on_device = x is not None and (x.is_cuda or interpreting())
-        return (triton_available() and on_device and x.dtype == module.weight.dtype
+        # The fused kernel reads W itself: a quantized weight takes its own forward instead.
+        return (triton_available() and on_device and is_plain_tensor(module.weight)
+                and x.dtype == module.weight.dtype
                 and x.dtype in (torch.bfloat16, torch.float16, torch.float32))
 
     def _fused(self, module: torch.nn.Linear, x: torch.Tensor,

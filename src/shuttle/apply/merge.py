@@ -1,10 +1,12 @@
 """Permanent merges: fold adapters into a model's weights, validated first, rounded once.
 
 Per parameter the contributions are applied in float32 in order (adapter order, then file
-order) and the result is rounded to the weight's dtype once. On CUDA, a parameter whose only
-contributions are plain low-rank products goes through one fused Triton kernel per row range
-(``shuttle.kernels.merge_lowrank``): the weight is read once and written once, the products are
-accumulated in float32 and rounded once.
+order) and the result is rounded to the weight's dtype once. A float8 or quantized weight
+(bitsandbytes, torchao, quanto: any registered representation) is dequantized once and encoded
+once, stochastically by default, and written back into the same parameter object. On CUDA, a
+parameter whose only contributions are plain low-rank products goes through one fused Triton
+kernel per row range (``shuttle.kernels.merge_lowrank``): the weight is read once and written
+once, the products are accumulated in float32 and rounded once.
 """
 
 from __future__ import annotations
@@ -18,13 +20,20 @@ from collections.abc import Iterator, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from shuttle.apply.plan import AdapterList, Contribution, MergePlan, plan_merge
+from shuttle.apply.plan import (
+    AdapterList,
+    Contribution,
+    MergePlan,
+    check_mergeable,
+    is_plain_tensor,
+    plan_merge,
+)
 from shuttle.apply.rounding import Rounding, param_seed, round_to
 from shuttle.errors import InvalidStrengthError, NonFiniteAdapterError
 from shuttle.kernels import merge_lowrank, triton_available
 from shuttle.patches import LowRank
 from shuttle.targets import KeyMapping
-from shuttle.weights import FP8_DTYPES, represent
+from shuttle.weights import PLAIN_DTYPES, Fp8Weight, PlainWeight, WeightRepresentation, represent
 
 __all__ = [
     "MergeReport",
@@ -33,6 +42,7 @@ __all__ = [
     "merge_lora",
     "merge_param",
     "merge_plan",
+    "write_back",
 ]
 
 log = logging.getLogger("shuttle")
@@ -72,7 +82,8 @@ def merge_lora(
             :func:`~shuttle.load_lora` reads. A strength of exactly 0 skips that adapter.
         rounding: ``"nearest"``, or ``"stochastic"`` (unbiased; seeded by parameter name and
             ``seed``, so repeatable). Default: nearest for float16/bfloat16/float32 weights,
-            stochastic for float8 weights (also seeded by how many merges the parameter took).
+            stochastic for float8 and quantized weights (bitsandbytes, torchao, quanto; also
+            seeded by how many merges the parameter took).
         seed: mixed into the stochastic rounding seed.
         mapping: adapter module key -> model module path (or ``(path, (start, end))``).
         progress: show a progress bar (default: when many parameters change).
@@ -86,6 +97,8 @@ def merge_lora(
         DuplicateTargetError: two keys of one adapter reach the same parameter.
         NonFiniteAdapterError: an adapter tensor holds NaN or infinity.
         UnsupportedLayerError: a parameter cannot take the patch (integer dtype, meta device).
+        UnmergeableWeightError: a quantized weight whose encoding cannot be redone (GGUF,
+            torchao int4 tile-packed): use ``mode="dynamic"``.
         All of these are raised before any weight changes.
     """
     if rounding not in (None, "nearest", "stochastic"):
@@ -98,8 +111,13 @@ def merge_lora(
 
 def merge_plan(model: torch.nn.Module, plan: MergePlan, *, rounding: Rounding | None = None,
                seed: int | None = None, progress: bool | None = None) -> None:
-    """Apply a validated :class:`MergePlan` to ``model``'s parameters."""
+    """Apply a validated :class:`MergePlan` to ``model``'s parameters.
+
+    Raises:
+        UnmergeableWeightError: before any write, if a planned parameter cannot be re-encoded.
+    """
     params = dict(model.named_parameters())
+    check_mergeable(plan, params)
     show = progress if progress is not None else len(plan.params) >= _PROGRESS_MIN_PARAMS
     with torch.no_grad(), exact_cublas():
         for name in tqdm(plan.params, desc="merging", unit="param", disable=not show):
@@ -111,10 +129,10 @@ def merge_param(p: torch.Tensor, name: str, contribs: list[Contribution],
     """Apply ``contribs`` to parameter ``p`` (named ``name``) with one rounding per element.
 
     ``rounding=None`` is nearest for float16/bfloat16/float32/float64 and stochastic for float8
-    (see :func:`_merge_fp8`).
+    and quantized weights (see :func:`_merge_encoded`).
     """
-    if p.dtype in FP8_DTYPES:
-        _merge_fp8(p, name, contribs, rounding or "stochastic", seed)
+    if not (is_plain_tensor(p) and p.dtype in PLAIN_DTYPES):
+        _merge_encoded(p, name, contribs, rounding or "stochastic", seed)
         return
     rounding = rounding or "nearest"
     if rounding == "nearest" and _merge_fused(p, contribs):
@@ -146,32 +164,34 @@ def apply_contributions(w: torch.Tensor, contribs: list[Contribution],
     return w
 
 
-# Merges already folded into a float8 parameter, keyed by id() (tensors compare elementwise),
-# with a weak reference so that an entry dies with its tensor. The count is mixed into the
-# stochastic-rounding seed: a second merge into the same weight draws fresh noise instead of
-# repeating the first one's (which would correlate the rounding errors), and a process that
-# repeats the same merges gets the same bits.
-_FP8_MERGES: dict[int, tuple[weakref.ref, int]] = {}
+# Merges already folded into a float8 or quantized parameter, keyed by id() (tensors compare
+# elementwise), with a weak reference so that an entry dies with its tensor. The count is mixed
+# into the stochastic-rounding seed: a second merge into the same weight draws fresh noise
+# instead of repeating the first one's (which would correlate the rounding errors), and a
+# process that repeats the same merges gets the same bits.
+_MERGES: dict[int, tuple[weakref.ref, int]] = {}
 
 
 def _merge_count(p: torch.Tensor) -> int:
-    entry = _FP8_MERGES.get(id(p))
+    entry = _MERGES.get(id(p))
     return entry[1] if entry is not None and entry[0]() is p else 0
 
 
 def _count_merge(p: torch.Tensor, count: int) -> None:
     key = id(p)
-    _FP8_MERGES[key] = (weakref.ref(p, lambda _: _FP8_MERGES.pop(key, None)), count)
+    _MERGES[key] = (weakref.ref(p, lambda _: _MERGES.pop(key, None)), count)
 
 
-def _merge_fp8(p: torch.Tensor, name: str, contribs: list[Contribution], rounding: Rounding,
-               seed: int | None) -> None:
-    """Merge into a plain float8 parameter: dequantize to float32, apply, encode once.
+def _merge_encoded(p: torch.Tensor, name: str, contribs: list[Contribution],
+                   rounding: Rounding, seed: int | None) -> None:
+    """Merge into a float8 or quantized parameter: dequantize to float32 once, apply every
+    contribution, encode once (data-dependent scales recomputed), write back in place.
 
-    Values beyond the format's finite range clamp to ``±finfo.max``. The stochastic seed is
-    ``param_seed(name, seed)`` for the first merge into ``p`` and moves on with each merge.
+    Float8 values beyond the format's finite range clamp to ``±finfo.max``. The stochastic
+    seed is ``param_seed(name, seed)`` for the first merge into ``p`` and moves on with each
+    merge.
     """
-    rep = represent(p.detach())
+    rep = represent(p.detach() if is_plain_tensor(p) else p)
     w = apply_contributions(rep.dequantize(), contribs)
     if not bool(torch.isfinite(w).all()):
         raise NonFiniteAdapterError(
@@ -182,9 +202,24 @@ def _merge_fp8(p: torch.Tensor, name: str, contribs: list[Contribution], roundin
     count = _merge_count(p)
     g = torch.Generator(device=p.device)
     g.manual_seed((param_seed(name, seed) + count * 0x9E3779B97F4A7C15) & (2**63 - 1))
-    out = rep.encode(w, rounding, g)
-    p.data.copy_(out.data)
+    write_back(p, rep.encode(w, rounding, g))
     _count_merge(p, count + 1)
+
+
+def write_back(p: torch.Tensor, rep: WeightRepresentation) -> None:
+    """Store ``rep`` (of ``p``'s form) into parameter ``p`` in place: the module keeps working
+    and every holder of ``p``'s storage tensors sees the new values.
+
+    Plain and float8 tensors copy their data; other representations write themselves into the
+    parameter object (``write_into``: the packed data and its scales, bitsandbytes' quant_state
+    included).
+    """
+    with torch.no_grad():
+        if isinstance(rep, (PlainWeight, Fp8Weight)) and is_plain_tensor(p):
+            assert rep.tensors().keys() == {"data"}, "a scaled Fp8Weight has no plain parameter"
+            p.data.copy_(rep.data)
+        else:
+            rep.write_into(p)
 
 
 def _merge_fused(p: torch.Tensor, contribs: list[Contribution]) -> bool:

@@ -20,12 +20,14 @@ from shuttle.errors import (
     InvalidStrengthError,
     NonFiniteAdapterError,
     ShuttleError,
+    UnmergeableWeightError,
     UnsupportedLayerError,
 )
 from shuttle.formats import LoRA, load_lora
 from shuttle.formats.source import Source
 from shuttle.patches import DoRA, Patch, materialize
 from shuttle.targets import KeyMapping, ModelNames, Target, resolve
+from shuttle.weights import Fp8Weight, PlainWeight, WeightRepresentation, represent
 
 __all__ = [
     "AdapterList",
@@ -34,6 +36,9 @@ __all__ = [
     "ParamSpec",
     "TensorSpec",
     "check_finite",
+    "check_mergeable",
+    "is_plain_tensor",
+    "logical_spec",
     "normalize_loras",
     "plan_merge",
     "plan_params",
@@ -147,6 +152,8 @@ def plan_params(
             ``device`` is ignored), for planning without reading tensors.
     """
     pairs = normalize_loras(loras)
+    # Quantized weights are planned by the weight they stand for (shape, compute dtype).
+    params = {n: logical_spec(p) for n, p in params.items()}
     names = ModelNames({n: p.shape for n, p in params.items()})
     plan = MergePlan({}, {}, {}, pairs)
     several = len(pairs) > 1
@@ -177,6 +184,67 @@ def plan_params(
         log.warning("%d adapter key(s) matched no parameter: %s", len(plan.unmatched),
                     "; ".join(f"{k}: {v}" for k, v in list(plan.unmatched.items())[:5]))
     return plan
+
+
+def is_plain_tensor(p: object) -> bool:
+    """Whether ``p`` is a plain float (or float8) tensor whose storage is the weight itself.
+
+    A ``Parameter`` counts by its ``data``: bitsandbytes' ``Params4bit`` holds uint8 bytes (not
+    plain), a torchao/quanto parameter is a tensor subclass (not plain) whatever its ``dtype``.
+    """
+    return (isinstance(p, torch.Tensor) and type(p.data) is torch.Tensor
+            and p.dtype.is_floating_point)
+
+
+def _representation(p: torch.Tensor) -> WeightRepresentation | None:
+    """The representation of a non-plain tensor, or None where it is a plain/float8 one."""
+    rep = represent(p)
+    return None if isinstance(rep, (PlainWeight, Fp8Weight)) and is_plain_tensor(p) else rep
+
+
+def logical_spec(p: TensorSpec) -> TensorSpec:
+    """What planning validates a parameter as: itself, or for a quantized weight (a tensor a
+    registered representation claims) a :class:`ParamSpec` of its logical shape and compute
+    dtype. A tensor no representation claims (an integer tensor) is returned as is, and
+    ``_validate`` rejects it by dtype when targeted.
+    """
+    if not isinstance(p, torch.Tensor) or is_plain_tensor(p):
+        return p
+    try:
+        rep = _representation(p)
+    except ShuttleError:  # unclaimed, or claimed but unreadable: merging says why
+        return p
+    return p if rep is None else ParamSpec(rep.logical_shape, rep.compute_dtype, rep.device)
+
+
+def check_mergeable(plan: MergePlan, params: Mapping[str, torch.Tensor]) -> None:
+    """Raise before any write if a planned parameter cannot take a merge.
+
+    A merge into a quantized parameter dequantizes, applies and re-encodes it, then writes the
+    result back into the parameter object (``write_into``); a representation without
+    re-encoding (``mergeable = False``) or without a way back into the parameter is refused.
+
+    Raises:
+        UnmergeableWeightError: names the parameter and points to dynamic mode.
+    """
+    for name in plan.params:
+        p = params[name]
+        if is_plain_tensor(p):
+            continue
+        try:
+            rep = _representation(p)
+        except UnsupportedLayerError:
+            raise
+        except ShuttleError:
+            rep = None
+        if rep is None or not rep.mergeable or not hasattr(rep, "write_into"):
+            what = type(p).__qualname__ if rep is None else type(rep).__qualname__
+            raise UnmergeableWeightError(
+                f"parameter {name!r} is a {what} weight, which cannot be re-encoded after a "
+                "merge (its encoding is fixed offline, or no registered representation writes "
+                'it back); apply the adapter with mode="dynamic" (shuttle.attach_lora) '
+                "instead. Nothing was changed."
+            )
 
 
 def _validate(t: Target, p: TensorSpec) -> None:

@@ -18,11 +18,12 @@ from shuttle.apply.dynamic import (
     default_quality,
 )
 from shuttle.apply.dynamic_layer import Quality
-from shuttle.apply.merge import MergeReport, merge_plan
-from shuttle.apply.plan import AdapterList, plan_merge
+from shuttle.apply.merge import MergeReport, merge_plan, write_back
+from shuttle.apply.plan import AdapterList, check_mergeable, is_plain_tensor, plan_merge
 from shuttle.apply.rounding import Rounding
 from shuttle.errors import InvalidStrengthError, ShuttleError
 from shuttle.targets import KeyMapping
+from shuttle.weights import WeightRepresentation, represent
 
 __all__ = ["apply_lora"]
 
@@ -101,10 +102,8 @@ def apply_lora(
             n: cs for n, cs in plan.params.items() if decisions[n].mode == "merge"})
         dynamic = dataclasses.replace(plan, params={
             n: cs for n, cs in plan.params.items() if decisions[n].mode == "dynamic"})
-    backups = {
-        name: params[name].detach().to(backup_device or params[name].device, copy=True)
-        for name in merged.params
-    }
+    check_mergeable(merged, params)  # before any backup or hook
+    backups = {name: _backup(params[name], backup_device) for name in merged.params}
     handle: DynamicAdapters | None = None
     try:
         if dynamic is not None:
@@ -121,4 +120,19 @@ def apply_lora(
             handle.detach()
         with torch.no_grad():
             for name, saved in backups.items():
-                params[name].copy_(saved)
+                if isinstance(saved, WeightRepresentation):
+                    write_back(params[name], saved)
+                else:
+                    params[name].copy_(saved)
+
+
+def _backup(p: torch.Tensor, device: torch.device | str | None
+            ) -> torch.Tensor | WeightRepresentation:
+    """A copy of everything a merge rewrites in ``p``: the tensor, or for a quantized weight
+    every storage tensor its representation declares (packed data, scales, quant_state).
+    """
+    if is_plain_tensor(p):
+        return p.detach().to(device or p.device, copy=True)
+    rep = represent(p)
+    return dataclasses.replace(rep, **{n: t.to(device or t.device, copy=True)
+                                       for n, t in rep.tensors().items()})

@@ -2,6 +2,7 @@
 
 from shuttle.offload.adapters import LORA_MODES, ActivationAdapters
 from shuttle.offload.host_storage import HostStorage, HostUnit, Layout
+from shuttle.offload.layer_streamer import LayerStreamer
 from shuttle.offload.offloader import (
     CPU_COPY_ENV,
     ModelOffloader,
@@ -19,6 +20,7 @@ __all__ = [
     "BlockStreamer",
     "HostStorage",
     "HostUnit",
+    "LayerStreamer",
     "Layout",
     "ModelOffloader",
     "ResidencyPlan",

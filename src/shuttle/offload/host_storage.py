@@ -1,6 +1,7 @@
 """Host storage: every parameter and buffer of a model captured once, in units.
 
-A *unit* is one streamed block, or the rest of the model (everything outside the blocks). Each
+A *unit* is one streamed block, one streamed layer (the direct parameters of one module, in
+layer mode), or the rest of the model (everything outside them). Each
 unit's unique tensors are laid out in one flat byte buffer (:class:`Layout`): offsets aligned to
 16 bytes, tied tensors stored once. With ``host="pinned"`` that buffer is a host *arena*: one
 allocation per unit, page-locked by registering exactly its bytes with CUDA (the caching host
@@ -16,9 +17,11 @@ is False.
 from __future__ import annotations
 
 import math
+import mmap
 import warnings
 import weakref
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -32,6 +35,8 @@ HostBacking = Literal["pinned", "adopt"]
 
 _ALIGN = 16  # bytes; keeps every view aligned for vectorized loads on the device
 _PAGE = 4096
+_HUGE = 2 * 2**20  # a transparent huge page
+_CAPTURE_WORKERS = 4  # arenas filled at once (measured: 4 threads ~1.6x one; 8 no better)
 
 
 def _round_up(n: int, m: int) -> int:
@@ -164,17 +169,25 @@ def _check(t: torch.Tensor, where: str, adopt: bool) -> None:
 
 
 def _survey(model: torch.nn.Module, groups: dict[str, Sequence[torch.nn.Module]],
-            adopt: bool) -> tuple[_UnitSurvey, dict[str, list[_UnitSurvey]]]:
+            adopt: bool, layers: dict[str, torch.nn.Module]
+            ) -> tuple[_UnitSurvey, dict[str, list[_UnitSurvey]], list[_UnitSurvey]]:
     """Check every tensor and lay out every unit; changes nothing."""
     block_ids = {id(b) for blocks in groups.values() for b in blocks}
+    layer_ids = {id(m) for m in layers.values()}
     owner: dict[tuple, tuple[str, str]] = {}  # alias key -> (unit, full name)
 
-    def unit(name: str, root: torch.nn.Module, stop: set[int]) -> _UnitSurvey:
+    def unit(name: str, root: torch.nn.Module, stop: set[int], layer: bool = False
+             ) -> _UnitSurvey:
         entries: dict[tuple, int] = {}
         specs: list[tuple[torch.dtype, torch.Size]] = []
         bindings, sources, sig = [], [], []
         for path, module in _walk(root, stop):
+            # A layer unit holds its module's own parameters; its buffers (and everything of
+            # the modules around it) stay with the rest, resident while active.
+            streamed_params = layer or id(module) in layer_ids
             for kind, table in ((True, module._parameters), (False, module._buffers)):
+                if (layer and not kind) or (not layer and kind and streamed_params):
+                    continue
                 for leaf, t in table.items():
                     if t is None:
                         continue
@@ -198,6 +211,7 @@ def _survey(model: torch.nn.Module, groups: dict[str, Sequence[torch.nn.Module]]
         return _UnitSurvey(name, Layout.of(specs), bindings, (tuple(specs), tuple(sig)), sources)
 
     rest = unit("", model, block_ids)
+    layer_units = [unit(path, m, set(), layer=True) for path, m in layers.items()]
     surveyed: dict[str, list[_UnitSurvey]] = {}
     for gname, blocks in groups.items():
         units = [unit(f"{gname}.{i}", b, set()) for i, b in enumerate(blocks)]
@@ -209,7 +223,7 @@ def _survey(model: torch.nn.Module, groups: dict[str, Sequence[torch.nn.Module]]
                     "share one slot layout: list differing blocks under separate block paths"
                 )
         surveyed[gname] = units
-    return rest, surveyed
+    return rest, surveyed, layer_units
 
 
 def _first_difference(a: tuple, b: tuple) -> str:
@@ -224,23 +238,42 @@ def _first_difference(a: tuple, b: tuple) -> str:
     return f"{len(sig_a)} vs {len(sig_b)} tensors"
 
 
-def _allocate(nbytes: int, pin: bool, registered: list[int]) -> tuple[torch.Tensor, int, bool]:
-    """A host buffer of ``nbytes``; returns (buffer, bytes allocated, pinned)."""
-    if not pin or nbytes == 0:
-        return torch.empty(nbytes, dtype=torch.uint8), nbytes, False
-    # Page-aligned and page-sized so that no registered page is shared with another allocation.
+def _arena(nbytes: int, pin: bool) -> torch.Tensor:
+    """An uninitialised host buffer for ``nbytes``: exactly that without ``pin``; to be pinned,
+    page-aligned and a whole number of pages (no registered page shared with other memory).
+
+    Large arenas are anonymous maps advised to use transparent huge pages: the first touch of
+    each 2 MiB page is one fault instead of 512, which makes the copy into a fresh arena about
+    1.5x faster (measured on the H200 host: docs/benchmarks/offload_capture.md).
+    """
+    if not pin:
+        return torch.empty(nbytes, dtype=torch.uint8)
     size = _round_up(nbytes, _PAGE)
+    if size >= _HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
+        m = mmap.mmap(-1, size + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        m.madvise(mmap.MADV_HUGEPAGE)
+        raw = torch.frombuffer(m, dtype=torch.uint8)  # keeps the map alive while used
+        shift = (-raw.data_ptr()) % _HUGE
+        return raw[shift:shift + size]
     raw = torch.empty(size + _PAGE, dtype=torch.uint8)
     shift = (-raw.data_ptr()) % _PAGE
-    arena = raw[shift:shift + size]
-    err = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), size, 0)
+    return raw[shift:shift + size]
+
+
+def _register(arena: torch.Tensor, registered: list[int]) -> bool:
+    """Page-lock ``arena`` (whole pages, exactly its bytes); False, with a warning, on failure.
+
+    Called after the arena is filled: registering pins pages that are already there, while
+    registering first would fault every page in through the driver, 4-5x slower in all.
+    """
+    err = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
     if int(err) != 0:
-        warnings.warn(f"cudaHostRegister of {size} bytes failed ({err}); this unit stays in "
-                      "pageable memory (slower copies). Raise the locked-memory limit "
+        warnings.warn(f"cudaHostRegister of {arena.numel()} bytes failed ({err}); this unit "
+                      "stays in pageable memory (slower copies). Raise the locked-memory limit "
                       "(ulimit -l) or use host='adopt'.", RuntimeWarning, stacklevel=4)
-        return arena[:nbytes], raw.numel(), False
-    registered.append(arena.data_ptr())
-    return arena[:nbytes], raw.numel(), True
+        return False
+    registered.append(arena.data_ptr())  # list.append is atomic: workers share the list
+    return True
 
 
 def _unregister(ptrs: list[int]) -> None:
@@ -256,6 +289,8 @@ class HostStorage:
             arena views and its buffers replaced by arena views.
         groups: block-list name -> its blocks; each block is one unit, the rest one more.
         host: ``"pinned"`` (copies into page-locked arenas) or ``"adopt"`` (zero-copy).
+        layers: module path -> a module outside the blocks whose direct parameters form one
+            unit each (layer mode); their buffers stay in the rest. Must be leaf modules.
 
     Raises:
         HostBackingError: a tensor that cannot be kept as asked; nothing was changed.
@@ -263,8 +298,8 @@ class HostStorage:
     """
 
     def __init__(self, model: torch.nn.Module, groups: dict[str, Sequence[torch.nn.Module]],
-                 host: HostBacking = "pinned"):
-        rest, surveyed = _survey(model, groups, adopt=host == "adopt")
+                 host: HostBacking = "pinned", layers: dict[str, torch.nn.Module] | None = None):
+        rest, surveyed, layer_units = _survey(model, groups, host == "adopt", layers or {})
         self.host: HostBacking = host
         self.host_bytes = 0  # bytes this storage allocated on the host
         self.pinned_bytes = 0  # of which page-locked
@@ -272,13 +307,19 @@ class HostStorage:
         # Runs before the arenas are released (weakref callbacks precede clearing attributes).
         self._finalizer = weakref.finalize(self, _unregister, self._registered)
         pin = host == "pinned" and torch.cuda.is_available()
-        self.rest = self._capture(rest, pin)
-        self.groups = {g: [self._capture(u, pin) for u in units] for g, units in surveyed.items()}
+        groups = list(surveyed.values())
+        units = self._capture_all(
+            [rest, *(u for us in groups for u in us), *layer_units], pin)
+        self.rest = units[0]
+        self.groups, at = {}, 1
+        for g, us in surveyed.items():
+            self.groups[g], at = units[at:at + len(us)], at + len(us)
+        self.layers = units[at:]
 
     @property
     def units(self) -> list[HostUnit]:
-        """Every unit: the rest of the model first, then each group's blocks in order."""
-        return [self.rest] + [u for units in self.groups.values() for u in units]
+        """Every unit: the rest first, then each group's blocks in order, then the layers."""
+        return [self.rest] + [u for units in self.groups.values() for u in units] + self.layers
 
     @property
     def weight_bytes(self) -> int:
@@ -290,20 +331,40 @@ class HostStorage:
         """Whether every host byte is page-locked (False on a machine without CUDA)."""
         return self.host == "pinned" and self.pinned_bytes == self.host_bytes > 0
 
-    def _capture(self, s: _UnitSurvey, pin: bool) -> HostUnit:
+    def _capture_all(self, surveys: list[_UnitSurvey], pin: bool) -> list[HostUnit]:
+        """Capture units in order; with ``"pinned"``, several are filled at once.
+
+        Workers allocate, fill and register arenas (copies and registration release the
+        GIL); this thread binds each unit as soon as it is ready, in order, which frees its
+        pageable originals: host memory holds at most a few units twice.
+        """
         if self.host == "adopt":
-            host = [_read(b) if b.is_param else b.module._buffers[b.name] for b in s.sources]
-            return HostUnit(s.name, s.layout, s.bindings, host, None)
-        arena, allocated, pinned = _allocate(s.layout.nbytes, pin, self._registered)
-        self.host_bytes += allocated
-        self.pinned_bytes += allocated if pinned else 0
+            return [self._adopt(s) for s in surveys]
+        units = []
+        with ThreadPoolExecutor(_CAPTURE_WORKERS, thread_name_prefix="shuttle-pin") as pool:
+            for s, (arena, allocated, pinned) in zip(surveys, pool.map(
+                    lambda s: self._fill(s, pin), surveys), strict=True):
+                self.host_bytes += allocated
+                self.pinned_bytes += allocated if pinned else 0
+                unit = HostUnit(s.name, s.layout, s.bindings, s.layout.views(arena), arena)
+                unit.bind_host()  # the pageable originals are freed here, unit by unit
+                units.append(unit)
+        return units
+
+    def _fill(self, s: _UnitSurvey, pin: bool) -> tuple[torch.Tensor, int, bool]:
+        """A filled arena of exactly the unit's bytes; the bytes allocated; whether pinned."""
+        pages = _arena(s.layout.nbytes, pin)
+        arena = pages[:s.layout.nbytes]
         views = s.layout.views(arena)
         with torch.no_grad():
             for b in s.sources:
                 views[b.entry].copy_(_read(b))
-        unit = HostUnit(s.name, s.layout, s.bindings, views, arena)
-        unit.bind_host()  # the pageable originals are freed here, unit by unit
-        return unit
+        pinned = pin and pages.numel() > 0 and _register(pages, self._registered)
+        return arena, pages.numel(), pinned
+
+    def _adopt(self, s: _UnitSurvey) -> HostUnit:
+        host = [_read(b) if b.is_param else b.module._buffers[b.name] for b in s.sources]
+        return HostUnit(s.name, s.layout, s.bindings, host, None)
 
 
 def _read(b: _Binding) -> torch.Tensor:

@@ -8,6 +8,15 @@
 * with one: the rest of the model and the resident blocks are copied once; every other block
   streams through a fixed ring of slots (:class:`BlockStreamer`), ``prefetch`` blocks ahead.
 
+Models without block lists use layer mode (``from_module(..., layers=True)``): every leaf
+module with parameters of its own is a unit, and with a :class:`StreamConfig` the layers stream
+through one ring of equal slots (:class:`~shuttle.offload.layer_streamer.LayerStreamer`).
+Blocks and layers combine: layers are chosen outside the blocks.
+
+Training goes through streamed blocks with activation checkpointing; :meth:`optimizer_step`
+makes the optimizer update the host copies (:mod:`shuttle.offload.training`).
+``StreamConfig(compile=...)`` compiles block forwards (:mod:`shuttle.offload.compiled`).
+
 Either can apply adapters for the activation (``loras=``): merged into each weight as its copy
 lands (``lora_mode="merge"``) or added at forward time (``"dynamic"``); see
 :mod:`shuttle.offload.adapters`. The host copy is never modified.
@@ -22,8 +31,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -34,11 +44,15 @@ from shuttle.errors import (
     BlockPathError,
     BudgetTooSmallError,
     OffloadError,
+    StreamModeError,
 )
 from shuttle.offload.adapters import ActivationAdapters, LoRAMode, check_lora_mode
-from shuttle.offload.host_storage import HostBacking, HostStorage
+from shuttle.offload.compiled import BlockCompiler
+from shuttle.offload.host_storage import HostBacking, HostStorage, HostUnit
+from shuttle.offload.layer_streamer import LayerStreamer
 from shuttle.offload.slots import SlotPool
 from shuttle.offload.streamer import BlockStreamer
+from shuttle.offload.training import host_step
 from shuttle.targets import KeyMapping
 
 __all__ = ["CPU_COPY_ENV", "ModelOffloader", "ResidencyPlan", "StreamConfig"]
@@ -58,17 +72,29 @@ class StreamConfig:
         vram_budget: device bytes for weights (the rest of the model, resident blocks and ring
             slots; activations are not counted). As many blocks as fit are made resident;
             when even ``prefetch`` is too deep for the budget it is lowered.
+        compile: compile each block's forward with ``torch.compile`` (weight loading stays
+            outside the graph; one compile per block class and shape): ``True`` for the
+            default backend (inductor), or a backend (``"aot_eager"``, a callable).
+            Needs block lists (``from_module(..., blocks=...)``).
+
+    In layer mode ``prefetch`` counts layers, ``resident`` is the number of layers kept on
+    the device (spread evenly), and ``vram_budget`` also pays for the layer ring
+    (``prefetch + 1`` slots of the largest streamed layer) before any layer is made resident.
 
     Raises:
-        OffloadError: a negative or non-integer value, or both ``resident`` and
-            ``vram_budget``.
+        OffloadError: a negative or non-integer value, both ``resident`` and
+            ``vram_budget``, or a ``compile`` that is neither a bool, a string nor callable.
     """
 
     prefetch: int = 2
     resident: int | None = None
     vram_budget: int | None = None
+    compile: bool | str | Callable[..., Any] = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.compile, (bool, str)) and not callable(self.compile):
+            raise OffloadError(f"StreamConfig.compile={self.compile!r}: expected a bool, a "
+                               "backend name or a backend callable")
         for name in ("prefetch", "resident", "vram_budget"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
@@ -87,12 +113,16 @@ class ResidencyPlan:
         ring: per group, the number of streaming slots (0: nothing streams).
         prefetch: the prefetch depth used (lowered from the config's to fit a budget).
         device_bytes: weight bytes on the device: the rest of the model plus every slot.
+        layers: layer mode: positions (in ``storage.layers``) of the layers kept on the device.
+        layer_ring: layer mode: the number of streaming slots for layers (0: none stream).
     """
 
     resident: dict[str, tuple[int, ...]] = field(default_factory=dict)
     ring: dict[str, int] = field(default_factory=dict)
     prefetch: int = 0
     device_bytes: int = 0
+    layers: tuple[int, ...] = ()
+    layer_ring: int = 0
 
 
 def _spread(count: int, n: int) -> tuple[int, ...]:
@@ -101,34 +131,45 @@ def _spread(count: int, n: int) -> tuple[int, ...]:
 
 
 def plan_residency(storage: HostStorage, config: StreamConfig | None) -> ResidencyPlan:
-    """Choose resident blocks and ring sizes for ``config`` (None: everything resident).
+    """Choose resident blocks (and layers) and ring sizes for ``config`` (None: all resident).
 
     Raises:
         BudgetTooSmallError: ``config.vram_budget`` cannot hold the rest of the model plus
-            one slot per group.
+            one slot per group (and one slot of the largest layer, in layer mode).
     """
     rest = storage.rest.layout.nbytes
     sizes = {g: (len(us), us[0].layout.nbytes) for g, us in storage.groups.items()}
+    layer_sizes = [u.layout.nbytes for u in storage.layers]
+    n_layers = len(layer_sizes)
 
-    def cost(res: dict[str, int], p: int) -> int:
-        return rest + sum((res[g] + min(p + 1, n - res[g])) * b for g, (n, b) in sizes.items())
+    def layer_cost(keep: tuple[int, ...], p: int) -> int:
+        kept = set(keep)
+        streamed = [b for i, b in enumerate(layer_sizes) if i not in kept]
+        return (sum(layer_sizes[i] for i in kept)
+                + min(p + 1, len(streamed)) * max(streamed, default=0))
 
-    def plan(res: dict[str, int], p: int) -> ResidencyPlan:
+    def cost(res: dict[str, int], p: int, keep: tuple[int, ...] = ()) -> int:
+        return (rest + layer_cost(keep, p)
+                + sum((res[g] + min(p + 1, n - res[g])) * b for g, (n, b) in sizes.items()))
+
+    def plan(res: dict[str, int], p: int, keep: tuple[int, ...]) -> ResidencyPlan:
         return ResidencyPlan({g: _spread(res[g], n) if res[g] else () for g, (n, _) in
                               sizes.items()},
                              {g: min(p + 1, n - res[g]) for g, (n, _) in sizes.items()},
-                             p, cost(res, p))
+                             p, cost(res, p, keep), keep, min(p + 1, n_layers - len(keep)))
 
     if config is None:
-        return plan({g: n for g, (n, _) in sizes.items()}, 0)
+        return plan({g: n for g, (n, _) in sizes.items()}, 0, tuple(range(n_layers)))
     if config.vram_budget is None:
+        r = min(config.resident or 0, n_layers)
         return plan({g: min(config.resident or 0, n) for g, (n, _) in sizes.items()},
-                    config.prefetch)
+                    config.prefetch, _spread(r, n_layers) if r else ())
     budget, res = config.vram_budget, {g: 0 for g in sizes}
     if cost(res, 0) > budget:
+        what = " and one slot of the largest layer" if n_layers else ""
         raise BudgetTooSmallError(
             f"vram_budget={budget} bytes cannot hold the non-block weights ({rest} bytes) plus "
-            f"one slot per block group ({cost(res, 0) - rest} bytes): give at least "
+            f"one slot per block group{what} ({cost(res, 0) - rest} bytes): give at least "
             f"{cost(res, 0)} bytes, or list more of the model under block paths"
         )
     p = next(q for q in range(config.prefetch, -1, -1) if cost(res, q) <= budget)
@@ -142,7 +183,10 @@ def plan_residency(storage: HostStorage, config: StreamConfig | None) -> Residen
                     grown = True
                 else:
                     res[g] -= 1
-    return plan(res, p)
+    # Then as many layers as fit, spread evenly (their copies overlap the resident ones).
+    keep = next((k for r in range(n_layers, 0, -1) if cost(res, p, k := _spread(r, n_layers))
+                 <= budget), ())
+    return plan(res, p, keep)
 
 
 class _Activation:
@@ -155,6 +199,10 @@ class _Activation:
         self.adapters = adapters
         self.pools: list[SlotPool] = []
         self.streamers: dict[str, BlockStreamer] = {}
+        self.layer_streamer: LayerStreamer | None = None
+        self.compiler: BlockCompiler | None = None
+        # (pool, slot, unit) of every unit on the device for the whole activation.
+        self.placed: list[tuple[SlotPool, int, HostUnit]] = []
 
 
 class ModelOffloader:
@@ -166,18 +214,21 @@ class ModelOffloader:
         model: the wrapped model (the same object, its tensors now in host storage).
         storage: the host storage (``host_bytes``, ``pinned_bytes``, ``weight_bytes``).
         blocks: block path -> the blocks streamed from it.
+        layers: layer mode: module path -> each layer streamed on its own (empty otherwise).
     """
 
     def __init__(self, model: torch.nn.Module, blocks: dict[str, list[torch.nn.Module]],
-                 storage: HostStorage):
+                 storage: HostStorage, layers: dict[str, torch.nn.Module] | None = None):
         self.model = model
         self.blocks = blocks
+        self.layers = layers or {}
         self.storage = storage
         self._active: _Activation | None = None
 
     @classmethod
     def from_module(cls, model: torch.nn.Module, blocks: str | Sequence[str] = (),
-                    host: HostBacking = "pinned") -> ModelOffloader:
+                    host: HostBacking = "pinned",
+                    layers: bool | Sequence[type[torch.nn.Module]] = False) -> ModelOffloader:
         """Capture ``model``'s parameters and buffers into host storage.
 
         Args:
@@ -186,13 +237,20 @@ class ModelOffloader:
                 stream; each path is its own group (its blocks must share one layout).
             host: ``"pinned"`` (page-locked copies, at most one arena per block; pageable
                 originals freed as copied) or ``"adopt"`` (keep the CPU tensors, zero-copy).
+            layers: layer mode, for models without block lists (or for what lies outside
+                them). ``True``: every leaf module outside the blocks with parameters of its
+                own is a layer, its parameters one unit (buffers stay with the rest); a
+                sequence of module classes (``(nn.Linear, nn.Conv2d)``): only instances of
+                those. Modules whose parameters are tied to another module's stay with the
+                rest (resident).
 
         Raises:
             BlockPathError: a path names nothing, or not a non-empty block list, or two paths
                 overlap.
             BlockLayoutError: blocks of one group differ, or a tensor is tied across units.
             HostBackingError: a tensor that cannot be kept as ``host`` asks.
-            OffloadError: an unknown ``host``.
+            OffloadError: an unknown ``host``, a ``layers`` that is not a bool or a sequence
+                of module classes, or ``layers`` that selects no module.
             Nothing is changed when any of these is raised.
         """
         if host not in ("pinned", "adopt"):
@@ -203,7 +261,8 @@ class ModelOffloader:
         if len(groups) != len(paths):
             raise BlockPathError(f"blocks={paths}: a path is listed twice")
         _check_disjoint(groups)
-        return cls(model, groups, HostStorage(model, groups, host))
+        chosen = _layer_list(model, groups, layers)
+        return cls(model, groups, HostStorage(model, groups, host, chosen), chosen)
 
     @property
     def active(self) -> bool:
@@ -224,6 +283,11 @@ class ModelOffloader:
     def streamers(self) -> dict[str, BlockStreamer]:
         """The current activation's streamers, per group that streams."""
         return dict(self._active.streamers) if self._active else {}
+
+    @property
+    def layer_streamer(self) -> LayerStreamer | None:
+        """The current activation's layer streamer (layer mode with streamed layers)."""
+        return self._active.layer_streamer if self._active else None
 
     @property
     def adapters(self) -> ActivationAdapters | None:
@@ -253,6 +317,7 @@ class ModelOffloader:
             AlreadyActiveError: an activation is in progress (call ``deactivate`` first).
             BudgetTooSmallError: ``stream.vram_budget`` is too small; nothing was changed.
             OffloadError: an unknown ``lora_mode`` or ``quality``.
+            StreamModeError: ``stream.compile`` on an offloader without block lists.
             Everything :func:`~shuttle.merge_lora` raises for bad adapters (and
             ``UnsupportedLayerError`` for a patch a layer cannot take dynamically), before any
             device memory is taken for weights; the offloader stays inactive.
@@ -266,6 +331,12 @@ class ModelOffloader:
                 "(or leave the use() block) before activating again"
             )
         check_lora_mode(lora_mode, quality)
+        if stream is not None and stream.compile is not False and not self.blocks:
+            raise StreamModeError(
+                "StreamConfig(compile=...) compiles block forwards, and this offloader has no "
+                "block lists: give from_module(..., blocks=[...]), or torch.compile the layers' "
+                "callers yourself with compile left False (layer-mode hooks must stay eager)"
+            )
         pairs = normalize_loras(loras)
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
@@ -282,6 +353,11 @@ class ModelOffloader:
                 self._place(active, stream)
             if adapters is not None and adapters.mode == "dynamic":
                 adapters.attach()  # after the stream hooks: they bind weights first
+            if not through and stream is not None and stream.compile is not False:
+                # Last, so that the compiled forward is the innermost hook of every block.
+                backend = "inductor" if stream.compile is True else stream.compile
+                active.compiler = BlockCompiler(backend)
+                active.compiler.attach([b for blocks in self.blocks.values() for b in blocks])
         except BaseException:
             self._teardown(active)
             raise
@@ -311,6 +387,43 @@ class ModelOffloader:
         finally:
             self.deactivate()
 
+    @contextlib.contextmanager
+    def optimizer_step(self) -> Iterator[None]:
+        """Run an optimizer step on the host copies of the trainable parameters.
+
+        ::
+
+            loss.backward()
+            with off.optimizer_step():
+                opt.step()
+                opt.zero_grad()
+
+        Inside the block every parameter with ``requires_grad`` points at its host storage and
+        its gradient is a host copy, so the optimizer (and its state) works on the weights of
+        record; after it, device copies of resident units holding trainable parameters are
+        refreshed and streamed blocks or layers are loaded again from the updated host copies.
+        Copying the gradients to the host synchronizes once per step. When inactive (or on the
+        CPU pass-through) the parameters already are the host copies: nothing moves.
+
+        Raises:
+            StreamModeError: a trainable parameter lies in a unit that a merge-mode adapter
+                folds into (train beside adapters with ``lora_mode="dynamic"``).
+            PendingGradientError: gradients were left on trainable parameters (call
+                ``optimizer.zero_grad()`` inside the block); the activation stays usable.
+        """
+        active = self._active
+        if active is None or active.plan is None:
+            yield
+            return
+        adapters = active.adapters
+        merged = frozenset(u.name for u in self.storage.units if adapters is not None
+                           and adapters.mode == "merge" and adapters.touches(u))
+        streamers: list[Any] = list(active.streamers.values())
+        if active.layer_streamer is not None:
+            streamers.append(active.layer_streamer)
+        with host_step(self.storage, active.placed, streamers, merged):
+            yield
+
     def _pass_through(self, active: _Activation) -> None:
         # The host tensors are where compute runs: adapted tensors get merged copies instead.
         adapters = active.adapters
@@ -332,6 +445,7 @@ class ModelOffloader:
             pool.load(0, rest)
             pool.wait_loaded(0)
             rest.bind(pool.views[0])
+            active.placed.append((pool, 0, rest))
         for g, units in self.storage.groups.items():
             resident = plan.resident[g]
             pool = SlotPool(units[0].layout, len(resident) + plan.ring[g], device, copy_stream,
@@ -341,23 +455,54 @@ class ModelOffloader:
                 pool.load(slot, units[pos])
                 pool.wait_loaded(slot)
                 units[pos].bind(pool.views[slot])
+                active.placed.append((pool, slot, units[pos]))
             if plan.ring[g]:
                 streamer = BlockStreamer(self.blocks[g], units, pool, resident, plan.prefetch)
                 active.streamers[g] = streamer
                 streamer.attach()
                 streamer.warm()
+        if self.storage.layers:
+            self._place_layers(active, copy_stream, fold)
+
+    def _place_layers(self, active: _Activation, copy_stream: torch.cuda.Stream | None,
+                      fold: Callable[..., None] | None) -> None:
+        plan, device, units = active.plan, active.device, self.storage.layers
+        assert plan is not None
+        for pos in plan.layers:  # one buffer each, loaded once
+            pool = SlotPool(units[pos].layout, 1, device, copy_stream, fold)
+            active.pools.append(pool)
+            pool.load(0, units[pos])
+            pool.wait_loaded(0)
+            units[pos].bind(pool.views[0])
+            active.placed.append((pool, 0, units[pos]))
+        if plan.layer_ring:
+            kept = set(plan.layers)
+            pool = SlotPool.for_layouts([u.layout for i, u in enumerate(units) if i not in kept],
+                                        plan.layer_ring, device, copy_stream, fold)
+            active.pools.append(pool)
+            streamer = LayerStreamer(list(self.layers.values()), units, pool, plan.layers,
+                                     plan.prefetch)
+            active.layer_streamer = streamer
+            streamer.attach()
+            streamer.warm()
 
     def _teardown(self, active: _Activation) -> None:
+        if active.compiler is not None:
+            active.compiler.detach()
         if active.adapters is not None:
             active.adapters.detach()
         for streamer in active.streamers.values():
             streamer.detach()
+        if active.layer_streamer is not None:
+            active.layer_streamer.detach()
         for unit in self.storage.units:
             unit.bind_host()
         for pool in active.pools:
             pool.close()
         active.pools.clear()
         active.streamers.clear()
+        active.placed.clear()
+        active.layer_streamer = active.compiler = None
 
 
 def _block_list(model: torch.nn.Module, path: str) -> list[torch.nn.Module]:
@@ -385,3 +530,34 @@ def _check_disjoint(groups: dict[str, list[torch.nn.Module]]) -> None:
                 if other != f"{path}.{i}":
                     raise BlockPathError(f"block {path}.{i} overlaps {other} (a module in both); "
                                          "list block paths that do not nest or share modules")
+
+
+def _layer_list(model: torch.nn.Module, groups: dict[str, list[torch.nn.Module]],
+                layers: bool | Sequence[type[torch.nn.Module]]) -> dict[str, torch.nn.Module]:
+    """Module path -> layer: leaf modules outside the blocks with untied parameters."""
+    if layers is False:
+        return {}
+    kinds: tuple[type, ...] = ()
+    if layers is not True:
+        kinds = tuple(layers) if isinstance(layers, Sequence) else ()
+        if not kinds or not all(isinstance(k, type) and issubclass(k, torch.nn.Module)
+                                for k in kinds):
+            raise OffloadError(f"layers={layers!r}: expected True, False or a sequence of "
+                               "nn.Module classes, e.g. (nn.Linear, nn.Conv2d)")
+    in_blocks = {id(m) for blocks in groups.values() for b in blocks for m in b.modules()}
+    owners: dict[int, int] = {}  # parameter id -> how many modules register it
+    for m in model.modules():
+        for p in {id(p) for p in m._parameters.values() if p is not None}:
+            owners[p] = owners.get(p, 0) + 1
+    out = {}
+    for path, m in model.named_modules():
+        own = [p for p in m._parameters.values() if p is not None]
+        if (not own or not path or id(m) in in_blocks or next(m.children(), None) is not None
+                or (kinds and not isinstance(m, kinds)) or any(owners[id(p)] > 1 for p in own)):
+            continue
+        out[path] = m
+    if not out:
+        raise OffloadError(f"layers={layers!r} selects no module of {type(model).__name__}: "
+                           "layers are leaf modules outside the blocks with parameters of their "
+                           "own, not tied to another module's")
+    return out

@@ -13,6 +13,10 @@ so a slot is overwritten only after the kernels of its previous block were queue
 ``freed[s]``, and a block's kernels start only after its bytes landed. Waiting on an event that
 was never recorded is a no-op, which makes the first use of each slot free of special cases.
 
+A pool made by :meth:`SlotPool.for_layouts` holds units of different layouts (the layers of
+layer mode): each slot is as large as the largest, and a unit occupies the front of a slot
+through views made once per (slot, unit) and kept.
+
 On other devices (the CPU test mode included) copies are plain synchronous ``copy_`` calls and
 the events are absent; the bookkeeping around them is the same.
 """
@@ -57,6 +61,42 @@ class SlotPool:
             copy_stream.wait_stream(torch.cuda.current_stream(device))
         self._loaded = [torch.cuda.Event() if cuda else None for _ in range(n_slots)]
         self._freed = [torch.cuda.Event() if cuda else None for _ in range(n_slots)]
+        # (slot, unit name) -> (flat, views) in a pool of mixed layouts; None: one layout.
+        self._mixed: dict[tuple[int, str], tuple[torch.Tensor, list[torch.Tensor]]] | None = None
+
+    @classmethod
+    def for_layouts(cls, layouts: list[Layout], n_slots: int, device: torch.device,
+                    copy_stream: torch.cuda.Stream | None = None,
+                    fold: Callable[[HostUnit, list[torch.Tensor]], None] | None = None
+                    ) -> SlotPool:
+        """A pool whose slots can each hold a unit of any of ``layouts`` (sized to the largest).
+
+        Args:
+            layouts: the layouts of the units that will be loaded here.
+            n_slots, device, copy_stream, fold: as for the constructor.
+
+        Returns:
+            The pool; use :meth:`views_of` for a unit's tensors in a slot.
+        """
+        capacity = max((lay.nbytes for lay in layouts), default=0)
+        pool = cls(Layout((), (), (), capacity), n_slots, device, copy_stream, fold)
+        pool._mixed = {}
+        return pool
+
+    def views_of(self, slot: int, unit: HostUnit) -> list[torch.Tensor]:
+        """``unit``'s tensors as views of ``slot`` (made on first use, then reused)."""
+        return self._target(slot, unit)[1]
+
+    def _target(self, slot: int, unit: HostUnit) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        if self._mixed is None:
+            return self.buffers[slot], self.views[slot]
+        key = (slot, unit.name)
+        target = self._mixed.get(key)
+        if target is None:
+            assert unit.layout.nbytes <= self.layout.nbytes, f"{unit.name} exceeds the slots"
+            flat = self.buffers[slot][:unit.layout.nbytes]
+            target = self._mixed[key] = (flat, unit.layout.views(flat))
+        return target
 
     @property
     def n_slots(self) -> int:
@@ -69,17 +109,18 @@ class SlotPool:
 
     def load(self, slot: int, unit: HostUnit) -> None:
         """Copy ``unit``'s host tensors into ``slot`` once the slot's last reader is done."""
+        flat, views = self._target(slot, unit)
         if self._stream is None:
-            unit.copy_into(self.buffers[slot], self.views[slot], non_blocking=False)
+            unit.copy_into(flat, views, non_blocking=False)
             if self.fold is not None:
-                self.fold(unit, self.views[slot])
+                self.fold(unit, views)
             return
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(self._freed[slot])
             # From pinned memory this returns at once; the DMA runs on the side stream.
-            unit.copy_into(self.buffers[slot], self.views[slot], non_blocking=True)
+            unit.copy_into(flat, views, non_blocking=True)
             if self.fold is not None:  # ordered after the copy on this stream
-                self.fold(unit, self.views[slot])
+                self.fold(unit, views)
             self._loaded[slot].record(self._stream)
 
     def wait_loaded(self, slot: int) -> None:
@@ -103,3 +144,5 @@ class SlotPool:
         if self._stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
         self.buffers, self.views = [], []
+        if self._mixed is not None:
+            self._mixed.clear()

@@ -17,21 +17,91 @@ is the pool's copies and event records/waits.
 
 Streamed blocks' parameters point at a slot only while it holds them: read them inside the
 block's forward, not from outside during an activation.
+
+**Backward.** Autograd reads a block's weights again in its backward, usually after later
+blocks reused its slot, so training through streamed blocks needs activation checkpointing
+(``torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)``): the backward then
+recomputes the block's forward, which calls the hook again and reloads the block, and the
+block's own backward follows at once, while its slot is protected. During the backward the
+prefetch runs the other way (blocks ``i-1 .. i-d``), and a slot's free event is recorded at the
+next hook call rather than at the end of the recomputation, so that it also covers the kernels
+of the block's backward, queued between the two.
+
+A forward that records autograd outside checkpointing is not refused (its outputs are right),
+but every tensor it saves that lies in a slot is checked when the backward unpacks it
+(:class:`SlotGuard`): if the slot holds another block by then, the backward raises
+:class:`~shuttle.errors.CheckpointRequiredError` instead of reading the wrong weights.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from shuttle.errors import CheckpointRequiredError
 from shuttle.hooks import ModuleHook, add_hook, remove_hook
 from shuttle.offload.host_storage import HostUnit
 from shuttle.offload.slots import SlotPool
 
-__all__ = ["BlockStreamer"]
+__all__ = ["BlockStreamer", "SlotGuard", "in_backward", "outer_saved_hooks"]
+
+
+def in_backward() -> bool:
+    """Whether the caller runs inside an autograd backward (a checkpoint recomputation)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def outer_saved_hooks() -> bool:
+    """Whether saved-tensor hooks are active (non-reentrant checkpointing, ``save_on_cpu``)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+class _Saved(NamedTuple):
+    position: int  # the unit that was in the slot when the tensor was saved
+    slot: int
+    tensor: torch.Tensor
+
+
+class SlotGuard:
+    """Saved-tensor hooks that check at backward time that a saved slot view is still valid.
+
+    ``streamer`` has ``pool``, ``units``, ``_slot_of`` (position -> slot or None) and
+    ``_pending`` (slots to free at its next hook call). A tensor saved during unit ``i``'s
+    forward whose storage is one of the pool's slots is packed with ``(i, slot)``; unpacking
+    it raises :class:`CheckpointRequiredError` unless that slot still holds unit ``i``, and
+    queues the slot's free event again (the backward kernels read it now).
+    """
+
+    def __init__(self, streamer: Any):
+        self.streamer = streamer
+        buffers = streamer.pool.buffers
+        self.slots = {b.untyped_storage().data_ptr(): k for k, b in enumerate(buffers)}
+
+    def hooks(self, i: int) -> torch.autograd.graph.saved_tensors_hooks:
+        """The hooks for unit ``i``'s forward."""
+        def pack(t: torch.Tensor) -> Any:
+            slot = self.slots.get(t.untyped_storage().data_ptr())
+            return t if slot is None else _Saved(i, slot, t)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, self.unpack)
+
+    def unpack(self, x: Any) -> torch.Tensor:
+        if not isinstance(x, _Saved):
+            return x
+        s = self.streamer
+        if s._slot_of[x.position] != x.slot:
+            raise CheckpointRequiredError(
+                f"the backward reads weights of {s.units[x.position].name} from a device slot "
+                "that was refilled since its forward: wrap each streamed block in "
+                "torch.utils.checkpoint.checkpoint(block, ..., use_reentrant=False) (layer mode: "
+                "keep the layers resident, or train with blocks=), or run under torch.no_grad()"
+            )
+        if x.slot not in s._pending:
+            s._pending.append(x.slot)
+        return x.tensor
 
 
 class _StreamHook(ModuleHook):
@@ -42,8 +112,12 @@ class _StreamHook(ModuleHook):
     def forward(self, module: torch.nn.Module, inner: Callable[..., Any], *args: Any,
                 **kwargs: Any) -> Any:
         # Wrapping forward (not pre/post) so the slot is released even if the forward raises.
-        self.streamer.before(self.position)
+        s, i = self.streamer, self.position
+        s.before(i)
         try:
+            if s.guarded(i):
+                with s.guard.hooks(i):
+                    return inner(*args, **kwargs)
             return inner(*args, **kwargs)
         finally:
             self.streamer.after(self.position)
@@ -82,15 +156,22 @@ class BlockStreamer:
         depth = min(prefetch, len(self._ring) - 1, len(streamed) - 1) if streamed else 0
         assert not streamed or self._ring, "streamed blocks need at least one ring slot"
         self._ahead: list[tuple[int, ...]] = []
+        self._behind: list[tuple[int, ...]] = []  # the prefetch order of a backward
         for i in range(n):
             nxt = bisect.bisect_right(streamed, i)
             self._ahead.append(tuple(streamed[(nxt + d) % len(streamed)] for d in range(depth)))
+            prv = bisect.bisect_left(streamed, i) - 1
+            self._behind.append(tuple(streamed[(prv - d) % len(streamed)] for d in range(depth)))
         self._protect = [frozenset((i, *a)) for i, a in enumerate(self._ahead)]
+        self._protect_back = [frozenset((i, *a)) for i, a in enumerate(self._behind)]
         self._streamed = streamed
+        self._pending: list[int] = []  # slots freed at the next hook call (see before())
+        self.guard = SlotGuard(self)
         self._hooks: list[tuple[torch.nn.Module, _StreamHook]] = []
 
     def warm(self) -> None:
         """Queue the loads of the first streamed blocks (as many as the ring holds)."""
+        self._flush()
         first = frozenset(self._streamed[:len(self._ring)])
         for j in self._streamed[:len(self._ring)]:
             self._load(j, first)
@@ -108,16 +189,30 @@ class BlockStreamer:
             block, hook = self._hooks.pop()
             remove_hook(block, hook)
 
+    def invalidate(self) -> None:
+        """Forget what the ring holds (the host copies changed) and queue the first loads."""
+        for pos in self._streamed:
+            self._slot_of[pos] = None
+        self._owner = [None] * len(self._ring)
+        self.warm()
+
+    def guarded(self, i: int) -> bool:
+        """Whether block ``i``'s forward runs under :attr:`guard` (grad mode, not checkpointed)."""
+        return (not self._resident[i] and torch.is_grad_enabled() and not in_backward()
+                and not outer_saved_hooks())
+
     def before(self, i: int) -> None:
         """Block ``i`` is about to run: its weights in place, the next ones on their way."""
-        protect = self._protect[i]
+        self._flush()
+        backward = in_backward()
+        protect = self._protect_back[i] if backward else self._protect[i]
         if not self._resident[i]:
             slot = self._slot_of[i]
             if slot is None:  # a miss: out-of-order call, or no prefetch
                 slot = self._load(i, protect)
             self.pool.wait_loaded(slot)
             self.units[i].bind(self.pool.views[slot])
-        for j in self._ahead[i]:
+        for j in self._behind[i] if backward else self._ahead[i]:
             if self._slot_of[j] is None:
                 self._load(j, protect)
 
@@ -125,7 +220,16 @@ class BlockStreamer:
         """Block ``i``'s forward has been queued: its ring slot may be reused after it."""
         slot = self._slot_of[i]
         if not self._resident[i] and slot is not None:
-            self.pool.release(slot)
+            if in_backward():  # its backward is still to come: free it at the next hook
+                self._pending.append(slot)
+            else:
+                self.pool.release(slot)
+
+    def _flush(self) -> None:
+        # A recomputation's slot is freed only now: the block's backward kernels, queued
+        # after the recomputation returned, are before this point on the compute stream.
+        while self._pending:
+            self.pool.release(self._pending.pop())
 
     def _load(self, j: int, protect: frozenset[int]) -> int:
         k = len(self._ring)

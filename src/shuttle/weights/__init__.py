@@ -2,12 +2,15 @@
 
 Each gives its logical shape and compute dtype, pinning and device copies that keep the form,
 ``dequantize`` to float32 and ``encode`` (re-encoding after a merge). :func:`represent` finds the
-class for a tensor; :func:`register_representation` adds one.
+class for a tensor; :func:`register_representation` adds one. bitsandbytes, torchao and
+optimum-quanto are imported only when a tensor of theirs is met.
 """
 
+from shuttle.weights.bnb import Bnb4bitWeight, BnbInt8Weight
 from shuttle.weights.fp8 import FP8_DTYPES, Fp8Weight
 from shuttle.weights.gguf import GGUF_TYPES, GGUFWeight, dequantize_blocks
 from shuttle.weights.plain import PLAIN_DTYPES, PlainWeight
+from shuttle.weights.quanto import QuantoWeight, absmax_encode
 from shuttle.weights.representation import (
     REPRESENTATIONS,
     Rounding,
@@ -16,8 +19,11 @@ from shuttle.weights.representation import (
     represent,
 )
 from shuttle.weights.rounding import round_float, stochastic_round
+from shuttle.weights.torchao import TorchaoInt4Weight, TorchaoScaledWeight
 
 __all__ = [
+    "Bnb4bitWeight",
+    "BnbInt8Weight",
     "FP8_DTYPES",
     "GGUF_TYPES",
     "PLAIN_DTYPES",
@@ -25,8 +31,12 @@ __all__ = [
     "Fp8Weight",
     "GGUFWeight",
     "PlainWeight",
+    "QuantoWeight",
     "Rounding",
+    "TorchaoInt4Weight",
+    "TorchaoScaledWeight",
     "WeightRepresentation",
+    "absmax_encode",
     "dequantize_blocks",
     "register_representation",
     "represent",

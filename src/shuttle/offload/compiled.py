@@ -1,0 +1,68 @@
+"""``torch.compile`` of block forwards, with the weight loading kept outside the graph.
+
+Each block gets one more hook, added after the streaming hook (so it is inner to it): the
+streaming hook loads and binds the block's weights eagerly, then this hook calls the compiled
+*class* forward with the block as its first argument. One compiled function serves every
+block of a class: dynamo treats the module's parameters as graph inputs
+(``inline_inbuilt_nn_modules``), so a block whose parameters were re-pointed at another slot,
+or another block of the same class and shapes, reuses the graph instead of recompiling.
+``dynamic=False``: block groups of different widths each compile once, with static shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from shuttle.hooks import ModuleHook, add_hook, remove_hook
+
+__all__ = ["BlockCompiler"]
+
+CompileBackend = str | Callable[..., Any]
+
+
+class _CompiledForward(ModuleHook):
+    def __init__(self, fn: Callable[..., Any], compiled: Callable[..., Any]):
+        self.fn = fn  # the class forward that `inner` would run
+        self.compiled = compiled
+
+    def forward(self, module: torch.nn.Module, inner: Callable[..., Any], *args: Any,
+                **kwargs: Any) -> Any:
+        # Replacing `inner` is only right when it is the class forward itself, i.e. no hook
+        # was added inside this one.
+        assert getattr(inner, "__func__", None) is self.fn, \
+            "the compile hook must be the innermost hook of its block"
+        return self.compiled(module, *args, **kwargs)
+
+
+class BlockCompiler:
+    """Compiled forwards for blocks: one ``torch.compile`` per block class.
+
+    Args:
+        backend: ``torch.compile``'s backend (``"inductor"``, ``"aot_eager"``, a callable).
+    """
+
+    def __init__(self, backend: CompileBackend = "inductor"):
+        self.backend = backend
+        self._compiled: dict[type, _CompiledForward] = {}
+        self._hooks: list[tuple[torch.nn.Module, _CompiledForward]] = []
+
+    def attach(self, blocks: Sequence[torch.nn.Module]) -> None:
+        """Route each block's forward through its class's compiled forward (exact detach)."""
+        for block in blocks:
+            cls = type(block)
+            hook = self._compiled.get(cls)
+            if hook is None:
+                compiled = torch.compile(cls.forward, backend=self.backend, dynamic=False)
+                hook = self._compiled[cls] = _CompiledForward(cls.forward, compiled)
+            add_hook(block, hook)
+            self._hooks.append((block, hook))
+
+    def detach(self) -> None:
+        """Remove every hook this compiler installed; the compiled code is dropped with it."""
+        while self._hooks:
+            block, hook = self._hooks.pop()
+            remove_hook(block, hook)
+        self._compiled.clear()

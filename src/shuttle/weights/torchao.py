@@ -1,0 +1,162 @@
+"""torchao weights: ``Float8Tensor`` and ``Int8Tensor`` (mergeable), ``Int4TilePackedTo4dTensor``
+(not mergeable).
+
+``Float8Tensor`` (``Float8WeightOnlyConfig``, ``Float8DynamicActivationFloat8WeightConfig``)
+and ``Int8Tensor`` (``Int8WeightOnlyConfig``) store ``qdata`` (float8 / int8, the logical shape)
+and a float32 ``scale`` per row ``(rows, 1)`` or per tensor ``(1, 1)``; the weight is
+``qdata * scale`` (``Int8Tensor`` also carries a ``zero_point``, all zeros for its symmetric
+mapping, which is the only one accepted here). ``encode`` recomputes ``scale = amax / qmax``
+at the same granularity (:func:`~shuttle.weights.quanto.absmax_encode`).
+
+``Int4TilePackedTo4dTensor`` (``Int4WeightOnlyConfig`` on CUDA) packs int4 values into
+tinygemm's tile layout with group-wise scales and zero points chosen offline; there is no
+re-encoding here, so it is not mergeable: adapters over it run in dynamic mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from shuttle.errors import MissingDependencyError, UnsupportedLayerError
+from shuttle.weights.quanto import absmax_encode
+from shuttle.weights.representation import Rounding, WeightRepresentation, register_representation
+
+__all__ = ["TorchaoInt4Weight", "TorchaoScaledWeight"]
+
+
+def _torchao_quantization() -> Any:
+    """``torchao.quantization``, or an error naming the extra to install."""
+    try:
+        import torchao.quantization
+    except ImportError as e:
+        raise MissingDependencyError("torchao weights need torchao; pip install shuttle[torchao]"
+                                     ) from e
+    return torchao.quantization
+
+
+def _is_torchao(tensor: object) -> bool:
+    # Checked before importing torchao: only its own tensor subclasses can be its weights.
+    return type(tensor).__module__.split(".")[0] == "torchao"
+
+
+@register_representation("torchao_scaled")
+@dataclasses.dataclass
+class TorchaoScaledWeight(WeightRepresentation):
+    """A torchao ``Float8Tensor`` or symmetric ``Int8Tensor``: ``qdata * scale``.
+
+    Attributes:
+        qdata: float8 or int8 values of the logical shape.
+        scale: float32 ``(rows, 1)`` (per row) or ``(1, 1)`` (per tensor).
+        zero_point: ``Int8Tensor``'s (all zero) zero point, kept as is; ``None`` for float8.
+        compute: the dtype layers compute in (the tensor's ``dtype``).
+        cls: the torchao class (for messages; the form lives in the tensors' dtypes/shapes).
+    """
+
+    qdata: torch.Tensor
+    scale: torch.Tensor
+    zero_point: torch.Tensor | None
+    compute: torch.dtype
+    cls: type = dataclasses.field(default=object, repr=False)
+
+    tensor_names = ("qdata", "scale", "zero_point")
+
+    @property
+    def logical_shape(self) -> torch.Size:
+        return self.qdata.shape
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.compute
+
+    def dequantize(self) -> torch.Tensor:
+        return self.qdata.float() * self.scale.float()
+
+    def encode(self, x: torch.Tensor, rounding: Rounding = "nearest",
+               generator: torch.Generator | None = None) -> TorchaoScaledWeight:
+        qdata, scale = absmax_encode(x, self.qdata.dtype, self.scale, rounding, generator)
+        return dataclasses.replace(self, qdata=qdata, scale=scale)
+
+    @classmethod
+    def accepts(cls, tensor: torch.Tensor) -> bool:
+        if not _is_torchao(tensor):
+            return False
+        q = _torchao_quantization()
+        return isinstance(tensor, (q.Float8Tensor, q.Int8Tensor))
+
+    @classmethod
+    def from_tensor(cls, tensor: torch.Tensor) -> TorchaoScaledWeight:
+        """Wrap a ``Float8Tensor`` / ``Int8Tensor`` (tensors shared, not copied).
+
+        Raises:
+            UnsupportedLayerError: an ``Int8Tensor`` with a nonzero zero point (asymmetric).
+        """
+        zp = getattr(tensor, "zero_point", None)
+        if zp is not None and bool((zp != 0).any()):
+            raise UnsupportedLayerError(
+                "torchao Int8Tensor weights with a nonzero zero_point (asymmetric mapping) are "
+                "not supported; quantize with the symmetric mapping (the default)")
+        return cls(tensor.qdata, tensor.scale, zp, tensor.dtype, type(tensor))
+
+    def write_into(self, param: torch.Tensor) -> None:
+        """Copy into an existing torchao tensor of the same form, in place."""
+        target = TorchaoScaledWeight.from_tensor(param)
+        if (target.qdata.shape, target.qdata.dtype, target.scale.shape) != (
+                self.qdata.shape, self.qdata.dtype, self.scale.shape):
+            raise UnsupportedLayerError(
+                f"cannot write a {self.qdata.dtype} weight {tuple(self.qdata.shape)} into a "
+                f"{target.cls.__name__} of {target.qdata.dtype} {tuple(target.qdata.shape)}")
+        with torch.no_grad():
+            target.qdata.copy_(self.qdata)
+            target.scale.copy_(self.scale)
+
+
+@register_representation("torchao_int4_tile_packed")
+@dataclasses.dataclass
+class TorchaoInt4Weight(WeightRepresentation):
+    """A torchao ``Int4TilePackedTo4dTensor``: tinygemm-packed int4, group scales and zeros.
+
+    Not mergeable (``encode`` raises :class:`~shuttle.errors.UnmergeableWeightError`); movable,
+    countable and dequantizable (through torchao's own unpacking, which needs its CUDA kernels).
+
+    Attributes:
+        qdata: the packed int4 tiles (int32).
+        scale_and_zero: group scales and zero points, ``(groups, rows, 2)``.
+        block_size: torchao's ``[1, group_size]``.
+        shape: the logical shape.
+        compute: the dtype layers compute in.
+    """
+
+    qdata: torch.Tensor
+    scale_and_zero: torch.Tensor
+    block_size: list[int]
+    shape: tuple[int, ...]
+    compute: torch.dtype
+
+    tensor_names = ("qdata", "scale_and_zero")
+    mergeable = False
+
+    @property
+    def logical_shape(self) -> torch.Size:
+        return torch.Size(self.shape)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.compute
+
+    def dequantize(self) -> torch.Tensor:
+        tensor_cls = _torchao_quantization().Int4TilePackedTo4dTensor
+        t = tensor_cls(self.qdata, self.scale_and_zero, self.block_size, torch.Size(self.shape))
+        return t.dequantize().float()
+
+    @classmethod
+    def accepts(cls, tensor: torch.Tensor) -> bool:
+        return _is_torchao(tensor) and isinstance(
+            tensor, _torchao_quantization().Int4TilePackedTo4dTensor)
+
+    @classmethod
+    def from_tensor(cls, tensor: torch.Tensor) -> TorchaoInt4Weight:
+        return cls(tensor.qdata, tensor.scale_and_zero, list(tensor.block_size),
+                   tuple(tensor.shape), tensor.dtype)
