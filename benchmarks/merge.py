@@ -65,20 +65,15 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--kernel-config", default=None,
-                    help='the fused kernel and its (BM, BN, warps): "tma (64, 128, 8)" or '
-                         '"plain (64, 128, 8)" (benchmarks/tune_merge_kernel.py writes the best)')
+                    help='(BM, BN, warps) for the fused kernel, e.g. "(64, 128, 8)" '
+                         "(benchmarks/tune_merge_kernel.py writes the best)")
     args = ap.parse_args()
     if args.kernel_config:
         import ast
 
         import shuttle.kernels.merge_lowrank as mk
 
-        kind, config = args.kernel_config.split(" ", 1)
-        mk.PREFER_TMA = kind == "tma"
-        if mk.PREFER_TMA:
-            mk.CUDA_CONFIG_TMA = tuple(ast.literal_eval(config))
-        else:
-            mk.CUDA_CONFIG = tuple(ast.literal_eval(config))
+        mk.CUDA_CONFIG = tuple(ast.literal_eval(args.kernel_config))
     n, out_f, in_f, rank, alpha = args.layers, args.out, args.inp, args.rank, 32.0
     scale = alpha / rank
     torch.manual_seed(0)
@@ -161,8 +156,7 @@ def main() -> None:
          "elements != float64 single rounding", "max err (ulp)"], rows)
     import shuttle.kernels.merge_lowrank as mk
 
-    kernel = f"TMA kernel {mk.CUDA_CONFIG_TMA}" if mk.PREFER_TMA else f"kernel {mk.CUDA_CONFIG}"
-    notes = (f"{kernel} (BM, BN, warps); {n} bf16 weights of {out_f}x{in_f} "
+    notes = (f"kernel {mk.CUDA_CONFIG} (BM, BN, warps); {n} bf16 weights of {out_f}x{in_f} "
              f"({weight_bytes / 1e9:.2f} GB), rank {rank}, "
              f"alpha {alpha:g}; {args.rounds} interleaved rounds after 3 warm-up, median; two "
              "adapters alternate between rounds. Target: shuttle >= 1500 GB/s with a single "

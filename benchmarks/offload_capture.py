@@ -113,7 +113,7 @@ def main() -> None:
     print(f"{UNITS} units x {PER_UNIT / 2**20:.0f} MiB; threads={torch.get_num_threads()}")
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     for name, alloc, order, th in [
-        ("empty+register_first (current)", alloc_empty, "register_first", 1),
+        ("empty+register_first (shuttle before)", alloc_empty, "register_first", 1),
         ("empty+copy_first", alloc_empty, "copy_first", 1),
         ("huge+register_first", alloc_huge, "register_first", 1),
         ("huge+copy_first", alloc_huge, "copy_first", 1),

@@ -27,22 +27,19 @@ def main() -> None:
     # A small sweep: each config costs a compile (seconds) on the GPU machine.
     configs = list(itertools.product((64, 128), (64, 128, 256), (4, 8)))
     variants = {"copy": lambda i: dst.copy_(src)}
-    for tma in (True, False):
-        for c in configs:
-            variants[f"{'tma' if tma else 'plain'} {c}"] = (
-                lambda i, c=c, tma=tma: merge_lowrank(ws[i % k], up, down, [0, r], [0.5], c,
-                                                      tma=tma))
+    for c in configs:
+        variants[str(c)] = lambda i, c=c: merge_lowrank(ws[i % k], up, down, [0, r], [0.5], c)
     t = harness.interleaved(variants, rounds=12, warmup=2)
     nbytes = 2 * m * n * 2
     rows = sorted(([k_, f"{v['median_ms'] * 1e3:.1f}", f"{nbytes / v['median_ms'] / 1e6:.0f}"]
                    for k_, v in t.items()), key=lambda row: float(row[1]))
-    headers = ["kernel (BM, BN, warps)", "median us", "GB/s"]
+    headers = ["(BM, BN, warps)", "median us", "GB/s"]
     table = harness.markdown_table(headers, rows)
     harness.write_results("merge_kernel_tuning", {"timings": t}, table,
                           "Fused merge kernel tile shapes (benchmarks/tune_merge_kernel.py)")
     print(table)
     best = next(row[0] for row in rows if row[0] != "copy")
-    (harness.OUT_DIR / "merge_kernel_best.txt").write_text(best)  # e.g. "tma (64, 128, 8)"
+    (harness.OUT_DIR / "merge_kernel_best.txt").write_text(best)  # e.g. "(64, 128, 8)"
 
 
 if __name__ == "__main__":

@@ -18,8 +18,6 @@ import functools
 
 import torch
 
-from shuttle.kernels.tma import ensure_allocator, tma_addressable
-
 __all__ = ["interpreting", "merge_lowrank", "merge_lowrank_reference", "triton_available"]
 
 
@@ -88,58 +86,19 @@ def _kernel():
         else:
             tl.store(ptrs, out.to(w_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit
-    def merge_kernel_tma(w_ptr, b_ptr, a_ptr, alpha_ptr, M, N, stride_wm, stride_bm, stride_ar,
-                         N_SEG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                         BR: tl.constexpr, IEEE: tl.constexpr):
-        # The same computation with every tile moved by the Hopper tensor memory accelerator:
-        # whole-tile bulk copies between global and shared memory, so W is read and written
-        # in full lines whatever register layout the dot's accumulator has. Out-of-range rows
-        # and columns of edge tiles are zero on load and dropped on store.
-        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[M, N], strides=[stride_wm, 1],
-                                           block_shape=[BM, BN])
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[M, N_SEG * BR], strides=[stride_bm, 1],
-                                           block_shape=[BM, BR])
-        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[N_SEG * BR, N], strides=[stride_ar, 1],
-                                           block_shape=[BR, BN])
-        pid = tl.program_id(0)
-        n_tiles = tl.cdiv(N, BN)
-        om = (pid // n_tiles) * BM
-        on = (pid % n_tiles) * BN
-        w = w_desc.load([om, on])
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for s in tl.static_range(N_SEG):
-            b = b_desc.load([om, s * BR])
-            a = a_desc.load([s * BR, on])
-            if IEEE:
-                part = tl.dot(b.to(tl.float32), a.to(tl.float32), input_precision="ieee")
-            else:
-                part = tl.dot(b, a)
-            acc += part * tl.load(alpha_ptr + s)
-        out = w.to(tl.float32) + acc
-        if w.dtype == tl.bfloat16:
-            bits = out.to(tl.uint32, bitcast=True)  # round to nearest even (see merge_kernel)
-            bits += ((bits >> 16) & 1) + 0x7FFF
-            w_desc.store([om, on], (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True))
-        else:
-            w_desc.store([om, on], out.to(w.dtype))
-
-    return merge_kernel, merge_kernel_tma
+    return merge_kernel
 
 
-# (BM, BN, num_warps) on CUDA, for the TMA kernel (Hopper and newer) and the plain one; chosen
-# by benchmarks/tune_merge_kernel.py on an H200.
+# (BM, BN, num_warps) on CUDA; chosen by benchmarks/tune_merge_kernel.py on an H200 (the
+# configurations within a few percent of each other run to run). A variant moving the tiles by
+# TMA measured 25-35% slower in two runs (docs/benchmarks/merge_kernel_tuning.md) and was dropped.
 CUDA_CONFIG: tuple[int, int, int] = (64, 128, 8)
-CUDA_CONFIG_TMA: tuple[int, int, int] = (64, 128, 8)
-# Whether the TMA kernel is the default where it applies; set by the H200 measurements in
-# docs/benchmarks/merge_kernel_tuning.md.
-PREFER_TMA = False
 _MAX_RANK_STEP = 128  # larger ranks are split into several contributions of at most this
 
 
 def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                   seg: list[int], alpha: list[float],
-                  config: tuple[int, int, int] | None = None, tma: bool | None = None) -> None:
+                  config: tuple[int, int, int] | None = None) -> None:
     """In place: ``w += sum_i alpha_i * up[:, seg_i] @ down[seg_i]``, float32 sum, one rounding.
 
     Args:
@@ -148,10 +107,7 @@ def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
         down: (R, N) concatenated down factors, unit stride along N; same dtype as ``up``.
         seg: R-offsets of the contributions, ``[0, r_1, r_1 + r_2, ..., R]``.
         alpha: the scale of each contribution (strength x alpha / rank).
-        config: ``(BM, BN, num_warps)`` to override :data:`CUDA_CONFIG` /
-            :data:`CUDA_CONFIG_TMA`.
-        tma: use the tensor-memory-accelerator kernel (CUDA devices of compute capability
-            9.0+, every operand 16-byte aligned); default: :data:`PREFER_TMA` where it applies.
+        config: ``(BM, BN, num_warps)`` to override :data:`CUDA_CONFIG`.
 
     Uses the Triton kernel where Triton is installed and the tensors are on CUDA (or under
     ``TRITON_INTERPRET=1``), else :func:`merge_lowrank_reference`.
@@ -179,22 +135,14 @@ def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
             r0, r1 = seg[i], seg[i + 1]
             up_p[:, i * br:i * br + r1 - r0] = up[:, r0:r1]
             down_p[i * br:i * br + r1 - r0] = down[r0:r1]
-    if tma is None:
-        tma = PREFER_TMA and not interpret and tma_addressable(w, up_p, down_p)
-    if interpret:
-        bm, bn, warps = config or (32, 32, 4)
-    else:
-        bm, bn, warps = config or (CUDA_CONFIG_TMA if tma else CUDA_CONFIG)
+    bm, bn, warps = config or ((32, 32, 4) if interpret else CUDA_CONFIG)
     alpha_t = _device_floats(alpha, w.device)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    ieee = up.dtype == torch.float32 or interpret
-    plain, with_tma = _kernel()
-    kernel = with_tma if tma else plain
-    if tma:
-        ensure_allocator()
-    kernel[grid](
+    _kernel()[grid](
         w, up_p, down_p, alpha_t, m, n, w.stride(0), up_p.stride(0), down_p.stride(0),
-        N_SEG=len(alpha), BM=bm, BN=bn, BR=br, IEEE=ieee, num_warps=warps, num_stages=1)
+        N_SEG=len(alpha), BM=bm, BN=bn, BR=br, IEEE=up.dtype == torch.float32 or interpret,
+        num_warps=warps, num_stages=1)
+
 
 def _device_floats(values: list[float], device: torch.device) -> torch.Tensor:
     """A float32 tensor on ``device`` without a host sync.
