@@ -21,7 +21,7 @@ import torch
 
 from shuttle.errors import ShuttleError
 
-__all__ = ["ModuleHook", "add_hook", "hooks_of", "remove_hook"]
+__all__ = ["HookGroup", "ModuleHook", "add_hook", "hooks_of", "remove_hook"]
 
 _HOOKS = "_shuttle_hooks"
 
@@ -100,3 +100,25 @@ def remove_hook(module: torch.nn.Module, hook: ModuleHook | None = None) -> None
     if not hooks:
         del module.__dict__[_HOOKS]
         del module.__dict__["forward"]
+
+
+class HookGroup:
+    """Hooks installed together and removed together: the last installed is removed first, so
+    modules end exactly as they were (see :func:`remove_hook`).
+    """
+
+    def __init__(self) -> None:
+        self._installed: list[tuple[torch.nn.Module, ModuleHook]] = []
+
+    def add(self, module: torch.nn.Module, hook: ModuleHook) -> None:
+        """:func:`add_hook`, remembered for :meth:`remove_all`."""
+        add_hook(module, hook)
+        self._installed.append((module, hook))
+
+    def remove_all(self) -> None:
+        """Remove every hook this group installed, in reverse order."""
+        while self._installed:
+            remove_hook(*self._installed.pop())
+
+    def __len__(self) -> int:
+        return len(self._installed)

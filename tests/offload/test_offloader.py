@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import shuttle
+from shuttle import hooks as hooks_module
 from shuttle.errors import (
     AlreadyActiveError,
     BlockLayoutError,
@@ -19,7 +20,6 @@ from shuttle.errors import (
 )
 from shuttle.hooks import hooks_of
 from shuttle.offload import CPU_COPY_ENV, ModelOffloader, SlotPool, StreamConfig
-from shuttle.offload import streamer as streamer_module
 from tests.offload.models import RESIDENCY_MODES, TinyDiT, fail_on_call
 from tests.offload.test_host_storage import assert_unchanged, snapshot
 
@@ -180,7 +180,7 @@ def test_a_failing_activation_rolls_back(cpu_copy, monkeypatch, where, n):
         if where == "copy":
             m.setattr(SlotPool, "load", fail_on_call(n, SlotPool.load))
         else:
-            m.setattr(streamer_module, "add_hook", fail_on_call(n, streamer_module.add_hook))
+            m.setattr(hooks_module, "add_hook", fail_on_call(n, hooks_module.add_hook))
         with pytest.raises(RuntimeError, match="injected"):
             off.activate("cpu", StreamConfig(prefetch=1))
     assert not off.active

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from shuttle.hooks import ModuleHook, add_hook, remove_hook
+from shuttle.hooks import HookGroup, ModuleHook
 
 __all__ = ["BlockCompiler"]
 
@@ -47,7 +47,7 @@ class BlockCompiler:
     def __init__(self, backend: CompileBackend = "inductor"):
         self.backend = backend
         self._compiled: dict[type, _CompiledForward] = {}
-        self._hooks: list[tuple[torch.nn.Module, _CompiledForward]] = []
+        self._hooks = HookGroup()
 
     def attach(self, blocks: Sequence[torch.nn.Module]) -> None:
         """Route each block's forward through its class's compiled forward (exact detach)."""
@@ -57,12 +57,9 @@ class BlockCompiler:
             if hook is None:
                 compiled = torch.compile(cls.forward, backend=self.backend, dynamic=False)
                 hook = self._compiled[cls] = _CompiledForward(cls.forward, compiled)
-            add_hook(block, hook)
-            self._hooks.append((block, hook))
+            self._hooks.add(block, hook)
 
     def detach(self) -> None:
         """Remove every hook this compiler installed; the compiled code is dropped with it."""
-        while self._hooks:
-            block, hook = self._hooks.pop()
-            remove_hook(block, hook)
+        self._hooks.remove_all()
         self._compiled.clear()

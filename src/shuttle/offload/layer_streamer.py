@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from shuttle.errors import CheckpointRequiredError
-from shuttle.hooks import ModuleHook, add_hook, remove_hook
+from shuttle.hooks import HookGroup, ModuleHook
 from shuttle.offload.host_storage import HostUnit
 from shuttle.offload.slots import SlotPool
 from shuttle.offload.streamer import SlotGuard, in_backward, outer_saved_hooks
@@ -102,7 +102,7 @@ class LayerStreamer:
         self._last: int | None = None
         self._pending: list[int] = []  # slots a backward read: freed at the next hook call
         self.guard = SlotGuard(self)
-        self._hooks: list[tuple[torch.nn.Module, _LayerHook]] = []
+        self._hooks = HookGroup()
 
     def warm(self) -> None:
         """Queue the loads of the first streamed layers (as many as the ring holds)."""
@@ -114,14 +114,11 @@ class LayerStreamer:
         """Install the hook on every layer (undone exactly by :meth:`detach`)."""
         for i, layer in enumerate(self.layers):
             hook = _LayerHook(self, i)
-            add_hook(layer, hook)
-            self._hooks.append((layer, hook))
+            self._hooks.add(layer, hook)
 
     def detach(self) -> None:
         """Remove every hook this streamer installed."""
-        while self._hooks:
-            layer, hook = self._hooks.pop()
-            remove_hook(layer, hook)
+        self._hooks.remove_all()
 
     def invalidate(self) -> None:
         """Forget what the slots hold (the host copies changed) and queue the first loads."""

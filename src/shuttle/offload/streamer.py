@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 import torch
 
 from shuttle.errors import CheckpointRequiredError
-from shuttle.hooks import ModuleHook, add_hook, remove_hook
+from shuttle.hooks import HookGroup, ModuleHook
 from shuttle.offload.host_storage import HostUnit
 from shuttle.offload.slots import SlotPool
 
@@ -167,7 +167,7 @@ class BlockStreamer:
         self._streamed = streamed
         self._pending: list[int] = []  # slots freed at the next hook call (see before())
         self.guard = SlotGuard(self)
-        self._hooks: list[tuple[torch.nn.Module, _StreamHook]] = []
+        self._hooks = HookGroup()
 
     def warm(self) -> None:
         """Queue the loads of the first streamed blocks (as many as the ring holds)."""
@@ -180,14 +180,11 @@ class BlockStreamer:
         """Install the hook on every block (undone exactly by :meth:`detach`)."""
         for i, block in enumerate(self.blocks):
             hook = _StreamHook(self, i)
-            add_hook(block, hook)
-            self._hooks.append((block, hook))
+            self._hooks.add(block, hook)
 
     def detach(self) -> None:
         """Remove every hook this streamer installed."""
-        while self._hooks:
-            block, hook = self._hooks.pop()
-            remove_hook(block, hook)
+        self._hooks.remove_all()
 
     def invalidate(self) -> None:
         """Forget what the ring holds (the host copies changed) and queue the first loads."""

@@ -1,0 +1,83 @@
+"""The one hook interface: chaining order, exact detach, groups."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from torch import nn
+
+from shuttle.errors import ShuttleError
+from shuttle.hooks import HookGroup, ModuleHook, add_hook, hooks_of, remove_hook
+
+
+class Tag(ModuleHook):
+    """Records its calls in ``log``; scales the output by ``k``."""
+
+    def __init__(self, name, log, k=1.0):
+        self.name, self.log, self.k = name, log, k
+
+    def pre_forward(self, module, args, kwargs):
+        self.log.append(f"pre {self.name}")
+        return args, kwargs
+
+    def forward(self, module, inner, *args, **kwargs):
+        self.log.append(f"enter {self.name}")
+        out = inner(*args, **kwargs)
+        self.log.append(f"leave {self.name}")
+        return out
+
+    def post_forward(self, module, output):
+        self.log.append(f"post {self.name}")
+        return output * self.k
+
+
+def test_chain_order_and_outputs():
+    lin, log = nn.Linear(3, 2), []
+    x = torch.randn(4, 3)
+    add_hook(lin, Tag("a", log, 2.0))
+    add_hook(lin, Tag("b", log, 3.0))
+    assert torch.allclose(lin(x), 6.0 * nn.functional.linear(x, lin.weight, lin.bias))
+    assert log == ["pre a", "pre b", "enter a", "enter b", "leave b", "leave a", "post b",
+                   "post a"]
+
+
+def test_remove_restores_the_module_exactly():
+    lin = nn.Linear(3, 2)
+    sig = inspect.signature(lin.forward)
+    hook = Tag("a", [])
+    add_hook(lin, hook)
+    assert hooks_of(lin) == [hook] and inspect.signature(lin.forward) == sig
+    with pytest.raises(ShuttleError, match="already attached"):
+        add_hook(lin, hook)
+    remove_hook(lin, hook)
+    assert "forward" not in lin.__dict__ and hooks_of(lin) == []
+    assert type(lin) is nn.Linear
+
+
+def test_a_foreign_instance_forward_is_refused():
+    lin = nn.Linear(3, 2)
+    lin.forward = lambda x: x
+    with pytest.raises(ShuttleError, match="instance-level forward"):
+        add_hook(lin, ModuleHook())
+
+
+def test_group_removes_its_hooks_last_first_and_only_its_own():
+    a, b = nn.Linear(3, 3), nn.Linear(3, 3)
+    mine, other = HookGroup(), Tag("other", [])
+    add_hook(a, other)
+    detached = []
+
+    class Spy(ModuleHook):
+        def on_detach(self, module):
+            detached.append((module, self))
+
+    h1, h2, h3 = Spy(), Spy(), Spy()
+    mine.add(a, h1)
+    mine.add(b, h2)
+    mine.add(a, h3)
+    assert len(mine) == 3 and hooks_of(a) == [other, h1, h3]
+    mine.remove_all()
+    assert detached == [(a, h3), (b, h2), (a, h1)] and len(mine) == 0
+    assert hooks_of(a) == [other] and "forward" not in b.__dict__
