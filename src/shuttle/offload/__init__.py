@@ -3,13 +3,8 @@
 from shuttle.offload.adapters import LORA_MODES, ActivationAdapters
 from shuttle.offload.host_storage import HostStorage, HostUnit, Layout
 from shuttle.offload.layer_streamer import LayerStreamer
-from shuttle.offload.offloader import (
-    CPU_COPY_ENV,
-    ModelOffloader,
-    ResidencyPlan,
-    StreamConfig,
-    plan_residency,
-)
+from shuttle.offload.offloader import CPU_COPY_ENV, ModelOffloader
+from shuttle.offload.residency import ResidencyPlan, StreamConfig, plan_residency
 from shuttle.offload.slots import SlotPool
 from shuttle.offload.streamer import BlockStreamer
 
