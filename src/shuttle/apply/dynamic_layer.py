@@ -262,7 +262,8 @@ class LoRAHook(ModuleHook):
         scale = self._scale_vector(x.device)
         if x.is_cuda and x.dtype == self.down.dtype == self.up.dtype:
             # The shrink is a skinny GEMM that only reads x: cuBLAS's, then the scale in
-            # float32 rounded once (as the lossless tier). The Triton shrink measured slower.
+            # float32 rounded once (as the lossless tier). On the H200 this and the Triton
+            # shrink gave the same layer times within noise (docs/benchmarks.md).
             s = F.linear(x2d, self.down).mul_(scale)
         else:
             s = lora_shrink(x2d, self.down, scale)
