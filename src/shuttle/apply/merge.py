@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import weakref
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 from tqdm.auto import tqdm
@@ -42,6 +43,8 @@ __all__ = [
     "merge_lora",
     "merge_param",
     "merge_plan",
+    "LowRankSum",
+    "lowrank_sums",
     "write_back",
 ]
 
@@ -192,6 +195,16 @@ def _merge_encoded(p: torch.Tensor, name: str, contribs: list[Contribution],
     merge.
     """
     rep = represent(p.detach() if is_plain_tensor(p) else p)
+    count = _merge_count(p)
+    mixed = (param_seed(name, seed) + count * 0x9E3779B97F4A7C15) & (2**63 - 1)
+    sums = lowrank_sums(contribs) if p.is_cuda and triton_available() else None
+    if sums is not None and set(sums) == {None}:
+        # A fused kernel of the representation, where it has one: never a dense weight.
+        out = rep.merge_lowrank(*sums[None], rounding=rounding, seed=mixed)
+        if out is not None:
+            write_back(p, out)
+            _count_merge(p, count + 1)
+            return
     w = apply_contributions(rep.dequantize(), contribs)
     if not bool(torch.isfinite(w).all()):
         raise NonFiniteAdapterError(
@@ -199,9 +212,8 @@ def _merge_encoded(p: torch.Tensor, name: str, contribs: list[Contribution],
             "Parameters merged before it keep their merge; use apply_lora for a scoped merge "
             "that always restores."
         )
-    count = _merge_count(p)
     g = torch.Generator(device=p.device)
-    g.manual_seed((param_seed(name, seed) + count * 0x9E3779B97F4A7C15) & (2**63 - 1))
+    g.manual_seed(mixed)
     write_back(p, rep.encode(w, rounding, g))
     _count_merge(p, count + 1)
 
@@ -222,6 +234,46 @@ def write_back(p: torch.Tensor, rep: WeightRepresentation) -> None:
             rep.write_into(p)
 
 
+class LowRankSum(NamedTuple):
+    """Plain low-rank contributions to one row range, concatenated along the rank:
+    the update is ``sum_i alpha[i] * up[:, seg[i]:seg[i+1]] @ down[seg[i]:seg[i+1]]``.
+    """
+
+    up: torch.Tensor  # (rows, R)
+    down: torch.Tensor  # (R, N)
+    seg: list[int]
+    alpha: list[float]
+
+
+def lowrank_sums(contribs: list[Contribution]
+                 ) -> dict[tuple[int, int] | None, LowRankSum] | None:
+    """Per row range (None: the whole weight), the contributions as one :class:`LowRankSum`;
+    None where a fused kernel cannot take them (another patch kind, Tucker or transposed
+    factors, mixed factor dtypes, or a whole-weight and a row-range update together).
+    """
+    groups: dict[tuple[int, int] | None, list[Contribution]] = {}
+    factor_dtypes = set()
+    for c in contribs:
+        patch = c.patch
+        if not (isinstance(patch, LowRank) and patch.mid is None and not patch.transposed):
+            return None
+        factor_dtypes |= {patch.up.dtype, patch.down.dtype}
+        groups.setdefault(c.rows, []).append(c)
+    if len(factor_dtypes) != 1 or (None in groups and len(groups) > 1):
+        return None
+    sums = {}
+    for rows, cs in groups.items():
+        ups, downs = zip(*(c.patch.factors() for c in cs), strict=True)
+        seg = [0]
+        for d in downs:
+            seg.append(seg[-1] + d.shape[0])
+        one = len(cs) == 1  # no concatenation (a copy) for the usual single adapter
+        sums[rows] = LowRankSum(ups[0] if one else torch.cat(ups, dim=1),
+                                downs[0] if one else torch.cat(downs, dim=0), seg,
+                                [c.strength * c.patch.effective_scale for c in cs])
+    return sums
+
+
 def _merge_fused(p: torch.Tensor, contribs: list[Contribution]) -> bool:
     """The single-pass CUDA path; returns False (doing nothing) where it does not apply.
 
@@ -230,27 +282,12 @@ def _merge_fused(p: torch.Tensor, contribs: list[Contribution]) -> bool:
     """
     if not (p.is_cuda and triton_available()) or p.dim() < 2 or not p.is_contiguous():
         return False
-    groups: dict[tuple[int, int] | None, list[Contribution]] = {}
-    factor_dtypes = set()
-    for c in contribs:
-        patch = c.patch
-        if not (isinstance(patch, LowRank) and patch.mid is None and not patch.transposed):
-            return False
-        factor_dtypes |= {patch.up.dtype, patch.down.dtype}
-        groups.setdefault(c.rows, []).append(c)
-    if len(factor_dtypes) != 1 or (None in groups and len(groups) > 1):
-        return False  # mixed factor dtypes, or a whole-weight and a row-range update overlap
+    sums = lowrank_sums(contribs)
+    if sums is None:
+        return False
     w2d = p.data.view(p.shape[0], -1)
-    for rows, cs in groups.items():
-        ups, downs = zip(*(c.patch.factors() for c in cs), strict=True)
-        seg = [0]
-        for d in downs:
-            seg.append(seg[-1] + d.shape[0])
-        one = len(cs) == 1  # no concatenation (a copy) for the usual single adapter
-        merge_lowrank(w2d if rows is None else w2d[rows[0]:rows[1]],
-                      ups[0] if one else torch.cat(ups, dim=1),
-                      downs[0] if one else torch.cat(downs, dim=0), seg,
-                      [c.strength * c.patch.effective_scale for c in cs])
+    for rows, lr in sums.items():
+        merge_lowrank(w2d if rows is None else w2d[rows[0]:rows[1]], *lr)
     return True
 
 

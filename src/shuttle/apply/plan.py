@@ -237,7 +237,8 @@ def check_mergeable(plan: MergePlan, params: Mapping[str, torch.Tensor]) -> None
             raise
         except ShuttleError:
             rep = None
-        if rep is None or not rep.mergeable or not hasattr(rep, "write_into"):
+        base = WeightRepresentation.write_into
+        if rep is None or not rep.mergeable or type(rep).write_into is base:
             what = type(p).__qualname__ if rep is None else type(rep).__qualname__
             raise UnmergeableWeightError(
                 f"parameter {name!r} is a {what} weight, which cannot be re-encoded after a "

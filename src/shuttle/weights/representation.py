@@ -112,6 +112,28 @@ class WeightRepresentation:
             'offline); apply the adapter with mode="dynamic" instead'
         )
 
+    def merge_lowrank(self: R, up: torch.Tensor, down: torch.Tensor, seg: list[int],
+                      alpha: list[float], *, rounding: Rounding = "nearest",
+                      seed: int = 0) -> R | None:
+        """This weight plus ``sum_i alpha[i] * up[:, seg_i] @ down[seg_i]``, re-encoded by a
+        fused kernel that never materializes the dense float32 weight; ``None`` where this
+        representation has no such kernel for these inputs (the caller then dequantizes,
+        applies and encodes). ``seed`` drives stochastic rounding.
+
+        Args:
+            up: (rows, R) and down: (R, cols) low-rank factors, ranks concatenated.
+            seg: rank offsets of each contribution, ``[0, ..., R]``.
+            alpha: each contribution's scale.
+        """
+        return None
+
+    def write_into(self, param: torch.Tensor) -> None:
+        """Store this representation into ``param`` (a parameter of the same form) in place."""
+        raise NotImplementedError(
+            f"{type(self).__qualname__} cannot write itself into a parameter; merge into its "
+            "weights through their own representation"
+        )
+
     @classmethod
     def accepts(cls, tensor: torch.Tensor) -> bool:
         """Whether :func:`represent` should wrap ``tensor`` in this class (default: never)."""
