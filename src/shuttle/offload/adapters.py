@@ -13,6 +13,9 @@ step.
   exactly what :func:`~shuttle.merge_lora` does to a resident copy. The host copy is never
   written, so every load (a block streamed again next step) starts from pristine weights and
   is merged exactly once.
+* ``mode="auto"``: per parameter, merged where a merge in its dtype keeps the update and
+  dynamic where it does not (:func:`~shuttle.apply.auto.decide`, measured once per activation
+  with each weight copied to the device in turn); ``decisions`` says which.
 * ``mode="dynamic"``: one :class:`~shuttle.apply.dynamic_layer.LoRAHook` per adapted module
   (the machinery of :func:`~shuttle.attach_lora`), built against device copies of the module's
   own parameters so its factors and residuals live on the device; attached after the streaming
@@ -23,11 +26,13 @@ step.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator, Mapping
 from typing import Literal, NamedTuple
 
 import torch
 from torch.nn.utils.stateless import _reparametrize_module
 
+from shuttle.apply.auto import DEFAULT_THRESHOLD, Decision, decide
 from shuttle.apply.dynamic import QUALITIES, DynamicAdapters, default_quality
 from shuttle.apply.dynamic_layer import LoRAHook, Quality
 from shuttle.apply.merge import MergeReport, exact_cublas, merge_param
@@ -39,8 +44,8 @@ from shuttle.targets import KeyMapping
 
 __all__ = ["LORA_MODES", "ActivationAdapters", "LoRAMode", "check_lora_mode"]
 
-LoRAMode = Literal["merge", "dynamic"]
-LORA_MODES: tuple[str, ...] = ("merge", "dynamic")
+LoRAMode = Literal["merge", "dynamic", "auto"]
+LORA_MODES: tuple[str, ...] = ("merge", "dynamic", "auto")
 
 
 class _Target(NamedTuple):
@@ -53,7 +58,8 @@ def check_lora_mode(lora_mode: str, quality: Quality | None) -> None:
     """Raise :class:`OffloadError` for an unknown ``lora_mode`` or ``quality``."""
     if lora_mode not in LORA_MODES:
         raise OffloadError(f"lora_mode={lora_mode!r}: expected 'merge' (folded into each weight "
-                           "as it lands) or 'dynamic' (added at forward time)")
+                           "as it lands), 'dynamic' (added at forward time) or 'auto' (merged "
+                           "where the weight's dtype keeps the update, dynamic elsewhere)")
     if quality is not None and quality not in QUALITIES:
         raise OffloadError(f"quality={quality!r}: expected one of {', '.join(QUALITIES)}")
 
@@ -65,13 +71,16 @@ class ActivationAdapters:
         model: the offloaded model, inactive (its tensors on host storage).
         storage: its host storage.
         loras: ``[(lora, strength), ...]`` with at least one non-zero strength.
-        mode: ``"merge"`` or ``"dynamic"``.
+        mode: ``"merge"``, ``"dynamic"`` or ``"auto"``.
         device: the activation's device; the patch tensors are read onto it.
         quality: the dynamic tier (default: :func:`~shuttle.apply.dynamic.default_quality`).
         mapping: adapter module key -> model module path, as for :func:`~shuttle.merge_lora`.
+        auto_threshold: with ``"auto"``, the largest fraction of a parameter's update a merge
+            may round away (see :func:`~shuttle.apply.auto.decide`).
 
     Attributes:
         mode: the mode.
+        decisions: with ``"auto"``, parameter name -> :class:`~shuttle.apply.auto.Decision`.
         report: parameters adapted (``applied``), adapter keys left over (``unmatched``,
             ``skipped``).
         folds: merges done so far (one per adapted parameter per unit load; merge mode).
@@ -83,7 +92,7 @@ class ActivationAdapters:
 
     def __init__(self, model: torch.nn.Module, storage: HostStorage, loras: AdapterList,
                  mode: LoRAMode, device: torch.device, quality: Quality | None = None,
-                 mapping: KeyMapping | None = None):
+                 mapping: KeyMapping | None = None, auto_threshold: float = DEFAULT_THRESHOLD):
         self.model = model
         self.mode = mode
         # Validates every target over the host tensors' specs first, then reads the patches
@@ -92,11 +101,29 @@ class ActivationAdapters:
         self.plan = plan
         self.report = MergeReport(list(plan.params), plan.unmatched, plan.skipped)
         self.folds = 0
-        self._targets = _targets_by_unit(model, storage, plan.params)
+        self.decisions: dict[str, Decision] = {}
+        merged, dynamic = (plan.params, {}) if mode == "merge" else ({}, plan.params)
+        if mode == "auto":
+            params = dict(model.named_parameters())
+            self.decisions = decide(plan, _OnDevice(params, device), auto_threshold)
+            merged = {n: cs for n, cs in plan.params.items()
+                      if self.decisions[n].mode == "merge"}
+            dynamic = {n: cs for n, cs in plan.params.items() if n not in merged}
+        self._targets = _targets_by_unit(model, storage, merged)
         self.handle: DynamicAdapters | None = None
         self._built: dict[str, LoRAHook] = {}
-        if mode == "dynamic":
-            self._build_hooks(device, quality or default_quality(model))
+        if dynamic:
+            self._build_hooks(device, quality or default_quality(model), dynamic)
+
+    @property
+    def merges(self) -> bool:
+        """Whether some parameter is merged as its unit lands."""
+        return bool(self._targets)
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether some module gets a dynamic hook (installed by :meth:`attach`)."""
+        return bool(self._built)
 
     def touches(self, unit: HostUnit) -> bool:
         """Whether any adapted parameter lies in ``unit``."""
@@ -105,7 +132,7 @@ class ActivationAdapters:
     def fold(self, unit: HostUnit, views: list[torch.Tensor]) -> None:
         """Merge the adapters into ``unit``'s tensors, ``views`` (just copied from the host)."""
         targets = self._targets.get(unit.name)
-        if self.mode != "merge" or not targets:
+        if not targets:
             return
         with torch.no_grad(), exact_cublas():
             for t in targets:
@@ -122,7 +149,7 @@ class ActivationAdapters:
 
     def attach(self) -> None:
         """Install the dynamic hooks (dynamic mode; undone by :meth:`detach`)."""
-        assert self.handle is not None, "attach() is for dynamic mode"
+        assert self.handle is not None, "attach() is for dynamic hooks"
         modules = dict(self.model.named_modules())
         for name, hook in self._built.items():
             add_hook(modules[name], hook)
@@ -133,10 +160,11 @@ class ActivationAdapters:
         if self.handle is not None:
             self.handle.detach()
 
-    def _build_hooks(self, device: torch.device, quality: Quality) -> None:
+    def _build_hooks(self, device: torch.device, quality: Quality,
+                     params: dict[str, list[Contribution]]) -> None:
         per_module: dict[str, dict[str, list[Contribution]]] = defaultdict(
             lambda: defaultdict(list))
-        for param, contribs in self.plan.params.items():
+        for param, contribs in params.items():
             module, _, leaf = param.rpartition(".")
             per_module[module][leaf].extend(contribs)
         adapters = self.plan.adapters
@@ -153,6 +181,24 @@ class ActivationAdapters:
             with _reparametrize_module(module, on_device):
                 self._built[name] = LoRAHook(name, module, dict(leaves), self.handle.strengths,
                                              self.handle.strength_tensor, quality)
+
+
+class _OnDevice(Mapping[str, torch.Tensor]):
+    """Parameters read onto ``device`` one at a time, as :func:`decide` asks for them (the
+    patches are on the device; a whole streamed model would not fit there).
+    """
+
+    def __init__(self, params: dict[str, torch.Tensor], device: torch.device):
+        self._params, self._device = params, device
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._params[name].detach().to(self._device)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._params)
+
+    def __len__(self) -> int:
+        return len(self._params)
 
 
 def _targets_by_unit(model: torch.nn.Module, storage: HostStorage,

@@ -18,7 +18,8 @@ makes the optimizer update the host copies (:mod:`shuttle.offload.training`).
 ``StreamConfig(compile=...)`` compiles block forwards (:mod:`shuttle.offload.compiled`).
 
 Either can apply adapters for the activation (``loras=``): merged into each weight as its copy
-lands (``lora_mode="merge"``) or added at forward time (``"dynamic"``); see
+lands (``lora_mode="merge"``), added at forward time (``"dynamic"``), or each where it keeps
+the update (``"auto"``); see
 :mod:`shuttle.offload.adapters`. The host copy is never modified.
 
 ``deactivate`` points every tensor back at host storage and drops the device buffers. On the
@@ -36,6 +37,7 @@ from typing import Any
 
 import torch
 
+from shuttle.apply.auto import DEFAULT_THRESHOLD, check_threshold
 from shuttle.apply.dynamic_layer import Quality
 from shuttle.apply.plan import AdapterList, normalize_loras
 from shuttle.errors import (
@@ -167,7 +169,8 @@ class ModelOffloader:
     def activate(self, device: str | torch.device = "cuda",
                  stream: StreamConfig | None = None, *, loras: AdapterList = (),
                  lora_mode: LoRAMode = "merge", quality: Quality | None = None,
-                 mapping: KeyMapping | None = None) -> torch.nn.Module:
+                 mapping: KeyMapping | None = None,
+                 auto_threshold: float = DEFAULT_THRESHOLD) -> torch.nn.Module:
         """Place the model on ``device``, with adapters applied if given; returns the model.
 
         Args:
@@ -179,14 +182,19 @@ class ModelOffloader:
                 sum, one rounding: the weights :func:`~shuttle.merge_lora` would give; a block
                 streamed again is merged again from the pristine host copy). ``"dynamic"``:
                 added at forward time by hooks (as :func:`~shuttle.attach_lora`), weights
-                untouched. Either way the patch tensors are read onto ``device`` once.
+                untouched. ``"auto"``: per parameter, merged where a merge in its dtype
+                rounds away at most ``auto_threshold`` of the update, dynamic elsewhere (as
+                ``apply_lora(mode="auto")``; ``adapters.decisions`` tells which). Either way the
+                patch tensors are read onto ``device`` once.
             quality: the dynamic tier (``"exact"``, ``"lossless"``, ``"fused"``).
             mapping: adapter module key -> model module path, as for ``merge_lora``.
+            auto_threshold: see ``lora_mode="auto"``.
 
         Raises:
             AlreadyActiveError: an activation is in progress (call ``deactivate`` first).
             BudgetTooSmallError: ``stream.vram_budget`` is too small; nothing was changed.
             OffloadError: an unknown ``lora_mode`` or ``quality``.
+            InvalidStrengthError: ``auto_threshold`` is not a finite number >= 0.
             StreamModeError: ``stream.compile`` on an offloader without block lists.
             Everything :func:`~shuttle.merge_lora` raises for bad adapters (and
             ``UnsupportedLayerError`` for a patch a layer cannot take dynamically), before any
@@ -201,6 +209,7 @@ class ModelOffloader:
                 "(or leave the use() block) before activating again"
             )
         check_lora_mode(lora_mode, quality)
+        auto_threshold = check_threshold(auto_threshold)
         if stream is not None and stream.compile is not False and not self.blocks:
             raise StreamModeError(
                 "StreamConfig(compile=...) compiles block forwards, and this offloader has no "
@@ -214,14 +223,14 @@ class ModelOffloader:
         through = device.type == "cpu" and os.environ.get(CPU_COPY_ENV) != "1"
         plan = None if through else plan_residency(self.storage, stream)
         adapters = ActivationAdapters(self.model, self.storage, pairs, lora_mode, device,
-                                      quality, mapping) if pairs else None
+                                      quality, mapping, auto_threshold) if pairs else None
         active = _Activation(device, plan, adapters)
         try:
             if through:
                 self._pass_through(active)
             else:
                 self._place(active, stream)
-            if adapters is not None and adapters.mode == "dynamic":
+            if adapters is not None and adapters.dynamic:
                 adapters.attach()  # after the stream hooks: they bind weights first
             if not through and stream is not None and stream.compile is not False:
                 # Last, so that the compiled forward is the innermost hook of every block.
@@ -247,11 +256,12 @@ class ModelOffloader:
     @contextlib.contextmanager
     def use(self, device: str | torch.device = "cuda", stream: StreamConfig | None = None, *,
             loras: AdapterList = (), lora_mode: LoRAMode = "merge",
-            quality: Quality | None = None, mapping: KeyMapping | None = None
+            quality: Quality | None = None, mapping: KeyMapping | None = None,
+            auto_threshold: float = DEFAULT_THRESHOLD
             ) -> Iterator[torch.nn.Module]:
         """``activate`` for the ``with`` block, ``deactivate`` after it (also on error)."""
         model = self.activate(device, stream, loras=loras, lora_mode=lora_mode,
-                              quality=quality, mapping=mapping)
+                              quality=quality, mapping=mapping, auto_threshold=auto_threshold)
         try:
             yield model
         finally:
@@ -287,7 +297,7 @@ class ModelOffloader:
             return
         adapters = active.adapters
         merged = frozenset(u.name for u in self.storage.units if adapters is not None
-                           and adapters.mode == "merge" and adapters.touches(u))
+                           and adapters.touches(u))
         streamers: list[Any] = list(active.streamers.values())
         if active.layer_streamer is not None:
             streamers.append(active.layer_streamer)
@@ -297,7 +307,7 @@ class ModelOffloader:
     def _pass_through(self, active: _Activation) -> None:
         # The host tensors are where compute runs: adapted tensors get merged copies instead.
         adapters = active.adapters
-        if adapters is not None and adapters.mode == "merge":
+        if adapters is not None and adapters.merges:
             for unit in self.storage.units:
                 if adapters.touches(unit):
                     unit.bind(adapters.merged_copies(unit))
@@ -306,8 +316,7 @@ class ModelOffloader:
         plan, device = active.plan, active.device
         assert plan is not None
         copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        fold = active.adapters.fold if active.adapters and active.adapters.mode == "merge" \
-            else None
+        fold = active.adapters.fold if active.adapters and active.adapters.merges else None
         rest = self.storage.rest
         if rest.layout.offsets:
             pool = SlotPool(rest.layout, 1, device, copy_stream, fold)
