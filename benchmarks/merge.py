@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib
 import sys
 from pathlib import Path
 
@@ -71,7 +72,9 @@ def main() -> None:
     if args.kernel_config:
         import ast
 
-        import shuttle.kernels.merge_lowrank as mk
+        # The module: ``import shuttle.kernels.merge_lowrank`` would give the function of the
+        # same name that shuttle.kernels re-exports, and setting its attribute changes nothing.
+        mk = importlib.import_module("shuttle.kernels.merge_lowrank")
 
         mk.CUDA_CONFIG = tuple(ast.literal_eval(args.kernel_config))
     n, out_f, in_f, rank, alpha = args.layers, args.out, args.inp, args.rank, 32.0
@@ -154,8 +157,7 @@ def main() -> None:
     table = harness.markdown_table(
         ["variant", "median ms", "GB/s (W read+write)", "vs shuttle",
          "elements != float64 single rounding", "max err (ulp)"], rows)
-    import shuttle.kernels.merge_lowrank as mk
-
+    mk = importlib.import_module("shuttle.kernels.merge_lowrank")
     notes = (f"kernel {mk.CUDA_CONFIG} (BM, BN, warps); {n} bf16 weights of {out_f}x{in_f} "
              f"({weight_bytes / 1e9:.2f} GB), rank {rank}, "
              f"alpha {alpha:g}; {args.rounds} interleaved rounds after 3 warm-up, median; two "

@@ -18,7 +18,8 @@ import functools
 
 import torch
 
-__all__ = ["interpreting", "merge_lowrank", "merge_lowrank_reference", "triton_available"]
+__all__ = ["device_floats", "interpreting", "merge_lowrank", "merge_lowrank_reference",
+           "padded_factors", "triton_available"]
 
 
 @functools.cache
@@ -120,23 +121,10 @@ def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
         return
     import triton
 
-    seg, alpha = _split_large_ranks(seg, alpha)
     m, n = w.shape
-    max_r = max(seg[i + 1] - seg[i] for i in range(len(alpha)))
-    br = max(16, triton.next_power_of_2(max_r))
-    # Each contribution's factors zero-padded to br ranks: (m, S*br) and (S*br, n); a single
-    # contribution whose rank is already br is used as it is.
-    if len(alpha) == 1 and max_r == br:
-        up_p, down_p = up.contiguous(), down.contiguous()
-    else:
-        up_p = up.new_zeros(m, len(alpha) * br)
-        down_p = down.new_zeros(len(alpha) * br, n)
-        for i in range(len(alpha)):
-            r0, r1 = seg[i], seg[i + 1]
-            up_p[:, i * br:i * br + r1 - r0] = up[:, r0:r1]
-            down_p[i * br:i * br + r1 - r0] = down[r0:r1]
+    up_p, down_p, alpha, br = padded_factors(up, down, seg, alpha)
     bm, bn, warps = config or ((32, 32, 4) if interpret else CUDA_CONFIG)
-    alpha_t = _device_floats(alpha, w.device)
+    alpha_t = device_floats(alpha, w.device)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _kernel()[grid](
         w, up_p, down_p, alpha_t, m, n, w.stride(0), up_p.stride(0), down_p.stride(0),
@@ -144,7 +132,31 @@ def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
         num_warps=warps, num_stages=1)
 
 
-def _device_floats(values: list[float], device: torch.device) -> torch.Tensor:
+def padded_factors(up: torch.Tensor, down: torch.Tensor, seg: list[int], alpha: list[float]
+                   ) -> tuple[torch.Tensor, torch.Tensor, list[float], int]:
+    """The factors as the merge kernels index them: ``(up (M, S*br), down (S*br, N), alpha
+    (S,), br)``, contributions wider than one rank step split first, each zero-padded to
+    ``br`` ranks (a power of two >= 16), so rank offsets are compile-time multiples of ``br``
+    (aligned vector loads, no rank masks). A single contribution already ``br`` wide is used
+    as it is.
+    """
+    import triton
+
+    seg, alpha = _split_large_ranks(seg, alpha)
+    max_r = max(seg[i + 1] - seg[i] for i in range(len(alpha)))
+    br = max(16, triton.next_power_of_2(max_r))
+    if len(alpha) == 1 and max_r == br:
+        return up.contiguous(), down.contiguous(), alpha, br
+    up_p = up.new_zeros(up.shape[0], len(alpha) * br)
+    down_p = down.new_zeros(len(alpha) * br, down.shape[1])
+    for i in range(len(alpha)):
+        r0, r1 = seg[i], seg[i + 1]
+        up_p[:, i * br:i * br + r1 - r0] = up[:, r0:r1]
+        down_p[i * br:i * br + r1 - r0] = down[r0:r1]
+    return up_p, down_p, alpha, br
+
+
+def device_floats(values: list[float], device: torch.device) -> torch.Tensor:
     """A float32 tensor on ``device`` without a host sync.
 
     ``torch.tensor(values, device="cuda")`` copies from pageable memory, which waits for the

@@ -182,6 +182,31 @@ class Bnb4bitWeight(WeightRepresentation):
         return dataclasses.replace(self, packed=packed, absmax=absmax, offset=offset,
                                    nested_absmax=nested_absmax)
 
+    def merge_lowrank(self, up: torch.Tensor, down: torch.Tensor, seg: list[int],
+                      alpha: list[float], *, rounding: Rounding = "nearest",
+                      seed: int = 0) -> Bnb4bitWeight | None:
+        """``encode(dequantize() + sum_i alpha[i] * up[:, seg_i] @ down[seg_i])`` by one Triton
+        kernel (:func:`shuttle.kernels.merge_nf4.merge_4bit`), without a dense float32 weight.
+
+        Nearest rounding equals ``encode`` except where float32 summation order moves a value
+        across a code midpoint; stochastic rounding uses the kernel's own random stream
+        (``seed`` and the element index), not a ``torch.Generator``.
+
+        Returns:
+            The merged weight in this one's form, or None (the caller then dequantizes,
+            applies and encodes): nested absmax, a weight that is not 2-D, columns that are
+            not a multiple of ``blocksize`` (blocks straddle rows), or no Triton / no CUDA.
+        """
+        if self.nested or len(self.shape) != 2:
+            return None
+        from shuttle.kernels.merge_nf4 import merge_4bit  # the kernels import Triton lazily
+
+        out = merge_4bit(self.packed, self.absmax, self.code, self.shape, self.blocksize, up,
+                         down, seg, alpha, rounding=rounding, seed=seed)
+        if out is None:
+            return None
+        return dataclasses.replace(self, packed=out[0], absmax=out[1])
+
     # -- bitsandbytes objects ----------------------------------------------------------------
 
     @classmethod
@@ -284,6 +309,29 @@ class BnbInt8Weight(WeightRepresentation):
             q = _pick(lo, lo + 1, q, lo, lo + 1, rounding, generator)
         data = q.clamp(-127, 127).to(torch.int8).reshape(self.data.shape)
         return dataclasses.replace(self, data=data, scb=scb.to(self.scb.dtype))
+
+    def merge_lowrank(self, up: torch.Tensor, down: torch.Tensor, seg: list[int],
+                      alpha: list[float], *, rounding: Rounding = "nearest",
+                      seed: int = 0) -> BnbInt8Weight | None:
+        """``encode(dequantize() + sum_i alpha[i] * up[:, seg_i] @ down[seg_i])`` by the fused
+        kernel (:func:`shuttle.kernels.merge_scaled.merge_scaled`, ``absmax_scale``), without a
+        dense weight.
+
+        Same form as :meth:`encode`: ``SCB`` = each row's absmax (0 for a zero row), codes
+        ``round(x * (127 / SCB))``. Nearest rounding equals ``encode`` except where float32
+        summation order moves a value across a midpoint; stochastic rounding draws from the
+        kernel's stream (``seed``, element index).
+
+        Returns:
+            The merged weight, or None (the caller then dequantizes, applies and encodes): no
+            Triton, not on CUDA (nor interpreted), non-contiguous data, or a merged weight that
+            is not finite.
+        """
+        from shuttle.kernels.merge_scaled import merge_scaled_or_none  # Triton is optional
+
+        out = merge_scaled_or_none(self.data, self.scb, up, down, seg, alpha, absmax_scale=True,
+                                   rounding=rounding, seed=seed)
+        return None if out is None else dataclasses.replace(self, data=out[0], scb=out[1])
 
     @classmethod
     def accepts(cls, tensor: torch.Tensor) -> bool:

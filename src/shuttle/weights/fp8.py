@@ -86,6 +86,29 @@ class Fp8Weight(WeightRepresentation):
         data = round_float(x.clamp(-fmax, fmax), dtype, rounding, generator)
         return dataclasses.replace(self, data=data, scale=scale)
 
+    def merge_lowrank(self, up: torch.Tensor, down: torch.Tensor, seg: list[int],
+                      alpha: list[float], *, rounding: Rounding = "nearest",
+                      seed: int = 0) -> Fp8Weight | None:
+        """``encode(dequantize() + sum_i alpha[i] * up[:, seg_i] @ down[seg_i])`` by the fused
+        kernel (:func:`shuttle.kernels.merge_scaled.merge_scaled`), without a dense weight.
+
+        The form is :meth:`encode`'s: a float32 scale ``amax / finfo.max`` at the same
+        granularity, or unscaled values clamped to ``±finfo.max``. Nearest rounding equals
+        ``encode`` except where float32 summation order moves a value across a midpoint;
+        stochastic rounding draws from the kernel's stream (``seed``, element index).
+
+        Returns:
+            The merged weight, or None (the caller then dequantizes, applies and encodes): no
+            Triton, not on CUDA (nor interpreted), a GPU before sm89, non-contiguous data, or a
+            merged weight that is not finite.
+        """
+        from shuttle.kernels.merge_scaled import merge_scaled_or_none  # Triton is optional
+
+        scale = None if self.scale is None else self.scale.float()  # encode's scale dtype
+        out = merge_scaled_or_none(self.data, scale, up, down, seg, alpha, rounding=rounding,
+                                   seed=seed)
+        return None if out is None else dataclasses.replace(self, data=out[0], scale=out[1])
+
     @classmethod
     def accepts(cls, tensor: torch.Tensor) -> bool:
         return isinstance(tensor, torch.Tensor) and tensor.dtype in FP8_DTYPES

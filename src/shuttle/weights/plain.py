@@ -40,7 +40,9 @@ class PlainWeight(WeightRepresentation):
 
     @classmethod
     def accepts(cls, tensor: torch.Tensor) -> bool:
-        return isinstance(tensor, torch.Tensor) and tensor.dtype in PLAIN_DTYPES
+        # Exactly a tensor or a parameter: a library's tensor subclass (a bitsandbytes
+        # Params4bit may store its packed bytes as bf16) belongs to that library's class.
+        return type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.dtype in PLAIN_DTYPES
 
     @classmethod
     def from_tensor(cls, tensor: torch.Tensor) -> PlainWeight:

@@ -102,6 +102,29 @@ class QuantoWeight(WeightRepresentation):
         data, scale = absmax_encode(x, self.data.dtype, self.scale, rounding, generator)
         return dataclasses.replace(self, data=data, scale=scale)
 
+    def merge_lowrank(self, up: torch.Tensor, down: torch.Tensor, seg: list[int],
+                      alpha: list[float], *, rounding: Rounding = "nearest",
+                      seed: int = 0) -> QuantoWeight | None:
+        """``encode(dequantize() + sum_i alpha[i] * up[:, seg_i] @ down[seg_i])`` by the fused
+        kernel (:func:`shuttle.kernels.merge_scaled.merge_scaled`), without a dense weight.
+
+        Same form as :meth:`encode` (``absmax_encode``: scale ``amax / qmax`` per row or per
+        tensor, in the scale's dtype). Nearest rounding equals ``encode`` except where float32
+        summation order moves a value across a midpoint; stochastic rounding draws from the
+        kernel's stream (``seed``, element index).
+
+        Returns:
+            The merged weight, or None (the caller then dequantizes, applies and encodes): a
+            scale that is neither per row nor per tensor, data other than int8/float8_e4m3fn/
+            float8_e5m2, no Triton, not on CUDA (nor interpreted), float8 on a GPU before sm89,
+            non-contiguous data, or a merged weight that is not finite.
+        """
+        from shuttle.kernels.merge_scaled import merge_scaled_or_none  # Triton is optional
+
+        out = merge_scaled_or_none(self.data, self.scale, up, down, seg, alpha,
+                                   rounding=rounding, seed=seed)
+        return None if out is None else dataclasses.replace(self, data=out[0], scale=out[1])
+
     @classmethod
     def accepts(cls, tensor: torch.Tensor) -> bool:
         if not type(tensor).__module__.startswith("optimum.quanto"):

@@ -1,0 +1,345 @@
+"""Fused low-rank merge into scaled 8-bit weights, without a dense float32 weight.
+
+The weight is ``W = Q * s`` with codes Q (M, N) in int8 or float8 and a float scale s that is
+absent (float8 only), one number, or one per row. The merge computes, for each element,
+
+    x = Q * s + sum_i alpha_i * (B_i @ A_i)          (float32, B_i: (M, r_i), A_i: (r_i, N))
+    s' = amax / qmax  (per row, or over the tensor; 1 where amax is 0)
+    Q' = round(clamp(x / s', qmin, qmax))
+
+with qmax = 127 for int8 and ``finfo.max`` for float8, qmin = -128 for int8 and -qmax for
+float8: the representations' own ``encode`` (int8 codes reach -128 only where a scale stored in
+a narrower dtype rounded down).
+bitsandbytes' int8 (``absmax_scale=True``) stores the absmax itself as its scale:
+``W = Q * s * fl(1/127)``, ``s' = amax`` and ``Q' = round(x * (127 / amax))``.
+
+Two passes of one Triton kernel (``ENCODE`` off, then on), each recomputing x tile by tile from
+Q and the factors (the low-rank product is cheap next to the memory traffic): pass 1, one
+program per row block, walks the column tiles and writes each row's amax; the new scale follows
+in a few torch ops (no host sync); pass 2, one program per (BM, BN) tile, recomputes x and
+writes the codes. W is never materialized: the traffic is two reads of Q and of the factors,
+and one write of Q' (unscaled float8 needs no amax: pass 2 only).
+
+Rounding is done by hand, identically on the GPU and in the interpreter (whose float8 cast does
+not round to nearest even): the spacing of the float8 grid at x is ``ulp = 2^(max(e, emin) -
+mbits)`` with e the float32 exponent of x, so ``lo = floor(x / ulp) * ulp`` and ``lo + ulp`` are
+exact float8 values, and the cast of the chosen one is exact (int8: ulp = 1). Nearest picks the
+closer, ties to an even code; stochastic picks ``lo + ulp`` with probability ``x / ulp -
+floor(x / ulp)`` (``E[Q'] = x / s'``), drawing ``tl.rand(seed, m * N + n)``: the bits depend on
+the seed and the element only, not on the tiling.
+
+:func:`merge_scaled_reference` is the same computation in PyTorch (the oracle of the tests and
+the fallback off CUDA).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+from shuttle.kernels.merge_lowrank import (
+    device_floats,
+    interpreting,
+    padded_factors,
+    triton_available,
+)
+from shuttle.weights.representation import Rounding
+from shuttle.weights.rounding import round_float
+
+__all__ = ["ScaledMerge", "merge_scaled", "merge_scaled_or_none", "merge_scaled_reference"]
+
+# The largest code per data dtype; the scale maps amax to it.
+_QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: torch.finfo(torch.float8_e4m3fn).max,
+         torch.float8_e5m2: torch.finfo(torch.float8_e5m2).max}
+# float8 grids: (mantissa bits, exponent of the smallest normal); below it the spacing stays
+# that of the smallest normal binade (subnormals).
+_FLOAT8_GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
+
+
+class ScaledMerge(NamedTuple):
+    """The merged weight re-encoded.
+
+    Attributes:
+        data: (M, N) new codes, of the input codes' dtype (a new tensor).
+        scale: the new scale, of the input scale's shape and dtype; None when unscaled.
+        amax: () float32, the largest ``|x|`` of the merged weight; not finite when any element
+            is NaN or infinite (the codes and scale are then meaningless).
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor | None
+    amax: torch.Tensor
+
+
+def merge_scaled_reference(data: torch.Tensor, scale: torch.Tensor | None, up: torch.Tensor,
+                           down: torch.Tensor, seg: list[int], alpha: list[float], *,
+                           absmax_scale: bool = False, rounding: Rounding = "nearest",
+                           generator: torch.Generator | None = None) -> ScaledMerge:
+    """:func:`merge_scaled` in PyTorch: dequantize, add the low-rank sum in float32, encode.
+
+    Stochastic rounding draws one ``torch.rand`` of (M, N) from ``generator`` (so its bits
+    differ from the kernel's; the distribution is the same).
+    """
+    qmax = _QMAX[data.dtype]
+    x = data.float()
+    if scale is not None:
+        x = x * (scale.float().view(-1, 1) if scale.dim() else scale.float())
+        if absmax_scale:
+            x = x * _inv(qmax)
+    for i, a in enumerate(alpha):
+        x.addmm_(up[:, seg[i]:seg[i + 1]].float(), down[seg[i]:seg[i + 1]].float(), alpha=a)
+    amax_rows = x.abs().amax(dim=1)
+    v, new_scale = x, None
+    if scale is not None:
+        new_scale, enc = _new_scale(amax_rows if scale.dim() else amax_rows.amax(), scale.dtype,
+                                    qmax, absmax_scale)
+        enc = enc.view(-1, 1) if scale.dim() else enc
+        v = x * enc if absmax_scale else x / enc
+    v = v.clamp(_qmin(data.dtype), qmax)
+    if data.dtype.is_floating_point:
+        codes = round_float(v, data.dtype, rounding, generator)
+    elif rounding == "nearest":
+        codes = torch.round(v).to(data.dtype)
+    else:
+        lo = v.floor()
+        u = torch.rand(v.shape, generator=generator, device=v.device)
+        codes = (lo + (u < v - lo).float()).to(data.dtype)
+    return ScaledMerge(codes, new_scale, amax_rows.amax())
+
+
+def _qmin(dtype: torch.dtype) -> float:
+    """The smallest code: -128 for int8 (``absmax_encode`` clamps to iinfo), -max for float8."""
+    return -128.0 if dtype == torch.int8 else -_QMAX[dtype]
+
+
+def _inv(qmax: float) -> float:
+    """``1 / qmax`` rounded to float32: bitsandbytes multiplies by it (7.874015718698502e-3)."""
+    return torch.tensor(1.0 / qmax, dtype=torch.float32).item()
+
+
+def _new_scale(amax: torch.Tensor, dtype: torch.dtype, qmax: float, absmax_scale: bool
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(stored scale, float32 encode operand)`` from the float32 ``amax``.
+
+    Scaled: ``s' = amax / qmax`` (1 for a zero amax: any scale encodes zeros) stored in
+    ``dtype``, and codes are ``x / s'`` with the scale as stored. ``absmax_scale``: the absmax
+    itself is stored (0 stays 0) and codes are ``x * (qmax / amax)``.
+    """
+    one = torch.ones_like(amax)
+    if absmax_scale:
+        return amax.to(dtype), qmax / torch.where(amax > 0, amax, one)
+    stored = torch.where(amax > 0, amax / qmax, one).to(dtype)
+    return stored, stored.float()
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def merge_scaled_kernel(
+            q_ptr, s_ptr, b_ptr, a_ptr, alpha_ptr, out_ptr, enc_ptr, amax_ptr, seed, M, N,
+            stride_qm, stride_bm, stride_ar, dq, ENCODE: tl.constexpr, QMIN: tl.constexpr,
+            QMAX: tl.constexpr, SCALE: tl.constexpr, MUL: tl.constexpr, INT: tl.constexpr,
+            MBITS: tl.constexpr, EMIN: tl.constexpr, STOCHASTIC: tl.constexpr,
+            N_SEG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
+            IEEE: tl.constexpr):
+        # Pass 1 (ENCODE False): program p takes rows p*BM... and walks every column tile.
+        # Pass 2 (ENCODE True): program p takes one (BM, BN) tile and writes its codes.
+        # Both write the rows' max |x| over the columns they saw to amax_ptr[p*BM ... +BM]
+        # (pass 1: the row amax; pass 2: for the finiteness check). SCALE: 0 none, 1 per
+        # tensor, 2 per row; the factors are zero-padded to BR ranks per contribution, as in
+        # merge_lowrank.
+        pid = tl.program_id(0)
+        if ENCODE:
+            n_tiles = tl.cdiv(N, BN)
+            rm = (pid // n_tiles) * BM + tl.arange(0, BM)
+            n_lo = (pid % n_tiles) * BN
+            n_hi = n_lo + BN
+        else:
+            rm = pid * BM + tl.arange(0, BM)
+            n_lo = 0
+            n_hi = N
+        mask_m = rm < M
+        amax = tl.zeros((BM,), dtype=tl.float32)
+        for n0 in range(n_lo, n_hi, BN):
+            rn = n0 + tl.arange(0, BN)
+            mask = mask_m[:, None] & (rn < N)[None, :]
+            # x = Q * s * dq + sum_s alpha_s * b_s @ a_s, float32; 0 outside (M, N)
+            w = tl.load(q_ptr + rm[:, None] * stride_qm + rn[None, :], mask=mask,
+                        other=0.0).to(tl.float32)
+            if SCALE == 1:
+                w = w * tl.load(s_ptr).to(tl.float32)
+            if SCALE == 2:
+                w = w * tl.load(s_ptr + rm, mask=mask_m, other=0.0).to(tl.float32)[:, None]
+            w = w * dq
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for s in tl.static_range(N_SEG):
+                rk = s * BR + tl.arange(0, BR)
+                b = tl.load(b_ptr + rm[:, None] * stride_bm + rk[None, :],
+                            mask=mask_m[:, None], other=0.0)
+                a = tl.load(a_ptr + rk[:, None] * stride_ar + rn[None, :],
+                            mask=(rn < N)[None, :], other=0.0)
+                if IEEE:  # float32 factors, or the interpreter (whose bf16 dot is wrong)
+                    part = tl.dot(b.to(tl.float32), a.to(tl.float32), input_precision="ieee")
+                else:  # bf16/fp16 products are exact in the float32 accumulator
+                    part = tl.dot(b, a)
+                acc += part * tl.load(alpha_ptr + s)
+            x = w + acc
+            # NaN counts as inf, so that a max propagates any non-finite element
+            amax = tl.maximum(amax, tl.max(tl.where(x == x, tl.abs(x), float("inf")), axis=1))
+            if ENCODE:
+                v = x
+                if SCALE > 0:  # the encode operand has the scale's granularity
+                    if SCALE == 1:
+                        enc = tl.load(enc_ptr)
+                    else:
+                        enc = tl.load(enc_ptr + rm, mask=mask_m, other=1.0)[:, None]
+                    v = x * enc if MUL else x / enc
+                v = tl.minimum(tl.maximum(v, QMIN), QMAX)
+                if INT:
+                    t = v
+                else:
+                    # ulp = 2^(max(e, EMIN) - MBITS) with e v's float32 exponent, built from
+                    # bits; t = v / ulp is exact (a power of two), so are floor(t) * ulp and
+                    # one ulp more: both are float8 values, and their casts exact.
+                    ex = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+                    ex = tl.maximum(ex, EMIN) - MBITS
+                    ulp = ((ex + 127) << 23).to(tl.float32, bitcast=True)
+                    t = v * ((127 - ex) << 23).to(tl.float32, bitcast=True)
+                f = tl.floor(t)
+                frac = t - f
+                if STOCHASTIC:  # the element's flat index: the same bits for any tiling
+                    u = tl.rand(seed, rm.to(tl.int64)[:, None] * N + rn[None, :])
+                    up = u < frac
+                else:  # ties to an even code: f's parity is that of the last mantissa bit
+                    up = (frac > 0.5) | ((frac == 0.5) & ((f.to(tl.int32) & 1) == 1))
+                code = f + up.to(tl.float32)
+                if not INT:
+                    # keep the sign of zeros, as torch's cast does (-tiny rounds to -0.0)
+                    sign = v.to(tl.uint32, bitcast=True) & 0x80000000
+                    code = ((code * ulp).to(tl.uint32, bitcast=True) | sign).to(
+                        tl.float32, bitcast=True)
+                tl.store(out_ptr + rm[:, None] * N + rn[None, :],
+                         code.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(amax_ptr + pid * BM + tl.arange(0, BM), amax)
+
+    return merge_scaled_kernel
+
+
+# (BM, BN, num_warps) on CUDA: untuned (not yet measured on a GPU); BM 32 keeps pass 1, one
+# program per 32 rows, at 96+ programs for weights of 3072+ rows.
+CUDA_CONFIG: tuple[int, int, int] = (32, 128, 4)
+
+
+def merge_scaled(data: torch.Tensor, scale: torch.Tensor | None, up: torch.Tensor,
+                 down: torch.Tensor, seg: list[int], alpha: list[float], *,
+                 absmax_scale: bool = False, rounding: Rounding = "nearest", seed: int = 0,
+                 config: tuple[int, int, int] | None = None) -> ScaledMerge:
+    """Merge ``sum_i alpha_i * up[:, seg_i] @ down[seg_i]`` into scaled 8-bit codes, re-encoded.
+
+    Args:
+        data: (M, N) int8, float8_e4m3fn or float8_e5m2 codes, unit stride along N; not changed.
+        scale: None (float8 only: values clamp to ``±finfo.max``), a () scale or an (M,) one per
+            row; any float dtype (the new scale is stored in it, and codes are divided by the
+            scale as stored).
+        up: (M, R) concatenated up factors; down: (R, N), same dtype (bf16, fp16 or fp32).
+        seg: R-offsets of the contributions, ``[0, r_1, r_1 + r_2, ..., R]``.
+        alpha: the scale of each contribution.
+        absmax_scale: bitsandbytes' int8 form: ``scale`` holds each row's absmax.
+        rounding: ``"nearest"`` (ties to even) or ``"stochastic"`` (unbiased).
+        seed: drives stochastic rounding (repeatable per seed, independent of ``config``).
+        config: ``(BM, BN, num_warps)`` to override :data:`CUDA_CONFIG` (each a power of two,
+            BM and BN at least 16).
+
+    Returns:
+        A :class:`ScaledMerge` of new tensors. Runs the Triton kernels where Triton is installed
+        and ``data`` is on CUDA (or under ``TRITON_INTERPRET=1``), else
+        :func:`merge_scaled_reference` with a generator seeded by ``seed``.
+    """
+    assert data.dim() == up.dim() == down.dim() == 2, "merge_scaled works on 2-D views"
+    assert up.shape == (data.shape[0], seg[-1]) and down.shape == (seg[-1], data.shape[1])
+    assert len(seg) == len(alpha) + 1 and data.dtype in _QMAX
+    assert scale is not None or data.dtype.is_floating_point, "int8 codes need a scale"
+    assert scale is None or scale.shape in ((), data.shape[:1]), "scale: () or (M,)"
+    interpret = interpreting()
+    if not triton_available() or not (data.is_cuda or interpret) or data.stride(1) != 1:
+        g = torch.Generator(device=data.device).manual_seed(seed)
+        return merge_scaled_reference(data, scale, up, down, seg, alpha,
+                                      absmax_scale=absmax_scale, rounding=rounding, generator=g)
+    import triton
+
+    kernel = _kernel()
+    up_p, down_p, alpha, br = padded_factors(up, down, seg, alpha)
+    m, n = data.shape
+    qmax = _QMAX[data.dtype]
+    bm, bn, warps = config or ((16, 16, 1) if interpret else CUDA_CONFIG)
+    alpha_t = device_floats(alpha, data.device)
+    granularity = 0 if scale is None else 1 if scale.dim() == 0 else 2
+    dq = _inv(qmax) if absmax_scale and scale is not None else 1.0
+    mbits, emin = _FLOAT8_GRID.get(data.dtype, (0, 0))  # int8 ignores them
+    out = torch.empty(m, n, dtype=data.dtype, device=data.device)
+    if scale is not None:
+        scale = scale.contiguous()  # the kernel indexes a per-row scale with unit stride
+
+    def launch(grid: int, enc: torch.Tensor | None, encode: bool) -> torch.Tensor:
+        # Unused pointers (no scale, pass 1's encode operand) are given any tensor: never read.
+        amax = torch.empty(grid * bm, dtype=torch.float32, device=data.device)
+        kernel[(grid,)](
+            data, alpha_t if scale is None else scale, up_p, down_p, alpha_t, out,
+            alpha_t if enc is None else enc, amax, seed, m, n, data.stride(0), up_p.stride(0),
+            down_p.stride(0), dq, ENCODE=encode, QMIN=_qmin(data.dtype), QMAX=qmax,
+            SCALE=granularity, MUL=absmax_scale, INT=data.dtype == torch.int8, MBITS=mbits,
+            EMIN=emin, STOCHASTIC=rounding == "stochastic", N_SEG=len(alpha), BM=bm, BN=bn,
+            BR=br, IEEE=up.dtype == torch.float32 or interpret, num_warps=warps, num_stages=1)
+        return amax
+
+    row_blocks = triton.cdiv(m, bm)
+    new_scale, enc = None, None
+    if scale is not None:
+        row_amax = launch(row_blocks, None, False)[:m]
+        new_scale, enc = _new_scale(row_amax.amax() if granularity == 1 else row_amax,
+                                    scale.dtype, qmax, absmax_scale)
+    amax = launch(row_blocks * triton.cdiv(n, bn), enc, True).amax()
+    return ScaledMerge(out, new_scale, amax)
+
+
+def merge_scaled_or_none(data: torch.Tensor, scale: torch.Tensor | None, up: torch.Tensor,
+                         down: torch.Tensor, seg: list[int], alpha: list[float], *,
+                         absmax_scale: bool = False, rounding: Rounding = "nearest",
+                         seed: int = 0) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """:func:`merge_scaled` for a representation's ``merge_lowrank``: ``(codes, scale)`` in the
+    given tensors' shapes and dtypes, or None where the kernel does not apply.
+
+    ``data`` may have any number of dims (rows first; ``up`` has a row per ``data.shape[0]``
+    and ``down`` a column per element of a row). ``scale`` may have any shape that is one
+    number, or one per row broadcast over the other dims (``(rows,)``, ``(rows, 1)``).
+
+    None when: Triton is missing, ``data`` is neither on CUDA nor interpreted, not contiguous,
+    or of another dtype, or float8 on a GPU older than sm89; the scale has another
+    granularity; or the merged weight is not finite
+    (this check syncs with the device once; the caller's float32 path then reports the error).
+    """
+    rows = data.shape[0]
+    if not (triton_available() and (data.is_cuda or interpreting()) and data.is_contiguous()
+            and data.dtype in _QMAX):
+        return None
+    if data.is_cuda and data.dtype != torch.int8 and (
+            torch.cuda.get_device_capability(data.device) < (8, 9)):
+        return None  # Triton converts float8 only on sm89+ (Ada, Hopper and later)
+    s = scale
+    if scale is not None:
+        if scale.numel() == 1:
+            s = scale.reshape(())
+        elif scale.dim() >= 1 and scale.shape[0] == rows and scale.numel() == rows:
+            s = scale.reshape(rows)
+        else:
+            return None
+    out = merge_scaled(data.view(rows, -1), s, up, down, seg, alpha, absmax_scale=absmax_scale,
+                       rounding=rounding, seed=seed)
+    if not bool(torch.isfinite(out.amax)):
+        return None
+    return out.data.view(data.shape), None if scale is None else out.scale.view(scale.shape)

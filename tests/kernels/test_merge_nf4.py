@@ -1,0 +1,195 @@
+"""The fused 4-bit merge kernel against its PyTorch reference, bitsandbytes and float64 math.
+
+On CPU the kernel runs under TRITON_INTERPRET=1 (set in conftest); on CUDA it is compiled.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shuttle.kernels.merge_lowrank import triton_available
+from shuttle.kernels.merge_nf4 import merge_4bit, merge_4bit_reference
+from shuttle.weights import Bnb4bitWeight, represent
+
+bnb = pytest.importorskip("bitsandbytes")
+F = bnb.functional
+pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Ranks of the contributions (padded to 16 and to each other inside the kernel) and scales.
+RANKS, ALPHA = [3, 4, 9], [0.5, -1.3, 0.21]
+
+
+def _case(m, n, blocksize, quant_type, fdtype=torch.float32, seed=0, quant_storage=torch.uint8):
+    """A bitsandbytes-quantized (m, n) weight and concatenated factors of three contributions."""
+    g = torch.Generator().manual_seed(seed)
+    # rows of very different magnitudes, as real weights have
+    w = torch.randn(m, n, generator=g) * torch.logspace(-2, 1, m).unsqueeze(1)
+    q, qs = F.quantize_4bit(w.to(DEVICE), blocksize=blocksize, quant_type=quant_type,
+                            quant_storage=quant_storage)
+    r = sum(RANKS)
+    up = (torch.randn(m, r, generator=g) * 0.3).to(fdtype).to(DEVICE)
+    down = (torch.randn(r, n, generator=g) * 0.3).to(fdtype).to(DEVICE)
+    seg = [0, RANKS[0], RANKS[0] + RANKS[1], r]
+    return q, qs, up, down, seg
+
+
+def _float64_merged(q, qs, up, down, seg, alpha):
+    x = F.dequantize_4bit(q, qs).double()
+    for i, a in enumerate(alpha):
+        x += a * (up[:, seg[i]:seg[i + 1]].double() @ down[seg[i]:seg[i + 1]].double())
+    return x
+
+
+def _indices(packed, numel):
+    b = packed.contiguous().view(torch.uint8).reshape(-1)
+    return torch.stack([b >> 4, b & 0x0F], dim=1).reshape(-1)[:numel].long()
+
+
+def _assert_same_up_to_midpoints(got, want, code, exact, blocksize):
+    """``got`` and ``want`` ``(packed, absmax)`` are the same encoding of ``exact`` (float64)
+    except for float32 rounding: absmax to within 8 float32 ulps of each other and of the
+    float64 block maximum (a sum of ~20 terms, some larger than the result, loses a few ulps
+    in any order), and indices equal except on at most 1% of the elements, each within 1e-5
+    (relative to its block's scale) of a midpoint of the code, where float32 summation order
+    decides the side."""
+    torch.testing.assert_close(got[1], want[1], rtol=2 ** -20, atol=0)
+    block_max = exact.abs().reshape(-1, blocksize).amax(dim=1)
+    torch.testing.assert_close(got[1].double(), block_max, rtol=2 ** -20, atol=0)
+    numel = exact.numel()
+    diff = _indices(got[0], numel) != _indices(want[0], numel)
+    assert int(diff.sum()) <= numel // 100
+    sorted_code = code.double().sort().values
+    mids = (sorted_code[1:] + sorted_code[:-1]) / 2
+    scale = want[1].double().repeat_interleave(blocksize)
+    v = exact.reshape(-1)[diff] / scale[diff]
+    assert bool(((v[:, None] - mids).abs().amin(dim=1) <= 1e-5).all())
+    assert got[0].dtype == want[0].dtype and got[0].shape == want[0].shape
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize(("blocksize", "config"), [(32, None), (64, None), (64, (16, 128, 4))])
+def test_nearest_matches_reference(quant_type, blocksize, config):
+    # 40 rows: three row tiles, the last one masked; 192 columns: with BN=128 a column tile
+    # half past the end; with blocksize 32 two blocks per tile row.
+    q, qs, up, down, seg = _case(40, 192, blocksize, quant_type)
+    args = (q, qs.absmax, qs.code, (40, 192), blocksize, up, down, seg, ALPHA)
+    got = merge_4bit(*args, config=config)
+    want = merge_4bit_reference(*args)
+    _assert_same_up_to_midpoints(got, want, qs.code, _float64_merged(q, qs, up, down, seg, ALPHA),
+                                 blocksize)
+    # and the merge did something: most indices moved
+    assert int((_indices(got[0], 40 * 192) != _indices(q, 40 * 192)).sum()) > 40 * 192 // 2
+
+
+def test_bf16_factors_match_reference():
+    q, qs, up, down, seg = _case(24, 128, 64, "nf4", fdtype=torch.bfloat16, seed=1)
+    args = (q, qs.absmax, qs.code, (24, 128), 64, up, down, seg, ALPHA)
+    _assert_same_up_to_midpoints(merge_4bit(*args), merge_4bit_reference(*args), qs.code,
+                                 _float64_merged(q, qs, up, down, seg, ALPHA), 64)
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_zero_update_is_bitsandbytes_requantization(quant_type):
+    """With alpha 0 the kernel re-encodes the dequantized weight: bitsandbytes' own bytes."""
+    q, qs, up, down, seg = _case(32, 128, 64, quant_type, seed=2)
+    got = merge_4bit(q, qs.absmax, qs.code, (32, 128), 64, up, down, seg, [0.0, 0.0, 0.0])
+    q2, qs2 = F.quantize_4bit(F.dequantize_4bit(q, qs), blocksize=64, quant_type=quant_type)
+    assert torch.equal(got[0], q2) and torch.equal(got[1], qs2.absmax)
+
+
+def test_zero_block_keeps_zero_absmax():
+    q, qs, up, down, seg = _case(16, 128, 64, "nf4", seed=3)
+    up[:3] = 0  # rows 0-2 get no update ...
+    absmax = qs.absmax.clone()
+    absmax[:4] = 0  # ... and their first blocks are zero
+    got = merge_4bit(q, absmax, qs.code, (16, 128), 64, up, down, seg, ALPHA)
+    want = merge_4bit_reference(q, absmax, qs.code, (16, 128), 64, up, down, seg, ALPHA)
+    assert torch.equal(got[1][:4], torch.zeros(4, device=DEVICE))
+    # 4 blocks of 64 = rows 0-1: the code's zero, as the reference encodes them
+    zero = int((qs.code == 0).nonzero()[0])
+    assert bool((_indices(got[0], 256) == zero).all())
+    assert torch.equal(_indices(got[0], 256), _indices(want[0], 256))
+
+
+def test_stochastic_repeatable_and_independent_of_tiling():
+    q, qs, up, down, seg = _case(40, 192, 64, "nf4", seed=4)
+    args = (q, qs.absmax, qs.code, (40, 192), 64, up, down, seg, ALPHA)
+    seed = 2 ** 62 + 5  # merge seeds are 63-bit
+    a = merge_4bit(*args, rounding="stochastic", seed=seed)
+    b = merge_4bit(*args, rounding="stochastic", seed=seed, config=(32, 128, 4))
+    c = merge_4bit(*args, rounding="stochastic", seed=seed + 1)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert not torch.equal(a[0], c[0])
+    nearest = merge_4bit(*args)
+    torch.testing.assert_close(a[1], nearest[1], rtol=0, atol=0)  # scales are deterministic
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_stochastic_is_unbiased(quant_type):
+    q, qs, up, down, seg = _case(16, 64, 32, quant_type, seed=5)
+    args = (q, qs.absmax, qs.code, (16, 64), 32, up, down, seg, ALPHA)
+    exact = _float64_merged(q, qs, up, down, seg, ALPHA)
+    n = 96
+
+    def dequantized(packed, absmax):
+        qs.absmax = absmax
+        return F.dequantize_4bit(packed, qs).double()
+
+    mean = sum(dequantized(*merge_4bit(*args, rounding="stochastic", seed=s))
+               for s in range(n)) / n
+    nearest = dequantized(*merge_4bit(*args))
+    # Each draw is one of two neighbours at most one code step apart (std <= step / 2): the
+    # mean of n draws lies within 4 standard deviations of the exact value.
+    sorted_code = qs.code.double().sort().values
+    step = (sorted_code[1:] - sorted_code[:-1]).max() * qs.absmax.double().view(16, 2)
+    step = step.repeat_interleave(32, dim=1)
+    assert bool(((mean - exact).abs() <= 4 * step / (2 * n ** 0.5)).all())
+    assert (mean - exact).abs().mean() < 0.3 * (nearest - exact).abs().mean()
+
+
+@pytest.mark.parametrize("quant_storage", [torch.uint8, torch.bfloat16])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_representation_merge_is_encode(quant_storage, rounding):
+    q, qs, up, down, seg = _case(40, 128, 64, "nf4", quant_storage=quant_storage, seed=6)
+    p = bnb.nn.Params4bit(q, requires_grad=False, quant_state=qs, blocksize=64,
+                          quant_type="nf4", quant_storage=quant_storage, bnb_quantized=True)
+    rep = Bnb4bitWeight.from_tensor(p)
+    got = rep.merge_lowrank(up, down, seg, ALPHA, rounding=rounding, seed=11)
+    update = sum(a * (up[:, seg[i]:seg[i + 1]].float() @ down[seg[i]:seg[i + 1]].float())
+                 for i, a in enumerate(ALPHA))
+    want = rep.encode(rep.dequantize() + update, rounding, torch.Generator(DEVICE).manual_seed(1))
+    assert isinstance(got, Bnb4bitWeight)
+    assert {n: (t.shape, t.dtype) for n, t in got.tensors().items()} == {
+        n: (t.shape, t.dtype) for n, t in want.tensors().items()}
+    assert (got.shape, got.blocksize, got.quant_type, got.dtype) == (
+        want.shape, want.blocksize, want.quant_type, want.dtype)
+    exact = _float64_merged(q, qs, up, down, seg, ALPHA)
+    if rounding == "nearest":
+        _assert_same_up_to_midpoints((got.packed, got.absmax), (want.packed, want.absmax),
+                                     rep.code, exact, 64)
+    else:  # other random streams: equal scales, and every value one of its two neighbours
+        torch.testing.assert_close(got.absmax, want.absmax, rtol=2 ** -20, atol=0)
+        sorted_code = rep.code.double().sort().values
+        step = (sorted_code[1:] - sorted_code[:-1]).max() * got.absmax.double()
+        err = (got.dequantize().double() - exact).abs().view(-1, 64)
+        assert bool((err <= step.view(-1, 1) * (1 + 1e-5)).all())
+    assert torch.equal(Bnb4bitWeight.from_tensor(got.to_parameter()).dequantize(),
+                       got.dequantize())
+
+
+def test_unsupported_forms_return_none(monkeypatch):
+    up, down, seg = torch.randn(16, 2), torch.randn(2, 96), [0, 2]
+    w = torch.randn(16, 96)
+    q, qs = F.quantize_4bit(w[:, :64].to(DEVICE), blocksize=64, compress_statistics=True)
+    nested = represent(bnb.nn.Params4bit(q, requires_grad=False, quant_state=qs, blocksize=64,
+                                         compress_statistics=True, bnb_quantized=True))
+    assert nested.nested
+    assert nested.merge_lowrank(up.to(DEVICE), down[:, :64].to(DEVICE), seg, [1.0]) is None
+    # 96 columns in blocks of 64: blocks straddle rows
+    q, qs = F.quantize_4bit(w, blocksize=64, quant_type="nf4")
+    assert merge_4bit(q, qs.absmax, qs.code, (16, 96), 64, up, down, seg, [1.0]) is None
+    # CPU tensors without the interpreter: no kernel to run
+    q, qs = F.quantize_4bit(w[:, :64].contiguous(), blocksize=64, quant_type="nf4")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert merge_4bit(q, qs.absmax, qs.code, (16, 64), 64, up, down[:, :64], seg, [1.0]) is None
