@@ -36,8 +36,8 @@ from shuttle.apply.auto import DEFAULT_THRESHOLD, Decision, decide
 from shuttle.apply.dynamic import QUALITIES, DynamicAdapters, default_quality
 from shuttle.apply.dynamic_layer import LoRAHook, Quality
 from shuttle.apply.merge import MergeReport, exact_cublas, merge_param
-from shuttle.apply.plan import AdapterList, Contribution, plan_params
-from shuttle.errors import OffloadError
+from shuttle.apply.plan import AdapterList, Contribution, is_plain_tensor, plan_params
+from shuttle.errors import OffloadError, UnsupportedLayerError
 from shuttle.hooks import add_hook
 from shuttle.offload.host_storage import HostStorage, HostUnit
 from shuttle.targets import KeyMapping
@@ -97,7 +97,18 @@ class ActivationAdapters:
         self.mode = mode
         # Validates every target over the host tensors' specs first, then reads the patches
         # onto the device and checks them finite.
-        plan = plan_params(dict(model.named_parameters()), loras, mapping, device=device)
+        params = dict(model.named_parameters())
+        plan = plan_params(params, loras, mapping, device=device)
+        quantized = [n for n in plan.params if not is_plain_tensor(params[n])]
+        if quantized:
+            # The slots hold such a weight's storage tensors (packed data, scales), not a
+            # float tensor a merge or a dynamic hook could use as it lands.
+            raise UnsupportedLayerError(
+                f"{len(quantized)} adapted parameter(s) are quantized ({quantized[0]!r} ...): "
+                "adapters during an offloader activation over quantized weights are not "
+                "supported yet. Merge the adapter into the model before capturing it "
+                "(shuttle.merge_lora), or apply it to a model that is not offloaded."
+            )
         self.plan = plan
         self.report = MergeReport(list(plan.params), plan.unmatched, plan.skipped)
         self.folds = 0

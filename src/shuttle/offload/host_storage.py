@@ -10,12 +10,19 @@ The module's parameters then point at views of the arena and the pageable origin
 unit by unit. With ``host="adopt"`` the module's own CPU tensors (pageable or mmap-backed) are
 kept as they are: nothing is copied.
 
+A quantized parameter (one a registered :class:`~shuttle.weights.WeightRepresentation` claims,
+e.g. a bitsandbytes ``Params4bit`` with its ``QuantState``, or a quanto/torchao tensor subclass)
+is captured as its storage tensors: each declared tensor of its representation (packed data,
+scales, codes) is a layout entry of its own, and binding calls the representation's
+``rebind``, so the parameter moves whole, in its stored form, never dequantized.
+
 Without CUDA, pinning is unavailable: arenas are plain memory and :attr:`HostStorage.pinned`
 is False.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import mmap
 import warnings
@@ -27,7 +34,9 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from shuttle.errors import BlockLayoutError, HostBackingError
+from shuttle.apply.plan import is_plain_tensor
+from shuttle.errors import BlockLayoutError, HostBackingError, ShuttleError, UnsupportedLayerError
+from shuttle.weights import Fp8Weight, PlainWeight, WeightRepresentation, represent
 
 __all__ = ["HostBacking", "HostStorage", "HostUnit", "Layout"]
 
@@ -85,6 +94,10 @@ class _Binding(NamedTuple):
     name: str
     is_param: bool
     entry: int  # index into the unit's layout
+    # A quantized parameter has one binding per storage tensor: ``part`` names it, and ``rep``
+    # (its representation, tensors dropped) rebinds the parameter to all of its parts at once.
+    rep: WeightRepresentation | None = None
+    part: str | None = None
 
 
 class HostUnit:
@@ -99,12 +112,21 @@ class HostUnit:
         self.arena = arena  # the flat host buffer (None when adopted: tensors lie apart)
 
     def bind(self, views: Sequence[torch.Tensor]) -> None:
-        """Point the unit's parameters (``.data``; identity kept) and buffers at ``views``."""
+        """Point the unit's parameters (``.data``; identity kept) and buffers at ``views``.
+
+        A quantized parameter is rebound through its representation: its data and every side
+        tensor (``quant_state``, scales) point at their views together.
+        """
+        parts: dict[tuple[int, str], tuple[_Binding, dict[str, torch.Tensor]]] = {}
         for b in self.bindings:
-            if b.is_param:
+            if b.rep is not None:
+                parts.setdefault((id(b.module), b.name), (b, {}))[1][b.part] = views[b.entry]
+            elif b.is_param:
                 b.module._parameters[b.name].data = views[b.entry]
             else:
                 b.module._buffers[b.name] = views[b.entry]
+        for b, tensors in parts.values():
+            b.rep.rebind(b.module._parameters[b.name], tensors)
 
     def bind_host(self) -> None:
         """Point the unit back at its host tensors."""
@@ -155,8 +177,9 @@ def _alias_key(t: torch.Tensor) -> tuple:
 def _check(t: torch.Tensor, where: str, adopt: bool) -> None:
     if type(t.detach()) is not torch.Tensor:
         raise HostBackingError(
-            f"{where} is a {type(t.detach()).__name__}; tensor subclasses (quantized weights) "
-            "are not supported by the offloader yet: dequantize it or keep it out of the model"
+            f"{where} is a {type(t.detach()).__name__}, a tensor subclass that no weight "
+            "representation claims: register one (with rebind(); "
+            "shuttle.weights.register_representation), dequantize it or keep it out of the model"
         )
     if adopt and t.device.type != "cpu":
         raise HostBackingError(
@@ -166,6 +189,52 @@ def _check(t: torch.Tensor, where: str, adopt: bool) -> None:
     if t.device.type == "meta":
         raise HostBackingError(f"{where} is on the meta device; load real weights first "
                                "(e.g. load_state_dict(..., assign=True))")
+
+
+def _quantized(t: torch.Tensor, where: str) -> WeightRepresentation | None:
+    """The representation of a quantized parameter (storage tensors, ``rebind``), or None for
+    one captured as one tensor (plain, float8, or a tensor no representation claims, which
+    :func:`_check` judges).
+
+    Raises:
+        HostBackingError: a quantized parameter the offloader cannot move whole: its
+            representation cannot ``rebind``, it holds inner tensors the representation does
+            not declare, or the representation refuses it.
+    """
+    if is_plain_tensor(t):
+        return None
+    try:
+        rep = represent(t)
+    except UnsupportedLayerError as e:  # claimed, but refused in its present state
+        raise HostBackingError(f"{where}: {e}") from e
+    except ShuttleError:  # claimed by none: one tensor, as _check judges it
+        return None
+    if isinstance(rep, (PlainWeight, Fp8Weight)):
+        return None
+    name = type(t).__qualname__
+    if type(rep).rebind is WeightRepresentation.rebind:
+        raise HostBackingError(
+            f"{where} is a {name} ({type(rep).__qualname__}), whose representation cannot "
+            "rebind its storage tensors, so the offloader cannot move it: implement "
+            f"{type(rep).__qualname__}.rebind(), or dequantize it or keep it out of the model"
+        )
+    declared = rep.tensors()
+    flatten = getattr(t, "__tensor_flatten__", None)
+    inner = flatten()[0] if callable(flatten) else []
+    missing = [n for n in inner if getattr(t, n, None) is not None
+               and not any(getattr(t, n) is d for d in declared.values())]
+    if missing:
+        raise HostBackingError(
+            f"{where} is a {name} with inner tensors {missing} that its representation "
+            f"({type(rep).__qualname__}) does not declare; they would stay behind when it "
+            "moves: declare them in its tensor_names (and rebind), or dequantize the weight"
+        )
+    return dataclasses.replace(rep, **dict.fromkeys(declared))
+
+
+def _parts(t: torch.Tensor, rep: WeightRepresentation) -> dict[str, torch.Tensor]:
+    """The storage tensors of quantized parameter ``t``, as its representation declares them."""
+    return {n: v.detach() for n, v in represent(t).tensors().items() if n in rep.tensor_names}
 
 
 def _survey(model: torch.nn.Module, groups: dict[str, Sequence[torch.nn.Module]],
@@ -181,6 +250,25 @@ def _survey(model: torch.nn.Module, groups: dict[str, Sequence[torch.nn.Module]]
         entries: dict[tuple, int] = {}
         specs: list[tuple[torch.dtype, torch.Size]] = []
         bindings, sources, sig = [], [], []
+
+        def add(key: tuple, t: torch.Tensor, full: str, module: torch.nn.Module, path: str,
+                leaf: str, kind: bool, rep: WeightRepresentation | None = None,
+                part: str | None = None) -> None:
+            other = owner.setdefault(key, (name, full))
+            if other[0] != name:
+                raise BlockLayoutError(
+                    f"{full} and {other[1]} are one tensor shared between two offload "
+                    "units; tie weights within one block or within the rest of the "
+                    "model, or leave one of them out of the block paths"
+                )
+            e = entries.get(key)
+            if e is None:
+                e = entries[key] = len(specs)
+                specs.append((t.dtype, t.shape))
+                sources.append(_Binding(module, leaf, kind, e, rep, part))
+            bindings.append(_Binding(module, leaf, kind, e, rep, part))
+            sig.append((path, leaf, kind, e) if part is None else (path, leaf, kind, e, part))
+
         for path, module in _walk(root, stop):
             # A layer unit holds its module's own parameters; its buffers (and everything of
             # the modules around it) stay with the rest, resident while active.
@@ -192,22 +280,14 @@ def _survey(model: torch.nn.Module, groups: dict[str, Sequence[torch.nn.Module]]
                     if t is None:
                         continue
                     full = ".".join(p for p in (name, path, leaf) if p)
+                    rep = _quantized(t, full) if kind else None
+                    if rep is not None:
+                        for part, pt in _parts(t, rep).items():
+                            _check(pt, f"{full} ({part})", adopt)
+                            add(_alias_key(pt), pt, full, module, path, leaf, True, rep, part)
+                        continue
                     _check(t, full, adopt)
-                    key = _alias_key(t)
-                    other = owner.setdefault(key, (name, full))
-                    if other[0] != name:
-                        raise BlockLayoutError(
-                            f"{full} and {other[1]} are one tensor shared between two offload "
-                            "units; tie weights within one block or within the rest of the "
-                            "model, or leave one of them out of the block paths"
-                        )
-                    e = entries.get(key)
-                    if e is None:
-                        e = entries[key] = len(specs)
-                        specs.append((t.dtype, t.shape))
-                        sources.append(_Binding(module, leaf, kind, e))
-                    bindings.append(_Binding(module, leaf, kind, e))
-                    sig.append((path, leaf, kind, e))
+                    add(_alias_key(t), t, full, module, path, leaf, kind)
         return _UnitSurvey(name, Layout.of(specs), bindings, (tuple(specs), tuple(sig)), sources)
 
     rest = unit("", model, block_ids)
@@ -369,4 +449,6 @@ class HostStorage:
 
 def _read(b: _Binding) -> torch.Tensor:
     table = b.module._parameters if b.is_param else b.module._buffers
+    if b.rep is not None:
+        return _parts(table[b.name], b.rep)[b.part]
     return table[b.name].detach()

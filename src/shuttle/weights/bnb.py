@@ -266,6 +266,20 @@ class Bnb4bitWeight(WeightRepresentation):
             for n, t in mine.items():
                 theirs[n].copy_(t)
 
+    def rebind(self, param: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
+        """Point a ``Params4bit``'s data and its ``QuantState``'s tensors (``absmax``, ``code``,
+        ``offset`` and the nested ``state2.absmax``/``state2.code``) at ``tensors``; no copy.
+        """
+        qs = param.quant_state
+        param.data = tensors["packed"]
+        qs.absmax, qs.code = tensors["absmax"], tensors["code"]
+        if "offset" in tensors:
+            qs.offset = tensors["offset"]
+        if "nested_absmax" in tensors:
+            qs.state2.absmax = tensors["nested_absmax"]
+        if "nested_code" in tensors:
+            qs.state2.code = tensors["nested_code"]
+
 
 @register_representation("bnb_int8")
 @dataclasses.dataclass
@@ -368,3 +382,13 @@ class BnbInt8Weight(WeightRepresentation):
         with torch.no_grad():
             target.data.copy_(self.data)
             target.scb.copy_(self.scb)
+
+    def rebind(self, param: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
+        """Point an ``Int8Params``' data, ``CB`` and ``SCB`` at ``tensors``; no copy.
+
+        ``CB`` is set too, so that ``Linear8bitLt``'s next forward takes its state (which it
+        moves into ``module.state`` on a forward) from the rebound tensors again.
+        """
+        param.data = tensors["data"]
+        param.CB = tensors["data"]
+        param.SCB = tensors["scb"]

@@ -151,3 +151,7 @@ class QuantoWeight(WeightRepresentation):
         with torch.no_grad():
             target.data.copy_(self.data)
             target.scale.copy_(self.scale)
+
+    def rebind(self, param: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
+        """Point a quanto ``QBytesTensor``'s ``_data`` and ``_scale`` at ``tensors``; no copy."""
+        param._data, param._scale = tensors["data"], tensors["scale"]

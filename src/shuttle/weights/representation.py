@@ -134,6 +134,20 @@ class WeightRepresentation:
             "weights through their own representation"
         )
 
+    def rebind(self, param: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
+        """Point ``param``'s storage tensors at ``tensors`` (declared name -> tensor), no copy.
+
+        ``tensors`` holds exactly the declared tensors this representation has (those of
+        :meth:`tensors`), of the same dtypes and shapes, possibly on another device: the
+        offloader moves a quantized parameter by rebinding it to views of host or device
+        buffers. Only ``param`` and ``tensors`` are read, never this representation's own
+        tensors. A representation without it cannot be offloaded.
+        """
+        raise NotImplementedError(
+            f"{type(self).__qualname__} cannot rebind a parameter's storage tensors, so the "
+            "offloader cannot move it; implement rebind() for it (or dequantize the weight)"
+        )
+
     @classmethod
     def accepts(cls, tensor: torch.Tensor) -> bool:
         """Whether :func:`represent` should wrap ``tensor`` in this class (default: never)."""

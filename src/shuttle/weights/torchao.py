@@ -135,6 +135,14 @@ class TorchaoScaledWeight(WeightRepresentation):
             target.qdata.copy_(self.qdata)
             target.scale.copy_(self.scale)
 
+    def rebind(self, param: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
+        """Point the torchao tensor's ``qdata``, ``scale`` (and ``zero_point``) at ``tensors``;
+        no copy.
+        """
+        param.qdata, param.scale = tensors["qdata"], tensors["scale"]
+        if "zero_point" in tensors:
+            param.zero_point = tensors["zero_point"]
+
 
 @register_representation("torchao_int4_tile_packed")
 @dataclasses.dataclass
