@@ -219,20 +219,42 @@ def test_int8_after_its_first_forward_is_refused():
     assert_unchanged(model, before)
 
 
-@pytest.mark.parametrize("lora_mode", ["merge", "dynamic", "auto"])
-def test_adapters_over_quantized_weights_are_refused_before_any_change(cpu_copy, lora_mode):
+def _nf4_adapter():
     g = torch.Generator().manual_seed(5)
     sd = {}
     for i in range(3):
         sd[f"blocks.{i}.lin.lora_A.weight"] = torch.randn(4, 64, generator=g) * 0.1
         sd[f"blocks.{i}.lin.lora_B.weight"] = torch.randn(64, 4, generator=g) * 0.1
+    return [(shuttle.load_lora(sd), 0.7)]
+
+
+@pytest.mark.parametrize("mode", ["whole", "stream1"])
+def test_dynamic_lora_over_nf4_blocks_equals_attach_lora(cpu_copy, mode):
+    loras = _nf4_adapter()
     ref, off = pair("nf4")
     x = torch.randn(4, 16)
     with torch.no_grad():
         plain = ref(x)
-    with pytest.raises(UnsupportedLayerError, match="quantized"):
-        off.activate("cpu", MODES["stream1"], loras=[(shuttle.load_lora(sd), 0.7)],
-                     lora_mode=lora_mode)
+        handle = shuttle.attach_lora(ref, loras)
+        want = ref(x)
+        handle.detach()
+    assert not torch.equal(want, plain)
+    with off.use("cpu", MODES[mode], loras=loras, lora_mode="dynamic") as model, \
+            torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(x), want)
+    with off.use("cpu", MODES[mode]) as model, torch.no_grad():
+        assert torch.equal(model(x), plain)
+
+
+@pytest.mark.parametrize("lora_mode", ["merge", "auto"])
+def test_merging_into_quantized_weights_while_active_is_refused(cpu_copy, lora_mode):
+    ref, off = pair("nf4")
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        plain = ref(x)
+    with pytest.raises(UnsupportedLayerError, match="dynamic"):
+        off.activate("cpu", MODES["stream1"], loras=_nf4_adapter(), lora_mode=lora_mode)
     assert not off.active
     with off.use("cpu", MODES["stream1"]) as model, torch.no_grad():
         assert torch.equal(model(x), plain)

@@ -157,6 +157,21 @@ class LoRAHook(ModuleHook):
         self.col_adapter[start:start + width] = slot.adapter
         slot.columns = (start, start + width)
 
+    def to_device(self, device: torch.device) -> None:
+        """Move the hook's own tensors (factors, scales, residuals) to ``device``.
+
+        For a hook built against host weights that compute elsewhere (an offloaded quantized
+        layer, whose storage tensors land on the device only while active).
+        """
+        for attr in ("down", "up", "base_scale", "col_adapter"):
+            t = getattr(self, attr)
+            if t is not None:
+                setattr(self, attr, t.to(device))
+        self.residuals = {k: r.to(device) for k, r in self.residuals.items()}
+        self._cache_gen = -1
+        request_scale(device)
+        self._strength_tensor(device)
+
     def refresh(self, module: torch.nn.Module) -> None:
         """Recompute the float32 weight residuals from the current strengths."""
         self.residuals = {}

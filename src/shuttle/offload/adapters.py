@@ -100,14 +100,14 @@ class ActivationAdapters:
         params = dict(model.named_parameters())
         plan = plan_params(params, loras, mapping, device=device)
         quantized = [n for n in plan.params if not is_plain_tensor(params[n])]
-        if quantized:
-            # The slots hold such a weight's storage tensors (packed data, scales), not a
-            # float tensor a merge or a dynamic hook could use as it lands.
+        if quantized and mode != "dynamic":
+            # The slots hold such a weight's storage tensors (packed data, scales): a merge as
+            # they land would have to re-encode them on every load.
             raise UnsupportedLayerError(
                 f"{len(quantized)} adapted parameter(s) are quantized ({quantized[0]!r} ...): "
-                "adapters during an offloader activation over quantized weights are not "
-                "supported yet. Merge the adapter into the model before capturing it "
-                "(shuttle.merge_lora), or apply it to a model that is not offloaded."
+                f"lora_mode={mode!r} during an offloader activation cannot merge into them. "
+                'Use lora_mode="dynamic" (the layer\'s own quantized forward plus the update), '
+                "or merge the adapter before capturing the model (shuttle.merge_lora)."
             )
         self.plan = plan
         self.report = MergeReport(list(plan.params), plan.unmatched, plan.skipped)
@@ -184,14 +184,23 @@ class ActivationAdapters:
         modules = dict(self.model.named_modules())
         for name, leaves in per_module.items():
             module = modules[name]
+            args = (name, module, dict(leaves), self.handle.strengths,
+                    self.handle.strength_tensor, quality)
+            if not all(is_plain_tensor(p) for p in module.parameters(recurse=False)):
+                # A quantized layer: the hook reads only the weight's logical shape and dtype
+                # (from its representation on the host) and takes low-rank patches only; its
+                # factors then move to the device.
+                hook = LoRAHook(*args)
+                hook.to_device(device)
+                self._built[name] = hook
+                continue
             # The hook sizes its factors and computes its float32 residuals from the module's
             # weights: give it device copies (one module at a time, transient) so both land on
             # the device even for a block that streams.
             on_device = {k: p.detach().to(device)
                          for k, p in module.named_parameters(recurse=False)}
             with _reparametrize_module(module, on_device):
-                self._built[name] = LoRAHook(name, module, dict(leaves), self.handle.strengths,
-                                             self.handle.strength_tensor, quality)
+                self._built[name] = LoRAHook(*args)
 
 
 class _OnDevice(Mapping[str, torch.Tensor]):
