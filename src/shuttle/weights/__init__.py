@@ -8,7 +8,7 @@ optimum-quanto are imported only when a tensor of theirs is met.
 
 from shuttle.weights.bnb import Bnb4bitWeight, BnbInt8Weight
 from shuttle.weights.fp8 import FP8_DTYPES, Fp8Weight
-from shuttle.weights.gguf import GGUF_TYPES, GGUFWeight, dequantize_blocks
+from shuttle.weights.gguf import GGUF_TYPES, GGUFParameter, GGUFWeight, dequantize_blocks
 from shuttle.weights.plain import PLAIN_DTYPES, PlainWeight
 from shuttle.weights.quanto import QuantoWeight, absmax_encode
 from shuttle.weights.representation import (
@@ -29,6 +29,7 @@ __all__ = [
     "PLAIN_DTYPES",
     "REPRESENTATIONS",
     "Fp8Weight",
+    "GGUFParameter",
     "GGUFWeight",
     "PlainWeight",
     "QuantoWeight",

@@ -14,6 +14,11 @@ Block layouts (ggml ``ggml-common.h``; all little-endian, ``d``/``dmin`` are flo
 
 A GGUF encoding is fixed offline (its scales come from an importance-weighted search), so these
 weights are not mergeable: adapters over them run in dynamic mode.
+
+:class:`GGUFParameter` puts such a weight into a module: a parameter that stores the blocks and
+dequantizes them whenever an operation uses it (``nn.Linear`` then computes
+``F.linear(x, dequantized)``); :class:`GGUFWeight` is its representation (shared bytes), so
+dynamic adapters and the offloader handle it like any other quantized weight.
 """
 
 from __future__ import annotations
@@ -22,11 +27,12 @@ import dataclasses
 from collections.abc import Callable
 
 import torch
+import torch.utils._pytree as pytree
 
 from shuttle.errors import ShuttleError
 from shuttle.weights.representation import WeightRepresentation, register_representation
 
-__all__ = ["GGUF_TYPES", "GGUFWeight", "dequantize_blocks"]
+__all__ = ["GGUF_TYPES", "GGUFParameter", "GGUFWeight", "dequantize_blocks"]
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
@@ -77,7 +83,7 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     sc = b[:, 192:208].contiguous().view(torch.int8).float()  # (n, 16): one per 16 values
     d = _f16(b[:, 208:210])
     low = torch.cat([ql & 0x0F, ql >> 4], dim=2)  # (n, 2, 4, 32), k order 0..3
-    high = (qh >> (2 * torch.arange(4).reshape(1, 1, 4, 1))) & 3
+    high = (qh >> (2 * torch.arange(4, device=b.device).reshape(1, 1, 4, 1))) & 3
     q = ((low | (high << 4)) - 32).float().reshape(n, 256)
     return d * sc.repeat_interleave(16, dim=1) * q
 
@@ -150,7 +156,8 @@ class GGUFWeight(WeightRepresentation):
         self.shape = tuple(int(s) for s in self.shape)
         values, size, *_ = GGUF_TYPES[self.qtype]
         numel = torch.Size(self.shape).numel()
-        if self.raw.numel() * values != numel * size:
+        # raw is None only in a layout record (the offloader keeps the form, drops tensors)
+        if self.raw is not None and self.raw.numel() * values != numel * size:
             raise ShuttleError(f"GGUF {self.qtype} data of {self.raw.numel()} bytes does not hold "
                                f"a weight of shape {self.shape} ({numel} values)")
 
@@ -164,3 +171,176 @@ class GGUFWeight(WeightRepresentation):
 
     def dequantize(self) -> torch.Tensor:
         return dequantize_blocks(self.raw, self.qtype).reshape(self.shape)
+
+    @classmethod
+    def accepts(cls, tensor: torch.Tensor) -> bool:
+        return isinstance(tensor, GGUFParameter)
+
+    @classmethod
+    def from_tensor(cls, tensor: torch.Tensor) -> GGUFWeight:
+        """Wrap a :class:`GGUFParameter`; its bytes are shared, not copied."""
+        return cls(_bytes(tensor), tensor.qtype, tensor.weight_shape, tensor.compute_dtype)
+
+    def to_parameter(self) -> GGUFParameter:
+        """A new :class:`GGUFParameter` over this weight's bytes (no copy)."""
+        return GGUFParameter(self.raw, self.qtype, self.shape, self.compute)
+
+    def rebind(self, param: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
+        """Point a :class:`GGUFParameter`'s bytes at ``tensors["raw"]`` (no copy); the
+        parameter object, its class and its metadata stay.
+        """
+        param.data = tensors["raw"]
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor over ``t``'s stored bytes (shared, not copied)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return t.detach()
+
+
+def _rebuild_gguf(raw: torch.Tensor, qtype: str, weight_shape: tuple[int, ...],
+                  compute_dtype: torch.dtype) -> GGUFParameter:
+    return GGUFParameter(raw, qtype, weight_shape, compute_dtype)
+
+
+# Tensor methods that read or describe the stored bytes themselves: run on the uint8 tensor.
+_STORED = frozenset({
+    "__hash__", "__dir__", "__format__", "__len__", "__setstate__", "__dlpack__",
+    "__dlpack_device__", "data_ptr", "untyped_storage", "storage", "_typed_storage",
+    "storage_offset", "element_size", "size", "dim", "ndimension", "numel", "nelement",
+    "stride", "is_contiguous", "is_pinned", "is_shared", "share_memory_", "is_floating_point",
+    "is_complex", "is_signed", "get_device", "requires_grad_", "record_stream", "_is_view",
+    "is_inference",
+})
+# ... and those that return the stored bytes again, elsewhere or copied: still a GGUFParameter.
+_KEEP = frozenset({"cuda", "cpu", "detach", "clone", "pin_memory", "contiguous"})
+# Getters that are operations on the values, not metadata: they dequantize.
+_VALUE_GETTERS = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+
+
+class GGUFParameter(torch.nn.Parameter):
+    """A parameter that stores GGUF blocks and dequantizes them on use.
+
+    The tensor itself *is* the stored bytes: uint8, ``(rows, row_bytes)`` as the file holds
+    them (any shape of whole blocks); ``qtype``, ``weight_shape`` (the logical, torch-order
+    shape) and ``compute_dtype`` ride along as attributes.
+
+    What stays stored: moves and copies (``.to(device)``, ``.cuda()``, ``.cpu()``,
+    ``.pin_memory()``, ``.detach()``, ``.clone()``, ``.data``, ``copy.deepcopy``, pickling)
+    keep the bytes, the class and the metadata; ``.to(float_dtype)`` only changes
+    ``compute_dtype``. Metadata queries (``shape``, ``dtype``, ``device``, ``numel()``,
+    ``data_ptr()``, ``is_floating_point()``) describe the bytes, so ``model.half()`` leaves the
+    weight as it is. ``copy_`` copies bytes (from uint8 data or another GGUFParameter) and
+    ``param.data = raw`` rebinds them; every other in-place operation is refused.
+
+    What dequantizes: every other operation that takes it (``F.linear``, ``matmul``, ``@``,
+    ``.T``, ``.float()``, ``torch.cat`` ...) first gets the weight dequantized to
+    ``compute_dtype`` on the bytes' device, ``weight_shape``; that tensor lives for the one call
+    only (nothing is cached, so memory holds the blocks plus one transient weight at a time).
+    An ``nn.Linear`` whose ``weight`` is one computes ``F.linear(x, dequantized, bias)``.
+
+    Not mergeable (:class:`GGUFWeight`); adapters run over it in dynamic mode. No gradient
+    (uint8 bytes); ``torch.compile`` over it is not covered.
+
+    Args:
+        raw: uint8 whole blocks (a GGUFParameter gives its bytes); shared, not copied.
+        qtype: a name (``"Q4_K"``) or a ggml type id.
+        weight_shape: the logical shape, holding exactly the blocks' values.
+        compute_dtype: the dtype the dequantized weight has (default bfloat16).
+
+    Raises:
+        ShuttleError: an unsupported type, non-uint8 data, or bytes that do not hold
+            ``weight_shape``.
+    """
+
+    qtype: str
+    weight_shape: tuple[int, ...]
+    compute_dtype: torch.dtype
+
+    def __new__(cls, raw: torch.Tensor, qtype: str | int, weight_shape: tuple[int, ...],
+                compute_dtype: torch.dtype = torch.bfloat16) -> GGUFParameter:
+        raw = _bytes(raw)
+        if raw.dtype != torch.uint8:
+            raise ShuttleError(f"GGUFParameter stores uint8 block bytes, got {raw.dtype}")
+        w = GGUFWeight(raw, qtype, tuple(weight_shape), compute_dtype)  # validates
+        self = torch.Tensor._make_subclass(cls, raw, False)
+        self.qtype, self.weight_shape, self.compute_dtype = w.qtype, w.shape, compute_dtype
+        return self
+
+    @classmethod
+    def from_weight(cls, weight: GGUFWeight) -> GGUFParameter:
+        """The parameter over a :class:`GGUFWeight`'s bytes (no copy)."""
+        return cls(weight.raw, weight.qtype, weight.shape, weight.compute)
+
+    def _like(self, raw: torch.Tensor, compute_dtype: torch.dtype | None = None
+              ) -> GGUFParameter:
+        return GGUFParameter(raw, self.qtype, self.weight_shape,
+                             compute_dtype or self.compute_dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight: ``weight_shape``, ``compute_dtype``, on the bytes' device (a new tensor)."""
+        out = dequantize_blocks(_bytes(self), self.qtype).reshape(self.weight_shape)
+        return out.to(self.compute_dtype)
+
+    def __repr__(self, *, tensor_contents: object = None) -> str:
+        raw = _bytes(self)
+        return (f"GGUFParameter({self.qtype}, weight_shape={self.weight_shape}, "
+                f"compute_dtype={self.compute_dtype}, {raw.numel()} bytes, device={raw.device})")
+
+    def __reduce_ex__(self, proto: int) -> tuple:
+        return _rebuild_gguf, (_bytes(self), self.qtype, self.weight_shape, self.compute_dtype)
+
+    def __deepcopy__(self, memo: dict) -> GGUFParameter:
+        if id(self) not in memo:
+            memo[id(self)] = self._like(_bytes(self).clone())
+        return memo[id(self)]
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in ("__get__", "__set__", "__delete__"):
+            prop = getattr(getattr(func, "__self__", None), "__name__", "")
+            if name != "__get__" or prop not in _VALUE_GETTERS:
+                with torch._C.DisableTorchFunctionSubclass():
+                    out = func(*args, **kwargs)
+                return args[0]._like(out) if name == "__get__" and prop == "data" else out
+        elif name in _STORED:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        elif name in _KEEP or name == "to":
+            self, compute = args[0], None
+            with torch._C.DisableTorchFunctionSubclass():
+                if name != "to":
+                    out = func(*args, **kwargs)
+                else:  # the bytes move; a float dtype becomes the compute dtype
+                    device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
+                    if dtype is not None and dtype.is_floating_point:
+                        compute = dtype
+                    out = self if device is None else func(self, device, non_blocking=non_blocking)
+            if out is self and compute in (None, self.compute_dtype):
+                return self
+            return self._like(out, compute)
+        elif name == "copy_":
+            dst, src = args[0], args[1]
+            if isinstance(src, GGUFParameter) and (src.qtype, src.weight_shape) != (
+                    dst.qtype, dst.weight_shape):
+                raise ShuttleError(f"cannot copy a GGUF {src.qtype} {src.weight_shape} weight "
+                                   f"into a {dst.qtype} {dst.weight_shape} one")
+            if src.dtype != torch.uint8:
+                raise ShuttleError(
+                    f"copy_ into a GGUFParameter takes its uint8 block bytes, not {src.dtype} "
+                    "values: GGUF blocks cannot be re-encoded here")
+            with torch._C.DisableTorchFunctionSubclass():
+                _bytes(dst).copy_(_bytes(src), *args[2:], **kwargs)
+            return dst
+        elif name.endswith("_") and not name.startswith("__"):
+            raise ShuttleError(
+                f"{name} would change a GGUFParameter's dequantized copy, not its blocks; "
+                "dequantize it into a plain parameter first (GGUF blocks are not re-encoded)")
+
+        def dq(a: object) -> object:
+            return a.dequantize() if isinstance(a, GGUFParameter) else a
+
+        args, kwargs = pytree.tree_map(dq, (args, kwargs))
+        return func(*args, **kwargs)
