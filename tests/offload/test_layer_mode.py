@@ -187,7 +187,7 @@ def test_lora_dynamic_in_layer_mode_equals_attach_lora(cpu_copy, mode):
     with torch.no_grad(), off.use("cpu", LAYER_MODES[mode], loras=loras, lora_mode="dynamic",
                                   quality="exact") as model:
         # The stream hook is outermost: the LoRA hook sees the layer's weights in its slot.
-        assert type(hooks_of(model.fc1)[0]).__name__ == "_LayerHook"
+        assert type(hooks_of(model.fc1)[0]).__name__ == "SlotHook"
         for _ in range(2):
             torch.testing.assert_close(model(x), want, rtol=0, atol=1e-6)
     assert all(hooks_of(m) == [] for m in off.model.modules())

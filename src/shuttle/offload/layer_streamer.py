@@ -34,36 +34,17 @@ and checkpoint each block instead).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
 from shuttle.errors import CheckpointRequiredError
-from shuttle.hooks import HookGroup, ModuleHook
+from shuttle.hooks import HookGroup
 from shuttle.offload.host_storage import HostUnit
 from shuttle.offload.slots import SlotPool
-from shuttle.offload.streamer import SlotGuard, in_backward, outer_saved_hooks
+from shuttle.offload.streamer import SlotGuard, SlotHook, in_backward, outer_saved_hooks
 
 __all__ = ["LayerStreamer"]
-
-
-class _LayerHook(ModuleHook):
-    def __init__(self, streamer: LayerStreamer, position: int):
-        self.streamer = streamer
-        self.position = position
-
-    def forward(self, module: torch.nn.Module, inner: Callable[..., Any], *args: Any,
-                **kwargs: Any) -> Any:
-        s, i = self.streamer, self.position
-        s.before(i)
-        try:
-            if s.guarded(i, args, kwargs):
-                with s.guard.hooks(i):
-                    return inner(*args, **kwargs)
-            return inner(*args, **kwargs)
-        finally:
-            self.streamer.after(self.position)
 
 
 class LayerStreamer:
@@ -113,7 +94,7 @@ class LayerStreamer:
     def attach(self) -> None:
         """Install the hook on every layer (undone exactly by :meth:`detach`)."""
         for i, layer in enumerate(self.layers):
-            hook = _LayerHook(self, i)
+            hook = SlotHook(self, i)
             self._hooks.add(layer, hook)
 
     def detach(self) -> None:

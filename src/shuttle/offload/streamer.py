@@ -46,7 +46,7 @@ from shuttle.hooks import HookGroup, ModuleHook
 from shuttle.offload.host_storage import HostUnit
 from shuttle.offload.slots import SlotPool
 
-__all__ = ["BlockStreamer", "SlotGuard", "in_backward", "outer_saved_hooks"]
+__all__ = ["BlockStreamer", "SlotGuard", "SlotHook", "in_backward", "outer_saved_hooks"]
 
 
 def in_backward() -> bool:
@@ -104,8 +104,13 @@ class SlotGuard:
         return x.tensor
 
 
-class _StreamHook(ModuleHook):
-    def __init__(self, streamer: BlockStreamer, position: int):
+class SlotHook(ModuleHook):
+    """The hook of one streamed module (a block, or a layer in layer mode): its weights bound
+    before its forward (``before``), released after (``after``), and the forward run under the
+    streamer's saved-tensor guard when ``guarded`` says so.
+    """
+
+    def __init__(self, streamer: Any, position: int):
         self.streamer = streamer
         self.position = position
 
@@ -115,12 +120,12 @@ class _StreamHook(ModuleHook):
         s, i = self.streamer, self.position
         s.before(i)
         try:
-            if s.guarded(i):
+            if s.guarded(i, args, kwargs):
                 with s.guard.hooks(i):
                     return inner(*args, **kwargs)
             return inner(*args, **kwargs)
         finally:
-            self.streamer.after(self.position)
+            s.after(i)
 
 
 class BlockStreamer:
@@ -179,7 +184,7 @@ class BlockStreamer:
     def attach(self) -> None:
         """Install the hook on every block (undone exactly by :meth:`detach`)."""
         for i, block in enumerate(self.blocks):
-            hook = _StreamHook(self, i)
+            hook = SlotHook(self, i)
             self._hooks.add(block, hook)
 
     def detach(self) -> None:
@@ -193,8 +198,10 @@ class BlockStreamer:
         self._owner = [None] * len(self._ring)
         self.warm()
 
-    def guarded(self, i: int) -> bool:
-        """Whether block ``i``'s forward runs under :attr:`guard` (grad mode, not checkpointed)."""
+    def guarded(self, i: int, args: tuple = (), kwargs: dict | None = None) -> bool:
+        """Whether block ``i``'s forward runs under :attr:`guard` (grad mode, not checkpointed;
+        the call's arguments matter only in layer mode).
+        """
         return (not self._resident[i] and torch.is_grad_enabled() and not in_backward()
                 and not outer_saved_hooks())
 
