@@ -197,7 +197,9 @@ def _merge_encoded(p: torch.Tensor, name: str, contribs: list[Contribution],
     rep = represent(p.detach() if is_plain_tensor(p) else p)
     count = _merge_count(p)
     mixed = (param_seed(name, seed) + count * 0x9E3779B97F4A7C15) & (2**63 - 1)
-    sums = lowrank_sums(contribs) if p.is_cuda and triton_available() else None
+    # Concatenating the factors is work only a representation with a fused kernel uses.
+    fused = type(rep).merge_lowrank is not WeightRepresentation.merge_lowrank
+    sums = lowrank_sums(contribs) if fused and p.is_cuda and triton_available() else None
     if sums is not None and set(sums) == {None}:
         # A fused kernel of the representation, where it has one: never a dense weight.
         out = rep.merge_lowrank(*sums[None], rounding=rounding, seed=mixed)

@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from shuttle.kernels.merge_lowrank import interpreting, triton_available
+from shuttle.kernels.merge_lowrank import bind_tiles, interpreting, triton_available
 
 __all__ = ["DECODE_MAX_T", "lora_decode_add", "lora_decode_add_reference"]
 
@@ -34,10 +34,16 @@ def lora_decode_add_reference(out: torch.Tensor, x: torch.Tensor, down: torch.Te
     return out
 
 
+# Shared tile helpers, bound by bind_tiles() when the kernels are built (see there).
+store_rne = None
+
+
 @functools.cache
 def _kernel():
     import triton
     import triton.language as tl
+
+    bind_tiles(globals(), "store_rne")
 
     @triton.jit
     def decode_kernel(x_ptr, d_ptr, u_ptr, scale_ptr, o_ptr, T, K, N, R,
@@ -67,15 +73,7 @@ def _kernel():
         delta = tl.dot(h, u.to(tl.float32), input_precision="ieee")
         mask = (rt[:, None] < T) & (rn[None, :] < N)
         o_ptrs = o_ptr + rt[:, None] * stride_ot + rn[None, :]
-        acc = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32) + delta
-        if o_ptr.dtype.element_ty == tl.bfloat16:
-            # Round to nearest even by hand (the interpreter's cast truncates).
-            bits = acc.to(tl.uint32, bitcast=True)
-            bits += ((bits >> 16) & 1) + 0x7FFF
-            tl.store(o_ptrs, (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True),
-                     mask=mask)
-        else:
-            tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=mask)
+        store_rne(o_ptrs, tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32) + delta, mask)
 
     return decode_kernel
 

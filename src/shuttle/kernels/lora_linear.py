@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from shuttle.kernels.merge_lowrank import interpreting, triton_available
+from shuttle.kernels.merge_lowrank import bind_tiles, interpreting, triton_available
 from shuttle.kernels.tma import ensure_allocator, tma_addressable
 
 __all__ = [
@@ -140,10 +140,16 @@ def lora_linear_fused_reference(x: torch.Tensor, weight: torch.Tensor, bias: tor
 # Kernels
 
 
+# Shared tile helpers, bound by bind_tiles() when the kernels are built (see there).
+round_bf16 = store_rne = None
+
+
 @functools.cache
 def _kernels():
     import triton
     import triton.language as tl
+
+    bind_tiles(globals(), "round_bf16", "store_rne")
 
     @triton.jit
     def shrink_kernel(x_ptr, d_ptr, scale_ptr, o_ptr, T, R, K, K_PER_SPLIT, stride_xt,
@@ -188,16 +194,7 @@ def _kernels():
         if SPLIT > 1:
             tl.store(o_ptrs, acc, mask=mask)
         else:
-            out = acc * tl.load(scale_ptr + rr_l)[None, :]
-            if o_ptr.dtype.element_ty == tl.bfloat16:
-                # Round to nearest even by hand: the interpreter's float32->bf16 cast truncates,
-                # and one spelling keeps the GPU and the CPU checks on one code path.
-                bits = out.to(tl.uint32, bitcast=True)
-                bits += ((bits >> 16) & 1) + 0x7FFF
-                tl.store(o_ptrs, (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True),
-                         mask=mask)
-            else:
-                tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=mask)
+            store_rne(o_ptrs, acc * tl.load(scale_ptr + rr_l)[None, :], mask)
 
     @triton.jit
     def fused_kernel(x_ptr, w_ptr, b_ptr, s_ptr, u_ptr, o_ptr, T, N, K, R,
@@ -263,14 +260,7 @@ def _kernels():
             acc += tl.load(b_ptr + rn_l).to(tl.float32)[None, :]
         mask = (rt[:, None] < T) & (rn[None, :] < N)
         o_ptrs = o_ptr + rt.to(tl.int64)[:, None] * stride_ot + rn[None, :]
-        if o_ptr.dtype.element_ty == tl.bfloat16:
-            # Round to nearest even by hand (see shrink_kernel).
-            bits = acc.to(tl.uint32, bitcast=True)
-            bits += ((bits >> 16) & 1) + 0x7FFF
-            tl.store(o_ptrs, (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True),
-                     mask=mask)
-        else:
-            tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=mask)
+        store_rne(o_ptrs, acc, mask)
 
     @triton.jit
     def linear_kernel_tma(x_ptr, w_ptr, s_ptr, u_ptr, o_ptr, bias_ptr, scale_ptr,
@@ -332,9 +322,7 @@ def _kernels():
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
             if OUT_BF16:
-                bits = acc.to(tl.uint32, bitcast=True)  # round to nearest even (shrink_kernel)
-                bits += ((bits >> 16) & 1) + 0x7FFF
-                o_desc.store([ot, on], (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True))
+                o_desc.store([ot, on], round_bf16(acc))
             else:  # float16: the TMA path takes bf16 or fp16 operands only
                 o_desc.store([ot, on], acc.to(tl.float16))
 

@@ -18,8 +18,8 @@ import functools
 
 import torch
 
-__all__ = ["device_floats", "interpreting", "merge_lowrank", "merge_lowrank_reference",
-           "padded_factors", "triton_available"]
+__all__ = ["bind_tiles", "device_floats", "interpreting", "merge_lowrank",
+           "merge_lowrank_reference", "padded_factors", "triton_available"]
 
 
 @functools.cache
@@ -42,10 +42,16 @@ def merge_lowrank_reference(w: torch.Tensor, up: torch.Tensor, down: torch.Tenso
     w.copy_(acc)
 
 
+# Shared tile helpers, bound by bind_tiles() when the kernels are built (see there).
+lowrank_tile = store_rne = None
+
+
 @functools.cache
 def _kernel():
     import triton
     import triton.language as tl
+
+    bind_tiles(globals(), "lowrank_tile", "store_rne")
 
     @triton.jit
     def merge_kernel(w_ptr, b_ptr, a_ptr, alpha_ptr, M, N, stride_wm, stride_bm, stride_ar,
@@ -65,27 +71,9 @@ def _kernel():
         mask = mask_m[:, None] & mask_n[None, :]
         ptrs = w_ptr + rm[:, None] * stride_wm + rn[None, :]
         w = tl.load(ptrs, mask=mask, other=0.0)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for s in tl.static_range(N_SEG):
-            rk = s * BR + tl.arange(0, BR)
-            b = tl.load(b_ptr + rm[:, None] * stride_bm + rk[None, :],
-                        mask=mask_m[:, None], other=0.0)
-            a = tl.load(a_ptr + rk[:, None] * stride_ar + rn[None, :],
-                        mask=mask_n[None, :], other=0.0)
-            if IEEE:  # float32 factors, or the interpreter (whose bf16 dot is wrong)
-                part = tl.dot(b.to(tl.float32), a.to(tl.float32), input_precision="ieee")
-            else:  # bf16/fp16 products are exact in the float32 accumulator
-                part = tl.dot(b, a)
-            acc += part * tl.load(alpha_ptr + s)
-        out = w.to(tl.float32) + acc
-        if w_ptr.dtype.element_ty == tl.bfloat16:
-            # Round to nearest even by hand: the interpreter's float32->bf16 cast
-            # truncates, and spelling it out keeps GPU and CPU checks on one code path.
-            bits = out.to(tl.uint32, bitcast=True)
-            bits += ((bits >> 16) & 1) + 0x7FFF
-            tl.store(ptrs, (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
-        else:
-            tl.store(ptrs, out.to(w_ptr.dtype.element_ty), mask=mask)
+        acc = lowrank_tile(b_ptr, a_ptr, alpha_ptr, rm, rn, mask_m, mask_n, stride_bm, stride_ar,
+                           BM, BN, N_SEG, BR, IEEE)
+        store_rne(ptrs, w.to(tl.float32) + acc, mask)
 
     return merge_kernel
 
@@ -181,6 +169,20 @@ def _split_large_ranks(seg: list[int], alpha: list[float]) -> tuple[list[int], l
         out_seg.append(r1)
         out_alpha.append(a)
     return out_seg, out_alpha
+
+
+def bind_tiles(namespace: dict, *names: str) -> None:
+    """Bind the helpers ``names`` of :mod:`shuttle.kernels.tiles` into ``namespace``, a kernel
+    module's globals, once Triton is imported (that module imports it; Triton is optional).
+
+    Triton resolves the functions a kernel calls among its module's globals: its interpreter
+    re-executes each kernel's source with those globals only, so closure variables would not
+    do.
+    """
+    from shuttle.kernels import tiles
+
+    for name in names:
+        namespace[name] = getattr(tiles, name)
 
 
 def interpreting() -> bool:

@@ -29,6 +29,7 @@ from typing import Literal
 import torch
 
 from shuttle.kernels.merge_lowrank import (
+    bind_tiles,
     device_floats,
     interpreting,
     padded_factors,
@@ -95,10 +96,16 @@ def _blocks(x: torch.Tensor, blocksize: int) -> torch.Tensor:
     return torch.cat([flat, flat.new_zeros(-flat.numel() % blocksize)]).view(-1, blocksize)
 
 
+# Shared tile helpers, bound by bind_tiles() when the kernels are built (see there).
+lowrank_tile = None
+
+
 @functools.cache
 def _kernel():
     import triton
     import triton.language as tl
+
+    bind_tiles(globals(), "lowrank_tile")
 
     @triton.jit
     def merge_4bit_kernel(packed_ptr, absmax_ptr, code_ptr, sorted_ptr, perm_ptr, b_ptr, a_ptr,
@@ -127,18 +134,8 @@ def _kernel():
         byte = tl.load(packed_ptr + byte_offs, mask=byte_mask, other=0)
         amax = tl.load(absmax_ptr + blk_offs, mask=blk_mask, other=0.0).to(tl.float32)
 
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for s in tl.static_range(N_SEG):
-            rk = s * BR + tl.arange(0, BR)
-            b = tl.load(b_ptr + rm[:, None] * stride_bm + rk[None, :],
-                        mask=mask_m[:, None], other=0.0)
-            a = tl.load(a_ptr + rk[:, None] * stride_ar + rn[None, :],
-                        mask=mask_n[None, :], other=0.0)
-            if IEEE:  # float32 factors, or the interpreter (whose bf16 dot is wrong)
-                part = tl.dot(b.to(tl.float32), a.to(tl.float32), input_precision="ieee")
-            else:  # bf16/fp16 products are exact in the float32 accumulator
-                part = tl.dot(b, a)
-            acc += part * tl.load(alpha_ptr + s)
+        acc = lowrank_tile(b_ptr, a_ptr, alpha_ptr, rm, rn, mask_m, mask_n, stride_bm, stride_ar,
+                           BM, BN, N_SEG, BR, IEEE)
 
         # (BM, BN/2, 2) -> (BM, BN): high nibble first, as the bytes are laid out.
         idx = tl.reshape(tl.join(byte >> 4, byte & 0x0F), (BM, BN)).to(tl.int32)

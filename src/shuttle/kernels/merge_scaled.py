@@ -40,6 +40,7 @@ from typing import NamedTuple
 import torch
 
 from shuttle.kernels.merge_lowrank import (
+    bind_tiles,
     device_floats,
     interpreting,
     padded_factors,
@@ -134,10 +135,16 @@ def _new_scale(amax: torch.Tensor, dtype: torch.dtype, qmax: float, absmax_scale
     return stored, stored.float()
 
 
+# Shared tile helpers, bound by bind_tiles() when the kernels are built (see there).
+lowrank_tile = None
+
+
 @functools.cache
 def _kernel():
     import triton
     import triton.language as tl
+
+    bind_tiles(globals(), "lowrank_tile")
 
     @triton.jit
     def merge_scaled_kernel(
@@ -176,18 +183,8 @@ def _kernel():
             if SCALE == 2:
                 w = w * tl.load(s_ptr + rm, mask=mask_m, other=0.0).to(tl.float32)[:, None]
             w = w * dq
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            for s in tl.static_range(N_SEG):
-                rk = s * BR + tl.arange(0, BR)
-                b = tl.load(b_ptr + rm[:, None] * stride_bm + rk[None, :],
-                            mask=mask_m[:, None], other=0.0)
-                a = tl.load(a_ptr + rk[:, None] * stride_ar + rn[None, :],
-                            mask=(rn < N)[None, :], other=0.0)
-                if IEEE:  # float32 factors, or the interpreter (whose bf16 dot is wrong)
-                    part = tl.dot(b.to(tl.float32), a.to(tl.float32), input_precision="ieee")
-                else:  # bf16/fp16 products are exact in the float32 accumulator
-                    part = tl.dot(b, a)
-                acc += part * tl.load(alpha_ptr + s)
+            acc = lowrank_tile(b_ptr, a_ptr, alpha_ptr, rm, rn, mask_m, rn < N, stride_bm,
+                               stride_ar, BM, BN, N_SEG, BR, IEEE)
             x = w + acc
             # NaN counts as inf, so that a max propagates any non-finite element
             amax = tl.maximum(amax, tl.max(tl.where(x == x, tl.abs(x), float("inf")), axis=1))

@@ -1,0 +1,56 @@
+"""Tile-level pieces the Triton kernels share.
+
+This module imports Triton at the top: kernel builders import it inside their lazy
+``_kernel()`` functions (Triton is optional), and their kernels call these functions as
+closure variables, which Triton resolves like globals.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["lowrank_tile", "round_bf16", "store_rne"]
+
+
+@triton.jit
+def lowrank_tile(b_ptr, a_ptr, alpha_ptr, rm, rn, mask_m, mask_n, stride_bm, stride_ar,
+                 BM: tl.constexpr, BN: tl.constexpr, N_SEG: tl.constexpr, BR: tl.constexpr,
+                 IEEE: tl.constexpr):
+    """``sum_s alpha[s] * b[rm, s*BR:(s+1)*BR] @ a[s*BR:(s+1)*BR, rn]``, (BM, BN) float32.
+
+    b: (M, N_SEG * BR) and a: (N_SEG * BR, N): each contribution's factors zero-padded to BR
+    ranks, so rank offsets are compile-time multiples of BR (aligned loads, no rank masks).
+    """
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for s in tl.static_range(N_SEG):
+        rk = s * BR + tl.arange(0, BR)
+        b = tl.load(b_ptr + rm[:, None] * stride_bm + rk[None, :], mask=mask_m[:, None],
+                    other=0.0)
+        a = tl.load(a_ptr + rk[:, None] * stride_ar + rn[None, :], mask=mask_n[None, :],
+                    other=0.0)
+        if IEEE:  # float32 factors, or the interpreter (whose bf16 dot is wrong)
+            part = tl.dot(b.to(tl.float32), a.to(tl.float32), input_precision="ieee")
+        else:  # bf16/fp16 products are exact in the float32 accumulator
+            part = tl.dot(b, a)
+        acc += part * tl.load(alpha_ptr + s)
+    return acc
+
+
+@triton.jit
+def round_bf16(x):
+    """float32 -> bfloat16, round to nearest even, by hand: the interpreter's cast truncates,
+    and one spelling keeps the GPU and the CPU checks on one code path.
+    """
+    bits = x.to(tl.uint32, bitcast=True)
+    bits += ((bits >> 16) & 1) + 0x7FFF
+    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def store_rne(ptrs, x, mask):
+    """Store float32 ``x`` at ``ptrs`` in their element type, rounded once to nearest even."""
+    if ptrs.dtype.element_ty == tl.bfloat16:
+        tl.store(ptrs, round_bf16(x), mask=mask)
+    else:
+        tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=mask)
