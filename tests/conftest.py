@@ -24,3 +24,11 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def cpu_copy(monkeypatch):
+    """Offloader activations on the CPU copy through slots and hooks as on CUDA."""
+    from shuttle.offload import CPU_COPY_ENV
+
+    monkeypatch.setenv(CPU_COPY_ENV, "1")

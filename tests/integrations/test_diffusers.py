@@ -17,7 +17,6 @@ import torch
 import shuttle
 from shuttle.errors import BudgetTooSmallError, MissingDependencyError, ResourceTooLargeError
 from shuttle.integrations import diffusers as shuttle_diffusers
-from shuttle.offload import CPU_COPY_ENV
 from tests.integrations.models import (
     assert_restored,
     flux_lora,
@@ -32,8 +31,8 @@ BLOCKS = ["transformer_blocks", "single_transformer_blocks"]
 
 
 @pytest.fixture(autouse=True)
-def cpu_copy(monkeypatch):
-    monkeypatch.setenv(CPU_COPY_ENV, "1")
+def _cpu_copy(cpu_copy):
+    """Every test here activates on the CPU through the copy path."""
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ import torch
 import shuttle
 from shuttle.errors import MissingDependencyError, OffloadError, ResourceTooLargeError
 from shuttle.integrations import transformers as shuttle_transformers
-from shuttle.offload import CPU_COPY_ENV
 from tests.integrations.models import assert_restored, llama_lora, snapshot, tiny_llama
 
 pytest.importorskip("transformers")
@@ -25,8 +24,8 @@ IDS = torch.tensor([[3, 14, 15, 9, 26]])
 
 
 @pytest.fixture(autouse=True)
-def cpu_copy(monkeypatch):
-    monkeypatch.setenv(CPU_COPY_ENV, "1")
+def _cpu_copy(cpu_copy):
+    """Every test here activates on the CPU through the copy path."""
 
 
 def logits(model) -> torch.Tensor:

@@ -14,15 +14,14 @@ import torch
 from torch._dynamo.testing import CompileCounter
 
 from shuttle.hooks import hooks_of
-from shuttle.offload import CPU_COPY_ENV, ModelOffloader, StreamConfig
+from shuttle.offload import ModelOffloader, StreamConfig
 from tests.offload.models import TinyDiT
 
 PATHS = ["blocks", "single"]
 
 
-@pytest.fixture
-def cpu_copy(monkeypatch):
-    monkeypatch.setenv(CPU_COPY_ENV, "1")
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()

@@ -12,7 +12,7 @@ from torch import nn
 import shuttle
 from shuttle.errors import BudgetTooSmallError, CheckpointRequiredError, OffloadError
 from shuttle.hooks import hooks_of
-from shuttle.offload import CPU_COPY_ENV, ModelOffloader, StreamConfig
+from shuttle.offload import ModelOffloader, StreamConfig
 from tests.offload.models import TinyDiT
 
 LAYER_MODES = {
@@ -23,10 +23,6 @@ LAYER_MODES = {
     "budget": StreamConfig(prefetch=1, vram_budget=40_000),
 }
 
-
-@pytest.fixture
-def cpu_copy(monkeypatch):
-    monkeypatch.setenv(CPU_COPY_ENV, "1")
 
 
 class ConvNet(nn.Module):

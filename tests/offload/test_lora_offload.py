@@ -15,7 +15,7 @@ from shuttle.errors import (
     ShapeMismatchError,
 )
 from shuttle.hooks import hooks_of
-from shuttle.offload import CPU_COPY_ENV, ModelOffloader, SlotPool, StreamConfig
+from shuttle.offload import ModelOffloader, SlotPool, StreamConfig
 from shuttle.offload import adapters as adapters_module
 from tests.offload.models import RESIDENCY_MODES, TinyDiT, fail_on_call
 from tests.offload.test_host_storage import assert_unchanged, snapshot
@@ -24,10 +24,6 @@ PATHS = ["blocks", "single"]
 
 MODES = RESIDENCY_MODES
 
-
-@pytest.fixture
-def cpu_copy(monkeypatch):
-    monkeypatch.setenv(CPU_COPY_ENV, "1")
 
 
 def adapters(dtype=torch.float32):

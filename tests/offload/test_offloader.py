@@ -19,16 +19,12 @@ from shuttle.errors import (
     OffloadError,
 )
 from shuttle.hooks import hooks_of
-from shuttle.offload import CPU_COPY_ENV, ModelOffloader, SlotPool, StreamConfig
+from shuttle.offload import ModelOffloader, SlotPool, StreamConfig
 from tests.offload.models import RESIDENCY_MODES, TinyDiT, fail_on_call
 from tests.offload.test_host_storage import assert_unchanged, snapshot
 
 PATHS = ["blocks", "single"]
 
-
-@pytest.fixture
-def cpu_copy(monkeypatch):
-    monkeypatch.setenv(CPU_COPY_ENV, "1")
 
 
 def pair(dtype=torch.float32, host="pinned"):

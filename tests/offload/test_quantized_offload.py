@@ -8,7 +8,7 @@ import torch
 
 import shuttle
 from shuttle.errors import HostBackingError, UnsupportedLayerError
-from shuttle.offload import CPU_COPY_ENV, ModelOffloader, StreamConfig
+from shuttle.offload import ModelOffloader, StreamConfig
 from shuttle.offload.host_storage import HostStorage
 from shuttle.weights import Bnb4bitWeight, WeightRepresentation, represent
 
@@ -20,10 +20,6 @@ MODES = {
     "resident": StreamConfig(prefetch=1, resident=1),
 }
 
-
-@pytest.fixture
-def cpu_copy(monkeypatch):
-    monkeypatch.setenv(CPU_COPY_ENV, "1")
 
 
 def quantized_linear(kind: str, lin: torch.nn.Linear) -> torch.nn.Module:

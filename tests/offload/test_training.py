@@ -10,7 +10,7 @@ from torch.utils.checkpoint import checkpoint
 
 import shuttle
 from shuttle.errors import CheckpointRequiredError, PendingGradientError, StreamModeError
-from shuttle.offload import CPU_COPY_ENV, ModelOffloader, StreamConfig
+from shuttle.offload import ModelOffloader, StreamConfig
 from tests.offload.models import TinyDiT
 
 PATHS = ["blocks", "single"]
@@ -21,10 +21,6 @@ TRAIN_MODES = {
     "resident": StreamConfig(prefetch=1, resident=2),
 }
 
-
-@pytest.fixture
-def cpu_copy(monkeypatch):
-    monkeypatch.setenv(CPU_COPY_ENV, "1")
 
 
 def checkpointed(model: TinyDiT, tokens: torch.Tensor) -> torch.Tensor:
