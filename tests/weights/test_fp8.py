@@ -88,3 +88,12 @@ def test_representation_keeps_form_through_to_and_pin():
         assert torch.equal(moved.dequantize(), scaled.dequantize())
     assert scaled.to("meta").device.type == "meta"
     assert scaled.compute_dtype == torch.bfloat16
+
+
+def test_write_into_copies_unscaled_values_and_refuses_a_scale():
+    p = torch.zeros(3, 4, dtype=torch.float8_e4m3fn)
+    values = torch.randn(3, 4).to(torch.float8_e4m3fn)
+    Fp8Weight(values).write_into(p)
+    assert torch.equal(p.view(torch.uint8), values.view(torch.uint8))
+    with pytest.raises(ShuttleError, match="scale"):
+        Fp8Weight(values, torch.ones(3)).write_into(p)

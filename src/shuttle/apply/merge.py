@@ -34,7 +34,7 @@ from shuttle.errors import InvalidStrengthError, NonFiniteAdapterError
 from shuttle.kernels import merge_lowrank, triton_available
 from shuttle.patches import LowRank
 from shuttle.targets import KeyMapping
-from shuttle.weights import PLAIN_DTYPES, Fp8Weight, PlainWeight, WeightRepresentation, represent
+from shuttle.weights import PLAIN_DTYPES, WeightRepresentation, represent
 
 __all__ = [
     "MergeReport",
@@ -224,16 +224,11 @@ def write_back(p: torch.Tensor, rep: WeightRepresentation) -> None:
     """Store ``rep`` (of ``p``'s form) into parameter ``p`` in place: the module keeps working
     and every holder of ``p``'s storage tensors sees the new values.
 
-    Plain and float8 tensors copy their data; other representations write themselves into the
-    parameter object (``write_into``: the packed data and its scales, bitsandbytes' quant_state
-    included).
+    Each representation writes itself (``write_into``): plain and float8 tensors copy their
+    data, the others their packed data and scales (bitsandbytes' quant_state included).
     """
     with torch.no_grad():
-        if isinstance(rep, (PlainWeight, Fp8Weight)) and is_plain_tensor(p):
-            assert rep.tensors().keys() == {"data"}, "a scaled Fp8Weight has no plain parameter"
-            p.data.copy_(rep.data)
-        else:
-            rep.write_into(p)
+        rep.write_into(p)
 
 
 class LowRankSum(NamedTuple):

@@ -113,6 +113,17 @@ class Fp8Weight(WeightRepresentation):
     def accepts(cls, tensor: torch.Tensor) -> bool:
         return isinstance(tensor, torch.Tensor) and tensor.dtype in FP8_DTYPES
 
+    def write_into(self, param: torch.Tensor) -> None:
+        """Copy the float8 values into ``param`` (a plain float8 tensor) in place.
+
+        Raises:
+            ShuttleError: this weight has a scale, which a plain float8 parameter cannot hold.
+        """
+        if self.scale is not None:
+            raise ShuttleError("a scaled Fp8Weight cannot be written into a plain float8 "
+                               "parameter (it has nowhere to keep the scale)")
+        param.data.copy_(self.data)
+
     @classmethod
     def from_tensor(cls, tensor: torch.Tensor) -> Fp8Weight:
         return cls(tensor)

@@ -44,6 +44,10 @@ class PlainWeight(WeightRepresentation):
         # Params4bit may store its packed bytes as bf16) belongs to that library's class.
         return type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.dtype in PLAIN_DTYPES
 
+    def write_into(self, param: torch.Tensor) -> None:
+        """Copy the values into ``param`` (a plain tensor of this shape and dtype) in place."""
+        param.data.copy_(self.data)
+
     @classmethod
     def from_tensor(cls, tensor: torch.Tensor) -> PlainWeight:
         return cls(tensor)
