@@ -30,6 +30,7 @@ from shuttle.formats import FORMATS, LoRA, load_lora, register_format, save_lora
 from shuttle.offload import ModelOffloader, StreamConfig
 from shuttle.patches import PATCH_KINDS, register_patch
 from shuttle.targets import Resolution, resolve
+from shuttle.weights import upcast_on_use
 
 __version__ = "0.1.0"
 
@@ -65,4 +66,5 @@ __all__ = [
     "replacement_parameters",
     "resolve",
     "save_lora",
+    "upcast_on_use",
 ]

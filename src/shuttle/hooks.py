@@ -8,7 +8,9 @@ what it was: same class, same ``forward``, same signature (``inspect.signature``
 ``__wrapped__`` while hooked).
 
 Several hooks on one module chain in the order they were added: pre_forward first to last,
-forward nested (the first added is outermost), post_forward last to first.
+forward nested (the first added is outermost), post_forward last to first. A hook added with
+``outermost=True`` goes to the front of the chain instead (streaming hooks, which must bind a
+module's weights before any other hook reads them).
 """
 
 from __future__ import annotations
@@ -55,8 +57,9 @@ def hooks_of(module: torch.nn.Module) -> list[ModuleHook]:
     return list(module.__dict__.get(_HOOKS, ()))
 
 
-def add_hook(module: torch.nn.Module, hook: ModuleHook) -> None:
-    """Install ``hook`` on ``module`` (after any hooks already there)."""
+def add_hook(module: torch.nn.Module, hook: ModuleHook, outermost: bool = False) -> None:
+    """Install ``hook`` on ``module``: after any hooks already there, or before them all when
+    ``outermost``."""
     hooks: list[ModuleHook] | None = module.__dict__.get(_HOOKS)
     if hooks is None:
         if "forward" in module.__dict__:
@@ -85,7 +88,10 @@ def add_hook(module: torch.nn.Module, hook: ModuleHook) -> None:
     if hook in hooks:
         raise ShuttleError("this hook is already attached to the module")
     hook.on_attach(module)
-    hooks.append(hook)
+    if outermost:
+        hooks.insert(0, hook)
+    else:
+        hooks.append(hook)
 
 
 def remove_hook(module: torch.nn.Module, hook: ModuleHook | None = None) -> None:
@@ -110,9 +116,9 @@ class HookGroup:
     def __init__(self) -> None:
         self._installed: list[tuple[torch.nn.Module, ModuleHook]] = []
 
-    def add(self, module: torch.nn.Module, hook: ModuleHook) -> None:
+    def add(self, module: torch.nn.Module, hook: ModuleHook, outermost: bool = False) -> None:
         """:func:`add_hook`, remembered for :meth:`remove_all`."""
-        add_hook(module, hook)
+        add_hook(module, hook, outermost)
         self._installed.append((module, hook))
 
     def remove_all(self) -> None:

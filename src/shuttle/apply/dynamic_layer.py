@@ -37,6 +37,7 @@ from shuttle.hooks import ModuleHook
 from shuttle.kernels import interpreting, lora_linear_fused, lora_shrink, triton_available
 from shuttle.kernels.lora_decode import DECODE_MAX_T, lora_decode_add
 from shuttle.patches import LowRank
+from shuttle.weights import FP8_DTYPES
 
 __all__ = ["LoRAHook", "Quality"]
 
@@ -132,8 +133,10 @@ class LoRAHook(ModuleHook):
         w = module.weight
         spec = logical_spec(w)  # a quantized weight: its logical shape and compute dtype
         dtypes = {t.dtype for s in self.slots for t in (s.patch.up, s.patch.down)}
-        # A float32 adapter keeps float32 GEMMs; other factors run in the weight's dtype.
-        fdtype = torch.float32 if torch.float32 in dtypes else spec.dtype
+        # A float32 adapter keeps float32 GEMMs; other factors run in the weight's dtype, a
+        # float8 weight's being bfloat16 (it computes cast up, see weights.upcast_on_use).
+        wdtype = torch.bfloat16 if spec.dtype in FP8_DTYPES else spec.dtype
+        fdtype = torch.float32 if torch.float32 in dtypes else wdtype
         widths = [max(s.patch.rank, pad_rank or 0) for s in self.slots]
         total = sum(widths)
         self.down = torch.zeros(total, spec.shape[1], dtype=fdtype, device=w.device)

@@ -95,7 +95,7 @@ class LayerStreamer:
         """Install the hook on every layer (undone exactly by :meth:`detach`)."""
         for i, layer in enumerate(self.layers):
             hook = SlotHook(self, i)
-            self._hooks.add(layer, hook)
+            self._hooks.add(layer, hook, outermost=True)  # binds weights first
 
     def detach(self) -> None:
         """Remove every hook this streamer installed."""

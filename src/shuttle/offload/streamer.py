@@ -185,7 +185,7 @@ class BlockStreamer:
         """Install the hook on every block (undone exactly by :meth:`detach`)."""
         for i, block in enumerate(self.blocks):
             hook = SlotHook(self, i)
-            self._hooks.add(block, hook)
+            self._hooks.add(block, hook, outermost=True)  # binds weights first
 
     def detach(self) -> None:
         """Remove every hook this streamer installed."""

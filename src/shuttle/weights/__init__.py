@@ -2,7 +2,8 @@
 
 Each gives its logical shape and compute dtype, pinning and device copies that keep the form,
 ``dequantize`` to float32 and ``encode`` (re-encoding after a merge). :func:`represent` finds the
-class for a tensor; :func:`register_representation` adds one. bitsandbytes, torchao and
+class for a tensor; :func:`register_representation` adds one. :func:`upcast_on_use` lets a
+model compute with float8-stored parameters. bitsandbytes, torchao and
 optimum-quanto are imported only when a tensor of theirs is met.
 """
 
@@ -20,6 +21,7 @@ from shuttle.weights.representation import (
 )
 from shuttle.weights.rounding import round_float, stochastic_round
 from shuttle.weights.torchao import TorchaoInt4Weight, TorchaoScaledWeight
+from shuttle.weights.upcast import UpcastHook, Upcasting, upcast_on_use
 
 __all__ = [
     "Bnb4bitWeight",
@@ -36,6 +38,8 @@ __all__ = [
     "Rounding",
     "TorchaoInt4Weight",
     "TorchaoScaledWeight",
+    "UpcastHook",
+    "Upcasting",
     "WeightRepresentation",
     "absmax_encode",
     "dequantize_blocks",
@@ -43,4 +47,5 @@ __all__ = [
     "represent",
     "round_float",
     "stochastic_round",
+    "upcast_on_use",
 ]
