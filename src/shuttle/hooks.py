@@ -59,7 +59,8 @@ def hooks_of(module: torch.nn.Module) -> list[ModuleHook]:
 
 def add_hook(module: torch.nn.Module, hook: ModuleHook, outermost: bool = False) -> None:
     """Install ``hook`` on ``module``: after any hooks already there, or before them all when
-    ``outermost``."""
+    ``outermost``.
+    """
     hooks: list[ModuleHook] | None = module.__dict__.get(_HOOKS)
     if hooks is None:
         if "forward" in module.__dict__:
