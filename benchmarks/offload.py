@@ -37,10 +37,15 @@ host->device copy). Host syncs per step: CUDA runtime synchronize calls and bloc
 in one profiled steady-state step.
 
     PYTHONPATH=src python benchmarks/offload.py --model both      # the H200 run
+    PYTHONPATH=src python benchmarks/offload.py --storage bf16,fp8 --out offload_fp8  # issue 6
+
+--storage fp8 stores the blocks' Linear weights as float8 e4m3 (half the bytes; the model
+computes through shuttle.upcast_on_use, diffusers_group through diffusers'
+enable_layerwise_casting) and reports the section as <model>_fp8.
     PYTHONPATH=src python benchmarks/offload.py --layers 4 --single-layers 8 --fractions 0.75
 
-Writes docs/benchmarks/offload.{json,md} (under $SHUTTLE_BENCH_OUT when set) after every
-variant, so a cut-off run keeps its rows.
+Writes docs/benchmarks/<--out, default offload>.{json,md} (under $SHUTTLE_BENCH_OUT when set)
+after every variant, so a cut-off run keeps its rows.
 """
 
 from __future__ import annotations
@@ -101,6 +106,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--accelerate-rounds", type=int, default=2, help="(warm-up: 1 step)")
     p.add_argument("--wan-accelerate", action="store_true", help="also run accelerate on wan")
     p.add_argument("--only", default="", help="comma-separated variant prefixes to run")
+    p.add_argument("--storage", default="bf16",
+                   help="comma-separated block Linear weight storage: bf16, fp8 (float8 e4m3, "
+                        "computed through shuttle.upcast_on_use); fp8 sections are named "
+                        "<model>_fp8")
+    p.add_argument("--out", default="offload", help="results name under docs/benchmarks/")
     return p.parse_args(argv)
 
 
@@ -170,9 +180,13 @@ def fill(t: torch.Tensor, pool: torch.Tensor, offset: int) -> torch.Tensor:
     return t
 
 
-def build_weights(cls: type, cfg: dict, pool: torch.Tensor
-                  ) -> tuple[Callable[[], nn.Module], nn.Module, int]:
+def build_weights(cls: type, cfg: dict, pool: torch.Tensor, blocks: list[str],
+                  storage: str = "bf16") -> tuple[Callable[..., nn.Module], nn.Module, int]:
     """A factory of models sharing one random bf16 state dict; a weightless skeleton; the bytes.
+
+    With ``storage="fp8"`` the weights of the blocks' Linear layers are stored as float8 e4m3
+    (what fp8 checkpoints hold) and ``factory()`` returns the model with
+    ``shuttle.upcast_on_use`` installed (``factory(upcast=False)``: without).
 
     Models are built under ``init_empty_weights`` (parameters on meta, buffers real: Wan's
     rotary tables are non-persistent buffers, absent from the state dict) and take the state's
@@ -185,19 +199,27 @@ def build_weights(cls: type, cfg: dict, pool: torch.Tensor
         with init_empty_weights():
             return cls(**cfg)
 
+    import shuttle
+
     meta = skeleton()
+    fp8 = {f"{n}.weight" for n, m in meta.named_modules() if storage == "fp8"
+           and isinstance(m, nn.Linear) and any(n.startswith(f"{b}.") for b in blocks)}
     state = {}
     for i, (k, v) in enumerate(meta.state_dict().items()):
         if v.is_floating_point():
             state[k] = fill(torch.empty(v.shape, dtype=torch.bfloat16), pool, i * 1_000_003)
+            if k in fp8:
+                state[k] = state[k].to(torch.float8_e4m3fn)
         else:
             state[k] = torch.zeros(v.shape, dtype=v.dtype)
 
-    def factory() -> nn.Module:
+    def factory(upcast: bool = True) -> nn.Module:
         m = skeleton()
         # detach(): fresh tensor objects on the shared storage, so that re-pointing one model's
         # tensors (.data =) never re-points the state's.
         m.load_state_dict({k: v.detach() for k, v in state.items()}, assign=True)
+        if fp8 and upcast:
+            shuttle.upcast_on_use(m)  # the hooks live with the model (dropped with it)
         return m.eval().requires_grad_(False)
 
     return factory, meta, sum(v.nbytes for v in state.values())
@@ -432,34 +454,48 @@ class Report:
                     "vs_resident"] - 1
                 lines.append(f"{name}: dynamic LoRA (rank {self.args.lora_rank}) while streaming "
                              f"adds {100 * extra:+.1f}% over shuttle_min.")
+            base = name.rsplit("_fp8", 1)[0]
+            bf16 = {r["variant"]: r for r in self.rows if r["model"] == base
+                    and "step_ms" in r}
+            if name != base and "shuttle_min" in by and "shuttle_min" in bf16:
+                f8, b16 = by["shuttle_min"], bf16["shuttle_min"]
+                lines.append(
+                    f"{name}: streaming every block in fp8 moves "
+                    f"{f8['streamed_bytes'] / b16['streamed_bytes']:.3f}x the bytes of bf16 and "
+                    f"takes {f8['step_ms'] / b16['step_ms']:.3f}x its step time "
+                    f"({f8['step_ms']:.1f} vs {b16['step_ms']:.1f} ms); step / own bound "
+                    f"{f8['step_over_bound']:.3f}.")
         lines += [
             "",
-            "One transformer forward per step, random bf16 weights. Steps alternate with the "
-            "resident model's in chunks (back to back, no host sync inside a chunk, first step "
-            "of each chunk dropped); medians. vs resident: over the resident steps of the same "
-            "chunks. bound: max(resident step, bytes streamed per step / pinned bandwidth); "
-            "shuttle streams the non-resident blocks, diffusers and accelerate every weight. "
-            "copy GB/s: bytes streamed per step / step time. Peak VRAM: allocated during setup "
-            "and warm-up above what was allocated before (inputs, resident reference). Pinned: "
-            "shuttle's registered arenas; otherwise growth of PyTorch's pinned host allocator. "
-            "host RSS +GiB: process RSS after setup over the RSS before the section's first "
-            "variant (which holds the benchmark's one copy of the weights). setup: shuttle's "
-            "capture and pinning (once per model) / activate; otherwise the whole setup. "
-            "syncs/step: cuda*Synchronize and blocking cudaMemcpy calls in one profiled "
-            "steady-state step.",
+            "One transformer forward per step, random bf16 weights (fp8 sections: the blocks'"
+            " Linear weights stored as float8 e4m3 and cast to bf16 per layer as it runs). "
+            "Steps alternate with the resident model's in chunks (back to back, no host sync "
+            "inside a chunk, first step of each chunk dropped); medians. vs resident: over "
+            "the resident steps of the same chunks. bound: max(resident step, bytes streamed "
+            "per step / pinned bandwidth); shuttle streams the non-resident blocks, diffusers"
+            " and accelerate every weight. copy GB/s: bytes streamed per step / step time. "
+            "Peak VRAM: allocated during setup and warm-up above what was allocated before "
+            "(inputs, resident reference). Pinned: shuttle's registered arenas; otherwise "
+            "growth of PyTorch's pinned host allocator. host RSS +GiB: process RSS after "
+            "setup over the RSS before the section's first variant (which holds the "
+            "benchmark's one copy of the weights). setup: shuttle's capture and pinning (once"
+            " per model) / activate; otherwise the whole setup. syncs/step: cuda*Synchronize "
+            "and blocking cudaMemcpy calls in one profiled steady-state step.",
         ]
         return "\n".join(lines)
 
     def write(self) -> None:
         payload = {"args": vars(self.args), "pinned_gbs": self.pinned_gbs,
                    "models": self.models, "rows": self.rows}
-        harness.write_results("offload", payload, table(self.rows),
+        harness.write_results(self.args.out, payload, table(self.rows),
                               "Offloading DiTs: shuttle vs diffusers group offloading and "
                               "accelerate", notes=self.notes())
 
 
-def run_model(name: str, args: argparse.Namespace, report: Report) -> None:
-    """Every variant of one model, each row reported as it is measured."""
+def run_model(name: str, args: argparse.Namespace, report: Report, storage: str = "bf16"
+              ) -> None:
+    """Every variant of one model, each row reported as it is measured; ``storage``: the
+    blocks' Linear weights in bf16 or fp8 (section ``<name>_fp8``)."""
     import accelerate
     import diffusers
 
@@ -478,13 +514,14 @@ def run_model(name: str, args: argparse.Namespace, report: Report) -> None:
 
     t0 = time.perf_counter()
     pool = (torch.randn(POOL, generator=torch.Generator().manual_seed(0)) * 0.02).bfloat16()
-    factory, meta, weight_bytes = build_weights(cls, cfg, pool)
+    factory, meta, weight_bytes = build_weights(cls, cfg, pool, blocks, storage)
+    label = name if storage == "bf16" else f"{name}_{storage}"
     lora = shuttle.load_lora(lora_state(meta, blocks, args.lora_rank, pool))
     del pool
     batches, tokens = make_inputs(name, meta.config, args)
     print(f"[{name}] {weight_bytes / GB:.2f} GB of weights built in "
           f"{time.perf_counter() - t0:.1f} s, {tokens} tokens", flush=True)
-    report.models[name] = {"class": cls.__name__, "config": cfg,
+    report.models[label] = {"storage": storage, "class": cls.__name__, "config": cfg,
                            "weight_bytes": weight_bytes, "tokens": tokens, "rounds": rounds,
                            "warmup": warmup}
     base_rss = rss_bytes()
@@ -505,7 +542,7 @@ def run_model(name: str, args: argparse.Namespace, report: Report) -> None:
             traceback.print_exc()
             row = {"error": f"{type(e).__name__}: {e}"}
         row["wall_s"] = time.perf_counter() - t
-        report.add({"model": name, "variant": variant, "weight_bytes": weight_bytes, **row})
+        report.add({"model": label, "variant": variant, "weight_bytes": weight_bytes, **row})
 
     def resident() -> tuple[nn.Module, Callable[[], None], dict]:
         m = factory().to(DEVICE)
@@ -559,7 +596,18 @@ def run_model(name: str, args: argparse.Namespace, report: Report) -> None:
     offloader.clear()  # its pinned arenas are unregistered and freed with it
 
     def diffusers_group() -> tuple[nn.Module, Callable[[], None], dict]:
-        m = factory()
+        m = factory(upcast=False)
+        if storage == "fp8":  # diffusers' own way to compute with float8 storage, over the
+            # same weights as shuttle's: the blocks' Linear layers (not their norms)
+            # (the function, not the model method, which would also keep Flux's adaLN
+            # modulation layers, "norm*.linear", in bf16)
+            from diffusers.hooks import apply_layerwise_casting
+            from diffusers.models.normalization import RMSNorm
+
+            outside = "^(" + "|".join(n for n, _ in m.named_children() if n not in blocks) + ")"
+            apply_layerwise_casting(m, torch.float8_e4m3fn, torch.bfloat16,
+                                    skip_modules_pattern=(outside,),
+                                    skip_modules_classes=(RMSNorm, nn.LayerNorm))
         m.enable_group_offload(onload_device=DEVICE, offload_type="block_level",
                                num_blocks_per_group=1, use_stream=True, record_stream=True)
         return m, lambda: None, {"streamed_bytes": weight_bytes}
@@ -571,7 +619,7 @@ def run_model(name: str, args: argparse.Namespace, report: Report) -> None:
         accelerate.cpu_offload(m, execution_device=DEVICE)
         return m, lambda: None, {"streamed_bytes": weight_bytes}
 
-    if name == "flux" or args.wan_accelerate:
+    if storage == "bf16" and (name == "flux" or args.wan_accelerate):
         record("accelerate_cpu", accelerate_cpu, args.accelerate_rounds, 1)
 
 
@@ -589,10 +637,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"pinned host->device: {pinned_gbs:.1f} GB/s", flush=True)
     report = Report(args, pinned_gbs)
     for name in (["flux", "wan"] if args.model == "both" else [args.model]):
-        run_model(name, args, report)
-        gc.collect()
-        release_pinned_cache()
-        torch.cuda.empty_cache()
+        for storage in args.storage.split(","):
+            run_model(name, args, report, storage)
+            gc.collect()
+            release_pinned_cache()
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

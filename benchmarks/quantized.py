@@ -15,22 +15,39 @@ unbiased, so its mean error tends to zero while its RMS is larger).
 
 Target (issue 6): the kernels at least 10x the reference path.
 
-    python benchmarks/quantized.py                       # on the GPU machine
+Second section (``--dynamic``, CUDA): the overhead of a dynamic rank-64 LoRA (lossless tier)
+over each quantized layer's own forward, at a DiT FFN shape (4096 tokens, 3072 -> 12288) and
+an LLM decode shape (16 tokens, 4096 -> 14336): bf16 (reference), float8 e4m3 through
+``shuttle.upcast_on_use``, GGUF Q8_0 and Q4_K (``GGUFParameter``), and, where the library is
+installed, bitsandbytes NF4 and int8, torchao float8 (weight-only and dynamic-activation
+per-row) and int8 weight-only, optimum-quanto qint8 and qfloat8. Per layer kind the base
+forward and the forward with the adapter attached alternate (two modules sharing the stored
+weight); medians of interleaved rounds.
+
+Streaming a float8 Flux-like model against bf16 is ``benchmarks/offload.py --storage
+bf16,fp8 --out offload_fp8``.
+
+    python benchmarks/quantized.py --dynamic             # on the GPU machine
     python benchmarks/quantized.py --rows 256 --cols 256 --rounds 2   # smoke (CPU interpreter)
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
-from shuttle.weights import Fp8Weight  # noqa: E402
+import shuttle  # noqa: E402
+from shuttle.weights import Fp8Weight, GGUFParameter  # noqa: E402
 from shuttle.weights.bnb import Bnb4bitWeight, BnbInt8Weight  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -93,12 +110,177 @@ def bench_format(rep, adapters, alpha: list[float], rounds: int) -> dict | None:
             "speedup": timings["reference"]["median_ms"] / timings["triton"]["median_ms"]}
 
 
+# -- dynamic LoRA over quantized layers ----------------------------------------------------
+DYNAMIC_SHAPES = {"dit_ffn": (4096, 3072, 12288), "llm_decode": (16, 4096, 14336)}
+
+
+class Holder(nn.Module):
+    """One layer under the name ``proj`` (what the adapter's keys target)."""
+
+    def __init__(self, proj: nn.Module):
+        super().__init__()
+        self.proj = proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+def gguf_raw(qtype: str, n: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """Random GGUF blocks of an (n, k) weight with small fixed super-block scales."""
+    block, values = {"Q8_0": (34, 32), "Q4_K": (144, 256)}[qtype]
+    raw = torch.randint(0, 256, (n * k // values, block), dtype=torch.uint8, device=DEVICE,
+                        generator=g)
+    d = torch.tensor([2e-3, 1e-3], dtype=torch.float16).view(torch.uint8).to(DEVICE)
+    raw[:, :2] = d[:2]  # d (Q8_0, Q4_K)
+    if qtype == "Q4_K":
+        raw[:, 2:4] = d[2:]  # dmin
+    return raw.view(n, -1)
+
+
+def quantized_layers(w: torch.Tensor, g: torch.Generator
+                     ) -> dict[str, Callable[[], nn.Module]]:
+    """Builders of an (n, k) layer per representation, on the device, from bf16 ``w``."""
+    n, k = w.shape
+
+    def plain() -> nn.Module:
+        lin = nn.Linear(k, n, bias=False, dtype=torch.bfloat16, device=DEVICE)
+        lin.weight.data.copy_(w)
+        return lin.requires_grad_(False)
+
+    def fp8() -> nn.Module:
+        lin = plain()
+        lin.weight = nn.Parameter(w.to(torch.float8_e4m3fn), requires_grad=False)
+        return lin  # computes through shuttle.upcast_on_use (installed per module below)
+
+    def gguf(qtype: str) -> Callable[[], nn.Module]:
+        def build() -> nn.Module:
+            lin = plain()
+            lin.weight = GGUFParameter(gguf_raw(qtype, n, k, g), qtype, (n, k))
+            return lin
+        return build
+
+    def bnb4() -> nn.Module:
+        import bitsandbytes as bnb
+        m = bnb.nn.Linear4bit(k, n, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4")
+        m.weight = bnb.nn.Params4bit(w.cpu(), requires_grad=False, quant_type="nf4")
+        return m.to(DEVICE)  # quantizes
+
+    def bnb8() -> nn.Module:
+        import bitsandbytes as bnb
+        m = bnb.nn.Linear8bitLt(k, n, bias=False, has_fp16_weights=False, threshold=0.0)
+        m.weight = bnb.nn.Int8Params(w.cpu(), requires_grad=False, has_fp16_weights=False)
+        return m.to(DEVICE)  # quantizes
+
+    def torchao(config: str) -> Callable[[], nn.Module]:
+        def build() -> nn.Module:
+            import torchao.quantization as q
+            cfg = {"f8_weight_only": q.Float8WeightOnlyConfig(),
+                   "f8_dynamic_rowwise": q.Float8DynamicActivationFloat8WeightConfig(
+                       granularity=q.PerRow()),
+                   "i8_weight_only": q.Int8WeightOnlyConfig()}[config]
+            m = Holder(plain())
+            q.quantize_(m, cfg)
+            return m.proj
+        return build
+
+    def quanto(weights: str) -> Callable[[], nn.Module]:
+        def build() -> nn.Module:
+            from optimum import quanto as oq
+            m = Holder(plain())
+            oq.quantize(m, weights=getattr(oq, weights))
+            oq.freeze(m)
+            return m.proj
+        return build
+
+    return {"bf16": plain, "fp8_e4m3 (upcast)": fp8, "gguf_q8_0": gguf("Q8_0"),
+            "gguf_q4_k": gguf("Q4_K"), "bnb_nf4": bnb4, "bnb_int8": bnb8,
+            "torchao_f8_weight_only": torchao("f8_weight_only"),
+            "torchao_f8_dynamic_rowwise": torchao("f8_dynamic_rowwise"),
+            "torchao_i8_weight_only": torchao("i8_weight_only"),
+            "quanto_qint8": quanto("qint8"), "quanto_qfloat8": quanto("qfloat8")}
+
+
+def twin(layer: nn.Module) -> nn.Module:
+    """A second module over the same stored weight (own parameter dict, so its hooks and
+    adapters are its own)."""
+    other = copy.copy(layer)
+    other._parameters = dict(layer._parameters)
+    other._buffers = dict(layer._buffers)
+    other._modules = dict(layer._modules)
+    return other
+
+
+def bench_dynamic(rank: int, rounds: int) -> dict:
+    """Base forward vs forward with a dynamic LoRA, per representation and shape."""
+    out: dict = {}
+    for shape_name, (t, k, n) in DYNAMIC_SHAPES.items():
+        g = torch.Generator(device=DEVICE).manual_seed(1)
+        w = (torch.randn(n, k, device=DEVICE, generator=g) * 0.02).bfloat16()
+        lora = shuttle.load_lora({
+            "proj.lora_A.weight": (torch.randn(rank, k, device=DEVICE, generator=g)
+                                   / k**0.5).bfloat16(),
+            "proj.lora_B.weight": (torch.randn(n, rank, device=DEVICE, generator=g)
+                                   * 0.02).bfloat16()})
+        xs = [torch.randn(t, k, device=DEVICE, generator=g).bfloat16() for _ in range(3)]
+        out[shape_name] = {}
+        for kind, build in quantized_layers(w, g).items():
+            try:
+                layer = build()
+                base, adapted = Holder(layer), Holder(twin(layer))
+                if kind.startswith("fp8"):
+                    shuttle.upcast_on_use(base)
+                    shuttle.upcast_on_use(adapted)
+                handle = shuttle.attach_lora(adapted, [(lora, 1.0)], quality="lossless")
+                with torch.no_grad():
+                    res = harness.interleaved(
+                        {"base": lambda i, m=base, xs=xs: m(xs[i % 3]),
+                         "lora": lambda i, m=adapted, xs=xs: m(xs[i % 3])},
+                        rounds=rounds, warmup=3)
+                handle.detach()
+                res["overhead"] = res["lora"]["median_ms"] / res["base"]["median_ms"] - 1
+                out[shape_name][kind] = res
+                print(f"[dynamic] {shape_name} {kind}: base {res['base']['median_ms']:.3f} ms, "
+                      f"+lora {100 * res['overhead']:+.1f}%", flush=True)
+            except ImportError as e:
+                out[shape_name][kind] = {"skipped": f"not installed: {e.name}"}
+            except Exception as e:  # one failing kind must not cost the others their rows
+                traceback.print_exc()
+                out[shape_name][kind] = {"error": f"{type(e).__name__}: {e}"}
+            finally:
+                torch.cuda.empty_cache()
+    return out
+
+
+def dynamic_table(res: dict) -> str:
+    rows = []
+    kinds = list(next(iter(res.values())))
+    for kind in kinds:
+        row = [kind]
+        for shape_name in res:
+            r = res[shape_name][kind]
+            if "overhead" in r:
+                bf16 = res[shape_name]["bf16"].get("base", {}).get("median_ms")
+                row += [f"{r['base']['median_ms']:.3f}"
+                        + (f" ({r['base']['median_ms'] / bf16:.2f}x bf16)" if bf16 else ""),
+                        f"{100 * r['overhead']:+.1f}%"]
+            else:
+                row += [r.get("skipped") or r.get("error", "-"), "-"]
+        rows.append(row)
+    headers = ["layer"]
+    for shape_name, (t, k, n) in DYNAMIC_SHAPES.items():
+        headers += [f"{shape_name} ({t}x{k} -> {n}) base ms", "+ LoRA"]
+    return harness.markdown_table(headers, rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=12288)
     ap.add_argument("--cols", type=int, default=3072)
     ap.add_argument("--rank", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--dynamic", action="store_true",
+                    help="also the dynamic-LoRA overhead over quantized layers (CUDA)")
+    ap.add_argument("--dynamic-rounds", type=int, default=30)
     args = ap.parse_args()
     m, n, r = args.rows, args.cols, args.rank
     g = torch.Generator(device=DEVICE).manual_seed(0)
@@ -109,7 +291,13 @@ def main() -> None:
     alpha = [0.5]
     results, rows = {}, []
     for fmt in ("fp8_rowwise", "int8_rowwise", "nf4"):
-        res = bench_format(encoded(fmt, w), adapters, alpha, args.rounds)
+        try:
+            res = bench_format(encoded(fmt, w), adapters, alpha, args.rounds)
+        except Exception as e:  # one failing format must not cost the others their rows
+            traceback.print_exc()
+            results[fmt] = {"error": f"{type(e).__name__}: {e}"}
+            rows.append([fmt, "error", "-", "-", "-", "-", "-", "-"])
+            continue
         if res is None:
             print(f"{fmt}: no fused kernel applies; skipped", flush=True)
             continue
@@ -121,14 +309,24 @@ def main() -> None:
                      f"{err['triton_stochastic']['mean']:+.1e}",
                      f"{err['reference_nearest']['rms']:.2e}"])
         print(rows[-1], flush=True)
+    del w, adapters
     table = harness.markdown_table(
         ["format", "triton ms", "reference ms", "speedup", "rms err nearest",
          "rms err stochastic", "mean err stochastic", "reference rms err nearest"], rows)
-    notes = (f"One {m}x{n} weight, rank-{r} adapters (alpha {alpha[0]}) alternating; medians of "
-             f"{args.rounds} interleaved rounds. Errors: the merged weight dequantized, against "
-             "the float64 sum of the dequantized weight and the update. Target: >= 10x.")
-    harness.write_results("quantized", {"shape": [m, n], "rank": r, "formats": results}, table,
-                          "Merging into quantized weights (benchmarks/quantized.py)", notes)
+    notes = (f"Merge: one {m}x{n} weight, rank-{r} adapters (alpha {alpha[0]}) alternating; "
+             f"medians of {args.rounds} interleaved rounds. Errors: the merged weight "
+             "dequantized, against the float64 sum of the dequantized weight and the update. "
+             "Target: >= 10x.")
+    payload: dict = {"shape": [m, n], "rank": r, "formats": results}
+    if args.dynamic and DEVICE == "cuda":
+        payload["dynamic"] = bench_dynamic(r, args.dynamic_rounds)
+        table += "\n\n" + dynamic_table(payload["dynamic"])
+        notes += (f" Dynamic: rank-{r} LoRA, lossless tier, over each layer's own forward; "
+                  f"medians of {args.dynamic_rounds} interleaved rounds; base ms in brackets "
+                  "relative to the bf16 layer.")
+    harness.write_results("quantized", payload, table,
+                          "Quantized weights: fused merges and dynamic LoRA "
+                          "(benchmarks/quantized.py)", notes)
     print(table)
     print(notes)
 
