@@ -150,3 +150,16 @@ def test_bad_input_raises_and_changes_nothing():
 
 def test_exported():
     assert shuttle.upcast_on_use is upcast_on_use
+
+
+@pytest.mark.gpu
+def test_streamed_float8_on_cuda_matches_the_twin():
+    model, twin = fp8_pair()
+    x = tokens().cuda()
+    with torch.no_grad():
+        want = twin.cuda()(x)
+        upcast_on_use(model)
+        off = ModelOffloader.from_module(model, blocks=PATHS)
+        with off.use("cuda", RESIDENCY_MODES["stream2"]) as active:
+            for _ in range(2):
+                assert torch.equal(active(x), want)
