@@ -110,6 +110,68 @@ def bench_format(rep, adapters, alpha: list[float], rounds: int) -> dict | None:
             "speedup": timings["reference"]["median_ms"] / timings["triton"]["median_ms"]}
 
 
+# -- where the merge time goes ---------------------------------------------------------------
+SWEEP = [(16, 128, 4), (32, 128, 4), (32, 256, 4), (64, 128, 4), (64, 128, 8), (64, 256, 8),
+         (128, 128, 8)]
+
+
+def gpu_ms(fn: Callable[[int], object], n: int = 5) -> float:
+    """Milliseconds of GPU kernel time per call of ``fn`` (profiled; host time excluded)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn(0)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(n):
+            fn(i)
+        torch.cuda.synchronize()
+    total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return total_us / 1e3 / n
+
+
+def sweep_calls(fmt: str, rep, adapters, alpha: list[float]) -> dict[str, Callable]:
+    """The calls :func:`sweep` times for one format: each kernel config, the representation's
+    merge (kernel plus checks) and the reference path."""
+    from shuttle.kernels.merge_nf4 import merge_4bit
+    from shuttle.kernels.merge_scaled import merge_scaled
+
+    r = adapters[0][0].shape[1]
+    calls: dict[str, Callable] = {}
+    for c in SWEEP:
+        if fmt == "nf4":
+            calls[str(c)] = lambda i, c=c: merge_4bit(
+                rep.packed, rep.absmax, rep.code, rep.shape, rep.blocksize, *adapters[i % 2],
+                [0, r], alpha, config=c)
+        else:
+            calls[str(c)] = lambda i, c=c: merge_scaled(
+                rep.data, rep.scale, *adapters[i % 2], [0, r], alpha, config=c)
+    calls["rep.merge_lowrank"] = lambda i: rep.merge_lowrank(*adapters[i % 2], [0, r], alpha,
+                                                              seed=i)
+
+    def reference(i: int):
+        up, down = adapters[i % 2]
+        return rep.encode(rep.dequantize() + alpha[0] * (up.float() @ down.float()))
+
+    calls["reference"] = reference
+    return calls
+
+
+def sweep(w: torch.Tensor, adapters, alpha: list[float], rounds: int) -> dict:
+    """Per kernel config: end-to-end ms of one call and its GPU kernel time (fp8 row-wise via
+    merge_scaled, NF4 via merge_4bit), next to the representation's merge and the reference
+    path."""
+    out: dict = {}
+    for fmt in ("fp8_rowwise", "nf4"):
+        calls = sweep_calls(fmt, encoded(fmt, w), adapters, alpha)
+        t = harness.interleaved(calls, rounds=rounds, warmup=2)
+        out[fmt] = {k: {"end_to_end_ms": t[k]["median_ms"], "gpu_ms": gpu_ms(f)}
+                    for k, f in calls.items()}
+        for k, v in out[fmt].items():
+            print(f"[sweep] {fmt} {k}: {v['end_to_end_ms']:.3f} ms end to end, "
+                  f"{v['gpu_ms']:.3f} ms GPU", flush=True)
+    return out
+
+
 # -- dynamic LoRA over quantized layers ----------------------------------------------------
 DYNAMIC_SHAPES = {"dit_ffn": (4096, 3072, 12288), "llm_decode": (16, 4096, 14336)}
 
@@ -281,6 +343,8 @@ def main() -> None:
     ap.add_argument("--dynamic", action="store_true",
                     help="also the dynamic-LoRA overhead over quantized layers (CUDA)")
     ap.add_argument("--dynamic-rounds", type=int, default=30)
+    ap.add_argument("--sweep", action="store_true",
+                    help="also kernel configs and GPU-only times (CUDA)")
     args = ap.parse_args()
     m, n, r = args.rows, args.cols, args.rank
     g = torch.Generator(device=DEVICE).manual_seed(0)
@@ -309,6 +373,8 @@ def main() -> None:
                      f"{err['triton_stochastic']['mean']:+.1e}",
                      f"{err['reference_nearest']['rms']:.2e}"])
         print(rows[-1], flush=True)
+    sweep_res = sweep(w, adapters, alpha, args.rounds) if args.sweep and DEVICE == "cuda" \
+        else None
     del w, adapters
     table = harness.markdown_table(
         ["format", "triton ms", "reference ms", "speedup", "rms err nearest",
@@ -318,6 +384,12 @@ def main() -> None:
              "dequantized, against the float64 sum of the dequantized weight and the update. "
              "Target: >= 10x.")
     payload: dict = {"shape": [m, n], "rank": r, "formats": results}
+    if sweep_res is not None:
+        payload["sweep"] = sweep_res
+        table += "\n\n" + harness.markdown_table(
+            ["format", "variant", "end to end ms", "GPU ms"],
+            [[f, k, f"{v['end_to_end_ms']:.3f}", f"{v['gpu_ms']:.3f}"]
+             for f, d in sweep_res.items() for k, v in d.items()])
     if args.dynamic and DEVICE == "cuda":
         payload["dynamic"] = bench_dynamic(r, args.dynamic_rounds)
         table += "\n\n" + dynamic_table(payload["dynamic"])

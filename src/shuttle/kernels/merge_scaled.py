@@ -14,11 +14,11 @@ bitsandbytes' int8 (``absmax_scale=True``) stores the absmax itself as its scale
 ``W = Q * s * fl(1/127)``, ``s' = amax`` and ``Q' = round(x * (127 / amax))``.
 
 Two passes of one Triton kernel (``ENCODE`` off, then on), each recomputing x tile by tile from
-Q and the factors (the low-rank product is cheap next to the memory traffic): pass 1, one
-program per row block, walks the column tiles and writes each row's amax; the new scale follows
-in a few torch ops (no host sync); pass 2, one program per (BM, BN) tile, recomputes x and
-writes the codes. W is never materialized: the traffic is two reads of Q and of the factors,
-and one write of Q' (unscaled float8 needs no amax: pass 2 only).
+Q and the factors (the low-rank product is cheap next to the memory traffic), one program per
+(BM, BN) tile: pass 1 folds each row's amax in by atomic max; the new scale follows in a few
+torch ops (no host sync); pass 2 recomputes x and writes the codes. W is never materialized:
+the traffic is two reads of Q and of the factors, and one write of Q' (unscaled float8 needs
+no amax: pass 2 only).
 
 Rounding is done by hand, identically on the GPU and in the interpreter (whose float8 cast does
 not round to nearest even): the spacing of the float8 grid at x is ``ulp = 2^(max(e, emin) -
@@ -154,75 +154,68 @@ def _kernel():
             MBITS: tl.constexpr, EMIN: tl.constexpr, STOCHASTIC: tl.constexpr,
             N_SEG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
             IEEE: tl.constexpr):
-        # Pass 1 (ENCODE False): program p takes rows p*BM... and walks every column tile.
-        # Pass 2 (ENCODE True): program p takes one (BM, BN) tile and writes its codes.
-        # Both write the rows' max |x| over the columns they saw to amax_ptr[p*BM ... +BM]
-        # (pass 1: the row amax; pass 2: for the finiteness check). SCALE: 0 none, 1 per
-        # tensor, 2 per row; the factors are zero-padded to BR ranks per contribution, as in
-        # merge_lowrank.
+        # One (BM, BN) tile of x per program in both passes. Pass 1 (ENCODE False) folds its
+        # rows' max |x| into amax_ptr[row] by atomic max (amax_ptr zeroed); pass 2 (ENCODE
+        # True) writes the tile's codes and its rows' max |x| to amax_ptr[pid*BM ... +BM] (for
+        # the finiteness check). SCALE: 0 none, 1 per tensor, 2 per row; the factors are
+        # zero-padded to BR ranks per contribution, as in merge_lowrank. (Pass 1 as one
+        # program per row block walking the columns measured latency-bound on the H200.)
         pid = tl.program_id(0)
-        if ENCODE:
-            n_tiles = tl.cdiv(N, BN)
-            rm = (pid // n_tiles) * BM + tl.arange(0, BM)
-            n_lo = (pid % n_tiles) * BN
-            n_hi = n_lo + BN
-        else:
-            rm = pid * BM + tl.arange(0, BM)
-            n_lo = 0
-            n_hi = N
+        n_tiles = tl.cdiv(N, BN)
+        rm = (pid // n_tiles) * BM + tl.arange(0, BM)
+        rn = (pid % n_tiles) * BN + tl.arange(0, BN)
         mask_m = rm < M
-        amax = tl.zeros((BM,), dtype=tl.float32)
-        for n0 in range(n_lo, n_hi, BN):
-            rn = n0 + tl.arange(0, BN)
-            mask = mask_m[:, None] & (rn < N)[None, :]
-            # x = Q * s * dq + sum_s alpha_s * b_s @ a_s, float32; 0 outside (M, N)
-            w = tl.load(q_ptr + rm[:, None] * stride_qm + rn[None, :], mask=mask,
-                        other=0.0).to(tl.float32)
-            if SCALE == 1:
-                w = w * tl.load(s_ptr).to(tl.float32)
-            if SCALE == 2:
-                w = w * tl.load(s_ptr + rm, mask=mask_m, other=0.0).to(tl.float32)[:, None]
-            w = w * dq
-            acc = lowrank_tile(b_ptr, a_ptr, alpha_ptr, rm, rn, mask_m, rn < N, stride_bm,
-                               stride_ar, BM, BN, N_SEG, BR, IEEE)
-            x = w + acc
-            # NaN counts as inf, so that a max propagates any non-finite element
-            amax = tl.maximum(amax, tl.max(tl.where(x == x, tl.abs(x), float("inf")), axis=1))
-            if ENCODE:
-                v = x
-                if SCALE > 0:  # the encode operand has the scale's granularity
-                    if SCALE == 1:
-                        enc = tl.load(enc_ptr)
-                    else:
-                        enc = tl.load(enc_ptr + rm, mask=mask_m, other=1.0)[:, None]
-                    v = x * enc if MUL else x / enc
-                v = tl.minimum(tl.maximum(v, QMIN), QMAX)
-                if INT:
-                    t = v
+        mask = mask_m[:, None] & (rn < N)[None, :]
+        # x = Q * s * dq + sum_s alpha_s * b_s @ a_s, float32; 0 outside (M, N)
+        w = tl.load(q_ptr + rm[:, None] * stride_qm + rn[None, :], mask=mask,
+                    other=0.0).to(tl.float32)
+        if SCALE == 1:
+            w = w * tl.load(s_ptr).to(tl.float32)
+        if SCALE == 2:
+            w = w * tl.load(s_ptr + rm, mask=mask_m, other=0.0).to(tl.float32)[:, None]
+        w = w * dq
+        acc = lowrank_tile(b_ptr, a_ptr, alpha_ptr, rm, rn, mask_m, rn < N, stride_bm,
+                           stride_ar, BM, BN, N_SEG, BR, IEEE)
+        x = w + acc
+        # NaN counts as inf, so that a max propagates any non-finite element
+        amax = tl.max(tl.where(x == x, tl.abs(x), float("inf")), axis=1)
+        if not ENCODE:
+            tl.atomic_max(amax_ptr + rm, amax, mask=mask_m)
+        else:
+            v = x
+            if SCALE > 0:  # the encode operand has the scale's granularity
+                if SCALE == 1:
+                    enc = tl.load(enc_ptr)
                 else:
-                    # ulp = 2^(max(e, EMIN) - MBITS) with e v's float32 exponent, built from
-                    # bits; t = v / ulp is exact (a power of two), so are floor(t) * ulp and
-                    # one ulp more: both are float8 values, and their casts exact.
-                    ex = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-                    ex = tl.maximum(ex, EMIN) - MBITS
-                    ulp = ((ex + 127) << 23).to(tl.float32, bitcast=True)
-                    t = v * ((127 - ex) << 23).to(tl.float32, bitcast=True)
-                f = tl.floor(t)
-                frac = t - f
-                if STOCHASTIC:  # the element's flat index: the same bits for any tiling
-                    u = tl.rand(seed, rm.to(tl.int64)[:, None] * N + rn[None, :])
-                    up = u < frac
-                else:  # ties to an even code: f's parity is that of the last mantissa bit
-                    up = (frac > 0.5) | ((frac == 0.5) & ((f.to(tl.int32) & 1) == 1))
-                code = f + up.to(tl.float32)
-                if not INT:
-                    # keep the sign of zeros, as torch's cast does (-tiny rounds to -0.0)
-                    sign = v.to(tl.uint32, bitcast=True) & 0x80000000
-                    code = ((code * ulp).to(tl.uint32, bitcast=True) | sign).to(
-                        tl.float32, bitcast=True)
-                tl.store(out_ptr + rm[:, None] * N + rn[None, :],
-                         code.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(amax_ptr + pid * BM + tl.arange(0, BM), amax)
+                    enc = tl.load(enc_ptr + rm, mask=mask_m, other=1.0)[:, None]
+                v = x * enc if MUL else x / enc
+            v = tl.minimum(tl.maximum(v, QMIN), QMAX)
+            if INT:
+                t = v
+            else:
+                # ulp = 2^(max(e, EMIN) - MBITS) with e v's float32 exponent, built from
+                # bits; t = v / ulp is exact (a power of two), so are floor(t) * ulp and
+                # one ulp more: both are float8 values, and their casts exact.
+                ex = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+                ex = tl.maximum(ex, EMIN) - MBITS
+                ulp = ((ex + 127) << 23).to(tl.float32, bitcast=True)
+                t = v * ((127 - ex) << 23).to(tl.float32, bitcast=True)
+            f = tl.floor(t)
+            frac = t - f
+            if STOCHASTIC:  # the element's flat index: the same bits for any tiling
+                u = tl.rand(seed, rm.to(tl.int64)[:, None] * N + rn[None, :])
+                up = u < frac
+            else:  # ties to an even code: f's parity is that of the last mantissa bit
+                up = (frac > 0.5) | ((frac == 0.5) & ((f.to(tl.int32) & 1) == 1))
+            code = f + up.to(tl.float32)
+            if not INT:
+                # keep the sign of zeros, as torch's cast does (-tiny rounds to -0.0)
+                sign = v.to(tl.uint32, bitcast=True) & 0x80000000
+                code = ((code * ulp).to(tl.uint32, bitcast=True) | sign).to(
+                    tl.float32, bitcast=True)
+            tl.store(out_ptr + rm[:, None] * N + rn[None, :],
+                     code.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(amax_ptr + pid * BM + tl.arange(0, BM), amax)
 
     return merge_scaled_kernel
 
@@ -282,9 +275,12 @@ def merge_scaled(data: torch.Tensor, scale: torch.Tensor | None, up: torch.Tenso
     if scale is not None:
         scale = scale.contiguous()  # the kernel indexes a per-row scale with unit stride
 
-    def launch(grid: int, enc: torch.Tensor | None, encode: bool) -> torch.Tensor:
+    grid = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+
+    def launch(enc: torch.Tensor | None, encode: bool) -> torch.Tensor:
         # Unused pointers (no scale, pass 1's encode operand) are given any tensor: never read.
-        amax = torch.empty(grid * bm, dtype=torch.float32, device=data.device)
+        amax = (torch.empty(grid * bm, dtype=torch.float32, device=data.device) if encode
+                else torch.zeros(m, dtype=torch.float32, device=data.device))
         kernel[(grid,)](
             data, alpha_t if scale is None else scale, up_p, down_p, alpha_t, out,
             alpha_t if enc is None else enc, amax, seed, m, n, data.stride(0), up_p.stride(0),
@@ -294,13 +290,12 @@ def merge_scaled(data: torch.Tensor, scale: torch.Tensor | None, up: torch.Tenso
             BR=br, IEEE=up.dtype == torch.float32 or interpret, num_warps=warps, num_stages=1)
         return amax
 
-    row_blocks = triton.cdiv(m, bm)
     new_scale, enc = None, None
     if scale is not None:
-        row_amax = launch(row_blocks, None, False)[:m]
+        row_amax = launch(None, False)
         new_scale, enc = _new_scale(row_amax.amax() if granularity == 1 else row_amax,
                                     scale.dtype, qmax, absmax_scale)
-    amax = launch(row_blocks * triton.cdiv(n, bn), enc, True).amax()
+    amax = launch(enc, True).amax()
     return ScaledMerge(out, new_scale, amax)
 
 
