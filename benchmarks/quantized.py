@@ -129,6 +129,21 @@ def gpu_ms(fn: Callable[[int], object], n: int = 5) -> float:
     return total_us / 1e3 / n
 
 
+def host_ms(fn: Callable[[int], object], n: int = 20) -> float:
+    """Milliseconds of host time per call of ``fn``: issuing its work (median of ``n``; the
+    device drained before each call, so a host sync inside ``fn`` costs only its round trip)."""
+    import statistics
+    import time
+
+    out = []
+    for i in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn(i)
+        out.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(out)
+
+
 def sweep_calls(fmt: str, rep, adapters, alpha: list[float]) -> dict[str, Callable]:
     """The calls :func:`sweep` times for one format: each kernel config, the representation's
     merge (kernel plus checks) and the reference path."""
@@ -164,11 +179,11 @@ def sweep(w: torch.Tensor, adapters, alpha: list[float], rounds: int) -> dict:
     for fmt in ("fp8_rowwise", "nf4"):
         calls = sweep_calls(fmt, encoded(fmt, w), adapters, alpha)
         t = harness.interleaved(calls, rounds=rounds, warmup=2)
-        out[fmt] = {k: {"end_to_end_ms": t[k]["median_ms"], "gpu_ms": gpu_ms(f)}
-                    for k, f in calls.items()}
+        out[fmt] = {k: {"end_to_end_ms": t[k]["median_ms"], "gpu_ms": gpu_ms(f),
+                        "host_ms": host_ms(f)} for k, f in calls.items()}
         for k, v in out[fmt].items():
             print(f"[sweep] {fmt} {k}: {v['end_to_end_ms']:.3f} ms end to end, "
-                  f"{v['gpu_ms']:.3f} ms GPU", flush=True)
+                  f"{v['gpu_ms']:.3f} ms GPU, {v['host_ms']:.3f} ms host", flush=True)
     return out
 
 
@@ -387,8 +402,8 @@ def main() -> None:
     if sweep_res is not None:
         payload["sweep"] = sweep_res
         table += "\n\n" + harness.markdown_table(
-            ["format", "variant", "end to end ms", "GPU ms"],
-            [[f, k, f"{v['end_to_end_ms']:.3f}", f"{v['gpu_ms']:.3f}"]
+            ["format", "variant", "end to end ms", "GPU ms", "host ms"],
+            [[f, k, f"{v['end_to_end_ms']:.3f}", f"{v['gpu_ms']:.3f}", f"{v['host_ms']:.3f}"]
              for f, d in sweep_res.items() for k, v in d.items()])
     if args.dynamic and DEVICE == "cuda":
         payload["dynamic"] = bench_dynamic(r, args.dynamic_rounds)

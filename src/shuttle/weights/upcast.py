@@ -19,6 +19,7 @@ import torch
 
 from shuttle.errors import ShuttleError
 from shuttle.hooks import HookGroup, ModuleHook, hooks_of
+from shuttle.kernels.upcast import upcast
 from shuttle.weights.fp8 import FP8_DTYPES
 
 __all__ = ["UpcastHook", "Upcasting", "upcast_on_use"]
@@ -38,10 +39,13 @@ class UpcastHook(ModuleHook):
         params = module._parameters
         stored = {n: params[n] for n in self.names}
         try:
+            grad = torch.is_grad_enabled()
             for n, p in stored.items():
-                # A plain tensor in the parameter's place for this call only; autograd sees the
-                # cast, so a trainable float8 parameter would still get its gradient.
-                params[n] = p.to(self.dtype)  # type: ignore[assignment]
+                # A plain tensor in the parameter's place for this call only. Without autograd,
+                # the hardware conversion kernel (PyTorch's float8 cast decodes in software);
+                # with it, the differentiable cast, so a trainable parameter gets its gradient.
+                params[n] = (p.to(self.dtype) if grad and p.requires_grad  # type: ignore[assignment]
+                             else upcast(p.detach(), self.dtype))
             return inner(*args, **kwargs)
         finally:
             params.update(stored)
