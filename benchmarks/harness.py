@@ -58,6 +58,21 @@ def time_once(fn: Callable[[int], object], i: int) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def spin_up(seconds: float = 1.0) -> None:
+    """Keep the GPU busy for ``seconds`` (bf16 GEMMs) so its clocks leave their idle state
+    before short, sync-heavy work is timed (an idle H200 reads 345 MHz)."""
+    if not torch.cuda.is_available():
+        return
+    import time
+
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize()
+
+
 def interleaved(variants: dict[str, Callable[[int], object]], rounds: int = 20,
                 warmup: int = 3, between: Callable[[str, int], object] | None = None
                 ) -> dict[str, dict[str, float]]:

@@ -369,6 +369,7 @@ def main() -> None:
                 for _ in range(2)]
     alpha = [0.5]
     results, rows = {}, []
+    harness.spin_up()
     for fmt in ("fp8_rowwise", "int8_rowwise", "nf4"):
         try:
             res = bench_format(encoded(fmt, w), adapters, alpha, args.rounds)

@@ -2,7 +2,8 @@
 
 One bf16 weight of 12288x3072 (rotating among 8 so the L2 never holds it), rank 64; GB/s of the
 weight read + written; the copy of the same bytes is the ceiling. Writes
-docs/benchmarks/merge_kernel_tuning.{json,md}.
+docs/benchmarks/merge_kernel_tuning_wide.{json,md} (merge_kernel_tuning.md: an earlier
+sweep against a TMA variant of the kernel, since dropped).
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ def main() -> None:
                    for k_, v in t.items()), key=lambda row: float(row[1]))
     headers = ["(BM, BN, warps)", "median us", "GB/s"]
     table = harness.markdown_table(headers, rows)
-    harness.write_results("merge_kernel_tuning", {"timings": t}, table,
-                          "Fused merge kernel tile shapes (benchmarks/tune_merge_kernel.py)")
+    harness.write_results("merge_kernel_tuning_wide", {"timings": t}, table,
+                          "Fused merge kernel tile shapes, wide sweep "
+                          "(benchmarks/tune_merge_kernel.py)")
     print(table)
     best = next(row[0] for row in rows if row[0] != "copy")
     (harness.OUT_DIR / "merge_kernel_best.txt").write_text(best)  # e.g. "(64, 128, 8)"

@@ -148,11 +148,14 @@ def device_floats(values: list[float], device: torch.device) -> torch.Tensor:
     """A float32 tensor on ``device`` without a host sync.
 
     ``torch.tensor(values, device="cuda")`` copies from pageable memory, which waits for the
-    stream to drain: once per weight, that idles the GPU between merges. A pinned staging buffer
-    from the caching host allocator is copied asynchronously instead.
+    stream to drain: once per weight, that idles the GPU between merges. One value (the common
+    case: one adapter) is a fill, its value passed with the launch; several go through a pinned
+    staging buffer from the caching host allocator, copied asynchronously.
     """
     if device.type != "cuda":
         return torch.tensor(values, dtype=torch.float32, device=device)
+    if len(values) == 1:
+        return torch.full((1,), values[0], dtype=torch.float32, device=device)
     host = torch.tensor(values, dtype=torch.float32).pin_memory()
     return host.to(device, non_blocking=True)
 
