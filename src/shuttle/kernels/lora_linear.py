@@ -141,7 +141,7 @@ def lora_linear_fused_reference(x: torch.Tensor, weight: torch.Tensor, bias: tor
 
 
 # Shared tile helpers, bound by bind_tiles() when the kernels are built (see there).
-round_bf16 = store_rne = None
+dot_over_k = round_bf16 = store_rne = None
 
 
 @functools.cache
@@ -149,7 +149,7 @@ def _kernels():
     import triton
     import triton.language as tl
 
-    bind_tiles(globals(), "round_bf16", "store_rne")
+    bind_tiles(globals(), "dot_over_k", "round_bf16", "store_rne")
 
     @triton.jit
     def shrink_kernel(x_ptr, d_ptr, scale_ptr, o_ptr, T, R, K, K_PER_SPLIT, stride_xt,
@@ -174,20 +174,7 @@ def _kernels():
         d_ptrs = d_ptr + rr_l[None, :] * stride_dr + (k0 + rk)[:, None]
         acc = tl.zeros((BT, BR), dtype=tl.float32)
         k_end = tl.minimum(K - k0, K_PER_SPLIT)
-        for k in range(0, tl.cdiv(k_end, BK)):
-            if EVEN_K:
-                a = tl.load(x_ptrs)
-                b = tl.load(d_ptrs)
-            else:
-                k_left = k_end - k * BK
-                a = tl.load(x_ptrs, mask=rk[None, :] < k_left, other=0.0)
-                b = tl.load(d_ptrs, mask=rk[:, None] < k_left, other=0.0)
-            if IEEE:  # float32 factor, mixed dtypes, or the interpreter (whose bf16 dot is wrong)
-                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-            else:  # bf16/fp16 products are exact in the float32 accumulator
-                acc = tl.dot(a, b, acc)
-            x_ptrs += BK
-            d_ptrs += BK
+        acc = dot_over_k(acc, x_ptrs, d_ptrs, rk, k_end, BK, EVEN_K, IEEE)
         mask = (rt[:, None] < T) & (rr[None, :] < R)
         o_ptrs = (o_ptr + pid_k * stride_os + rt.to(tl.int64)[:, None] * stride_ot
                   + rr[None, :])
@@ -226,35 +213,13 @@ def _kernels():
         rk = tl.arange(0, BK)
         x_ptrs = x_ptr + rt_l[:, None] * stride_xt + rk[None, :]
         w_ptrs = w_ptr + rn_l[None, :] * stride_wn + rk[:, None]
-        for k in range(0, tl.cdiv(K, BK)):
-            if EVEN_K:
-                a = tl.load(x_ptrs)
-                b = tl.load(w_ptrs)
-            else:
-                k_left = K - k * BK
-                a = tl.load(x_ptrs, mask=rk[None, :] < k_left, other=0.0)
-                b = tl.load(w_ptrs, mask=rk[:, None] < k_left, other=0.0)
-            if BASE_IEEE:
-                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
-            x_ptrs += BK
-            w_ptrs += BK
+        acc = dot_over_k(acc, x_ptrs, w_ptrs, rk, K, BK, EVEN_K, BASE_IEEE)
 
         # LoRA update into the same accumulator: acc += S @ up.T over the rank.
         rr = tl.arange(0, BR)
         s_ptrs = s_ptr + rt_l[:, None] * stride_st + rr[None, :]
         u_ptrs = u_ptr + rn_l[None, :] * stride_un + rr[:, None]
-        for r in range(0, tl.cdiv(R, BR)):
-            r_left = R - r * BR
-            a = tl.load(s_ptrs, mask=rr[None, :] < r_left, other=0.0)
-            b = tl.load(u_ptrs, mask=rr[:, None] < r_left, other=0.0)
-            if LORA_IEEE:
-                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
-            s_ptrs += BR
-            u_ptrs += BR
+        acc = dot_over_k(acc, s_ptrs, u_ptrs, rr, R, BR, False, LORA_IEEE)
 
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn_l).to(tl.float32)[None, :]

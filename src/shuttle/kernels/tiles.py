@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["lowrank_tile", "round_bf16", "store_rne"]
+__all__ = ["dot_over_k", "lowrank_tile", "round_bf16", "store_rne"]
 
 
 @triton.jit
@@ -34,6 +34,34 @@ def lowrank_tile(b_ptr, a_ptr, alpha_ptr, rm, rn, mask_m, mask_n, stride_bm, str
         else:  # bf16/fp16 products are exact in the float32 accumulator
             part = tl.dot(b, a)
         acc += part * tl.load(alpha_ptr + s)
+    return acc
+
+
+@triton.jit
+def dot_over_k(acc, a_ptrs, b_ptrs, rk, K, BK: tl.constexpr, EVEN_K: tl.constexpr,
+               IEEE: tl.constexpr):
+    """``acc + A @ B`` over an inner dimension of ``K`` elements, in steps of ``BK``.
+
+    a_ptrs: (BM, BK) pointers to A's first K step and b_ptrs: (BK, BN) to B's, both with unit
+    stride along K (each step moves them by BK); rk = ``tl.arange(0, BK)``. ``EVEN_K``: K is a
+    multiple of BK (no masks). ``IEEE``: float32 dots (float32 or mixed operands, or the
+    interpreter, whose bf16 dot is wrong); otherwise bf16/fp16 products, exact in the float32
+    accumulator.
+    """
+    for k in range(0, tl.cdiv(K, BK)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = K - k * BK
+            a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0)
+        if IEEE:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BK
+        b_ptrs += BK
     return acc
 
 
