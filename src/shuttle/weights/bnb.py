@@ -116,19 +116,12 @@ class Bnb4bitWeight(WeightRepresentation):
     dtype: torch.dtype
 
     tensor_names = ("packed", "absmax", "code", "offset", "nested_absmax", "nested_code")
+    shape_field, compute_field = "shape", "dtype"
 
     @property
     def nested(self) -> bool:
         """Whether the per-block absmax is itself quantized (double quantization)."""
         return self.nested_absmax is not None
-
-    @property
-    def logical_shape(self) -> torch.Size:
-        return torch.Size(self.shape)
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return self.dtype
 
     def _scales(self, absmax: torch.Tensor | None = None, nested_absmax: torch.Tensor | None = None,
                 offset: torch.Tensor | None = None) -> torch.Tensor:
@@ -297,14 +290,6 @@ class BnbInt8Weight(WeightRepresentation):
     compute: torch.dtype = torch.float16
 
     tensor_names = ("data", "scb")
-
-    @property
-    def logical_shape(self) -> torch.Size:
-        return self.data.shape
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return self.compute
 
     def dequantize(self) -> torch.Tensor:
         # Bit for bit bitsandbytes' int8_vectorwise_dequant: it multiplies by 1/127 as float.

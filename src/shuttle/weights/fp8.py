@@ -53,14 +53,6 @@ class Fp8Weight(WeightRepresentation):
                 f"tensor or ({self.data.shape[0]},) for one per row"
             )
 
-    @property
-    def logical_shape(self) -> torch.Size:
-        return self.data.shape
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return self.compute
-
     def _broadcast(self, scale: torch.Tensor) -> torch.Tensor:
         # (rows,) -> (rows, 1, ..., 1) against data of (rows, ...); () broadcasts as is.
         return scale.reshape(scale.shape + (1,) * (self.data.dim() - scale.dim()))

@@ -149,6 +149,7 @@ class GGUFWeight(WeightRepresentation):
     compute: torch.dtype = torch.bfloat16
 
     tensor_names = ("raw",)
+    shape_field = "shape"
     mergeable = False
 
     def __post_init__(self) -> None:
@@ -160,14 +161,6 @@ class GGUFWeight(WeightRepresentation):
         if self.raw is not None and self.raw.numel() * values != numel * size:
             raise ShuttleError(f"GGUF {self.qtype} data of {self.raw.numel()} bytes does not hold "
                                f"a weight of shape {self.shape} ({numel} values)")
-
-    @property
-    def logical_shape(self) -> torch.Size:
-        return torch.Size(self.shape)
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return self.compute
 
     def dequantize(self) -> torch.Tensor:
         return dequantize_blocks(self.raw, self.qtype).reshape(self.shape)

@@ -24,10 +24,6 @@ class PlainWeight(WeightRepresentation):
     tensor_names = ("data",)
 
     @property
-    def logical_shape(self) -> torch.Size:
-        return self.data.shape
-
-    @property
     def compute_dtype(self) -> torch.dtype:
         return self.data.dtype
 

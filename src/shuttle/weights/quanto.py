@@ -86,14 +86,6 @@ class QuantoWeight(WeightRepresentation):
 
     tensor_names = ("data", "scale")
 
-    @property
-    def logical_shape(self) -> torch.Size:
-        return self.data.shape
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return self.compute
-
     def dequantize(self) -> torch.Tensor:
         return self.data.float() * self.scale.float()
 

@@ -38,10 +38,14 @@ class WeightRepresentation:
         tensor_names: the dataclass fields that hold tensors (a field may be ``None``); every
             derived operation (``nbytes``, ``to``, ``pin``, ``tensors``) walks this list only.
         mergeable: whether ``encode`` can re-encode a merged float32 weight.
+        shape_field: the field giving the logical shape: a tensor of that shape, or the shape.
+        compute_field: the field holding the compute dtype.
     """
 
     tensor_names: ClassVar[tuple[str, ...]] = ()
     mergeable: ClassVar[bool] = True
+    shape_field: ClassVar[str] = "data"
+    compute_field: ClassVar[str] = "compute"
 
     # -- derived from tensor_names ------------------------------------------------------------
 
@@ -84,13 +88,22 @@ class WeightRepresentation:
 
     @property
     def logical_shape(self) -> torch.Size:
-        """The shape of the weight this stands for (not of its storage)."""
-        raise NotImplementedError(f"{type(self).__qualname__} must define logical_shape")
+        """The shape of the weight this stands for (not of its storage): ``shape_field``'s."""
+        v = self._declared(self.shape_field, "logical_shape")
+        return v.shape if isinstance(v, torch.Tensor) else torch.Size(v)
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """The dtype a layer computes in with this weight."""
-        raise NotImplementedError(f"{type(self).__qualname__} must define compute_dtype")
+        """The dtype a layer computes in with this weight: ``compute_field``'s value."""
+        return self._declared(self.compute_field, "compute_dtype")
+
+    def _declared(self, field: str, what: str) -> object:
+        if not hasattr(self, field):
+            raise NotImplementedError(
+                f"{type(self).__qualname__} has no field {field!r}: set the class attribute "
+                f"{'shape_field' if what == 'logical_shape' else 'compute_field'} or define "
+                f"{what}")
+        return getattr(self, field)
 
     def dequantize(self) -> torch.Tensor:
         """The weight as a float32 tensor of ``logical_shape``, on this representation's device."""

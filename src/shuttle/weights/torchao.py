@@ -62,14 +62,7 @@ class TorchaoScaledWeight(WeightRepresentation):
     cls: type = dataclasses.field(default=object, repr=False)
 
     tensor_names = ("qdata", "scale", "zero_point")
-
-    @property
-    def logical_shape(self) -> torch.Size:
-        return self.qdata.shape
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return self.compute
+    shape_field = "qdata"
 
     def dequantize(self) -> torch.Tensor:
         return self.qdata.float() * self.scale.float()
@@ -167,15 +160,8 @@ class TorchaoInt4Weight(WeightRepresentation):
     compute: torch.dtype
 
     tensor_names = ("qdata", "scale_and_zero")
+    shape_field = "shape"
     mergeable = False
-
-    @property
-    def logical_shape(self) -> torch.Size:
-        return torch.Size(self.shape)
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return self.compute
 
     def dequantize(self) -> torch.Tensor:
         tensor_cls = _torchao_quantization().Int4TilePackedTo4dTensor
