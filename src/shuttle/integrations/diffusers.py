@@ -16,10 +16,11 @@ from typing import Any
 import torch
 
 from shuttle.cache import ModelCache
-from shuttle.errors import MissingDependencyError, OffloadError
+from shuttle.errors import OffloadError
 from shuttle.integrations.blocks import find_block_lists
 from shuttle.integrations.handle import OffloadHandle, cache_for
 from shuttle.offload.host_storage import HostBacking
+from shuttle.optional import import_optional
 
 __all__ = ["DENOISERS", "ENTRY_METHODS", "offload"]
 
@@ -73,11 +74,8 @@ def offload(pipe: Any, max_host_bytes: int | None = None, *, cache: ModelCache |
         BudgetTooSmallError: ``vram_budget`` cannot hold a component as planned.
         On any error the pipeline is as it was.
     """
-    try:
-        import diffusers
-    except ImportError as e:
-        raise MissingDependencyError("shuttle.integrations.diffusers needs diffusers: "
-                                     "pip install diffusers") from e
+    diffusers = import_optional("diffusers", "shuttle.integrations.diffusers",
+                                "pip install diffusers")
     if not isinstance(pipe, diffusers.DiffusionPipeline):
         raise OffloadError(f"pipe is a {type(pipe).__name__}, not a diffusers.DiffusionPipeline")
     cache = cache_for(max_host_bytes, cache)

@@ -14,10 +14,11 @@ from typing import Any
 import torch
 
 from shuttle.cache import ModelCache
-from shuttle.errors import MissingDependencyError, OffloadError
+from shuttle.errors import OffloadError
 from shuttle.integrations.blocks import find_block_lists
 from shuttle.integrations.handle import OffloadHandle, cache_for
 from shuttle.offload.host_storage import HostBacking
+from shuttle.optional import import_optional
 
 __all__ = ["offload"]
 
@@ -53,11 +54,8 @@ def offload(model: Any, max_host_bytes: int | None = None, *, cache: ModelCache 
         BudgetTooSmallError: ``vram_budget`` cannot hold the non-layer weights and one slot.
         On any error the model is as it was.
     """
-    try:
-        import transformers
-    except ImportError as e:
-        raise MissingDependencyError("shuttle.integrations.transformers needs transformers: "
-                                     "pip install transformers") from e
+    transformers = import_optional("transformers", "shuttle.integrations.transformers",
+                                   "pip install transformers")
     if not isinstance(model, transformers.PreTrainedModel):
         raise OffloadError(f"model is a {type(model).__name__}, not a "
                            "transformers.PreTrainedModel")

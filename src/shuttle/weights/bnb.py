@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from shuttle.errors import MissingDependencyError, UnsupportedLayerError
+from shuttle.errors import UnsupportedLayerError
+from shuttle.optional import import_optional
 from shuttle.weights.representation import Rounding, WeightRepresentation, register_representation
 
 __all__ = ["Bnb4bitWeight", "BnbInt8Weight"]
@@ -37,11 +38,7 @@ _INSTALL = "pip install shuttle[bnb]"
 
 def _bnb() -> Any:
     """The ``bitsandbytes`` module, or an error naming the extra to install."""
-    try:
-        import bitsandbytes
-    except ImportError as e:
-        raise MissingDependencyError(f"bitsandbytes weights need bitsandbytes; {_INSTALL}") from e
-    return bitsandbytes
+    return import_optional("bitsandbytes", "bitsandbytes weights", _INSTALL)
 
 
 def _is_bnb(tensor: object) -> bool:

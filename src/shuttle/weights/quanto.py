@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from shuttle.errors import MissingDependencyError, UnsupportedLayerError
+from shuttle.errors import UnsupportedLayerError
+from shuttle.optional import import_optional
 from shuttle.weights.representation import Rounding, WeightRepresentation, register_representation
 from shuttle.weights.rounding import round_float
 
@@ -61,12 +62,8 @@ def absmax_encode(x: torch.Tensor, dtype: torch.dtype, scale_like: torch.Tensor,
 
 def _quanto() -> Any:
     """The ``optimum.quanto`` module, or an error naming the extra to install."""
-    try:
-        import optimum.quanto
-    except ImportError as e:
-        raise MissingDependencyError(
-            "optimum-quanto weights need optimum-quanto; pip install shuttle[quanto]") from e
-    return optimum.quanto
+    return import_optional("optimum.quanto", "optimum-quanto weights",
+                           "pip install shuttle[quanto]")
 
 
 @register_representation("quanto")

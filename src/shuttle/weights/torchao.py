@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from shuttle.errors import MissingDependencyError, UnsupportedLayerError
+from shuttle.errors import UnsupportedLayerError
+from shuttle.optional import import_optional
 from shuttle.weights.quanto import absmax_encode
 from shuttle.weights.representation import Rounding, WeightRepresentation, register_representation
 
@@ -29,12 +30,8 @@ __all__ = ["TorchaoInt4Weight", "TorchaoScaledWeight"]
 
 def _torchao_quantization() -> Any:
     """``torchao.quantization``, or an error naming the extra to install."""
-    try:
-        import torchao.quantization
-    except ImportError as e:
-        raise MissingDependencyError("torchao weights need torchao; pip install shuttle[torchao]"
-                                     ) from e
-    return torchao.quantization
+    return import_optional("torchao.quantization", "torchao weights",
+                           "pip install shuttle[torchao]")
 
 
 def _is_torchao(tensor: object) -> bool:
