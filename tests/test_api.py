@@ -12,6 +12,7 @@ DOCUMENTED = {
     "replacement_parameters", "merge_files", "FileMergeReport", "extract_lora", "ExtractReport",
     "errors", "ModelOffloader", "StreamConfig",
     "ResourceCache", "ModelCache", "ModelSpec", "LoRASpec", "ObjectSpec", "LRUEvictionPolicy",
+    "upcast_on_use",
 }
 
 
