@@ -17,7 +17,13 @@ import functools
 
 import torch
 
-from shuttle.kernels.merge_lowrank import bind_tiles, interpreting, triton_available
+from shuttle.kernels.merge_lowrank import (
+    bind_tiles,
+    cdiv,
+    interpreting,
+    next_power_of_2,
+    triton_available,
+)
 
 __all__ = ["DECODE_MAX_T", "lora_decode_add", "lora_decode_add_reference"]
 
@@ -112,12 +118,11 @@ def lora_decode_add(out: torch.Tensor, x: torch.Tensor, down: torch.Tensor, up: 
               and up.stride(1) == 1 and t > 0 and 0 < r <= _MAX_R)
     if not usable:
         return lora_decode_add_reference(out, x, down, up, scale)
-    import triton
 
-    bt = max(16, triton.next_power_of_2(t))
-    br = max(16, triton.next_power_of_2(r))
+    bt = max(16, next_power_of_2(t))
+    br = max(16, next_power_of_2(r))
     bk = 16 if interpreting() else 128
-    grid = (triton.cdiv(n, block_n),)
+    grid = (cdiv(n, block_n),)
     _kernel()[grid](x, down, up, scale.to(torch.float32).contiguous(), out, t, k, n, r,
                     x.stride(0), down.stride(0), up.stride(0), out.stride(0),
                     BT=bt, BK=bk, BR=br, BN=block_n, IEEE=interpreting(), num_warps=4)

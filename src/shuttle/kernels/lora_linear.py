@@ -30,7 +30,13 @@ from typing import NamedTuple
 
 import torch
 
-from shuttle.kernels.merge_lowrank import bind_tiles, interpreting, triton_available
+from shuttle.kernels.merge_lowrank import (
+    bind_tiles,
+    cdiv,
+    interpreting,
+    next_power_of_2,
+    triton_available,
+)
 from shuttle.kernels.tma import ensure_allocator, tma_addressable
 
 __all__ = [
@@ -371,7 +377,6 @@ def lora_shrink(x: torch.Tensor, down: torch.Tensor, scale: torch.Tensor,
         raise ValueError(f"lora_shrink: scale of shape ({r},) expected, got {tuple(scale.shape)}")
     if t == 0 or r == 0 or not _use_kernel(x, down, scale):
         return lora_shrink_reference(x, down, scale)
-    import triton
 
     interpret = interpreting()
     x, down = _rows(x), _rows(down)
@@ -384,22 +389,22 @@ def lora_shrink(x: torch.Tensor, down: torch.Tensor, scale: torch.Tensor,
         return out
     cfg = ShrinkConfig(*(config or (_SHRINK_INTERPRET_CONFIG if interpret else SHRINK_CUDA_CONFIG)))
     bt = cfg.block_t
-    br = min(max(16, cfg.block_r), max(16, triton.next_power_of_2(r)))
+    br = min(max(16, cfg.block_r), max(16, next_power_of_2(r)))
     bk = _fit_step(cfg.block_k, bt, br, x.element_size(), down.element_size(), cfg.num_stages)
-    tiles = triton.cdiv(t, bt) * triton.cdiv(r, br)
-    k_blocks = max(1, triton.cdiv(k, bk))
+    tiles = cdiv(t, bt) * cdiv(r, br)
+    k_blocks = max(1, cdiv(k, bk))
     split = cfg.split_k
     if split <= 0:  # about two programs per SM, each with at least 4 K steps
         sms = _sm_count(x.device.index) if x.is_cuda else 1
-        split = 1 if tiles >= sms else max(1, min(triton.cdiv(2 * sms, tiles), k_blocks // 4))
-    per_split = triton.cdiv(k_blocks, min(split, k_blocks))
-    split = triton.cdiv(k_blocks, per_split)  # no empty splits
+        split = 1 if tiles >= sms else max(1, min(cdiv(2 * sms, tiles), k_blocks // 4))
+    per_split = cdiv(k_blocks, min(split, k_blocks))
+    split = cdiv(k_blocks, per_split)  # no empty splits
     if split > 1:
         out = torch.empty(split, t, r, dtype=torch.float32, device=x.device)
     else:
         out = torch.empty(1, t, r, dtype=out_dtype, device=x.device)
     with _device_guard(x):
-        _kernels()[0][(triton.cdiv(t, bt), triton.cdiv(r, br), split)](
+        _kernels()[0][(cdiv(t, bt), cdiv(r, br), split)](
             x, down, scale, out, t, r, k, per_split * bk, x.stride(0), down.stride(0),
             out.stride(1), out.stride(0),
             BT=bt, BR=br, BK=bk, SPLIT=split, IEEE=_ieee(x.dtype, down.dtype),
@@ -448,7 +453,6 @@ def lora_linear_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     r = s.shape[1]
     if t == 0 or n == 0 or r == 0 or not _use_kernel(x, weight, bias, s, up):
         return lora_linear_fused_reference(x, weight, bias, s, up)
-    import triton
 
     interpret = interpreting()
     if tma or (tma is None and not interpret and t > _SMALL_T and _tma_dtypes(x, weight, s, up)
@@ -462,17 +466,17 @@ def lora_linear_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         cfg = _FUSED_INTERPRET_CONFIG
     else:
         cfg = FUSED_CUDA_SMALL_T_CONFIG if t <= _SMALL_T else FUSED_CUDA_CONFIG
-    bt = cfg.block_t or min(_SMALL_T, max(16, triton.next_power_of_2(t)))
+    bt = cfg.block_t or min(_SMALL_T, max(16, next_power_of_2(t)))
     bn = cfg.block_n
     # float32 operands take twice the staged shared memory: shorter K/rank steps keep them fit.
     bk = _fit_step(cfg.block_k, bt, bn, x.element_size(), weight.element_size(), cfg.num_stages)
-    br = _fit_step(min(max(16, cfg.block_r), max(16, triton.next_power_of_2(r))), bt, bn,
+    br = _fit_step(min(max(16, cfg.block_r), max(16, next_power_of_2(r))), bt, bn,
                    s.element_size(), up.element_size(), cfg.num_stages)
     x, weight, s, up = _rows(x), _rows(weight), _rows(s), _rows(up)
     if bias is not None:
         bias = bias.contiguous()
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(t, bt) * triton.cdiv(n, bn),)
+    grid = (cdiv(t, bt) * cdiv(n, bn),)
     with _device_guard(x):
         _kernels()[1][grid](
             x, weight, bias if bias is not None else out, s, up, out, t, n, k, r,
@@ -493,14 +497,12 @@ def _linear_tma(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None,
                 up: torch.Tensor | None, bias: torch.Tensor | None, scale: torch.Tensor | None,
                 out: torch.Tensor, cfg: FusedConfig) -> None:
     """``out = x @ w.T (+ s @ up.T) (* scale) (+ bias)`` by the TMA kernel (see _kernels)."""
-    import triton
-
     t, k = x.shape
     n = w.shape[0]
     r = s.shape[1] if s is not None else 0
-    bt, bk, br = cfg.block_t, cfg.block_k, max(16, min(cfg.block_r, triton.next_power_of_2(r)))
-    bn = cfg.block_n if s is not None else max(16, min(cfg.block_n, triton.next_power_of_2(n)))
-    tiles = triton.cdiv(t, bt) * triton.cdiv(n, bn)
+    bt, bk, br = cfg.block_t, cfg.block_k, max(16, min(cfg.block_r, next_power_of_2(r)))
+    bn = cfg.block_n if s is not None else max(16, min(cfg.block_n, next_power_of_2(n)))
+    tiles = cdiv(t, bt) * cdiv(n, bn)
     progs = min(tiles, _sm_count(x.device.index)) if x.is_cuda else min(tiles, 2)
     if bias is not None:
         bias = bias.contiguous()

@@ -18,8 +18,8 @@ import functools
 
 import torch
 
-__all__ = ["bind_tiles", "device_floats", "interpreting", "merge_lowrank",
-           "merge_lowrank_reference", "padded_factors", "triton_available"]
+__all__ = ["bind_tiles", "cdiv", "device_floats", "interpreting", "merge_lowrank",
+           "merge_lowrank_reference", "next_power_of_2", "padded_factors", "triton_available"]
 
 
 @functools.cache
@@ -107,13 +107,12 @@ def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
     if not triton_available() or not (w.is_cuda or interpret) or w.stride(1) != 1:
         merge_lowrank_reference(w, up, down, seg, alpha)
         return
-    import triton
 
     m, n = w.shape
     up_p, down_p, alpha, br = padded_factors(up, down, seg, alpha)
     bm, bn, warps = config or ((32, 32, 4) if interpret else CUDA_CONFIG)
     alpha_t = device_floats(alpha, w.device)
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    grid = (cdiv(m, bm) * cdiv(n, bn),)
     _kernel()[grid](
         w, up_p, down_p, alpha_t, m, n, w.stride(0), up_p.stride(0), down_p.stride(0),
         N_SEG=len(alpha), BM=bm, BN=bn, BR=br, IEEE=up.dtype == torch.float32 or interpret,
@@ -128,11 +127,9 @@ def padded_factors(up: torch.Tensor, down: torch.Tensor, seg: list[int], alpha: 
     (aligned vector loads, no rank masks). A single contribution already ``br`` wide is used
     as it is.
     """
-    import triton
-
     seg, alpha = _split_large_ranks(seg, alpha)
     max_r = max(seg[i + 1] - seg[i] for i in range(len(alpha)))
-    br = max(16, triton.next_power_of_2(max_r))
+    br = max(16, next_power_of_2(max_r))
     if len(alpha) == 1 and max_r == br:
         return up.contiguous(), down.contiguous(), alpha, br
     up_p = up.new_zeros(up.shape[0], len(alpha) * br)
@@ -142,6 +139,18 @@ def padded_factors(up: torch.Tensor, down: torch.Tensor, seg: list[int], alpha: 
         up_p[:, i * br:i * br + r1 - r0] = up[:, r0:r1]
         down_p[i * br:i * br + r1 - r0] = down[r0:r1]
     return up_p, down_p, alpha, br
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for grid sizes on the host (``triton.cdiv`` is a Triton function, about
+    2 us a call from Python: several per launch add up when merging hundreds of weights).
+    """
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``), on the host (as :func:`cdiv`)."""
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def device_floats(values: list[float], device: torch.device) -> torch.Tensor:

@@ -31,6 +31,7 @@ import torch
 
 from shuttle.kernels.merge_lowrank import (
     bind_tiles,
+    cdiv,
     device_floats,
     interpreting,
     padded_factors,
@@ -243,7 +244,6 @@ def merge_4bit(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
         return None
     assert up.shape == (m, seg[-1]) and down.shape == (seg[-1], n), "factors must be (M, R), (R, N)"
     assert len(seg) == len(alpha) + 1 and code.numel() == 16 and absmax.is_floating_point()
-    import triton
 
     interpret = interpreting()
     up_p, down_p, alpha, br = padded_factors(up, down, seg, alpha)
@@ -256,7 +256,7 @@ def merge_4bit(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
     if in_bytes.numel() > m * n // 2:
         out_bytes[m * n // 2:].zero_()  # storage padding beyond the weight, as encode writes it
     out_absmax = torch.empty(m * n // blocksize, dtype=torch.float32, device=packed.device)
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    grid = (cdiv(m, bm) * cdiv(n, bn),)
     _kernel()[grid](
         in_bytes, absmax.contiguous(), code.float().contiguous(), sorted_code, perm, up_p,
         down_p, device_floats(alpha, packed.device), out_bytes,

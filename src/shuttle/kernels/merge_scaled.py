@@ -41,6 +41,7 @@ import torch
 
 from shuttle.kernels.merge_lowrank import (
     bind_tiles,
+    cdiv,
     device_floats,
     interpreting,
     padded_factors,
@@ -260,7 +261,6 @@ def merge_scaled(data: torch.Tensor, scale: torch.Tensor | None, up: torch.Tenso
         g = torch.Generator(device=data.device).manual_seed(seed)
         return merge_scaled_reference(data, scale, up, down, seg, alpha,
                                       absmax_scale=absmax_scale, rounding=rounding, generator=g)
-    import triton
 
     kernel = _kernel()
     up_p, down_p, alpha, br = padded_factors(up, down, seg, alpha)
@@ -275,7 +275,7 @@ def merge_scaled(data: torch.Tensor, scale: torch.Tensor | None, up: torch.Tenso
     if scale is not None:
         scale = scale.contiguous()  # the kernel indexes a per-row scale with unit stride
 
-    grid = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    grid = cdiv(m, bm) * cdiv(n, bn)
 
     def launch(enc: torch.Tensor | None, encode: bool) -> torch.Tensor:
         # Unused pointers (no scale, pass 1's encode operand) are given any tensor: never read.

@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from shuttle.kernels.merge_lowrank import interpreting, triton_available
+from shuttle.kernels.merge_lowrank import cdiv, interpreting, triton_available
 
 __all__ = ["upcast"]
 
@@ -52,11 +52,10 @@ def upcast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
             or not (x.is_cuda or interpreting())
             or (x.is_cuda and torch.cuda.get_device_capability(x.device) < (8, 9))):
         return x.to(dtype)
-    import triton
 
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     n = x.numel()
     e5m2 = x.dtype == torch.float8_e5m2
     codes = x.detach().view(torch.uint8) if e5m2 else x.detach()
-    _kernel()[(triton.cdiv(n, _BLOCK),)](codes, out, n, E5M2=e5m2, BLOCK=_BLOCK)
+    _kernel()[(cdiv(n, _BLOCK),)](codes, out, n, E5M2=e5m2, BLOCK=_BLOCK)
     return out
