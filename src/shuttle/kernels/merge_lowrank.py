@@ -43,7 +43,7 @@ def merge_lowrank_reference(w: torch.Tensor, up: torch.Tensor, down: torch.Tenso
 
 
 # Shared tile helpers, bound by bind_tiles() when the kernels are built (see there).
-lowrank_tile = store_rne = None
+lowrank_tile = store_rne = tile_of = None
 
 
 @functools.cache
@@ -51,7 +51,7 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    bind_tiles(globals(), "lowrank_tile", "store_rne")
+    bind_tiles(globals(), "lowrank_tile", "store_rne", "tile_of")
 
     @triton.jit
     def merge_kernel(w_ptr, b_ptr, a_ptr, alpha_ptr, M, N, stride_wm, stride_bm, stride_ar,
@@ -63,11 +63,7 @@ def _kernel():
         # W load is issued first, so its latency hides behind the factor loads and the dot,
         # and other programs' loads fill the gaps. (A persistent loop over tiles measured
         # 2-3x slower: the tiles' loads were not overlapped.)
-        pid = tl.program_id(0)
-        n_tiles = tl.cdiv(N, BN)
-        rm = (pid // n_tiles) * BM + tl.arange(0, BM)
-        rn = (pid % n_tiles) * BN + tl.arange(0, BN)
-        mask_m, mask_n = rm < M, rn < N
+        rm, rn, mask_m, mask_n = tile_of(tl.program_id(0), M, N, BM, BN)
         mask = mask_m[:, None] & mask_n[None, :]
         ptrs = w_ptr + rm[:, None] * stride_wm + rn[None, :]
         w = tl.load(ptrs, mask=mask, other=0.0)

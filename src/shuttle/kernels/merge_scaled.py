@@ -137,7 +137,7 @@ def _new_scale(amax: torch.Tensor, dtype: torch.dtype, qmax: float, absmax_scale
 
 
 # Shared tile helpers, bound by bind_tiles() when the kernels are built (see there).
-lowrank_tile = None
+lowrank_tile = tile_of = None
 
 
 @functools.cache
@@ -145,7 +145,7 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    bind_tiles(globals(), "lowrank_tile")
+    bind_tiles(globals(), "lowrank_tile", "tile_of")
 
     @triton.jit
     def merge_scaled_kernel(
@@ -162,11 +162,8 @@ def _kernel():
         # zero-padded to BR ranks per contribution, as in merge_lowrank. (Pass 1 as one
         # program per row block walking the columns measured latency-bound on the H200.)
         pid = tl.program_id(0)
-        n_tiles = tl.cdiv(N, BN)
-        rm = (pid // n_tiles) * BM + tl.arange(0, BM)
-        rn = (pid % n_tiles) * BN + tl.arange(0, BN)
-        mask_m = rm < M
-        mask = mask_m[:, None] & (rn < N)[None, :]
+        rm, rn, mask_m, mask_n = tile_of(pid, M, N, BM, BN)
+        mask = mask_m[:, None] & mask_n[None, :]
         # x = Q * s * dq + sum_s alpha_s * b_s @ a_s, float32; 0 outside (M, N)
         w = tl.load(q_ptr + rm[:, None] * stride_qm + rn[None, :], mask=mask,
                     other=0.0).to(tl.float32)
@@ -175,7 +172,7 @@ def _kernel():
         if SCALE == 2:
             w = w * tl.load(s_ptr + rm, mask=mask_m, other=0.0).to(tl.float32)[:, None]
         w = w * dq
-        acc = lowrank_tile(b_ptr, a_ptr, alpha_ptr, rm, rn, mask_m, rn < N, stride_bm,
+        acc = lowrank_tile(b_ptr, a_ptr, alpha_ptr, rm, rn, mask_m, mask_n, stride_bm,
                            stride_ar, BM, BN, N_SEG, BR, IEEE)
         x = w + acc
         # NaN counts as inf, so that a max propagates any non-finite element

@@ -10,7 +10,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["dot_over_k", "lowrank_tile", "round_bf16", "store_rne"]
+__all__ = ["dot_over_k", "lowrank_tile", "round_bf16", "store_rne", "tile_of"]
+
+
+@triton.jit
+def tile_of(pid, M, N, BM: tl.constexpr, BN: tl.constexpr):
+    """Program ``pid``'s (BM, BN) tile of an (M, N) matrix, tiles in row-major order:
+    ``(rows, cols, row mask, column mask)``.
+    """
+    n_tiles = tl.cdiv(N, BN)
+    rm = (pid // n_tiles) * BM + tl.arange(0, BM)
+    rn = (pid % n_tiles) * BN + tl.arange(0, BN)
+    return rm, rn, rm < M, rn < N
 
 
 @triton.jit
