@@ -43,6 +43,19 @@ def test_chain_order_and_outputs():
                    "post a"]
 
 
+def test_an_outermost_hook_goes_first_whenever_it_is_added():
+    lin, log = nn.Linear(3, 2), []
+    add_hook(lin, Tag("a", log))
+    add_hook(lin, Tag("stream", log), outermost=True)
+    add_hook(lin, Tag("b", log))
+    lin(torch.randn(1, 3))
+    assert [h.name for h in hooks_of(lin)] == ["stream", "a", "b"]
+    assert log[:3] == ["pre stream", "pre a", "pre b"]
+    assert log[3:6] == ["enter stream", "enter a", "enter b"]
+    remove_hook(lin)
+    assert "forward" not in lin.__dict__
+
+
 def test_remove_restores_the_module_exactly():
     lin = nn.Linear(3, 2)
     sig = inspect.signature(lin.forward)
