@@ -163,3 +163,21 @@ def test_streamed_float8_on_cuda_matches_the_twin():
         with off.use("cuda", RESIDENCY_MODES["stream2"]) as active:
             for _ in range(2):
                 assert torch.equal(active(x), want)
+
+
+@pytest.mark.parametrize("mode", ["stream2", "whole"])
+def test_streamed_merge_into_float8_equals_merge_lora_every_step(cpu_copy, mode):
+    # Each fold lands in a fresh copy of the float8 weight: seeded as merge_lora's first merge
+    # (stochastic by default for float8), the same bits on every step.
+    model, _ = fp8_pair()
+    x, ad = tokens(), lora()
+    ref = copy.deepcopy(model)
+    shuttle.merge_lora(ref, [(ad, 0.7)])
+    with torch.no_grad(), upcast_on_use(ref):
+        want = ref(x)
+    upcast_on_use(model)
+    off = ModelOffloader.from_module(model, blocks=PATHS)
+    with torch.no_grad(), off.use("cpu", RESIDENCY_MODES[mode], loras=[(ad, 0.7)],
+                                  lora_mode="merge") as active:
+        for _ in range(3):
+            assert torch.equal(active(x), want)

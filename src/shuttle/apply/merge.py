@@ -128,14 +128,17 @@ def merge_plan(model: torch.nn.Module, plan: MergePlan, *, rounding: Rounding | 
 
 
 def merge_param(p: torch.Tensor, name: str, contribs: list[Contribution],
-                rounding: Rounding | None = None, seed: int | None = None) -> None:
+                rounding: Rounding | None = None, seed: int | None = None, *,
+                fresh: bool = False) -> None:
     """Apply ``contribs`` to parameter ``p`` (named ``name``) with one rounding per element.
 
     ``rounding=None`` is nearest for float16/bfloat16/float32/float64 and stochastic for float8
-    and quantized weights (see :func:`_merge_encoded`).
+    and quantized weights (see :func:`_merge_encoded`). ``fresh``: ``p`` is a new copy of the
+    original weight (an offloader's slot, refilled from the host before every merge), so each
+    merge is seeded as the first one and not counted: the same bits every time.
     """
     if not (is_plain_tensor(p) and p.dtype in PLAIN_DTYPES):
-        _merge_encoded(p, name, contribs, rounding or "stochastic", seed)
+        _merge_encoded(p, name, contribs, rounding or "stochastic", seed, fresh)
         return
     rounding = rounding or "nearest"
     if rounding == "nearest" and _merge_fused(p, contribs):
@@ -186,16 +189,16 @@ def _count_merge(p: torch.Tensor, count: int) -> None:
 
 
 def _merge_encoded(p: torch.Tensor, name: str, contribs: list[Contribution],
-                   rounding: Rounding, seed: int | None) -> None:
+                   rounding: Rounding, seed: int | None, fresh: bool = False) -> None:
     """Merge into a float8 or quantized parameter: dequantize to float32 once, apply every
     contribution, encode once (data-dependent scales recomputed), write back in place.
 
     Float8 values beyond the format's finite range clamp to ``±finfo.max``. The stochastic
     seed is ``param_seed(name, seed)`` for the first merge into ``p`` and moves on with each
-    merge.
+    merge (unless ``fresh``: see :func:`merge_param`).
     """
     rep = represent(p.detach() if is_plain_tensor(p) else p)
-    count = _merge_count(p)
+    count = 0 if fresh else _merge_count(p)
     mixed = (param_seed(name, seed) + count * 0x9E3779B97F4A7C15) & (2**63 - 1)
     # Concatenating the factors is work only a representation with a fused kernel uses.
     fused = type(rep).merge_lowrank is not WeightRepresentation.merge_lowrank
@@ -205,7 +208,8 @@ def _merge_encoded(p: torch.Tensor, name: str, contribs: list[Contribution],
         out = rep.merge_lowrank(*sums[None], rounding=rounding, seed=mixed)
         if out is not None:
             write_back(p, out)
-            _count_merge(p, count + 1)
+            if not fresh:
+                _count_merge(p, count + 1)
             return
     w = apply_contributions(rep.dequantize(), contribs)
     if not bool(torch.isfinite(w).all()):
@@ -217,7 +221,8 @@ def _merge_encoded(p: torch.Tensor, name: str, contribs: list[Contribution],
     g = torch.Generator(device=p.device)
     g.manual_seed(mixed)
     write_back(p, rep.encode(w, rounding, g))
-    _count_merge(p, count + 1)
+    if not fresh:
+        _count_merge(p, count + 1)
 
 
 def write_back(p: torch.Tensor, rep: WeightRepresentation) -> None:

@@ -147,7 +147,9 @@ class ActivationAdapters:
             return
         with torch.no_grad(), exact_cublas():
             for t in targets:
-                merge_param(views[t.entry], t.name, t.contribs)
+                # Each fold lands in a fresh copy from the host: the same rounding bits
+                # every time (a float8 or quantized weight is otherwise re-seeded per merge).
+                merge_param(views[t.entry], t.name, t.contribs, fresh=True)
                 self.folds += 1
 
     def merged_copies(self, unit: HostUnit) -> list[torch.Tensor]:
