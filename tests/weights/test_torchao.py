@@ -53,6 +53,13 @@ def test_int4_tile_packed_is_not_mergeable():
     t = q.Int4TilePackedTo4dTensor.from_hp(w, [1, 128])
     rep = represent(t)
     assert isinstance(rep, TorchaoInt4Weight) and not rep.mergeable
-    torch.testing.assert_close(rep.dequantize(), t.dequantize().float())
+    dq = rep.dequantize()
+    assert dq.shape == (64, 256) and dq.dtype == torch.float32
+    # The weight the layer computes with: its linear equals a plain matmul with it ...
+    x = torch.randn(8, 256, dtype=torch.bfloat16, device="cuda")
+    torch.testing.assert_close(torch.nn.functional.linear(x, t).float(),
+                               x.float() @ dq.T, rtol=2e-2, atol=2e-2)
+    # ... and it is the original weight up to int4 rounding (16 levels per group of 128).
+    assert (dq - w.float()).pow(2).mean().sqrt() < 0.2 * w.float().pow(2).mean().sqrt()
     with pytest.raises(UnmergeableWeightError, match="dynamic"):
         rep.encode(rep.dequantize())

@@ -140,7 +140,8 @@ class TorchaoInt4Weight(WeightRepresentation):
     """A torchao ``Int4TilePackedTo4dTensor``: tinygemm-packed int4, group scales and zeros.
 
     Not mergeable (``encode`` raises :class:`~shuttle.errors.UnmergeableWeightError`); movable,
-    countable and dequantizable (through torchao's own unpacking, which needs its CUDA kernels).
+    countable and dequantizable (on CUDA: through the layer's own int4 matmul, see
+    :meth:`dequantize`).
 
     Attributes:
         qdata: the packed int4 tiles (int32).
@@ -148,6 +149,7 @@ class TorchaoInt4Weight(WeightRepresentation):
         block_size: torchao's ``[1, group_size]``.
         shape: the logical shape.
         compute: the dtype layers compute in.
+        act_pre_scale: torchao's optional per-input-column scale of the activations.
     """
 
     qdata: torch.Tensor
@@ -155,15 +157,25 @@ class TorchaoInt4Weight(WeightRepresentation):
     block_size: list[int]
     shape: tuple[int, ...]
     compute: torch.dtype
+    act_pre_scale: torch.Tensor | None = None
 
-    tensor_names = ("qdata", "scale_and_zero")
+    tensor_names = ("qdata", "scale_and_zero", "act_pre_scale")
     shape_field = "shape"
     mergeable = False
 
     def dequantize(self) -> torch.Tensor:
+        """The weight the layer computes with, float32 ``(out, in)``.
+
+        torchao has no unpacking for this layout (``Tensor.dequantize`` is not implemented for
+        it), so the layer's own linear is run on an identity input: row j of ``eye @ W.T`` is
+        column j of W, each output a single product, exact in the kernel's float32 sum, as
+        the bf16 weight the int4 matmul uses (with ``act_pre_scale`` folded in).
+        """
         tensor_cls = _torchao_quantization().Int4TilePackedTo4dTensor
-        t = tensor_cls(self.qdata, self.scale_and_zero, self.block_size, torch.Size(self.shape))
-        return t.dequantize().float()
+        t = tensor_cls(self.qdata, self.scale_and_zero, self.block_size, torch.Size(self.shape),
+                       self.act_pre_scale)
+        eye = torch.eye(self.shape[1], dtype=torch.bfloat16, device=self.qdata.device)
+        return torch.nn.functional.linear(eye, t).T.float().contiguous()
 
     @classmethod
     def accepts(cls, tensor: torch.Tensor) -> bool:
@@ -173,4 +185,4 @@ class TorchaoInt4Weight(WeightRepresentation):
     @classmethod
     def from_tensor(cls, tensor: torch.Tensor) -> TorchaoInt4Weight:
         return cls(tensor.qdata, tensor.scale_and_zero, list(tensor.block_size),
-                   tuple(tensor.shape), tensor.dtype)
+                   tuple(tensor.shape), tensor.dtype, getattr(tensor, "act_pre_scale", None))
