@@ -23,6 +23,7 @@ from shuttle.errors import (
     UnsupportedFeatureError,
 )
 from shuttle.offload import CPU_COPY_ENV, ModelOffloader, StreamConfig
+from tests.adapters import lowrank_state
 from tests.offload.models import TinyDiT
 
 PATHS = ("blocks", "single")
@@ -50,14 +51,9 @@ def tokens():
 
 
 def lora_state_dict(rank=4, dim=32):
-    g = torch.Generator().manual_seed(3)
-    sd = {}
-    for i in range(2):
-        for name, (out_f, in_f) in {"attn": (dim, dim), "up": (4 * dim, dim)}.items():
-            p = f"blocks.{i}.{name}"
-            sd[f"{p}.lora_A.weight"] = torch.randn(rank, in_f, generator=g) * 0.1
-            sd[f"{p}.lora_B.weight"] = torch.randn(out_f, rank, generator=g) * 0.1
-    return sd
+    return lowrank_state({f"blocks.{i}.{name}": shape for i in range(2)
+                          for name, shape in {"attn": (dim, dim), "up": (4 * dim, dim)}.items()},
+                         rank=rank, seed=3)
 
 
 def assert_quiet(cache):

@@ -13,6 +13,7 @@ import shuttle
 from shuttle.errors import BudgetTooSmallError, CheckpointRequiredError, OffloadError
 from shuttle.hooks import hooks_of
 from shuttle.offload import ModelOffloader, StreamConfig
+from tests.adapters import lowrank_state
 from tests.offload.models import TinyDiT
 
 LAYER_MODES = {
@@ -152,10 +153,7 @@ def test_deactivate_restores_forward_exactly(cpu_copy):
 
 def lora_for_convnet():
     g = torch.Generator().manual_seed(5)
-    low = {}
-    for name, (out_f, in_f) in {"fc1": (64, 128), "fc2": (10, 64)}.items():
-        low[f"{name}.lora_A.weight"] = torch.randn(4, in_f, generator=g) * 0.1
-        low[f"{name}.lora_B.weight"] = torch.randn(out_f, 4, generator=g) * 0.1
+    low = lowrank_state({"fc1": (64, 128), "fc2": (10, 64)}, generator=g)
     dense = {"conv2.diff": torch.randn(8, 8, 3, 3, generator=g) * 0.01}
     return [(shuttle.load_lora(low), 0.8), (shuttle.load_lora(dense), 0.5)]
 

@@ -17,6 +17,7 @@ from shuttle.errors import (
 from shuttle.hooks import hooks_of
 from shuttle.offload import ModelOffloader, SlotPool, StreamConfig
 from shuttle.offload import adapters as adapters_module
+from tests.adapters import lowrank_state
 from tests.offload.models import RESIDENCY_MODES, TinyDiT, fail_on_call
 from tests.offload.test_host_storage import assert_unchanged, snapshot
 
@@ -29,13 +30,10 @@ MODES = RESIDENCY_MODES
 def adapters(dtype=torch.float32):
     """Low-rank on every ``blocks`` block; dense diffs in the rest, a block and a single."""
     g = torch.Generator().manual_seed(3)
-    low = {}
-    for i in range(5):
-        for name, (out_f, in_f) in {"attn": (32, 32), "up": (128, 32)}.items():
-            low[f"blocks.{i}.{name}.lora_A.weight"] = (torch.randn(4, in_f, generator=g) * 0.1
-                                                       ).to(dtype)
-            low[f"blocks.{i}.{name}.lora_B.weight"] = (torch.randn(out_f, 4, generator=g) * 0.1
-                                                       ).to(dtype)
+    low = lowrank_state({f"blocks.{i}.{name}": shape for i in range(5)
+                         for name, shape in {"attn": (32, 32), "up": (128, 32)}.items()},
+                        generator=g)
+    low = {k: v.to(dtype) for k, v in low.items()}
     dense = {"norm.diff": torch.randn(32, generator=g) * 0.1,
              "blocks.1.norm.diff": torch.randn(32, generator=g) * 0.1,
              "single.2.down.diff": torch.randn(32, 64, generator=g) * 0.01,

@@ -11,6 +11,7 @@ from shuttle.errors import HostBackingError, UnsupportedLayerError
 from shuttle.offload import ModelOffloader, StreamConfig
 from shuttle.offload.host_storage import HostStorage
 from shuttle.weights import Bnb4bitWeight, WeightRepresentation, represent
+from tests.adapters import lowrank_state
 
 KINDS = ["nf4", "nf4_nested", "int8", "quanto", "torchao_f8", "torchao_i8"]
 MODES = {
@@ -216,11 +217,7 @@ def test_int8_after_its_first_forward_is_refused():
 
 
 def _nf4_adapter():
-    g = torch.Generator().manual_seed(5)
-    sd = {}
-    for i in range(3):
-        sd[f"blocks.{i}.lin.lora_A.weight"] = torch.randn(4, 64, generator=g) * 0.1
-        sd[f"blocks.{i}.lin.lora_B.weight"] = torch.randn(64, 4, generator=g) * 0.1
+    sd = lowrank_state({f"blocks.{i}.lin": (64, 64) for i in range(3)})
     return [(shuttle.load_lora(sd), 0.7)]
 
 

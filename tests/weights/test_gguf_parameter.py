@@ -15,6 +15,7 @@ import shuttle
 from shuttle.errors import ShuttleError, UnmergeableWeightError
 from shuttle.offload import CPU_COPY_ENV, ModelOffloader, StreamConfig
 from shuttle.weights import GGUFParameter, GGUFWeight, dequantize_blocks, represent
+from tests.adapters import lowrank_state
 from tests.weights.test_gguf import random_blocks
 
 TYPES = ["Q8_0", "Q4_0", "Q4_K", "Q6_K"]
@@ -155,12 +156,8 @@ class Net(torch.nn.Module):
 
 
 def adapter(seed: int = 3):
-    g = torch.Generator().manual_seed(seed)
-    sd = {}
-    for m, (n, k) in {"first": (256, 256), "layer": (16, 256)}.items():
-        sd[f"{m}.lora_A.weight"] = torch.randn(4, k, generator=g) * 0.1
-        sd[f"{m}.lora_B.weight"] = torch.randn(n, 4, generator=g) * 0.1
-    return shuttle.load_lora(sd)
+    return shuttle.load_lora(lowrank_state({"first": (256, 256), "layer": (16, 256)},
+                                           seed=seed))
 
 
 @pytest.mark.parametrize("quality", ["exact", "lossless"])
@@ -243,11 +240,7 @@ def inside(t: torch.Tensor, flats: list[torch.Tensor]) -> bool:
 
 
 def block_adapter():
-    g = torch.Generator().manual_seed(5)
-    sd = {}
-    for i in range(3):
-        sd[f"blocks.{i}.lin.lora_A.weight"] = torch.randn(4, 256, generator=g) * 0.05
-        sd[f"blocks.{i}.lin.lora_B.weight"] = torch.randn(256, 4, generator=g) * 0.05
+    sd = lowrank_state({f"blocks.{i}.lin": (256, 256) for i in range(3)}, scale=0.05)
     return [(shuttle.load_lora(sd), 0.7)]
 
 

@@ -13,6 +13,7 @@ from shuttle.errors import ShuttleError
 from shuttle.hooks import hooks_of
 from shuttle.offload import ModelOffloader
 from shuttle.weights import UpcastHook, upcast_on_use
+from tests.adapters import lowrank_state
 from tests.offload.models import RESIDENCY_MODES, TinyDiT
 
 PATHS = ["blocks", "single"]
@@ -37,12 +38,8 @@ def tokens():
 
 
 def lora():
-    g = torch.Generator().manual_seed(5)
-    sd = {}
-    for i in range(5):
-        for name, (out_f, in_f) in {"attn": (32, 32), "up": (128, 32)}.items():
-            sd[f"blocks.{i}.{name}.lora_A.weight"] = torch.randn(4, in_f, generator=g) * 0.1
-            sd[f"blocks.{i}.{name}.lora_B.weight"] = torch.randn(out_f, 4, generator=g) * 0.1
+    sd = lowrank_state({f"blocks.{i}.{name}": shape for i in range(5)
+                        for name, shape in {"attn": (32, 32), "up": (128, 32)}.items()})
     return shuttle.load_lora({k: v.bfloat16() for k, v in sd.items()})
 
 
