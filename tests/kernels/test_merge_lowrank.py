@@ -83,3 +83,54 @@ def test_single_rounding_differs_from_double_rounding():
     double = w + (alpha[0] * (up.float() @ down.float())).to(torch.bfloat16)
     assert int((got != ref).sum()) <= 16
     assert int((double != ref).sum()) > int((got != ref).sum())
+
+
+def _jobs(specs, seed=1):
+    """LowRankJobs of (m, n, ranks, wdtype, fdtype) and the weights' starting values."""
+    from shuttle.kernels.merge_lowrank import LowRankJob
+
+    jobs = []
+    for i, (m, n, ranks, wdtype, fdtype) in enumerate(specs):
+        jobs.append(LowRankJob(*_case(m, n, ranks, wdtype, fdtype, seed=seed + i)))
+    return jobs
+
+
+@pytest.mark.parametrize("count", [2, 3, 5])
+def test_grouped_launch_equals_one_launch_per_weight(count):
+    from shuttle.kernels.merge_lowrank import merge_lowrank_grouped
+
+    shapes = [(70, 45, [5]), (33, 130, [7]), (16, 16, [3]), (50, 40, [8]), (9, 70, [16])]
+    jobs = _jobs([(*shapes[i], torch.bfloat16, torch.bfloat16) for i in range(count)])
+    want = [j.w.clone() for j in jobs]
+    for w, j in zip(want, jobs, strict=True):
+        merge_lowrank(w, j.up, j.down, j.seg, j.alpha)
+    merge_lowrank_grouped(jobs)
+    for w, j in zip(want, jobs, strict=True):
+        assert torch.equal(j.w, w)
+
+
+def test_grouped_launch_mixed_kinds_and_row_ranges_of_one_weight():
+    """Jobs of different weight/factor dtypes and rank layouts launch per kind; row ranges of
+    one weight (a fused qkv) are separate jobs that leave each other's rows alone."""
+    from shuttle.kernels.merge_lowrank import LowRankJob, merge_lowrank_grouped
+
+    jobs = _jobs([(40, 24, [4], torch.float16, torch.bfloat16),
+                  (20, 50, [6, 3], torch.bfloat16, torch.bfloat16),
+                  (30, 30, [5], torch.bfloat16, torch.float32),
+                  (25, 33, [140], torch.bfloat16, torch.bfloat16),
+                  (31, 17, [2], torch.float16, torch.bfloat16)])
+    qkv, up, down, seg, alpha = _case(60, 32, [4], torch.bfloat16, torch.bfloat16, seed=9)
+    jobs += [LowRankJob(qkv[r0:r1], up[r0:r1], down, seg, [a])
+             for (r0, r1), a in (((0, 20), 0.5), ((40, 60), -1.25))]
+    want = [j.w.clone() for j in jobs[:5]]
+    for w, j in zip(want, jobs, strict=False):
+        merge_lowrank(w, j.up, j.down, j.seg, j.alpha)
+    want_qkv = qkv.clone()
+    for j in jobs[5:]:
+        merge_lowrank(want_qkv[j.w.storage_offset() // 32:][:20], j.up, j.down, j.seg, j.alpha)
+    before = qkv.clone()
+    merge_lowrank_grouped(jobs)
+    for w, j in zip(want, jobs, strict=False):
+        assert torch.equal(j.w, w)
+    assert torch.equal(qkv, want_qkv)
+    assert torch.equal(qkv[20:40], before[20:40]) and not torch.equal(qkv[:20], before[:20])

@@ -15,11 +15,13 @@ the oracle the kernel is tested against (on CPU under ``TRITON_INTERPRET=1``).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["bind_tiles", "cdiv", "device_floats", "interpreting", "merge_lowrank",
-           "merge_lowrank_reference", "next_power_of_2", "padded_factors", "triton_available"]
+__all__ = ["LowRankJob", "bind_tiles", "cdiv", "device_floats", "interpreting", "merge_lowrank",
+           "merge_lowrank_grouped", "merge_lowrank_reference", "next_power_of_2",
+           "padded_factors", "triton_available"]
 
 
 @functools.cache
@@ -74,6 +76,45 @@ def _kernel():
     return merge_kernel
 
 
+@functools.cache
+def _grouped_kernel():
+    import triton
+    import triton.language as tl
+
+    bind_tiles(globals(), "lowrank_tile", "store_rne", "tile_of")
+
+    @triton.jit
+    def merge_grouped_kernel(table_ptr, alpha_ptr, w_like, f_like, N_SEG: tl.constexpr,
+                             LOG_JOBS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                             BR: tl.constexpr, IEEE: tl.constexpr):
+        # table (int64): 2^LOG_JOBS first tiles, ascending (the padding past the last job
+        # holds 2^62), then per job: w, b, a (addresses), M, N, stride_wm, stride_bm,
+        # stride_ar. alpha: (jobs, N_SEG) float32. w_like / f_like: any tensors of the
+        # weights' and the factors' dtype, for the pointer types. Each program finds its job
+        # by a binary search over the first tiles, then merges one tile as merge_kernel does.
+        pid = tl.program_id(0)
+        job = 0
+        for step in tl.static_range(LOG_JOBS):
+            probe = job + (1 << (LOG_JOBS - 1 - step))
+            job = tl.where(tl.load(table_ptr + probe) <= pid, probe, job)
+        row = table_ptr + (1 << LOG_JOBS) + job * 8
+        w_ptr = tl.load(row).to(w_like.dtype)
+        b_ptr = tl.load(row + 1).to(f_like.dtype)
+        a_ptr = tl.load(row + 2).to(f_like.dtype)
+        m = tl.load(row + 3).to(tl.int32)
+        n = tl.load(row + 4).to(tl.int32)
+        rm, rn, mask_m, mask_n = tile_of(pid - tl.load(table_ptr + job).to(tl.int32), m, n,
+                                         BM, BN)
+        mask = mask_m[:, None] & mask_n[None, :]
+        ptrs = w_ptr + rm[:, None] * tl.load(row + 5) + rn[None, :]
+        w = tl.load(ptrs, mask=mask, other=0.0)
+        acc = lowrank_tile(b_ptr, a_ptr, alpha_ptr + job * N_SEG, rm, rn, mask_m, mask_n,
+                           tl.load(row + 6), tl.load(row + 7), BM, BN, N_SEG, BR, IEEE)
+        store_rne(ptrs, w.to(tl.float32) + acc, mask)
+
+    return merge_grouped_kernel
+
+
 # (BM, BN, num_warps) on CUDA; chosen by benchmarks/tune_merge_kernel.py on an H200 (the
 # configurations within a few percent of each other run to run). A variant moving the tiles by
 # TMA measured 25-35% slower in two runs (docs/benchmarks/merge_kernel_tuning.md) and was dropped.
@@ -115,6 +156,73 @@ def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
         num_warps=warps, num_stages=1)
 
 
+class LowRankJob(NamedTuple):
+    """One :func:`merge_lowrank` call's arguments, for :func:`merge_lowrank_grouped`."""
+
+    w: torch.Tensor  # (M, N)
+    up: torch.Tensor  # (M, R)
+    down: torch.Tensor  # (R, N)
+    seg: list[int]
+    alpha: list[float]
+
+
+_GROUP_ROW = 8  # int64 entries per job in the grouped kernel's table
+
+
+def merge_lowrank_grouped(jobs: list[LowRankJob],
+                          config: tuple[int, int, int] | None = None) -> None:
+    """:func:`merge_lowrank` for every job, in one kernel launch per kind of job.
+
+    A whole-model merge launches the kernel once per weight, and on the H200 the host side of
+    one launch (argument handling, the scale upload) costs about as much as the kernel's 56 us
+    on a 12288x3072 bf16 weight: the GPU idles between merges. Here the jobs' addresses, shapes,
+    strides and scales go to the device in one table (one pinned copy) and one launch runs
+    every tile of every job of one (weight dtype, factor dtype, padded rank) kind. The results
+    equal :func:`merge_lowrank`'s bit for bit (the same tiles, the same arithmetic).
+
+    Jobs must not overlap in memory (distinct weights, or distinct row ranges of one). Jobs
+    the kernel cannot take (not on CUDA nor interpreted, a weight without unit stride along N)
+    go through :func:`merge_lowrank` one by one.
+    """
+    interpret = interpreting()
+    kinds: dict[tuple, list[tuple[LowRankJob, torch.Tensor, torch.Tensor, list[float]]]] = {}
+    for job in jobs:
+        if (not triton_available() or not (job.w.is_cuda or interpret)
+                or job.w.stride(1) != 1 or len(jobs) == 1):
+            merge_lowrank(job.w, job.up, job.down, job.seg, job.alpha, config)
+            continue
+        up_p, down_p, alpha, br = padded_factors(job.up, job.down, job.seg, job.alpha)
+        key = (job.w.dtype, up_p.dtype, job.w.device, len(alpha), br)
+        kinds.setdefault(key, []).append((job, up_p, down_p, alpha))
+    bm, bn, warps = config or ((32, 32, 4) if interpret else CUDA_CONFIG)
+    for (_, fdtype, device, n_seg, br), group in kinds.items():
+        log_jobs = max(len(group) - 1, 0).bit_length()
+        firsts, rows, alphas = [], [], []
+        tiles = 0
+        for job, up_p, down_p, alpha in group:
+            m, n = job.w.shape
+            firsts.append(tiles)
+            tiles += cdiv(m, bm) * cdiv(n, bn)
+            rows += (job.w.data_ptr(), up_p.data_ptr(), down_p.data_ptr(), m, n,
+                     job.w.stride(0), up_p.stride(0), down_p.stride(0))
+            alphas += alpha
+        firsts += [1 << 62] * ((1 << log_jobs) - len(group))
+        # One int64 buffer: the table, then the scales as float32 pairs (a view on both sides).
+        n_int = len(firsts) + len(rows)
+        host = torch.empty(n_int + cdiv(len(alphas), 2), dtype=torch.int64,
+                           pin_memory=device.type == "cuda")
+        host[:n_int] = torch.tensor(firsts + rows, dtype=torch.int64)
+        host[n_int:].view(torch.float32)[:len(alphas)] = torch.tensor(alphas,
+                                                                      dtype=torch.float32)
+        table = host.to(device, non_blocking=True)
+        _grouped_kernel()[(tiles,)](
+            table, table[n_int:].view(torch.float32), group[0][0].w, group[0][1],
+            N_SEG=n_seg, LOG_JOBS=log_jobs, BM=bm, BN=bn, BR=br,
+            IEEE=fdtype == torch.float32 or interpret, num_warps=warps, num_stages=1)
+        # The factors padded for this launch must outlive it: the caching allocator reuses
+        # a freed block only after the work queued on its stream, so dropping them is safe.
+
+
 def padded_factors(up: torch.Tensor, down: torch.Tensor, seg: list[int], alpha: list[float]
                    ) -> tuple[torch.Tensor, torch.Tensor, list[float], int]:
     """The factors as the merge kernels index them: ``(up (M, S*br), down (S*br, N), alpha
@@ -150,19 +258,32 @@ def next_power_of_2(n: int) -> int:
 
 
 def device_floats(values: list[float], device: torch.device) -> torch.Tensor:
-    """A float32 tensor on ``device`` without a host sync.
+    """A float32 tensor of ``values`` on ``device``, without a host sync; do not modify it.
 
+    On CUDA the tensors are cached by value (the scales of one merge repeat from weight to
+    weight): a new one costs a launch or a copy, several microseconds of host time per weight.
+    Cached tensors are never freed (a freed one could be reused while a kernel queued on
+    another stream still reads it); past :data:`_MAX_CACHED_FLOATS` values new ones are not
+    cached. A new tensor goes through a pinned staging buffer, copied asynchronously:
     ``torch.tensor(values, device="cuda")`` copies from pageable memory, which waits for the
-    stream to drain: once per weight, that idles the GPU between merges. One value (the common
-    case: one adapter) is a fill, its value passed with the launch; several go through a pinned
-    staging buffer from the caching host allocator, copied asynchronously.
+    stream to drain.
     """
     if device.type != "cuda":
         return torch.tensor(values, dtype=torch.float32, device=device)
-    if len(values) == 1:
-        return torch.full((1,), values[0], dtype=torch.float32, device=device)
+    key = (tuple(values), device)
+    cached = _FLOATS.get(key)
+    if cached is not None:
+        return cached
     host = torch.tensor(values, dtype=torch.float32).pin_memory()
-    return host.to(device, non_blocking=True)
+    out = host.to(device, non_blocking=True)
+    # Memory allocated while a CUDA graph is captured belongs to the graph: not cached.
+    if len(_FLOATS) < _MAX_CACHED_FLOATS and not torch.cuda.is_current_stream_capturing():
+        _FLOATS[key] = out
+    return out
+
+
+_FLOATS: dict[tuple[tuple[float, ...], torch.device], torch.Tensor] = {}
+_MAX_CACHED_FLOATS = 4096
 
 
 def _split_large_ranks(seg: list[int], alpha: list[float]) -> tuple[list[int], list[float]]:
