@@ -35,6 +35,7 @@ from shuttle.kernels.merge_lowrank import (
     device_floats,
     interpreting,
     padded_factors,
+    seed32,
     triton_available,
 )
 
@@ -99,7 +100,7 @@ def _blocks(x: torch.Tensor, blocksize: int) -> torch.Tensor:
 
 
 # Shared tile helpers, bound by bind_tiles() when the kernels are built (see there).
-lowrank_tile = None
+hash_uniform = lowrank_tile = None
 
 
 @functools.cache
@@ -107,7 +108,7 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    bind_tiles(globals(), "lowrank_tile")
+    bind_tiles(globals(), "hash_uniform", "lowrank_tile")
 
     @triton.jit
     def merge_4bit_kernel(packed_ptr, absmax_ptr, code_ptr, sorted_ptr, perm_ptr, b_ptr, a_ptr,
@@ -163,7 +164,7 @@ def _kernel():
             # is keyed by the flat element index, so it does not depend on the tiling.
             gap = v_hi - v_lo
             p = tl.where(gap > 0, tl.math.div_rn(v - v_lo, tl.where(gap > 0, gap, 1.0)), 0.0)
-            u = tl.rand(seed, rm[:, None].to(tl.int64) * N + rn[None, :])
+            u = hash_uniform(seed, rm[:, None].to(tl.int64) * N + rn[None, :])
             take_hi = u < p
         else:
             take_hi = v - v_lo > v_hi - v  # a tie goes to the lower neighbour
@@ -214,7 +215,8 @@ def merge_4bit(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
     Computes what :func:`merge_4bit_reference` computes; nearest rounding gives the same
     result except where float32 summation order moves a value across a code midpoint (and
     a block's absmax may differ in its last bits). Stochastic rounding draws
-    ``tl.rand(seed, flat element index)``: repeatable for a seed on any tiling, unbiased.
+    ``hash_uniform(seed, flat element index)``: repeatable for a seed on any tiling,
+    unbiased.
 
     Args:
         packed: the 4-bit indices, two per byte, high nibble first (any dtype viewing the
@@ -260,7 +262,7 @@ def merge_4bit(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
     _kernel()[grid](
         in_bytes, absmax.contiguous(), code.float().contiguous(), sorted_code, perm, up_p,
         down_p, device_floats(alpha, packed.device), out_bytes,
-        out_absmax, m, n, up_p.stride(0), down_p.stride(0), seed, N_SEG=len(alpha), BM=bm,
+        out_absmax, m, n, up_p.stride(0), down_p.stride(0), seed32(seed), N_SEG=len(alpha), BM=bm,
         BN=bn, BR=br, BS=blocksize, STOCHASTIC=rounding == "stochastic",
         IEEE=up.dtype == torch.float32 or interpret, num_warps=warps, num_stages=1)
     new_packed = out_bytes.view(packed.dtype).view(packed.shape)

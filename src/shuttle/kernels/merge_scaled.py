@@ -15,8 +15,9 @@ bitsandbytes' int8 (``absmax_scale=True``) stores the absmax itself as its scale
 
 Two passes of one Triton kernel (``ENCODE`` off, then on), each recomputing x tile by tile from
 Q and the factors (the low-rank product is cheap next to the memory traffic), one program per
-(BM, BN) tile: pass 1 folds each row's amax in by atomic max; the new scale follows in a few
-torch ops (no host sync); pass 2 recomputes x and writes the codes. W is never materialized:
+(BM, BN) tile: pass 1 folds each row's amax (or the tensor's) in by atomic max; pass 2
+recomputes x, derives the new scale from that amax and writes it with the codes. No host sync
+and no torch op between the passes. W is never materialized:
 the traffic is two reads of Q and of the factors, and one write of Q' (unscaled float8 needs
 no amax: pass 2 only).
 
@@ -25,8 +26,9 @@ not round to nearest even): the spacing of the float8 grid at x is ``ulp = 2^(ma
 mbits)`` with e the float32 exponent of x, so ``lo = floor(x / ulp) * ulp`` and ``lo + ulp`` are
 exact float8 values, and the cast of the chosen one is exact (int8: ulp = 1). Nearest picks the
 closer, ties to an even code; stochastic picks ``lo + ulp`` with probability ``x / ulp -
-floor(x / ulp)`` (``E[Q'] = x / s'``), drawing ``tl.rand(seed, m * N + n)``: the bits depend on
-the seed and the element only, not on the tiling.
+floor(x / ulp)`` (``E[Q'] = x / s'``), drawing ``hash_uniform(seed, m * N + n)``: the bits depend
+on the seed and the element only, not on the tiling. Compiled float8 nearest rounding is the
+hardware conversion instead (round to nearest even: the same values, in far fewer instructions).
 
 :func:`merge_scaled_reference` is the same computation in PyTorch (the oracle of the tests and
 the fallback off CUDA).
@@ -45,6 +47,7 @@ from shuttle.kernels.merge_lowrank import (
     device_floats,
     interpreting,
     padded_factors,
+    seed32,
     triton_available,
 )
 from shuttle.weights.representation import Rounding
@@ -137,7 +140,7 @@ def _new_scale(amax: torch.Tensor, dtype: torch.dtype, qmax: float, absmax_scale
 
 
 # Shared tile helpers, bound by bind_tiles() when the kernels are built (see there).
-lowrank_tile = tile_of = None
+hash_uniform = lowrank_tile = round_bf16 = tile_of = None
 
 
 @functools.cache
@@ -145,22 +148,24 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    bind_tiles(globals(), "lowrank_tile", "tile_of")
+    bind_tiles(globals(), "hash_uniform", "lowrank_tile", "round_bf16", "tile_of")
 
     @triton.jit
     def merge_scaled_kernel(
-            q_ptr, s_ptr, b_ptr, a_ptr, alpha_ptr, out_ptr, enc_ptr, amax_ptr, seed, M, N,
+            q_ptr, s_ptr, b_ptr, a_ptr, alpha_ptr, out_ptr, new_s_ptr, stats_ptr, seed, M, N,
             stride_qm, stride_bm, stride_ar, dq, ENCODE: tl.constexpr, QMIN: tl.constexpr,
             QMAX: tl.constexpr, SCALE: tl.constexpr, MUL: tl.constexpr, INT: tl.constexpr,
             MBITS: tl.constexpr, EMIN: tl.constexpr, STOCHASTIC: tl.constexpr,
-            N_SEG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
-            IEEE: tl.constexpr):
-        # One (BM, BN) tile of x per program in both passes. Pass 1 (ENCODE False) folds its
-        # rows' max |x| into amax_ptr[row] by atomic max (amax_ptr zeroed); pass 2 (ENCODE
-        # True) writes the tile's codes and its rows' max |x| to amax_ptr[pid*BM ... +BM] (for
-        # the finiteness check). SCALE: 0 none, 1 per tensor, 2 per row; the factors are
-        # zero-padded to BR ranks per contribution, as in merge_lowrank. (Pass 1 as one
-        # program per row block walking the columns measured latency-bound on the H200.)
+            HW_ROUND: tl.constexpr, N_SEG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+            BR: tl.constexpr, IEEE: tl.constexpr):
+        # One (BM, BN) tile of x per program in both passes. stats (float32, M + 2, zeroed):
+        # [0, M) the rows' max |x| (per-row scale), [M] the tensor's (per-tensor scale), both
+        # folded in by pass 1 (ENCODE False) with atomic max; [M + 1] the merged weight's
+        # max |x|, by pass 2 (ENCODE True; for the finiteness check). Pass 2 derives the new
+        # scale from pass 1's amax (programs of the first tile column store it) and writes the
+        # codes. SCALE: 0 none, 1 per tensor, 2 per row; the factors are zero-padded to BR
+        # ranks per contribution, as in merge_lowrank. (Pass 1 as one program per row block
+        # walking the columns measured latency-bound on the H200.)
         pid = tl.program_id(0)
         rm, rn, mask_m, mask_n = tile_of(pid, M, N, BM, BN)
         mask = mask_m[:, None] & mask_n[None, :]
@@ -178,49 +183,77 @@ def _kernel():
         # NaN counts as inf, so that a max propagates any non-finite element
         amax = tl.max(tl.where(x == x, tl.abs(x), float("inf")), axis=1)
         if not ENCODE:
-            tl.atomic_max(amax_ptr + rm, amax, mask=mask_m)
+            if SCALE == 1:
+                tl.atomic_max(stats_ptr + M, tl.max(amax, axis=0))
+            else:
+                tl.atomic_max(stats_ptr + rm, amax, mask=mask_m)
         else:
             v = x
-            if SCALE > 0:  # the encode operand has the scale's granularity
+            if SCALE > 0:
+                # The new scale (see _new_scale): s' = amax / qmax (1 for a zero amax) rounded
+                # to the scale's dtype, codes x / s'; bitsandbytes' form stores the absmax and
+                # codes are x * (qmax / amax). div_rn: torch's division, correctly rounded.
                 if SCALE == 1:
-                    enc = tl.load(enc_ptr)
+                    a = tl.load(stats_ptr + M)
                 else:
-                    enc = tl.load(enc_ptr + rm, mask=mask_m, other=1.0)[:, None]
-                v = x * enc if MUL else x / enc
+                    a = tl.load(stats_ptr + rm, mask=mask_m, other=0.0)
+                if MUL:
+                    stored = a
+                    enc = tl.math.div_rn(QMAX, tl.where(a > 0, a, 1.0))
+                else:
+                    stored = tl.where(a > 0, tl.math.div_rn(a, QMAX), 1.0)
+                if new_s_ptr.dtype.element_ty == tl.bfloat16:
+                    stored = round_bf16(stored)
+                else:
+                    stored = stored.to(new_s_ptr.dtype.element_ty)
+                if not MUL:
+                    enc = stored.to(tl.float32)
+                if SCALE == 1:
+                    if pid == 0:
+                        tl.store(new_s_ptr, stored)
+                    v = x * enc if MUL else x / enc
+                else:
+                    if pid % tl.cdiv(N, BN) == 0:
+                        tl.store(new_s_ptr + rm, stored, mask=mask_m)
+                    v = x * enc[:, None] if MUL else x / enc[:, None]
             v = tl.minimum(tl.maximum(v, QMIN), QMAX)
-            if INT:
-                t = v
+            if HW_ROUND:
+                # float8, nearest, compiled: the hardware conversion rounds to nearest even
+                code = v
             else:
-                # ulp = 2^(max(e, EMIN) - MBITS) with e v's float32 exponent, built from
-                # bits; t = v / ulp is exact (a power of two), so are floor(t) * ulp and
-                # one ulp more: both are float8 values, and their casts exact.
-                ex = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-                ex = tl.maximum(ex, EMIN) - MBITS
-                ulp = ((ex + 127) << 23).to(tl.float32, bitcast=True)
-                t = v * ((127 - ex) << 23).to(tl.float32, bitcast=True)
-            f = tl.floor(t)
-            frac = t - f
-            if STOCHASTIC:  # the element's flat index: the same bits for any tiling
-                u = tl.rand(seed, rm.to(tl.int64)[:, None] * N + rn[None, :])
-                up = u < frac
-            else:  # ties to an even code: f's parity is that of the last mantissa bit
-                up = (frac > 0.5) | ((frac == 0.5) & ((f.to(tl.int32) & 1) == 1))
-            code = f + up.to(tl.float32)
-            if not INT:
-                # keep the sign of zeros, as torch's cast does (-tiny rounds to -0.0)
-                sign = v.to(tl.uint32, bitcast=True) & 0x80000000
-                code = ((code * ulp).to(tl.uint32, bitcast=True) | sign).to(
-                    tl.float32, bitcast=True)
+                if INT:
+                    t = v
+                else:
+                    # ulp = 2^(max(e, EMIN) - MBITS) with e v's float32 exponent, built from
+                    # bits; t = v / ulp is exact (a power of two), so are floor(t) * ulp and
+                    # one ulp more: both are float8 values, and their casts exact.
+                    ex = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+                    ex = tl.maximum(ex, EMIN) - MBITS
+                    ulp = ((ex + 127) << 23).to(tl.float32, bitcast=True)
+                    t = v * ((127 - ex) << 23).to(tl.float32, bitcast=True)
+                f = tl.floor(t)
+                frac = t - f
+                if STOCHASTIC:  # the element's flat index: the same bits for any tiling
+                    up = hash_uniform(seed, rm.to(tl.int64)[:, None] * N + rn[None, :]) < frac
+                else:  # ties to an even code: f's parity is that of the last mantissa bit
+                    up = (frac > 0.5) | ((frac == 0.5) & ((f.to(tl.int32) & 1) == 1))
+                code = f + up.to(tl.float32)
+                if not INT:
+                    # keep the sign of zeros, as torch's cast does (-tiny rounds to -0.0)
+                    sign = v.to(tl.uint32, bitcast=True) & 0x80000000
+                    code = ((code * ulp).to(tl.uint32, bitcast=True) | sign).to(
+                        tl.float32, bitcast=True)
             tl.store(out_ptr + rm[:, None] * N + rn[None, :],
                      code.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.store(amax_ptr + pid * BM + tl.arange(0, BM), amax)
+            tl.atomic_max(stats_ptr + M + 1, tl.max(amax, axis=0))
 
     return merge_scaled_kernel
 
 
-# (BM, BN, num_warps) on CUDA: the fastest GPU time in benchmarks/quantized.py --sweep on an
-# H200 (fp8 row-wise 12288x3072, rank 64; the configurations tried lie within 17%).
+# (BM, BN, num_warps) on CUDA per pass (pass 1: the amax; pass 2: the encode): the fastest GPU
+# time in benchmarks/quantized.py --sweep on an H200 (fp8 row-wise 12288x3072, rank 64).
 CUDA_CONFIG: tuple[int, int, int] = (64, 128, 4)
+CUDA_CONFIG_ENCODE: tuple[int, int, int] = (64, 128, 4)
 
 
 def merge_scaled(data: torch.Tensor, scale: torch.Tensor | None, up: torch.Tensor,
@@ -232,16 +265,16 @@ def merge_scaled(data: torch.Tensor, scale: torch.Tensor | None, up: torch.Tenso
     Args:
         data: (M, N) int8, float8_e4m3fn or float8_e5m2 codes, unit stride along N; not changed.
         scale: None (float8 only: values clamp to ``±finfo.max``), a () scale or an (M,) one per
-            row; any float dtype (the new scale is stored in it, and codes are divided by the
-            scale as stored).
+            row; float32, bfloat16 or float16 (the new scale is stored in it, and codes are
+            divided by the scale as stored).
         up: (M, R) concatenated up factors; down: (R, N), same dtype (bf16, fp16 or fp32).
         seg: R-offsets of the contributions, ``[0, r_1, r_1 + r_2, ..., R]``.
         alpha: the scale of each contribution.
         absmax_scale: bitsandbytes' int8 form: ``scale`` holds each row's absmax.
         rounding: ``"nearest"`` (ties to even) or ``"stochastic"`` (unbiased).
         seed: drives stochastic rounding (repeatable per seed, independent of ``config``).
-        config: ``(BM, BN, num_warps)`` to override :data:`CUDA_CONFIG` (each a power of two,
-            BM and BN at least 16).
+        config: ``(BM, BN, num_warps)`` for both passes, to override :data:`CUDA_CONFIG` and
+            :data:`CUDA_CONFIG_ENCODE` (each a power of two, BM and BN at least 16).
 
     Returns:
         A :class:`ScaledMerge` of new tensors. Runs the Triton kernels where Triton is installed
@@ -253,6 +286,7 @@ def merge_scaled(data: torch.Tensor, scale: torch.Tensor | None, up: torch.Tenso
     assert len(seg) == len(alpha) + 1 and data.dtype in _QMAX
     assert scale is not None or data.dtype.is_floating_point, "int8 codes need a scale"
     assert scale is None or scale.shape in ((), data.shape[:1]), "scale: () or (M,)"
+    assert scale is None or scale.dtype in _SCALE_DTYPES, "scale: float32, bfloat16 or float16"
     interpret = interpreting()
     if not triton_available() or not (data.is_cuda or interpret) or data.stride(1) != 1:
         g = torch.Generator(device=data.device).manual_seed(seed)
@@ -263,37 +297,39 @@ def merge_scaled(data: torch.Tensor, scale: torch.Tensor | None, up: torch.Tenso
     up_p, down_p, alpha, br = padded_factors(up, down, seg, alpha)
     m, n = data.shape
     qmax = _QMAX[data.dtype]
-    bm, bn, warps = config or ((16, 16, 1) if interpret else CUDA_CONFIG)
     alpha_t = device_floats(alpha, data.device)
     granularity = 0 if scale is None else 1 if scale.dim() == 0 else 2
     dq = _inv(qmax) if absmax_scale and scale is not None else 1.0
     mbits, emin = _FLOAT8_GRID.get(data.dtype, (0, 0))  # int8 ignores them
     out = torch.empty(m, n, dtype=data.dtype, device=data.device)
+    stats = torch.zeros(m + 2, dtype=torch.float32, device=data.device)
+    new_scale = None
     if scale is not None:
         scale = scale.contiguous()  # the kernel indexes a per-row scale with unit stride
+        new_scale = torch.empty_like(scale)
+    stochastic = rounding == "stochastic"
+    hw_round = data.dtype != torch.int8 and not stochastic and not interpret
 
-    grid = cdiv(m, bm) * cdiv(n, bn)
+    def launch(encode: bool) -> None:
+        # Unused pointers (no scale; pass 1's new scale) are given any tensor: never read.
+        bm, bn, warps = config or ((16, 16, 1) if interpret else
+                                   CUDA_CONFIG_ENCODE if encode else CUDA_CONFIG)
+        kernel[(cdiv(m, bm) * cdiv(n, bn),)](
+            data, stats if scale is None else scale, up_p, down_p, alpha_t, out,
+            stats if new_scale is None else new_scale, stats, seed32(seed), m, n,
+            data.stride(0), up_p.stride(0), down_p.stride(0), dq, ENCODE=encode,
+            QMIN=_qmin(data.dtype), QMAX=qmax, SCALE=granularity, MUL=absmax_scale,
+            INT=data.dtype == torch.int8, MBITS=mbits, EMIN=emin, STOCHASTIC=stochastic,
+            HW_ROUND=hw_round, N_SEG=len(alpha), BM=bm, BN=bn, BR=br,
+            IEEE=up.dtype == torch.float32 or interpret, num_warps=warps, num_stages=1)
 
-    def launch(enc: torch.Tensor | None, encode: bool) -> torch.Tensor:
-        # Unused pointers (no scale, pass 1's encode operand) are given any tensor: never read.
-        amax = (torch.empty(grid * bm, dtype=torch.float32, device=data.device) if encode
-                else torch.zeros(m, dtype=torch.float32, device=data.device))
-        kernel[(grid,)](
-            data, alpha_t if scale is None else scale, up_p, down_p, alpha_t, out,
-            alpha_t if enc is None else enc, amax, seed, m, n, data.stride(0), up_p.stride(0),
-            down_p.stride(0), dq, ENCODE=encode, QMIN=_qmin(data.dtype), QMAX=qmax,
-            SCALE=granularity, MUL=absmax_scale, INT=data.dtype == torch.int8, MBITS=mbits,
-            EMIN=emin, STOCHASTIC=rounding == "stochastic", N_SEG=len(alpha), BM=bm, BN=bn,
-            BR=br, IEEE=up.dtype == torch.float32 or interpret, num_warps=warps, num_stages=1)
-        return amax
-
-    new_scale, enc = None, None
     if scale is not None:
-        row_amax = launch(None, False)
-        new_scale, enc = _new_scale(row_amax.amax() if granularity == 1 else row_amax,
-                                    scale.dtype, qmax, absmax_scale)
-    amax = launch(enc, True).amax()
-    return ScaledMerge(out, new_scale, amax)
+        launch(False)
+    launch(True)
+    return ScaledMerge(out, new_scale, stats[m + 1])
+
+
+_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def merge_scaled_or_none(data: torch.Tensor, scale: torch.Tensor | None, up: torch.Tensor,
