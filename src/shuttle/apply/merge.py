@@ -55,7 +55,7 @@ log = logging.getLogger("shuttle")
 _PROGRESS_MIN_PARAMS = 64
 # Weights per grouped launch: the first launches are small so that the GPU starts early, then
 # the groups double up to this (the host prepares the next group while the GPU merges one).
-_MAX_GROUP = 16
+_MAX_GROUP = 8
 
 
 @dataclasses.dataclass
@@ -274,6 +274,16 @@ def lowrank_sums(contribs: list[Contribution]
     None where a fused kernel cannot take them (another patch kind, Tucker or transposed
     factors, mixed factor dtypes, or a whole-weight and a row-range update together).
     """
+    if len(contribs) == 1:  # the common case, without the grouping
+        c = contribs[0]
+        patch = c.patch
+        if not (isinstance(patch, LowRank) and patch.mid is None and not patch.transposed):
+            return None
+        up, down = patch.factors()
+        if up.dtype != down.dtype:
+            return None
+        return {c.rows: LowRankSum(up, down, [0, down.shape[0]],
+                                   [c.strength * patch.effective_scale])}
     groups: dict[tuple[int, int] | None, list[Contribution]] = {}
     factor_dtypes = set()
     for c in contribs:

@@ -130,6 +130,7 @@ def _grouped_kernel():
 # TMA measured 25-35% slower in two runs (docs/benchmarks/merge_kernel_tuning.md) and was dropped.
 CUDA_CONFIG: tuple[int, int, int] = (64, 128, 8)
 _MAX_RANK_STEP = 128  # larger ranks are split into several contributions of at most this
+_RANK_STEPS = (16, 32, 64, 128)  # ranks used as they are (seg [0, r], one contribution)
 
 
 def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
@@ -176,9 +177,6 @@ class LowRankJob(NamedTuple):
     alpha: list[float]
 
 
-_GROUP_ROW = 8  # int64 entries per job in the grouped kernel's table
-
-
 def merge_lowrank_grouped(jobs: list[LowRankJob],
                           config: tuple[int, int, int] | None = None) -> None:
     """:func:`merge_lowrank` for every job, in one kernel launch per kind of job.
@@ -195,27 +193,33 @@ def merge_lowrank_grouped(jobs: list[LowRankJob],
     go through :func:`merge_lowrank` one by one.
     """
     interpret = interpreting()
-    kinds: dict[tuple, list[tuple[LowRankJob, torch.Tensor, torch.Tensor, list[float]]]] = {}
+    # kind -> [(table row, alpha, padded factors)]; the factors are held until the launch
+    # (a padded copy freed before it could be reallocated, and overwritten, by the table).
+    kinds: dict[tuple, list[tuple[tuple[int, ...], list[float], torch.Tensor, ...]]] = {}
     for job in jobs:
-        if (not triton_available() or not (job.w.is_cuda or interpret)
-                or job.w.stride(1) != 1 or len(jobs) == 1):
-            merge_lowrank(job.w, job.up, job.down, job.seg, job.alpha, config)
+        w = job.w
+        if (not triton_available() or not (w.is_cuda or interpret) or w.stride(1) != 1
+                or len(jobs) == 1):
+            merge_lowrank(w, job.up, job.down, job.seg, job.alpha, config)
             continue
         up_p, down_p, alpha, br = padded_factors(job.up, job.down, job.seg, job.alpha)
-        key = (job.w.dtype, up_p.dtype, job.w.device, len(alpha), br,
-               _aligned(job.w, up_p, down_p))
-        kinds.setdefault(key, []).append((job, up_p, down_p, alpha))
+        m, n = w.shape
+        row = (w.data_ptr(), up_p.data_ptr(), down_p.data_ptr(), m, n, w.stride(0),
+               up_p.stride(0), down_p.stride(0))
+        # What Triton's launcher checks of arguments, for values the kernel reads from the
+        # table: 16-byte aligned addresses, row strides and N multiples of 16.
+        aligned = not ((row[0] | row[1] | row[2] | row[4] | row[5] | row[6] | row[7]) & 15)
+        key = (w.dtype, up_p.dtype, w.device, len(alpha), br, aligned)
+        kinds.setdefault(key, []).append((row, alpha, w, up_p, down_p))
     bm, bn, warps = config or ((32, 32, 4) if interpret else CUDA_CONFIG)
     for (_, fdtype, device, n_seg, br, aligned), group in kinds.items():
         log_jobs = max(len(group) - 1, 0).bit_length()
         firsts, rows, alphas = [], [], []
         tiles = 0
-        for job, up_p, down_p, alpha in group:
-            m, n = job.w.shape
+        for row, alpha, *_ in group:
             firsts.append(tiles)
-            tiles += cdiv(m, bm) * cdiv(n, bn)
-            rows += (job.w.data_ptr(), up_p.data_ptr(), down_p.data_ptr(), m, n,
-                     job.w.stride(0), up_p.stride(0), down_p.stride(0))
+            tiles += cdiv(row[3], bm) * cdiv(row[4], bn)
+            rows += row
             alphas += alpha
         firsts += [1 << 62] * ((1 << log_jobs) - len(group))
         # One int64 buffer: the table, then the scales as float32 pairs (a view on both sides).
@@ -227,19 +231,9 @@ def merge_lowrank_grouped(jobs: list[LowRankJob],
                                                                       dtype=torch.float32)
         table = host.to(device, non_blocking=True)
         _grouped_kernel()[(tiles,)](
-            table, table[n_int:].view(torch.float32), group[0][0].w, group[0][1],
-            N_SEG=n_seg, LOG_JOBS=log_jobs, ALIGNED=aligned, BM=bm, BN=bn, BR=br,
+            table, table[n_int:].view(torch.float32), group[0][2], group[0][3], N_SEG=n_seg,
+            LOG_JOBS=log_jobs, ALIGNED=aligned, BM=bm, BN=bn, BR=br,
             IEEE=fdtype == torch.float32 or interpret, num_warps=warps, num_stages=1)
-        # The factors padded for this launch must outlive it: the caching allocator reuses
-        # a freed block only after the work queued on its stream, so dropping them is safe.
-
-
-def _aligned(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> bool:
-    """Whether the grouped kernel may assume what Triton's launcher checks of arguments:
-    16-byte aligned addresses, and a multiple of 16 for the row strides and ``N``.
-    """
-    return (all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 for t in (w, up, down))
-            and w.shape[1] % 16 == 0)
 
 
 def padded_factors(up: torch.Tensor, down: torch.Tensor, seg: list[int], alpha: list[float]
@@ -250,6 +244,8 @@ def padded_factors(up: torch.Tensor, down: torch.Tensor, seg: list[int], alpha: 
     (aligned vector loads, no rank masks). A single contribution already ``br`` wide is used
     as it is.
     """
+    if len(alpha) == 1 and seg[1] in _RANK_STEPS:  # the common case, without the loops
+        return up.contiguous(), down.contiguous(), alpha, seg[1]
     seg, alpha = _split_large_ranks(seg, alpha)
     max_r = max(seg[i + 1] - seg[i] for i in range(len(alpha)))
     br = max(16, next_power_of_2(max_r))
