@@ -95,7 +95,15 @@ def test_zero_update_is_bitsandbytes_requantization(quant_type):
     q, qs, up, down, seg = _case(32, 128, 64, quant_type, seed=2)
     got = merge_4bit(q, qs.absmax, qs.code, (32, 128), 64, up, down, seg, [0.0, 0.0, 0.0])
     q2, qs2 = F.quantize_4bit(F.dequantize_4bit(q, qs), blocksize=64, quant_type=quant_type)
-    assert torch.equal(got[0], q2) and torch.equal(got[1], qs2.absmax)
+    assert torch.equal(got[1], qs2.absmax)
+    if q.is_cuda and quant_type == "fp4":
+        # bitsandbytes' CUDA FP4 encoder picks other bytes than its CPU one in places (seen on
+        # the H200): the values must agree, bit for bit
+        qs2.absmax = got[1]
+        assert torch.equal(F.dequantize_4bit(got[0], qs2).view(torch.int16),
+                           F.dequantize_4bit(q2, qs2).view(torch.int16))
+    else:
+        assert torch.equal(got[0], q2)
 
 
 def test_zero_block_keeps_zero_absmax():

@@ -72,8 +72,10 @@ def test_repeatable_for_a_seed(dtype):
     a = stochastic_round(x, dtype, torch.Generator().manual_seed(7))
     b = stochastic_round(x, dtype, torch.Generator().manual_seed(7))
     c = stochastic_round(x, dtype, torch.Generator().manual_seed(8))
-    assert torch.equal(a.float(), b.float())
-    assert not torch.equal(a.float(), c.float())
+    # by bits: x exceeds e4m3fn's range, whose cast gives NaN (NaN != NaN) in some torch builds
+    bits = torch.uint8 if a.element_size() == 1 else torch.int16
+    assert torch.equal(a.view(bits), b.view(bits))
+    assert not torch.equal(a.view(bits), c.view(bits))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -154,8 +154,9 @@ def _kernel():
     def merge_scaled_kernel(
             q_ptr, s_ptr, b_ptr, a_ptr, alpha_ptr, out_ptr, new_s_ptr, stats_ptr, seed, M, N,
             stride_qm, stride_bm, stride_ar, dq, ENCODE: tl.constexpr, QMIN: tl.constexpr,
-            QMAX: tl.constexpr, SCALE: tl.constexpr, MUL: tl.constexpr, INT: tl.constexpr,
-            MBITS: tl.constexpr, EMIN: tl.constexpr, STOCHASTIC: tl.constexpr,
+            QMAX: tl.constexpr, INV_QMAX: tl.constexpr, SCALE: tl.constexpr,
+            MUL: tl.constexpr, INT: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
+            STOCHASTIC: tl.constexpr,
             HW_ROUND: tl.constexpr, N_SEG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
             BR: tl.constexpr, IEEE: tl.constexpr):
         # One (BM, BN) tile of x per program in both passes. stats (float32, M + 2, zeroed):
@@ -192,15 +193,18 @@ def _kernel():
             if SCALE > 0:
                 # The new scale (see _new_scale): s' = amax / qmax (1 for a zero amax) rounded
                 # to the scale's dtype, codes x / s'; bitsandbytes' form stores the absmax and
-                # codes are x * (qmax / amax). div_rn: torch's division, correctly rounded.
+                # codes are x * (qmax / amax). Each spelled as torch computes it on the
+                # device the representations encode on, so that the scales agree to the bit.
                 if SCALE == 1:
                     a = tl.load(stats_ptr + M)
                 else:
                     a = tl.load(stats_ptr + rm, mask=mask_m, other=0.0)
-                if MUL:
+                if MUL:  # torch: qmax / t is reciprocal(t) * qmax
                     stored = a
-                    enc = tl.math.div_rn(QMAX, tl.where(a > 0, a, 1.0))
-                else:
+                    enc = tl.math.div_rn(1.0, tl.where(a > 0, a, 1.0)) * QMAX
+                elif INV_QMAX > 0:  # torch on CUDA: t / scalar is t * fl32(1 / scalar)
+                    stored = tl.where(a > 0, a * INV_QMAX, 1.0)
+                else:  # torch on the CPU: a correctly rounded division
                     stored = tl.where(a > 0, tl.math.div_rn(a, QMAX), 1.0)
                 if new_s_ptr.dtype.element_ty == tl.bfloat16:
                     stored = round_bf16(stored)
@@ -318,7 +322,8 @@ def merge_scaled(data: torch.Tensor, scale: torch.Tensor | None, up: torch.Tenso
             data, stats if scale is None else scale, up_p, down_p, alpha_t, out,
             stats if new_scale is None else new_scale, stats, seed32(seed), m, n,
             data.stride(0), up_p.stride(0), down_p.stride(0), dq, ENCODE=encode,
-            QMIN=_qmin(data.dtype), QMAX=qmax, SCALE=granularity, MUL=absmax_scale,
+            QMIN=_qmin(data.dtype), QMAX=qmax, INV_QMAX=0.0 if interpret else _inv(qmax),
+            SCALE=granularity, MUL=absmax_scale,
             INT=data.dtype == torch.int8, MBITS=mbits, EMIN=emin, STOCHASTIC=stochastic,
             HW_ROUND=hw_round, N_SEG=len(alpha), BM=bm, BN=bn, BR=br,
             IEEE=up.dtype == torch.float32 or interpret, num_warps=warps, num_stages=1)
