@@ -463,7 +463,7 @@ def test_unknown_rounding_is_rejected_before_any_change():
     assert_unchanged(model, before)
 
 
-# -- the fused kernel's grouped launches (CPU: the Triton interpreter) ----------------------------
+# -- the fused kernel's path (CPU: the Triton interpreter) ------------------------------------
 
 def _stack(n: int, dtype: torch.dtype) -> nn.Module:
     g = torch.Generator().manual_seed(21)
@@ -474,67 +474,44 @@ def _stack(n: int, dtype: torch.dtype) -> nn.Module:
     return model
 
 
-def _stack_adapter(model: nn.Module, g: torch.Generator) -> dict[str, torch.Tensor]:
-    sd = {}
-    for i, layer in enumerate(model.layers):
-        sd.update(_pair(f"layers.{i}", layer.out_features, layer.in_features, g))
-    return sd
-
-
 @pytest.fixture
 def kernel_merges(monkeypatch):
-    """Route CPU merges of plain weights through the fused kernel (interpreted), as on CUDA."""
+    """Route CPU merges of plain weights through the fused kernel (interpreted), as on CUDA;
+    yields the weights' row counts as the kernel merged them."""
     from shuttle.apply import merge
     from shuttle.kernels import interpreting, triton_available
 
     if not (triton_available() and interpreting()):
         pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1, set on CPU)")
     monkeypatch.setattr(merge, "_on_kernel_device", lambda p: True)
-    launches = []
-    real = merge.merge_lowrank_grouped
-    monkeypatch.setattr(merge, "merge_lowrank_grouped",
-                        lambda jobs: launches.append(len(jobs)) or real(jobs))
-    return launches
+    calls = []
+    real = merge.merge_lowrank
+    monkeypatch.setattr(merge, "merge_lowrank",
+                        lambda w, *a: calls.append(w.shape[0]) or real(w, *a))
+    return calls
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_grouped_kernel_merge_equals_float64_reference(dtype, kernel_merges):
-    """Eleven weights go out in groups of 1, 2, 4 and 4 (doubling, the last one partial); on
-    dyadic inputs every float32 sum is exact, so each weight equals float64 rounded once."""
-    model = _stack(11, dtype)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64], ids=str)
+def test_kernel_merge_equals_float64_reference(dtype, kernel_merges):
+    """Two adapters on three weights: one kernel call per weight, both adapters joined along
+    the rank; on dyadic inputs every float32 sum is exact, so each weight equals float64
+    rounded once. float64 weights keep the float64 path (the kernel sums in float32)."""
+    model = _stack(3, dtype)
     g = torch.Generator().manual_seed(22)
-    sds = [_stack_adapter(model, g) for _ in range(2)]
+    sds = [{k: v for i, layer in enumerate(model.layers)
+            for k, v in _pair(f"layers.{i}", layer.out_features, layer.in_features, g).items()}
+           for _ in range(2)]
     before = snapshot(model)
 
-    report = shuttle.merge_lora(model, [(sds[0], 0.75), (sds[1], -1.5)])
+    shuttle.merge_lora(model, [(sds[0], 0.75), (sds[1], -1.5)])
 
-    assert kernel_merges == [1, 2, 4, 4]
-    assert report.applied == [f"layers.{i}.weight" for i in range(11)]
+    assert kernel_merges == ([] if dtype == torch.float64 else [20, 20, 20])
     for i, layer in enumerate(model.layers):
         ref = before[f"layers.{i}.weight"].double()
         for sd, strength in ((sds[0], 0.75), (sds[1], -1.5)):
             ref += strength * (sd[f"layers.{i}.lora_B.weight"].double()
                                @ sd[f"layers.{i}.lora_A.weight"].double())
         assert_bits_equal(layer.weight, ref.to(dtype))
-
-
-def test_grouped_merge_launches_pending_weights_when_a_later_one_fails(kernel_merges):
-    """A weight the kernel cannot take (a full diff here) overflows float16 while a low-rank
-    weight is still queued for the next group: the queued one is merged (as every weight
-    before the failing one), then the error."""
-    model = _stack(5, torch.float16)
-    before = snapshot(model)
-    g = torch.Generator().manual_seed(23)
-    sd = {k: v for k, v in _stack_adapter(model, g).items() if not k.startswith("layers.4.")}
-    sd["layers.4.diff"] = torch.full((20, 16), 60000.0)
-    with pytest.raises(shuttle.errors.NonFiniteAdapterError, match="layers.4.weight"):
-        shuttle.merge_lora(model, [(sd, 2.0)])
-    assert kernel_merges == [1, 2, 1]  # the last: layers.3, launched on the way out
-    for i in range(4):
-        ref = before[f"layers.{i}.weight"].double() + 2.0 * (
-            sd[f"layers.{i}.lora_B.weight"].double() @ sd[f"layers.{i}.lora_A.weight"].double())
-        assert_bits_equal(model.layers[i].weight, ref.to(torch.float16))
-    assert_bits_equal(model.layers[4].weight, before["layers.4.weight"])
 
 
 # -- apply_lora -----------------------------------------------------------------------------------

@@ -97,11 +97,11 @@ def test_zero_update_is_bitsandbytes_requantization(quant_type):
     q2, qs2 = F.quantize_4bit(F.dequantize_4bit(q, qs), blocksize=64, quant_type=quant_type)
     assert torch.equal(got[1], qs2.absmax)
     if q.is_cuda and quant_type == "fp4":
-        # bitsandbytes' CUDA FP4 encoder picks other bytes than its CPU one in places (seen on
-        # the H200): the values must agree, bit for bit
-        qs2.absmax = got[1]
-        assert torch.equal(F.dequantize_4bit(got[0], qs2).view(torch.int16),
-                           F.dequantize_4bit(q2, qs2).view(torch.int16))
+        # bitsandbytes' CUDA FP4 encoder does not round every value to the nearest code, as
+        # its CPU encoder and shuttle do (seen on the H200): compare with the reference path
+        want = merge_4bit_reference(q, qs.absmax, qs.code, (32, 128), 64, up, down, seg,
+                                    [0.0, 0.0, 0.0])
+        assert torch.equal(got[0], want[0])
     else:
         assert torch.equal(got[0], q2)
 

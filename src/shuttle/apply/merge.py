@@ -6,9 +6,7 @@ order) and the result is rounded to the weight's dtype once. A float8 or quantiz
 once, stochastically by default, and written back into the same parameter object. On CUDA, a
 parameter whose only contributions are plain low-rank products goes through one fused Triton
 kernel per row range (``shuttle.kernels.merge_lowrank``): the weight is read once and written
-once, the products are accumulated in float32 and rounded once. A whole-model merge
-batches those weights into grouped launches (``merge_lowrank_grouped``): one launch runs the
-tiles of many weights, so the GPU is not left idle while the host issues each weight's launch.
+once, the products are accumulated in float32 and rounded once.
 """
 
 from __future__ import annotations
@@ -33,8 +31,7 @@ from shuttle.apply.plan import (
 )
 from shuttle.apply.rounding import Rounding, param_seed, round_to
 from shuttle.errors import InvalidStrengthError, NonFiniteAdapterError
-from shuttle.kernels import triton_available
-from shuttle.kernels.merge_lowrank import LowRankJob, merge_lowrank_grouped
+from shuttle.kernels import merge_lowrank, triton_available
 from shuttle.patches import LowRank
 from shuttle.targets import KeyMapping
 from shuttle.weights import PLAIN_DTYPES, WeightRepresentation, represent
@@ -53,9 +50,6 @@ __all__ = [
 
 log = logging.getLogger("shuttle")
 _PROGRESS_MIN_PARAMS = 64
-# Weights per grouped launch: the first launches are small so that the GPU starts early, then
-# the groups double up to this (the host prepares the next group while the GPU merges one).
-_MAX_GROUP = 8
 
 
 @dataclasses.dataclass
@@ -128,24 +122,9 @@ def merge_plan(model: torch.nn.Module, plan: MergePlan, *, rounding: Rounding | 
     params = dict(model.named_parameters())
     check_mergeable(plan, params)
     show = progress if progress is not None else len(plan.params) >= _PROGRESS_MIN_PARAMS
-    pending: list[LowRankJob] = []  # fused-kernel work of the weights not yet launched
-    weights, group = 0, 1
     with torch.no_grad(), exact_cublas():
-        try:
-            for name in tqdm(plan.params, desc="merging", unit="param", disable=not show):
-                p, contribs = params[name], plan.params[name]
-                jobs = _fused_jobs(p, contribs) if rounding in (None, "nearest") else None
-                if jobs is None:
-                    merge_param(p, name, contribs, rounding, seed)
-                    continue
-                pending += jobs
-                weights += 1
-                if weights == group:
-                    merge_lowrank_grouped(pending)
-                    pending, weights, group = [], 0, min(2 * group, _MAX_GROUP)
-        finally:  # also when a later weight raised: the weights before it keep their merge
-            if pending:
-                merge_lowrank_grouped(pending)
+        for name in tqdm(plan.params, desc="merging", unit="param", disable=not show):
+            merge_param(params[name], name, plan.params[name], rounding, seed)
 
 
 def merge_param(p: torch.Tensor, name: str, contribs: list[Contribution],
@@ -274,7 +253,7 @@ def lowrank_sums(contribs: list[Contribution]
     None where a fused kernel cannot take them (another patch kind, Tucker or transposed
     factors, mixed factor dtypes, or a whole-weight and a row-range update together).
     """
-    if len(contribs) == 1:  # the common case, without the grouping
+    if len(contribs) == 1:  # the common case, without the grouping (host time per weight)
         c = contribs[0]
         patch = c.patch
         if not (isinstance(patch, LowRank) and patch.mid is None and not patch.transposed):
@@ -308,29 +287,22 @@ def lowrank_sums(contribs: list[Contribution]
 
 
 def _merge_fused(p: torch.Tensor, contribs: list[Contribution]) -> bool:
-    """The single-pass CUDA path; returns False (doing nothing) where it does not apply."""
-    jobs = _fused_jobs(p, contribs)
-    if jobs is None:
-        return False
-    merge_lowrank_grouped(jobs)
-    return True
+    """The single-pass CUDA path; returns False (doing nothing) where it does not apply.
 
-
-def _fused_jobs(p: torch.Tensor, contribs: list[Contribution]) -> list[LowRankJob] | None:
-    """The fused kernel's work for parameter ``p``: per row range, the plain low-rank
-    contributions concatenated along the rank (W read once, written once, one rounding).
-    None where the kernel does not apply: not a bf16/fp16/fp32 weight on a kernel device, not
-    contiguous, or contributions :func:`lowrank_sums` cannot join.
+    Plain low-rank contributions are concatenated along the rank per row range and merged by
+    the fused Triton kernel: W read once, written once, one rounding. Not for float64 weights
+    (the kernel accumulates in float32) nor weights off the kernel device.
     """
-    if not (is_plain_tensor(p) and p.dtype in _FUSED_DTYPES and _on_kernel_device(p)
-            and triton_available()) or p.dim() < 2 or not p.is_contiguous():
-        return None
+    if not (p.dtype in _FUSED_DTYPES and _on_kernel_device(p) and triton_available()
+            and p.dim() >= 2 and p.is_contiguous()):
+        return False
     sums = lowrank_sums(contribs)
     if sums is None:
-        return None
+        return False
     w2d = p.data.view(p.shape[0], -1)
-    return [LowRankJob(w2d if rows is None else w2d[rows[0]:rows[1]], *lr)
-            for rows, lr in sums.items()]
+    for rows, lr in sums.items():
+        merge_lowrank(w2d if rows is None else w2d[rows[0]:rows[1]], *lr)
+    return True
 
 
 # The fused kernel accumulates in float32: float64 weights take the float64 path.

@@ -15,13 +15,12 @@ the oracle the kernel is tested against (on CPU under ``TRITON_INTERPRET=1``).
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import torch
 
-__all__ = ["LowRankJob", "bind_tiles", "cdiv", "device_floats", "interpreting", "merge_lowrank",
-           "merge_lowrank_grouped", "merge_lowrank_reference", "next_power_of_2",
-           "padded_factors", "seed32", "triton_available"]
+__all__ = ["bind_tiles", "cdiv", "device_floats", "interpreting", "merge_lowrank",
+           "merge_lowrank_reference", "next_power_of_2", "padded_factors", "seed32",
+           "triton_available"]
 
 
 @functools.cache
@@ -76,55 +75,6 @@ def _kernel():
     return merge_kernel
 
 
-@functools.cache
-def _grouped_kernel():
-    import triton
-    import triton.language as tl
-
-    bind_tiles(globals(), "lowrank_tile", "store_rne", "tile_of")
-
-    @triton.jit
-    def merge_grouped_kernel(table_ptr, alpha_ptr, w_like, f_like, N_SEG: tl.constexpr,
-                             LOG_JOBS: tl.constexpr, ALIGNED: tl.constexpr, BM: tl.constexpr,
-                             BN: tl.constexpr, BR: tl.constexpr, IEEE: tl.constexpr):
-        # table (int64): 2^LOG_JOBS first tiles, ascending (the padding past the last job
-        # holds 2^62), then per job: w, b, a (addresses), M, N, stride_wm, stride_bm,
-        # stride_ar. alpha: (jobs, N_SEG) float32. w_like / f_like: any tensors of the
-        # weights' and the factors' dtype, for the pointer types. Each program finds its job
-        # by a binary search over the first tiles, then merges one tile as merge_kernel does.
-        pid = tl.program_id(0)
-        job = 0
-        for step in tl.static_range(LOG_JOBS):
-            probe = job + (1 << (LOG_JOBS - 1 - step))
-            job = tl.where(tl.load(table_ptr + probe) <= pid, probe, job)
-        row = table_ptr + (1 << LOG_JOBS) + job * 8
-        w_ptr = tl.load(row).to(w_like.dtype)
-        b_ptr = tl.load(row + 1).to(f_like.dtype)
-        a_ptr = tl.load(row + 2).to(f_like.dtype)
-        m = tl.load(row + 3).to(tl.int32)
-        n = tl.load(row + 4).to(tl.int32)
-        stride_wm, stride_bm, stride_ar = tl.load(row + 5), tl.load(row + 6), tl.load(row + 7)
-        if ALIGNED:
-            # What Triton infers from arguments, stated for values read from memory: without
-            # it the loads are not vectorized (measured 3x slower on the H200).
-            w_ptr, b_ptr, a_ptr = (tl.multiple_of(w_ptr, 16), tl.multiple_of(b_ptr, 16),
-                                   tl.multiple_of(a_ptr, 16))
-            n = tl.multiple_of(n, 16)
-            stride_wm, stride_bm, stride_ar = (tl.multiple_of(stride_wm, 16),
-                                               tl.multiple_of(stride_bm, 16),
-                                               tl.multiple_of(stride_ar, 16))
-        rm, rn, mask_m, mask_n = tile_of(pid - tl.load(table_ptr + job).to(tl.int32), m, n,
-                                         BM, BN)
-        mask = mask_m[:, None] & mask_n[None, :]
-        ptrs = w_ptr + rm[:, None] * stride_wm + rn[None, :]
-        w = tl.load(ptrs, mask=mask, other=0.0)
-        acc = lowrank_tile(b_ptr, a_ptr, alpha_ptr + job * N_SEG, rm, rn, mask_m, mask_n,
-                           stride_bm, stride_ar, BM, BN, N_SEG, BR, IEEE)
-        store_rne(ptrs, w.to(tl.float32) + acc, mask)
-
-    return merge_grouped_kernel
-
-
 # (BM, BN, num_warps) on CUDA; chosen by benchmarks/tune_merge_kernel.py on an H200 (the
 # configurations within a few percent of each other run to run). A variant moving the tiles by
 # TMA measured 25-35% slower in two runs (docs/benchmarks/merge_kernel_tuning.md) and was dropped.
@@ -165,75 +115,6 @@ def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
         w, up_p, down_p, alpha_t, m, n, w.stride(0), up_p.stride(0), down_p.stride(0),
         N_SEG=len(alpha), BM=bm, BN=bn, BR=br, IEEE=up.dtype == torch.float32 or interpret,
         num_warps=warps, num_stages=1)
-
-
-class LowRankJob(NamedTuple):
-    """One :func:`merge_lowrank` call's arguments, for :func:`merge_lowrank_grouped`."""
-
-    w: torch.Tensor  # (M, N)
-    up: torch.Tensor  # (M, R)
-    down: torch.Tensor  # (R, N)
-    seg: list[int]
-    alpha: list[float]
-
-
-def merge_lowrank_grouped(jobs: list[LowRankJob],
-                          config: tuple[int, int, int] | None = None) -> None:
-    """:func:`merge_lowrank` for every job, in one kernel launch per kind of job.
-
-    A whole-model merge launches the kernel once per weight, and on the H200 the host side of
-    one launch (argument handling, the scale upload) costs about as much as the kernel's 56 us
-    on a 12288x3072 bf16 weight: the GPU idles between merges. Here the jobs' addresses, shapes,
-    strides and scales go to the device in one table (one pinned copy) and one launch runs
-    every tile of every job of one (weight dtype, factor dtype, padded rank) kind. The results
-    equal :func:`merge_lowrank`'s bit for bit (the same tiles, the same arithmetic).
-
-    Jobs must not overlap in memory (distinct weights, or distinct row ranges of one). Jobs
-    the kernel cannot take (not on CUDA nor interpreted, a weight without unit stride along N)
-    go through :func:`merge_lowrank` one by one.
-    """
-    interpret = interpreting()
-    # kind -> [(table row, alpha, padded factors)]; the factors are held until the launch
-    # (a padded copy freed before it could be reallocated, and overwritten, by the table).
-    kinds: dict[tuple, list[tuple[tuple[int, ...], list[float], torch.Tensor, ...]]] = {}
-    for job in jobs:
-        w = job.w
-        if (not triton_available() or not (w.is_cuda or interpret) or w.stride(1) != 1
-                or len(jobs) == 1):
-            merge_lowrank(w, job.up, job.down, job.seg, job.alpha, config)
-            continue
-        up_p, down_p, alpha, br = padded_factors(job.up, job.down, job.seg, job.alpha)
-        m, n = w.shape
-        row = (w.data_ptr(), up_p.data_ptr(), down_p.data_ptr(), m, n, w.stride(0),
-               up_p.stride(0), down_p.stride(0))
-        # What Triton's launcher checks of arguments, for values the kernel reads from the
-        # table: 16-byte aligned addresses, row strides and N multiples of 16.
-        aligned = not ((row[0] | row[1] | row[2] | row[4] | row[5] | row[6] | row[7]) & 15)
-        key = (w.dtype, up_p.dtype, w.device, len(alpha), br, aligned)
-        kinds.setdefault(key, []).append((row, alpha, w, up_p, down_p))
-    bm, bn, warps = config or ((32, 32, 4) if interpret else CUDA_CONFIG)
-    for (_, fdtype, device, n_seg, br, aligned), group in kinds.items():
-        log_jobs = max(len(group) - 1, 0).bit_length()
-        firsts, rows, alphas = [], [], []
-        tiles = 0
-        for row, alpha, *_ in group:
-            firsts.append(tiles)
-            tiles += cdiv(row[3], bm) * cdiv(row[4], bn)
-            rows += row
-            alphas += alpha
-        firsts += [1 << 62] * ((1 << log_jobs) - len(group))
-        # One int64 buffer: the table, then the scales as float32 pairs (a view on both sides).
-        n_int = len(firsts) + len(rows)
-        host = torch.empty(n_int + cdiv(len(alphas), 2), dtype=torch.int64,
-                           pin_memory=device.type == "cuda")
-        host[:n_int] = torch.tensor(firsts + rows, dtype=torch.int64)
-        host[n_int:].view(torch.float32)[:len(alphas)] = torch.tensor(alphas,
-                                                                      dtype=torch.float32)
-        table = host.to(device, non_blocking=True)
-        _grouped_kernel()[(tiles,)](
-            table, table[n_int:].view(torch.float32), group[0][2], group[0][3], N_SEG=n_seg,
-            LOG_JOBS=log_jobs, ALIGNED=aligned, BM=bm, BN=bn, BR=br,
-            IEEE=fdtype == torch.float32 or interpret, num_warps=warps, num_stages=1)
 
 
 def padded_factors(up: torch.Tensor, down: torch.Tensor, seg: list[int], alpha: list[float]

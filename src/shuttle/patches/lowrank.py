@@ -126,9 +126,10 @@ class LowRank(Patch):
         if self.transposed or self.mid is not None:
             return weight.add_(self.delta(weight.shape), alpha=strength)
         up, down = self.factors()
-        # One fused multiply-add into the float32 weight: w += (m * s) * up @ down.
+        # One fused multiply-add into the float32 (or float64) weight: w += (m * s) * up @ down.
         w2d = weight.view(weight.shape[0], -1)
-        w2d.addmm_(up.float(), down.float(), alpha=strength * self.effective_scale)
+        w2d.addmm_(up.to(weight.dtype), down.to(weight.dtype),
+                   alpha=strength * self.effective_scale)
         return weight
 
     def residual(self, x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
