@@ -27,7 +27,7 @@ from shuttle.apply.plan import (
     MergePlan,
     check_mergeable,
     is_plain_tensor,
-    plan_merge,
+    plan_params,
 )
 from shuttle.apply.rounding import Rounding, param_seed, round_to
 from shuttle.errors import InvalidStrengthError, NonFiniteAdapterError
@@ -107,19 +107,23 @@ def merge_lora(
     if rounding not in (None, "nearest", "stochastic"):
         raise InvalidStrengthError(
             f"rounding={rounding!r}: expected 'nearest', 'stochastic' or None (the default)")
-    plan = plan_merge(model, loras, mapping)
-    merge_plan(model, plan, rounding=rounding, seed=seed, progress=progress)
+    params = dict(model.named_parameters())
+    plan = plan_params(params, loras, mapping)
+    merge_plan(model, plan, rounding=rounding, seed=seed, progress=progress, params=params)
     return MergeReport(list(plan.params), plan.unmatched, plan.skipped)
 
 
 def merge_plan(model: torch.nn.Module, plan: MergePlan, *, rounding: Rounding | None = None,
-               seed: int | None = None, progress: bool | None = None) -> None:
+               seed: int | None = None, progress: bool | None = None,
+               params: dict[str, torch.Tensor] | None = None) -> None:
     """Apply a validated :class:`MergePlan` to ``model``'s parameters.
+
+    ``params``: ``dict(model.named_parameters())`` when the caller has it already.
 
     Raises:
         UnmergeableWeightError: before any write, if a planned parameter cannot be re-encoded.
     """
-    params = dict(model.named_parameters())
+    params = params if params is not None else dict(model.named_parameters())
     check_mergeable(plan, params)
     show = progress if progress is not None else len(plan.params) >= _PROGRESS_MIN_PARAMS
     with torch.no_grad(), exact_cublas():

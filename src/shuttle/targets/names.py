@@ -39,8 +39,16 @@ class ModelNames:
         for name in self.shapes:
             module, _, leaf = name.rpartition(".")
             self.modules[module].add(leaf)
-        self.roots = [""] + [p for p in ADAPTER_PREFIXES
-                             if any(m.startswith(p) for m in self.modules)]
+        # A root is a model prefix of one or two dotted components ("transformer.",
+        # "model.diffusion_model."): collect those of every module once, then look them up.
+        heads = set()
+        for m in self.modules:
+            parts = m.split(".", 2)  # "a.b.c..." starts with "a." and "a.b."; "a.b" only "a."
+            if len(parts) > 1:
+                heads.add(parts[0] + ".")
+            if len(parts) > 2:
+                heads.add(f"{parts[0]}.{parts[1]}.")
+        self.roots = [""] + [p for p in ADAPTER_PREFIXES if p in heads]
         self._kohya: dict[str, list[tuple[str, str]]] | None = None
 
     @classmethod

@@ -159,9 +159,12 @@ def _from_family(module: str, names: ModelNames, unmatched: dict[str, str]
     return None
 
 
+# The longest kohya prefix a key starts with wins ("lora_te1_" over "lora_te_").
+_KOHYA_LONGEST_FIRST = sorted(KOHYA_PREFIXES, key=len, reverse=True)
+
+
 def _locate(module: str, names: ModelNames, unmatched: dict[str, str]) -> _Place | None:
-    kohya = next((p for p in sorted(KOHYA_PREFIXES, key=len, reverse=True)
-                  if module.startswith(p)), None)
+    kohya = next((p for p in _KOHYA_LONGEST_FIRST if module.startswith(p)), None)
     if kohya is not None:
         rest = module[len(kohya):]
         spellings = [rest] + [rest[len(w):] for w in _DROPPED_WRAPPERS if rest.startswith(w)]
