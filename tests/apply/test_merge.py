@@ -487,7 +487,7 @@ def kernel_merges(monkeypatch):
     calls = []
     real = merge.merge_lowrank
     monkeypatch.setattr(merge, "merge_lowrank",
-                        lambda w, *a: calls.append(w.shape[0]) or real(w, *a))
+                        lambda w, *a, **k: calls.append(w.shape[0]) or real(w, *a, **k))
     return calls
 
 
@@ -512,6 +512,28 @@ def test_kernel_merge_equals_float64_reference(dtype, kernel_merges):
             ref += strength * (sd[f"layers.{i}.lora_B.weight"].double()
                                @ sd[f"layers.{i}.lora_A.weight"].double())
         assert_bits_equal(layer.weight, ref.to(dtype))
+
+
+def test_kernel_merge_overflow_raises_after_the_merge(kernel_merges):
+    """float16 overflow on the kernel path: the kernel flags it, merge_lora raises once all
+    weights are merged (naming the weight), and apply_lora restores every weight."""
+    model = _stack(3, torch.float16)
+    before = snapshot(model)
+    g = torch.Generator().manual_seed(24)
+    sd = {k: v for i, layer in enumerate(model.layers)
+          for k, v in _pair(f"layers.{i}", layer.out_features, layer.in_features, g).items()}
+    sd["layers.1.lora_B.weight"] = torch.full((20, 2), 300.0)
+    sd["layers.1.lora_A.weight"] = torch.full((2, 16), 300.0)
+    with pytest.raises(shuttle.errors.NonFiniteAdapterError, match=r"'layers\.1\.weight'"):
+        shuttle.merge_lora(model, [(sd, 1.0)])
+    assert kernel_merges == [20, 20, 20]  # every weight was merged before the check
+    assert bool(torch.isinf(model.layers[1].weight).any())
+
+    model = _stack(3, torch.float16)
+    with pytest.raises(shuttle.errors.NonFiniteAdapterError), \
+            shuttle.apply_lora(model, [(sd, 1.0)]):
+        pytest.fail("the body must not run")
+    assert_unchanged(model, before)
 
 
 # -- apply_lora -----------------------------------------------------------------------------------

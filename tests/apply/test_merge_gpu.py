@@ -49,3 +49,19 @@ def test_cuda_scoped_merge_restores_bit_for_bit():
     with shuttle.apply_lora(gpu, [(sd, 1.0)]):
         assert not torch.equal(gpu.ff.weight, before["ff.weight"])
     assert all(torch.equal(p, before[n]) for n, p in gpu.named_parameters())
+
+
+def test_cuda_float16_overflow_raises_and_scoped_merge_restores():
+    """The fused kernel flags a float16 overflow; merge_lora raises naming the weight, as the
+    CPU path does (after the merge: the flags are read once at the end)."""
+    gpu = _model().half().cuda()
+    before = {n: p.detach().clone() for n, p in gpu.named_parameters()}
+    sd = {k: v.cuda() for k, v in _adapter(4).items()}
+    sd["ff.lora_A.weight"] = torch.full_like(sd["ff.lora_A.weight"], 100.0)
+    sd["ff.lora_B.weight"] = torch.full_like(sd["ff.lora_B.weight"], 100.0)
+    with pytest.raises(shuttle.errors.NonFiniteAdapterError), \
+            shuttle.apply_lora(gpu, [(sd, 1.0)]):
+        pytest.fail("the body must not run")
+    assert all(torch.equal(p, before[n]) for n, p in gpu.named_parameters())
+    with pytest.raises(shuttle.errors.NonFiniteAdapterError, match="'ff.weight'"):
+        shuttle.merge_lora(gpu, [(sd, 1.0)])

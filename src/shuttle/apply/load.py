@@ -367,7 +367,11 @@ def _land(t: torch.Tensor, final: torch.dtype, name: str, contribs: list[Contrib
     loaded = [dataclasses.replace(c, patch=c.patch.load(t.device)) for c in contribs]
     try:
         if t.dtype == final:
-            merge_param(t, name, loaded, rounding, seed)  # in place, one rounding
+            # in place, one rounding; the fused CUDA kernel flags an overflow instead of raising
+            flag = torch.zeros(1, dtype=torch.int32, device=t.device) if t.is_cuda else None
+            merge_param(t, name, loaded, rounding, seed, overflow=flag)
+            if flag is not None and bool(flag):
+                raise NonFiniteAdapterError(f"merging into {name!r} overflows {final}")
             return t
         wide = torch.float64 if torch.float64 in (t.dtype, final) else torch.float32
         w = t.to(wide)

@@ -126,26 +126,47 @@ def merge_plan(model: torch.nn.Module, plan: MergePlan, *, rounding: Rounding | 
     params = params if params is not None else dict(model.named_parameters())
     check_mergeable(plan, params)
     show = progress if progress is not None else len(plan.params) >= _PROGRESS_MIN_PARAMS
+    names = list(plan.params)
+    # Per device, one overflow flag per parameter, set by the fused kernel and read once at
+    # the end: the kernel path cannot stop before a write without a host sync per weight.
+    flags: dict[torch.device, torch.Tensor] = {}
     with torch.no_grad(), exact_cublas():
-        for name in tqdm(plan.params, desc="merging", unit="param", disable=not show):
-            merge_param(params[name], name, plan.params[name], rounding, seed)
+        for i, name in enumerate(tqdm(names, desc="merging", unit="param", disable=not show)):
+            p = params[name]
+            slot = None
+            if _on_kernel_device(p):
+                if p.device not in flags:
+                    flags[p.device] = torch.zeros(len(names), dtype=torch.int32, device=p.device)
+                slot = flags[p.device][i:i + 1]
+            merge_param(p, name, plan.params[name], rounding, seed, overflow=slot)
+    bad = [names[i] for f in flags.values() for i in f.nonzero().flatten().tolist()]
+    if bad:
+        raise NonFiniteAdapterError(
+            f"merging into {bad[0]!r}{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''} "
+            f"gives infinity or NaN where the weight was finite (the update overflows "
+            f"{params[bad[0]].dtype}); lower the strength. The merge was done on the GPU "
+            "before this was known: those parameters now hold it, and the others their merge. "
+            "Use apply_lora for a scoped merge that always restores."
+        )
 
 
 def merge_param(p: torch.Tensor, name: str, contribs: list[Contribution],
                 rounding: Rounding | None = None, seed: int | None = None, *,
-                fresh: bool = False) -> None:
+                fresh: bool = False, overflow: torch.Tensor | None = None) -> None:
     """Apply ``contribs`` to parameter ``p`` (named ``name``) with one rounding per element.
 
     ``rounding=None`` is nearest for float16/bfloat16/float32/float64 and stochastic for float8
     and quantized weights (see :func:`_merge_encoded`). ``fresh``: ``p`` is a new copy of the
     original weight (an offloader's slot, refilled from the host before every merge), so each
     merge is seeded as the first one and not counted: the same bits every time.
+    ``overflow``: a one-element int32 tensor that the fused kernel path sets to 1 where a
+    finite weight element becomes infinite or NaN (the other paths raise instead).
     """
     if not (is_plain_tensor(p) and p.dtype in PLAIN_DTYPES):
         _merge_encoded(p, name, contribs, rounding or "stochastic", seed, fresh)
         return
     rounding = rounding or "nearest"
-    if rounding == "nearest" and _merge_fused(p, contribs):
+    if rounding == "nearest" and _merge_fused(p, contribs, overflow):
         return
     compute = torch.float64 if p.dtype == torch.float64 else torch.float32
     w = apply_contributions(p.detach().to(compute, copy=True), contribs)
@@ -290,7 +311,8 @@ def lowrank_sums(contribs: list[Contribution]
     return sums
 
 
-def _merge_fused(p: torch.Tensor, contribs: list[Contribution]) -> bool:
+def _merge_fused(p: torch.Tensor, contribs: list[Contribution],
+                 overflow: torch.Tensor | None = None) -> bool:
     """The single-pass CUDA path; returns False (doing nothing) where it does not apply.
 
     Plain low-rank contributions are concatenated along the rank per row range and merged by
@@ -305,7 +327,7 @@ def _merge_fused(p: torch.Tensor, contribs: list[Contribution]) -> bool:
         return False
     w2d = p.data.view(p.shape[0], -1)
     for rows, lr in sums.items():
-        merge_lowrank(w2d if rows is None else w2d[rows[0]:rows[1]], *lr)
+        merge_lowrank(w2d if rows is None else w2d[rows[0]:rows[1]], *lr, overflow=overflow)
     return True
 
 

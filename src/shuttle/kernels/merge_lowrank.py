@@ -44,7 +44,7 @@ def merge_lowrank_reference(w: torch.Tensor, up: torch.Tensor, down: torch.Tenso
 
 
 # Shared tile helpers, bound by bind_tiles() when the kernels are built (see there).
-lowrank_tile = store_rne = tile_of = None
+lowrank_tile = round_rne = tile_of = None
 
 
 @functools.cache
@@ -52,12 +52,12 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    bind_tiles(globals(), "lowrank_tile", "store_rne", "tile_of")
+    bind_tiles(globals(), "lowrank_tile", "round_rne", "tile_of")
 
     @triton.jit
-    def merge_kernel(w_ptr, b_ptr, a_ptr, alpha_ptr, M, N, stride_wm, stride_bm, stride_ar,
-                     N_SEG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
-                     IEEE: tl.constexpr):
+    def merge_kernel(w_ptr, b_ptr, a_ptr, alpha_ptr, flag_ptr, M, N, stride_wm, stride_bm,
+                     stride_ar, N_SEG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BR: tl.constexpr, IEEE: tl.constexpr, CHECK: tl.constexpr):
         # b: (M, N_SEG * BR), a: (N_SEG * BR, N); contribution s owns ranks s*BR ... (s+1)*BR,
         # zero-padded, so rank offsets are compile-time multiples of BR (aligned vector loads,
         # no rank masks). One (BM, BN) tile of W per program, and many programs per SM: the
@@ -70,7 +70,16 @@ def _kernel():
         w = tl.load(ptrs, mask=mask, other=0.0)
         acc = lowrank_tile(b_ptr, a_ptr, alpha_ptr, rm, rn, mask_m, mask_n, stride_bm, stride_ar,
                            BM, BN, N_SEG, BR, IEEE)
-        store_rne(ptrs, w.to(tl.float32) + acc, mask)
+        w = w.to(tl.float32)
+        y = round_rne(w + acc, w_ptr.dtype.element_ty)
+        tl.store(ptrs, y, mask=mask)
+        if CHECK:
+            # a finite weight that the merge made infinite or NaN (float16 overflows past
+            # 65504): flag it (a plain store of 1; any program may write it)
+            yf = y.to(tl.float32)
+            bad = mask & (tl.abs(w) < float("inf")) & ~(tl.abs(yf) < float("inf"))
+            if tl.max(bad.to(tl.int32)) > 0:
+                tl.store(flag_ptr, 1)
 
     return merge_kernel
 
@@ -85,7 +94,8 @@ _RANK_STEPS = (16, 32, 64, 128)  # ranks used as they are (seg [0, r], one contr
 
 def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                   seg: list[int], alpha: list[float],
-                  config: tuple[int, int, int] | None = None) -> None:
+                  config: tuple[int, int, int] | None = None,
+                  overflow: torch.Tensor | None = None) -> None:
     """In place: ``w += sum_i alpha_i * up[:, seg_i] @ down[seg_i]``, float32 sum, one rounding.
 
     Args:
@@ -95,6 +105,9 @@ def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
         seg: R-offsets of the contributions, ``[0, r_1, r_1 + r_2, ..., R]``.
         alpha: the scale of each contribution (strength x alpha / rank).
         config: ``(BM, BN, num_warps)`` to override :data:`CUDA_CONFIG`.
+        overflow: a one-element int32 tensor on ``w``'s device, set to 1 where a finite
+            element of ``w`` becomes infinite or NaN (float16 overflows past 65504); checked
+            by the caller when it syncs anyway (no host sync here).
 
     Uses the Triton kernel where Triton is installed and the tensors are on CUDA (or under
     ``TRITON_INTERPRET=1``), else :func:`merge_lowrank_reference`.
@@ -103,7 +116,10 @@ def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
     assert up.shape[1] == down.shape[0] == seg[-1] and len(seg) == len(alpha) + 1
     interpret = interpreting()
     if not triton_available() or not (w.is_cuda or interpret) or w.stride(1) != 1:
+        finite = None if overflow is None else torch.isfinite(w)
         merge_lowrank_reference(w, up, down, seg, alpha)
+        if finite is not None:
+            overflow.copy_((finite & ~torch.isfinite(w)).any().view(1))
         return
 
     m, n = w.shape
@@ -112,8 +128,9 @@ def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
     alpha_t = device_floats(alpha, w.device)
     grid = (cdiv(m, bm) * cdiv(n, bn),)
     _kernel()[grid](
-        w, up_p, down_p, alpha_t, m, n, w.stride(0), up_p.stride(0), down_p.stride(0),
-        N_SEG=len(alpha), BM=bm, BN=bn, BR=br, IEEE=up.dtype == torch.float32 or interpret,
+        w, up_p, down_p, alpha_t, alpha_t if overflow is None else overflow, m, n,
+        w.stride(0), up_p.stride(0), down_p.stride(0), N_SEG=len(alpha), BM=bm, BN=bn, BR=br,
+        IEEE=up.dtype == torch.float32 or interpret, CHECK=overflow is not None,
         num_warps=warps, num_stages=1)
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["dot_over_k", "hash_uniform", "lowrank_tile", "round_bf16", "store_rne",
-           "tile_of"]
+__all__ = ["dot_over_k", "hash_uniform", "lowrank_tile", "round_bf16", "round_rne",
+           "store_rne", "tile_of"]
 
 
 @triton.jit
@@ -88,12 +88,14 @@ def round_bf16(x):
 
 
 @triton.jit
-def store_rne(ptrs, x, mask):
-    """Store float32 ``x`` at ``ptrs`` in their element type, rounded once to nearest even."""
-    if ptrs.dtype.element_ty == tl.bfloat16:
-        tl.store(ptrs, round_bf16(x), mask=mask)
+def round_rne(x, dtype: tl.constexpr):
+    """float32 ``x`` in ``dtype``, rounded once to nearest even (bf16 by hand: see
+    :func:`round_bf16`).
+    """
+    if dtype == tl.bfloat16:
+        return round_bf16(x)
     else:
-        tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=mask)
+        return x.to(dtype)
 
 
 @triton.jit
@@ -122,3 +124,9 @@ def hash_uniform(seed, idx):
     hi = (idx >> 32).to(tl.uint32)
     x = _mix32(lo ^ _mix32(hi ^ tl.cast(seed, tl.uint32)))
     return (x >> 8).to(tl.float32) * (1.0 / 16777216.0)
+
+
+@triton.jit
+def store_rne(ptrs, x, mask):
+    """Store float32 ``x`` at ``ptrs`` in their element type, rounded once to nearest even."""
+    tl.store(ptrs, round_rne(x, ptrs.dtype.element_ty), mask=mask)
