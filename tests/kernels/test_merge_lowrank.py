@@ -84,3 +84,25 @@ def test_single_rounding_differs_from_double_rounding():
     assert int((got != ref).sum()) <= 16
     assert int((double != ref).sum()) > int((got != ref).sum())
 
+
+
+@pytest.mark.parametrize(("dtype", "edge"), [(torch.float16, 65520.0),
+                                             (torch.bfloat16, 2.0**128 - 2.0**119)])
+def test_overflow_flag_set_exactly_where_a_sum_rounds_to_infinity(dtype, edge):
+    """x just below the edge rounds to the largest finite value (no flag); at the edge it
+    rounds to infinity (flag). An infinite weight before the merge is not the merge's doing."""
+    w = torch.zeros(4, 16, dtype=dtype, device=DEVICE)
+    up = torch.ones(4, 1, device=DEVICE)
+    below = torch.nextafter(torch.tensor(edge), torch.tensor(0.0)).item()
+    for value, flagged in ((below, 0), (edge, 1)):
+        down = torch.full((1, 16), value, device=DEVICE)
+        flag = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+        got = w.clone()
+        merge_lowrank(got, up, down, [0, 1], [1.0], overflow=flag)
+        assert int(flag) == flagged
+        assert bool(torch.isinf(got).all()) == bool(flagged)
+    pre = w.clone()
+    pre[0, 0] = float("inf")
+    flag = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    merge_lowrank(pre, up, torch.ones(1, 16, device=DEVICE), [0, 1], [1.0], overflow=flag)
+    assert int(flag) == 0

@@ -44,7 +44,7 @@ def merge_lowrank_reference(w: torch.Tensor, up: torch.Tensor, down: torch.Tenso
 
 
 # Shared tile helpers, bound by bind_tiles() when the kernels are built (see there).
-lowrank_tile = round_rne = tile_of = None
+lowrank_tile = store_rne = tile_of = None
 
 
 @functools.cache
@@ -52,12 +52,12 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    bind_tiles(globals(), "lowrank_tile", "round_rne", "tile_of")
+    bind_tiles(globals(), "lowrank_tile", "store_rne", "tile_of")
 
     @triton.jit
     def merge_kernel(w_ptr, b_ptr, a_ptr, alpha_ptr, flag_ptr, M, N, stride_wm, stride_bm,
                      stride_ar, N_SEG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BR: tl.constexpr, IEEE: tl.constexpr, CHECK: tl.constexpr):
+                     BR: tl.constexpr, IEEE: tl.constexpr, OVERFLOW: tl.constexpr):
         # b: (M, N_SEG * BR), a: (N_SEG * BR, N); contribution s owns ranks s*BR ... (s+1)*BR,
         # zero-padded, so rank offsets are compile-time multiples of BR (aligned vector loads,
         # no rank masks). One (BM, BN) tile of W per program, and many programs per SM: the
@@ -70,16 +70,15 @@ def _kernel():
         w = tl.load(ptrs, mask=mask, other=0.0)
         acc = lowrank_tile(b_ptr, a_ptr, alpha_ptr, rm, rn, mask_m, mask_n, stride_bm, stride_ar,
                            BM, BN, N_SEG, BR, IEEE)
-        w = w.to(tl.float32)
-        y = round_rne(w + acc, w_ptr.dtype.element_ty)
-        tl.store(ptrs, y, mask=mask)
-        if CHECK:
-            # a finite weight that the merge made infinite or NaN (float16 overflows past
-            # 65504): flag it (a plain store of 1; any program may write it)
-            yf = y.to(tl.float32)
-            bad = mask & (tl.abs(w) < float("inf")) & ~(tl.abs(yf) < float("inf"))
-            if tl.max(bad.to(tl.int32)) > 0:
-                tl.store(flag_ptr, 1)
+        x = w.to(tl.float32) + acc
+        store_rne(ptrs, x, mask)
+        if OVERFLOW > 0:
+            # a finite sum that rounds to infinity (float16: |x| >= 65520): flag it, by a
+            # masked store of 1 per such element (no reduction across the tile, no barrier:
+            # two compares per element when all is well)
+            bad = mask & (tl.abs(x) >= OVERFLOW) & (tl.abs(x) < float("inf"))
+            tl.store(flag_ptr + tl.zeros((BM, BN), dtype=tl.int32),
+                     tl.full((BM, BN), 1, dtype=tl.int32), mask=bad)
 
     return merge_kernel
 
@@ -90,6 +89,9 @@ def _kernel():
 CUDA_CONFIG: tuple[int, int, int] = (64, 128, 8)
 _MAX_RANK_STEP = 128  # larger ranks are split into several contributions of at most this
 _RANK_STEPS = (16, 32, 64, 128)  # ranks used as they are (seg [0, r], one contribution)
+# The smallest |x| that rounds (to nearest even) to infinity in each weight dtype: halfway from
+# the largest finite value to the next power of two, where the tie goes to the even infinity.
+_OVERFLOW = {torch.float16: 65520.0, torch.bfloat16: 2.0**128 - 2.0**119}
 
 
 def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
@@ -106,8 +108,8 @@ def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
         alpha: the scale of each contribution (strength x alpha / rank).
         config: ``(BM, BN, num_warps)`` to override :data:`CUDA_CONFIG`.
         overflow: a one-element int32 tensor on ``w``'s device, set to 1 where a finite
-            element of ``w`` becomes infinite or NaN (float16 overflows past 65504); checked
-            by the caller when it syncs anyway (no host sync here).
+            sum rounds to infinity (float16: |x| >= 65520; bfloat16 near 3.4e38); for the
+            caller to read when it syncs anyway (no host sync here).
 
     Uses the Triton kernel where Triton is installed and the tensors are on CUDA (or under
     ``TRITON_INTERPRET=1``), else :func:`merge_lowrank_reference`.
@@ -130,7 +132,8 @@ def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
     _kernel()[grid](
         w, up_p, down_p, alpha_t, alpha_t if overflow is None else overflow, m, n,
         w.stride(0), up_p.stride(0), down_p.stride(0), N_SEG=len(alpha), BM=bm, BN=bn, BR=br,
-        IEEE=up.dtype == torch.float32 or interpret, CHECK=overflow is not None,
+        IEEE=up.dtype == torch.float32 or interpret,
+        OVERFLOW=0.0 if overflow is None else _OVERFLOW.get(w.dtype, 0.0),
         num_warps=warps, num_stages=1)
 
 
