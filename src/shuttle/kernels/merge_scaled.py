@@ -37,6 +37,7 @@ the fallback off CUDA).
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import torch
@@ -119,6 +120,7 @@ def _qmin(dtype: torch.dtype) -> float:
     return -128.0 if dtype == torch.int8 else -_QMAX[dtype]
 
 
+@functools.cache  # a torch op and a read back: several microseconds of host time a call
 def _inv(qmax: float) -> float:
     """``1 / qmax`` rounded to float32: bitsandbytes multiplies by it (7.874015718698502e-3)."""
     return torch.tensor(1.0 / qmax, dtype=torch.float32).item()
@@ -358,7 +360,7 @@ def merge_scaled_or_none(data: torch.Tensor, scale: torch.Tensor | None, up: tor
             and data.dtype in _QMAX):
         return None
     if data.is_cuda and data.dtype != torch.int8 and (
-            torch.cuda.get_device_capability(data.device) < (8, 9)):
+            _capability(data.device) < (8, 9)):
         return None  # Triton converts float8 only on sm89+ (Ada, Hopper and later)
     s = scale
     if scale is not None:
@@ -370,6 +372,12 @@ def merge_scaled_or_none(data: torch.Tensor, scale: torch.Tensor | None, up: tor
             return None
     out = merge_scaled(data.view(rows, -1), s, up, down, seg, alpha, absmax_scale=absmax_scale,
                        rounding=rounding, seed=seed)
-    if not bool(torch.isfinite(out.amax)):
+    if not math.isfinite(out.amax.item()):  # the one host sync (no isfinite kernel)
         return None
     return out.data.view(data.shape), None if scale is None else out.scale.view(scale.shape)
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    """``torch.cuda.get_device_capability``, once per device (it queries the driver)."""
+    return torch.cuda.get_device_capability(device)
