@@ -352,8 +352,9 @@ def merge_scaled_or_none(data: torch.Tensor, scale: torch.Tensor | None, up: tor
 
     None when: Triton is missing, ``data`` is neither on CUDA nor interpreted, not contiguous,
     or of another dtype, or float8 on a GPU older than sm89; the scale has another
-    granularity; or the merged weight is not finite
-    (this check syncs with the device once; the caller's float32 path then reports the error).
+    granularity or a dtype other than float32/bfloat16/float16; or the merged weight is not
+    finite (this check syncs with the device once; the caller's float32 path then reports the
+    error).
     """
     rows = data.shape[0]
     if not (triton_available() and (data.is_cuda or interpreting()) and data.is_contiguous()
@@ -364,6 +365,8 @@ def merge_scaled_or_none(data: torch.Tensor, scale: torch.Tensor | None, up: tor
         return None  # Triton converts float8 only on sm89+ (Ada, Hopper and later)
     s = scale
     if scale is not None:
+        if scale.dtype not in _SCALE_DTYPES:
+            return None
         if scale.numel() == 1:
             s = scale.reshape(())
         elif scale.dim() >= 1 and scale.shape[0] == rows and scale.numel() == rows:
