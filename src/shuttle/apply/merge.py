@@ -126,27 +126,30 @@ def merge_plan(model: torch.nn.Module, plan: MergePlan, *, rounding: Rounding | 
     params = params if params is not None else dict(model.named_parameters())
     check_mergeable(plan, params)
     show = progress if progress is not None else len(plan.params) >= _PROGRESS_MIN_PARAMS
-    names = list(plan.params)
-    # Per device, one overflow flag per parameter, set by the fused kernel and read once at
+    # Per device, one overflow flag that the fused kernel sets and merge_plan reads once at
     # the end: the kernel path cannot stop before a write without a host sync per weight.
     flags: dict[torch.device, torch.Tensor] = {}
     with torch.no_grad(), exact_cublas():
-        for i, name in enumerate(tqdm(names, desc="merging", unit="param", disable=not show)):
+        for name in tqdm(plan.params, desc="merging", unit="param", disable=not show):
             p = params[name]
-            slot = None
+            flag = None
             if _on_kernel_device(p):
-                if p.device not in flags:
-                    flags[p.device] = torch.zeros(len(names), dtype=torch.int32, device=p.device)
-                slot = flags[p.device][i:i + 1]
-            merge_param(p, name, plan.params[name], rounding, seed, overflow=slot)
-    bad = [names[i] for f in flags.values() for i in f.nonzero().flatten().tolist()]
-    if bad:
+                flag = flags.get(p.device)
+                if flag is None:
+                    flag = flags[p.device] = torch.zeros(1, dtype=torch.int32, device=p.device)
+            merge_param(p, name, plan.params[name], rounding, seed, overflow=flag)
+    if any(bool(f) for f in flags.values()):
+        # rare: find the weights (those now holding infinity or NaN)
+        bad = [n for n in plan.params if params[n].device in flags
+               and params[n].dtype in _FUSED_DTYPES and is_plain_tensor(params[n])
+               and not bool(torch.isfinite(params[n]).all())]
         raise NonFiniteAdapterError(
-            f"merging into {bad[0]!r}{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''} "
-            f"gives infinity or NaN where the weight was finite (the update overflows "
-            f"{params[bad[0]].dtype}); lower the strength. The merge was done on the GPU "
-            "before this was known: those parameters now hold it, and the others their merge. "
-            "Use apply_lora for a scoped merge that always restores."
+            f"merging into {', '.join(repr(n) for n in bad[:3]) or 'a weight'}"
+            f"{f' (and {len(bad) - 3} more)' if len(bad) > 3 else ''} gives infinity or NaN "
+            f"where the weight was finite (the update overflows its dtype); lower the strength. "
+            "The merge was done on the GPU before this was known: those parameters now hold "
+            "it, and the others their merge. Use apply_lora for a scoped merge that always "
+            "restores."
         )
 
 
