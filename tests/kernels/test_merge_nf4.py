@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shuttle.kernels.merge_lowrank import triton_available
+from shuttle.kernels.launch import triton_available
 from shuttle.kernels.merge_nf4 import merge_4bit, merge_4bit_reference
 from shuttle.weights import Bnb4bitWeight, represent
 

@@ -1,5 +1,6 @@
 """Triton kernels, each with a pure-PyTorch reference beside it. Triton is imported lazily."""
 
+from shuttle.kernels.launch import interpreting, triton_available
 from shuttle.kernels.lora_decode import lora_decode_add, lora_decode_add_reference
 from shuttle.kernels.lora_linear import (
     FusedConfig,
@@ -9,12 +10,7 @@ from shuttle.kernels.lora_linear import (
     lora_shrink,
     lora_shrink_reference,
 )
-from shuttle.kernels.merge_lowrank import (
-    interpreting,
-    merge_lowrank,
-    merge_lowrank_reference,
-    triton_available,
-)
+from shuttle.kernels.merge_lowrank import merge_lowrank, merge_lowrank_reference
 from shuttle.kernels.merge_nf4 import merge_4bit, merge_4bit_reference
 from shuttle.kernels.merge_scaled import ScaledMerge, merge_scaled, merge_scaled_reference
 

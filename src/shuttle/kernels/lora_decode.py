@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from shuttle.kernels.merge_lowrank import (
+from shuttle.kernels.launch import (
     bind_tiles,
     cdiv,
     interpreting,

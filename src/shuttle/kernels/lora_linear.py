@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from shuttle.kernels.merge_lowrank import (
+from shuttle.kernels.launch import (
     bind_tiles,
     cdiv,
     interpreting,

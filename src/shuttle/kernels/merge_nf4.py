@@ -29,15 +29,15 @@ from typing import Literal
 
 import torch
 
-from shuttle.kernels.merge_lowrank import (
+from shuttle.kernels.launch import (
     bind_tiles,
     cdiv,
     device_floats,
     interpreting,
-    padded_factors,
     seed32,
     triton_available,
 )
+from shuttle.kernels.merge_lowrank import padded_factors
 
 __all__ = ["CUDA_CONFIG", "merge_4bit", "merge_4bit_reference"]
 

@@ -42,15 +42,15 @@ from typing import NamedTuple
 
 import torch
 
-from shuttle.kernels.merge_lowrank import (
+from shuttle.kernels.launch import (
     bind_tiles,
     cdiv,
     device_floats,
     interpreting,
-    padded_factors,
     seed32,
     triton_available,
 )
+from shuttle.kernels.merge_lowrank import padded_factors
 from shuttle.weights.representation import Rounding
 from shuttle.weights.rounding import round_float
 

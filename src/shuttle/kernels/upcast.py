@@ -15,7 +15,11 @@ import functools
 
 import torch
 
-from shuttle.kernels.merge_lowrank import cdiv, interpreting, triton_available
+from shuttle.kernels.launch import (
+    cdiv,
+    interpreting,
+    triton_available,
+)
 
 __all__ = ["upcast"]
 

@@ -1,0 +1,92 @@
+"""What the kernels' host sides share: whether Triton runs, how to bind shared tiles, grid
+arithmetic, scale constants on the device, and seeds.
+
+Host time matters here: a whole-model merge launches once per weight, and every microsecond
+spent per launch in Python is a microsecond the GPU may wait (docs/benchmarks.md, merge).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["bind_tiles", "cdiv", "device_floats", "interpreting", "next_power_of_2", "seed32",
+           "triton_available"]
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether Triton can be imported (it is an optional dependency: ``shuttle[triton]``)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def bind_tiles(namespace: dict, *names: str) -> None:
+    """Bind the helpers ``names`` of :mod:`shuttle.kernels.tiles` into ``namespace``, a kernel
+    module's globals, once Triton is imported (that module imports it; Triton is optional).
+
+    Triton resolves the functions a kernel calls among its module's globals: its interpreter
+    re-executes each kernel's source with those globals only, so closure variables would not
+    do.
+    """
+    from shuttle.kernels import tiles
+
+    for name in names:
+        namespace[name] = getattr(tiles, name)
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for grid sizes on the host (``triton.cdiv`` is a Triton function, about
+    2 us a call from Python: several per launch add up when merging hundreds of weights).
+    """
+    return -(-a // b)
+
+
+def seed32(seed: int) -> int:
+    """A 64-bit seed folded to the 32 bits of the kernels' ``hash_uniform``."""
+    return (seed ^ (seed >> 32)) & 0xFFFFFFFF
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``), on the host (as :func:`cdiv`)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def device_floats(values: list[float], device: torch.device) -> torch.Tensor:
+    """A float32 tensor of ``values`` on ``device``, without a host sync; do not modify it.
+
+    On CUDA the tensors are cached by value (the scales of one merge repeat from weight to
+    weight): a new one costs a launch or a copy, several microseconds of host time per weight.
+    Cached tensors are never freed (a freed one could be reused while a kernel queued on
+    another stream still reads it); past :data:`_MAX_CACHED_FLOATS` values new ones are not
+    cached. A new tensor goes through a pinned staging buffer, copied asynchronously:
+    ``torch.tensor(values, device="cuda")`` copies from pageable memory, which waits for the
+    stream to drain.
+    """
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=torch.float32, device=device)
+    key = (tuple(values), device)
+    cached = _FLOATS.get(key)
+    if cached is not None:
+        return cached
+    host = torch.tensor(values, dtype=torch.float32).pin_memory()
+    out = host.to(device, non_blocking=True)
+    # Memory allocated while a CUDA graph is captured belongs to the graph: not cached.
+    if len(_FLOATS) < _MAX_CACHED_FLOATS and not torch.cuda.is_current_stream_capturing():
+        _FLOATS[key] = out
+    return out
+
+
+_FLOATS: dict[tuple[tuple[float, ...], torch.device], torch.Tensor] = {}
+_MAX_CACHED_FLOATS = 4096
