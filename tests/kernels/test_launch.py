@@ -38,3 +38,10 @@ def test_device_floats_on_cuda_are_cached_by_value():
     assert launch.device_floats([0.375], dev) is a
     b = launch.device_floats([0.375, 2.0], dev)
     assert b is not a and b.tolist() == [0.375, 2.0]
+
+
+@pytest.mark.gpu
+def test_device_capability_is_the_drivers_answer_once_per_device():
+    index = torch.cuda.current_device()
+    assert launch.device_capability(index) == torch.cuda.get_device_capability(index)
+    assert launch.device_capability(torch.device("cuda", index)) == launch.device_capability(index)

@@ -11,8 +11,8 @@ import functools
 
 import torch
 
-__all__ = ["bind_tiles", "cdiv", "device_floats", "interpreting", "next_power_of_2", "seed32",
-           "triton_available"]
+__all__ = ["bind_tiles", "cdiv", "device_capability", "device_floats", "interpreting",
+           "next_power_of_2", "seed32", "triton_available"]
 
 
 @functools.cache
@@ -23,6 +23,14 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+@functools.cache
+def device_capability(device: torch.device | int) -> tuple[int, int]:
+    """``torch.cuda.get_device_capability(device)``, asked of the driver once per device (the
+    kernels' wrappers check it on every call: every dynamic forward, every float8 upcast).
+    """
+    return torch.cuda.get_device_capability(device)
 
 
 def bind_tiles(namespace: dict, *names: str) -> None:

@@ -45,6 +45,7 @@ import torch
 from shuttle.kernels.launch import (
     bind_tiles,
     cdiv,
+    device_capability,
     device_floats,
     interpreting,
     seed32,
@@ -361,7 +362,7 @@ def merge_scaled_or_none(data: torch.Tensor, scale: torch.Tensor | None, up: tor
             and data.dtype in _QMAX):
         return None
     if data.is_cuda and data.dtype != torch.int8 and (
-            _capability(data.device) < (8, 9)):
+            device_capability(data.device) < (8, 9)):
         return None  # Triton converts float8 only on sm89+ (Ada, Hopper and later)
     s = scale
     if scale is not None:
@@ -379,8 +380,3 @@ def merge_scaled_or_none(data: torch.Tensor, scale: torch.Tensor | None, up: tor
         return None
     return out.data.view(data.shape), None if scale is None else out.scale.view(scale.shape)
 
-
-@functools.cache
-def _capability(device: torch.device) -> tuple[int, int]:
-    """``torch.cuda.get_device_capability``, once per device (it queries the driver)."""
-    return torch.cuda.get_device_capability(device)

@@ -9,9 +9,9 @@ PyTorch's caching allocator where none is set.
 
 from __future__ import annotations
 
-import functools
-
 import torch
+
+from shuttle.kernels.launch import device_capability
 
 __all__ = ["ensure_allocator", "tma_addressable"]
 
@@ -23,7 +23,7 @@ def tma_addressable(*tensors: torch.Tensor) -> bool:
     """
     if not all(t.is_cuda for t in tensors):
         return False
-    if _capability(tensors[0].device.index) < (9, 0):
+    if device_capability(tensors[0].device.index) < (9, 0):
         return False
     import triton.language as tl
 
@@ -31,12 +31,6 @@ def tma_addressable(*tensors: torch.Tensor) -> bool:
         return False
     return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
                and t.stride(1) == 1 for t in tensors)
-
-
-@functools.cache
-def _capability(index: int | None) -> tuple[int, int]:
-    # Asked on every dynamic-LoRA forward: the driver call once per device is enough.
-    return torch.cuda.get_device_capability(index)
 
 
 def _workspace(size: int, alignment: int, stream: int | None) -> torch.Tensor:

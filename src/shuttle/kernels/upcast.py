@@ -17,6 +17,7 @@ import torch
 
 from shuttle.kernels.launch import (
     cdiv,
+    device_capability,
     interpreting,
     triton_available,
 )
@@ -54,7 +55,7 @@ def upcast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if (x.dtype not in _FP8 or dtype not in _OUT or not triton_available()
             or not x.is_contiguous() or x.numel() == 0
             or not (x.is_cuda or interpreting())
-            or (x.is_cuda and torch.cuda.get_device_capability(x.device) < (8, 9))):
+            or (x.is_cuda and device_capability(x.device) < (8, 9))):
         return x.to(dtype)
 
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
