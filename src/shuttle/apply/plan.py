@@ -192,6 +192,11 @@ def is_plain_tensor(p: object) -> bool:
     A ``Parameter`` counts by its ``data``: bitsandbytes' ``Params4bit`` holds uint8 bytes (not
     plain), a torchao/quanto parameter is a tensor subclass (not plain) whatever its ``dtype``.
     """
+    kind = type(p)
+    if kind is torch.Tensor or kind is torch.nn.Parameter:
+        # the common case, without ``p.data`` (a new tensor object per call): a Parameter of
+        # exactly this class wraps a plain tensor (``Parameter(subclass)`` keeps the subclass)
+        return p.dtype.is_floating_point
     return (isinstance(p, torch.Tensor) and type(p.data) is torch.Tensor
             and p.dtype.is_floating_point)
 
