@@ -2,7 +2,6 @@
 
 Variants, interleaved in one run:
     shuttle      shuttle.merge_lora end to end (resolve, validate, finite checks, merge)
-    shuttle_ungrouped  the same with one kernel launch per weight instead of grouped launches
     naive_fp32   per weight: W.float(), addmm_ in float32, cast back (the float32 round trip)
     peft         PEFT merge_adapter() (delta in bf16, then added: two roundings); unmerged
                  untimed between rounds
@@ -101,7 +100,6 @@ def main() -> None:
     acc["naive_fp32"] = ulp_error(w32.bfloat16(), ref)
     acc["peft"] = ulp_error(w0 + (b @ a) * scale, ref)
     acc["cublas_addmm"] = ulp_error(w0.clone().addmm_(b, a, alpha=scale), ref)
-    acc["shuttle_ungrouped"] = acc["shuttle"]  # the same kernel arithmetic (tested)
 
     # PEFT on its own copy of the weights.
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
@@ -119,16 +117,6 @@ def main() -> None:
 
     def run_shuttle(i: int) -> None:
         shuttle.merge_lora(model, [(loras[i % 2], 1.0)], progress=False)
-
-    merge_mod = importlib.import_module("shuttle.apply.merge")
-
-    def run_ungrouped(i: int) -> None:
-        # one kernel launch per weight (groups of one), as before the grouped launches
-        saved, merge_mod._MAX_GROUP = merge_mod._MAX_GROUP, 1
-        try:
-            shuttle.merge_lora(model, [(loras[i % 2], 1.0)], progress=False)
-        finally:
-            merge_mod._MAX_GROUP = saved
 
     def run_naive(i: int) -> None:
         sd = sds[i % 2]
@@ -156,8 +144,7 @@ def main() -> None:
         if name == "peft":
             pmodel.unmerge_adapter()
 
-    variants = {"shuttle": run_shuttle, "shuttle_ungrouped": run_ungrouped,
-                "naive_fp32": run_naive, "peft": run_peft,
+    variants = {"shuttle": run_shuttle, "naive_fp32": run_naive, "peft": run_peft,
                 "cublas_addmm": run_raw, "copy": run_copy}
     timings = harness.interleaved(variants, rounds=args.rounds, between=between)
     gbs = {k: 2 * weight_bytes / (v["median_ms"] * 1e-3) / 1e9 for k, v in timings.items()}
