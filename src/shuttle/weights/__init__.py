@@ -11,7 +11,7 @@ from shuttle.weights.bnb import Bnb4bitWeight, BnbInt8Weight
 from shuttle.weights.fp8 import FP8_DTYPES, Fp8Weight
 from shuttle.weights.gguf import GGUF_TYPES, GGUFParameter, GGUFWeight, dequantize_blocks
 from shuttle.weights.plain import PLAIN_DTYPES, PlainWeight
-from shuttle.weights.quanto import QuantoWeight, absmax_encode
+from shuttle.weights.quanto import QuantoWeight
 from shuttle.weights.representation import (
     REPRESENTATIONS,
     Rounding,
@@ -20,6 +20,7 @@ from shuttle.weights.representation import (
     represent,
 )
 from shuttle.weights.rounding import round_float, stochastic_round
+from shuttle.weights.scaled import ScaledCodes, absmax_encode
 from shuttle.weights.torchao import TorchaoInt4Weight, TorchaoScaledWeight
 from shuttle.weights.upcast import UpcastHook, Upcasting, upcast_on_use
 
@@ -36,6 +37,7 @@ __all__ = [
     "PlainWeight",
     "QuantoWeight",
     "Rounding",
+    "ScaledCodes",
     "TorchaoInt4Weight",
     "TorchaoScaledWeight",
     "UpcastHook",

@@ -17,47 +17,10 @@ import torch
 
 from shuttle.errors import UnsupportedLayerError
 from shuttle.optional import import_optional
-from shuttle.weights.representation import Rounding, WeightRepresentation, register_representation
-from shuttle.weights.rounding import round_float
+from shuttle.weights.representation import register_representation
+from shuttle.weights.scaled import ScaledCodes
 
-__all__ = ["QuantoWeight", "absmax_encode"]
-
-
-def absmax_encode(x: torch.Tensor, dtype: torch.dtype, scale_like: torch.Tensor,
-                  rounding: Rounding = "nearest", generator: torch.Generator | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric absmax quantization of float32 ``x`` to int8/float8 ``dtype``.
-
-    ``scale = amax / qmax`` over the dims where ``scale_like`` broadcasts (all but rows for a
-    ``(rows, 1)`` scale, all for one value), stored in ``scale_like``'s dtype and shape;
-    ``data = clamp(round(x / scale))``. Integer rounding is to nearest (half to even, as
-    ``torch.round``) or stochastic (floor, then up with probability equal to the fraction:
-    ``E[data] = x / scale``); float8 rounding is :func:`~shuttle.weights.round_float`.
-
-    Returns:
-        ``(data, scale)``.
-    """
-    x = x.float()
-    scale_b = scale_like.reshape((1,) * (x.dim() - scale_like.dim()) + scale_like.shape)
-    dims = [d for d in range(x.dim()) if scale_b.shape[d] == 1]
-    qmax = torch.finfo(dtype).max if dtype.is_floating_point else torch.iinfo(dtype).max
-    amax = x.abs().amax(dim=dims, keepdim=True) if dims else x.abs()
-    # x is divided by the scale as stored (its dtype may be the model's); an all-zero row gets
-    # scale 1, where an absmax quantizer would divide 0 by 0.
-    scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax)).to(scale_like.dtype)
-    q = x / scale.float()
-    if dtype.is_floating_point:
-        data = round_float(q.clamp(-qmax, qmax), dtype, rounding, generator)
-    else:
-        info = torch.iinfo(dtype)
-        if rounding == "nearest":
-            q = torch.round(q)
-        else:
-            lo = q.floor()
-            u = torch.rand(q.shape, generator=generator, device=q.device)
-            q = lo + (u < q - lo).float()
-        data = q.clamp(info.min, info.max).to(dtype)
-    return data, scale.reshape(scale_like.shape)
+__all__ = ["QuantoWeight"]
 
 
 def _quanto() -> Any:
@@ -68,7 +31,7 @@ def _quanto() -> Any:
 
 @register_representation("quanto")
 @dataclasses.dataclass
-class QuantoWeight(WeightRepresentation):
+class QuantoWeight(ScaledCodes):
     """An optimum-quanto ``QBytesTensor`` weight: int8/float8 data and a float scale.
 
     Attributes:
@@ -82,37 +45,6 @@ class QuantoWeight(WeightRepresentation):
     compute: torch.dtype
 
     tensor_names = ("data", "scale")
-
-    def dequantize(self) -> torch.Tensor:
-        return self.data.float() * self.scale.float()
-
-    def encode(self, x: torch.Tensor, rounding: Rounding = "nearest",
-               generator: torch.Generator | None = None) -> QuantoWeight:
-        data, scale = absmax_encode(x, self.data.dtype, self.scale, rounding, generator)
-        return dataclasses.replace(self, data=data, scale=scale)
-
-    def merge_lowrank(self, up: torch.Tensor, down: torch.Tensor, seg: list[int],
-                      alpha: list[float], *, rounding: Rounding = "nearest",
-                      seed: int = 0) -> QuantoWeight | None:
-        """``encode(dequantize() + sum_i alpha[i] * up[:, seg_i] @ down[seg_i])`` by the fused
-        kernel (:func:`shuttle.kernels.merge_scaled.merge_scaled`), without a dense weight.
-
-        Same form as :meth:`encode` (``absmax_encode``: scale ``amax / qmax`` per row or per
-        tensor, in the scale's dtype). Nearest rounding equals ``encode`` except where float32
-        summation order moves a value across a midpoint; stochastic rounding draws from the
-        kernel's stream (``seed``, element index).
-
-        Returns:
-            The merged weight, or None (the caller then dequantizes, applies and encodes): a
-            scale that is neither per row nor per tensor, data other than int8/float8_e4m3fn/
-            float8_e5m2, no Triton, not on CUDA (nor interpreted), float8 on a GPU before sm89,
-            non-contiguous data, or a merged weight that is not finite.
-        """
-        from shuttle.kernels.merge_scaled import merge_scaled_or_none  # Triton is optional
-
-        out = merge_scaled_or_none(self.data, self.scale, up, down, seg, alpha,
-                                   rounding=rounding, seed=seed)
-        return None if out is None else dataclasses.replace(self, data=out[0], scale=out[1])
 
     @classmethod
     def accepts(cls, tensor: torch.Tensor) -> bool:

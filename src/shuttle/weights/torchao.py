@@ -6,7 +6,7 @@ and ``Int8Tensor`` (``Int8WeightOnlyConfig``) store ``qdata`` (float8 / int8, th
 and a float32 ``scale`` per row ``(rows, 1)`` or per tensor ``(1, 1)``; the weight is
 ``qdata * scale`` (``Int8Tensor`` also carries a ``zero_point``, all zeros for its symmetric
 mapping, which is the only one accepted here). ``encode`` recomputes ``scale = amax / qmax``
-at the same granularity (:func:`~shuttle.weights.quanto.absmax_encode`).
+at the same granularity (:func:`~shuttle.weights.scaled.absmax_encode`).
 
 ``Int4TilePackedTo4dTensor`` (``Int4WeightOnlyConfig`` on CUDA) packs int4 values into
 tinygemm's tile layout with group-wise scales and zero points chosen offline; there is no
@@ -22,8 +22,8 @@ import torch
 
 from shuttle.errors import UnsupportedLayerError
 from shuttle.optional import import_optional
-from shuttle.weights.quanto import absmax_encode
-from shuttle.weights.representation import Rounding, WeightRepresentation, register_representation
+from shuttle.weights.representation import WeightRepresentation, register_representation
+from shuttle.weights.scaled import ScaledCodes
 
 __all__ = ["TorchaoInt4Weight", "TorchaoScaledWeight"]
 
@@ -41,7 +41,7 @@ def _is_torchao(tensor: object) -> bool:
 
 @register_representation("torchao_scaled")
 @dataclasses.dataclass
-class TorchaoScaledWeight(WeightRepresentation):
+class TorchaoScaledWeight(ScaledCodes):
     """A torchao ``Float8Tensor`` or symmetric ``Int8Tensor``: ``qdata * scale``.
 
     Attributes:
@@ -60,37 +60,6 @@ class TorchaoScaledWeight(WeightRepresentation):
 
     tensor_names = ("qdata", "scale", "zero_point")
     shape_field = "qdata"
-
-    def dequantize(self) -> torch.Tensor:
-        return self.qdata.float() * self.scale.float()
-
-    def encode(self, x: torch.Tensor, rounding: Rounding = "nearest",
-               generator: torch.Generator | None = None) -> TorchaoScaledWeight:
-        qdata, scale = absmax_encode(x, self.qdata.dtype, self.scale, rounding, generator)
-        return dataclasses.replace(self, qdata=qdata, scale=scale)
-
-    def merge_lowrank(self, up: torch.Tensor, down: torch.Tensor, seg: list[int],
-                      alpha: list[float], *, rounding: Rounding = "nearest",
-                      seed: int = 0) -> TorchaoScaledWeight | None:
-        """``encode(dequantize() + sum_i alpha[i] * up[:, seg_i] @ down[seg_i])`` by the fused
-        kernel (:func:`shuttle.kernels.merge_scaled.merge_scaled`), without a dense weight.
-
-        Same form as :meth:`encode` (scale ``amax / qmax`` per row or per tensor, zero point
-        kept). Nearest rounding equals ``encode`` except where float32 summation order moves a
-        value across a midpoint; stochastic rounding draws from the kernel's stream (``seed``,
-        element index).
-
-        Returns:
-            The merged weight, or None (the caller then dequantizes, applies and encodes): a
-            scale of another granularity (blockwise), data other than int8/float8_e4m3fn/
-            float8_e5m2, no Triton, not on CUDA (nor interpreted), float8 on a GPU before sm89,
-            non-contiguous data, or a merged weight that is not finite.
-        """
-        from shuttle.kernels.merge_scaled import merge_scaled_or_none  # Triton is optional
-
-        out = merge_scaled_or_none(self.qdata, self.scale, up, down, seg, alpha,
-                                   rounding=rounding, seed=seed)
-        return None if out is None else dataclasses.replace(self, qdata=out[0], scale=out[1])
 
     @classmethod
     def accepts(cls, tensor: torch.Tensor) -> bool:
