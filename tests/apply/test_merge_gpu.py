@@ -57,8 +57,9 @@ def test_cuda_float16_overflow_raises_and_scoped_merge_restores():
     gpu = _model().half().cuda()
     before = {n: p.detach().clone() for n, p in gpu.named_parameters()}
     sd = {k: v.cuda() for k, v in _adapter(4).items()}
-    sd["ff.lora_A.weight"] = torch.full_like(sd["ff.lora_A.weight"], 100.0)
-    sd["ff.lora_B.weight"] = torch.full_like(sd["ff.lora_B.weight"], 100.0)
+    # every element of ff's update: 8 ranks x 200 x 200 x alpha / rank (0.5) = 160000 > 65504
+    sd["ff.lora_A.weight"] = torch.full_like(sd["ff.lora_A.weight"], 200.0)
+    sd["ff.lora_B.weight"] = torch.full_like(sd["ff.lora_B.weight"], 200.0)
     with pytest.raises(shuttle.errors.NonFiniteAdapterError), \
             shuttle.apply_lora(gpu, [(sd, 1.0)]):
         pytest.fail("the body must not run")
