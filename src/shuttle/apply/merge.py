@@ -163,7 +163,7 @@ def merge_param(p: torch.Tensor, name: str, contribs: list[Contribution],
     original weight (an offloader's slot, refilled from the host before every merge), so each
     merge is seeded as the first one and not counted: the same bits every time.
     ``overflow``: a one-element int32 tensor that the fused kernel path sets to 1 where a
-    finite weight element becomes infinite or NaN (the other paths raise instead).
+    finite sum rounds to infinity (float16 overflow); the other paths raise instead.
     """
     if not (is_plain_tensor(p) and p.dtype in PLAIN_DTYPES):
         _merge_encoded(p, name, contribs, rounding or "stochastic", seed, fresh)
@@ -281,7 +281,7 @@ def lowrank_sums(contribs: list[Contribution]
     None where a fused kernel cannot take them (another patch kind, Tucker or transposed
     factors, mixed factor dtypes, or a whole-weight and a row-range update together).
     """
-    if len(contribs) == 1:  # the common case, without the grouping (host time per weight)
+    if len(contribs) == 1:  # the common case: no grouping by rows, no concatenation
         c = contribs[0]
         patch = c.patch
         if not (isinstance(patch, LowRank) and patch.mid is None and not patch.transposed):
