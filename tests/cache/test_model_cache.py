@@ -23,7 +23,7 @@ from shuttle.errors import (
     UnsupportedFeatureError,
 )
 from shuttle.offload import CPU_COPY_ENV, ModelOffloader, StreamConfig
-from tests.adapters import lowrank_state
+from tests import lowrank_state
 from tests.offload.models import TinyDiT
 
 PATHS = ("blocks", "single")

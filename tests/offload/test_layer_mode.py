@@ -13,7 +13,7 @@ import shuttle
 from shuttle.errors import BudgetTooSmallError, CheckpointRequiredError, OffloadError
 from shuttle.hooks import hooks_of
 from shuttle.offload import ModelOffloader, StreamConfig
-from tests.adapters import lowrank_state
+from tests import lowrank_state
 from tests.offload.models import TinyDiT
 
 LAYER_MODES = {

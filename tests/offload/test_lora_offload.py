@@ -17,7 +17,7 @@ from shuttle.errors import (
 from shuttle.hooks import hooks_of
 from shuttle.offload import ModelOffloader, SlotPool, StreamConfig
 from shuttle.offload import adapters as adapters_module
-from tests.adapters import lowrank_state
+from tests import lowrank_state
 from tests.offload.models import RESIDENCY_MODES, TinyDiT, fail_on_call
 from tests.offload.test_host_storage import assert_unchanged, snapshot
 

@@ -11,7 +11,7 @@ from shuttle.errors import HostBackingError, UnsupportedLayerError
 from shuttle.offload import ModelOffloader, StreamConfig
 from shuttle.offload.host_storage import HostStorage
 from shuttle.weights import Bnb4bitWeight, WeightRepresentation, represent
-from tests.adapters import lowrank_state
+from tests import lowrank_state
 
 KINDS = ["nf4", "nf4_nested", "int8", "quanto", "torchao_f8", "torchao_i8"]
 MODES = {

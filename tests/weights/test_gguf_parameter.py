@@ -15,7 +15,7 @@ import shuttle
 from shuttle.errors import ShuttleError, UnmergeableWeightError
 from shuttle.offload import CPU_COPY_ENV, ModelOffloader, StreamConfig
 from shuttle.weights import GGUFParameter, GGUFWeight, dequantize_blocks, represent
-from tests.adapters import lowrank_state
+from tests import lowrank_state
 from tests.weights.test_gguf import random_blocks
 
 TYPES = ["Q8_0", "Q4_0", "Q4_K", "Q6_K"]

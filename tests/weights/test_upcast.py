@@ -13,7 +13,7 @@ from shuttle.errors import ShuttleError
 from shuttle.hooks import hooks_of
 from shuttle.offload import ModelOffloader
 from shuttle.weights import UpcastHook, upcast_on_use
-from tests.adapters import lowrank_state
+from tests import lowrank_state
 from tests.offload.models import RESIDENCY_MODES, TinyDiT
 
 PATHS = ["blocks", "single"]
