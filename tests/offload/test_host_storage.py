@@ -49,11 +49,15 @@ def test_pinned_capture_copies_once_into_arenas(dtype):
     params = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
     values = {k: v.clone() for k, v in model.state_dict().items()}
     storage = HostStorage(model, groups(model), "pinned")
-    assert storage.pinned is False  # no CUDA here: plain memory, reported honestly
+    # Page-locked where CUDA is present; without it plain memory, reported honestly.
+    assert storage.pinned is torch.cuda.is_available()
     unique = {id(p): p for p in params.values()}
     weights = sum(p.nbytes for p in unique.values()) + sum(b.nbytes for b in model.buffers())
     assert storage.weight_bytes == weights
-    assert storage.host_bytes <= 1.02 * weights
+    # Pinned arenas are whole pages (no registered page shared with other memory): at most one
+    # page of slack per unit (the blocks and the rest).
+    slack = 4096 * (len(model.blocks) + 1) if storage.pinned else 0
+    assert storage.host_bytes <= 1.02 * weights + slack
     # identity kept, values kept, every tensor a view of its unit's arena
     for n, p in model.named_parameters(remove_duplicate=False):
         assert p is params[n]
