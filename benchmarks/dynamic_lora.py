@@ -9,6 +9,8 @@ Per shape (tokens T, in K, out N, rank r), bf16 with bias:
     floor     max(extra bytes / copy bandwidth, extra FLOPs / GEMM rate) over the base time,
               with the ceilings of h200-limits.md (4213 GB/s read+write, 780 TFLOP/s)
 Then a whole small DiT forward (LoRA on every linear): merged vs lossless vs fused.
+Every variant is timed twice: eager (one call from an idle GPU, host time included) and
+captured in a CUDA graph (GPU work only).
 
 Writes docs/benchmarks/dynamic_lora.{json,md} after every shape (a cut-off run keeps its rows).
 """
@@ -62,12 +64,14 @@ def bench_shape(name: str, t: int, k: int, n: int, r: int, rounds: int) -> dict:
     handles = {q: shuttle.attach_lora(m, [(sd, 0.8)], quality=q) for q, m in mods.items()}
     a, b, s = sd["0.lora_A.weight"], sd["0.lora_B.weight"], 0.5
 
-    def naive(i):
-        x = xs[i % 2]
+    def naive_on(x):
         d = x @ a.T @ b.T
         d = d * s
         d = d * 0.8
         return base(x) + d
+
+    def naive(i):
+        return naive_on(xs[i % 2])
 
     variants = {"base": lambda i: base(xs[i % 2]), "naive": naive,
                 "lossless": lambda i: mods["lossless"](xs[i % 2]),
@@ -79,21 +83,22 @@ def bench_shape(name: str, t: int, k: int, n: int, r: int, rounds: int) -> dict:
                + 0.8 * s * (xs[0].double() @ a.double().T @ b.double().T))
         err = {q: float((variants[q](0).double() - ref).norm() / ref.norm())
                for q in ("naive", "lossless", "fused")}
+    # The same variants captured in CUDA graphs and replayed: the GPU work alone, without the
+    # host's Python and launch time (as a server or torch.compile's cudagraphs run a layer).
+    # Each graph reads one static input, refreshed from the rotating inputs before each replay.
+    static = xs[0].clone()
+    layers = {"base": base, "naive": lambda v: naive_on(v), "lossless": mods["lossless"],
+              "fused": mods["fused"]}
     graph = None
-    if t <= 64:
-        # Decode is bound by launches and Python, which serving hides with CUDA graphs: the
-        # same variants captured in graphs measure the GPU work alone. The graphs read one
-        # static input, refreshed from the rotating inputs before each replay (all variants).
-        static = xs[0].clone()
-        layers = {"base": base, "lossless": mods["lossless"], "fused": mods["fused"]}
-        try:
-            graphs = {q: _graphed(lambda m=m: m(static)) for q, m in layers.items()}
-            with torch.no_grad():
-                graph = harness.interleaved(
-                    {q: (lambda i, g=g: (static.copy_(xs[i % 2]), g.replay())) for q, g in
-                     graphs.items()}, rounds=rounds, warmup=3)
-        except RuntimeError as e:  # a variant that cannot be captured: recorded, run goes on
-            print(f"{name}: CUDA graph capture failed: {e}", flush=True)
+    try:
+        graphs = {q: _graphed(lambda m=m: m(static)) for q, m in layers.items()}
+        with torch.no_grad():
+            graph = harness.interleaved(
+                {q: (lambda i, g=g: (static.copy_(xs[i % 2]), g.replay())) for q, g in
+                 graphs.items()}, rounds=rounds, warmup=3)
+        del graphs
+    except RuntimeError as e:  # a variant that cannot be captured: recorded, run goes on
+        print(f"{name}: CUDA graph capture failed: {e}", flush=True)
     for h in handles.values():
         h.detach()
     t_base = timings["base"]["median_ms"]
@@ -101,12 +106,14 @@ def bench_shape(name: str, t: int, k: int, n: int, r: int, rounds: int) -> dict:
         g_base = graph["base"]["median_ms"]
         graph = {"timings": graph,
                  "overhead_pct": {q: 100 * (graph[q]["median_ms"] - g_base) / g_base
-                                  for q in ("lossless", "fused")}}
+                                  for q in ("naive", "lossless", "fused")}}
     return {"shape": (t, k, n, r), "timings": timings, "rel_err_vs_float64": err,
             "graph": graph,
             "overhead_pct": {q: 100 * (timings[q]["median_ms"] - t_base) / t_base
                              for q in ("naive", "lossless", "fused")},
-            "floor_pct": 100 * floor_ms(t, k, n, r) / t_base}
+            "floor_pct": 100 * floor_ms(t, k, n, r) / t_base,
+            "graph_floor_pct": (100 * floor_ms(t, k, n, r) / graph["timings"]["base"]["median_ms"]
+                                if graph else None)}
 
 
 def _graphed(fn) -> torch.cuda.CUDAGraph:
@@ -143,42 +150,53 @@ def bench_dit(rounds: int) -> dict:
     handles = [shuttle.attach_lora(models[q], [(sd, 1.0)], quality=q)
                for q in ("lossless", "fused")]
     xs = [torch.randn(1, 16, 128, 128, device="cuda").bfloat16() for _ in range(2)]  # 4096 tok
+    static = xs[0].clone()
     with torch.no_grad():
         timings = harness.interleaved({q: (lambda i, m=m: m(xs[i % 2])) for q, m in
                                        models.items()}, rounds=rounds, warmup=3)
+        graphs = {q: _graphed(lambda m=m: m(static)) for q, m in models.items()}
+        graph = harness.interleaved(
+            {q: (lambda i, g=g: (static.copy_(xs[i % 2]), g.replay())) for q, g in
+             graphs.items()}, rounds=rounds, warmup=3)
     for h in handles:
         h.detach()
-    return {"config": dims, "tokens": 4096, "rank": 64, "timings": timings}
+    return {"config": dims, "tokens": 4096, "rank": 64, "timings": timings,
+            "graph_timings": graph}
 
 
 def write(rows: dict, dit: dict | None) -> None:
     table_rows = []
     for name, r in rows.items():
-        o = r["overhead_pct"]
-        table_rows.append([name, str(r["shape"]), f"{r['timings']['base']['median_ms']:.3f}",
-                           f"{o['naive']:.0f}", f"{o['lossless']:.0f}", f"{o['fused']:.0f}",
-                           f"{r['floor_pct']:.1f}",
-                           f"{r['rel_err_vs_float64']['lossless']:.1e}",
-                           f"{r['rel_err_vs_float64']['fused']:.1e}"])
-        if r.get("graph"):
-            g = r["graph"]
-            table_rows.append([f"{name} (CUDA graph)", str(r["shape"]),
-                               f"{g['timings']['base']['median_ms']:.3f}", "-",
-                               f"{g['overhead_pct']['lossless']:.0f}",
-                               f"{g['overhead_pct']['fused']:.0f}", f"{r['floor_pct']:.1f}",
-                               "-", "-"])
+        o, g = r["overhead_pct"], (r.get("graph") or {}).get("overhead_pct")
+        gt = r.get("graph") and r["graph"]["timings"]["base"]["median_ms"]
+        table_rows.append([
+            name, str(r["shape"]), f"{r['timings']['base']['median_ms']:.3f}",
+            f"{o['naive']:.0f}", f"{o['lossless']:.0f}", f"{o['fused']:.0f}",
+            f"{gt:.3f}" if g else "-", f"{g['naive']:.0f}" if g else "-",
+            f"{g['lossless']:.0f}" if g else "-", f"**{g['fused']:.0f}**" if g else "-",
+            f"{r['graph_floor_pct']:.1f}" if g else f"{r['floor_pct']:.1f}",
+            f"{r['rel_err_vs_float64']['lossless']:.1e}",
+            f"{r['rel_err_vs_float64']['fused']:.1e}"])
     table = harness.markdown_table(
-        ["shape", "(T, K, N, r)", "base ms", "naive %", "lossless %", "fused %", "floor %",
-         "lossless err", "fused err"], table_rows)
-    notes = ("Overheads are (t - t_base) / t_base, medians of interleaved rounds. CUDA graph rows: "
-             "the same layers captured in CUDA graphs and replayed (GPU work only, as served).")
+        ["shape", "(T, K, N, r)", "eager base ms", "naive %", "lossless %", "fused %",
+         "graph base ms", "naive %", "lossless %", "fused %", "floor %", "lossless err",
+         "fused err"], table_rows)
+    notes = ("Overheads are (t - t_base) / t_base, medians of interleaved rounds. Eager: one call "
+             "timed from an idle GPU (host Python and launch time included, as an eager script "
+             "runs a single layer). Graph: the same layers captured in CUDA graphs and replayed "
+             "(the GPU work alone, as a server, torch.compile's cudagraphs or a long chain of "
+             "layers whose launches run ahead runs them). Floor: against the graph base.")
     if dit:
-        t = dit["timings"]
-        m = t["merged"]["median_ms"]
+        lines = []
+        for label, t in (("eager", dit["timings"]), ("CUDA graph", dit.get("graph_timings"))):
+            if not t:
+                continue
+            m = t["merged"]["median_ms"]
+            lines.append(f"{label}: merged {m:.2f} ms, lossless {t['lossless']['median_ms']:.2f} "
+                         f"ms ({t['lossless']['median_ms'] / m:.2f}x), fused "
+                         f"{t['fused']['median_ms']:.2f} ms ({t['fused']['median_ms'] / m:.2f}x)")
         notes += (f"\n\nWhole DiT forward ({dit['config']}, {dit['tokens']} tokens, LoRA rank "
-                  f"{dit['rank']} on every linear): merged {m:.2f} ms, lossless "
-                  f"{t['lossless']['median_ms']:.2f} ms ({t['lossless']['median_ms'] / m:.2f}x), "
-                  f"fused {t['fused']['median_ms']:.2f} ms ({t['fused']['median_ms'] / m:.2f}x).")
+                  f"{dit['rank']} on every linear): " + "; ".join(lines) + ".")
     harness.write_results("dynamic_lora", {"shapes": rows, "dit": dit}, table,
                           "Dynamic LoRA overhead (benchmarks/dynamic_lora.py)", notes)
     print(table)

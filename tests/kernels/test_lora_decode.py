@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from shuttle.kernels import triton_available
-from shuttle.kernels.lora_decode import lora_decode_add, lora_decode_add_reference
+from shuttle.kernels.lora_decode import (
+    lora_decode_add,
+    lora_decode_add_reference,
+    lora_decode_linear,
+    lora_decode_linear_reference,
+)
 from tests.kernels.test_lora_linear import _assert_one_ulp
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed")
@@ -63,3 +68,62 @@ def test_float32_falls_back_to_the_reference():
     out, x, down, up, scale = _case(4, 32, 48, 8, torch.float32)
     got = lora_decode_add(out.clone(), x, down, up, scale)
     assert torch.equal(got, lora_decode_add_reference(out.clone(), x, down, up, scale))
+
+
+def _layer(t, k, n, r, dtype, seed=0):
+    _, x, down, up, scale = _case(t, k, n, r, dtype, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(DEVICE)
+    bias = (torch.randn(n, generator=g) * 0.5).to(dtype).to(DEVICE)
+    return x, w, bias, down, up, scale
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize(
+    # odd K (masked tail), K a multiple of the step, N not a multiple of the column tile,
+    # R of 1 and R above a power of two
+    ("t", "k", "n", "r"), [(1, 40, 100, 3), (16, 70, 130, 20), (64, 32, 64, 16), (3, 48, 17, 1)]
+)
+def test_linear_matches_reference_and_float64(t, k, n, r, dtype, bias):
+    x, w, b, down, up, scale = _layer(t, k, n, r, dtype)
+    b = b if bias else None
+    got = lora_decode_linear(x, w, b, down, up, scale)
+    want = lora_decode_linear_reference(x, w, b, down, up, scale)
+    _assert_one_ulp(got, want)
+    exact = x.double() @ w.double().T + ((x.double() @ down.double().T) * scale.double()) \
+        @ up.double().T + (b.double() if bias else 0)
+    assert int((got != exact.to(dtype)).sum()) <= max(4, got.numel() // 100)
+
+
+def test_linear_on_strided_rows():
+    x, w, b, down, up, scale = _layer(5, 48, 80, 8, torch.bfloat16)
+    wide = torch.zeros(5, 64, dtype=x.dtype, device=DEVICE)
+    wide[:, :48] = x
+    got = lora_decode_linear(wide[:, :48], w, b, down, up, scale)
+    _assert_one_ulp(got, lora_decode_linear_reference(x, w, b, down, up, scale))
+
+
+def test_linear_bad_shapes_and_too_many_rows():
+    x, w, b, down, up, scale = _layer(4, 32, 48, 8, torch.bfloat16)
+    with pytest.raises(ValueError, match="expected"):
+        lora_decode_linear(x, w[:, :16], b, down, up, scale)
+    with pytest.raises(ValueError, match="expected"):
+        lora_decode_linear(x, w, b[:5], down, up, scale)
+    big = _layer(65, 32, 48, 8, torch.bfloat16)
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        lora_decode_linear(*big)
+
+
+def test_linear_mixed_dtypes_fall_back_to_the_reference():
+    x, w, b, down, up, scale = _layer(4, 32, 48, 8, torch.bfloat16)
+    got = lora_decode_linear(x, w, b, down.float(), up.float(), scale)
+    assert torch.equal(got, lora_decode_linear_reference(x, w, b, down.float(), up.float(),
+                                                         scale))
+
+
+def test_linear_under_autograd_is_differentiable():
+    x, w, b, down, up, scale = _layer(4, 32, 48, 8, torch.bfloat16)
+    up = up.clone().requires_grad_()
+    lora_decode_linear(x, w, b, down, up, scale).float().sum().backward()
+    assert up.grad is not None and bool(up.grad.abs().sum() > 0)

@@ -12,6 +12,7 @@ up_i: (N, r_i), s_i = strength_i * alpha_i / r_i * request scale):
               (shuttle.kernels.lora_decode): launches, not bytes, are the cost there.
     fused     S = (x @ down.T) * s in float32 (one kernel), then one kernel whose float32
               accumulator runs over x @ W.T and S @ up.T, adds the bias and writes out once.
+              At most 64 tokens (decode): all of it in one kernel (lora_decode_linear).
 
 Low-rank patches on Conv and Embedding layers go through the patch's own residual (its conv or
 lookup). Every other patch kind (LoHa, LoKr, diffs, norms, set, (IA)3, DoRA) and every other
@@ -35,7 +36,7 @@ from shuttle.apply.scale import generation, request_scale, request_scale_value
 from shuttle.errors import UnsupportedLayerError
 from shuttle.hooks import ModuleHook
 from shuttle.kernels import interpreting, lora_linear_fused, lora_shrink, triton_available
-from shuttle.kernels.lora_decode import DECODE_MAX_T, lora_decode_add
+from shuttle.kernels.lora_decode import DECODE_MAX_T, lora_decode_add, lora_decode_linear
 from shuttle.patches import LowRank
 from shuttle.weights import FP8_DTYPES
 
@@ -278,14 +279,13 @@ class LoRAHook(ModuleHook):
         b = overrides.get("bias", module.bias)
         x2d = x.reshape(-1, x.shape[-1])
         scale = self._scale_vector(x.device)
-        if x.is_cuda and x.dtype == self.down.dtype == self.up.dtype:
-            # The shrink is a skinny GEMM that only reads x: cuBLAS's, then the scale in
-            # float32 rounded once (as the lossless tier). On the H200 this and the Triton
-            # shrink gave the same layer times within noise (docs/benchmarks.md).
-            s = F.linear(x2d, self.down).mul_(scale)
+        if x2d.shape[0] <= DECODE_MAX_T:
+            # A few tokens (decode): base, shrink and update in one launch, bound by reading W.
+            out = lora_decode_linear(x2d, w, b, self.down, self.up, scale)
         else:
-            s = lora_shrink(x2d, self.down, scale)
-        out = lora_linear_fused(x2d, w, b, s, self.up)
+            # Triton's shrink: on the H200 as fast as cuBLAS's skinny GEMM plus a scale kernel,
+            # or faster (docs/benchmarks.md), and S keeps float32 math for float32 factors.
+            out = lora_linear_fused(x2d, w, b, lora_shrink(x2d, self.down, scale), self.up)
         return out.view(*x.shape[:-1], w.shape[0])
 
     def _residuals(self, module: torch.nn.Module, x: torch.Tensor, out: torch.Tensor

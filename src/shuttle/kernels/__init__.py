@@ -1,7 +1,12 @@
 """Triton kernels, each with a pure-PyTorch reference beside it. Triton is imported lazily."""
 
 from shuttle.kernels.launch import interpreting, triton_available
-from shuttle.kernels.lora_decode import lora_decode_add, lora_decode_add_reference
+from shuttle.kernels.lora_decode import (
+    lora_decode_add,
+    lora_decode_add_reference,
+    lora_decode_linear,
+    lora_decode_linear_reference,
+)
 from shuttle.kernels.lora_linear import (
     FusedConfig,
     ShrinkConfig,
@@ -21,6 +26,8 @@ __all__ = [
     "interpreting",
     "lora_decode_add",
     "lora_decode_add_reference",
+    "lora_decode_linear",
+    "lora_decode_linear_reference",
     "lora_linear_fused",
     "lora_linear_fused_reference",
     "lora_shrink",

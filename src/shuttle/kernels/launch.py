@@ -7,12 +7,13 @@ spent per launch in Python is a microsecond the GPU may wait (docs/benchmarks.md
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 
 __all__ = ["bind_tiles", "cdiv", "device_capability", "device_floats", "interpreting",
-           "next_power_of_2", "seed32", "triton_available"]
+           "next_power_of_2", "on_device_of", "seed32", "triton_available"]
 
 
 @functools.cache
@@ -98,3 +99,13 @@ def device_floats(values: list[float], device: torch.device) -> torch.Tensor:
 
 _FLOATS: dict[tuple[tuple[float, ...], torch.device], torch.Tensor] = {}
 _MAX_CACHED_FLOATS = 4096
+
+
+def on_device_of(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """A context in which a launch for ``t`` goes to ``t``'s GPU: Triton launches on the current
+    device's stream. Nothing to enter (no device switch, a few microseconds saved) when ``t`` is
+    on the current device or not on a GPU.
+    """
+    if not t.is_cuda or t.device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(t.device)

@@ -1,4 +1,4 @@
-"""The LoRA update for a few tokens (decode) in one kernel, added onto the base output in place.
+"""LoRA at a few tokens (decode) in one kernel: the update alone, or the whole layer.
 
 For T <= 64 rows the update ``((x @ A.T) * scale) @ B.T`` is tiny work spread over three or
 more launches (shrink GEMM, scale, expand GEMM with the add), each a few microseconds of fixed
@@ -8,7 +8,16 @@ in one launch: each program owns BN output columns, recomputes the whole (T, R) 
 sizes that is cheaper than a second launch), scales it in float32, multiplies it by its columns
 of the up factor in float32 (``h`` is never rounded), adds the base output tile and rounds once.
 
-:func:`lora_decode_add_reference` is the same computation in PyTorch: the fallback and oracle.
+:func:`lora_decode_linear` is the fused tier's decode form: the whole layer
+``x @ W.T + ((x @ A.T) * scale) @ B.T + bias`` in one launch. Each program streams its BN rows of
+W once (at decode the layer is bound by reading W) and, from the same x tiles, accumulates the
+(T, R) intermediate ``h`` in a second float32 accumulator; the extra per K step is a (BK, R) tile
+of the down factor from L2. After the K loop the program adds ``(h * scale) @ B[rn].T`` (float32,
+``h`` never rounded) and the bias, and rounds once. No base output is written and read back,
+and there is no second launch.
+
+:func:`lora_decode_add_reference` and :func:`lora_decode_linear_reference` are the same
+computations in PyTorch: the fallbacks and oracles.
 """
 
 from __future__ import annotations
@@ -22,10 +31,17 @@ from shuttle.kernels.launch import (
     cdiv,
     interpreting,
     next_power_of_2,
+    on_device_of,
     triton_available,
 )
 
-__all__ = ["DECODE_MAX_T", "lora_decode_add", "lora_decode_add_reference"]
+__all__ = [
+    "DECODE_MAX_T",
+    "lora_decode_add",
+    "lora_decode_add_reference",
+    "lora_decode_linear",
+    "lora_decode_linear_reference",
+]
 
 DECODE_MAX_T = 64  # rows the kernel takes: one program holds all of x's rows
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -40,12 +56,29 @@ def lora_decode_add_reference(out: torch.Tensor, x: torch.Tensor, down: torch.Te
     return out
 
 
+def lora_decode_linear_reference(x: torch.Tensor, weight: torch.Tensor,
+                                 bias: torch.Tensor | None, down: torch.Tensor, up: torch.Tensor,
+                                 scale: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T + ((x @ down.T) * scale) @ up.T + bias`` in float32, rounded once."""
+    xf = x.float()
+    h = (xf @ down.float().T) * scale.float()
+    out = torch.addmm(xf @ weight.float().T, h, up.float().T)
+    if bias is not None:
+        out.add_(bias.float())
+    return out.to(x.dtype)
+
+
 # Shared tile helpers, bound by bind_tiles() when the kernels are built (see there).
 store_rne = None
 
 
 @functools.cache
 def _kernel():
+    return _kernels()[0]
+
+
+@functools.cache
+def _kernels():
     import triton
     import triton.language as tl
 
@@ -81,7 +114,54 @@ def _kernel():
         o_ptrs = o_ptr + rt[:, None] * stride_ot + rn[None, :]
         store_rne(o_ptrs, tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32) + delta, mask)
 
-    return decode_kernel
+    @triton.jit
+    def linear_kernel(x_ptr, w_ptr, b_ptr, d_ptr, u_ptr, scale_ptr, o_ptr, T, K, N, R,
+                      stride_xt, stride_wn, stride_dr, stride_un, stride_ot,
+                      BT: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+        rt = tl.arange(0, BT)
+        rr = tl.arange(0, BR)
+        rk = tl.arange(0, BK)
+        rn = tl.program_id(0) * BN + tl.arange(0, BN)
+        # Wrapped rows, columns and ranks keep every load in bounds without masks (only the K
+        # tail is masked); the scale (0 past R) and the store mask cancel what they add.
+        rt_l = rt % T
+        rn_l = (rn % N).to(tl.int64)
+        rr_l = rr % R
+        x_ptrs = x_ptr + rt_l[:, None] * stride_xt + rk[None, :]
+        w_ptrs = w_ptr + rn_l[None, :] * stride_wn + rk[:, None]
+        d_ptrs = d_ptr + rr_l[None, :] * stride_dr + rk[:, None]
+        acc = tl.zeros((BT, BN), dtype=tl.float32)  # x @ W[rn].T
+        h = tl.zeros((BT, BR), dtype=tl.float32)  # x @ down.T, every program the whole of it
+        for k in range(0, tl.cdiv(K, BK)):
+            if EVEN_K:
+                x = tl.load(x_ptrs)
+                w = tl.load(w_ptrs)
+                d = tl.load(d_ptrs)
+            else:
+                k_left = K - k * BK
+                x = tl.load(x_ptrs, mask=rk[None, :] < k_left, other=0.0)
+                w = tl.load(w_ptrs, mask=rk[:, None] < k_left, other=0.0)
+                d = tl.load(d_ptrs, mask=rk[:, None] < k_left, other=0.0)
+            if IEEE:  # the interpreter, whose bf16 dot is wrong
+                xf = x.to(tl.float32)
+                acc = tl.dot(xf, w.to(tl.float32), acc, input_precision="ieee")
+                h = tl.dot(xf, d.to(tl.float32), h, input_precision="ieee")
+            else:
+                acc = tl.dot(x, w, acc)
+                h = tl.dot(x, d, h)
+            x_ptrs += BK
+            w_ptrs += BK
+            d_ptrs += BK
+        h = h * tl.load(scale_ptr + rr, mask=rr < R, other=0.0)[None, :]
+        u = tl.load(u_ptr + rn_l[None, :] * stride_un + rr_l[:, None])
+        acc = tl.dot(h, u.to(tl.float32), acc, input_precision="ieee")
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn_l).to(tl.float32)[None, :]
+        mask = (rt[:, None] < T) & (rn[None, :] < N)
+        store_rne(o_ptr + rt[:, None] * stride_ot + rn[None, :], acc, mask)
+
+    return decode_kernel, linear_kernel
 
 
 def lora_decode_add(out: torch.Tensor, x: torch.Tensor, down: torch.Tensor, up: torch.Tensor,
@@ -123,7 +203,73 @@ def lora_decode_add(out: torch.Tensor, x: torch.Tensor, down: torch.Tensor, up: 
     br = max(16, next_power_of_2(r))
     bk = 16 if interpreting() else 128
     grid = (cdiv(n, block_n),)
-    _kernel()[grid](x, down, up, scale.to(torch.float32).contiguous(), out, t, k, n, r,
-                    x.stride(0), down.stride(0), up.stride(0), out.stride(0),
-                    BT=bt, BK=bk, BR=br, BN=block_n, IEEE=interpreting(), num_warps=4)
+    with on_device_of(x):
+        _kernel()[grid](x, down, up, scale.to(torch.float32).contiguous(), out, t, k, n, r,
+                        x.stride(0), down.stride(0), up.stride(0), out.stride(0),
+                        BT=bt, BK=bk, BR=br, BN=block_n, IEEE=interpreting(), num_warps=4)
+    return out
+
+
+# At decode the layer is bound by reading W once: narrow column tiles give enough programs to
+# keep the H200's 132 SMs streaming (N / 32 programs), and 128-wide K steps keep each load a
+# few KiB. Under the interpreter: small steps, so test shapes span several of them.
+DECODE_LINEAR_CONFIG = (32, 128, 4, 3)  # block_n, block_k, num_warps, num_stages
+_INTERPRET_LINEAR_CONFIG = (16, 16, 1, 1)
+
+
+def lora_decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       down: torch.Tensor, up: torch.Tensor, scale: torch.Tensor,
+                       config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """``x @ weight.T + ((x @ down.T) * scale) @ up.T + bias`` in one launch, rounded once.
+
+    Args:
+        x: (T, K) activations, T <= :data:`DECODE_MAX_T`, bf16/fp16.
+        weight: (N, K) base weight, bias: (N,) or None, both of x's dtype.
+        down: (R, K) and up: (N, R) factors of x's dtype (several adapters concatenated along
+            R, R <= 256).
+        scale: (R,) float32 per-rank scale.
+        config: (block_n, block_k, num_warps, num_stages) to override
+            :data:`DECODE_LINEAR_CONFIG`.
+
+    Returns:
+        (T, N) in x's dtype: float32 accumulation throughout (the (T, R) intermediate is never
+        rounded), one rounding. Uses the Triton kernel on CUDA (or under ``TRITON_INTERPRET=1``)
+        where the dtypes and strides allow and autograd is not recording, else
+        :func:`lora_decode_linear_reference` (differentiable).
+
+    Raises:
+        ValueError: shapes that do not fit together, or T above :data:`DECODE_MAX_T`.
+    """
+    t, k = x.shape
+    n = weight.shape[0]
+    r = down.shape[0]
+    if (weight.shape != (n, k) or down.shape != (r, k) or up.shape != (n, r)
+            or scale.shape != (r,) or (bias is not None and bias.shape != (n,))):
+        raise ValueError(f"lora_decode_linear: x (T, K), weight (N, K), bias (N,), down (R, K), "
+                         f"up (N, R), scale (R,) expected, got {tuple(x.shape)}, "
+                         f"{tuple(weight.shape)}, {None if bias is None else tuple(bias.shape)}, "
+                         f"{tuple(down.shape)}, {tuple(up.shape)}, {tuple(scale.shape)}")
+    if t > DECODE_MAX_T:
+        raise ValueError(f"lora_decode_linear takes at most {DECODE_MAX_T} rows, got {t}")
+    tensors = (x, weight, down, up) + ((bias,) if bias is not None else ())
+    usable = (triton_available() and (x.is_cuda or interpreting())
+              and x.dtype in _DTYPES and all(u.dtype == x.dtype for u in tensors)
+              and all(u.stride(-1) == 1 for u in tensors) and t > 0 and n > 0 and k > 0
+              and 0 < r <= _MAX_R
+              # the kernel has no backward; the reference is differentiable
+              and not (torch.is_grad_enabled() and any(u.requires_grad for u in tensors)))
+    if not usable:
+        return lora_decode_linear_reference(x, weight, bias, down, up, scale)
+
+    block_n, block_k, warps, stages = config or (
+        _INTERPRET_LINEAR_CONFIG if interpreting() else DECODE_LINEAR_CONFIG)
+    out = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    with on_device_of(x):
+        _kernels()[1][(cdiv(n, block_n),)](
+            x, weight, bias if bias is not None else out, down, up,
+            scale.to(torch.float32).contiguous(), out, t, k, n, r,
+            x.stride(0), weight.stride(0), down.stride(0), up.stride(0), out.stride(0),
+            BT=max(16, next_power_of_2(t)), BK=block_k, BR=max(16, next_power_of_2(r)),
+            BN=block_n, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, IEEE=interpreting(),
+            num_warps=warps, num_stages=stages)
     return out

@@ -35,6 +35,7 @@ from shuttle.kernels.launch import (
     cdiv,
     interpreting,
     next_power_of_2,
+    on_device_of,
     triton_available,
 )
 from shuttle.kernels.tma import ensure_allocator, tma_addressable
@@ -340,12 +341,6 @@ def _sm_count(index: int | None) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _device_guard(t: torch.Tensor):
-    import contextlib
-
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
 def lora_shrink(x: torch.Tensor, down: torch.Tensor, scale: torch.Tensor,
                 config: tuple[int, int, int, int, int, int] | None = None,
                 tma: bool | None = None) -> torch.Tensor:
@@ -403,7 +398,7 @@ def lora_shrink(x: torch.Tensor, down: torch.Tensor, scale: torch.Tensor,
         out = torch.empty(split, t, r, dtype=torch.float32, device=x.device)
     else:
         out = torch.empty(1, t, r, dtype=out_dtype, device=x.device)
-    with _device_guard(x):
+    with on_device_of(x):
         _kernels()[0][(cdiv(t, bt), cdiv(r, br), split)](
             x, down, scale, out, t, r, k, per_split * bk, x.stride(0), down.stride(0),
             out.stride(1), out.stride(0),
@@ -477,7 +472,7 @@ def lora_linear_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         bias = bias.contiguous()
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
     grid = (cdiv(t, bt) * cdiv(n, bn),)
-    with _device_guard(x):
+    with on_device_of(x):
         _kernels()[1][grid](
             x, weight, bias if bias is not None else out, s, up, out, t, n, k, r,
             x.stride(0), weight.stride(0), s.stride(0), up.stride(0), out.stride(0),
@@ -509,7 +504,7 @@ def _linear_tma(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None,
     # Without a LoRA part (the shrink), x and w stand in for the unused S and B (never read).
     s_, up_ = (s, up) if s is not None else (x, w)
     ensure_allocator()
-    with _device_guard(x):
+    with on_device_of(x):
         _kernels()[2][(progs,)](
             x, w, s_, up_, out, bias if bias is not None else out,
             scale if scale is not None else out, t, n, k, r, x.stride(0), w.stride(0),
