@@ -279,7 +279,7 @@ class LoRAHook(ModuleHook):
         b = overrides.get("bias", module.bias)
         x2d = x.reshape(-1, x.shape[-1])
         scale = self._scale_vector(x.device)
-        if x2d.shape[0] <= DECODE_MAX_T:
+        if x2d.shape[0] <= DECODE_MAX_T and x.dtype == self.down.dtype == self.up.dtype:
             # A few tokens (decode): base, shrink and update in one launch, bound by reading W.
             out = lora_decode_linear(x2d, w, b, self.down, self.up, scale)
         else:

@@ -210,11 +210,27 @@ def lora_decode_add(out: torch.Tensor, x: torch.Tensor, down: torch.Tensor, up: 
     return out
 
 
-# At decode the layer is bound by reading W once: narrow column tiles give enough programs to
-# keep the H200's 132 SMs streaming (N / 32 programs), and 128-wide K steps keep each load a
-# few KiB. Under the interpreter: small steps, so test shapes span several of them.
+# At decode the layer is bound by reading W once: column tiles narrow enough for every SM to
+# stream its share. In a sweep on an H200 (commit 3de6c5b, CUDA graphs) 32 columns were best at
+# N = 6144 (192 programs) and 64 at N = 14336 (224 programs): block_n 64 is taken when that
+# still gives 1.5 programs per SM. 128-wide K steps, 4 warps, 3 stages; 8 warps or 256-512-wide
+# steps were slower. Under the interpreter: small steps, so test shapes span several of them.
 DECODE_LINEAR_CONFIG = (32, 128, 4, 3)  # block_n, block_k, num_warps, num_stages
 _INTERPRET_LINEAR_CONFIG = (16, 16, 1, 1)
+
+
+@functools.cache
+def _sm_count(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _decode_config(n: int, device: torch.device) -> tuple[int, int, int, int]:
+    if interpreting():
+        return _INTERPRET_LINEAR_CONFIG
+    block_n, block_k, warps, stages = DECODE_LINEAR_CONFIG
+    if cdiv(n, 2 * block_n) >= 1.5 * _sm_count(device.index):
+        block_n *= 2
+    return block_n, block_k, warps, stages
 
 
 def lora_decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -229,7 +245,7 @@ def lora_decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
             R, R <= 256).
         scale: (R,) float32 per-rank scale.
         config: (block_n, block_k, num_warps, num_stages) to override
-            :data:`DECODE_LINEAR_CONFIG`.
+            :data:`DECODE_LINEAR_CONFIG` (whose block_n doubles for wide layers).
 
     Returns:
         (T, N) in x's dtype: float32 accumulation throughout (the (T, R) intermediate is never
@@ -261,8 +277,7 @@ def lora_decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if not usable:
         return lora_decode_linear_reference(x, weight, bias, down, up, scale)
 
-    block_n, block_k, warps, stages = config or (
-        _INTERPRET_LINEAR_CONFIG if interpreting() else DECODE_LINEAR_CONFIG)
+    block_n, block_k, warps, stages = config or _decode_config(n, x.device)
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
     with on_device_of(x):
         _kernels()[1][(cdiv(n, block_n),)](

@@ -7,8 +7,15 @@ closure variables, which Triton resolves like globals.
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+
+# Compiled, a float32 -> bfloat16 cast rounds to nearest even in one instruction (cvt.rn); the
+# interpreter's cast truncates, so there the rounding is spelled out in integer ops. Fixed when
+# this module is imported, as Triton fixes interpretation when it decorates a kernel.
+_RNE_BY_HAND: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 __all__ = ["dot_over_k", "hash_uniform", "lowrank_tile", "round_bf16", "store_rne",
            "tile_of"]
@@ -79,12 +86,15 @@ def dot_over_k(acc, a_ptrs, b_ptrs, rk, K, BK: tl.constexpr, EVEN_K: tl.constexp
 
 @triton.jit
 def round_bf16(x):
-    """float32 -> bfloat16, round to nearest even, by hand: the interpreter's cast truncates,
-    and one spelling keeps the GPU and the CPU checks on one code path.
+    """float32 -> bfloat16, rounded to nearest even on the GPU and under the interpreter alike
+    (whose cast truncates: there the rounding is done by hand).
     """
-    bits = x.to(tl.uint32, bitcast=True)
-    bits += ((bits >> 16) & 1) + 0x7FFF
-    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    if _RNE_BY_HAND:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits += ((bits >> 16) & 1) + 0x7FFF
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(tl.bfloat16, fp_downcast_rounding="rtne")
 
 
 @triton.jit
