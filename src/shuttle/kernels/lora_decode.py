@@ -191,7 +191,8 @@ def lora_decode_add(out: torch.Tensor, x: torch.Tensor, down: torch.Tensor, up: 
                          f"{tuple(down.shape)}, {tuple(up.shape)}, {tuple(scale.shape)}")
     if t > DECODE_MAX_T:
         raise ValueError(f"lora_decode_add takes at most {DECODE_MAX_T} rows, got {t}")
-    usable = (triton_available() and (out.is_cuda or interpreting())
+    interpret = interpreting()  # read once: an environment lookup costs microseconds
+    usable = (triton_available() and (out.is_cuda or interpret)
               and {out.dtype, x.dtype, down.dtype, up.dtype} <= set(_DTYPES)
               and len({out.dtype, x.dtype, down.dtype, up.dtype}) == 1
               and out.stride(1) == 1 and x.stride(1) == 1 and down.stride(1) == 1
@@ -201,12 +202,12 @@ def lora_decode_add(out: torch.Tensor, x: torch.Tensor, down: torch.Tensor, up: 
 
     bt = max(16, next_power_of_2(t))
     br = max(16, next_power_of_2(r))
-    bk = 16 if interpreting() else 128
+    bk = 16 if interpret else 128
     grid = (cdiv(n, block_n),)
     with on_device_of(x):
         _kernel()[grid](x, down, up, scale.to(torch.float32).contiguous(), out, t, k, n, r,
                         x.stride(0), down.stride(0), up.stride(0), out.stride(0),
-                        BT=bt, BK=bk, BR=br, BN=block_n, IEEE=interpreting(), num_warps=4)
+                        BT=bt, BK=bk, BR=br, BN=block_n, IEEE=interpret, num_warps=4)
     return out
 
 
@@ -225,8 +226,6 @@ def _sm_count(index: int | None) -> int:
 
 
 def _decode_config(n: int, device: torch.device) -> tuple[int, int, int, int]:
-    if interpreting():
-        return _INTERPRET_LINEAR_CONFIG
     block_n, block_k, warps, stages = DECODE_LINEAR_CONFIG
     if cdiv(n, 2 * block_n) >= 1.5 * _sm_count(device.index):
         block_n *= 2
@@ -268,7 +267,8 @@ def lora_decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if t > DECODE_MAX_T:
         raise ValueError(f"lora_decode_linear takes at most {DECODE_MAX_T} rows, got {t}")
     tensors = (x, weight, down, up) + ((bias,) if bias is not None else ())
-    usable = (triton_available() and (x.is_cuda or interpreting())
+    interpret = interpreting()  # read once: an environment lookup costs microseconds
+    usable = (triton_available() and (x.is_cuda or interpret)
               and x.dtype in _DTYPES and all(u.dtype == x.dtype for u in tensors)
               and all(u.stride(-1) == 1 for u in tensors) and t > 0 and n > 0 and k > 0
               and 0 < r <= _MAX_R
@@ -277,7 +277,8 @@ def lora_decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if not usable:
         return lora_decode_linear_reference(x, weight, bias, down, up, scale)
 
-    block_n, block_k, warps, stages = config or _decode_config(n, x.device)
+    block_n, block_k, warps, stages = config or (
+        _INTERPRET_LINEAR_CONFIG if interpret else _decode_config(n, x.device))
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
     with on_device_of(x):
         _kernels()[1][(cdiv(n, block_n),)](
@@ -285,6 +286,6 @@ def lora_decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
             scale.to(torch.float32).contiguous(), out, t, k, n, r,
             x.stride(0), weight.stride(0), down.stride(0), up.stride(0), out.stride(0),
             BT=max(16, next_power_of_2(t)), BK=block_k, BR=max(16, next_power_of_2(r)),
-            BN=block_n, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, IEEE=interpreting(),
+            BN=block_n, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, IEEE=interpret,
             num_warps=warps, num_stages=stages)
     return out

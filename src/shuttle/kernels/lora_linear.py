@@ -309,7 +309,7 @@ def _kernels():
 # Dispatch
 
 
-def _use_kernel(*tensors: torch.Tensor | None) -> bool:
+def _use_kernel(interpret: bool, *tensors: torch.Tensor | None) -> bool:
     present = [t for t in tensors if t is not None]
     if not triton_available():
         return False
@@ -317,7 +317,7 @@ def _use_kernel(*tensors: torch.Tensor | None) -> bool:
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in present):
         return False  # the kernels have no backward; the reference is differentiable
-    return present[0].is_cuda or interpreting()
+    return present[0].is_cuda or interpret
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -325,9 +325,9 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _ieee(a: torch.dtype, b: torch.dtype) -> bool:
+def _ieee(a: torch.dtype, b: torch.dtype, interpret: bool) -> bool:
     """Whether a dot of these operand dtypes runs as an IEEE float32 dot (else a native one)."""
-    return a != b or a == torch.float32 or interpreting()
+    return a != b or a == torch.float32 or interpret
 
 
 _SMEM_BUDGET = 160 * 1024  # staged operand tiles; the H200 allows 227 KiB per block
@@ -374,10 +374,10 @@ def lora_shrink(x: torch.Tensor, down: torch.Tensor, scale: torch.Tensor,
     r = down.shape[0]
     if scale.shape != (r,):
         raise ValueError(f"lora_shrink: scale of shape ({r},) expected, got {tuple(scale.shape)}")
-    if t == 0 or r == 0 or not _use_kernel(x, down, scale):
+    interpret = interpreting()  # read once: an environment lookup costs microseconds
+    if t == 0 or r == 0 or not _use_kernel(interpret, x, down, scale):
         return lora_shrink_reference(x, down, scale)
 
-    interpret = interpreting()
     x, down = _rows(x), _rows(down)
     scale = scale.to(torch.float32).contiguous()
     out_dtype = _shrink_out_dtype(x, down)
@@ -406,7 +406,7 @@ def lora_shrink(x: torch.Tensor, down: torch.Tensor, scale: torch.Tensor,
         _kernels()[0][(cdiv(t, bt), cdiv(r, br), split)](
             x, down, scale, out, t, r, k, per_split * bk, x.stride(0), down.stride(0),
             out.stride(1), out.stride(0),
-            BT=bt, BR=br, BK=bk, SPLIT=split, IEEE=_ieee(x.dtype, down.dtype),
+            BT=bt, BR=br, BK=bk, SPLIT=split, IEEE=_ieee(x.dtype, down.dtype, interpret),
             EVEN_K=k % bk == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:
         return out.sum(0).mul_(scale).to(out_dtype)
@@ -450,10 +450,10 @@ def lora_linear_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         raise ValueError(f"lora_linear_fused: bias of shape ({n},) expected, "
                          f"got {tuple(bias.shape)}")
     r = s.shape[1]
-    if t == 0 or n == 0 or r == 0 or not _use_kernel(x, weight, bias, s, up):
+    interpret = interpreting()
+    if t == 0 or n == 0 or r == 0 or not _use_kernel(interpret, x, weight, bias, s, up):
         return lora_linear_fused_reference(x, weight, bias, s, up)
 
-    interpret = interpreting()
     if tma or (tma is None and not interpret and t > _SMALL_T and _tma_dtypes(x, weight, s, up)
                and tma_addressable(x, weight, s, up) and n % 8 == 0):
         out = torch.empty(t, n, dtype=x.dtype, device=x.device)
@@ -481,7 +481,8 @@ def lora_linear_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
             x, weight, bias if bias is not None else out, s, up, out, t, n, k, r,
             x.stride(0), weight.stride(0), s.stride(0), up.stride(0), out.stride(0),
             BT=bt, BN=bn, BK=bk, BR=br, GROUP=max(1, cfg.group), HAS_BIAS=bias is not None,
-            BASE_IEEE=_ieee(x.dtype, weight.dtype), LORA_IEEE=_ieee(s.dtype, up.dtype),
+            BASE_IEEE=_ieee(x.dtype, weight.dtype, interpret),
+            LORA_IEEE=_ieee(s.dtype, up.dtype, interpret),
             EVEN_K=k % bk == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
@@ -514,6 +515,7 @@ def _linear_tma(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None,
             scale if scale is not None else out, t, n, k, r, x.stride(0), w.stride(0),
             s_.stride(0), up_.stride(0), out.stride(0), N_PROGS=progs,
             BT=bt, BN=bn, BK=bk, BR=br, GROUP=max(1, cfg.group), HAS_LORA=s is not None,
-            HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, IEEE=interpreting(),
+            HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
+            IEEE=not x.is_cuda,  # off CUDA this runs in the interpreter
             OUT_BF16=out.dtype == torch.bfloat16, STAGES=cfg.num_stages,
             num_warps=cfg.num_warps)
