@@ -123,24 +123,26 @@ def _kernels():
         rr = tl.arange(0, BR)
         rk = tl.arange(0, BK)
         rn = tl.program_id(0) * BN + tl.arange(0, BN)
-        # Wrapped rows, columns and ranks keep every load in bounds without masks (only the K
-        # tail is masked); the scale (0 past R) and the store mask cancel what they add.
-        rt_l = rt % T
+        # Rows of x past T are masked (no traffic: a wrapped row would be fetched again for
+        # every padding row, which made one token slower than sixteen). Wrapped columns and
+        # ranks keep W, down and up loads in bounds without masks; the scale (0 past R) and
+        # the store mask cancel what they add.
+        row_ok = (rt < T)[:, None]
         rn_l = (rn % N).to(tl.int64)
         rr_l = rr % R
-        x_ptrs = x_ptr + rt_l[:, None] * stride_xt + rk[None, :]
+        x_ptrs = x_ptr + rt[:, None] * stride_xt + rk[None, :]
         w_ptrs = w_ptr + rn_l[None, :] * stride_wn + rk[:, None]
         d_ptrs = d_ptr + rr_l[None, :] * stride_dr + rk[:, None]
         acc = tl.zeros((BT, BN), dtype=tl.float32)  # x @ W[rn].T
         h = tl.zeros((BT, BR), dtype=tl.float32)  # x @ down.T, every program the whole of it
         for k in range(0, tl.cdiv(K, BK)):
             if EVEN_K:
-                x = tl.load(x_ptrs)
+                x = tl.load(x_ptrs, mask=row_ok, other=0.0)
                 w = tl.load(w_ptrs)
                 d = tl.load(d_ptrs)
             else:
                 k_left = K - k * BK
-                x = tl.load(x_ptrs, mask=rk[None, :] < k_left, other=0.0)
+                x = tl.load(x_ptrs, mask=row_ok & (rk[None, :] < k_left), other=0.0)
                 w = tl.load(w_ptrs, mask=rk[:, None] < k_left, other=0.0)
                 d = tl.load(d_ptrs, mask=rk[:, None] < k_left, other=0.0)
             if IEEE:  # the interpreter, whose bf16 dot is wrong
