@@ -9,7 +9,9 @@ and plain tile sweeps and ``lora_decode_linear``'s decode sweep.
 
 Every variant is captured in a CUDA graph and replayed (GPU time alone), interleaved with
 cuBLAS's base linear; the fused variants' outputs are checked against float32 math first.
-Writes docs/benchmarks/fused_breakdown.{json,md}.
+Writes docs/benchmarks/fused_breakdown.{json,md} (fused_breakdown_<group>.* for one group).
+
+    python benchmarks/fused_breakdown.py [large] [decode]
 """
 
 from __future__ import annotations
@@ -189,8 +191,11 @@ def decode(t, k, n, r, rounds):
     x, w, b, a, u, scale = operands(t, k, n, r)
     v = {"base cuBLAS": lambda: F.linear(x, w, b),
          "decode linear (shipped)": lambda: LD.lora_decode_linear(x, w, b, a, u, scale)}
-    for cfg in [(32, 128, 4, 3), (64, 128, 4, 3), (16, 256, 4, 3), (32, 256, 4, 3),
-                (32, 128, 4, 4), (16, 512, 4, 2), (32, 256, 8, 3)]:
+    v["shrink + small-T fused kernel"] = (
+        lambda: LL.lora_linear_fused(x, w, b, LL.lora_shrink(x, a, scale), u))
+    for cfg in [(32, 128, 4, 3, 0), (64, 128, 4, 3, 0), (32, 128, 4, 3, 256),
+                (64, 128, 4, 3, 256), (32, 128, 4, 3, 512), (32, 256, 4, 3, 256),
+                (32, 128, 4, 4, 256), (16, 256, 4, 3, 256), (32, 128, 8, 3, 256)]:
         v[f"decode linear {cfg}"] = lambda c=cfg: LD.lora_decode_linear(x, w, b, a, u, scale,
                                                                         config=c)
     got = LD.lora_decode_linear(x, w, b, a, u, scale)
@@ -202,7 +207,9 @@ def decode(t, k, n, r, rounds):
 def main() -> None:
     harness.spin_up(2)
     results, rows = {}, []
-    for shapes, fn, rounds in ((LARGE, large, 15), (DECODE, decode, 30)):
+    only = sys.argv[1:]  # e.g. "decode": that group alone
+    groups = {"large": (LARGE, large, 15), "decode": (DECODE, decode, 30)}
+    for shapes, fn, rounds in (g for name, g in groups.items() if not only or name in only):
         for name, shape in shapes.items():
             times, checks = fn(*shape, rounds)
             results[name] = {"shape": shape, "ms": times, "checks": checks}
@@ -211,8 +218,9 @@ def main() -> None:
                 rows.append([name, q, f"{ms * 1e3:.1f}", f"{100 * (ms - base) / base:+.1f}%"])
             print(f"{name} {shape} done", flush=True)
     table = harness.markdown_table(["shape", "variant", "µs (graph)", "vs cuBLAS base"], rows)
-    harness.write_results("fused_breakdown", results, table,
-                          "Fused tier breakdown and tile sweeps (benchmarks/fused_breakdown.py)",
+    harness.write_results("_".join(["fused_breakdown", *only]), results, table,
+                          "Fused tier breakdown and tile sweeps (benchmarks/fused_breakdown.py"
+                          + (f" {' '.join(only)})" if only else ")"),
                           "Each variant captured in a CUDA graph and replayed, interleaved; "
                           "medians. Shapes (T, K, N, rank) as in dynamic_lora.py.")
     print(table)

@@ -85,10 +85,12 @@ def _layer(t, k, n, r, dtype, seed=0):
     # R of 1 and R above a power of two
     ("t", "k", "n", "r"), [(1, 40, 100, 3), (16, 70, 130, 20), (64, 32, 64, 16), (3, 48, 17, 1)]
 )
-def test_linear_matches_reference_and_float64(t, k, n, r, dtype, bias):
+@pytest.mark.parametrize("shrink_k", [0, 32], ids=["h-in-kernel", "h-from-partials"])
+def test_linear_matches_reference_and_float64(t, k, n, r, dtype, bias, shrink_k):
     x, w, b, down, up, scale = _layer(t, k, n, r, dtype)
     b = b if bias else None
-    got = lora_decode_linear(x, w, b, down, up, scale)
+    config = (16, 16, 1, 1, shrink_k) if DEVICE == "cpu" else (32, 128, 4, 3, shrink_k * 8)
+    got = lora_decode_linear(x, w, b, down, up, scale, config=config)
     want = lora_decode_linear_reference(x, w, b, down, up, scale)
     _assert_one_ulp(got, want)
     exact = x.double() @ w.double().T + ((x.double() @ down.double().T) * scale.double()) \
@@ -127,3 +129,10 @@ def test_linear_under_autograd_is_differentiable():
     up = up.clone().requires_grad_()
     lora_decode_linear(x, w, b, down, up, scale).float().sum().backward()
     assert up.grad is not None and bool(up.grad.abs().sum() > 0)
+
+
+def test_linear_partials_are_deterministic():
+    x, w, b, down, up, scale = _layer(16, 300, 96, 12, torch.bfloat16)
+    first = lora_decode_linear(x, w, b, down, up, scale)
+    assert all(torch.equal(first, lora_decode_linear(x, w, b, down, up, scale))
+               for _ in range(3))

@@ -9,12 +9,13 @@ sizes that is cheaper than a second launch), scales it in float32, multiplies it
 of the up factor in float32 (``h`` is never rounded), adds the base output tile and rounds once.
 
 :func:`lora_decode_linear` is the fused tier's decode form: the whole layer
-``x @ W.T + ((x @ A.T) * scale) @ B.T + bias`` in one launch. Each program streams its BN rows of
-W once (at decode the layer is bound by reading W) and, from the same x tiles, accumulates the
-(T, R) intermediate ``h`` in a second float32 accumulator; the extra per K step is a (BK, R) tile
-of the down factor from L2. After the K loop the program adds ``(h * scale) @ B[rn].T`` (float32,
-``h`` never rounded) and the bias, and rounds once. No base output is written and read back,
-and there is no second launch.
+``x @ W.T + ((x @ A.T) * scale) @ B.T + bias``. A split-K shrink writes float32 partials of
+``h = x @ A.T`` (a few small programs, one per K range); then each output program streams its BN
+rows of W once (at decode the layer is bound by reading W), sums the partials in a fixed order,
+adds ``(h * scale) @ B[rn].T`` (float32, ``h`` never rounded) and the bias, and rounds once. No
+base output is written and read back. A one-launch form, where every output program also
+accumulates the whole of ``h`` beside its base product, is kept as a configuration: on the H200
+the extra per-step loads of A made that program about 1.5x slower than the base alone.
 
 :func:`lora_decode_add_reference` and :func:`lora_decode_linear_reference` are the same
 computations in PyTorch: the fallbacks and oracles.
@@ -23,6 +24,7 @@ computations in PyTorch: the fallbacks and oracles.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -36,7 +38,9 @@ from shuttle.kernels.launch import (
 )
 
 __all__ = [
+    "DECODE_LINEAR_CONFIG",
     "DECODE_MAX_T",
+    "DecodeConfig",
     "lora_decode_add",
     "lora_decode_add_reference",
     "lora_decode_linear",
@@ -115,10 +119,40 @@ def _kernels():
         store_rne(o_ptrs, tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32) + delta, mask)
 
     @triton.jit
-    def linear_kernel(x_ptr, w_ptr, b_ptr, d_ptr, u_ptr, scale_ptr, o_ptr, T, K, N, R,
+    def partial_shrink_kernel(x_ptr, d_ptr, ws_ptr, T, K, R, K_PER, stride_xt, stride_dr,
+                              BT: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
+                              IEEE: tl.constexpr):
+        # Program p: the float32 partial h_p = x[:, Kp] @ down[:, Kp].T over its K range,
+        # stored whole, (BT, BR), at ws[p] (padding rows and ranks are zeros).
+        pid = tl.program_id(0)
+        rt = tl.arange(0, BT)
+        rr = tl.arange(0, BR)
+        rk = tl.arange(0, BK)
+        row_ok = (rt < T)[:, None]
+        rank_ok = (rr < R)[None, :]
+        k0 = pid * K_PER
+        h = tl.zeros((BT, BR), dtype=tl.float32)
+        for k in range(k0, tl.minimum(k0 + K_PER, K), BK):
+            kk = k + rk
+            x = tl.load(x_ptr + rt[:, None] * stride_xt + kk[None, :],
+                        mask=row_ok & (kk[None, :] < K), other=0.0)
+            d = tl.load(d_ptr + rr[None, :] * stride_dr + kk[:, None],
+                        mask=rank_ok & (kk[:, None] < K), other=0.0)
+            if IEEE:  # the interpreter, whose bf16 dot is wrong
+                h = tl.dot(x.to(tl.float32), d.to(tl.float32), h, input_precision="ieee")
+            else:
+                h = tl.dot(x, d, h)
+        tl.store(ws_ptr + pid * BT * BR + rt[:, None] * BR + rr[None, :], h)
+
+    @triton.jit
+    def linear_kernel(x_ptr, w_ptr, b_ptr, d_ptr, u_ptr, scale_ptr, ws_ptr, o_ptr, T, K, N, R,
                       stride_xt, stride_wn, stride_dr, stride_un, stride_ot,
                       BT: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+                      H_PARTS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                      IEEE: tl.constexpr):
+        # H_PARTS == 0: h = x @ down.T accumulated here, every program the whole of it, beside
+        # the base product. H_PARTS > 0: h summed from the partials of partial_shrink_kernel
+        # in a fixed order (deterministic), after the base product.
         rt = tl.arange(0, BT)
         rr = tl.arange(0, BR)
         rk = tl.arange(0, BK)
@@ -134,27 +168,35 @@ def _kernels():
         w_ptrs = w_ptr + rn_l[None, :] * stride_wn + rk[:, None]
         d_ptrs = d_ptr + rr_l[None, :] * stride_dr + rk[:, None]
         acc = tl.zeros((BT, BN), dtype=tl.float32)  # x @ W[rn].T
-        h = tl.zeros((BT, BR), dtype=tl.float32)  # x @ down.T, every program the whole of it
+        h = tl.zeros((BT, BR), dtype=tl.float32)  # x @ down.T
         for k in range(0, tl.cdiv(K, BK)):
             if EVEN_K:
                 x = tl.load(x_ptrs, mask=row_ok, other=0.0)
                 w = tl.load(w_ptrs)
-                d = tl.load(d_ptrs)
             else:
                 k_left = K - k * BK
                 x = tl.load(x_ptrs, mask=row_ok & (rk[None, :] < k_left), other=0.0)
                 w = tl.load(w_ptrs, mask=rk[:, None] < k_left, other=0.0)
-                d = tl.load(d_ptrs, mask=rk[:, None] < k_left, other=0.0)
             if IEEE:  # the interpreter, whose bf16 dot is wrong
-                xf = x.to(tl.float32)
-                acc = tl.dot(xf, w.to(tl.float32), acc, input_precision="ieee")
-                h = tl.dot(xf, d.to(tl.float32), h, input_precision="ieee")
+                acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
             else:
                 acc = tl.dot(x, w, acc)
-                h = tl.dot(x, d, h)
+            if H_PARTS == 0:
+                if EVEN_K:
+                    d = tl.load(d_ptrs)
+                else:
+                    d = tl.load(d_ptrs, mask=rk[:, None] < k_left, other=0.0)
+                if IEEE:
+                    h = tl.dot(x.to(tl.float32), d.to(tl.float32), h, input_precision="ieee")
+                else:
+                    h = tl.dot(x, d, h)
+                d_ptrs += BK
             x_ptrs += BK
             w_ptrs += BK
-            d_ptrs += BK
+        if H_PARTS > 0:
+            ws_ptrs = ws_ptr + rt[:, None] * BR + rr[None, :]
+            for p in range(H_PARTS):
+                h += tl.load(ws_ptrs + p * BT * BR)
         h = h * tl.load(scale_ptr + rr, mask=rr < R, other=0.0)[None, :]
         u = tl.load(u_ptr + rn_l[None, :] * stride_un + rr_l[:, None])
         acc = tl.dot(h, u.to(tl.float32), acc, input_precision="ieee")
@@ -163,7 +205,7 @@ def _kernels():
         mask = (rt[:, None] < T) & (rn[None, :] < N)
         store_rne(o_ptr + rt[:, None] * stride_ot + rn[None, :], acc, mask)
 
-    return decode_kernel, linear_kernel
+    return decode_kernel, linear_kernel, partial_shrink_kernel
 
 
 def lora_decode_add(out: torch.Tensor, x: torch.Tensor, down: torch.Tensor, up: torch.Tensor,
@@ -213,13 +255,24 @@ def lora_decode_add(out: torch.Tensor, x: torch.Tensor, down: torch.Tensor, up: 
     return out
 
 
+class DecodeConfig(NamedTuple):
+    """Launch parameters of :func:`lora_decode_linear` (a plain tuple in this order works too)."""
+
+    block_n: int  # output columns per program
+    block_k: int  # base reduction step
+    num_warps: int
+    num_stages: int
+    shrink_k: int  # K elements per partial-shrink program; 0: h accumulated in the main kernel
+
+
 # At decode the layer is bound by reading W once: column tiles narrow enough for every SM to
 # stream its share. In a sweep on an H200 (commit 3de6c5b, CUDA graphs) 32 columns were best at
 # N = 6144 (192 programs) and 64 at N = 14336 (224 programs): block_n 64 is taken when that
 # still gives 1.5 programs per SM. 128-wide K steps, 4 warps, 3 stages; 8 warps or 256-512-wide
 # steps were slower. Under the interpreter: small steps, so test shapes span several of them.
-DECODE_LINEAR_CONFIG = (32, 128, 4, 3)  # block_n, block_k, num_warps, num_stages
-_INTERPRET_LINEAR_CONFIG = (16, 16, 1, 1)
+DECODE_LINEAR_CONFIG = DecodeConfig(32, 128, 4, 3, 256)
+_INTERPRET_LINEAR_CONFIG = DecodeConfig(16, 16, 1, 1, 32)
+_MAX_PARTS = 64  # partial intermediates each output program sums (16 KiB of L2 reads at most)
 
 
 @functools.cache
@@ -227,17 +280,23 @@ def _sm_count(index: int | None) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _decode_config(n: int, device: torch.device) -> tuple[int, int, int, int]:
-    block_n, block_k, warps, stages = DECODE_LINEAR_CONFIG
-    if cdiv(n, 2 * block_n) >= 1.5 * _sm_count(device.index):
-        block_n *= 2
-    return block_n, block_k, warps, stages
+def _decode_config(n: int, device: torch.device) -> DecodeConfig:
+    cfg = DECODE_LINEAR_CONFIG
+    if cdiv(n, 2 * cfg.block_n) >= 1.5 * _sm_count(device.index):
+        cfg = cfg._replace(block_n=2 * cfg.block_n)
+    return cfg
 
 
 def lora_decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        down: torch.Tensor, up: torch.Tensor, scale: torch.Tensor,
-                       config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """``x @ weight.T + ((x @ down.T) * scale) @ up.T + bias`` in one launch, rounded once.
+                       config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """``x @ weight.T + ((x @ down.T) * scale) @ up.T + bias`` for a few tokens, rounded once.
+
+    Two launches by default: a split-K shrink writes float32 partials of ``h = x @ down.T``
+    (one small program per K range), then each output program streams its columns of W, sums
+    the partials in a fixed order (deterministic), and adds ``(h * scale) @ up[rn].T`` and the
+    bias. With ``shrink_k = 0`` in the config, one launch: every output program accumulates
+    the whole of ``h`` beside its base product.
 
     Args:
         x: (T, K) activations, T <= :data:`DECODE_MAX_T`, bf16/fp16.
@@ -245,14 +304,14 @@ def lora_decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         down: (R, K) and up: (N, R) factors of x's dtype (several adapters concatenated along
             R, R <= 256).
         scale: (R,) float32 per-rank scale.
-        config: (block_n, block_k, num_warps, num_stages) to override
+        config: a :class:`DecodeConfig` (or the same 5-tuple) to override
             :data:`DECODE_LINEAR_CONFIG` (whose block_n doubles for wide layers).
 
     Returns:
         (T, N) in x's dtype: float32 accumulation throughout (the (T, R) intermediate is never
-        rounded), one rounding. Uses the Triton kernel on CUDA (or under ``TRITON_INTERPRET=1``)
-        where the dtypes and strides allow and autograd is not recording, else
-        :func:`lora_decode_linear_reference` (differentiable).
+        rounded), one rounding. Uses the Triton kernels on CUDA (or under
+        ``TRITON_INTERPRET=1``) where the dtypes and strides allow and autograd is not
+        recording, else :func:`lora_decode_linear_reference` (differentiable).
 
     Raises:
         ValueError: shapes that do not fit together, or T above :data:`DECODE_MAX_T`.
@@ -279,15 +338,24 @@ def lora_decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if not usable:
         return lora_decode_linear_reference(x, weight, bias, down, up, scale)
 
-    block_n, block_k, warps, stages = config or (
+    cfg = DecodeConfig(*config) if config is not None else (
         _INTERPRET_LINEAR_CONFIG if interpret else _decode_config(n, x.device))
+    bt, br = max(16, next_power_of_2(t)), max(16, next_power_of_2(r))
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    parts, ws = 0, out  # ws: the partials' workspace (unused and never read without them)
     with on_device_of(x):
-        _kernels()[1][(cdiv(n, block_n),)](
+        if cfg.shrink_k > 0:
+            step = cfg.block_k  # the shrink's K step; each program takes whole steps
+            per = max(cdiv(cfg.shrink_k, step), cdiv(cdiv(k, step), _MAX_PARTS)) * step
+            parts = cdiv(k, per)
+            ws = torch.empty(parts * bt * br, dtype=torch.float32, device=x.device)
+            _kernels()[2][(parts,)](x, down, ws, t, k, r, per, x.stride(0), down.stride(0),
+                                    BT=bt, BK=step, BR=br, IEEE=interpret, num_warps=4)
+        _kernels()[1][(cdiv(n, cfg.block_n),)](
             x, weight, bias if bias is not None else out, down, up,
-            scale.to(torch.float32).contiguous(), out, t, k, n, r,
+            scale.to(torch.float32).contiguous(), ws, out, t, k, n, r,
             x.stride(0), weight.stride(0), down.stride(0), up.stride(0), out.stride(0),
-            BT=max(16, next_power_of_2(t)), BK=block_k, BR=max(16, next_power_of_2(r)),
-            BN=block_n, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, IEEE=interpret,
-            num_warps=warps, num_stages=stages)
+            BT=bt, BK=cfg.block_k, BR=br, BN=cfg.block_n, H_PARTS=parts,
+            HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, IEEE=interpret,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
