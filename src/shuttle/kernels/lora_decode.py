@@ -266,10 +266,14 @@ class DecodeConfig(NamedTuple):
 
 
 # At decode the layer is bound by reading W once: column tiles narrow enough for every SM to
-# stream its share. In a sweep on an H200 (commit 3de6c5b, CUDA graphs) 32 columns were best at
-# N = 6144 (192 programs) and 64 at N = 14336 (224 programs): block_n 64 is taken when that
-# still gives 1.5 programs per SM. 128-wide K steps, 4 warps, 3 stages; 8 warps or 256-512-wide
-# steps were slower. Under the interpreter: small steps, so test shapes span several of them.
+# stream its share. In sweeps on an H200 (commits 3de6c5b and 8205fda, CUDA graphs,
+# docs/benchmarks/fused_breakdown_decode.md) 32 columns were best at N = 6144 (192 programs)
+# and 64 at N = 14336 (224 programs): block_n 64 is taken when that still gives 1.5 programs
+# per SM. 128-wide K steps, 4 warps, 3 stages (4 stages or 256-wide steps were ~6% faster at
+# N = 6144, untested on wide layers; 8 warps slower). h from partials of 256 K elements each:
+# 28.7 us against 36.7 us with h accumulated in the main kernel (16 x 4096 -> 6144, rank 16;
+# cuBLAS's base alone 21.4 us). Under the interpreter: small steps, so test shapes span
+# several of them.
 DECODE_LINEAR_CONFIG = DecodeConfig(32, 128, 4, 3, 256)
 _INTERPRET_LINEAR_CONFIG = DecodeConfig(16, 16, 1, 1, 32)
 _MAX_PARTS = 64  # partial intermediates each output program sums (16 KiB of L2 reads at most)
