@@ -12,8 +12,8 @@ import functools
 
 import torch
 
-__all__ = ["CompiledLaunch", "bind_tiles", "cdiv", "device_capability", "device_floats",
-           "interpreting", "next_power_of_2", "on_device_of", "seed32", "triton_available"]
+__all__ = ["bind_tiles", "cdiv", "device_capability", "device_floats", "interpreting",
+           "next_power_of_2", "on_device_of", "seed32", "triton_available"]
 
 
 @functools.cache
@@ -109,62 +109,3 @@ def on_device_of(t: torch.Tensor) -> contextlib.AbstractContextManager:
     if not t.is_cuda or t.device.index == torch.cuda.current_device():
         return contextlib.nullcontext()
     return torch.cuda.device(t.device)
-
-
-def _arg_key(a: object) -> tuple:
-    """What Triton specializes a runtime argument on (or more): a tensor's dtype and 16-byte
-    alignment; an integer's 32-bit range, divisibility by 16 and being 1; a float's type.
-    """
-    if isinstance(a, torch.Tensor):
-        return (a.dtype, a.data_ptr() % 16 == 0)
-    if type(a) is int:
-        return (int, a == 1, a % 16 == 0, -(2**31) <= a < 2**31)
-    return (type(a), a) if type(a) is bool else (type(a),)
-
-
-class CompiledLaunch:
-    """Launches one Triton kernel, calling its compiled form directly after the first launch of
-    each specialization.
-
-    ``launch(grid, *args, **constexprs_and_options)`` does what ``kernel[grid](...)`` does. The
-    JIT's launch binds the arguments, specializes them, hashes a cache key and checks globals
-    on every call: on the H200 host (Triton 3.6) 28 µs a launch, of which the launch proper
-    is about 10; a whole-model merge launches once per weight and is bound by such host time
-    (docs/benchmarks.md, merge). Here the first launch of each specialization (the arguments'
-    dtypes, 16-byte alignment, integer properties, the constexprs and options, the device) goes
-    through the JIT and keeps the compiled kernel it returns; later ones hand all arguments, in
-    the kernel's parameter order, to that kernel's own launcher. Under the interpreter, or if
-    the direct call fails once (a Triton whose compiled kernels launch differently), every
-    launch goes through the JIT.
-    """
-
-    def __init__(self, kernel: object) -> None:
-        self.kernel = kernel
-        params = getattr(kernel, "params", None)
-        self._names = [p.name for p in params] if params is not None else None
-        self._compiled: dict[tuple, object] = {}
-        self._direct = self._names is not None
-
-    def __call__(self, grid: tuple[int, ...], *args: object, **kwargs: object) -> None:
-        if not self._direct or interpreting():
-            self.kernel[grid](*args, **kwargs)
-            return
-        key = (torch.cuda.current_device(), tuple(map(_arg_key, args)), tuple(kwargs.items()))
-        compiled = self._compiled.get(key)
-        if compiled is None:
-            compiled = self.kernel[grid](*args, **kwargs)
-            if compiled is not None and len(self._compiled) < _MAX_COMPILED:
-                self._compiled[key] = compiled
-            return
-        try:
-            full = args + tuple(kwargs[name] for name in self._names[len(args):])
-            g = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-            launch = compiled[g]
-        except (KeyError, TypeError, AttributeError):  # before any launch: take the JIT's way
-            self._direct = False
-            self.kernel[grid](*args, **kwargs)
-            return
-        launch(*full, stream=torch.cuda.current_stream().cuda_stream)
-
-
-_MAX_COMPILED = 256  # specializations kept per kernel

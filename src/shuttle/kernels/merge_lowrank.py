@@ -19,7 +19,6 @@ import functools
 import torch
 
 from shuttle.kernels.launch import (
-    CompiledLaunch,
     bind_tiles,
     cdiv,
     device_floats,
@@ -85,12 +84,6 @@ def _kernel():
 # configurations within a few percent of each other run to run). A variant moving the tiles by
 # TMA measured 25-35% slower in two runs (docs/benchmarks/merge_kernel_tuning.md) and was dropped.
 CUDA_CONFIG: tuple[int, int, int] = (64, 128, 8)
-
-
-@functools.cache
-def _launch() -> CompiledLaunch:
-    return CompiledLaunch(_kernel())
-
 _MAX_RANK_STEP = 128  # larger ranks are split into several contributions of at most this
 _RANK_STEPS = (16, 32, 64, 128)  # ranks used as they are (seg [0, r], one contribution)
 # The smallest |x| that rounds (to nearest even) to infinity in each weight dtype: halfway from
@@ -133,8 +126,8 @@ def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
     bm, bn, warps = config or ((32, 32, 4) if interpret else CUDA_CONFIG)
     alpha_t = device_floats(alpha, w.device)
     grid = (cdiv(m, bm) * cdiv(n, bn),)
-    _launch()(
-        grid, w, up_p, down_p, alpha_t, alpha_t if overflow is None else overflow, m, n,
+    _kernel()[grid](
+        w, up_p, down_p, alpha_t, alpha_t if overflow is None else overflow, m, n,
         w.stride(0), up_p.stride(0), down_p.stride(0), N_SEG=len(alpha), BM=bm, BN=bn, BR=br,
         IEEE=up.dtype == torch.float32 or interpret,
         OVERFLOW=0.0 if overflow is None else _OVERFLOW.get(w.dtype, 0.0),
