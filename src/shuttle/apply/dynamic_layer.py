@@ -12,7 +12,8 @@ up_i: (N, r_i), s_i = strength_i * alpha_i / r_i * request scale):
               (shuttle.kernels.lora_decode): launches, not bytes, are the cost there.
     fused     S = (x @ down.T) * s in float32 (one kernel), then one kernel whose float32
               accumulator runs over x @ W.T and S @ up.T, adds the bias and writes out once.
-              At most 64 tokens (decode): all of it in one kernel (lora_decode_linear).
+              At most 64 tokens (decode): a split-K shrink, then the base GEMM, the update and
+              the bias in one kernel (lora_decode_linear).
 
 Low-rank patches on Conv and Embedding layers go through the patch's own residual (its conv or
 lookup). Every other patch kind (LoHa, LoKr, diffs, norms, set, (IA)3, DoRA) and every other
@@ -280,7 +281,8 @@ class LoRAHook(ModuleHook):
         x2d = x.reshape(-1, x.shape[-1])
         scale = self._scale_vector(x.device)
         if x2d.shape[0] <= DECODE_MAX_T and x.dtype == self.down.dtype == self.up.dtype:
-            # A few tokens (decode): base, shrink and update in one launch, bound by reading W.
+            # A few tokens (decode): a split-K shrink, then one kernel for the base, the update
+            # and the bias, bound by reading W (shuttle.kernels.lora_decode).
             out = lora_decode_linear(x2d, w, b, self.down, self.up, scale)
         else:
             # Triton's shrink: on the H200 as fast as cuBLAS's skinny GEMM plus a scale kernel,
