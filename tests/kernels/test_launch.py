@@ -45,3 +45,11 @@ def test_device_capability_is_the_drivers_answer_once_per_device():
     index = torch.cuda.current_device()
     assert launch.device_capability(index) == torch.cuda.get_device_capability(index)
     assert launch.device_capability(torch.device("cuda", index)) == launch.device_capability(index)
+
+
+@pytest.mark.gpu
+def test_sm_count_is_the_devices():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    props = torch.cuda.get_device_properties(0)
+    assert launch.sm_count(0) == props.multi_processor_count

@@ -13,7 +13,7 @@ import functools
 import torch
 
 __all__ = ["bind_tiles", "cdiv", "device_capability", "device_floats", "interpreting",
-           "next_power_of_2", "on_device_of", "seed32", "triton_available"]
+           "next_power_of_2", "on_device_of", "seed32", "sm_count", "triton_available"]
 
 
 @functools.cache
@@ -32,6 +32,14 @@ def device_capability(device: torch.device | int) -> tuple[int, int]:
     kernels' wrappers check it on every call: every dynamic forward, every float8 upcast).
     """
     return torch.cuda.get_device_capability(device)
+
+
+@functools.cache
+def sm_count(index: int | None) -> int:
+    """The streaming multiprocessors of CUDA device ``index``, asked once per device (grids
+    are sized by it on every launch of the persistent and split-K kernels).
+    """
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def bind_tiles(namespace: dict, *names: str) -> None:

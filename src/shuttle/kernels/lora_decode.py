@@ -35,6 +35,7 @@ from shuttle.kernels.launch import (
     interpreting,
     next_power_of_2,
     on_device_of,
+    sm_count,
     triton_available,
 )
 
@@ -280,14 +281,9 @@ _INTERPRET_LINEAR_CONFIG = DecodeConfig(16, 16, 1, 1, 32)
 _MAX_PARTS = 64  # partial intermediates each output program sums (16 KiB of L2 reads at most)
 
 
-@functools.cache
-def _sm_count(index: int | None) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _decode_config(n: int, device: torch.device) -> DecodeConfig:
     cfg = DECODE_LINEAR_CONFIG
-    if cdiv(n, 2 * cfg.block_n) >= 1.5 * _sm_count(device.index):
+    if cdiv(n, 2 * cfg.block_n) >= 1.5 * sm_count(device.index):
         cfg = cfg._replace(block_n=2 * cfg.block_n)
     return cfg
 

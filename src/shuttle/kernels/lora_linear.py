@@ -36,6 +36,7 @@ from shuttle.kernels.launch import (
     interpreting,
     next_power_of_2,
     on_device_of,
+    sm_count,
     triton_available,
 )
 from shuttle.kernels.tma import ensure_allocator, tma_addressable
@@ -340,11 +341,6 @@ def _fit_step(step: int, rows: int, cols: int, a_bytes: int, b_bytes: int, stage
     return step
 
 
-@functools.cache
-def _sm_count(index: int | None) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def lora_shrink(x: torch.Tensor, down: torch.Tensor, scale: torch.Tensor,
                 config: tuple[int, int, int, int, int, int] | None = None,
                 tma: bool | None = None) -> torch.Tensor:
@@ -394,7 +390,7 @@ def lora_shrink(x: torch.Tensor, down: torch.Tensor, scale: torch.Tensor,
     k_blocks = max(1, cdiv(k, bk))
     split = cfg.split_k
     if split <= 0:  # about two programs per SM, each with at least 4 K steps
-        sms = _sm_count(x.device.index) if x.is_cuda else 1
+        sms = sm_count(x.device.index) if x.is_cuda else 1
         split = 1 if tiles >= sms else max(1, min(cdiv(2 * sms, tiles), k_blocks // 4))
     per_split = cdiv(k_blocks, min(split, k_blocks))
     split = cdiv(k_blocks, per_split)  # no empty splits
@@ -503,7 +499,7 @@ def _linear_tma(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None,
     bt, bk, br = cfg.block_t, cfg.block_k, max(16, min(cfg.block_r, next_power_of_2(r)))
     bn = cfg.block_n if s is not None else max(16, min(cfg.block_n, next_power_of_2(n)))
     tiles = cdiv(t, bt) * cdiv(n, bn)
-    progs = min(tiles, _sm_count(x.device.index)) if x.is_cuda else min(tiles, 2)
+    progs = min(tiles, sm_count(x.device.index)) if x.is_cuda else min(tiles, 2)
     if bias is not None:
         bias = bias.contiguous()
     # Without a LoRA part (the shrink), x and w stand in for the unused S and B (never read).

@@ -7,15 +7,15 @@ closure variables, which Triton resolves like globals.
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
+
+from shuttle.kernels.launch import interpreting
 
 # Compiled, a float32 -> bfloat16 cast rounds to nearest even in one instruction (cvt.rn); the
 # interpreter's cast truncates, so there the rounding is spelled out in integer ops. Fixed when
 # this module is imported, as Triton fixes interpretation when it decorates a kernel.
-_RNE_BY_HAND: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+_RNE_BY_HAND: tl.constexpr = tl.constexpr(interpreting())
 
 __all__ = ["dot_over_k", "hash_uniform", "lowrank_tile", "round_bf16", "store_rne",
            "tile_of"]
