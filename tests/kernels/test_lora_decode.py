@@ -85,7 +85,7 @@ def _layer(t, k, n, r, dtype, seed=0):
     # R of 1 and R above a power of two
     ("t", "k", "n", "r"), [(1, 40, 100, 3), (16, 70, 130, 20), (64, 32, 64, 16), (3, 48, 17, 1)]
 )
-@pytest.mark.parametrize("shrink_k", [0, 32], ids=["h-in-kernel", "h-from-partials"])
+@pytest.mark.parametrize("shrink_k", [16, 48], ids=["many-partials", "few-partials"])
 def test_linear_matches_reference_and_float64(t, k, n, r, dtype, bias, shrink_k):
     x, w, b, down, up, scale = _layer(t, k, n, r, dtype)
     b = b if bias else None
@@ -115,6 +115,8 @@ def test_linear_bad_shapes_and_too_many_rows():
     big = _layer(65, 32, 48, 8, torch.bfloat16)
     with pytest.raises(ValueError, match="at most 64 rows"):
         lora_decode_linear(*big)
+    with pytest.raises(ValueError, match="shrink_k"):
+        lora_decode_linear(x, w, b, down, up, scale, config=(16, 16, 1, 1, 0))
 
 
 def test_linear_mixed_dtypes_fall_back_to_the_reference():

@@ -13,10 +13,10 @@ of the up factor in float32 (``h`` is never rounded), adds the base output tile 
 ``h = x @ A.T`` (a few small programs, one per K range); then each output program streams its BN
 rows of W once (at decode the layer is bound by reading W), sums the partials in a fixed order,
 adds ``(h * scale) @ B[rn].T`` (float32, ``h`` never rounded) and the bias, and rounds once. No
-base output is written and read back. A one-launch form, where every output program also
-accumulates the whole of ``h`` beside its base product, is kept as a configuration: on the H200
-the extra per-step loads of A made it 1.3x slower than the two launches (36.7 against 28.7 us
-at 16 x 4096 -> 6144, rank 16, as CUDA graphs).
+base output is written and read back. (A one-launch form, every output program accumulating
+the whole of ``h`` beside its base product, measured 1.3x slower on the H200: 36.7 against
+28.7 us at 16 x 4096 -> 6144, rank 16, as CUDA graphs; its extra per-step loads of A cost more
+than the second launch.)
 
 :func:`lora_decode_add_reference` and :func:`lora_decode_linear_reference` are the same
 computations in PyTorch: the fallbacks and oracles.
@@ -147,30 +147,26 @@ def _kernels():
         tl.store(ws_ptr + pid * BT * BR + rt[:, None] * BR + rr[None, :], h)
 
     @triton.jit
-    def linear_kernel(x_ptr, w_ptr, b_ptr, d_ptr, u_ptr, scale_ptr, ws_ptr, o_ptr, T, K, N, R,
-                      stride_xt, stride_wn, stride_dr, stride_un, stride_ot,
+    def linear_kernel(x_ptr, w_ptr, b_ptr, u_ptr, scale_ptr, ws_ptr, o_ptr, T, K, N, R,
+                      stride_xt, stride_wn, stride_un, stride_ot,
                       BT: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
                       H_PARTS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                       IEEE: tl.constexpr):
-        # H_PARTS == 0: h = x @ down.T accumulated here, every program the whole of it, beside
-        # the base product. H_PARTS > 0: h summed from the partials of partial_shrink_kernel
-        # in a fixed order (deterministic), after the base product.
+        # acc = x @ W[rn].T over K, then h summed from partial_shrink_kernel's H_PARTS
+        # partials in a fixed order (deterministic), acc += (h * scale) @ up[rn].T, + bias.
         rt = tl.arange(0, BT)
         rr = tl.arange(0, BR)
         rk = tl.arange(0, BK)
         rn = tl.program_id(0) * BN + tl.arange(0, BN)
-        # Rows of x past T are masked (no traffic: a wrapped row would be fetched again for
-        # every padding row, which made one token slower than sixteen). Wrapped columns and
-        # ranks keep W, down and up loads in bounds without masks; the scale (0 past R) and
-        # the store mask cancel what they add.
+        # Rows of x past T are masked (no traffic: a wrapped row, as tiles.dot_over_k's callers
+        # use, would be fetched again for every padding row, which made one token slower than
+        # sixteen). Wrapped columns and ranks keep W and up loads in bounds without masks; the
+        # scale (0 past R) and the store mask cancel what they add.
         row_ok = (rt < T)[:, None]
         rn_l = (rn % N).to(tl.int64)
-        rr_l = rr % R
         x_ptrs = x_ptr + rt[:, None] * stride_xt + rk[None, :]
         w_ptrs = w_ptr + rn_l[None, :] * stride_wn + rk[:, None]
-        d_ptrs = d_ptr + rr_l[None, :] * stride_dr + rk[:, None]
-        acc = tl.zeros((BT, BN), dtype=tl.float32)  # x @ W[rn].T
-        h = tl.zeros((BT, BR), dtype=tl.float32)  # x @ down.T
+        acc = tl.zeros((BT, BN), dtype=tl.float32)
         for k in range(0, tl.cdiv(K, BK)):
             if EVEN_K:
                 x = tl.load(x_ptrs, mask=row_ok, other=0.0)
@@ -183,24 +179,14 @@ def _kernels():
                 acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
             else:
                 acc = tl.dot(x, w, acc)
-            if H_PARTS == 0:
-                if EVEN_K:
-                    d = tl.load(d_ptrs)
-                else:
-                    d = tl.load(d_ptrs, mask=rk[:, None] < k_left, other=0.0)
-                if IEEE:
-                    h = tl.dot(x.to(tl.float32), d.to(tl.float32), h, input_precision="ieee")
-                else:
-                    h = tl.dot(x, d, h)
-                d_ptrs += BK
             x_ptrs += BK
             w_ptrs += BK
-        if H_PARTS > 0:
-            ws_ptrs = ws_ptr + rt[:, None] * BR + rr[None, :]
-            for p in range(H_PARTS):
-                h += tl.load(ws_ptrs + p * BT * BR)
+        ws_ptrs = ws_ptr + rt[:, None] * BR + rr[None, :]
+        h = tl.load(ws_ptrs)
+        for p in range(1, H_PARTS):
+            h += tl.load(ws_ptrs + p * BT * BR)
         h = h * tl.load(scale_ptr + rr, mask=rr < R, other=0.0)[None, :]
-        u = tl.load(u_ptr + rn_l[None, :] * stride_un + rr_l[:, None])
+        u = tl.load(u_ptr + rn_l[None, :] * stride_un + (rr % R)[:, None])
         acc = tl.dot(h, u.to(tl.float32), acc, input_precision="ieee")
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn_l).to(tl.float32)[None, :]
@@ -264,7 +250,7 @@ class DecodeConfig(NamedTuple):
     block_k: int  # base reduction step
     num_warps: int
     num_stages: int
-    shrink_k: int  # K elements per partial-shrink program; 0: h accumulated in the main kernel
+    shrink_k: int  # K elements per partial-shrink program (> 0)
 
 
 # At decode the layer is bound by reading W once: column tiles narrow enough for every SM to
@@ -274,8 +260,8 @@ class DecodeConfig(NamedTuple):
 # per SM. 128-wide K steps, 4 warps, 3 stages (4 stages or 256-wide steps were ~6% faster at
 # N = 6144, untested on wide layers; 8 warps slower). h from partials of 256 K elements each:
 # 28.7 us against 36.7 us with h accumulated in the main kernel (16 x 4096 -> 6144, rank 16;
-# cuBLAS's base alone 21.4 us). Under the interpreter: small steps, so test shapes span
-# several of them.
+# cuBLAS's base alone 21.4 us; the sweep's shrink_k 0 rows are the dropped one-launch form).
+# Under the interpreter: small steps, so test shapes span several of them.
 DECODE_LINEAR_CONFIG = DecodeConfig(32, 128, 4, 3, 256)
 _INTERPRET_LINEAR_CONFIG = DecodeConfig(16, 16, 1, 1, 32)
 _MAX_PARTS = 64  # partial intermediates each output program sums (16 KiB of L2 reads at most)
@@ -293,11 +279,9 @@ def lora_decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                        config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """``x @ weight.T + ((x @ down.T) * scale) @ up.T + bias`` for a few tokens, rounded once.
 
-    Two launches by default: a split-K shrink writes float32 partials of ``h = x @ down.T``
-    (one small program per K range), then each output program streams its columns of W, sums
-    the partials in a fixed order (deterministic), and adds ``(h * scale) @ up[rn].T`` and the
-    bias. With ``shrink_k = 0`` in the config, one launch: every output program accumulates
-    the whole of ``h`` beside its base product.
+    Two launches: a split-K shrink writes float32 partials of ``h = x @ down.T`` (one small
+    program per K range), then each output program streams its columns of W, sums the partials
+    in a fixed order (deterministic), and adds ``(h * scale) @ up[rn].T`` and the bias.
 
     Args:
         x: (T, K) activations, T <= :data:`DECODE_MAX_T`, bf16/fp16.
@@ -315,7 +299,8 @@ def lora_decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         recording, else :func:`lora_decode_linear_reference` (differentiable).
 
     Raises:
-        ValueError: shapes that do not fit together, or T above :data:`DECODE_MAX_T`.
+        ValueError: shapes that do not fit together, T above :data:`DECODE_MAX_T`, or a
+            config whose ``shrink_k`` is not positive.
     """
     t, k = x.shape
     n = weight.shape[0]
@@ -328,6 +313,9 @@ def lora_decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                          f"{tuple(down.shape)}, {tuple(up.shape)}, {tuple(scale.shape)}")
     if t > DECODE_MAX_T:
         raise ValueError(f"lora_decode_linear takes at most {DECODE_MAX_T} rows, got {t}")
+    if config is not None and DecodeConfig(*config).shrink_k <= 0:
+        raise ValueError(f"lora_decode_linear: config shrink_k (K per partial) must be "
+                         f"positive, got {DecodeConfig(*config).shrink_k}")
     tensors = (x, weight, down, up) + ((bias,) if bias is not None else ())
     interpret = interpreting()  # read once: an environment lookup costs microseconds
     usable = (triton_available() and (x.is_cuda or interpret)
@@ -342,20 +330,18 @@ def lora_decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     cfg = DecodeConfig(*config) if config is not None else (
         _INTERPRET_LINEAR_CONFIG if interpret else _decode_config(n, x.device))
     bt, br = max(16, next_power_of_2(t)), max(16, next_power_of_2(r))
+    step = cfg.block_k  # the shrink's K step too; each shrink program takes whole steps
+    per = max(cdiv(cfg.shrink_k, step), cdiv(cdiv(k, step), _MAX_PARTS)) * step
+    parts = cdiv(k, per)
+    ws = torch.empty(parts * bt * br, dtype=torch.float32, device=x.device)
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
-    parts, ws = 0, out  # ws: the partials' workspace (unused and never read without them)
     with on_device_of(x):
-        if cfg.shrink_k > 0:
-            step = cfg.block_k  # the shrink's K step; each program takes whole steps
-            per = max(cdiv(cfg.shrink_k, step), cdiv(cdiv(k, step), _MAX_PARTS)) * step
-            parts = cdiv(k, per)
-            ws = torch.empty(parts * bt * br, dtype=torch.float32, device=x.device)
-            _kernels()[2][(parts,)](x, down, ws, t, k, r, per, x.stride(0), down.stride(0),
-                                    BT=bt, BK=step, BR=br, IEEE=interpret, num_warps=4)
+        _kernels()[2][(parts,)](x, down, ws, t, k, r, per, x.stride(0), down.stride(0),
+                                BT=bt, BK=step, BR=br, IEEE=interpret, num_warps=4)
         _kernels()[1][(cdiv(n, cfg.block_n),)](
-            x, weight, bias if bias is not None else out, down, up,
+            x, weight, bias if bias is not None else out, up,
             scale.to(torch.float32).contiguous(), ws, out, t, k, n, r,
-            x.stride(0), weight.stride(0), down.stride(0), up.stride(0), out.stride(0),
+            x.stride(0), weight.stride(0), up.stride(0), out.stride(0),
             BT=bt, BK=cfg.block_k, BR=br, BN=cfg.block_n, H_PARTS=parts,
             HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, IEEE=interpret,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
