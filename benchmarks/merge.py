@@ -1,7 +1,10 @@
 """Merge throughput: a rank-64 LoRA folded into a few GB of bf16 weights.
 
 Variants, interleaved in one run:
-    shuttle      shuttle.merge_lora end to end (resolve, validate, finite checks, merge)
+    shuttle      shuttle.merge_lora end to end, an adapter merged into this model before (its
+                 placement and its tensors' finiteness remembered: a server switching adapters)
+    shuttle_cold shuttle.merge_lora of an adapter object never seen before (fresh tensors):
+                 resolution, shape checks and the finite scan of every adapter tensor timed too
     naive_fp32   per weight: W.float(), addmm_ in float32, cast back (the float32 round trip)
     peft         PEFT merge_adapter() (delta in bf16, then added: two roundings); unmerged
                  untimed between rounds
@@ -97,6 +100,7 @@ def main() -> None:
     acc = {"shuttle": ulp_error(probe.layers[0].weight, ref)}
     w32 = w0.float()
     w32.addmm_(b.float(), a.float(), alpha=scale)
+    acc["shuttle_cold"] = acc["shuttle"]
     acc["naive_fp32"] = ulp_error(w32.bfloat16(), ref)
     acc["peft"] = ulp_error(w0 + (b @ a) * scale, ref)
     acc["cublas_addmm"] = ulp_error(w0.clone().addmm_(b, a, alpha=scale), ref)
@@ -117,6 +121,14 @@ def main() -> None:
 
     def run_shuttle(i: int) -> None:
         shuttle.merge_lora(model, [(loras[i % 2], 1.0)], progress=False)
+
+    def fresh_lora(i: int) -> shuttle.LoRA:
+        return shuttle.load_lora({k: v.clone() for k, v in sds[i % 2].items()})
+
+    cold = [fresh_lora(0)]
+
+    def run_cold(i: int) -> None:
+        shuttle.merge_lora(model, [(cold[0], 1.0)], progress=False)
 
     def run_naive(i: int) -> None:
         sd = sds[i % 2]
@@ -143,9 +155,11 @@ def main() -> None:
     def between(name: str, i: int) -> None:
         if name == "peft":
             pmodel.unmerge_adapter()
+        elif name == "shuttle_cold":
+            cold[0] = fresh_lora(i + 1)
 
-    variants = {"shuttle": run_shuttle, "naive_fp32": run_naive, "peft": run_peft,
-                "cublas_addmm": run_raw, "copy": run_copy}
+    variants = {"shuttle": run_shuttle, "shuttle_cold": run_cold, "naive_fp32": run_naive,
+                "peft": run_peft, "cublas_addmm": run_raw, "copy": run_copy}
     timings = harness.interleaved(variants, rounds=args.rounds, between=between)
     gbs = {k: 2 * weight_bytes / (v["median_ms"] * 1e-3) / 1e9 for k, v in timings.items()}
     rows = []
@@ -161,7 +175,8 @@ def main() -> None:
     notes = (f"kernel {mk.CUDA_CONFIG} (BM, BN, warps); {n} bf16 weights of {out_f}x{in_f} "
              f"({weight_bytes / 1e9:.2f} GB), rank {rank}, "
              f"alpha {alpha:g}; {args.rounds} interleaved rounds after 3 warm-up, median; two "
-             "adapters alternate between rounds. Target: shuttle >= 1500 GB/s with a single "
+             "adapters alternate between rounds (shuttle_cold: a new adapter object with new "
+             "tensors each round). Target: shuttle >= 1500 GB/s with a single "
              "rounding.")
     path = harness.write_results("merge", {"config": vars(args), "timings": timings,
                                            "gb_per_s": gbs, "accuracy": acc}, table,

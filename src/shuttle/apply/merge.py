@@ -328,7 +328,8 @@ def _merge_fused(p: torch.Tensor, contribs: list[Contribution],
     sums = lowrank_sums(contribs)
     if sums is None:
         return False
-    w2d = p.data.view(p.shape[0], -1)
+    # the parameter itself when 2-D (no new tensor object: host time per weight counts here)
+    w2d = p if p.dim() == 2 else p.detach().view(p.shape[0], -1)
     for rows, lr in sums.items():
         merge_lowrank(w2d if rows is None else w2d[rows[0]:rows[1]], *lr, overflow=overflow)
     return True

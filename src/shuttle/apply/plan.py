@@ -154,36 +154,94 @@ def plan_params(
     pairs = normalize_loras(loras)
     # Quantized weights are planned by the weight they stand for (shape, compute dtype).
     params = {n: logical_spec(p) for n, p in params.items()}
-    names = ModelNames({n: p.shape for n, p in params.items()})
+    signature = _signature(params) if mapping is None else None
+    names: ModelNames | None = None
     plan = MergePlan({}, {}, {}, pairs)
     several = len(pairs) > 1
-    staged: list[tuple[Target, float, int]] = []
+    staged: list[tuple[_Placed, float, int]] = []
     for index, (lora, strength) in enumerate(pairs):
-        res = resolve(lora, names, mapping)
+        placed = _cached_placement(lora, signature)
+        if placed is None:
+            if names is None:
+                names = ModelNames({n: p.shape for n, p in params.items()})
+            res = resolve(lora, names, mapping)
+            for t in res.targets:
+                _validate(t, params[t.param])
+            placed = _Placed(res.targets, res.unmatched, [None] * len(res.targets))
+            if signature is not None:
+                _remember_placement(lora, signature, placed)
         tag = f"{lora.source}::" if several else ""
-        plan.unmatched.update({tag + k: v for k, v in res.unmatched.items()})
+        plan.unmatched.update({tag + k: v for k, v in placed.unmatched.items()})
         plan.skipped.update({tag + k: v for k, v in lora.skipped.items()})
-        for t in res.targets:
-            _validate(t, params[t.param])
-            staged.append((t, strength, index))
-    for t, strength, index in staged:
-        patch = t.patch
-        if load:
-            target = torch.device(device) if device is not None else params[t.param].device
-            if target.type == "meta":
-                raise UnsupportedLayerError(
-                    f"parameter {t.param!r} is on the meta device; materialize the model (or "
-                    "load its checkpoint) before merging, or pass device="
-                )
-            patch = patch.load(target)
-        plan.params.setdefault(t.param, []).append(
-            Contribution(patch, strength, t.rows, t.module_key, index))
+        staged.append((placed, strength, index))
+    for placed, strength, index in staged:
+        for i, t in enumerate(placed.targets):
+            patch = t.patch
+            if load:
+                target = torch.device(device) if device is not None else params[t.param].device
+                if placed.resident[i] != target:
+                    if target.type == "meta":
+                        raise UnsupportedLayerError(
+                            f"parameter {t.param!r} is on the meta device; materialize the "
+                            "model (or load its checkpoint) before merging, or pass device="
+                        )
+                    patch = patch.load(target)
+                    if patch is t.patch:  # every tensor real and already there: next time too
+                        placed.resident[i] = target
+            plan.params.setdefault(t.param, []).append(
+                Contribution(patch, strength, t.rows, t.module_key, index))
     if load:
         check_finite(plan)
     if plan.unmatched:
         log.warning("%d adapter key(s) matched no parameter: %s", len(plan.unmatched),
                     "; ".join(f"{k}: {v}" for k, v in list(plan.unmatched.items())[:5]))
     return plan
+
+
+@dataclasses.dataclass
+class _Placed:
+    """One adapter resolved onto one set of parameter specs, every target validated.
+
+    ``resident[i]``: the device that target ``i``'s patch is known to live on whole (loading
+    it there returns it as is), or None.
+    """
+
+    targets: list[Target]
+    unmatched: dict[str, str]
+    resident: list[torch.device | None]
+
+
+# The last placement of each adapter, keyed by id() with a weak reference (an entry dies with
+# its adapter): merging the same adapter into the same model again (a server switching adapters)
+# skips resolution and shape checks, which cost as much host time as the merge kernels' GPU time.
+# An entry holds for parameters of the same names, shapes and dtype kinds, and for the adapter's
+# same patch objects; a caller's mapping is never cached (it may be a function).
+_PLACEMENTS: dict[int, tuple[weakref.ref, tuple, tuple, _Placed]] = {}
+
+
+def _signature(params: Mapping[str, TensorSpec]) -> tuple:
+    """What resolution and validation read of the parameters: names, shapes, float or not."""
+    return tuple((n, tuple(p.shape), p.dtype.is_floating_point) for n, p in params.items())
+
+
+def _patch_ids(lora: LoRA) -> tuple:
+    return tuple(id(p) for _, p in lora.patches())
+
+
+def _cached_placement(lora: LoRA, signature: tuple | None) -> _Placed | None:
+    if signature is None:
+        return None
+    entry = _PLACEMENTS.get(id(lora))
+    if entry is None or entry[0]() is not lora or entry[1] != signature \
+            or entry[2] != _patch_ids(lora):
+        return None
+    return entry[3]
+
+
+def _remember_placement(lora: LoRA, signature: tuple, placed: _Placed) -> None:
+    key = id(lora)
+    _PLACEMENTS[key] = (weakref.ref(lora, lambda _: _PLACEMENTS.pop(key, None)), signature,
+                        _patch_ids(lora), placed)
 
 
 def is_plain_tensor(p: object) -> bool:

@@ -1,0 +1,133 @@
+"""plan_params: an adapter's placement is remembered, and forgotten wherever it could be wrong."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+import shuttle
+from shuttle.apply import plan as plan_mod
+from shuttle.errors import ShapeMismatchError
+from shuttle.patches import LowRank
+
+
+def _model(out_f: int = 12, in_f: int = 8) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(in_f, out_f), nn.ReLU(), nn.Linear(out_f, 6))
+
+
+def _lora(out_f: int = 12, in_f: int = 8, seed: int = 1) -> shuttle.LoRA:
+    g = torch.Generator().manual_seed(seed)
+    return shuttle.load_lora({
+        "0.lora_A.weight": torch.randn(4, in_f, generator=g),
+        "0.lora_B.weight": torch.randn(out_f, 4, generator=g),
+        "2.lora_A.weight": torch.randn(4, out_f, generator=g),
+        "2.lora_B.weight": torch.randn(6, 4, generator=g),
+    })
+
+
+@pytest.fixture
+def resolves(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts calls of resolve() made by planning."""
+    calls: list[int] = []
+    real = plan_mod.resolve
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(plan_mod, "resolve", counting)
+    return calls
+
+
+def test_second_plan_reuses_the_placement_and_gives_the_same_plan(resolves):
+    model, lora = _model(), _lora()
+    params = dict(model.named_parameters())
+    first = plan_mod.plan_params(params, [(lora, 0.5)])
+    second = plan_mod.plan_params(params, [(lora, 2.0)])
+    assert len(resolves) == 1
+    assert first.params.keys() == second.params.keys() == {"0.weight", "2.weight"}
+    for name in first.params:
+        (a,), (b,) = first.params[name], second.params[name]
+        assert a.patch is b.patch and (a.strength, b.strength) == (0.5, 2.0)
+
+
+def test_cached_merge_equals_a_fresh_one(resolves):
+    lora = _lora()
+    model = _model()
+    shuttle.merge_lora(model, [(lora, 1.0)])
+    shuttle.merge_lora(model, [(lora, -1.0)])  # planned from the cache
+    shuttle.merge_lora(model, [(lora, 0.75)])
+    fresh = _model()
+    shuttle.merge_lora(fresh, [(_lora(), 1.0)])
+    shuttle.merge_lora(fresh, [(_lora(), -1.0)])
+    shuttle.merge_lora(fresh, [(_lora(), 0.75)])
+    assert len(resolves) == 4
+    for (n, p), q in zip(model.named_parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(p, q), n
+
+
+def test_changed_shapes_resolve_again_and_fail_validation(resolves):
+    lora = _lora()
+    plan_mod.plan_params(dict(_model().named_parameters()), [(lora, 1.0)])
+    wider = dict(_model(out_f=16).named_parameters())
+    with pytest.raises(ShapeMismatchError):
+        plan_mod.plan_params(wider, [(lora, 1.0)])
+    with pytest.raises(ShapeMismatchError):  # a failed validation is not remembered
+        plan_mod.plan_params(wider, [(lora, 1.0)])
+    assert len(resolves) == 3
+
+
+def test_changed_names_resolve_again(resolves):
+    lora = _lora()
+    plan_mod.plan_params(dict(_model().named_parameters()), [(lora, 1.0)])
+    renamed = {f"transformer.{n}": p for n, p in _model().named_parameters()}
+    plan = plan_mod.plan_params(renamed, [(lora, 1.0)])
+    assert len(resolves) == 2
+    assert set(plan.params) == {"transformer.0.weight", "transformer.2.weight"}
+
+
+def test_edited_adapter_resolves_again(resolves):
+    lora = _lora()
+    params = dict(_model().named_parameters())
+    plan_mod.plan_params(params, [(lora, 1.0)])
+    del lora.modules["2"]
+    plan = plan_mod.plan_params(params, [(lora, 1.0)])
+    assert set(plan.params) == {"0.weight"}
+    (old,) = lora.modules["0"]
+    lora.modules["0"] = [LowRank("weight", old.up * 2, old.down, scale=old.scale)]
+    plan = plan_mod.plan_params(params, [(lora, 1.0)])
+    assert plan.params["0.weight"][0].patch is lora.modules["0"][0]
+    assert len(resolves) == 3
+
+
+def test_a_mapping_is_never_cached(resolves):
+    lora = _lora()
+    params = dict(_model().named_parameters())
+    for _ in range(2):
+        plan_mod.plan_params(params, [(lora, 1.0)], mapping={"0": "0"})
+    assert len(resolves) == 2
+
+
+def test_the_entry_dies_with_its_adapter():
+    lora = _lora()
+    plan_mod.plan_params(dict(_model().named_parameters()), [(lora, 1.0)])
+    key = id(lora)
+    assert key in plan_mod._PLACEMENTS
+    del lora
+    gc.collect()
+    assert key not in plan_mod._PLACEMENTS
+
+
+def test_patches_loaded_elsewhere_are_loaded_each_time():
+    lora = _lora()
+    params = dict(_model().named_parameters())
+    meta = {n: p.to("meta") for n, p in params.items()}
+    plan_mod.plan_params(params, [(lora, 1.0)])  # resident on the CPU
+    with pytest.raises(shuttle.errors.UnsupportedLayerError, match="meta device"):
+        plan_mod.plan_params(meta, [(lora, 1.0)])
+    plan = plan_mod.plan_params(meta, [(lora, 1.0)], device="cpu")
+    assert plan.params["0.weight"][0].patch is lora.modules["0"][0]
