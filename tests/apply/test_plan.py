@@ -131,3 +131,32 @@ def test_patches_loaded_elsewhere_are_loaded_each_time():
         plan_mod.plan_params(meta, [(lora, 1.0)])
     plan = plan_mod.plan_params(meta, [(lora, 1.0)], device="cpu")
     assert plan.params["0.weight"][0].patch is lora.modules["0"][0]
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_huge_finite_adapter_passes_the_finite_check(device):
+    # |up| sums past float32's range, which the batched screen flags: the exact check clears it
+    lora = _lora()
+    (patch,) = lora.modules["0"]
+    lora.modules["0"] = [LowRank("weight", torch.full_like(patch.up, 3e38), patch.down,
+                                 scale=patch.scale)]
+    params = {n: p.to(device) for n, p in _model().named_parameters()}
+    plan = plan_mod.plan_params(params, [(lora, 1.0)])
+    assert plan.params["0.weight"][0].patch.up.isfinite().all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e5m2])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_the_one_non_finite_tensor_is_named(device, dtype, value):
+    lora = _lora()
+    (patch,) = lora.modules["2"]
+    down = patch.down.clone()
+    down[1, 3] = value
+    lora.modules["2"] = [LowRank("weight", patch.up.to(dtype), down.to(dtype), scale=patch.scale)]
+    params = {n: p.to(device) for n, p in _model().named_parameters()}
+    with pytest.raises(shuttle.errors.NonFiniteAdapterError, match=r"'2'.*'down'"):
+        plan_mod.plan_params(params, [(lora, 1.0)])
