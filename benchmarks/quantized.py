@@ -117,11 +117,6 @@ def bench_format(rep, adapters, alpha: list[float], rounds: int) -> dict | None:
 # -- where the merge time goes ---------------------------------------------------------------
 SWEEP = [(16, 128, 4), (32, 128, 4), (32, 256, 4), (64, 128, 4), (64, 128, 8), (64, 256, 8),
          (128, 128, 8)]
-# merge_scaled only: (BM, BN, warps, rows, stages), each program walking `rows` row tiles
-SWEEP_ROWS = [(64, 128, 4, 2, 1), (64, 128, 4, 4, 1), (64, 128, 4, 4, 2), (64, 128, 4, 8, 2),
-              (64, 128, 8, 4, 2), (32, 128, 4, 4, 2), (32, 128, 4, 8, 2), (32, 256, 4, 4, 2),
-              (64, 64, 4, 4, 2), (64, 256, 8, 4, 2), (128, 128, 8, 2, 2), (64, 128, 4, 8, 3),
-              (32, 128, 4, 16, 3), (16, 128, 4, 16, 2)]
 
 
 def gpu_ms(fn: Callable[[int], object], n: int = 5) -> float:
@@ -161,16 +156,14 @@ def sweep_calls(fmt: str, rep, adapters, alpha: list[float]) -> dict[str, Callab
 
     r = adapters[0][0].shape[1]
     calls: dict[str, Callable] = {}
-    scale = None if fmt == "nf4" else rep.scb if fmt == "int8_rowwise" else rep.scale
-    for c in SWEEP + ([] if fmt == "nf4" else SWEEP_ROWS):
+    for c in SWEEP:
         if fmt == "nf4":
             calls[str(c)] = lambda i, c=c: merge_4bit(
                 rep.packed, rep.absmax, rep.code, rep.shape, rep.blocksize, *adapters[i % 2],
                 [0, r], alpha, config=c)
         else:
             calls[str(c)] = lambda i, c=c: merge_scaled(
-                rep.data, scale, *adapters[i % 2], [0, r], alpha, config=c,
-                absmax_scale=fmt == "int8_rowwise")
+                rep.data, rep.scale, *adapters[i % 2], [0, r], alpha, config=c)
     calls["rep.merge_lowrank"] = lambda i: rep.merge_lowrank(*adapters[i % 2], [0, r], alpha,
                                                               seed=i)
 
@@ -187,7 +180,7 @@ def sweep(w: torch.Tensor, adapters, alpha: list[float], rounds: int) -> dict:
     merge_scaled, NF4 via merge_4bit), next to the representation's merge and the reference
     path."""
     out: dict = {}
-    for fmt in ("fp8_rowwise", "int8_rowwise", "nf4"):
+    for fmt in ("fp8_rowwise", "nf4"):
         calls = sweep_calls(fmt, encoded(fmt, w), adapters, alpha)
         t = harness.interleaved(calls, rounds=rounds, warmup=2)
         out[fmt] = {k: {"end_to_end_ms": t[k]["median_ms"], "gpu_ms": gpu_ms(f),

@@ -252,17 +252,3 @@ def test_none_where_the_kernel_does_not_apply(monkeypatch):
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(ms, "triton_available", lambda: False)
     assert ok.to(DEVICE).merge_lowrank(up, down, seg, alpha) is None
-
-
-@pytest.mark.parametrize(("dtype", "gran"), FORMS, ids=IDS)
-@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
-def test_programs_walking_rows_give_the_same_bits(dtype, gran, rounding):
-    # 37 rows in steps of 16, 2 or 4 tiles a program: the last program's tiles run past M
-    data, scale, up, down, seg, alpha = _case(dtype, gran)
-    kw = dict(absmax_scale=gran == "absmax", rounding=rounding, seed=3)
-    one = merge_scaled(data, scale, up, down, seg, alpha, config=CFG, **kw)
-    for rows, stages in ((2, 1), (4, 2)):
-        walk = merge_scaled(data, scale, up, down, seg, alpha, config=(*CFG, rows, stages), **kw)
-        assert torch.equal(one.data.view(torch.uint8), walk.data.view(torch.uint8))
-        assert one.scale is None or torch.equal(one.scale, walk.scale)
-        assert torch.equal(one.amax, walk.amax)

@@ -14,12 +14,12 @@ bitsandbytes' int8 (``absmax_scale=True``) stores the absmax itself as its scale
 ``W = Q * s * fl(1/127)``, ``s' = amax`` and ``Q' = round(x * (127 / amax))``.
 
 Two passes of one Triton kernel (``ENCODE`` off, then on), each recomputing x tile by tile from
-Q and the factors (the low-rank product is cheap next to the memory traffic), each program
-walking one or more (BM, BN) tiles down a column: pass 1 folds each row's amax (or the
-tensor's) in by atomic max; pass 2 recomputes x, derives the new scale from that amax and
-writes it with the codes. No host sync and no torch op between the passes. W is never
-materialized: the traffic is two reads of Q and of the factors, and one write of Q'
-(unscaled float8 needs no amax: pass 2 only).
+Q and the factors (the low-rank product is cheap next to the memory traffic), one program per
+(BM, BN) tile: pass 1 folds each row's amax (or the tensor's) in by atomic max; pass 2
+recomputes x, derives the new scale from that amax and writes it with the codes. No host sync
+and no torch op between the passes. W is never materialized:
+the traffic is two reads of Q and of the factors, and one write of Q' (unscaled float8 needs
+no amax: pass 2 only).
 
 Rounding is done by hand, identically on the GPU and in the interpreter (whose float8 cast does
 not round to nearest even): the spacing of the float8 grid at x is ``ulp = 2^(max(e, emin) -
@@ -143,8 +143,7 @@ def _new_scale(amax: torch.Tensor, dtype: torch.dtype, qmax: float, absmax_scale
 
 
 # Shared tile helpers, bound by bind_tiles() when the kernels are built (see there).
-hash_uniform = lowrank_tile = round_bf16 = None
-merge_scaled_tile = None  # defined by _kernel(), a global for the interpreter (see bind_tiles)
+hash_uniform = lowrank_tile = round_bf16 = tile_of = None
 
 
 @functools.cache
@@ -152,20 +151,27 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    global merge_scaled_tile
-    bind_tiles(globals(), "hash_uniform", "lowrank_tile", "round_bf16")
+    bind_tiles(globals(), "hash_uniform", "lowrank_tile", "round_bf16", "tile_of")
 
     @triton.jit
-    def merge_scaled_tile(
+    def merge_scaled_kernel(
             q_ptr, s_ptr, b_ptr, a_ptr, alpha_ptr, out_ptr, new_s_ptr, stats_ptr, seed, M, N,
-            stride_qm, stride_bm, stride_ar, dq, rm, rn, mask_m, mask_n, first_tile,
-            first_col, ENCODE: tl.constexpr, QMIN: tl.constexpr,
+            stride_qm, stride_bm, stride_ar, dq, ENCODE: tl.constexpr, QMIN: tl.constexpr,
             QMAX: tl.constexpr, INV_QMAX: tl.constexpr, SCALE: tl.constexpr,
             MUL: tl.constexpr, INT: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
             STOCHASTIC: tl.constexpr,
             HW_ROUND: tl.constexpr, N_SEG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
             BR: tl.constexpr, IEEE: tl.constexpr):
-        """One (BM, BN) tile of x: pass 1 folds its amax in, pass 2 encodes it."""
+        # One (BM, BN) tile of x per program in both passes. stats (float32, M + 2, zeroed):
+        # [0, M) the rows' max |x| (per-row scale), [M] the tensor's (per-tensor scale), both
+        # folded in by pass 1 (ENCODE False) with atomic max; [M + 1] the merged weight's
+        # max |x|, by pass 2 (ENCODE True; for the finiteness check). Pass 2 derives the new
+        # scale from pass 1's amax (programs of the first tile column store it) and writes the
+        # codes. SCALE: 0 none, 1 per tensor, 2 per row; the factors are zero-padded to BR
+        # ranks per contribution, as in merge_lowrank. (Pass 1 as one program per row block
+        # walking the columns measured latency-bound on the H200.)
+        pid = tl.program_id(0)
+        rm, rn, mask_m, mask_n = tile_of(pid, M, N, BM, BN)
         mask = mask_m[:, None] & mask_n[None, :]
         # x = Q * s * dq + sum_s alpha_s * b_s @ a_s, float32; 0 outside (M, N)
         w = tl.load(q_ptr + rm[:, None] * stride_qm + rn[None, :], mask=mask,
@@ -210,11 +216,11 @@ def _kernel():
                 if not MUL:
                     enc = stored.to(tl.float32)
                 if SCALE == 1:
-                    if first_tile:
+                    if pid == 0:
                         tl.store(new_s_ptr, stored)
                     v = x * enc if MUL else x / enc
                 else:
-                    if first_col:
+                    if pid % tl.cdiv(N, BN) == 0:
                         tl.store(new_s_ptr + rm, stored, mask=mask_m)
                     v = x * enc[:, None] if MUL else x / enc[:, None]
             v = tl.minimum(tl.maximum(v, QMIN), QMAX)
@@ -248,54 +254,19 @@ def _kernel():
                      code.to(out_ptr.dtype.element_ty), mask=mask)
             tl.atomic_max(stats_ptr + M + 1, tl.max(amax, axis=0))
 
-
-    @triton.jit
-    def merge_scaled_kernel(
-            q_ptr, s_ptr, b_ptr, a_ptr, alpha_ptr, out_ptr, new_s_ptr, stats_ptr, seed, M, N,
-            stride_qm, stride_bm, stride_ar, dq, ENCODE: tl.constexpr, QMIN: tl.constexpr,
-            QMAX: tl.constexpr, INV_QMAX: tl.constexpr, SCALE: tl.constexpr,
-            MUL: tl.constexpr, INT: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
-            STOCHASTIC: tl.constexpr,
-            HW_ROUND: tl.constexpr, N_SEG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-            BR: tl.constexpr, IEEE: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr):
-        # Each program walks ROWS row tiles of one (BM, BN) column tile: the factor tile
-        # a[:, cols] it reads every step stays in L1 (one program per tile, ROWS = 1, reads it
-        # from L2 each time). stats (float32, M + 2, zeroed):
-        # [0, M) the rows' max |x| (per-row scale), [M] the tensor's (per-tensor scale), both
-        # folded in by pass 1 (ENCODE False) with atomic max; [M + 1] the merged weight's
-        # max |x|, by pass 2 (ENCODE True; for the finiteness check). Pass 2 derives the new
-        # scale from pass 1's amax (programs of the first tile column store it) and writes the
-        # codes. SCALE: 0 none, 1 per tensor, 2 per row; the factors are zero-padded to BR
-        # ranks per contribution, as in merge_lowrank.
-        pid = tl.program_id(0)
-        n_cols = tl.cdiv(N, BN)
-        col = pid % n_cols
-        rn = col * BN + tl.arange(0, BN)
-        mask_n = rn < N
-        for i in tl.range(ROWS, num_stages=STAGES):
-            rm = ((pid // n_cols) * ROWS + i) * BM + tl.arange(0, BM)
-            merge_scaled_tile(
-                q_ptr, s_ptr, b_ptr, a_ptr, alpha_ptr, out_ptr, new_s_ptr, stats_ptr, seed, M,
-                N, stride_qm, stride_bm, stride_ar, dq, rm, rn, rm < M, mask_n,
-                (col == 0) & (pid // n_cols == 0) & (i == 0), col == 0, ENCODE, QMIN, QMAX,
-                INV_QMAX, SCALE, MUL, INT, MBITS, EMIN, STOCHASTIC, HW_ROUND, N_SEG, BM, BN, BR,
-                IEEE)
-
     return merge_scaled_kernel
 
 
 # (BM, BN, num_warps) on CUDA per pass (pass 1: the amax; pass 2: the encode): the fastest GPU
 # time in benchmarks/quantized.py --sweep on an H200 (fp8 row-wise 12288x3072, rank 64).
-# A config may add (rows, stages): row tiles walked per program and the loop's pipeline depth
-# (default 1, 1).
-CUDA_CONFIG: tuple[int, ...] = (64, 128, 4)
-CUDA_CONFIG_ENCODE: tuple[int, ...] = (64, 128, 4)
+CUDA_CONFIG: tuple[int, int, int] = (64, 128, 4)
+CUDA_CONFIG_ENCODE: tuple[int, int, int] = (64, 128, 4)
 
 
 def merge_scaled(data: torch.Tensor, scale: torch.Tensor | None, up: torch.Tensor,
                  down: torch.Tensor, seg: list[int], alpha: list[float], *,
                  absmax_scale: bool = False, rounding: Rounding = "nearest", seed: int = 0,
-                 config: tuple[int, ...] | None = None) -> ScaledMerge:
+                 config: tuple[int, int, int] | None = None) -> ScaledMerge:
     """Merge ``sum_i alpha_i * up[:, seg_i] @ down[seg_i]`` into scaled 8-bit codes, re-encoded.
 
     Args:
@@ -309,10 +280,8 @@ def merge_scaled(data: torch.Tensor, scale: torch.Tensor | None, up: torch.Tenso
         absmax_scale: bitsandbytes' int8 form: ``scale`` holds each row's absmax.
         rounding: ``"nearest"`` (ties to even) or ``"stochastic"`` (unbiased).
         seed: drives stochastic rounding (repeatable per seed, independent of ``config``).
-        config: ``(BM, BN, num_warps)`` or ``(BM, BN, num_warps, rows, stages)`` for both
-            passes, to override :data:`CUDA_CONFIG` and :data:`CUDA_CONFIG_ENCODE` (BM, BN
-            and warps powers of two, BM and BN at least 16; each program walks ``rows`` row
-            tiles, its loop pipelined ``stages`` deep).
+        config: ``(BM, BN, num_warps)`` for both passes, to override :data:`CUDA_CONFIG` and
+            :data:`CUDA_CONFIG_ENCODE` (each a power of two, BM and BN at least 16).
 
     Returns:
         A :class:`ScaledMerge` of new tensors. Runs the Triton kernels where Triton is installed
@@ -350,10 +319,9 @@ def merge_scaled(data: torch.Tensor, scale: torch.Tensor | None, up: torch.Tenso
 
     def launch(encode: bool) -> None:
         # Unused pointers (no scale; pass 1's new scale) are given any tensor: never read.
-        bm, bn, warps, rows, stages = (*(config or ((16, 16, 1) if interpret else
-                                                    CUDA_CONFIG_ENCODE if encode
-                                                    else CUDA_CONFIG)), 1, 1)[:5]
-        kernel[(cdiv(m, bm * rows) * cdiv(n, bn),)](
+        bm, bn, warps = config or ((16, 16, 1) if interpret else
+                                   CUDA_CONFIG_ENCODE if encode else CUDA_CONFIG)
+        kernel[(cdiv(m, bm) * cdiv(n, bn),)](
             data, stats if scale is None else scale, up_p, down_p, alpha_t, out,
             stats if new_scale is None else new_scale, stats, seed32(seed), m, n,
             data.stride(0), up_p.stride(0), down_p.stride(0), dq, ENCODE=encode,
@@ -361,8 +329,7 @@ def merge_scaled(data: torch.Tensor, scale: torch.Tensor | None, up: torch.Tenso
             SCALE=granularity, MUL=absmax_scale,
             INT=data.dtype == torch.int8, MBITS=mbits, EMIN=emin, STOCHASTIC=stochastic,
             HW_ROUND=hw_round, N_SEG=len(alpha), BM=bm, BN=bn, BR=br,
-            IEEE=up.dtype == torch.float32 or interpret, ROWS=rows, STAGES=stages,
-            num_warps=warps, num_stages=1)
+            IEEE=up.dtype == torch.float32 or interpret, num_warps=warps, num_stages=1)
 
     if scale is not None:
         launch(False)
