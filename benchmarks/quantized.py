@@ -156,6 +156,7 @@ def sweep_calls(fmt: str, rep, adapters, alpha: list[float]) -> dict[str, Callab
 
     r = adapters[0][0].shape[1]
     calls: dict[str, Callable] = {}
+    scale = None if fmt == "nf4" else rep.scb if fmt == "int8_rowwise" else rep.scale
     for c in SWEEP:
         if fmt == "nf4":
             calls[str(c)] = lambda i, c=c: merge_4bit(
@@ -163,7 +164,8 @@ def sweep_calls(fmt: str, rep, adapters, alpha: list[float]) -> dict[str, Callab
                 [0, r], alpha, config=c)
         else:
             calls[str(c)] = lambda i, c=c: merge_scaled(
-                rep.data, rep.scale, *adapters[i % 2], [0, r], alpha, config=c)
+                rep.data, scale, *adapters[i % 2], [0, r], alpha, config=c,
+                absmax_scale=fmt == "int8_rowwise")
     calls["rep.merge_lowrank"] = lambda i: rep.merge_lowrank(*adapters[i % 2], [0, r], alpha,
                                                               seed=i)
 
@@ -180,7 +182,7 @@ def sweep(w: torch.Tensor, adapters, alpha: list[float], rounds: int) -> dict:
     merge_scaled, NF4 via merge_4bit), next to the representation's merge and the reference
     path."""
     out: dict = {}
-    for fmt in ("fp8_rowwise", "nf4"):
+    for fmt in ("fp8_rowwise", "int8_rowwise", "nf4"):
         calls = sweep_calls(fmt, encoded(fmt, w), adapters, alpha)
         t = harness.interleaved(calls, rounds=rounds, warmup=2)
         out[fmt] = {k: {"end_to_end_ms": t[k]["median_ms"], "gpu_ms": gpu_ms(f),
