@@ -16,6 +16,7 @@ import json
 import os
 import statistics
 import subprocess
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -71,6 +72,32 @@ def spin_up(seconds: float = 1.0) -> None:
         for _ in range(20):
             a @ a
         torch.cuda.synchronize()
+
+
+def gpu_ms(fn: Callable[[int], object], n: int = 5) -> float:
+    """Milliseconds of GPU kernel time per call of ``fn`` (profiled; host time excluded)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn(0)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(n):
+            fn(i)
+        torch.cuda.synchronize()
+    total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return total_us / 1e3 / n
+
+
+def host_ms(fn: Callable[[int], object], n: int = 20) -> float:
+    """Milliseconds of host time per call of ``fn``: issuing its work (median of ``n``; the
+    device drained before each call, so a host sync inside ``fn`` costs only its round trip)."""
+    out = []
+    for i in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn(i)
+        out.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(out)
 
 
 def interleaved(variants: dict[str, Callable[[int], object]], rounds: int = 20,

@@ -108,7 +108,7 @@ def bench_format(rep, adapters, alpha: list[float], rounds: int) -> dict | None:
            (("triton", triton), ("reference", reference)) for q in ("nearest", "stochastic")}
     gpu = {}
     if DEVICE == "cuda":  # kernel time alone: what the merge costs once host work overlaps
-        gpu = {f"{v}_{q}": gpu_ms(lambda i, fn=fn, q=q: fn(i, q)) for v, fn in
+        gpu = {f"{v}_{q}": harness.gpu_ms(lambda i, fn=fn, q=q: fn(i, q)) for v, fn in
                (("triton", triton), ("reference", reference)) for q in ("nearest", "stochastic")}
     return {"timings": timings, "errors": err, "gpu_ms": gpu,
             "speedup": timings["reference"]["median_ms"] / timings["triton"]["median_ms"]}
@@ -117,35 +117,6 @@ def bench_format(rep, adapters, alpha: list[float], rounds: int) -> dict | None:
 # -- where the merge time goes ---------------------------------------------------------------
 SWEEP = [(16, 128, 4), (32, 128, 4), (32, 256, 4), (64, 128, 4), (64, 128, 8), (64, 256, 8),
          (128, 128, 8)]
-
-
-def gpu_ms(fn: Callable[[int], object], n: int = 5) -> float:
-    """Milliseconds of GPU kernel time per call of ``fn`` (profiled; host time excluded)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn(0)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for i in range(n):
-            fn(i)
-        torch.cuda.synchronize()
-    total_us = sum(e.self_device_time_total for e in prof.key_averages())
-    return total_us / 1e3 / n
-
-
-def host_ms(fn: Callable[[int], object], n: int = 20) -> float:
-    """Milliseconds of host time per call of ``fn``: issuing its work (median of ``n``; the
-    device drained before each call, so a host sync inside ``fn`` costs only its round trip)."""
-    import statistics
-    import time
-
-    out = []
-    for i in range(n):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn(i)
-        out.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(out)
 
 
 def sweep_calls(fmt: str, rep, adapters, alpha: list[float]) -> dict[str, Callable]:
@@ -185,8 +156,8 @@ def sweep(w: torch.Tensor, adapters, alpha: list[float], rounds: int) -> dict:
     for fmt in ("fp8_rowwise", "int8_rowwise", "nf4"):
         calls = sweep_calls(fmt, encoded(fmt, w), adapters, alpha)
         t = harness.interleaved(calls, rounds=rounds, warmup=2)
-        out[fmt] = {k: {"end_to_end_ms": t[k]["median_ms"], "gpu_ms": gpu_ms(f),
-                        "host_ms": host_ms(f)} for k, f in calls.items()}
+        out[fmt] = {k: {"end_to_end_ms": t[k]["median_ms"], "gpu_ms": harness.gpu_ms(f),
+                        "host_ms": harness.host_ms(f)} for k, f in calls.items()}
         for k, v in out[fmt].items():
             print(f"[sweep] {fmt} {k}: {v['end_to_end_ms']:.3f} ms end to end, "
                   f"{v['gpu_ms']:.3f} ms GPU, {v['host_ms']:.3f} ms host", flush=True)
