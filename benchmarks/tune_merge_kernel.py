@@ -8,7 +8,6 @@ sweep against a TMA variant of the kernel, since dropped).
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import sys
 from pathlib import Path
@@ -32,17 +31,10 @@ def main() -> None:
     variants = {"copy": lambda i: dst.copy_(src)}
     for c in configs:
         variants[str(c)] = lambda i, c=c: merge_lowrank(ws[i % k], up, down, [0, r], [0.5], c)
-    mk = importlib.import_module("shuttle.kernels.merge_lowrank")
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
     best = (64, 128, 8)
-
-    def flagged(i: int, by_tile: bool) -> None:
-        mk.FLAG_BY_TILE = by_tile
-        merge_lowrank(ws[i % k], up, down, [0, r], [0.5], best, overflow=flag)
-        mk.FLAG_BY_TILE = False
-
-    variants[f"{best} overflow flag, per element"] = lambda i: flagged(i, False)
-    variants[f"{best} overflow flag, per tile"] = lambda i: flagged(i, True)
+    variants[f"{best} overflow flag"] = lambda i: merge_lowrank(
+        ws[i % k], up, down, [0, r], [0.5], best, overflow=flag)
     t = harness.interleaved(variants, rounds=12, warmup=2)
     # the kernel's own time (profiler), apart from the launch's host time in each timed call
     gpu = {k_: harness.gpu_ms(f, n=8) for k_, f in variants.items()}

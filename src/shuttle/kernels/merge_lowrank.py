@@ -54,8 +54,7 @@ def _kernel():
     @triton.jit
     def merge_kernel(w_ptr, b_ptr, a_ptr, alpha_ptr, flag_ptr, M, N, stride_wm, stride_bm,
                      stride_ar, N_SEG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BR: tl.constexpr, IEEE: tl.constexpr, OVERFLOW: tl.constexpr,
-                     FLAG_BY_TILE: tl.constexpr):
+                     BR: tl.constexpr, IEEE: tl.constexpr, OVERFLOW: tl.constexpr):
         # b: (M, N_SEG * BR), a: (N_SEG * BR, N); contribution s owns ranks s*BR ... (s+1)*BR,
         # zero-padded, so rank offsets are compile-time multiples of BR (aligned vector loads,
         # no rank masks). One (BM, BN) tile of W per program, and many programs per SM: the
@@ -71,16 +70,12 @@ def _kernel():
         x = w.to(tl.float32) + acc
         store_rne(ptrs, x, mask)
         if OVERFLOW > 0:
-            # a finite sum that rounds to infinity (float16: |x| >= 65520): flag it, by a
-            # masked store of 1 per such element (no reduction across the tile, no barrier:
-            # two compares per element when all is well)
+            # a finite sum that rounds to infinity (float16: |x| >= 65520): flag it, by one
+            # store per tile after a tile-wide max (a masked store per element measured
+            # 73 us a 12288x3072 weight, this 54, none 44: benchmarks/tune_merge_kernel.py)
             bad = mask & (tl.abs(x) >= OVERFLOW) & (tl.abs(x) < float("inf"))
-            if FLAG_BY_TILE:
-                if tl.max(bad.to(tl.int32)) > 0:
-                    tl.store(flag_ptr, 1)
-            else:
-                tl.store(flag_ptr + tl.zeros((BM, BN), dtype=tl.int32),
-                         tl.full((BM, BN), 1, dtype=tl.int32), mask=bad)
+            if tl.max(bad.to(tl.int32)) > 0:
+                tl.store(flag_ptr, 1)
 
     return merge_kernel
 
@@ -89,7 +84,6 @@ def _kernel():
 # configurations within a few percent of each other run to run). A variant moving the tiles by
 # TMA measured 25-35% slower in two runs (docs/benchmarks/merge_kernel_tuning.md) and was dropped.
 CUDA_CONFIG: tuple[int, int, int] = (64, 128, 8)
-FLAG_BY_TILE = False  # experiment: one flag store per tile after a tile-wide max
 _MAX_RANK_STEP = 128  # larger ranks are split into several contributions of at most this
 _RANK_STEPS = (16, 32, 64, 128)  # ranks used as they are (seg [0, r], one contribution)
 # The smallest |x| that rounds (to nearest even) to infinity in each weight dtype: halfway from
@@ -137,7 +131,6 @@ def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
         w.stride(0), up_p.stride(0), down_p.stride(0), N_SEG=len(alpha), BM=bm, BN=bn, BR=br,
         IEEE=up.dtype == torch.float32 or interpret,
         OVERFLOW=0.0 if overflow is None else _OVERFLOW.get(w.dtype, 0.0),
-        FLAG_BY_TILE=FLAG_BY_TILE,
         num_warps=warps, num_stages=1)
 
 
