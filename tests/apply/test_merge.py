@@ -9,6 +9,7 @@ final rounding is exercised (each test checks that it changed some values).
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -534,6 +535,29 @@ def test_kernel_merge_overflow_raises_after_the_merge(kernel_merges):
             shuttle.apply_lora(model, [(sd, 1.0)]):
         pytest.fail("the body must not run")
     assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_kernel_checks_overflow_only_where_the_update_could_reach_it(dtype, kernel_merges,
+                                                                      monkeypatch):
+    """The kernel's overflow check is skipped where the adapter's measured magnitudes bound
+    the update below the dtype's margin (float16: 16, bfloat16: 2**119): here every layer but
+    float16's layer 1, whose factors of 300 could carry a weight past 65520."""
+    from shuttle.apply import merge
+
+    flagged = []
+    inner = merge.merge_lowrank
+    monkeypatch.setattr(merge, "merge_lowrank", lambda w, *a, **k: flagged.append(
+        k.get("overflow") is not None) or inner(w, *a, **k))
+    model = _stack(3, dtype)
+    g = torch.Generator().manual_seed(25)
+    sd = {k: v for i, layer in enumerate(model.layers)
+          for k, v in _pair(f"layers.{i}", layer.out_features, layer.in_features, g).items()}
+    sd["layers.1.lora_B.weight"] = torch.full((20, 2), 300.0)
+    sd["layers.1.lora_A.weight"] = torch.full((2, 16), 300.0)
+    with contextlib.suppress(shuttle.errors.NonFiniteAdapterError):
+        shuttle.merge_lora(model, [(sd, 1.0)])
+    assert flagged == [False, dtype == torch.float16, False]
 
 
 # -- apply_lora -----------------------------------------------------------------------------------

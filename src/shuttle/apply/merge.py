@@ -27,11 +27,13 @@ from shuttle.apply.plan import (
     MergePlan,
     check_mergeable,
     is_plain_tensor,
+    known_abs_max,
     plan_params,
 )
 from shuttle.apply.rounding import Rounding, param_seed, round_to
 from shuttle.errors import InvalidStrengthError, NonFiniteAdapterError
 from shuttle.kernels import merge_lowrank, triton_available
+from shuttle.kernels.merge_lowrank import overflow_margin
 from shuttle.patches import LowRank
 from shuttle.targets import KeyMapping
 from shuttle.weights import PLAIN_DTYPES, WeightRepresentation, represent
@@ -328,11 +330,31 @@ def _merge_fused(p: torch.Tensor, contribs: list[Contribution],
     sums = lowrank_sums(contribs)
     if sums is None:
         return False
+    if overflow is not None and _cannot_overflow(p.dtype, contribs):
+        overflow = None  # the kernel skips the check (20% of its time)
     # the parameter itself when 2-D (no new tensor object: host time per weight counts here)
     w2d = p if p.dim() == 2 else p.detach().view(p.shape[0], -1)
     for rows, lr in sums.items():
         merge_lowrank(w2d if rows is None else w2d[rows[0]:rows[1]], *lr, overflow=overflow)
     return True
+
+
+def _cannot_overflow(dtype: torch.dtype, contribs: list[Contribution]) -> bool:
+    """Whether the update is too small to carry any finite weight of ``dtype`` past its
+    overflow threshold: ``|update| <= sum_i |m_i s_i| r_i max|up_i| max|down_i|`` (each
+    element of ``up @ down`` sums r products), from the maxima the finite check measured,
+    against :func:`overflow_margin` with a factor 2 to spare for float32 rounding.
+    """
+    margin = overflow_margin(dtype)
+    if margin is None:
+        return True
+    bound = 0.0
+    for c in contribs:
+        up, down = known_abs_max(c.patch.up), known_abs_max(c.patch.down)
+        if up is None or down is None:
+            return False
+        bound += abs(c.strength * c.patch.effective_scale) * c.patch.rank * up * down
+    return bound * 2 < margin
 
 
 # The fused kernel accumulates in float32: float64 weights take the float64 path.

@@ -38,6 +38,7 @@ __all__ = [
     "check_finite",
     "check_mergeable",
     "is_plain_tensor",
+    "known_abs_max",
     "logical_spec",
     "normalize_loras",
     "plan_merge",
@@ -331,10 +332,11 @@ def _validate(t: Target, p: TensorSpec) -> None:
     t.patch.check(shape, t.param)
 
 
-# Tensors already found finite, with their version counter then: an adapter merged again
-# (a server switching adapters) is not re-scanned unless it was modified in place since.
+# Tensors already found finite, with their version counter then and their largest magnitude:
+# an adapter merged again (a server switching adapters) is not re-scanned unless it was
+# modified in place since, and merges bound their updates by the magnitudes (known_abs_max).
 # Keyed by id(): tensors compare elementwise, so they cannot be dict keys themselves.
-_FINITE: dict[int, tuple[weakref.ref, int]] = {}
+_FINITE: dict[int, tuple[weakref.ref, int, float]] = {}
 
 
 def _known_finite(t: torch.Tensor) -> bool:
@@ -342,9 +344,19 @@ def _known_finite(t: torch.Tensor) -> bool:
     return entry is not None and entry[0]() is t and entry[1] == t._version
 
 
-def _mark_finite(t: torch.Tensor) -> None:
+def _mark_finite(t: torch.Tensor, abs_max: float) -> None:
     key = id(t)
-    _FINITE[key] = (weakref.ref(t, lambda _: _FINITE.pop(key, None)), t._version)
+    _FINITE[key] = (weakref.ref(t, lambda _: _FINITE.pop(key, None)), t._version, abs_max)
+
+
+def known_abs_max(t: torch.Tensor) -> float | None:
+    """``max |t|`` as :func:`check_finite` measured it, if ``t`` was checked and not modified
+    in place since; else None.
+    """
+    entry = _FINITE.get(id(t))
+    if entry is None or entry[0]() is not t or entry[1] != t._version:
+        return None
+    return entry[2]
 
 
 def check_finite(plan: MergePlan) -> None:
@@ -372,31 +384,33 @@ def check_finite(plan: MergePlan) -> None:
     by_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
         by_device.setdefault(t.device, []).append(i)
-    bad = []
+    bad, abs_max = [], [0.0] * len(tensors)
     for idx in by_device.values():
-        suspects = _maybe_non_finite([tensors[i] for i in idx])
-        bad += [idx[j] for j in suspects if not _finite(tensors[idx[j]])]
+        sums, maxima = _screen([tensors[i] for i in idx])
+        for j, i in enumerate(idx):
+            abs_max[i] = maxima[j]
+            if not math.isfinite(sums[j]) and not _finite(tensors[i]):
+                bad.append(i)
     if bad:
         _raise_non_finite([where[i] for i in bad])
-    for t in tensors:
-        _mark_finite(t)
+    for t, m in zip(tensors, abs_max, strict=True):
+        _mark_finite(t, m)
 
 
-def _maybe_non_finite(tensors: list[torch.Tensor]) -> list[int]:
-    """Indices among ``tensors`` (all on one device) that may hold NaN or infinity: one
-    multi-tensor launch and one host sync for all of them (a kernel or two per tensor, issued
-    from Python, cost more host time than merging the weights they update).
+def _screen(tensors: list[torch.Tensor]) -> tuple[list[float], list[float]]:
+    """``(sum |t|, max |t|)`` of each of ``tensors`` (all on one device), in float32: two
+    multi-tensor launches and one host sync for all of them (a kernel or two per tensor,
+    issued from Python, cost more host time than merging the weights they update).
 
-    The float32 sum of ``|t|`` propagates NaN and infinity, but also overflows for finite
-    values near the dtype's limit: the indices are suspects, for an exact check of each.
+    The sum propagates NaN and infinity, but also overflows for finite values near the dtype's
+    limit: a tensor whose sum is not finite needs an exact check.
     """
-    # float8 has no reduction kernels: summed from its float32 values
+    # float8 has no reduction kernels: measured from its float32 values
     ts = [t.float() if t.element_size() == 1 else t for t in tensors]
-    sums = torch.stack(torch._foreach_norm(ts, 1, dtype=torch.float32))
-    ok = sums.isfinite()
-    if bool(ok.all()):
-        return []
-    return [i for i, good in enumerate(ok.tolist()) if not good]
+    sums = torch._foreach_norm(ts, 1, dtype=torch.float32)
+    maxima = torch._foreach_norm(ts, math.inf, dtype=torch.float32)
+    both = torch.stack([*sums, *maxima]).tolist()
+    return both[:len(ts)], both[len(ts):]
 
 
 def _finite(t: torch.Tensor) -> bool:

@@ -27,7 +27,7 @@ from shuttle.kernels.launch import (
     triton_available,
 )
 
-__all__ = ["merge_lowrank", "merge_lowrank_reference", "padded_factors"]
+__all__ = ["merge_lowrank", "merge_lowrank_reference", "overflow_margin", "padded_factors"]
 
 
 def merge_lowrank_reference(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
@@ -89,6 +89,15 @@ _RANK_STEPS = (16, 32, 64, 128)  # ranks used as they are (seg [0, r], one contr
 # The smallest |x| that rounds (to nearest even) to infinity in each weight dtype: halfway from
 # the largest finite value to the next power of two, where the tie goes to the even infinity.
 _OVERFLOW = {torch.float16: 65520.0, torch.bfloat16: 2.0**128 - 2.0**119}
+
+
+def overflow_margin(dtype: torch.dtype) -> float | None:
+    """How far beyond the largest finite value of ``dtype`` a sum may go and still round to it
+    (float16: 16, bfloat16: 2**119): an update bounded below this cannot overflow a finite
+    weight, and needs no overflow flag. None for dtypes the kernel does not flag (float32).
+    """
+    threshold = _OVERFLOW.get(dtype)
+    return None if threshold is None else threshold - torch.finfo(dtype).max
 
 
 def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
