@@ -27,8 +27,10 @@ mbits)`` with e the float32 exponent of x, so ``lo = floor(x / ulp) * ulp`` and 
 exact float8 values, and the cast of the chosen one is exact (int8: ulp = 1). Nearest picks the
 closer, ties to an even code; stochastic picks ``lo + ulp`` with probability ``x / ulp -
 floor(x / ulp)`` (``E[Q'] = x / s'``), drawing ``hash_uniform(seed, m * N + n)``: the bits depend
-on the seed and the element only, not on the tiling. Compiled float8 nearest rounding is the
-hardware conversion instead (round to nearest even: the same values, in far fewer instructions).
+on the seed and the element only, not on the tiling. Compiled nearest rounding is the hardware's
+instead (float8: the conversion; int8: ``rint``; both to nearest even: the same values, in far
+fewer instructions). The compiled ``x / s'`` is Triton's ``div.full`` (within 2 float32 ulps), so
+a code may differ by one step from torch's where ``x / s'`` lies that close to a midpoint.
 
 :func:`merge_scaled_reference` is the same computation in PyTorch (the oracle of the tests and
 the fallback off CUDA).
@@ -144,12 +146,15 @@ def _new_scale(amax: torch.Tensor, dtype: torch.dtype, qmax: float, absmax_scale
 
 # Shared tile helpers, bound by bind_tiles() when the kernels are built (see there).
 hash_uniform = lowrank_tile = round_bf16 = tile_of = None
+libdevice = None  # triton.language.extra.libdevice, bound by _kernel() (Triton is optional)
 
 
 @functools.cache
 def _kernel():
+    global libdevice
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 
     bind_tiles(globals(), "hash_uniform", "lowrank_tile", "round_bf16", "tile_of")
 
@@ -165,11 +170,12 @@ def _kernel():
         # One (BM, BN) tile of x per program in both passes. stats (float32, M + 2, zeroed):
         # [0, M) the rows' max |x| (per-row scale), [M] the tensor's (per-tensor scale), both
         # folded in by pass 1 (ENCODE False) with atomic max; [M + 1] the merged weight's
-        # max |x|, by pass 2 (ENCODE True; for the finiteness check). Pass 2 derives the new
-        # scale from pass 1's amax (programs of the first tile column store it) and writes the
-        # codes. SCALE: 0 none, 1 per tensor, 2 per row; the factors are zero-padded to BR
-        # ranks per contribution, as in merge_lowrank. (Pass 1 as one program per row block
-        # walking the columns measured latency-bound on the H200.)
+        # max |x| (for the finiteness check): pass 2 (ENCODE True) copies pass 1's, or
+        # computes it when unscaled (no pass 1). Pass 2 derives the new scale from pass 1's
+        # amax (programs of the first tile column store it) and writes the codes. SCALE: 0
+        # none, 1 per tensor, 2 per row; the factors are zero-padded to BR ranks per
+        # contribution, as in merge_lowrank. (Pass 1 as one program per row block walking the
+        # columns measured latency-bound on the H200, and programs walking rows slower.)
         pid = tl.program_id(0)
         rm, rn, mask_m, mask_n = tile_of(pid, M, N, BM, BN)
         mask = mask_m[:, None] & mask_n[None, :]
@@ -184,8 +190,9 @@ def _kernel():
         acc = lowrank_tile(b_ptr, a_ptr, alpha_ptr, rm, rn, mask_m, mask_n, stride_bm,
                            stride_ar, BM, BN, N_SEG, BR, IEEE)
         x = w + acc
-        # NaN counts as inf, so that a max propagates any non-finite element
-        amax = tl.max(tl.where(x == x, tl.abs(x), float("inf")), axis=1)
+        if not ENCODE or SCALE == 0:
+            # NaN counts as inf, so that a max propagates any non-finite element
+            amax = tl.max(tl.where(x == x, tl.abs(x), float("inf")), axis=1)
         if not ENCODE:
             if SCALE == 1:
                 tl.atomic_max(stats_ptr + M, tl.max(amax, axis=0))
@@ -218,15 +225,19 @@ def _kernel():
                 if SCALE == 1:
                     if pid == 0:
                         tl.store(new_s_ptr, stored)
+                        # pass 1's amax is the merged weight's (the finiteness check's)
+                        tl.store(stats_ptr + M + 1, a)
                     v = x * enc if MUL else x / enc
                 else:
                     if pid % tl.cdiv(N, BN) == 0:
                         tl.store(new_s_ptr + rm, stored, mask=mask_m)
+                        tl.atomic_max(stats_ptr + M + 1, tl.max(a, axis=0))
                     v = x * enc[:, None] if MUL else x / enc[:, None]
             v = tl.minimum(tl.maximum(v, QMIN), QMAX)
             if HW_ROUND:
-                # float8, nearest, compiled: the hardware conversion rounds to nearest even
-                code = v
+                # nearest, compiled: the hardware rounds to nearest even (float8: the
+                # conversion; int8: rint, as torch.round)
+                code = libdevice.rint(v) if INT else v
             else:
                 if INT:
                     t = v
@@ -252,7 +263,8 @@ def _kernel():
                         tl.float32, bitcast=True)
             tl.store(out_ptr + rm[:, None] * N + rn[None, :],
                      code.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_max(stats_ptr + M + 1, tl.max(amax, axis=0))
+            if SCALE == 0:
+                tl.atomic_max(stats_ptr + M + 1, tl.max(amax, axis=0))
 
     return merge_scaled_kernel
 
@@ -315,7 +327,7 @@ def merge_scaled(data: torch.Tensor, scale: torch.Tensor | None, up: torch.Tenso
         scale = scale.contiguous()  # the kernel indexes a per-row scale with unit stride
         new_scale = torch.empty_like(scale)
     stochastic = rounding == "stochastic"
-    hw_round = data.dtype != torch.int8 and not stochastic and not interpret
+    hw_round = not stochastic and not interpret
 
     def launch(encode: bool) -> None:
         # Unused pointers (no scale; pass 1's new scale) are given any tensor: never read.
