@@ -179,17 +179,38 @@ def _kernel():
         pid = tl.program_id(0)
         rm, rn, mask_m, mask_n = tile_of(pid, M, N, BM, BN)
         mask = mask_m[:, None] & mask_n[None, :]
-        # x = Q * s * dq + sum_s alpha_s * b_s @ a_s, float32; 0 outside (M, N)
-        w = tl.load(q_ptr + rm[:, None] * stride_qm + rn[None, :], mask=mask,
-                    other=0.0).to(tl.float32)
-        if SCALE == 1:
-            w = w * tl.load(s_ptr).to(tl.float32)
-        if SCALE == 2:
-            w = w * tl.load(s_ptr + rm, mask=mask_m, other=0.0).to(tl.float32)[:, None]
-        w = w * dq
-        acc = lowrank_tile(b_ptr, a_ptr, alpha_ptr, rm, rn, mask_m, mask_n, stride_bm,
-                           stride_ar, BM, BN, N_SEG, BR, IEEE)
-        x = w + acc
+        q_ptrs = q_ptr + rm[:, None] * stride_qm + rn[None, :]
+        if ENCODE and SCALE > 0:
+            # x = fma(Q, s * dq, sum_s alpha_s * b_s @ a_s): spelled so that the compiler
+            # moves the codes (8-bit, or float16 for int8: exact for |q| <= 128) into the
+            # tensor cores' accumulator layout, not the float32 tile: a quarter (a half) of the
+            # bytes through shared memory. Its layout pass hoists a conversion above an
+            # extension op feeding one fma with broadcast operands, not above a multiply by a
+            # broadcast row scale. x may differ from pass 1's by a float32 rounding (one fused
+            # rounding here, two there): codes are clamped to the range the scale maps.
+            acc = lowrank_tile(b_ptr, a_ptr, alpha_ptr, rm, rn, mask_m, mask_n, stride_bm,
+                               stride_ar, BM, BN, N_SEG, BR, IEEE)
+            q = tl.load(q_ptrs, mask=mask, other=0.0)
+            qf = q.to(tl.float16).to(tl.float32) if INT else q.to(tl.float32)
+            if SCALE == 1:
+                x = tl.fma(qf, tl.load(s_ptr).to(tl.float32) * dq, acc)
+            else:
+                s_rows = tl.load(s_ptr + rm, mask=mask_m, other=0.0).to(tl.float32)
+                x = tl.fma(qf, (s_rows * dq)[:, None], acc)
+        else:
+            # x = Q * s * dq + sum_s alpha_s * b_s @ a_s, float32, rounded as the reference
+            # does; 0 outside (M, N). The compiler converts the float32 tile here, and takes
+            # the row max below in the accumulator's layout (in the fma form it converts x
+            # back for the max: two conversions; statement order matters to it as well).
+            w = tl.load(q_ptrs, mask=mask, other=0.0).to(tl.float32)
+            if SCALE == 1:
+                w = w * tl.load(s_ptr).to(tl.float32)
+            if SCALE == 2:
+                w = w * tl.load(s_ptr + rm, mask=mask_m, other=0.0).to(tl.float32)[:, None]
+            w = w * dq
+            acc = lowrank_tile(b_ptr, a_ptr, alpha_ptr, rm, rn, mask_m, mask_n, stride_bm,
+                               stride_ar, BM, BN, N_SEG, BR, IEEE)
+            x = w + acc
         if not ENCODE or SCALE == 0:
             # NaN counts as inf, so that a max propagates any non-finite element
             amax = tl.max(tl.where(x == x, tl.abs(x), float("inf")), axis=1)
