@@ -148,12 +148,13 @@ def sweep_calls(fmt: str, rep, adapters, alpha: list[float]) -> dict[str, Callab
     return calls
 
 
-def sweep(w: torch.Tensor, adapters, alpha: list[float], rounds: int) -> dict:
+def sweep(w: torch.Tensor, adapters, alpha: list[float], rounds: int,
+          formats: tuple[str, ...] = ("fp8_rowwise", "int8_rowwise", "nf4")) -> dict:
     """Per kernel config: end-to-end ms of one call and its GPU kernel time (fp8 row-wise via
     merge_scaled, NF4 via merge_4bit), next to the representation's merge and the reference
     path."""
     out: dict = {}
-    for fmt in ("fp8_rowwise", "int8_rowwise", "nf4"):
+    for fmt in formats:
         calls = sweep_calls(fmt, encoded(fmt, w), adapters, alpha)
         t = harness.interleaved(calls, rounds=rounds, warmup=2)
         out[fmt] = {k: {"end_to_end_ms": t[k]["median_ms"], "gpu_ms": harness.gpu_ms(f),
@@ -337,6 +338,8 @@ def main() -> None:
     ap.add_argument("--dynamic-rounds", type=int, default=30)
     ap.add_argument("--sweep", action="store_true",
                     help="also kernel configs and GPU-only times (CUDA)")
+    ap.add_argument("--sweep-formats", default="fp8_rowwise,int8_rowwise,nf4",
+                    help="comma-separated formats the sweep covers")
     args = ap.parse_args()
     m, n, r = args.rows, args.cols, args.rank
     g = torch.Generator(device=DEVICE).manual_seed(0)
@@ -370,8 +373,8 @@ def main() -> None:
                      f"{err['triton_stochastic']['mean']:+.1e}",
                      f"{err['reference_nearest']['rms']:.2e}"])
         print(rows[-1], flush=True)
-    sweep_res = sweep(w, adapters, alpha, args.rounds) if args.sweep and DEVICE == "cuda" \
-        else None
+    sweep_res = sweep(w, adapters, alpha, args.rounds, tuple(args.sweep_formats.split(","))) \
+        if args.sweep and DEVICE == "cuda" else None
     del w, adapters
     table = harness.markdown_table(
         ["format", "triton ms", "reference ms", "speedup", "GPU ms nearest: triton / reference",
