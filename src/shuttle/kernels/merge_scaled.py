@@ -11,7 +11,10 @@ with qmax = 127 for int8 and ``finfo.max`` for float8, qmin = -128 for int8 and 
 float8: the representations' own ``encode`` (int8 codes reach -128 only where a scale stored in
 a narrower dtype rounded down).
 bitsandbytes' int8 (``absmax_scale=True``) stores the absmax itself as its scale:
-``W = Q * s * fl(1/127)``, ``s' = amax`` and ``Q' = round(x * (127 / amax))``.
+``W = Q * s * fl(1/127)``, ``s' = amax`` and ``Q' = round(x * (127 / amax))``. The kernel
+computes x as one fma, ``fma(Q, fl(s * dq), low-rank sum)`` (dq = 1, or fl(1/127)): one rounding
+where the reference rounds ``Q * s`` (and ``* dq``) first, so x may differ from the reference's
+by a float32 rounding (a code then by one step, where x / s' sits that close to a midpoint).
 
 Two passes of one Triton kernel (``ENCODE`` off, then on), each recomputing x tile by tile from
 Q and the factors (the low-rank product is cheap next to the memory traffic), one program per
@@ -179,46 +182,32 @@ def _kernel():
         pid = tl.program_id(0)
         rm, rn, mask_m, mask_n = tile_of(pid, M, N, BM, BN)
         mask = mask_m[:, None] & mask_n[None, :]
-        q_ptrs = q_ptr + rm[:, None] * stride_qm + rn[None, :]
-        if ENCODE and SCALE > 0:
-            # x = fma(Q, s * dq, sum_s alpha_s * b_s @ a_s): spelled so that the compiler
-            # moves the codes (8-bit, or float16 for int8: exact for |q| <= 128) into the
-            # tensor cores' accumulator layout, not the float32 tile: a quarter (a half) of the
-            # bytes through shared memory. Its layout pass hoists a conversion above an
-            # extension op feeding one fma with broadcast operands, not above a multiply by a
-            # broadcast row scale. x may differ from pass 1's by a float32 rounding (one fused
-            # rounding here, two there): codes are clamped to the range the scale maps.
-            acc = lowrank_tile(b_ptr, a_ptr, alpha_ptr, rm, rn, mask_m, mask_n, stride_bm,
-                               stride_ar, BM, BN, N_SEG, BR, IEEE)
-            q = tl.load(q_ptrs, mask=mask, other=0.0)
-            qf = q.to(tl.float16).to(tl.float32) if INT else q.to(tl.float32)
-            if SCALE == 1:
-                x = tl.fma(qf, tl.load(s_ptr).to(tl.float32) * dq, acc)
-            else:
-                s_rows = tl.load(s_ptr + rm, mask=mask_m, other=0.0).to(tl.float32)
-                x = tl.fma(qf, (s_rows * dq)[:, None], acc)
+        # x = fma(Q, s * dq, sum_s alpha_s * b_s @ a_s), float32; 0 outside (M, N). Spelled
+        # so that the compiler moves the codes (8-bit, or float16 for int8: exact for
+        # |q| <= 128) into the tensor cores' accumulator layout, not the float32 tile: a
+        # quarter (a half) of the bytes through shared memory. Its layout pass hoists that
+        # conversion above an extension op feeding one fma with broadcast operands, not above
+        # a multiply by a broadcast row scale; and it keeps the row max in that layout when
+        # the max keeps its dims and feeds 2-D pointers (a 1-D row max made it convert x back).
+        acc = lowrank_tile(b_ptr, a_ptr, alpha_ptr, rm, rn, mask_m, mask_n, stride_bm,
+                           stride_ar, BM, BN, N_SEG, BR, IEEE)
+        q = tl.load(q_ptr + rm[:, None] * stride_qm + rn[None, :], mask=mask, other=0.0)
+        qf = q.to(tl.float16).to(tl.float32) if INT else q.to(tl.float32)
+        if SCALE == 0:
+            x = tl.fma(qf, dq, acc)
+        elif SCALE == 1:
+            x = tl.fma(qf, tl.load(s_ptr).to(tl.float32) * dq, acc)
         else:
-            # x = Q * s * dq + sum_s alpha_s * b_s @ a_s, float32, rounded as the reference
-            # does; 0 outside (M, N). The compiler converts the float32 tile here, and takes
-            # the row max below in the accumulator's layout (in the fma form it converts x
-            # back for the max: two conversions; statement order matters to it as well).
-            w = tl.load(q_ptrs, mask=mask, other=0.0).to(tl.float32)
-            if SCALE == 1:
-                w = w * tl.load(s_ptr).to(tl.float32)
-            if SCALE == 2:
-                w = w * tl.load(s_ptr + rm, mask=mask_m, other=0.0).to(tl.float32)[:, None]
-            w = w * dq
-            acc = lowrank_tile(b_ptr, a_ptr, alpha_ptr, rm, rn, mask_m, mask_n, stride_bm,
-                               stride_ar, BM, BN, N_SEG, BR, IEEE)
-            x = w + acc
+            s_rows = tl.load(s_ptr + rm, mask=mask_m, other=0.0).to(tl.float32)
+            x = tl.fma(qf, (s_rows * dq)[:, None], acc)
         if not ENCODE or SCALE == 0:
-            # NaN counts as inf, so that a max propagates any non-finite element
-            amax = tl.max(tl.where(x == x, tl.abs(x), float("inf")), axis=1)
+            # (BM, 1); NaN counts as inf, so that a max propagates any non-finite element
+            amax = tl.max(tl.where(x == x, tl.abs(x), float("inf")), axis=1, keep_dims=True)
         if not ENCODE:
             if SCALE == 1:
-                tl.atomic_max(stats_ptr + M, tl.max(amax, axis=0))
+                tl.atomic_max(stats_ptr + M, tl.max(tl.max(amax, axis=1), axis=0))
             else:
-                tl.atomic_max(stats_ptr + rm, amax, mask=mask_m)
+                tl.atomic_max(stats_ptr + rm[:, None], amax, mask=mask_m[:, None])
         else:
             v = x
             if SCALE > 0:
@@ -285,7 +274,7 @@ def _kernel():
             tl.store(out_ptr + rm[:, None] * N + rn[None, :],
                      code.to(out_ptr.dtype.element_ty), mask=mask)
             if SCALE == 0:
-                tl.atomic_max(stats_ptr + M + 1, tl.max(amax, axis=0))
+                tl.atomic_max(stats_ptr + M + 1, tl.max(tl.max(amax, axis=1), axis=0))
 
     return merge_scaled_kernel
 
