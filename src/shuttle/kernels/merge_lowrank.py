@@ -91,13 +91,16 @@ _RANK_STEPS = (16, 32, 64, 128)  # ranks used as they are (seg [0, r], one contr
 _OVERFLOW = {torch.float16: 65520.0, torch.bfloat16: 2.0**128 - 2.0**119}
 
 
+# How far beyond the largest finite value a sum may go and still round to it.
+_MARGIN = {dtype: threshold - torch.finfo(dtype).max for dtype, threshold in _OVERFLOW.items()}
+
+
 def overflow_margin(dtype: torch.dtype) -> float | None:
     """How far beyond the largest finite value of ``dtype`` a sum may go and still round to it
     (float16: 16, bfloat16: 2**119): an update bounded below this cannot overflow a finite
     weight, and needs no overflow flag. None for dtypes the kernel does not flag (float32).
     """
-    threshold = _OVERFLOW.get(dtype)
-    return None if threshold is None else threshold - torch.finfo(dtype).max
+    return _MARGIN.get(dtype)
 
 
 def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
