@@ -560,6 +560,28 @@ def test_kernel_checks_overflow_only_where_the_update_could_reach_it(dtype, kern
     assert flagged == [False, dtype == torch.float16, False]
 
 
+def test_overflow_flag_made_only_for_updates_that_could_overflow(kernel_merges):
+    """One flag per device, made at its first use: none at all (so merge_lora reads nothing
+    back) when every update is bounded below its weight's margin."""
+    from shuttle.apply import merge, plan
+
+    model = _stack(3, torch.float16)
+    g = torch.Generator().manual_seed(26)
+    sd = {k: v for i, layer in enumerate(model.layers)
+          for k, v in _pair(f"layers.{i}", layer.out_features, layer.in_features, g).items()}
+    small = plan.plan_merge(model, [(sd, 1.0)])
+    params = dict(model.named_parameters())
+    flags: dict = {}
+    assert all(merge.overflow_flag(params[n], cs, flags) is None
+               for n, cs in small.params.items())
+    assert flags == {}
+    sd["layers.1.lora_B.weight"] = torch.full((20, 2), 300.0)
+    sd["layers.2.lora_B.weight"] = torch.full((20, 2), 300.0)
+    large = plan.plan_merge(model, [(sd, 1.0)])
+    got = [merge.overflow_flag(params[n], cs, flags) for n, cs in large.params.items()]
+    assert got[0] is None and got[1] is got[2] is flags[params["layers.1.weight"].device]
+
+
 # -- apply_lora -----------------------------------------------------------------------------------
 
 def _mixed_model() -> nn.Module:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from shuttle.apply.merge import exact_cublas, merge_param
+from shuttle.apply.merge import exact_cublas, merge_param, overflow_flag
 from shuttle.apply.plan import (
     AdapterList,
     Contribution,
@@ -368,7 +368,7 @@ def _land(t: torch.Tensor, final: torch.dtype, name: str, contribs: list[Contrib
     try:
         if t.dtype == final:
             # in place, one rounding; the fused CUDA kernel flags an overflow instead of raising
-            flag = torch.zeros(1, dtype=torch.int32, device=t.device) if t.is_cuda else None
+            flag = overflow_flag(t, loaded, {})
             merge_param(t, name, loaded, rounding, seed, overflow=flag)
             if flag is not None and bool(flag):
                 raise NonFiniteAdapterError(f"merging into {name!r} overflows {final}")

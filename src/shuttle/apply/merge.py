@@ -46,6 +46,7 @@ __all__ = [
     "merge_param",
     "merge_plan",
     "LowRankSum",
+    "overflow_flag",
     "lowrank_sums",
     "write_back",
 ]
@@ -129,17 +130,14 @@ def merge_plan(model: torch.nn.Module, plan: MergePlan, *, rounding: Rounding | 
     check_mergeable(plan, params)
     show = progress if progress is not None else len(plan.params) >= _PROGRESS_MIN_PARAMS
     # Per device, one overflow flag that the fused kernel sets and merge_plan reads once at
-    # the end: the kernel path cannot stop before a write without a host sync per weight.
+    # the end (the kernel path cannot stop before a write without a host sync per weight);
+    # none, and no sync, where no update can overflow its weight.
     flags: dict[torch.device, torch.Tensor] = {}
     with torch.no_grad(), exact_cublas():
         for name in tqdm(plan.params, desc="merging", unit="param", disable=not show):
-            p = params[name]
-            flag = None
-            if _on_kernel_device(p):
-                flag = flags.get(p.device)
-                if flag is None:
-                    flag = flags[p.device] = torch.zeros(1, dtype=torch.int32, device=p.device)
-            merge_param(p, name, plan.params[name], rounding, seed, overflow=flag)
+            p, contribs = params[name], plan.params[name]
+            merge_param(p, name, contribs, rounding, seed,
+                        overflow=overflow_flag(p, contribs, flags))
     if any(bool(f) for f in flags.values()):
         # rare: find the weights (those now holding infinity or NaN)
         bad = [n for n in plan.params if params[n].device in flags
@@ -330,8 +328,6 @@ def _merge_fused(p: torch.Tensor, contribs: list[Contribution],
     sums = lowrank_sums(contribs)
     if sums is None:
         return False
-    if overflow is not None and _cannot_overflow(p.dtype, contribs):
-        overflow = None  # the kernel skips the check (20% of its time)
     # the parameter itself when 2-D (no new tensor object: host time per weight counts here)
     w2d = p if p.dim() == 2 else p.detach().view(p.shape[0], -1)
     for rows, lr in sums.items():
@@ -339,17 +335,34 @@ def _merge_fused(p: torch.Tensor, contribs: list[Contribution],
     return True
 
 
+def overflow_flag(p: torch.Tensor, contribs: list[Contribution],
+                  flags: dict[torch.device, torch.Tensor]) -> torch.Tensor | None:
+    """The flag for :func:`merge_param`'s ``overflow``: ``p``'s device's one in ``flags``
+    (created at its first use), or None where no kernel runs or the update cannot overflow
+    the weight (the kernel then skips the check, a fifth of its time, and the caller a sync).
+    """
+    if not _on_kernel_device(p) or _cannot_overflow(p.dtype, contribs):
+        return None
+    flag = flags.get(p.device)
+    if flag is None:
+        flag = flags[p.device] = torch.zeros(1, dtype=torch.int32, device=p.device)
+    return flag
+
+
 def _cannot_overflow(dtype: torch.dtype, contribs: list[Contribution]) -> bool:
     """Whether the update is too small to carry any finite weight of ``dtype`` past its
     overflow threshold: ``|update| <= sum_i |m_i s_i| r_i max|up_i| max|down_i|`` (each
     element of ``up @ down`` sums r products), from the maxima the finite check measured,
-    against :func:`overflow_margin` with a factor 2 to spare for float32 rounding.
+    against :func:`overflow_margin` with a factor 2 to spare for float32 rounding. False
+    where it cannot tell (a patch other than a plain low-rank product, an unmeasured tensor).
     """
     margin = overflow_margin(dtype)
     if margin is None:
         return True
     bound = 0.0
     for c in contribs:
+        if not (isinstance(c.patch, LowRank) and c.patch.mid is None):
+            return False
         up, down = known_abs_max(c.patch.up), known_abs_max(c.patch.down)
         if up is None or down is None:
             return False
