@@ -314,9 +314,10 @@ class BnbInt8Weight(WeightRepresentation):
         dense weight.
 
         Same form as :meth:`encode`: ``SCB`` = each row's absmax (0 for a zero row), codes
-        ``round(x * (127 / SCB))``. Nearest rounding equals ``encode`` except where float32
-        summation order moves a value across a midpoint; stochastic rounding draws from the
-        kernel's stream (``seed``, element index).
+        ``round(x * (127 / SCB))``. Nearest rounding equals ``encode`` except where a float32
+        rounding (summation order, the kernel's fused dequantize-and-add: see merge_scaled)
+        moves a value across a midpoint; stochastic rounding draws from the kernel's stream
+        (``seed``, element index).
 
         Returns:
             The merged weight, or None (the caller then dequantizes, applies and encodes): no

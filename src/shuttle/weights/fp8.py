@@ -86,8 +86,9 @@ class Fp8Weight(WeightRepresentation):
 
         The form is :meth:`encode`'s: a float32 scale ``amax / finfo.max`` at the same
         granularity, or unscaled values clamped to ``±finfo.max``. Nearest rounding equals
-        ``encode`` except where float32 summation order moves a value across a midpoint;
-        stochastic rounding draws from the kernel's stream (``seed``, element index).
+        ``encode`` except where a float32 rounding (summation order, the kernel's fused
+        dequantize-and-add: see merge_scaled) moves a value across a midpoint; stochastic
+        rounding draws from the kernel's stream (``seed``, element index).
 
         Returns:
             The merged weight, or None (the caller then dequantizes, applies and encodes): no

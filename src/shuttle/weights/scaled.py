@@ -82,9 +82,10 @@ class ScaledCodes(WeightRepresentation):
         kernel (:func:`shuttle.kernels.merge_scaled.merge_scaled`), without a dense weight.
 
         Same form as :meth:`encode` (scale ``amax / qmax`` per row or per tensor, in the
-        scale's dtype; other fields kept). Nearest rounding equals ``encode`` except where
-        float32 summation order moves a value across a midpoint; stochastic rounding draws
-        from the kernel's stream (``seed``, element index).
+        scale's dtype; other fields kept). Nearest rounding equals ``encode`` except where a
+        float32 rounding (summation order, the kernel's fused dequantize-and-add: see
+        merge_scaled) moves a value across a midpoint; stochastic rounding draws from the
+        kernel's stream (``seed``, element index).
 
         Returns:
             The merged weight, or None (the caller then dequantizes, applies and encodes): a
