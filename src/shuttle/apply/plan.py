@@ -365,7 +365,8 @@ def check_finite(plan: MergePlan) -> None:
     Loaded tensors are checked on their device with one host sync per device (and skipped when
     already found finite and not modified since); lazy ones are read one at a time and dropped,
     so a plan that defers loading (a checkpoint load, a file merge) is checked without holding
-    every adapter tensor at once.
+    every adapter tensor at once. Each loaded tensor's ``max |t|`` is kept with its verdict
+    (:func:`known_abs_max`: merges bound their updates by it).
     """
     where, tensors = [], []
     for name, contribs in plan.params.items():
