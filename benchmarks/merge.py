@@ -2,7 +2,9 @@
 
 Variants, interleaved in one run:
     shuttle      shuttle.merge_lora end to end, an adapter merged into this model before (its
-                 placement and its tensors' finiteness remembered: a server switching adapters)
+                 placement and its tensors' finiteness remembered: a server switching adapters);
+                 one kernel launch per group of up to MAX_GROUP same-shaped weights
+    shuttle_per_weight  the same with one launch per weight (MAX_GROUP = 1)
     shuttle_cold shuttle.merge_lora of an adapter object never seen before (fresh tensors):
                  resolution, shape checks and the finite scan of every adapter tensor timed too
     naive_fp32   per weight: W.float(), addmm_ in float32, cast back (the float32 round trip)
@@ -68,18 +70,22 @@ def main() -> None:
     ap.add_argument("--inp", type=int, default=3072)
     ap.add_argument("--rank", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--max-group", type=int, default=None,
+                    help="weights per fused-merge launch (default: the library's MAX_GROUP)")
     ap.add_argument("--kernel-config", default=None,
                     help='(BM, BN, warps) for the fused kernel, e.g. "(64, 128, 8)" '
                          "(benchmarks/tune_merge_kernel.py writes the best)")
     args = ap.parse_args()
+    # The module: ``import shuttle.kernels.merge_lowrank`` would give the function of the
+    # same name that shuttle.kernels re-exports, and setting its attribute changes nothing.
+    mk = importlib.import_module("shuttle.kernels.merge_lowrank")
     if args.kernel_config:
         import ast
 
-        # The module: ``import shuttle.kernels.merge_lowrank`` would give the function of the
-        # same name that shuttle.kernels re-exports, and setting its attribute changes nothing.
-        mk = importlib.import_module("shuttle.kernels.merge_lowrank")
-
         mk.CUDA_CONFIG = tuple(ast.literal_eval(args.kernel_config))
+    if args.max_group:
+        mk.MAX_GROUP = args.max_group
+    max_group = mk.MAX_GROUP
     n, out_f, in_f, rank, alpha = args.layers, args.out, args.inp, args.rank, 32.0
     scale = alpha / rank
     torch.manual_seed(0)
@@ -100,7 +106,7 @@ def main() -> None:
     acc = {"shuttle": ulp_error(probe.layers[0].weight, ref)}
     w32 = w0.float()
     w32.addmm_(b.float(), a.float(), alpha=scale)
-    acc["shuttle_cold"] = acc["shuttle"]
+    acc["shuttle_cold"] = acc["shuttle_per_weight"] = acc["shuttle"]
     acc["naive_fp32"] = ulp_error(w32.bfloat16(), ref)
     acc["peft"] = ulp_error(w0 + (b @ a) * scale, ref)
     acc["cublas_addmm"] = ulp_error(w0.clone().addmm_(b, a, alpha=scale), ref)
@@ -121,6 +127,13 @@ def main() -> None:
 
     def run_shuttle(i: int) -> None:
         shuttle.merge_lora(model, [(loras[i % 2], 1.0)], progress=False)
+
+    def run_per_weight(i: int) -> None:
+        mk.MAX_GROUP = 1
+        try:
+            shuttle.merge_lora(model, [(loras[i % 2], 1.0)], progress=False)
+        finally:
+            mk.MAX_GROUP = max_group
 
     def fresh_lora(i: int) -> shuttle.LoRA:
         return shuttle.load_lora({k: v.clone() for k, v in sds[i % 2].items()})
@@ -158,12 +171,14 @@ def main() -> None:
         elif name == "shuttle_cold":
             cold[0] = fresh_lora(i + 1)
 
-    variants = {"shuttle": run_shuttle, "shuttle_cold": run_cold, "naive_fp32": run_naive,
+    variants = {"shuttle": run_shuttle, "shuttle_per_weight": run_per_weight,
+                "shuttle_cold": run_cold, "naive_fp32": run_naive,
                 "peft": run_peft, "cublas_addmm": run_raw, "copy": run_copy}
     timings = harness.interleaved(variants, rounds=args.rounds, between=between)
     # The kernels' own time (profiler), apart from the host's: where an end-to-end time above
     # it comes from the host (planning, issuing), not from the GPU.
-    kernel_ms = {k: harness.gpu_ms(variants[k]) for k in ("shuttle", "cublas_addmm", "copy")}
+    kernel_ms = {k: harness.gpu_ms(variants[k])
+                 for k in ("shuttle", "shuttle_per_weight", "cublas_addmm", "copy")}
     gbs = {k: 2 * weight_bytes / (v["median_ms"] * 1e-3) / 1e9 for k, v in timings.items()}
     rows = []
     for k in variants:
@@ -175,8 +190,8 @@ def main() -> None:
     table = harness.markdown_table(
         ["variant", "median ms", "GPU kernels ms", "GB/s (W read+write)", "vs shuttle",
          "elements != float64 single rounding", "max err (ulp)"], rows)
-    mk = importlib.import_module("shuttle.kernels.merge_lowrank")
-    notes = (f"kernel {mk.CUDA_CONFIG} (BM, BN, warps); {n} bf16 weights of {out_f}x{in_f} "
+    notes = (f"kernel {mk.CUDA_CONFIG} (BM, BN, warps), up to {max_group} weights a launch; "
+             f"{n} bf16 weights of {out_f}x{in_f} "
              f"({weight_bytes / 1e9:.2f} GB), rank {rank}, "
              f"alpha {alpha:g}; {args.rounds} interleaved rounds after 3 warm-up, median; two "
              "adapters alternate between rounds (shuttle_cold: a new adapter object with new "

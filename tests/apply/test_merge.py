@@ -486,15 +486,16 @@ def kernel_merges(monkeypatch):
         pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1, set on CPU)")
     monkeypatch.setattr(merge, "_on_kernel_device", lambda p: True)
     calls = []
-    real = merge.merge_lowrank
-    monkeypatch.setattr(merge, "merge_lowrank",
-                        lambda w, *a, **k: calls.append(w.shape[0]) or real(w, *a, **k))
+    real = merge.merge_lowrank_many
+    monkeypatch.setattr(merge, "merge_lowrank_many",
+                        lambda jobs, *a, **k: calls.extend(j.w.shape[0] for j in jobs)
+                        or real(jobs, *a, **k))
     return calls
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64], ids=str)
 def test_kernel_merge_equals_float64_reference(dtype, kernel_merges):
-    """Two adapters on three weights: one kernel call per weight, both adapters joined along
+    """Two adapters on three weights: one kernel job per weight, both adapters joined along
     the rank; on dyadic inputs every float32 sum is exact, so each weight equals float64
     rounded once. float64 weights keep the float64 path (the kernel sums in float32)."""
     model = _stack(3, dtype)
@@ -546,9 +547,9 @@ def test_kernel_checks_overflow_only_where_the_update_could_reach_it(dtype, kern
     from shuttle.apply import merge
 
     flagged = []
-    inner = merge.merge_lowrank
-    monkeypatch.setattr(merge, "merge_lowrank", lambda w, *a, **k: flagged.append(
-        k.get("overflow") is not None) or inner(w, *a, **k))
+    inner = merge.merge_lowrank_many
+    monkeypatch.setattr(merge, "merge_lowrank_many", lambda jobs, *a, **k: flagged.extend(
+        j.overflow is not None for j in jobs) or inner(jobs, *a, **k))
     model = _stack(3, dtype)
     g = torch.Generator().manual_seed(25)
     sd = {k: v for i, layer in enumerate(model.layers)

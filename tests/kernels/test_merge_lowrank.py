@@ -106,3 +106,83 @@ def test_overflow_flag_set_exactly_where_a_sum_rounds_to_infinity(dtype, edge):
     flag = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     merge_lowrank(pre, up, torch.ones(1, 16, device=DEVICE), [0, 1], [1.0], overflow=flag)
     assert int(flag) == 0
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Groups of at most two jobs a launch (to reach several chunks with few jobs); yields the
+    launch grids."""
+    import importlib
+
+    mk = importlib.import_module("shuttle.kernels.merge_lowrank")
+    monkeypatch.setattr(mk, "MAX_GROUP", 2)
+    grids = []
+    real = mk._kernel()
+
+    class Counting:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(mk, "_kernel", lambda: Counting())
+    return grids
+
+
+def test_many_jobs_equal_one_launch_each_bit_for_bit(launches):
+    """Jobs of two shapes and two dtypes, with and without several contributions: grouped
+    launches (same shapes, strides and dtypes; at most MAX_GROUP jobs each) give the bits of
+    one merge_lowrank per job."""
+    from shuttle.kernels.merge_lowrank import LowRankJob, merge_lowrank_many
+
+    cases = [_case(70, 45, [5, 7], torch.bfloat16, torch.bfloat16, seed=s) for s in range(5)]
+    cases += [_case(33, 130, [16], torch.float16, torch.bfloat16, seed=s) for s in range(5, 7)]
+    cases.append(_case(70, 45, [5, 7], torch.float16, torch.bfloat16, seed=7))
+    want = []
+    for w, up, down, seg, alpha in cases:
+        want.append(w.clone())
+        merge_lowrank(want[-1], up, down, seg, alpha)
+    del launches[:]
+    got = [w.clone() for w, *_ in cases]
+    merge_lowrank_many([LowRankJob(g, *c[1:]) for g, c in zip(got, cases, strict=True)])
+    for g, wt in zip(got, want, strict=True):
+        assert torch.equal(g, wt)
+    # bf16 70x45: 5 jobs in chunks of 2, 2, 1; fp16 33x130: 2 jobs; fp16 70x45: 1 job
+    assert [grid[1] for grid in launches] == [2, 2, 1, 2, 1]
+
+
+def test_overlapping_jobs_merge_one_by_one_in_order(launches):
+    """Row ranges of one weight that overlap cannot share a launch (their tiles would race):
+    every job then runs alone, in order, and the rows both update take both updates."""
+    from shuttle.kernels.merge_lowrank import LowRankJob, merge_lowrank_many
+
+    w, up, down, seg, alpha = _case(48, 40, [4], torch.bfloat16, torch.bfloat16)
+    want = w.clone()
+    merge_lowrank(want[0:32], up[0:32], down, seg, alpha)
+    merge_lowrank(want[16:48], up[16:48], down, seg, [-2 * alpha[0]])
+    del launches[:]
+    got = w.clone()
+    merge_lowrank_many([LowRankJob(got[0:32], up[0:32], down, seg, alpha),
+                        LowRankJob(got[16:48], up[16:48], down, seg, [-2 * alpha[0]])])
+    assert torch.equal(got, want)
+    assert [grid[1] for grid in launches] == [1, 1]
+    # disjoint row ranges of one weight do share one launch
+    del launches[:]
+    merge_lowrank_many([LowRankJob(got[0:24], up[0:24], down, seg, alpha),
+                        LowRankJob(got[24:48], up[24:48], down, seg, alpha)])
+    assert [grid[1] for grid in launches] == [2]
+
+
+def test_overflow_flag_set_by_any_job_of_a_group(launches):
+    """One flag shared by a group: the second job's overflow sets it; the first job merges
+    as usual."""
+    from shuttle.kernels.merge_lowrank import LowRankJob, merge_lowrank_many
+
+    flag = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    ws = [torch.zeros(4, 16, dtype=torch.float16, device=DEVICE) for _ in range(2)]
+    up = torch.ones(4, 1, device=DEVICE)
+    merge_lowrank_many([LowRankJob(ws[0], up, torch.ones(1, 16, device=DEVICE), [0, 1], [1.0],
+                                   flag),
+                        LowRankJob(ws[1], up, torch.full((1, 16), 65520.0, device=DEVICE),
+                                   [0, 1], [1.0], flag)])
+    assert int(flag) == 1 and len(launches) == 1
+    assert bool((ws[0] == 1).all()) and bool(torch.isinf(ws[1]).all())

@@ -4,9 +4,9 @@ Per parameter the contributions are applied in float32 in order (adapter order, 
 order) and the result is rounded to the weight's dtype once. A float8 or quantized weight
 (bitsandbytes, torchao, quanto: any registered representation) is dequantized once and encoded
 once, stochastically by default, and written back into the same parameter object. On CUDA, a
-parameter whose only contributions are plain low-rank products goes through one fused Triton
-kernel per row range (``shuttle.kernels.merge_lowrank``): the weight is read once and written
-once, the products are accumulated in float32 and rounded once.
+parameter whose only contributions are plain low-rank products goes through a fused Triton
+kernel (``shuttle.kernels.merge_lowrank``), launched once per group of same-shaped weights: each
+weight is read once and written once, the products are accumulated in float32 and rounded once.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from shuttle.apply.plan import (
 )
 from shuttle.apply.rounding import Rounding, param_seed, round_to
 from shuttle.errors import InvalidStrengthError, NonFiniteAdapterError
-from shuttle.kernels import merge_lowrank, triton_available
-from shuttle.kernels.merge_lowrank import overflow_margin
+from shuttle.kernels import triton_available
+from shuttle.kernels.merge_lowrank import LowRankJob, merge_lowrank_many, overflow_margin
 from shuttle.patches import LowRank
 from shuttle.targets import KeyMapping
 from shuttle.weights import PLAIN_DTYPES, WeightRepresentation, represent
@@ -133,11 +133,23 @@ def merge_plan(model: torch.nn.Module, plan: MergePlan, *, rounding: Rounding | 
     # the end (the kernel path cannot stop before a write without a host sync per weight);
     # none, and no sync, where no update can overflow its weight.
     flags: dict[torch.device, torch.Tensor] = {}
+    # Weights the fused kernel takes are launched together at the end, one launch per group of
+    # same-shaped weights (merge_lowrank_many): one launch per weight cost more host time than
+    # the GPU's merge on a slow host.
+    jobs: list[LowRankJob] = []
+    nearest = rounding in (None, "nearest")
     with torch.no_grad(), exact_cublas():
-        for name in tqdm(plan.params, desc="merging", unit="param", disable=not show):
-            p, contribs = params[name], plan.params[name]
-            merge_param(p, name, contribs, rounding, seed,
-                        overflow=overflow_flag(p, contribs, flags))
+        try:
+            for name in tqdm(plan.params, desc="merging", unit="param", disable=not show):
+                p, contribs = params[name], plan.params[name]
+                overflow = overflow_flag(p, contribs, flags)
+                fused = _fused_jobs(p, contribs, overflow) if nearest else None
+                if fused is None:
+                    merge_param(p, name, contribs, rounding, seed, overflow=overflow)
+                else:
+                    jobs += fused
+        finally:  # a weight that failed leaves the ones before it merged (as documented)
+            merge_lowrank_many(jobs)
     if any(bool(f) for f in flags.values()):
         # rare: find the weights (those now holding infinity or NaN)
         bad = [n for n in plan.params if params[n].device in flags
@@ -316,23 +328,32 @@ def lowrank_sums(contribs: list[Contribution]
 
 def _merge_fused(p: torch.Tensor, contribs: list[Contribution],
                  overflow: torch.Tensor | None = None) -> bool:
-    """The single-pass CUDA path; returns False (doing nothing) where it does not apply.
-
-    Plain low-rank contributions are concatenated along the rank per row range and merged by
-    the fused Triton kernel: W read once, written once, one rounding. Not for float64 weights
-    (the kernel accumulates in float32) nor weights off the kernel device.
-    """
-    if not (p.dtype in _FUSED_DTYPES and _on_kernel_device(p) and triton_available()
-            and p.dim() >= 2 and p.is_contiguous()):
+    """The single-pass CUDA path; returns False (doing nothing) where it does not apply."""
+    jobs = _fused_jobs(p, contribs, overflow)
+    if jobs is None:
         return False
+    merge_lowrank_many(jobs)
+    return True
+
+
+def _fused_jobs(p: torch.Tensor, contribs: list[Contribution],
+                overflow: torch.Tensor | None = None) -> list[LowRankJob] | None:
+    """The fused kernel's jobs for ``p``, or None where that kernel does not apply.
+
+    Plain low-rank contributions are concatenated along the rank per row range, for the fused
+    Triton kernel: W read once, written once, one rounding. Not for float64 weights (the
+    kernel accumulates in float32), quantized weights, nor weights off the kernel device.
+    """
+    if not (p.dtype in _FUSED_DTYPES and is_plain_tensor(p) and _on_kernel_device(p)
+            and p.dim() >= 2 and p.is_contiguous() and triton_available()):
+        return None
     sums = lowrank_sums(contribs)
     if sums is None:
-        return False
+        return None
     # the parameter itself when 2-D (no new tensor object: host time per weight counts here)
     w2d = p if p.dim() == 2 else p.detach().view(p.shape[0], -1)
-    for rows, lr in sums.items():
-        merge_lowrank(w2d if rows is None else w2d[rows[0]:rows[1]], *lr, overflow=overflow)
-    return True
+    return [LowRankJob(w2d if rows is None else w2d[rows[0]:rows[1]], *lr, overflow)
+            for rows, lr in sums.items()]
 
 
 def overflow_flag(p: torch.Tensor, contribs: list[Contribution],
