@@ -486,10 +486,9 @@ def kernel_merges(monkeypatch):
         pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1, set on CPU)")
     monkeypatch.setattr(merge, "_on_kernel_device", lambda p: True)
     calls = []
-    real = merge.merge_lowrank_many
-    monkeypatch.setattr(merge, "merge_lowrank_many",
-                        lambda jobs, *a, **k: calls.extend(j.w.shape[0] for j in jobs)
-                        or real(jobs, *a, **k))
+    real = merge.LowRankMerges.add
+    monkeypatch.setattr(merge.LowRankMerges, "add",
+                        lambda self, job: calls.append(job.w.shape[0]) or real(self, job))
     return calls
 
 
@@ -547,9 +546,9 @@ def test_kernel_checks_overflow_only_where_the_update_could_reach_it(dtype, kern
     from shuttle.apply import merge
 
     flagged = []
-    inner = merge.merge_lowrank_many
-    monkeypatch.setattr(merge, "merge_lowrank_many", lambda jobs, *a, **k: flagged.extend(
-        j.overflow is not None for j in jobs) or inner(jobs, *a, **k))
+    inner = merge.LowRankMerges.add
+    monkeypatch.setattr(merge.LowRankMerges, "add", lambda self, job: flagged.append(
+        job.overflow is not None) or inner(self, job))
     model = _stack(3, dtype)
     g = torch.Generator().manual_seed(25)
     sd = {k: v for i, layer in enumerate(model.layers)

@@ -130,8 +130,8 @@ def launches(monkeypatch):
 
 def test_many_jobs_equal_one_launch_each_bit_for_bit(launches):
     """Jobs of two shapes and two dtypes, with and without several contributions: grouped
-    launches (same shapes, strides and dtypes; at most MAX_GROUP jobs each) give the bits of
-    one merge_lowrank per job."""
+    launches (same shapes, strides and dtypes; groups of each kind growing 1, 2, ... up to
+    MAX_GROUP) give the bits of one merge_lowrank per job."""
     from shuttle.kernels.merge_lowrank import LowRankJob, merge_lowrank_many
 
     cases = [_case(70, 45, [5, 7], torch.bfloat16, torch.bfloat16, seed=s) for s in range(5)]
@@ -146,43 +146,45 @@ def test_many_jobs_equal_one_launch_each_bit_for_bit(launches):
     merge_lowrank_many([LowRankJob(g, *c[1:]) for g, c in zip(got, cases, strict=True)])
     for g, wt in zip(got, want, strict=True):
         assert torch.equal(g, wt)
-    # bf16 70x45: 5 jobs in chunks of 2, 2, 1; fp16 33x130: 2 jobs; fp16 70x45: 1 job
-    assert [grid[1] for grid in launches] == [2, 2, 1, 2, 1]
+    # bf16 70x45: 1, then 2, 2 (MAX_GROUP); fp16 33x130: 1, then the last one at the flush;
+    # fp16 70x45: 1
+    assert [grid[1] for grid in launches] == [1, 2, 2, 1, 1, 1]
 
 
-def test_overlapping_jobs_merge_one_by_one_in_order(launches):
+def test_overlapping_jobs_never_share_a_launch(launches):
     """Row ranges of one weight that overlap cannot share a launch (their tiles would race):
-    every job then runs alone, in order, and the rows both update take both updates."""
+    the later one waits for the earlier one's launch, and the rows both update take both
+    updates in order. Disjoint row ranges of one weight do share launches."""
     from shuttle.kernels.merge_lowrank import LowRankJob, merge_lowrank_many
 
     w, up, down, seg, alpha = _case(48, 40, [4], torch.bfloat16, torch.bfloat16)
+    rows = [(0, 16), (16, 40), (32, 48)]  # the last two overlap
+    scales = [alpha, [-2 * alpha[0]], [3 * alpha[0]]]
     want = w.clone()
-    merge_lowrank(want[0:32], up[0:32], down, seg, alpha)
-    merge_lowrank(want[16:48], up[16:48], down, seg, [-2 * alpha[0]])
+    for (r0, r1), a in zip(rows, scales, strict=True):
+        merge_lowrank(want[r0:r1], up[r0:r1], down, seg, a)
     del launches[:]
     got = w.clone()
-    merge_lowrank_many([LowRankJob(got[0:32], up[0:32], down, seg, alpha),
-                        LowRankJob(got[16:48], up[16:48], down, seg, [-2 * alpha[0]])])
+    merge_lowrank_many([LowRankJob(got[r0:r1], up[r0:r1], down, seg, a)
+                        for (r0, r1), a in zip(rows, scales, strict=True)])
     assert torch.equal(got, want)
-    assert [grid[1] for grid in launches] == [1, 1]
-    # disjoint row ranges of one weight do share one launch
+    assert [grid[1] for grid in launches] == [1, 1, 1]
     del launches[:]
-    merge_lowrank_many([LowRankJob(got[0:24], up[0:24], down, seg, alpha),
-                        LowRankJob(got[24:48], up[24:48], down, seg, alpha)])
-    assert [grid[1] for grid in launches] == [2]
+    rows = [(0, 16), (16, 32), (32, 48)]
+    merge_lowrank_many([LowRankJob(got[r0:r1], up[r0:r1], down, seg, alpha) for r0, r1 in rows])
+    assert [grid[1] for grid in launches] == [1, 2]
 
 
 def test_overflow_flag_set_by_any_job_of_a_group(launches):
-    """One flag shared by a group: the second job's overflow sets it; the first job merges
-    as usual."""
+    """One flag shared by a group: its last job's overflow sets it; the others merge as
+    usual."""
     from shuttle.kernels.merge_lowrank import LowRankJob, merge_lowrank_many
 
     flag = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    ws = [torch.zeros(4, 16, dtype=torch.float16, device=DEVICE) for _ in range(2)]
+    ws = [torch.zeros(4, 16, dtype=torch.float16, device=DEVICE) for _ in range(3)]
     up = torch.ones(4, 1, device=DEVICE)
-    merge_lowrank_many([LowRankJob(ws[0], up, torch.ones(1, 16, device=DEVICE), [0, 1], [1.0],
-                                   flag),
-                        LowRankJob(ws[1], up, torch.full((1, 16), 65520.0, device=DEVICE),
-                                   [0, 1], [1.0], flag)])
-    assert int(flag) == 1 and len(launches) == 1
-    assert bool((ws[0] == 1).all()) and bool(torch.isinf(ws[1]).all())
+    ones, edge = torch.ones(1, 16, device=DEVICE), torch.full((1, 16), 65520.0, device=DEVICE)
+    merge_lowrank_many([LowRankJob(w, up, d, [0, 1], [1.0], flag)
+                        for w, d in zip(ws, (ones, ones, edge), strict=True)])
+    assert int(flag) == 1 and [grid[1] for grid in launches] == [1, 2]
+    assert bool((ws[0] == 1).all()) and bool((ws[1] == 1).all()) and bool(torch.isinf(ws[2]).all())

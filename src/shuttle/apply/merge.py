@@ -33,7 +33,12 @@ from shuttle.apply.plan import (
 from shuttle.apply.rounding import Rounding, param_seed, round_to
 from shuttle.errors import InvalidStrengthError, NonFiniteAdapterError
 from shuttle.kernels import triton_available
-from shuttle.kernels.merge_lowrank import LowRankJob, merge_lowrank_many, overflow_margin
+from shuttle.kernels.merge_lowrank import (
+    LowRankJob,
+    LowRankMerges,
+    merge_lowrank_many,
+    overflow_margin,
+)
 from shuttle.patches import LowRank
 from shuttle.targets import KeyMapping
 from shuttle.weights import PLAIN_DTYPES, WeightRepresentation, represent
@@ -133,10 +138,9 @@ def merge_plan(model: torch.nn.Module, plan: MergePlan, *, rounding: Rounding | 
     # the end (the kernel path cannot stop before a write without a host sync per weight);
     # none, and no sync, where no update can overflow its weight.
     flags: dict[torch.device, torch.Tensor] = {}
-    # Weights the fused kernel takes are launched together at the end, one launch per group of
-    # same-shaped weights (merge_lowrank_many): one launch per weight cost more host time than
-    # the GPU's merge on a slow host.
-    jobs: list[LowRankJob] = []
+    # Weights the fused kernel takes are launched in groups of same-shaped weights as they
+    # come (LowRankMerges): one launch per weight cost more host time than the GPU's merge.
+    merges = LowRankMerges()
     nearest = rounding in (None, "nearest")
     with torch.no_grad(), exact_cublas():
         try:
@@ -147,9 +151,10 @@ def merge_plan(model: torch.nn.Module, plan: MergePlan, *, rounding: Rounding | 
                 if fused is None:
                     merge_param(p, name, contribs, rounding, seed, overflow=overflow)
                 else:
-                    jobs += fused
+                    for job in fused:
+                        merges.add(job)
         finally:  # a weight that failed leaves the ones before it merged (as documented)
-            merge_lowrank_many(jobs)
+            merges.flush()
     if any(bool(f) for f in flags.values()):
         # rare: find the weights (those now holding infinity or NaN)
         bad = [n for n in plan.params if params[n].device in flags

@@ -14,6 +14,7 @@ the oracle the kernel is tested against (on CPU under ``TRITON_INTERPRET=1``).
 
 from __future__ import annotations
 
+import bisect
 import functools
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -30,8 +31,8 @@ from shuttle.kernels.launch import (
     triton_available,
 )
 
-__all__ = ["LowRankJob", "merge_lowrank", "merge_lowrank_many", "merge_lowrank_reference",
-           "overflow_margin", "padded_factors"]
+__all__ = ["LowRankJob", "LowRankMerges", "merge_lowrank", "merge_lowrank_many",
+           "merge_lowrank_reference", "overflow_margin", "padded_factors"]
 
 
 def merge_lowrank_reference(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
@@ -154,54 +155,98 @@ def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
 
 def merge_lowrank_many(jobs: Sequence[LowRankJob],
                        config: tuple[int, int, int] | None = None) -> None:
-    """:func:`merge_lowrank` for every job, one launch per group of up to :data:`MAX_GROUP`
-    jobs of the same shapes, strides and dtypes (a model's layers repeat a few shapes).
+    """:func:`merge_lowrank` for every job, in grouped launches (see :class:`LowRankMerges`).
 
     The results equal one :func:`merge_lowrank` per job bit for bit: the same tiles, the same
-    arithmetic. Where two jobs' weights overlap in memory (row ranges of one weight that
-    overlap) every job is merged alone, in order. Padded factors (several contributions) are
-    made for the launch and freed after it, in stream order.
+    arithmetic.
     """
-    interpret = interpreting()
-    items = []  # (what the kernel is specialized on or takes as scalars, one job's tensors)
+    merges = LowRankMerges(config)
     for job in jobs:
+        merges.add(job)
+    merges.flush()
+
+
+class LowRankMerges:
+    """Fused merges launched in groups as they are added: one launch runs up to
+    :data:`MAX_GROUP` jobs of the same shapes, strides and dtypes (a model's layers repeat a few
+    shapes), so the host spends one launch, not one per weight.
+
+    Each kind's groups grow 1, 2, 4, ... up to MAX_GROUP: the first job is launched at once and
+    the GPU merges while the host prepares the next ones (collecting every job before the
+    first launch left the GPU idle for the whole host loop: measured slower end to end than
+    one launch per weight at bb96e45). Jobs whose weights overlap in memory (row ranges of one
+    weight that overlap) never share a launch and run in the order added. Call :meth:`flush`
+    at the end: it launches what is left.
+    """
+
+    def __init__(self, config: tuple[int, int, int] | None = None):
+        self._interpret = interpreting()
+        bm, bn, warps = config or ((32, 32, 4) if self._interpret else CUDA_CONFIG)
+        self._tile = (bm, bn, warps)
+        self._pending: dict[tuple, list[tuple]] = {}  # kind -> jobs not launched yet
+        self._launches: dict[tuple, int] = {}  # kind -> launches so far
+        self._spans: list[tuple[int, int]] = []  # address ranges added since the last flush
+
+    def add(self, job: LowRankJob) -> None:
+        """Queue ``job``; launches its kind's group when full."""
         w, up, down, seg, alpha, overflow = job
         assert w.dim() == up.dim() == down.dim() == 2, "merge_lowrank works on 2-D views"
         assert up.shape[1] == down.shape[0] == seg[-1] and len(seg) == len(alpha) + 1
-        if not triton_available() or not (w.is_cuda or interpret) or w.stride(1) != 1:
+        if not triton_available() or not (w.is_cuda or self._interpret) or w.stride(1) != 1:
+            self.flush()  # in order with the jobs before it
             _merge_reference(job)
-            continue
+            return
         if not w.numel():
-            continue
+            return
+        if self._overlaps(w):  # (which records w's range where it returns False)
+            self.flush()
+            self._overlaps(w)
         up_p, down_p, alpha, br = padded_factors(up, down, seg, alpha)
-        key = (w.device, w.dtype, up_p.dtype, w.shape, w.stride(0), up_p.stride(0),
-               down_p.stride(0), len(alpha), br, None if overflow is None else id(overflow))
-        items.append((key, (w, up_p, down_p, device_floats(alpha, w.device), overflow)))
-    if len(items) > 1 and _overlapping([item[0] for _, item in items]):
-        launches = [(key, [item]) for key, item in items]  # one by one, in order
-    else:
-        groups: dict[tuple, list[tuple]] = {}
-        for key, item in items:
-            groups.setdefault(key, []).append(item)
-        launches = list(groups.items())
-    bm, bn, warps = config or ((32, 32, 4) if interpret else CUDA_CONFIG)
-    kernel = _kernel()
-    for (_, wdtype, fdtype, (m, n), stride_w, stride_b, stride_a, n_seg, br, _), group \
-            in launches:
-        w, _, _, _, overflow = group[0]
-        tiles = cdiv(m, bm) * cdiv(n, bn)
-        with on_device_of(w):
-            for i in range(0, len(group), MAX_GROUP):
-                chunk = group[i:i + MAX_GROUP]
-                count, slots = len(chunk), next_power_of_2(len(chunk))
-                chunk += [chunk[0]] * (slots - count)  # padding slots, never selected
-                ws, ups, downs, alphas, _ = zip(*chunk, strict=True)
-                kernel[(tiles, count)](
-                    ws, ups, downs, alphas, alphas[0] if overflow is None else overflow,
-                    m, n, stride_w, stride_b, stride_a, G=slots, N_SEG=n_seg, BM=bm, BN=bn,
-                    BR=br, IEEE=fdtype == torch.float32 or interpret,
-                    OVERFLOW=0.0 if overflow is None else _OVERFLOW.get(wdtype, 0.0),
-                    num_warps=warps, num_stages=1)
+        # what the kernel is specialized on or takes as scalar arguments
+        kind = (w.dtype, up_p.dtype, w.shape, w.stride(0), up_p.stride(0), down_p.stride(0),
+                len(alpha), br, None if overflow is None else id(overflow), w.device)
+        group = self._pending.setdefault(kind, [])
+        group.append((w, up_p, down_p, device_floats(alpha, w.device), overflow))
+        if len(group) >= min(MAX_GROUP, 1 << self._launches.get(kind, 0)):
+            self._launch(kind)
+
+    def flush(self) -> None:
+        """Launch every queued job."""
+        for kind in list(self._pending):
+            self._launch(kind)
+        self._spans.clear()
+
+    def _overlaps(self, w: torch.Tensor) -> bool:
+        """Whether ``w`` shares memory with a weight added since the last flush (by address
+        ranges: disjoint rows of one weight are disjoint); else records its range.
+        """
+        start = w.data_ptr()
+        span = (start, start + ((w.shape[0] - 1) * w.stride(0) + w.shape[1]) * w.element_size())
+        i = bisect.bisect(self._spans, span)
+        if (i and self._spans[i - 1][1] > start) or (i < len(self._spans)
+                                                   and self._spans[i][0] < span[1]):
+            return True
+        self._spans.insert(i, span)
+        return False
+
+    def _launch(self, kind: tuple) -> None:
+        group = self._pending.pop(kind, None)
+        if not group:
+            return
+        self._launches[kind] = self._launches.get(kind, 0) + 1
+        wdtype, fdtype, (m, n), stride_w, stride_b, stride_a, n_seg, br, _, _ = kind
+        bm, bn, warps = self._tile
+        overflow = group[0][4]
+        count, slots = len(group), next_power_of_2(len(group))
+        group += [group[0]] * (slots - count)  # padding slots, never selected
+        ws, ups, downs, alphas, _ = zip(*group, strict=True)
+        with on_device_of(ws[0]):
+            _kernel()[(cdiv(m, bm) * cdiv(n, bn), count)](
+                ws, ups, downs, alphas, alphas[0] if overflow is None else overflow,
+                m, n, stride_w, stride_b, stride_a, G=slots, N_SEG=n_seg, BM=bm, BN=bn, BR=br,
+                IEEE=fdtype == torch.float32 or self._interpret,
+                OVERFLOW=0.0 if overflow is None else _OVERFLOW.get(wdtype, 0.0),
+                num_warps=warps, num_stages=1)
 
 
 def _merge_reference(job: LowRankJob) -> None:
@@ -211,15 +256,6 @@ def _merge_reference(job: LowRankJob) -> None:
     merge_lowrank_reference(w, up, down, seg, alpha)
     if finite is not None:
         overflow.copy_((finite & ~torch.isfinite(w)).any().view(1) | overflow.bool())
-
-
-def _overlapping(ws: list[torch.Tensor]) -> bool:
-    """Whether any two of ``ws`` (2-D, unit column stride) share a byte of memory (by their
-    address ranges: rows of one weight that are disjoint count as disjoint).
-    """
-    spans = sorted((w.data_ptr(), w.data_ptr() + ((w.shape[0] - 1) * w.stride(0) + w.shape[1])
-                    * w.element_size()) for w in ws if w.numel())
-    return any(spans[i][1] > spans[i + 1][0] for i in range(len(spans) - 1))
 
 
 def padded_factors(up: torch.Tensor, down: torch.Tensor, seg: list[int], alpha: list[float]
