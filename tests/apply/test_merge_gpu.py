@@ -66,3 +66,35 @@ def test_cuda_float16_overflow_raises_and_scoped_merge_restores():
     assert all(torch.equal(p, before[n]) for n, p in gpu.named_parameters())
     with pytest.raises(shuttle.errors.NonFiniteAdapterError, match="'ff.weight'"):
         shuttle.merge_lora(gpu, [(sd, 1.0)])
+
+
+def test_repeated_cuda_merges_replay_and_equal_fresh_merges():
+    """Merging one adapter again replays the remembered launches (apply.recipe): the weights
+    equal those of merges prepared afresh, bit for bit, on grouped launches of several
+    same-shaped weights."""
+    from shuttle.apply import merge, recipe
+
+    def stack():
+        torch.manual_seed(3)
+        return nn.Sequential(*[nn.Linear(64, 96, bias=False) for _ in range(5)]).cuda().bfloat16()
+
+    g = torch.Generator().manual_seed(4)
+    sd = {}
+    for i in range(5):
+        sd[f"{i}.lora_A.weight"] = (torch.randn(16, 64, generator=g) * 0.1).bfloat16().cuda()
+        sd[f"{i}.lora_B.weight"] = (torch.randn(96, 16, generator=g) * 0.1).bfloat16().cuda()
+    lora = shuttle.load_lora(sd)
+    model, fresh = stack(), stack()
+    replays = []
+    real = merge.replay_merges
+    merge.replay_merges = lambda launches: replays.append(len(launches)) or real(launches)
+    try:
+        for _ in range(3):
+            shuttle.merge_lora(model, [(lora, 0.7)])
+            shuttle.merge_lora(fresh, [(lora, 0.7)])
+            recipe._RECIPES.pop(fresh, None)
+    finally:
+        merge.replay_merges = real
+    assert len(replays) == 2
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(a, b)

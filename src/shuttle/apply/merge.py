@@ -30,14 +30,17 @@ from shuttle.apply.plan import (
     known_abs_max,
     plan_params,
 )
+from shuttle.apply.recipe import MergeRecipe, find_recipe, remember_recipe
 from shuttle.apply.rounding import Rounding, param_seed, round_to
 from shuttle.errors import InvalidStrengthError, NonFiniteAdapterError
 from shuttle.kernels import triton_available
 from shuttle.kernels.merge_lowrank import (
+    RANK_STEPS,
     LowRankJob,
     LowRankMerges,
     merge_lowrank_many,
     overflow_margin,
+    replay_merges,
 )
 from shuttle.patches import LowRank
 from shuttle.targets import KeyMapping
@@ -134,27 +137,20 @@ def merge_plan(model: torch.nn.Module, plan: MergePlan, *, rounding: Rounding | 
     params = params if params is not None else dict(model.named_parameters())
     check_mergeable(plan, params)
     show = progress if progress is not None else len(plan.params) >= _PROGRESS_MIN_PARAMS
-    # Per device, one overflow flag that the fused kernel sets and merge_plan reads once at
-    # the end (the kernel path cannot stop before a write without a host sync per weight);
-    # none, and no sync, where no update can overflow its weight.
-    flags: dict[torch.device, torch.Tensor] = {}
-    # Weights the fused kernel takes are launched in groups of same-shaped weights as they
-    # come (LowRankMerges): one launch per weight cost more host time than the GPU's merge.
-    merges = LowRankMerges()
     nearest = rounding in (None, "nearest")
-    with torch.no_grad(), exact_cublas():
-        try:
-            for name in tqdm(plan.params, desc="merging", unit="param", disable=not show):
-                p, contribs = params[name], plan.params[name]
-                overflow = overflow_flag(p, contribs, flags)
-                fused = _fused_jobs(p, contribs, overflow) if nearest else None
-                if fused is None:
-                    merge_param(p, name, contribs, rounding, seed, overflow=overflow)
-                else:
-                    for job in fused:
-                        merges.add(job)
-        finally:  # a weight that failed leaves the ones before it merged (as documented)
-            merges.flush()
+    recipe = find_recipe(model, plan, params) if nearest else None
+    if recipe is not None:  # the same merge as before: its launches again (see apply.recipe)
+        flags = recipe.flags
+        for flag in flags.values():
+            flag.zero_()
+        fused = set(recipe.fused)
+        with torch.no_grad(), exact_cublas():
+            replay_merges(recipe.launches)
+            for name in plan.params:
+                if name not in fused:
+                    merge_param(params[name], name, plan.params[name], rounding, seed)
+    else:
+        flags = _merge_plan(model, plan, params, rounding, seed, show)
     if any(bool(f) for f in flags.values()):
         # rare: find the weights (those now holding infinity or NaN)
         bad = [n for n in plan.params if params[n].device in flags
@@ -168,6 +164,51 @@ def merge_plan(model: torch.nn.Module, plan: MergePlan, *, rounding: Rounding | 
             "it, and the others their merge. Use apply_lora for a scoped merge that always "
             "restores."
         )
+
+
+def _merge_plan(model: torch.nn.Module, plan: MergePlan, params: dict[str, torch.Tensor],
+                rounding: Rounding | None, seed: int | None,
+                show: bool) -> dict[torch.device, torch.Tensor]:
+    """:func:`merge_plan`'s work where no recipe repeats it; returns the overflow flags, and
+    remembers the launches as a recipe where they can be repeated (:mod:`shuttle.apply.recipe`).
+    """
+    # Per device, one overflow flag that the fused kernel sets and merge_plan reads once at
+    # the end (the kernel path cannot stop before a write without a host sync per weight);
+    # none, and no sync, where no update can overflow its weight.
+    flags: dict[torch.device, torch.Tensor] = {}
+    nearest = rounding in (None, "nearest")
+    # Weights the fused kernel takes are launched in groups of same-shaped weights as they
+    # come (LowRankMerges): one launch per weight cost more host time than the GPU's merge.
+    merges = LowRankMerges(record=nearest)
+    fused_names = []
+    with torch.no_grad(), exact_cublas():
+        try:
+            for name in tqdm(plan.params, desc="merging", unit="param", disable=not show):
+                p, contribs = params[name], plan.params[name]
+                overflow = overflow_flag(p, contribs, flags)
+                fused = _fused_jobs(p, contribs, overflow) if nearest else None
+                if fused is None:
+                    merge_param(p, name, contribs, rounding, seed, overflow=overflow)
+                    continue
+                fused_names.append(name)
+                for job in fused:
+                    if job.w is not p or not _plain_factors(job, contribs):
+                        merges.launches = None  # a view or a copy: see apply.recipe
+                    merges.add(job)
+        finally:  # a weight that failed leaves the ones before it merged (as documented)
+            merges.flush()
+    if merges.launches and not any(bool(f) for f in flags.values()):
+        remember_recipe(model, MergeRecipe(plan, params, fused_names, merges.launches, flags),
+                        plan.adapters)
+    return flags
+
+
+def _plain_factors(job: LowRankJob, contribs: list[Contribution]) -> bool:
+    """Whether ``job`` merges one contribution by the adapter's own factors, as the kernel
+    takes them (no concatenated or zero-padded copy for a recipe to keep alive).
+    """
+    return len(contribs) == 1 and job.seg[1] in RANK_STEPS and job.up.is_contiguous() \
+        and job.down.is_contiguous()
 
 
 def merge_param(p: torch.Tensor, name: str, contribs: list[Contribution],

@@ -31,8 +31,9 @@ from shuttle.kernels.launch import (
     triton_available,
 )
 
-__all__ = ["LowRankJob", "LowRankMerges", "merge_lowrank", "merge_lowrank_many",
-           "merge_lowrank_reference", "overflow_margin", "padded_factors"]
+__all__ = ["RANK_STEPS", "LowRankJob", "LowRankMerges", "MergeLaunch", "merge_lowrank",
+           "merge_lowrank_many", "merge_lowrank_reference", "overflow_margin", "padded_factors",
+           "replay_merges"]
 
 
 def merge_lowrank_reference(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
@@ -99,7 +100,8 @@ CUDA_CONFIG: tuple[int, int, int] = (64, 128, 8)
 # Python and launch time per weight stays below the GPU's.
 MAX_GROUP = 8
 _MAX_RANK_STEP = 128  # larger ranks are split into several contributions of at most this
-_RANK_STEPS = (16, 32, 64, 128)  # ranks used as they are (seg [0, r], one contribution)
+# Ranks the kernel takes as they are (seg [0, r], one contribution); others are zero-padded.
+RANK_STEPS = (16, 32, 64, 128)
 # The smallest |x| that rounds (to nearest even) to infinity in each weight dtype: halfway from
 # the largest finite value to the next power of two, where the tie goes to the even infinity.
 _OVERFLOW = {torch.float16: 65520.0, torch.bfloat16: 2.0**128 - 2.0**119}
@@ -177,15 +179,20 @@ class LowRankMerges:
     one launch per weight at bb96e45). Jobs whose weights overlap in memory (row ranges of one
     weight that overlap) never share a launch and run in the order added. Call :meth:`flush`
     at the end: it launches what is left.
+
+    With ``record=True`` every launch is also kept in :attr:`launches` (None once a job took
+    the PyTorch fallback instead), for :func:`replay_merges` to repeat the same merges
+    without redoing the host work.
     """
 
-    def __init__(self, config: tuple[int, int, int] | None = None):
+    def __init__(self, config: tuple[int, int, int] | None = None, *, record: bool = False):
         self._interpret = interpreting()
         bm, bn, warps = config or ((32, 32, 4) if self._interpret else CUDA_CONFIG)
         self._tile = (bm, bn, warps)
         self._pending: dict[tuple, list[tuple]] = {}  # kind -> jobs not launched yet
         self._launches: dict[tuple, int] = {}  # kind -> launches so far
         self._spans: list[tuple[int, int]] = []  # address ranges added since the last flush
+        self.launches: list[MergeLaunch] | None = [] if record else None
 
     def add(self, job: LowRankJob) -> None:
         """Queue ``job``; launches its kind's group when full."""
@@ -195,6 +202,7 @@ class LowRankMerges:
         if not triton_available() or not (w.is_cuda or self._interpret) or w.stride(1) != 1:
             self.flush()  # in order with the jobs before it
             _merge_reference(job)
+            self.launches = None  # not a launch: cannot be replayed
             return
         if not w.numel():
             return
@@ -238,15 +246,40 @@ class LowRankMerges:
         bm, bn, warps = self._tile
         overflow = group[0][4]
         count, slots = len(group), next_power_of_2(len(group))
-        group += [group[0]] * (slots - count)  # padding slots, never selected
-        ws, ups, downs, alphas, _ = zip(*group, strict=True)
-        with on_device_of(ws[0]):
-            _kernel()[(cdiv(m, bm) * cdiv(n, bn), count)](
-                ws, ups, downs, alphas, alphas[0] if overflow is None else overflow,
-                m, n, stride_w, stride_b, stride_a, G=slots, N_SEG=n_seg, BM=bm, BN=bn, BR=br,
-                IEEE=fdtype == torch.float32 or self._interpret,
-                OVERFLOW=0.0 if overflow is None else _OVERFLOW.get(wdtype, 0.0),
-                num_warps=warps, num_stages=1)
+        # padding slots repeat the first job and are never selected (the grid has count jobs)
+        ws, ups, downs, alphas, _ = zip(*group, *[group[0]] * (slots - count), strict=True)
+        launch = MergeLaunch(
+            (cdiv(m, bm) * cdiv(n, bn), count),
+            (ws, ups, downs, alphas, alphas[0] if overflow is None else overflow, m, n,
+             stride_w, stride_b, stride_a),
+            {"G": slots, "N_SEG": n_seg, "BM": bm, "BN": bn, "BR": br,
+             "IEEE": fdtype == torch.float32 or self._interpret,
+             "OVERFLOW": 0.0 if overflow is None else _OVERFLOW.get(wdtype, 0.0),
+             "num_warps": warps, "num_stages": 1})
+        if self.launches is not None:
+            self.launches.append(launch)
+        _run(launch)
+
+
+class MergeLaunch(NamedTuple):
+    """One launch of the fused merge kernel: its grid and arguments."""
+
+    grid: tuple[int, int]
+    args: tuple
+    kwargs: dict
+
+
+def replay_merges(launches: Sequence[MergeLaunch]) -> None:
+    """Launch recorded merges again (see :class:`LowRankMerges`): the same weights, factors
+    and scales are merged again; the caller checks that they are still the right tensors.
+    """
+    for launch in launches:
+        _run(launch)
+
+
+def _run(launch: MergeLaunch) -> None:
+    with on_device_of(launch.args[0][0]):
+        _kernel()[launch.grid](*launch.args, **launch.kwargs)
 
 
 def _merge_reference(job: LowRankJob) -> None:
@@ -266,7 +299,7 @@ def padded_factors(up: torch.Tensor, down: torch.Tensor, seg: list[int], alpha: 
     (aligned vector loads, no rank masks). A single contribution already ``br`` wide is used
     as it is.
     """
-    if len(alpha) == 1 and seg[1] in _RANK_STEPS:  # the common case, without the loops
+    if len(alpha) == 1 and seg[1] in RANK_STEPS:  # the common case, without the loops
         return up.contiguous(), down.contiguous(), alpha, seg[1]
     seg, alpha = _split_large_ranks(seg, alpha)
     max_r = max(seg[i + 1] - seg[i] for i in range(len(alpha)))

@@ -1,0 +1,116 @@
+"""Repeat a merge without redoing its host work.
+
+A server that merges the same adapter into the same model again and again (per request, through
+``apply_lora(mode="merge")``, or switching between a few adapters) repeats the same fused kernel
+launches each time. Preparing them costs host time per weight (choosing the kernel path, grouping
+the weights, building the launch arguments), and on a slow host that time, not the GPU's, set the
+merge's speed (docs/benchmarks.md, merge). A :class:`MergeRecipe` keeps the launches of one merge
+of a model, with everything they were built from, and :func:`find_recipe` hands it back for the
+next merge whose plan is the same: the same adapter objects at the same strengths, the same patch
+objects on the same rows, the same parameter objects at the same addresses and dtypes, the
+adapter tensors unmodified since. Anything else is a miss, and the merge is prepared afresh.
+
+Recipes are kept per model (weakly: they die with it), at most :data:`MAX_RECIPES` each, and
+dropped as soon as one of their adapters is garbage collected. They hold only what the adapter
+and the model hold already: recipes are made only for merges whose kernel jobs are whole
+parameters (no row-range or reshaped views, which would keep a replaced weight's old storage
+alive) and use the adapter's factors as they are (no concatenated or padded copies).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+
+import torch
+
+from shuttle.apply.plan import MergePlan
+from shuttle.kernels.merge_lowrank import MergeLaunch
+
+__all__ = ["MAX_RECIPES", "MergeRecipe", "find_recipe", "remember_recipe"]
+
+MAX_RECIPES = 4  # per model: a server alternating between a few adapters hits every time
+
+
+class MergeRecipe:
+    """The fused launches of one merge, and what must hold for them to be launched again.
+
+    Attributes:
+        launches: the recorded kernel launches (weights, factors, scales, flags).
+        fused: names of the parameters those launches merge.
+        flags: the overflow flags the launches set, per device (zeroed before a replay).
+    """
+
+    def __init__(self, plan: MergePlan, params: Mapping[str, torch.Tensor], fused: list[str],
+                 launches: list[MergeLaunch], flags: dict[torch.device, torch.Tensor]):
+        self.launches = launches
+        self.fused = fused
+        self.flags = flags
+        self._adapters = [(id(lora), strength) for lora, strength in plan.adapters]
+        self._loras: list[weakref.ref] = []  # set by remember_recipe (with its callback)
+        self._names = list(plan.params)
+        # the patch objects themselves: their ids cannot be reused while the recipe holds them
+        self._contribs = [(c.patch, c.rows, c.strength) for cs in plan.params.values()
+                          for c in cs]
+        self._params = [(params[n], params[n].data_ptr(), params[n].dtype) for n in fused]
+        self._versions = [(t, t._version) for n in fused for c in plan.params[n]
+                          for _, t in c.patch.tensors() if isinstance(t, torch.Tensor)]
+
+    def matches(self, plan: MergePlan, params: Mapping[str, torch.Tensor]) -> bool:
+        """Whether ``plan`` over ``params`` would launch exactly :attr:`launches` again."""
+        adapters = plan.adapters
+        if len(adapters) != len(self._loras) or any(
+                ref() is not lora or strength != s
+                for ref, (lora, strength), (_, s) in zip(self._loras, adapters, self._adapters,
+                                                         strict=True)):
+            return False
+        if list(plan.params) != self._names:
+            return False
+        contribs = self._contribs
+        i = 0
+        for cs in plan.params.values():
+            for c in cs:
+                patch, rows, strength = contribs[i]
+                if c.patch is not patch or c.rows != rows or c.strength != strength:
+                    return False
+                i += 1
+        if i != len(contribs):
+            return False
+        for (p, ptr, dtype), name in zip(self._params, self.fused, strict=True):
+            if params[name] is not p or p.data_ptr() != ptr or p.dtype != dtype:
+                return False
+        return all(t._version == v for t, v in self._versions)
+
+
+# model -> its recipes, most recent first
+_RECIPES: weakref.WeakKeyDictionary[torch.nn.Module, list[MergeRecipe]] = \
+    weakref.WeakKeyDictionary()
+
+
+def find_recipe(model: torch.nn.Module, plan: MergePlan,
+                params: Mapping[str, torch.Tensor]) -> MergeRecipe | None:
+    """A remembered recipe of ``model`` that ``plan`` would repeat exactly, or None."""
+    for recipe in _RECIPES.get(model, ()):
+        if recipe.matches(plan, params):
+            return recipe
+    return None
+
+
+def remember_recipe(model: torch.nn.Module, recipe: MergeRecipe,
+                    adapters: list[tuple[object, float]]) -> None:
+    """Keep ``recipe`` for ``model`` (made from a plan of ``adapters``), replacing any recipe
+    of the same adapters and strengths, and dropping the oldest beyond :data:`MAX_RECIPES`.
+    """
+    recipes = _RECIPES.setdefault(model, [])
+    recipes[:] = [r for r in recipes if r._adapters != recipe._adapters]
+    recipes.insert(0, recipe)
+    del recipes[MAX_RECIPES:]
+    model_ref = weakref.ref(model)
+
+    def forget(_: weakref.ref) -> None:  # an adapter of the recipe died: free its tensors
+        m = model_ref()
+        kept = _RECIPES.get(m) if m is not None else None
+        if kept is not None and recipe in kept:
+            kept.remove(recipe)
+
+    recipe._loras = [weakref.ref(lora, forget) for lora, _ in adapters]
