@@ -1,7 +1,7 @@
 """Shared benchmark timing and reporting.
 
-Timing: CUDA events around each call, after warm-up; variants run interleaved (A B C, B C A,
-C A B, ...: each round starts one variant later) so that clock and power drift and whatever one
+Timing: CUDA events around each call, after warm-up; variants run interleaved, each round in
+its own seeded order (A B C, C A B, B C A, ...), so that clock and power drift and whatever one
 call leaves for the next hit every variant alike; the median of the rounds is reported.
 Callables receive the round index so they can rotate through several input sets (never timing
 the same cached buffer, never zeros).
@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import random
 import statistics
 import subprocess
 import time
@@ -109,12 +110,15 @@ def interleaved(variants: dict[str, Callable[[int], object]], rounds: int = 20,
     ``between(name, i)``, if given, runs untimed after each call (e.g. to undo a merge).
     """
     samples: dict[str, list[float]] = {k: [] for k in variants}
-    names = list(variants)
     for r in range(warmup + rounds):
-        # Each round starts one variant later: whatever the previous round leaves behind
-        # (garbage for the collector, allocator state) falls on every variant alike, not
-        # always on the first (measured: 0.3-0.5 ms on the first of six merge variants).
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        # Each round in its own order (seeded by the round): what one call leaves for the
+        # next (TLB and cache state, garbage for the collector) falls on every variant alike.
+        # In a fixed order, even rotated, each variant always follows the same one: the merge
+        # benchmark's first variant, after a 4.8 GB copy, took 0.2-0.5 ms more than the same
+        # work in the next slot.
+        names = list(variants)
+        random.Random(r).shuffle(names)
+        for name in names:
             fn = variants[name]
             ms = time_once(fn, r)
             if between is not None:

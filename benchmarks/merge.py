@@ -1,10 +1,12 @@
 """Merge throughput: a rank-64 LoRA folded into a few GB of bf16 weights.
 
 Variants, interleaved in one run:
-    shuttle      shuttle.merge_lora end to end, an adapter merged into this model before (its
-                 placement and its tensors' finiteness remembered: a server switching adapters);
-                 one kernel launch per group of up to MAX_GROUP same-shaped weights
-    shuttle_per_weight  the same with one launch per weight (MAX_GROUP = 1)
+    shuttle      shuttle.merge_lora end to end, an adapter merged into this model before: the
+                 remembered launches replayed (shuttle.apply.recipe; a server switching
+                 between adapters, or apply_lora(mode="merge") per request)
+    shuttle_prepared  the same without the recipe (forgotten before each call): the launches
+                 prepared again, one per group of up to MAX_GROUP same-shaped weights (the
+                 placement and the tensors' finiteness still remembered)
     shuttle_cold shuttle.merge_lora of an adapter object never seen before (fresh tensors):
                  resolution, shape checks and the finite scan of every adapter tensor timed too
     naive_fp32   per weight: W.float(), addmm_ in float32, cast back (the float32 round trip)
@@ -106,7 +108,7 @@ def main() -> None:
     acc = {"shuttle": ulp_error(probe.layers[0].weight, ref)}
     w32 = w0.float()
     w32.addmm_(b.float(), a.float(), alpha=scale)
-    acc["shuttle_cold"] = acc["shuttle_per_weight"] = acc["shuttle"]
+    acc["shuttle_cold"] = acc["shuttle_prepared"] = acc["shuttle"]
     acc["naive_fp32"] = ulp_error(w32.bfloat16(), ref)
     acc["peft"] = ulp_error(w0 + (b @ a) * scale, ref)
     acc["cublas_addmm"] = ulp_error(w0.clone().addmm_(b, a, alpha=scale), ref)
@@ -128,12 +130,11 @@ def main() -> None:
     def run_shuttle(i: int) -> None:
         shuttle.merge_lora(model, [(loras[i % 2], 1.0)], progress=False)
 
-    def run_per_weight(i: int) -> None:
-        mk.MAX_GROUP = 1
-        try:
-            shuttle.merge_lora(model, [(loras[i % 2], 1.0)], progress=False)
-        finally:
-            mk.MAX_GROUP = max_group
+    recipes = importlib.import_module("shuttle.apply.recipe")
+
+    def run_prepared(i: int) -> None:
+        recipes._RECIPES.pop(model, None)
+        shuttle.merge_lora(model, [(loras[i % 2], 1.0)], progress=False)
 
     def fresh_lora(i: int) -> shuttle.LoRA:
         return shuttle.load_lora({k: v.clone() for k, v in sds[i % 2].items()})
@@ -171,14 +172,14 @@ def main() -> None:
         elif name == "shuttle_cold":
             cold[0] = fresh_lora(i + 1)
 
-    variants = {"shuttle": run_shuttle, "shuttle_per_weight": run_per_weight,
+    variants = {"shuttle": run_shuttle, "shuttle_prepared": run_prepared,
                 "shuttle_cold": run_cold, "naive_fp32": run_naive,
                 "peft": run_peft, "cublas_addmm": run_raw, "copy": run_copy}
     timings = harness.interleaved(variants, rounds=args.rounds, between=between)
     # The kernels' own time (profiler), apart from the host's: where an end-to-end time above
     # it comes from the host (planning, issuing), not from the GPU.
     kernel_ms = {k: harness.gpu_ms(variants[k])
-                 for k in ("shuttle", "shuttle_per_weight", "cublas_addmm", "copy")}
+                 for k in ("shuttle", "shuttle_prepared", "cublas_addmm", "copy")}
     gbs = {k: 2 * weight_bytes / (v["median_ms"] * 1e-3) / 1e9 for k, v in timings.items()}
     rows = []
     for k in variants:
@@ -193,11 +194,12 @@ def main() -> None:
     notes = (f"kernel {mk.CUDA_CONFIG} (BM, BN, warps), up to {max_group} weights a launch; "
              f"{n} bf16 weights of {out_f}x{in_f} "
              f"({weight_bytes / 1e9:.2f} GB), rank {rank}, "
-             f"alpha {alpha:g}; {args.rounds} interleaved rounds after 3 warm-up, median; two "
-             "adapters alternate between rounds (shuttle_cold: a new adapter object with new "
-             "tensors each round). GPU kernels ms: the profiled kernel time of one call (mean "
-             "of 5), without the host's. Target: shuttle >= 1500 GB/s with a single "
-             "rounding.")
+             f"alpha {alpha:g}; {args.rounds} interleaved rounds (each in its own order) after "
+             "3 warm-up, median; two adapters alternate between rounds (shuttle: their "
+             "remembered launches replayed; shuttle_prepared: the launches prepared again; "
+             "shuttle_cold: a new adapter object with new tensors each round). GPU kernels "
+             "ms: the profiled kernel time of one call (mean of 5), without the host's. "
+             "Target: shuttle >= 1500 GB/s with a single rounding.")
     path = harness.write_results("merge", {"config": vars(args), "timings": timings,
                                            "gb_per_s": gbs, "accuracy": acc,
                                            "kernel_ms": kernel_ms}, table,
