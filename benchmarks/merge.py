@@ -180,16 +180,19 @@ def main() -> None:
     # it comes from the host (planning, issuing), not from the GPU.
     kernel_ms = {k: harness.gpu_ms(variants[k])
                  for k in ("shuttle", "shuttle_prepared", "cublas_addmm", "copy")}
+    # and the host's time to issue one call (where above the GPU time, the host sets the pace)
+    host = {k: harness.host_ms(variants[k]) for k in ("shuttle", "shuttle_prepared")}
     gbs = {k: 2 * weight_bytes / (v["median_ms"] * 1e-3) / 1e9 for k, v in timings.items()}
     rows = []
     for k in variants:
         frac, ulp = acc.get(k, (float("nan"), float("nan")))
         rows.append([k, f"{timings[k]['median_ms']:.3f}",
-                     f"{kernel_ms[k]:.3f}" if k in kernel_ms else "-", f"{gbs[k]:.0f}",
+                     f"{kernel_ms[k]:.3f}" if k in kernel_ms else "-",
+                     f"{host[k]:.3f}" if k in host else "-", f"{gbs[k]:.0f}",
                      f"{gbs[k] / gbs['shuttle']:.2f}", "-" if k == "copy" else f"{frac:.3%}",
                      "-" if k == "copy" else f"{ulp:.1f}"])
     table = harness.markdown_table(
-        ["variant", "median ms", "GPU kernels ms", "GB/s (W read+write)", "vs shuttle",
+        ["variant", "median ms", "GPU kernels ms", "host ms", "GB/s (W read+write)", "vs shuttle",
          "elements != float64 single rounding", "max err (ulp)"], rows)
     notes = (f"kernel {mk.CUDA_CONFIG} (BM, BN, warps), up to {max_group} weights a launch; "
              f"{n} bf16 weights of {out_f}x{in_f} "
@@ -198,11 +201,12 @@ def main() -> None:
              "3 warm-up, median; two adapters alternate between rounds (shuttle: their "
              "remembered launches replayed; shuttle_prepared: the launches prepared again; "
              "shuttle_cold: a new adapter object with new tensors each round). GPU kernels "
-             "ms: the profiled kernel time of one call (mean of 5), without the host's. "
+             "ms: the profiled kernel time of one call (mean of 5), without the host's; host "
+             "ms: the host time to issue one call (median of 20, the GPU drained before each). "
              "Target: shuttle >= 1500 GB/s with a single rounding.")
     path = harness.write_results("merge", {"config": vars(args), "timings": timings,
                                            "gb_per_s": gbs, "accuracy": acc,
-                                           "kernel_ms": kernel_ms}, table,
+                                           "kernel_ms": kernel_ms, "host_ms": host}, table,
                                  "Merge throughput (benchmarks/merge.py)", notes)
     print(table)
     print(notes)
