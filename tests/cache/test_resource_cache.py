@@ -261,9 +261,11 @@ def test_threaded_random_steps_keep_exact_accounting_and_release_everything():
     specs["flaky"] = ObjectSpec("flaky", flaky, bytes=3)
     # Fits only when at most 20 other bytes are held: refused while a model is leased.
     specs["big"] = ObjectSpec("big", make("big"), bytes=580)
-    models = {f"m{i}": ModelSpec(f"m{i}", lambda: tracker.track(tiny_model()), blocks="1")
+    # Tiny models hold 3 * (16 + 4) floats: 240 bytes of weights, adopted (pinned arenas
+    # would be whole pages where CUDA is present: larger than the whole budget).
+    models = {f"m{i}": ModelSpec(f"m{i}", lambda: tracker.track(tiny_model()), blocks="1",
+                                 host="adopt")
               for i in range(2)}
-    # Tiny models hold 3 * (16 + 4) floats: 240 bytes of arenas.
     cache = ModelCache(max_bytes=600)
     errors, steps, done = [], 250, Counter()  # 250 x 4 threads = 1000 steps
     expected = (ResourceTooLargeError, ResourceLeasedError, ResourceNotRegisteredError,
@@ -328,7 +330,7 @@ def test_threaded_random_steps_keep_exact_accounting_and_release_everything():
     for e in snap.entries:
         if e.key in models:
             with cache.lease(e.key) as off:
-                assert e.nbytes == off.storage.host_bytes
+                assert e.nbytes == off.storage.weight_bytes == 240
             del off  # the test's own reference
     assert tracker.built > 20
     cache.clear()
