@@ -138,7 +138,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_huge_finite_adapter_passes_the_finite_check(device):
-    # |up| sums past float32's range, which the batched screen flags: the exact check clears it
+    # values near float32's limit (their sum would overflow): finite, and measured as such
     lora = _lora()
     (patch,) = lora.modules["0"]
     lora.modules["0"] = [LowRank("weight", torch.full_like(patch.up, 3e38), patch.down,
@@ -160,3 +160,15 @@ def test_the_one_non_finite_tensor_is_named(device, dtype, value):
     params = {n: p.to(device) for n, p in _model().named_parameters()}
     with pytest.raises(shuttle.errors.NonFiniteAdapterError, match=r"'2'.*'down'"):
         plan_mod.plan_params(params, [(lora, 1.0)])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("where", [0, 40_000, 99_999])
+def test_nan_anywhere_in_a_large_tensor_among_many_is_found(device, where):
+    """The screen is one multi-tensor max per device: NaN must win it wherever it lies (the
+    first, a middle or the last element of 100k, past one block of the reduction)."""
+    tensors = [torch.randn(100_000, device=device).bfloat16() for _ in range(12)]
+    tensors[7][where] = float("nan")
+    maxima = plan_mod._screen(tensors)
+    assert [i for i, m in enumerate(maxima) if m != m] == [7]
+    assert all(0 < m < 10 for i, m in enumerate(maxima) if i != 7)

@@ -106,7 +106,7 @@ def test_scoped_merges_replay_and_restore(kernel):
 
 
 @pytest.mark.parametrize("change", ["strength", "other adapter", "factor edited in place",
-                                    "weight replaced", "dtype changed"])
+                                    "weight replaced", "dtype changed", "strides changed"])
 def test_anything_changed_prepares_the_merge_afresh(kernel, change):
     """A recipe is used only for the same plan over the same tensors: any change is a miss,
     and the merge equals one prepared afresh."""
@@ -129,6 +129,10 @@ def test_anything_changed_prepares_the_merge_afresh(kernel, change):
     elif change == "dtype changed":
         for m in (model, reference):
             m.to(torch.float16)
+    elif change == "strides changed":  # the same values, column-major
+        for m in (model, reference):
+            w = m.layers[0].weight
+            w.data = w.detach().t().contiguous().t()
     shuttle.merge_lora(model, [(second, strength)])
     assert kernel["replayed"] == 0
     _assert_same(model, _merged_fresh(reference, [(second, strength)]))

@@ -7,8 +7,9 @@ the weights, building the launch arguments), and on a slow host that time, not t
 merge's speed (docs/benchmarks.md, merge). A :class:`MergeRecipe` keeps the launches of one merge
 of a model, with everything they were built from, and :func:`find_recipe` hands it back for the
 next merge whose plan is the same: the same adapter objects at the same strengths, the same patch
-objects on the same rows, the same parameter objects at the same addresses and dtypes, the
-adapter tensors unmodified since. Anything else is a miss, and the merge is prepared afresh.
+objects on the same rows, the same parameter objects with the same storage layout (address,
+device, shape, strides, dtype), the adapter tensors unmodified since. Anything else is a miss,
+and the merge is prepared afresh.
 
 Recipes are kept per model (weakly: they die with it), at most :data:`MAX_RECIPES` each, and
 dropped as soon as one of their adapters is garbage collected. They hold only what the adapter
@@ -52,7 +53,9 @@ class MergeRecipe:
         # the patch objects themselves: their ids cannot be reused while the recipe holds them
         self._contribs = [(c.patch, c.rows, c.strength) for cs in plan.params.values()
                           for c in cs]
-        self._params = [(params[n], params[n].data_ptr(), params[n].dtype) for n in fused]
+        # the launches hold these parameter objects and read their addresses when launched,
+        # but took their shapes, strides and dtypes as they were: all must be unchanged
+        self._params = [(params[n], _layout(params[n])) for n in fused]
         self._versions = [(t, t._version) for n in fused for c in plan.params[n]
                           for _, t in c.patch.tensors() if isinstance(t, torch.Tensor)]
 
@@ -76,10 +79,15 @@ class MergeRecipe:
                 i += 1
         if i != len(contribs):
             return False
-        for (p, ptr, dtype), name in zip(self._params, self.fused, strict=True):
-            if params[name] is not p or p.data_ptr() != ptr or p.dtype != dtype:
+        for (p, layout), name in zip(self._params, self.fused, strict=True):
+            if params[name] is not p or _layout(p) != layout:
                 return False
         return all(t._version == v for t, v in self._versions)
+
+
+def _layout(p: torch.Tensor) -> tuple:
+    """Where and how ``p``'s elements lie: address, device, shape, strides, dtype."""
+    return p.data_ptr(), p.device, p.shape, p.stride(), p.dtype
 
 
 # model -> its recipes, most recent first
