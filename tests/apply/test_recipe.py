@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import shuttle
-from tests.apply.test_merge import assert_bits_equal, grid, set_weights, snapshot
+from tests.apply.test_merge import _stack, assert_bits_equal, grid, snapshot
 
 RANK = 16  # a rank the kernel takes as it is (recipes keep no padded copies)
 
@@ -41,12 +41,7 @@ def kernel(monkeypatch):
 
 
 def _model(n: int = 3, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    g = torch.Generator().manual_seed(31)
-    model = nn.Module()
-    model.layers = nn.ModuleList(nn.Linear(16 + 16 * (i % 2), 24, bias=False) for i in range(n))
-    model.to(dtype)
-    set_weights(model, g)
-    return model
+    return _stack(n, dtype)
 
 
 def _adapter(model: nn.Module, seed: int, rank: int = RANK) -> shuttle.LoRA:
@@ -94,7 +89,7 @@ def test_scoped_merges_replay_and_restore(kernel):
     model = _model()
     saved = snapshot(model)
     lora = _adapter(model, 2)
-    x = torch.randn(2, 16).bfloat16()
+    x = torch.randn(2, model.layers[0].in_features).bfloat16()
     outs = []
     for _ in range(3):
         with shuttle.apply_lora(model, [(lora, 1.0)], mode="merge"):
@@ -183,11 +178,11 @@ def test_a_replay_still_merges_the_weights_the_kernel_does_not_take(kernel):
     """A float64 weight beside the kernel's: the replay runs the recorded launches and merges
     the float64 weight as a fresh merge does."""
     model = _model()
-    model.head = nn.Linear(24, 8, bias=False).double()
+    model.head = nn.Linear(20, 8, bias=False).double()
     before = snapshot(model)
     g = torch.Generator().manual_seed(12)
     lora = _adapter(model, 13)
-    extra = {"head.lora_A.weight": grid(RANK, 24, g=g, k=2).float(),
+    extra = {"head.lora_A.weight": grid(RANK, 20, g=g, k=2).float(),
              "head.lora_B.weight": grid(8, RANK, g=g, k=2).float()}
     lora = shuttle.load_lora({**{k: t for k, p in lora.patches()
                                  for k, t in ((f"{k}.lora_A.weight", p.down),

@@ -8,6 +8,11 @@ and stores: W is read once and written once, which makes the merge memory-bound 
 device's copy bandwidth. cuBLAS's in-place ``addmm_`` on bf16 does not give this: it rounds the
 scaled product to bf16 before adding it to W (measured, docs/benchmarks/merge.md).
 
+A whole-model merge goes through :class:`LowRankMerges`: one launch merges up to
+:data:`MAX_GROUP` weights of the same shape (the kernel takes tuples of their pointers), so the
+host issues a launch per group rather than per weight; its recorded launches can be replayed
+(:func:`replay_merges`, used by ``shuttle.apply.recipe``).
+
 :func:`merge_lowrank_reference` is the same computation in PyTorch, used as the fallback and as
 the oracle the kernel is tested against (on CPU under ``TRITON_INTERPRET=1``).
 """
