@@ -1,8 +1,9 @@
 """What the kernels' host sides share: whether Triton runs, how to bind shared tiles, grid
 arithmetic, scale constants on the device, and seeds.
 
-Host time matters here: a whole-model merge launches once per weight, and every microsecond
-spent per launch in Python is a microsecond the GPU may wait (docs/benchmarks.md, merge).
+Host time matters here: a whole-model merge launches once per group of weights and a dynamic
+forward once or twice per layer, and every microsecond spent per launch in Python is a
+microsecond the GPU may wait (docs/benchmarks.md, merge).
 """
 
 from __future__ import annotations
