@@ -193,7 +193,7 @@ def _merge_plan(model: torch.nn.Module, plan: MergePlan, params: dict[str, torch
                 fused_names.append(name)
                 for job in fused:
                     if job.w is not p or not _plain_factors(job, contribs):
-                        merges.launches = None  # a view or a copy: see apply.recipe
+                        merges.stop_recording()  # a view or a copy: see apply.recipe
                     merges.add(job)
         finally:  # a weight that failed leaves the ones before it merged (as documented)
             merges.flush()

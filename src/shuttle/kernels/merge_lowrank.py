@@ -185,9 +185,9 @@ class LowRankMerges:
     weight that overlap) never share a launch and run in the order added. Call :meth:`flush`
     at the end: it launches what is left.
 
-    With ``record=True`` every launch is also kept in :attr:`launches` (None once a job took
-    the PyTorch fallback instead), for :func:`replay_merges` to repeat the same merges
-    without redoing the host work.
+    With ``record=True`` every launch is also kept in :attr:`launches`, for
+    :func:`replay_merges` to repeat the same merges without redoing the host work; None once
+    a job took the PyTorch fallback instead, or after :meth:`stop_recording`.
     """
 
     def __init__(self, config: tuple[int, int, int] | None = None, *, record: bool = False):
@@ -207,7 +207,7 @@ class LowRankMerges:
         if not triton_available() or not (w.is_cuda or self._interpret) or w.stride(1) != 1:
             self.flush()  # in order with the jobs before it
             _merge_reference(job)
-            self.launches = None  # not a launch: cannot be replayed
+            self.stop_recording()  # not a launch: cannot be replayed
             return
         if not w.numel():
             return
@@ -222,6 +222,10 @@ class LowRankMerges:
         group.append((w, up_p, down_p, device_floats(alpha, w.device), overflow))
         if len(group) >= min(MAX_GROUP, 1 << self._launches.get(kind, 0)):
             self._launch(kind)
+
+    def stop_recording(self) -> None:
+        """Drop the recorded launches and record no more (the merge cannot be replayed)."""
+        self.launches = None
 
     def flush(self) -> None:
         """Launch every queued job."""
