@@ -10,6 +10,7 @@ final rounding is exercised (each test checks that it changed some values).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 
 import pytest
@@ -664,3 +665,28 @@ def test_apply_lora_nested_and_sequential():
     with shuttle.apply_lora(model, [(other, 0.0)]) as report:
         assert report.applied == []
     assert_unchanged(model, before)
+
+
+def test_no_overflow_flag_where_the_kernel_does_not_run(kernel_merges):
+    """A flag (and the sync that reads it) only for weights the fused kernel merges: none
+    for a float64 weight or a patch other than a plain low-rank product, which take the
+    float32/float64 path and raise on overflow themselves."""
+    from shuttle.apply import merge, plan
+    from shuttle.patches import Diff
+
+    model = _stack(2, torch.float16)
+    model.layers[1].double()
+    g = torch.Generator().manual_seed(27)
+    sd = {k: v for i, layer in enumerate(model.layers)
+          for k, v in _pair(f"layers.{i}", layer.out_features, layer.in_features, g).items()}
+    sd["layers.0.lora_B.weight"] = torch.full((20, 2), 300.0)
+    sd["layers.1.lora_B.weight"] = torch.full((20, 2), 300.0)
+    planned = plan.plan_merge(model, [(sd, 1.0)])
+    params = dict(model.named_parameters())
+    flags: dict = {}
+    assert merge.overflow_flag(params["layers.1.weight"], planned.params["layers.1.weight"],
+                               flags) is None  # float64: no kernel
+    (c,) = planned.params["layers.0.weight"]
+    assert merge.overflow_flag(params["layers.0.weight"], [c], flags) is not None
+    dense = dataclasses.replace(c, patch=Diff("weight", torch.full((20, 12), 1e5)))
+    assert merge.overflow_flag(params["layers.0.weight"], [dense], {}) is None

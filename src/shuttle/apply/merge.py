@@ -185,11 +185,13 @@ def _merge_plan(model: torch.nn.Module, plan: MergePlan, params: dict[str, torch
         try:
             for name in tqdm(plan.params, desc="merging", unit="param", disable=not show):
                 p, contribs = params[name], plan.params[name]
-                overflow = overflow_flag(p, contribs, flags)
-                fused = _fused_jobs(p, contribs, overflow) if nearest else None
+                fused = _fused_jobs(p, contribs) if nearest else None
                 if fused is None:
-                    merge_param(p, name, contribs, rounding, seed, overflow=overflow)
+                    merge_param(p, name, contribs, rounding, seed)
                     continue
+                overflow = overflow_flag(p, contribs, flags)
+                if overflow is not None:
+                    fused = [job._replace(overflow=overflow) for job in fused]
                 fused_names.append(name)
                 for job in fused:
                     if job.w is not p or not _plain_factors(job, contribs):
@@ -342,7 +344,7 @@ def lowrank_sums(contribs: list[Contribution]
     if len(contribs) == 1:  # the common case: no grouping by rows, no concatenation
         c = contribs[0]
         patch = c.patch
-        if not (isinstance(patch, LowRank) and patch.mid is None and not patch.transposed):
+        if not _plain_lowrank(patch):
             return None
         up, down = patch.factors()
         if up.dtype != down.dtype:
@@ -353,7 +355,7 @@ def lowrank_sums(contribs: list[Contribution]
     factor_dtypes = set()
     for c in contribs:
         patch = c.patch
-        if not (isinstance(patch, LowRank) and patch.mid is None and not patch.transposed):
+        if not _plain_lowrank(patch):
             return None
         factor_dtypes |= {patch.up.dtype, patch.down.dtype}
         groups.setdefault(c.rows, []).append(c)
@@ -390,8 +392,7 @@ def _fused_jobs(p: torch.Tensor, contribs: list[Contribution],
     Triton kernel: W read once, written once, one rounding. Not for float64 weights (the
     kernel accumulates in float32), quantized weights, nor weights off the kernel device.
     """
-    if not (p.dtype in _FUSED_DTYPES and is_plain_tensor(p) and _on_kernel_device(p)
-            and p.dim() >= 2 and p.is_contiguous() and triton_available()):
+    if not _kernel_takes(p):
         return None
     sums = lowrank_sums(contribs)
     if sums is None:
@@ -405,10 +406,12 @@ def _fused_jobs(p: torch.Tensor, contribs: list[Contribution],
 def overflow_flag(p: torch.Tensor, contribs: list[Contribution],
                   flags: dict[torch.device, torch.Tensor]) -> torch.Tensor | None:
     """The flag for :func:`merge_param`'s ``overflow``: ``p``'s device's one in ``flags``
-    (created at its first use), or None where no kernel runs or the update cannot overflow
-    the weight (the kernel then skips the check, a fifth of its time, and the caller a sync).
+    (created at its first use), or None where the fused kernel does not take ``p`` or its
+    patches (the other paths raise on overflow themselves) or the update cannot overflow the
+    weight (the kernel then skips the check, a fifth of its time, and the caller a sync).
     """
-    if not _on_kernel_device(p) or _cannot_overflow(p.dtype, contribs):
+    if not (_kernel_takes(p) and all(_plain_lowrank(c.patch) for c in contribs)) \
+            or _cannot_overflow(p.dtype, contribs):
         return None
     flag = flags.get(p.device)
     if flag is None:
@@ -428,7 +431,7 @@ def _cannot_overflow(dtype: torch.dtype, contribs: list[Contribution]) -> bool:
         return True
     bound = 0.0
     for c in contribs:
-        if not (isinstance(c.patch, LowRank) and c.patch.mid is None):
+        if not _plain_lowrank(c.patch):
             return False
         up, down = known_abs_max(c.patch.up), known_abs_max(c.patch.down)
         if up is None or down is None:
@@ -439,6 +442,17 @@ def _cannot_overflow(dtype: torch.dtype, contribs: list[Contribution]) -> bool:
 
 # The fused kernel accumulates in float32: float64 weights take the float64 path.
 _FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _kernel_takes(p: torch.Tensor) -> bool:
+    """Whether the fused kernel can merge into parameter ``p`` (its patches aside)."""
+    return (p.dtype in _FUSED_DTYPES and is_plain_tensor(p) and _on_kernel_device(p)
+            and p.dim() >= 2 and p.is_contiguous() and triton_available())
+
+
+def _plain_lowrank(patch: object) -> bool:
+    """A low-rank product the fused kernel takes: no Tucker core, factors not transposed."""
+    return isinstance(patch, LowRank) and patch.mid is None and not patch.transposed
 
 
 def _on_kernel_device(p: torch.Tensor) -> bool:
