@@ -32,6 +32,7 @@ from shuttle.kernels.tma import ensure_allocator  # noqa: E402
 
 LARGE = {"wan1.3b_attn": (32760, 1536, 1536, 128), "zimage_attn": (4352, 3840, 3840, 32),
          "wan1.3b_ffn_up": (32760, 1536, 8960, 128)}
+INLINE = {**LARGE, "prefill_mlp": (8192, 4096, 14336, 16)}
 DECODE = {"decode_qkv": (16, 4096, 6144, 16), "decode_1_token": (1, 4096, 6144, 16),
           "decode_mlp": (16, 4096, 14336, 16)}
 
@@ -94,6 +95,64 @@ def k_exp(x_ptr, w_ptr, s_ptr, u_ptr, o_ptr, bias_ptr, T, N, K, R, stride_xt, st
             o_desc.store([ot, on], (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True))
         else:
             o_desc.store([ot, on], acc.to(tl.bfloat16))
+
+
+@triton.jit
+def k_inline(x_ptr, w_ptr, d_ptr, u_ptr, scale_ptr, o_ptr, bias_ptr, T, N, K, R,
+             stride_xt, stride_wn, stride_dr, stride_un, stride_ot,
+             N_PROGS: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+             BR: tl.constexpr, CHUNK: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr,
+             FLAT: tl.constexpr):
+    # Work unit: one row block (BT rows) x CHUNK column tiles. The unit first computes its
+    # rows' S = (x @ D.T) * scale (BT, BR) in float32, rounds it, keeps it in registers, then
+    # each column tile: acc = x @ W.T over K, acc += S @ U.T, + bias, store.
+    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[T, K], strides=[stride_xt, 1],
+                                       block_shape=[BT, BK])
+    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1],
+                                       block_shape=[BN, BK])
+    d_desc = tl.make_tensor_descriptor(d_ptr, shape=[R, K], strides=[stride_dr, 1],
+                                       block_shape=[BR, BK])
+    u_desc = tl.make_tensor_descriptor(u_ptr, shape=[N, R], strides=[stride_un, 1],
+                                       block_shape=[BN, BR])
+    o_desc = tl.make_tensor_descriptor(o_ptr, shape=[T, N], strides=[stride_ot, 1],
+                                       block_shape=[BT, BN])
+    grid_t = tl.cdiv(T, BT)
+    grid_n = tl.cdiv(N, BN)
+    chunks = tl.cdiv(grid_n, CHUNK)
+    k_steps = tl.cdiv(K, BK)
+    rr = tl.arange(0, BR)
+    scale = tl.load(scale_ptr + rr, mask=rr < R, other=0.0)
+    for unit in range(tl.program_id(0), grid_t * chunks, N_PROGS):
+        ot = (unit % grid_t) * BT
+        n0 = (unit // grid_t) * CHUNK
+        sacc = tl.zeros((BT, BR), dtype=tl.float32)
+        for k in tl.range(0, k_steps, num_stages=STAGES):
+            a = x_desc.load([ot, k * BK])
+            d = d_desc.load([0, k * BK])
+            if IEEE:
+                sacc = tl.dot(a.to(tl.float32), d.to(tl.float32).T, sacc, input_precision="ieee")
+            else:
+                sacc = tl.dot(a, d.T, sacc)
+        s = (sacc * scale[None, :]).to(x_ptr.dtype.element_ty)
+        n_end = tl.minimum(n0 + CHUNK, grid_n)
+        for n in tl.range(n0, n_end, flatten=FLAT, num_stages=STAGES):
+            on = n * BN
+            acc = tl.zeros((BT, BN), dtype=tl.float32)
+            for k in range(0, k_steps):
+                a = x_desc.load([ot, k * BK])
+                b = w_desc.load([on, k * BK])
+                if IEEE:
+                    acc = tl.dot(a.to(tl.float32), b.to(tl.float32).T, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, b.T, acc)
+            ub = u_desc.load([on, 0])
+            if IEEE:
+                acc = tl.dot(s.to(tl.float32), ub.to(tl.float32).T, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(s, ub.T, acc)
+            rn = on + tl.arange(0, BN)
+            acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+            o_desc.store([ot, on], acc.to(o_ptr.dtype.element_ty))
 
 
 def run_exp(x, w, s, u, b, out, mode, flat=True, stages=3, int_round=False, bt=128, bn=256,
@@ -187,6 +246,56 @@ def large(t, k, n, r, rounds):
         return graph_times(v, rounds), errors
 
 
+def run_inline(x, w, a, u, scale, b, out, bt=128, bn=256, bk=64, chunk=0, stages=3, warps=8,
+               flat=True):
+    t, k = x.shape
+    n, r = u.shape
+    grid_n = triton.cdiv(n, bn)
+    chunk = chunk or grid_n
+    units = triton.cdiv(t, bt) * triton.cdiv(grid_n, chunk)
+    progs = min(units, torch.cuda.get_device_properties().multi_processor_count)
+    ensure_allocator()
+    k_inline[(progs,)](x, w, a, u, scale, out, b, t, n, k, r, x.stride(0), w.stride(0),
+                       a.stride(0), u.stride(0), out.stride(0), N_PROGS=progs, BT=bt, BN=bn,
+                       BK=bk, BR=max(16, triton.next_power_of_2(r)), CHUNK=chunk,
+                       STAGES=stages, IEEE=False, FLAT=flat, num_warps=warps)
+
+
+def inline(t, k, n, r, rounds):
+    """The shrink inside the GEMM: each persistent program computes its rows' S once."""
+    x, w, b, a, u, scale = operands(t, k, n, r)
+    out = torch.empty(t, n, device="cuda", dtype=torch.bfloat16)
+    v = {"base cuBLAS": lambda: F.linear(x, w, b),
+         "shrink + fused (shipped)": lambda: LL.lora_linear_fused(x, w, b,
+                                                                  LL.lora_shrink(x, a, scale), u),
+         "base only (TMA)": lambda: run_exp(x, w, x, w, b, out, 3)}
+    grid_n = triton.cdiv(n, 256)
+    for c in [0] + [c for c in (6, 12) if c < grid_n]:
+        v[f"inline 128x256 chunk {c or 'all'}"] = (
+            lambda c=c: run_inline(x, w, a, u, scale, b, out, chunk=c))
+    v["inline 128x256 chunk all, no flatten"] = lambda: run_inline(x, w, a, u, scale, b, out,
+                                                                   flat=False)
+    v["inline 128x128 chunk all"] = lambda: run_inline(x, w, a, u, scale, b, out, bn=128)
+    v["inline 64x256 w4 chunk all"] = lambda: run_inline(x, w, a, u, scale, b, out, bt=64,
+                                                         warps=4)
+    v["inline 128x256 bk128 s2"] = lambda: run_inline(x, w, a, u, scale, b, out, bk=128,
+                                                      stages=2)
+    s = LL.lora_shrink(x, a, scale)
+    ref = x.float() @ w.float().T + s.float() @ u.float().T + b.float()
+    errors = {}
+    with torch.no_grad():
+        for name, fn in v.items():
+            if name.startswith("inline"):
+                try:
+                    out.zero_()
+                    fn()
+                except Exception as e:  # noqa: BLE001 - an experiment: record and go on
+                    errors[name] = f"failed: {str(e)[:200]}"
+                    continue
+                errors[name] = float((out.float() - ref).abs().max())
+        return graph_times(v, rounds), errors
+
+
 def decode(t, k, n, r, rounds):
     x, w, b, a, u, scale = operands(t, k, n, r)
     v = {"base cuBLAS": lambda: F.linear(x, w, b),
@@ -210,8 +319,10 @@ def main() -> None:
     harness.spin_up(2)
     results, rows = {}, []
     only = sys.argv[1:]  # e.g. "decode": that group alone
-    groups = {"large": (LARGE, large, 15), "decode": (DECODE, decode, 30)}
-    for shapes, fn, rounds in (g for name, g in groups.items() if not only or name in only):
+    groups = {"large": (LARGE, large, 15), "decode": (DECODE, decode, 30),
+              "inline": (INLINE, inline, 15)}
+    for shapes, fn, rounds in (g for name, g in groups.items()
+                               if name in only or (not only and name != "inline")):
         for name, shape in shapes.items():
             times, checks = fn(*shape, rounds)
             results[name] = {"shape": shape, "ms": times, "checks": checks}
