@@ -53,3 +53,73 @@ def test_sm_count_is_the_devices():
         pytest.skip("needs CUDA")
     props = torch.cuda.get_device_properties(0)
     assert launch.sm_count(0) == props.multi_processor_count
+
+
+class _Param:
+    def __init__(self, name):
+        self.name = name
+
+
+class _FakeKernel:
+    """Records launches the way Triton's JIT function and compiled kernel take them."""
+
+    params = [_Param(n) for n in ("x", "n", "BLOCK", "MODE")]
+
+    def __init__(self, fail_warmup=False):
+        self.jit_calls, self.binary_calls, self.fail_warmup = [], [], fail_warmup
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.jit_calls.append((grid, args, kw))
+
+    def warmup(self, *args, grid, **kw):
+        if self.fail_warmup:
+            raise AttributeError("no compiled-kernel interface")
+        calls = self.binary_calls
+
+        class Binary:
+            def __getitem__(self, g):
+                return lambda *a: calls.append((g, a))
+
+        return Binary()
+
+
+@pytest.fixture
+def on_gpu_zero(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
+def test_compiled_launch_reuses_the_binary_per_key(on_gpu_zero):
+    k = _FakeKernel()
+    run = launch.CompiledLaunch(k)
+    x = torch.zeros(4)
+    run((3,), x, 7, BLOCK=16, MODE=1, num_warps=4)
+    assert len(k.jit_calls) == 1 and not k.binary_calls  # first launch: Triton's own path
+    run((5,), x, 9, BLOCK=16, MODE=1, num_warps=4)
+    # Later ones: the binary, grid padded to 3-D, constexprs appended in the kernel's order.
+    assert k.binary_calls == [((5, 1, 1), (x, 9, 16, 1))]
+    assert len(k.jit_calls) == 1
+    # Another dtype, constexpr or int width is another binary: Triton's path first again.
+    run((5,), x.double(), 9, BLOCK=16, MODE=1, num_warps=4)
+    run((5,), x, 9, BLOCK=32, MODE=1, num_warps=4)
+    run((5,), x, 2**40, BLOCK=16, MODE=1, num_warps=4)
+    assert len(k.jit_calls) == 4 and len(k.binary_calls) == 1
+    run((5,), x, 2**41, BLOCK=16, MODE=1, num_warps=4)  # 64-bit again: that binary now
+    assert len(k.binary_calls) == 2
+
+
+def test_compiled_launch_keeps_tritons_path_when_binaries_cannot_be_fetched(on_gpu_zero):
+    k = _FakeKernel(fail_warmup=True)
+    run = launch.CompiledLaunch(k)
+    for _ in range(3):
+        run((1,), torch.zeros(2), 1, BLOCK=16, MODE=0)
+    assert len(k.jit_calls) == 3 and not k.binary_calls and not run.direct
+
+
+def test_compiled_launch_under_the_interpreter_always_dispatches(on_gpu_zero, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    k = _FakeKernel()
+    run = launch.CompiledLaunch(k)
+    for _ in range(3):
+        run((1,), torch.zeros(2), 1, BLOCK=16, MODE=0)
+    assert len(k.jit_calls) == 3 and not k.binary_calls

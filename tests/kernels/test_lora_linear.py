@@ -188,3 +188,23 @@ def test_gpu_kernels_match_reference(t, dtype, fdtype):
     _assert_one_ulp(out, lora_linear_fused_reference(x, w, bias, s, up))
     exact = x.double() @ w.double().T + s.double() @ up.double().T + bias.double()
     _assert_matches_float64(out, exact)
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_launches_equal_tritons_dispatch():
+    # The TMA kernel's later launches skip Triton's dispatch (launch.CompiledLaunch): same
+    # binary, so the same bits, at other sizes than the launch that compiled it.
+    from shuttle.kernels.lora_linear import _kernels
+
+    run = _kernels()[2]
+    for t in (100, 4096, 77, 100):
+        x, w, bias, down, up, scale = _layer(t, 512, 384, 32, BF16, BF16, device="cuda")
+        run.direct = False
+        want_s = lora_shrink(x, down, scale)
+        want = lora_linear_fused(x, w, bias, want_s, up)
+        run.direct = True
+        for _ in range(2):
+            s = lora_shrink(x, down, scale)
+            assert torch.equal(s, want_s)
+            assert torch.equal(lora_linear_fused(x, w, bias, s, up), want)
+    assert run.direct and run._binaries

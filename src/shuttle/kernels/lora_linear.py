@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 
 from shuttle.kernels.launch import (
+    CompiledLaunch,
     bind_tiles,
     cdiv,
     interpreting,
@@ -239,7 +240,11 @@ def _kernels():
         o_ptrs = o_ptr + rt.to(tl.int64)[:, None] * stride_ot + rn[None, :]
         store_rne(o_ptrs, acc, mask)
 
-    @triton.jit
+    # Nothing specialized on values or alignment (TMA needs neither compiled in): one binary per
+    # dtypes and constexprs, which CompiledLaunch launches without Triton's dispatch.
+    @triton.jit(do_not_specialize=["x_ptr", "w_ptr", "s_ptr", "u_ptr", "o_ptr", "bias_ptr",
+                                   "scale_ptr", "T", "N", "K", "R", "stride_xt", "stride_wn",
+                                   "stride_st", "stride_un", "stride_ot"])
     def linear_kernel_tma(x_ptr, w_ptr, s_ptr, u_ptr, o_ptr, bias_ptr, scale_ptr,
                           T, N, K, R, stride_xt, stride_wn, stride_st, stride_un, stride_ot,
                           N_PROGS: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
@@ -303,7 +308,7 @@ def _kernels():
             else:  # float16: the TMA path takes bf16 or fp16 operands only
                 o_desc.store([ot, on], acc.to(tl.float16))
 
-    return shrink_kernel, fused_kernel, linear_kernel_tma
+    return shrink_kernel, fused_kernel, CompiledLaunch(linear_kernel_tma)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -506,8 +511,8 @@ def _linear_tma(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None,
     s_, up_ = (s, up) if s is not None else (x, w)
     ensure_allocator()
     with on_device_of(x):
-        _kernels()[2][(progs,)](
-            x, w, s_, up_, out, bias if bias is not None else out,
+        _kernels()[2](
+            (progs,), x, w, s_, up_, out, bias if bias is not None else out,
             scale if scale is not None else out, t, n, k, r, x.stride(0), w.stride(0),
             s_.stride(0), up_.stride(0), out.stride(0), N_PROGS=progs,
             BT=bt, BN=bn, BK=bk, BR=br, GROUP=max(1, cfg.group), HAS_LORA=s is not None,
