@@ -270,3 +270,30 @@ def test_a_patch_the_layer_cannot_take_names_the_layer():
     with pytest.raises(shuttle.errors.UnsupportedLayerError, match="conv"):
         shuttle.attach_lora(m, [(sd, 1.0)], mapping={"conv": ("conv", (0, 3))})
     assert not hooks_of(m.conv)
+
+
+@pytest.mark.gpu
+def test_gpu_fused_layer_launches_from_checked_operands_and_follows_its_weight():
+    from shuttle.kernels import lora_linear_fused, lora_shrink
+
+    g = torch.Generator().manual_seed(3)
+    model = nn.Sequential(nn.Linear(256, 384)).cuda().bfloat16()
+    lin = model[0]
+    sd = _lora_sd("0", 384, 256, 16, g, alpha=8.0)
+    x = torch.randn(200, 256, generator=g).cuda().bfloat16()
+    with torch.no_grad():
+        handle = shuttle.attach_lora(model, [(sd, 0.7)], quality="fused")
+        hook = hooks_of(lin)[0]
+
+        def functions():  # the same layer by the unprepared kernel functions
+            s = lora_shrink(x, hook.down, hook._scale_vector(x.device))
+            return lora_linear_fused(x, lin.weight, lin.bias, s, hook.up)
+
+        got = model(x)
+        prep = hook._prepared
+        assert prep is not None and prep.usable
+        assert torch.equal(got, functions())
+        lin.weight.data = lin.weight.data * 2  # a storage swap, as offloading does
+        got = model(x)
+        assert hook._prepared is not prep and torch.equal(got, functions())
+        handle.detach()

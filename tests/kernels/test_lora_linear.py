@@ -208,3 +208,40 @@ def test_gpu_compiled_launches_equal_tritons_dispatch():
             assert torch.equal(s, want_s)
             assert torch.equal(lora_linear_fused(x, w, bias, s, up), want)
     assert run.direct and run._binaries
+
+
+def test_prepared_layer_needs_cuda_and_tracks_its_operands():
+    from shuttle.kernels import PreparedLoraLinear
+
+    x, w, bias, down, up, scale = _layer(100, 64, 48, 16, BF16, BF16, device="cpu")
+    prep = PreparedLoraLinear(w, bias, down, up)
+    assert not prep.usable  # the Hopper path is CUDA's (the interpreter takes the functions)
+    assert prep.fits(w, bias)
+    assert not prep.fits(w.clone(), bias) and not prep.fits(w, None)
+    w.data = w.data.clone()  # as offloading swaps storage: same object, another address
+    assert not prep.fits(w, bias)
+
+
+@pytest.mark.gpu
+def test_gpu_prepared_layer_is_the_functions_bit_for_bit():
+    from shuttle.kernels import PreparedLoraLinear
+
+    x, w, bias, down, up, scale = _layer(300, 512, 384, 32, BF16, BF16, device="cuda")
+    prep = PreparedLoraLinear(w, bias, down, up)
+    assert prep.usable and prep.fits(w, bias)
+    want = lora_linear_fused(x, w, bias, lora_shrink(x, down, scale), up)
+    for _ in range(2):  # the second launch of each kernel: its compiled binary
+        assert torch.equal(prep(x, scale), want)
+    # x that the Hopper path does not take: the caller uses the functions.
+    assert prep(x[:64], scale) is None  # few rows
+    assert prep(x.half(), scale) is None
+    assert prep(torch.randn(300, 513, device="cuda").bfloat16()[:, 1:], scale) is None  # rows
+    assert prep(x, scale.bfloat16()) is None
+    with torch.enable_grad():
+        assert prep(x.clone().requires_grad_(), scale) is None
+    # Operands it cannot take at all.
+    assert not PreparedLoraLinear(w, bias, down.float(), up.float()).usable
+    shifted = torch.empty(w.numel() + 8, dtype=BF16, device="cuda")[1:1 + w.numel()]
+    assert not PreparedLoraLinear(shifted.view_as(w), bias, down, up).usable  # misaligned
+    del w
+    assert prep(x, scale) is None  # the weight it was built for is gone

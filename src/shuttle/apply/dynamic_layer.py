@@ -38,6 +38,7 @@ from shuttle.errors import UnsupportedLayerError
 from shuttle.hooks import ModuleHook
 from shuttle.kernels import interpreting, lora_linear_fused, lora_shrink, triton_available
 from shuttle.kernels.lora_decode import DECODE_MAX_T, lora_decode_add, lora_decode_linear
+from shuttle.kernels.lora_linear import PreparedLoraLinear
 from shuttle.patches import LowRank
 from shuttle.weights import FP8_DTYPES
 
@@ -130,6 +131,7 @@ class LoRAHook(ModuleHook):
     def _build_lowrank(self, module: torch.nn.Module, pad_rank: int | None) -> None:
         """Concatenate the Linear slots' factors: down (R, K), up (N, R) zero outside rows."""
         self.down = self.up = self.base_scale = self.col_adapter = None
+        self._prepared: PreparedLoraLinear | None = None  # the fused tier's checked operands
         if self.kind != "linear" or not self.slots:
             return
         w = module.weight
@@ -172,6 +174,7 @@ class LoRAHook(ModuleHook):
             t = getattr(self, attr)
             if t is not None:
                 setattr(self, attr, t.to(device))
+        self._prepared = None
         self.residuals = {k: r.to(device) for k, r in self.residuals.items()}
         self._cache_gen = -1
         request_scale(device)
@@ -285,9 +288,20 @@ class LoRAHook(ModuleHook):
             # and the bias, bound by reading W (shuttle.kernels.lora_decode).
             out = lora_decode_linear(x2d, w, b, self.down, self.up, scale)
         else:
-            # Triton's shrink: on the H200 as fast as cuBLAS's skinny GEMM plus a scale kernel,
-            # or faster (docs/benchmarks.md), and S keeps float32 math for float32 factors.
-            out = lora_linear_fused(x2d, w, b, lora_shrink(x2d, self.down, scale), self.up)
+            out = None
+            if w is module.weight and b is module.bias:  # no per-call residual overrides
+                # The Hopper path with the layer's operands checked once (host time: the
+                # functions below check every operand on every call).
+                prep = self._prepared
+                if prep is None or not prep.fits(w, b):
+                    prep = self._prepared = PreparedLoraLinear(w, b, self.down, self.up)
+                if prep.usable:
+                    out = prep(x2d, scale)
+            if out is None:
+                # Triton's shrink: on the H200 as fast as cuBLAS's skinny GEMM plus a scale
+                # kernel, or faster (docs/benchmarks.md); S keeps float32 math for float32
+                # factors.
+                out = lora_linear_fused(x2d, w, b, lora_shrink(x2d, self.down, scale), self.up)
         return out.view(*x.shape[:-1], w.shape[0])
 
     def _residuals(self, module: torch.nn.Module, x: torch.Tensor, out: torch.Tensor

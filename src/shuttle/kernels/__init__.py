@@ -9,6 +9,7 @@ from shuttle.kernels.lora_decode import (
 )
 from shuttle.kernels.lora_linear import (
     FusedConfig,
+    PreparedLoraLinear,
     ShrinkConfig,
     lora_linear_fused,
     lora_linear_fused_reference,
@@ -21,6 +22,7 @@ from shuttle.kernels.merge_scaled import ScaledMerge, merge_scaled, merge_scaled
 
 __all__ = [
     "FusedConfig",
+    "PreparedLoraLinear",
     "ScaledMerge",
     "ShrinkConfig",
     "interpreting",

@@ -26,6 +26,7 @@ on the CPU without ``TRITON_INTERPRET=1``, or autograd is recording (the kernels
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -49,6 +50,7 @@ __all__ = [
     "SHRINK_TMA_CONFIG",
     "SHRINK_CUDA_CONFIG",
     "FusedConfig",
+    "PreparedLoraLinear",
     "ShrinkConfig",
     "lora_linear_fused",
     "lora_linear_fused_reference",
@@ -488,35 +490,128 @@ def lora_linear_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return out
 
 
+class PreparedLoraLinear:
+    """The fused tier's Hopper path for one layer, its fixed operands checked once.
+
+    :func:`lora_shrink` and :func:`lora_linear_fused` check every operand on every call, which
+    costs about as much host time as the launches themselves (20-25 us each on the lent H200's
+    host). A dynamic layer's weight, bias and factors stay put between calls: built for them,
+    this checks them once, and a call checks x alone and launches the same two kernels with
+    the same configurations, so its result is theirs bit for bit.
+
+    ``usable`` is False where the TMA path does not apply to the fixed operands; a call answers
+    None where it does not apply to x (few rows, another dtype or device, misaligned rows,
+    autograd recording): then use the functions.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, down: torch.Tensor,
+                 up: torch.Tensor) -> None:
+        # The layer's weight and bias weakly (a replaced parameter is not kept alive here); the
+        # factors strongly (the caller's own tensors).
+        self._weight = weakref.ref(weight)
+        self._bias = weakref.ref(bias) if bias is not None else None
+        self.down, self.up = down, up
+        self._layout = self._layout_of(weight, bias)
+        n, k = weight.shape if weight.dim() == 2 else (0, 0)
+        r = down.shape[0]
+        self.usable = (
+            triton_available() and not interpreting() and weight.is_cuda and n > 0 and r > 0
+            and down.shape == (r, k) and up.shape == (n, r) and n % 8 == 0 and r % 8 == 0
+            and _tma_dtypes(weight, down, up) and tma_addressable(weight, down, up)
+            and (bias is None or (bias.shape == (n,) and bias.is_contiguous()
+                                  and bias.device == weight.device)))
+        if not self.usable:
+            return
+        self._n, self._k, self._r = n, k, r
+        self._dtype, self._device = weight.dtype, weight.get_device()
+        self._shrink = _tma_constexprs(SHRINK_TMA_CONFIG, r, 0, False, True, weight.dtype, True)
+        self._fused = _tma_constexprs(FUSED_TMA_CONFIG, n, r, bias is not None, False,
+                                      weight.dtype, True)
+
+    @staticmethod
+    def _layout_of(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+        # What a parameter can change without becoming another object (``param.data = ...``,
+        # as offloading does): its storage, dtype, shape and strides.
+        return (weight.data_ptr(), weight.dtype, weight.shape, weight.stride(),
+                bias.data_ptr() if bias is not None else 0)
+
+    def fits(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether this was built for these weight and bias, still as they were laid out."""
+        return (weight is self._weight()
+                and bias is (self._bias() if self._bias is not None else None)
+                and self._layout == self._layout_of(weight, bias))
+
+    def __call__(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
+        """``x @ W.T + ((x @ down.T) * scale) @ up.T + bias`` for x (T, K) and a float32
+        (R,) ``scale``, with the weight and bias this was built for (see :meth:`fits`); None
+        where x does not take the Hopper path.
+        """
+        t = x.shape[0]
+        weight = self._weight()
+        bias = self._bias() if self._bias is not None else None
+        if (t <= _SMALL_T or weight is None or x.dtype != self._dtype or x.shape[1] != self._k
+                or x.get_device() != self._device or x.stride(1) != 1 or x.data_ptr() % 16
+                or x.stride(0) % 8 or scale.dtype != torch.float32 or scale.shape != (self._r,)
+                or scale.stride(0) != 1
+                or (torch.is_grad_enabled()
+                    and any(a is not None and a.requires_grad for a in (x, weight, bias, scale)))):
+            return None
+        s = torch.empty(t, self._r, dtype=x.dtype, device=x.device)
+        out = torch.empty(t, self._n, dtype=x.dtype, device=x.device)
+        _launch_tma(x, self.down, None, None, None, scale, s, self._shrink)
+        _launch_tma(x, weight, s, self.up, bias, None, out, self._fused)
+        return out
+
+
 def _tma_dtypes(*tensors: torch.Tensor) -> bool:
     """One 16-bit dtype for every operand (the TMA kernel's native dot, 2-byte tiles)."""
     return len({t.dtype for t in tensors}) == 1 and tensors[0].dtype in (torch.bfloat16,
                                                                        torch.float16)
 
 
-def _linear_tma(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None,
+def _tma_constexprs(cfg: FusedConfig, n: int, r: int, has_bias: bool, has_scale: bool,
+                    out_dtype: torch.dtype, cuda: bool) -> dict:
+    """The TMA kernel's compile-time arguments (all but N_PROGS) for an output of n columns
+    and a LoRA part of rank r (0: none, the shrink).
+    """
+    return {"BT": cfg.block_t,
+            # The shrink's output columns are the ranks: its column tile is fitted to them.
+            "BN": cfg.block_n if r else max(16, min(cfg.block_n, next_power_of_2(n))),
+            "BK": cfg.block_k, "BR": max(16, min(cfg.block_r, next_power_of_2(r))),
+            "GROUP": max(1, cfg.group), "HAS_LORA": r > 0, "HAS_BIAS": has_bias,
+            "HAS_SCALE": has_scale,
+            "IEEE": not cuda,  # off CUDA this runs in the interpreter
+            "OUT_BF16": out_dtype == torch.bfloat16, "STAGES": cfg.num_stages,
+            "num_warps": cfg.num_warps}
+
+
+def _launch_tma(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None,
                 up: torch.Tensor | None, bias: torch.Tensor | None, scale: torch.Tensor | None,
-                out: torch.Tensor, cfg: FusedConfig) -> None:
-    """``out = x @ w.T (+ s @ up.T) (* scale) (+ bias)`` by the TMA kernel (see _kernels)."""
+                out: torch.Tensor, constexprs: dict) -> None:
+    """``out = x @ w.T (+ s @ up.T) (* scale) (+ bias)`` by the TMA kernel (see _kernels), on
+    checked operands (contiguous bias, TMA-addressable tensors) and :func:`_tma_constexprs`.
+    """
     t, k = x.shape
     n = w.shape[0]
-    r = s.shape[1] if s is not None else 0
-    bt, bk, br = cfg.block_t, cfg.block_k, max(16, min(cfg.block_r, next_power_of_2(r)))
-    bn = cfg.block_n if s is not None else max(16, min(cfg.block_n, next_power_of_2(n)))
-    tiles = cdiv(t, bt) * cdiv(n, bn)
+    tiles = cdiv(t, constexprs["BT"]) * cdiv(n, constexprs["BN"])
     progs = min(tiles, sm_count(x.device.index)) if x.is_cuda else min(tiles, 2)
-    if bias is not None:
-        bias = bias.contiguous()
     # Without a LoRA part (the shrink), x and w stand in for the unused S and B (never read).
     s_, up_ = (s, up) if s is not None else (x, w)
     ensure_allocator()
     with on_device_of(x):
         _kernels()[2](
             (progs,), x, w, s_, up_, out, bias if bias is not None else out,
-            scale if scale is not None else out, t, n, k, r, x.stride(0), w.stride(0),
-            s_.stride(0), up_.stride(0), out.stride(0), N_PROGS=progs,
-            BT=bt, BN=bn, BK=bk, BR=br, GROUP=max(1, cfg.group), HAS_LORA=s is not None,
-            HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
-            IEEE=not x.is_cuda,  # off CUDA this runs in the interpreter
-            OUT_BF16=out.dtype == torch.bfloat16, STAGES=cfg.num_stages,
-            num_warps=cfg.num_warps)
+            scale if scale is not None else out, t, n, k, s_.shape[1] if s is not None else 0,
+            x.stride(0), w.stride(0), s_.stride(0), up_.stride(0), out.stride(0),
+            N_PROGS=progs, **constexprs)
+
+
+def _linear_tma(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None,
+                up: torch.Tensor | None, bias: torch.Tensor | None, scale: torch.Tensor | None,
+                out: torch.Tensor, cfg: FusedConfig) -> None:
+    """``out = x @ w.T (+ s @ up.T) (* scale) (+ bias)`` by the TMA kernel (see _kernels)."""
+    if bias is not None:
+        bias = bias.contiguous()
+    cx = _tma_constexprs(cfg, w.shape[0], s.shape[1] if s is not None else 0, bias is not None,
+                         scale is not None, out.dtype, x.is_cuda)
+    _launch_tma(x, w, s, up, bias, scale, out, cx)
