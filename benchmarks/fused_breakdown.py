@@ -33,6 +33,9 @@ from shuttle.kernels.tma import ensure_allocator  # noqa: E402
 LARGE = {"wan1.3b_attn": (32760, 1536, 1536, 128), "zimage_attn": (4352, 3840, 3840, 32),
          "wan1.3b_ffn_up": (32760, 1536, 8960, 128)}
 INLINE = {**LARGE, "prefill_mlp": (8192, 4096, 14336, 16)}
+# The demo DiT's linears (benchmarks/dynamic_lora.py's whole-model run): 4096 tokens, rank 64.
+WAVES = {"dit_qkv": (4096, 1536, 4608, 64), "dit_proj": (4096, 1536, 1536, 64),
+         "dit_fc1": (4096, 1536, 6144, 64), "dit_fc2": (4096, 6144, 1536, 64)}
 DECODE = {"decode_qkv": (16, 4096, 6144, 16), "decode_1_token": (1, 4096, 6144, 16),
           "decode_mlp": (16, 4096, 14336, 16)}
 
@@ -296,6 +299,41 @@ def inline(t, k, n, r, rounds):
         return graph_times(v, rounds), errors
 
 
+def waves(t, k, n, r, rounds):
+    """Fused tile shapes at a few thousand rows, where 128 x 256 tiles fill the SMs unevenly."""
+    x, w, b, a, u, scale = operands(t, k, n, r)
+    s = LL.lora_shrink(x, a, scale)
+
+    def lossless():
+        out = F.linear(x, w, b)
+        return out.addmm_(F.linear(x, a).mul_(scale).to(x.dtype), u.T)
+
+    v = {"base cuBLAS": lambda: F.linear(x, w, b), "lossless (cuBLAS chain)": lossless,
+         "shrink + fused (shipped)": lambda: LL.lora_linear_fused(x, w, b,
+                                                                  LL.lora_shrink(x, a, scale), u),
+         "shrink (shipped)": lambda: LL.lora_shrink(x, a, scale)}
+    for cfg in [(128, 256, 64, 64, 8, 8, 3), (128, 128, 64, 64, 8, 4, 4),
+                (128, 128, 64, 64, 8, 8, 4), (64, 256, 64, 64, 8, 4, 3),
+                (128, 128, 128, 64, 8, 8, 3)]:
+        v[f"fused {cfg[:3]} w{cfg[5]} s{cfg[6]}"] = (
+            lambda c=cfg: LL.lora_linear_fused(x, w, b, s, u, config=c, tma=True))
+    for cfg in [(64, 128, 128, 64, 8, 4, 4), (128, 64, 128, 64, 8, 4, 4),
+                (64, 64, 128, 64, 8, 4, 4)]:
+        v[f"shrink TMA {cfg[:3]} w{cfg[5]} s{cfg[6]}"] = (
+            lambda c=cfg: LL._linear_tma(x, a, None, None, None, scale, s.clone(),
+                                         LL.FusedConfig(*c)))
+    ref = x.float() @ w.float().T + s.float() @ u.float().T + b.float()
+    errors = {}
+    with torch.no_grad():
+        for name, fn in v.items():
+            if name.startswith("fused"):
+                try:
+                    errors[name] = float((fn().float() - ref).abs().max())
+                except Exception as e:  # noqa: BLE001 - an experiment: record and go on
+                    errors[name] = f"failed: {str(e)[:200]}"
+        return graph_times(v, rounds), errors
+
+
 def decode(t, k, n, r, rounds):
     x, w, b, a, u, scale = operands(t, k, n, r)
     v = {"base cuBLAS": lambda: F.linear(x, w, b),
@@ -320,9 +358,9 @@ def main() -> None:
     results, rows = {}, []
     only = sys.argv[1:]  # e.g. "decode": that group alone
     groups = {"large": (LARGE, large, 15), "decode": (DECODE, decode, 30),
-              "inline": (INLINE, inline, 15)}
+              "inline": (INLINE, inline, 15), "waves": (WAVES, waves, 20)}
     for shapes, fn, rounds in (g for name, g in groups.items()
-                               if name in only or (not only and name != "inline")):
+                               if name in only or (not only and name in ("large", "decode"))):
         for name, shape in shapes.items():
             times, checks = fn(*shape, rounds)
             results[name] = {"shape": shape, "ms": times, "checks": checks}
