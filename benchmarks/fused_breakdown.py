@@ -311,7 +311,9 @@ def waves(t, k, n, r, rounds):
     v = {"base cuBLAS": lambda: F.linear(x, w, b), "lossless (cuBLAS chain)": lossless,
          "shrink + fused (shipped)": lambda: LL.lora_linear_fused(x, w, b,
                                                                   LL.lora_shrink(x, a, scale), u),
-         "shrink (shipped)": lambda: LL.lora_shrink(x, a, scale)}
+         "shrink (shipped)": lambda: LL.lora_shrink(x, a, scale),
+         "shrink plain kernel (split-K)": lambda: LL.lora_shrink(x, a, scale, tma=False),
+         "shrink cuBLAS + scale": lambda: F.linear(x, a).mul_(scale)}
     for cfg in [(128, 256, 64, 64, 8, 8, 3), (128, 128, 64, 64, 8, 4, 4),
                 (128, 128, 64, 64, 8, 8, 4), (64, 256, 64, 64, 8, 4, 3),
                 (128, 128, 128, 64, 8, 8, 3)]:

@@ -46,7 +46,9 @@ from shuttle.kernels.tma import ensure_allocator, tma_addressable
 __all__ = [
     "FUSED_CUDA_CONFIG",
     "FUSED_CUDA_SMALL_T_CONFIG",
+    "FILL_FOR_WIDE_TILES",
     "FUSED_TMA_CONFIG",
+    "FUSED_TMA_NARROW_CONFIG",
     "SHRINK_TMA_CONFIG",
     "SHRINK_CUDA_CONFIG",
     "FusedConfig",
@@ -101,6 +103,12 @@ SHRINK_CUDA_CONFIG = ShrinkConfig(64, 128, 64, 4, 4, 0)
 # and 8B-prefill shapes the 128 x 256 x 64 tile with 3 stages matched or beat cuBLAS on the base
 # GEMM alone and beat 128 x 128 tiles by 10-40% with the rank loop.
 FUSED_TMA_CONFIG = FusedConfig(128, 256, 64, 64, 8, 8, 3)
+# Where those tiles fill the SMs' last round poorly (below FILL_FOR_WIDE_TILES of the rounds'
+# slots), 128 x 128 tiles with 128-wide K steps: at the demo DiT's 1536-wide layers and 4096
+# rows (192 wide tiles on 132 SMs, 73% of two rounds) they measured 6-8% faster on an H200, and
+# 25-50% slower where the wide tiles fill their rounds (docs/benchmarks/fused_breakdown_waves.md).
+FUSED_TMA_NARROW_CONFIG = FusedConfig(128, 128, 128, 64, 8, 8, 3)
+FILL_FOR_WIDE_TILES = 0.8
 # The shrink on the same kernel: output columns are the ranks (block_n is fitted to R). In a
 # sweep on an H200 (CUDA graphs, commit 3de6c5b) 64 x 128-wide K steps, 4 stages, beat the
 # earlier 128 x 64 steps at Z-Image attention (19.8 vs 26.7 us) and matched it at the Wan2.1
@@ -461,7 +469,9 @@ def lora_linear_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if tma or (tma is None and not interpret and t > _SMALL_T and _tma_dtypes(x, weight, s, up)
                and tma_addressable(x, weight, s, up) and n % 8 == 0):
         out = torch.empty(t, n, dtype=x.dtype, device=x.device)
-        _linear_tma(x, weight, s, up, bias, None, out, FusedConfig(*(config or FUSED_TMA_CONFIG)))
+        cfg = (FusedConfig(*config) if config
+               else _fused_tma_config(t, n, sm_count(x.device.index) if x.is_cuda else 1))
+        _linear_tma(x, weight, s, up, bias, None, out, cfg)
         return out
     if config is not None:
         cfg = FusedConfig(*config)
@@ -526,8 +536,9 @@ class PreparedLoraLinear:
         self._n, self._k, self._r = n, k, r
         self._dtype, self._device = weight.dtype, weight.get_device()
         self._shrink = _tma_constexprs(SHRINK_TMA_CONFIG, r, 0, False, True, weight.dtype, True)
-        self._fused = _tma_constexprs(FUSED_TMA_CONFIG, n, r, bias is not None, False,
-                                      weight.dtype, True)
+        self._sms = sm_count(self._device)
+        self._fused = {cfg: _tma_constexprs(cfg, n, r, bias is not None, False, weight.dtype, True)
+                       for cfg in (FUSED_TMA_CONFIG, FUSED_TMA_NARROW_CONFIG)}
 
     @staticmethod
     def _layout_of(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
@@ -560,7 +571,8 @@ class PreparedLoraLinear:
         s = torch.empty(t, self._r, dtype=x.dtype, device=x.device)
         out = torch.empty(t, self._n, dtype=x.dtype, device=x.device)
         _launch_tma(x, self.down, None, None, None, scale, s, self._shrink)
-        _launch_tma(x, weight, s, self.up, bias, None, out, self._fused)
+        _launch_tma(x, weight, s, self.up, bias, None, out,
+                    self._fused[_fused_tma_config(t, self._n, self._sms)])
         return out
 
 
@@ -568,6 +580,13 @@ def _tma_dtypes(*tensors: torch.Tensor) -> bool:
     """One 16-bit dtype for every operand (the TMA kernel's native dot, 2-byte tiles)."""
     return len({t.dtype for t in tensors}) == 1 and tensors[0].dtype in (torch.bfloat16,
                                                                        torch.float16)
+
+
+def _fused_tma_config(t: int, n: int, sms: int) -> FusedConfig:
+    """FUSED_TMA_CONFIG, or FUSED_TMA_NARROW_CONFIG where its tiles fill the SMs' rounds poorly."""
+    tiles = cdiv(t, FUSED_TMA_CONFIG.block_t) * cdiv(n, FUSED_TMA_CONFIG.block_n)
+    fill = tiles / (cdiv(tiles, sms) * sms)
+    return FUSED_TMA_CONFIG if fill >= FILL_FOR_WIDE_TILES else FUSED_TMA_NARROW_CONFIG
 
 
 def _tma_constexprs(cfg: FusedConfig, n: int, r: int, has_bias: bool, has_scale: bool,
