@@ -271,17 +271,18 @@ class LoRAHook(ModuleHook):
         return out
 
     def _fused_ok(self, module: torch.nn.Module, x: torch.Tensor | None) -> bool:
-        on_device = x is not None and (x.is_cuda or interpreting())
+        if x is None or not (x.is_cuda or interpreting()) or not triton_available():
+            return False
         # The fused kernel reads W itself: a quantized weight takes its own forward instead.
-        return (triton_available() and on_device and is_plain_tensor(module.weight)
-                and x.dtype == module.weight.dtype
+        w = module.weight
+        return (is_plain_tensor(w) and x.dtype == w.dtype
                 and x.dtype in (torch.bfloat16, torch.float16, torch.float32))
 
     def _fused(self, module: torch.nn.Linear, x: torch.Tensor,
                overrides: dict[str, torch.Tensor]) -> torch.Tensor:
-        w = overrides.get("weight", module.weight)
-        b = overrides.get("bias", module.bias)
-        x2d = x.reshape(-1, x.shape[-1])
+        weight, bias = module.weight, module.bias
+        w, b = overrides.get("weight", weight), overrides.get("bias", bias)
+        x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         scale = self._scale_vector(x.device)
         if x2d.shape[0] <= DECODE_MAX_T and x.dtype == self.down.dtype == self.up.dtype:
             # A few tokens (decode): a split-K shrink, then one kernel for the base, the update
@@ -289,7 +290,7 @@ class LoRAHook(ModuleHook):
             out = lora_decode_linear(x2d, w, b, self.down, self.up, scale)
         else:
             out = None
-            if w is module.weight and b is module.bias:  # no per-call residual overrides
+            if w is weight and b is bias:  # no per-call residual overrides
                 # The Hopper path with the layer's operands checked once (host time: the
                 # functions below check every operand on every call).
                 prep = self._prepared
@@ -302,7 +303,7 @@ class LoRAHook(ModuleHook):
                 # kernel, or faster (docs/benchmarks.md); S keeps float32 math for float32
                 # factors.
                 out = lora_linear_fused(x2d, w, b, lora_shrink(x2d, self.down, scale), self.up)
-        return out.view(*x.shape[:-1], w.shape[0])
+        return out if x2d is x else out.view(*x.shape[:-1], w.shape[0])
 
     def _residuals(self, module: torch.nn.Module, x: torch.Tensor, out: torch.Tensor
                    ) -> torch.Tensor:
