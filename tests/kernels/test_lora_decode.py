@@ -138,3 +138,36 @@ def test_linear_partials_are_deterministic():
     first = lora_decode_linear(x, w, b, down, up, scale)
     assert all(torch.equal(first, lora_decode_linear(x, w, b, down, up, scale))
                for _ in range(3))
+
+
+def test_aligned_needs_16_byte_rows_and_multiples_of_16():
+    from shuttle.kernels.lora_decode import _aligned
+
+    a = torch.zeros(4, 64, dtype=torch.bfloat16)
+    assert _aligned(64, 32, a)
+    assert not _aligned(40, 32, a) and not _aligned(64, 24, a)  # K, N
+    assert not _aligned(64, 32, a[:, 1:])  # rows start 2 bytes off
+    assert not _aligned(64, 32, torch.zeros(4, 60, dtype=torch.bfloat16)[:, :8])  # stride 60
+    assert not _aligned(64, 32, a.float())  # 4-byte elements
+
+
+def _shifted(t):
+    """``t``'s values in storage that starts 2 bytes past a 16-byte boundary."""
+    buf = torch.empty(t.numel() + 8, dtype=t.dtype, device=t.device)[1:1 + t.numel()]
+    return buf.view_as(t).copy_(t)
+
+
+@pytest.mark.parametrize("shift", ["none", "x", "weight", "up"])
+@pytest.mark.parametrize(("t", "k", "n", "r"), [(16, 256, 96, 16), (5, 48, 64, 32)])
+def test_aligned_and_misaligned_layouts_agree(t, k, n, r, shift):
+    # K and N multiples of 16 (the kernels' alignment hints apply unless a tensor is shifted);
+    # K = 48 is not a multiple of the GPU's K step (masked, hinted tail).
+    x, w, b, down, up, scale = _layer(t, k, n, r, torch.bfloat16)
+    ops = {"x": x, "weight": w, "up": up}
+    if shift != "none":
+        ops[shift] = _shifted(ops[shift])
+    got = lora_decode_linear(ops["x"], ops["weight"], b, down, ops["up"], scale)
+    _assert_one_ulp(got, lora_decode_linear_reference(x, w, b, down, up, scale))
+    out = torch.randn(t, n, dtype=x.dtype, device=DEVICE)
+    got = lora_decode_add(out.clone(), ops["x"], down, ops["up"], scale)
+    _assert_one_ulp(got, lora_decode_add_reference(out.clone(), x, down, up, scale))

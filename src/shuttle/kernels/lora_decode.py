@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch
 
 from shuttle.kernels.launch import (
+    CompiledLaunch,
     bind_tiles,
     cdiv,
     interpreting,
@@ -90,11 +91,20 @@ def _kernels():
 
     bind_tiles(globals(), "store_rne")
 
-    @triton.jit
+    # The kernels' runtime arguments are unspecialized: one binary per dtypes and constexprs,
+    # launched from it by CompiledLaunch (at decode the host is the bottleneck, and Triton's
+    # per-call dispatch is about half of a launch's host time). What specialization told the
+    # compiler about alignment, ALIGNED tells it (see _aligned): rows of x, of the weight or
+    # down factor and of the output start on 16 bytes and K, N are multiples of 16, so loads
+    # along K and stores along N are 16-byte vectors (the hints go on the pointer and mask
+    # tensors: Triton drops them on scalar arguments).
+    @triton.jit(do_not_specialize=["x_ptr", "d_ptr", "u_ptr", "scale_ptr", "o_ptr", "T", "K",
+                                   "N", "R", "stride_xt", "stride_dr", "stride_un",
+                                   "stride_ot"])
     def decode_kernel(x_ptr, d_ptr, u_ptr, scale_ptr, o_ptr, T, K, N, R,
                       stride_xt, stride_dr, stride_un, stride_ot,
                       BT: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
-                      IEEE: tl.constexpr):
+                      IEEE: tl.constexpr, ALIGNED: tl.constexpr, UP_ALIGNED: tl.constexpr):
         rt = tl.arange(0, BT)
         rr = tl.arange(0, BR)
         rk = tl.arange(0, BK)
@@ -102,10 +112,18 @@ def _kernels():
         h = tl.zeros((BT, BR), dtype=tl.float32)
         for k in range(0, tl.cdiv(K, BK)):
             kk = k * BK + rk
-            x = tl.load(x_ptr + rt[:, None] * stride_xt + kk[None, :],
-                        mask=(rt[:, None] < T) & (kk[None, :] < K), other=0.0)
-            d = tl.load(d_ptr + rr[None, :] * stride_dr + kk[:, None],
-                        mask=(rr[None, :] < R) & (kk[:, None] < K), other=0.0)
+            x_ptrs = x_ptr + rt[:, None] * stride_xt + kk[None, :]
+            d_ptrs = d_ptr + rr[None, :] * stride_dr + kk[:, None]
+            if ALIGNED:
+                x_ptrs = tl.multiple_of(x_ptrs, [16, 16])
+                d_ptrs = tl.multiple_of(d_ptrs, [16, 16])
+            x_mask = (rt[:, None] < T) & (kk[None, :] < K)
+            d_mask = (rr[None, :] < R) & (kk[:, None] < K)
+            if ALIGNED:  # K is a multiple of 16: the masks hold over runs of 16 along K
+                x_mask = tl.max_constancy(x_mask, [1, 16])
+                d_mask = tl.max_constancy(d_mask, [16, 1])
+            x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+            d = tl.load(d_ptrs, mask=d_mask, other=0.0)
             if IEEE:  # the interpreter, whose bf16 dot is wrong
                 h = tl.dot(x.to(tl.float32), d.to(tl.float32), h, input_precision="ieee")
             else:
@@ -113,17 +131,25 @@ def _kernels():
         h = h * tl.load(scale_ptr + rr, mask=rr < R, other=0.0)[None, :]
         # This program's columns: out[:, rn] += h @ up[rn].T, all in float32.
         rn = tl.program_id(0) * BN + tl.arange(0, BN)
-        u = tl.load(u_ptr + rn[None, :] * stride_un + rr[:, None],
-                    mask=(rr[:, None] < R) & (rn[None, :] < N), other=0.0)
+        u_ptrs = u_ptr + rn[None, :] * stride_un + rr[:, None]
+        u_mask = (rr[:, None] < R) & (rn[None, :] < N)
+        if UP_ALIGNED:  # rows of up start on 16 bytes and R is a multiple of 16
+            u_ptrs = tl.multiple_of(u_ptrs, [16, 16])
+            u_mask = tl.max_constancy(u_mask, [16, 1])
+        u = tl.load(u_ptrs, mask=u_mask, other=0.0)
         delta = tl.dot(h, u.to(tl.float32), input_precision="ieee")
         mask = (rt[:, None] < T) & (rn[None, :] < N)
         o_ptrs = o_ptr + rt[:, None] * stride_ot + rn[None, :]
+        if ALIGNED:  # N is a multiple of 16 too
+            o_ptrs = tl.multiple_of(o_ptrs, [16, 16])
+            mask = tl.max_constancy(mask, [1, 16])
         store_rne(o_ptrs, tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32) + delta, mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["x_ptr", "d_ptr", "ws_ptr", "T", "K", "R", "K_PER",
+                                   "stride_xt", "stride_dr"])
     def partial_shrink_kernel(x_ptr, d_ptr, ws_ptr, T, K, R, K_PER, stride_xt, stride_dr,
                               BT: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
-                              IEEE: tl.constexpr):
+                              IEEE: tl.constexpr, ALIGNED: tl.constexpr):
         # Program p: the float32 partial h_p = x[:, Kp] @ down[:, Kp].T over its K range,
         # stored whole, (BT, BR), at ws[p] (padding rows and ranks are zeros).
         pid = tl.program_id(0)
@@ -136,22 +162,34 @@ def _kernels():
         h = tl.zeros((BT, BR), dtype=tl.float32)
         for k in range(k0, tl.minimum(k0 + K_PER, K), BK):
             kk = k + rk
-            x = tl.load(x_ptr + rt[:, None] * stride_xt + kk[None, :],
-                        mask=row_ok & (kk[None, :] < K), other=0.0)
-            d = tl.load(d_ptr + rr[None, :] * stride_dr + kk[:, None],
-                        mask=rank_ok & (kk[:, None] < K), other=0.0)
+            x_ptrs = x_ptr + rt[:, None] * stride_xt + kk[None, :]
+            d_ptrs = d_ptr + rr[None, :] * stride_dr + kk[:, None]
+            if ALIGNED:
+                x_ptrs = tl.multiple_of(x_ptrs, [16, 16])
+                d_ptrs = tl.multiple_of(d_ptrs, [16, 16])
+            x_mask = row_ok & (kk[None, :] < K)
+            d_mask = rank_ok & (kk[:, None] < K)
+            if ALIGNED:  # K is a multiple of 16: the masks hold over runs of 16 along K
+                x_mask = tl.max_constancy(x_mask, [1, 16])
+                d_mask = tl.max_constancy(d_mask, [16, 1])
+            x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+            d = tl.load(d_ptrs, mask=d_mask, other=0.0)
             if IEEE:  # the interpreter, whose bf16 dot is wrong
                 h = tl.dot(x.to(tl.float32), d.to(tl.float32), h, input_precision="ieee")
             else:
                 h = tl.dot(x, d, h)
-        tl.store(ws_ptr + pid * BT * BR + rt[:, None] * BR + rr[None, :], h)
+        # A fresh float32 workspace of whole (BT, BR) tiles: rows start on 64 bytes.
+        tl.store(tl.multiple_of(ws_ptr + pid * BT * BR + rt[:, None] * BR + rr[None, :],
+                                [16, 16]), h)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["x_ptr", "w_ptr", "b_ptr", "u_ptr", "scale_ptr", "ws_ptr",
+                                   "o_ptr", "T", "K", "N", "R", "stride_xt", "stride_wn",
+                                   "stride_un", "stride_ot"])
     def linear_kernel(x_ptr, w_ptr, b_ptr, u_ptr, scale_ptr, ws_ptr, o_ptr, T, K, N, R,
                       stride_xt, stride_wn, stride_un, stride_ot,
                       BT: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
                       H_PARTS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                      IEEE: tl.constexpr):
+                      IEEE: tl.constexpr, ALIGNED: tl.constexpr):
         # acc = x @ W[rn].T over K, then h summed from partial_shrink_kernel's H_PARTS
         # partials in a fixed order (deterministic), acc += (h * scale) @ up[rn].T, + bias.
         rt = tl.arange(0, BT)
@@ -166,6 +204,9 @@ def _kernels():
         rn_l = (rn % N).to(tl.int64)
         x_ptrs = x_ptr + rt[:, None] * stride_xt + rk[None, :]
         w_ptrs = w_ptr + rn_l[None, :] * stride_wn + rk[:, None]
+        if ALIGNED:
+            x_ptrs = tl.multiple_of(x_ptrs, [16, 16])
+            w_ptrs = tl.multiple_of(w_ptrs, [16, 16])
         acc = tl.zeros((BT, BN), dtype=tl.float32)
         for k in range(0, tl.cdiv(K, BK)):
             if EVEN_K:
@@ -173,15 +214,20 @@ def _kernels():
                 w = tl.load(w_ptrs)
             else:
                 k_left = K - k * BK
-                x = tl.load(x_ptrs, mask=row_ok & (rk[None, :] < k_left), other=0.0)
-                w = tl.load(w_ptrs, mask=rk[:, None] < k_left, other=0.0)
+                x_mask = row_ok & (rk[None, :] < k_left)
+                w_mask = rk[:, None] < k_left
+                if ALIGNED:  # K is a multiple of 16: the masks hold over runs of 16 along K
+                    x_mask = tl.max_constancy(x_mask, [1, 16])
+                    w_mask = tl.max_constancy(w_mask, [16, 1])
+                x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+                w = tl.load(w_ptrs, mask=w_mask, other=0.0)
             if IEEE:  # the interpreter, whose bf16 dot is wrong
                 acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
             else:
                 acc = tl.dot(x, w, acc)
             x_ptrs += BK
             w_ptrs += BK
-        ws_ptrs = ws_ptr + rt[:, None] * BR + rr[None, :]
+        ws_ptrs = tl.multiple_of(ws_ptr + rt[:, None] * BR + rr[None, :], [16, 16])
         h = tl.load(ws_ptrs)
         for p in range(1, H_PARTS):
             h += tl.load(ws_ptrs + p * BT * BR)
@@ -191,9 +237,14 @@ def _kernels():
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn_l).to(tl.float32)[None, :]
         mask = (rt[:, None] < T) & (rn[None, :] < N)
-        store_rne(o_ptr + rt[:, None] * stride_ot + rn[None, :], acc, mask)
+        o_ptrs = o_ptr + rt[:, None] * stride_ot + rn[None, :]
+        if ALIGNED:  # N is a multiple of 16 too
+            o_ptrs = tl.multiple_of(o_ptrs, [16, 16])
+            mask = tl.max_constancy(mask, [1, 16])
+        store_rne(o_ptrs, acc, mask)
 
-    return decode_kernel, linear_kernel, partial_shrink_kernel
+    return (CompiledLaunch(decode_kernel), CompiledLaunch(linear_kernel),
+            CompiledLaunch(partial_shrink_kernel))
 
 
 def lora_decode_add(out: torch.Tensor, x: torch.Tensor, down: torch.Tensor, up: torch.Tensor,
@@ -237,10 +288,21 @@ def lora_decode_add(out: torch.Tensor, x: torch.Tensor, down: torch.Tensor, up: 
     bk = 16 if interpret else 128
     grid = (cdiv(n, block_n),)
     with on_device_of(x):
-        _kernel()[grid](x, down, up, scale.to(torch.float32).contiguous(), out, t, k, n, r,
-                        x.stride(0), down.stride(0), up.stride(0), out.stride(0),
-                        BT=bt, BK=bk, BR=br, BN=block_n, IEEE=interpret, num_warps=4)
+        _kernel()(grid, x, down, up, scale.to(torch.float32).contiguous(), out, t, k, n, r,
+                  x.stride(0), down.stride(0), up.stride(0), out.stride(0),
+                  BT=bt, BK=bk, BR=br, BN=block_n, IEEE=interpret,
+                  ALIGNED=_aligned(k, n, x, down, out), UP_ALIGNED=_aligned(r, 16, up),
+                  num_warps=4)
     return out
+
+
+def _aligned(k: int, n: int, *tensors: torch.Tensor) -> bool:
+    """The kernels' ALIGNED: K and N multiples of 16, and 2-D tensors of 2-byte elements whose
+    rows all start on 16 bytes (aligned start, row stride a multiple of 8 elements).
+    """
+    return k % 16 == 0 and n % 16 == 0 and all(
+        t.element_size() == 2 and t.data_ptr() % 16 == 0 and t.stride(0) % 8 == 0
+        for t in tensors)
 
 
 class DecodeConfig(NamedTuple):
@@ -336,13 +398,15 @@ def lora_decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     ws = torch.empty(parts * bt * br, dtype=torch.float32, device=x.device)
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
     with on_device_of(x):
-        _kernels()[2][(parts,)](x, down, ws, t, k, r, per, x.stride(0), down.stride(0),
-                                BT=bt, BK=step, BR=br, IEEE=interpret, num_warps=4)
-        _kernels()[1][(cdiv(n, cfg.block_n),)](
-            x, weight, bias if bias is not None else out, up,
+        _kernels()[2]((parts,), x, down, ws, t, k, r, per, x.stride(0), down.stride(0),
+                      BT=bt, BK=step, BR=br, IEEE=interpret, ALIGNED=_aligned(k, 16, x, down),
+                      num_warps=4)
+        _kernels()[1](
+            (cdiv(n, cfg.block_n),), x, weight, bias if bias is not None else out, up,
             scale.to(torch.float32).contiguous(), ws, out, t, k, n, r,
             x.stride(0), weight.stride(0), up.stride(0), out.stride(0),
             BT=bt, BK=cfg.block_k, BR=br, BN=cfg.block_n, H_PARTS=parts,
             HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, IEEE=interpret,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            ALIGNED=_aligned(k, n, x, weight, out), num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
     return out
