@@ -144,11 +144,11 @@ def test_aligned_needs_16_byte_rows_and_multiples_of_16():
     from shuttle.kernels.lora_decode import _aligned
 
     a = torch.zeros(4, 64, dtype=torch.bfloat16)
-    assert _aligned(64, 32, a)
-    assert not _aligned(40, 32, a) and not _aligned(64, 24, a)  # K, N
-    assert not _aligned(64, 32, a[:, 1:])  # rows start 2 bytes off
-    assert not _aligned(64, 32, torch.zeros(4, 60, dtype=torch.bfloat16)[:, :8])  # stride 60
-    assert not _aligned(64, 32, a.float())  # 4-byte elements
+    assert _aligned(a, a, sizes=(64, 32))
+    assert not _aligned(a, sizes=(40, 32)) and not _aligned(a, sizes=(64, 24))  # K, N
+    assert not _aligned(a, a[:, 1:], sizes=(64,))  # rows start 2 bytes off
+    assert not _aligned(torch.zeros(4, 60, dtype=torch.bfloat16)[:, :8], sizes=(64,))  # stride
+    assert not _aligned(a.float(), sizes=(64,))  # 4-byte elements
 
 
 def _shifted(t):

@@ -291,16 +291,18 @@ def lora_decode_add(out: torch.Tensor, x: torch.Tensor, down: torch.Tensor, up: 
         _kernel()(grid, x, down, up, scale.to(torch.float32).contiguous(), out, t, k, n, r,
                   x.stride(0), down.stride(0), up.stride(0), out.stride(0),
                   BT=bt, BK=bk, BR=br, BN=block_n, IEEE=interpret,
-                  ALIGNED=_aligned(k, n, x, down, out), UP_ALIGNED=_aligned(r, 16, up),
+                  ALIGNED=_aligned(x, down, out, sizes=(k, n)),
+                  UP_ALIGNED=_aligned(up, sizes=(r,)),
                   num_warps=4)
     return out
 
 
-def _aligned(k: int, n: int, *tensors: torch.Tensor) -> bool:
-    """The kernels' ALIGNED: K and N multiples of 16, and 2-D tensors of 2-byte elements whose
-    rows all start on 16 bytes (aligned start, row stride a multiple of 8 elements).
+def _aligned(*tensors: torch.Tensor, sizes: tuple[int, ...]) -> bool:
+    """The kernels' alignment flags: ``sizes`` (K, N or R: what the masks compare with) are
+    multiples of 16, and the 2-D tensors of 2-byte elements have every row start on 16 bytes
+    (aligned start, row stride a multiple of 8 elements).
     """
-    return k % 16 == 0 and n % 16 == 0 and all(
+    return all(v % 16 == 0 for v in sizes) and all(
         t.element_size() == 2 and t.data_ptr() % 16 == 0 and t.stride(0) % 8 == 0
         for t in tensors)
 
@@ -399,7 +401,7 @@ def lora_decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
     with on_device_of(x):
         _kernels()[2]((parts,), x, down, ws, t, k, r, per, x.stride(0), down.stride(0),
-                      BT=bt, BK=step, BR=br, IEEE=interpret, ALIGNED=_aligned(k, 16, x, down),
+                      BT=bt, BK=step, BR=br, IEEE=interpret, ALIGNED=_aligned(x, down, sizes=(k,)),
                       num_warps=4)
         _kernels()[1](
             (cdiv(n, cfg.block_n),), x, weight, bias if bias is not None else out, up,
@@ -407,6 +409,6 @@ def lora_decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
             x.stride(0), weight.stride(0), up.stride(0), out.stride(0),
             BT=bt, BK=cfg.block_k, BR=br, BN=cfg.block_n, H_PARTS=parts,
             HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, IEEE=interpret,
-            ALIGNED=_aligned(k, n, x, weight, out), num_warps=cfg.num_warps,
+            ALIGNED=_aligned(x, weight, out, sizes=(k, n)), num_warps=cfg.num_warps,
             num_stages=cfg.num_stages)
     return out

@@ -44,9 +44,9 @@ from shuttle.kernels.launch import (
 from shuttle.kernels.tma import ensure_allocator, tma_addressable
 
 __all__ = [
+    "FILL_FOR_WIDE_TILES",
     "FUSED_CUDA_CONFIG",
     "FUSED_CUDA_SMALL_T_CONFIG",
-    "FILL_FOR_WIDE_TILES",
     "FUSED_TMA_CONFIG",
     "FUSED_TMA_NARROW_CONFIG",
     "SHRINK_TMA_CONFIG",
