@@ -76,7 +76,7 @@ def lora_decode_linear_reference(x: torch.Tensor, weight: torch.Tensor,
 
 
 # Shared tile helpers, bound by bind_tiles() when the kernels are built (see there).
-store_rne = None
+shrink_step = store_rne = None
 
 
 @functools.cache
@@ -89,7 +89,7 @@ def _kernels():
     import triton
     import triton.language as tl
 
-    bind_tiles(globals(), "store_rne")
+    bind_tiles(globals(), "shrink_step", "store_rne")
 
     # The kernels' runtime arguments are unspecialized: one binary per dtypes and constexprs,
     # launched from it by CompiledLaunch (at decode the host is the bottleneck, and Triton's
@@ -111,23 +111,8 @@ def _kernels():
         # h = x @ down.T over K: (BT, BR) in float32 (bf16/fp16 products are exact in it).
         h = tl.zeros((BT, BR), dtype=tl.float32)
         for k in range(0, tl.cdiv(K, BK)):
-            kk = k * BK + rk
-            x_ptrs = x_ptr + rt[:, None] * stride_xt + kk[None, :]
-            d_ptrs = d_ptr + rr[None, :] * stride_dr + kk[:, None]
-            if ALIGNED:
-                x_ptrs = tl.multiple_of(x_ptrs, [16, 16])
-                d_ptrs = tl.multiple_of(d_ptrs, [16, 16])
-            x_mask = (rt[:, None] < T) & (kk[None, :] < K)
-            d_mask = (rr[None, :] < R) & (kk[:, None] < K)
-            if ALIGNED:  # K is a multiple of 16: the masks hold over runs of 16 along K
-                x_mask = tl.max_constancy(x_mask, [1, 16])
-                d_mask = tl.max_constancy(d_mask, [16, 1])
-            x = tl.load(x_ptrs, mask=x_mask, other=0.0)
-            d = tl.load(d_ptrs, mask=d_mask, other=0.0)
-            if IEEE:  # the interpreter, whose bf16 dot is wrong
-                h = tl.dot(x.to(tl.float32), d.to(tl.float32), h, input_precision="ieee")
-            else:
-                h = tl.dot(x, d, h)
+            h = shrink_step(h, x_ptr, d_ptr, rt, rr, k * BK + rk, T, R, K, stride_xt,
+                            stride_dr, IEEE, ALIGNED)
         h = h * tl.load(scale_ptr + rr, mask=rr < R, other=0.0)[None, :]
         # This program's columns: out[:, rn] += h @ up[rn].T, all in float32.
         rn = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -156,28 +141,11 @@ def _kernels():
         rt = tl.arange(0, BT)
         rr = tl.arange(0, BR)
         rk = tl.arange(0, BK)
-        row_ok = (rt < T)[:, None]
-        rank_ok = (rr < R)[None, :]
         k0 = pid * K_PER
         h = tl.zeros((BT, BR), dtype=tl.float32)
         for k in range(k0, tl.minimum(k0 + K_PER, K), BK):
-            kk = k + rk
-            x_ptrs = x_ptr + rt[:, None] * stride_xt + kk[None, :]
-            d_ptrs = d_ptr + rr[None, :] * stride_dr + kk[:, None]
-            if ALIGNED:
-                x_ptrs = tl.multiple_of(x_ptrs, [16, 16])
-                d_ptrs = tl.multiple_of(d_ptrs, [16, 16])
-            x_mask = row_ok & (kk[None, :] < K)
-            d_mask = rank_ok & (kk[:, None] < K)
-            if ALIGNED:  # K is a multiple of 16: the masks hold over runs of 16 along K
-                x_mask = tl.max_constancy(x_mask, [1, 16])
-                d_mask = tl.max_constancy(d_mask, [16, 1])
-            x = tl.load(x_ptrs, mask=x_mask, other=0.0)
-            d = tl.load(d_ptrs, mask=d_mask, other=0.0)
-            if IEEE:  # the interpreter, whose bf16 dot is wrong
-                h = tl.dot(x.to(tl.float32), d.to(tl.float32), h, input_precision="ieee")
-            else:
-                h = tl.dot(x, d, h)
+            h = shrink_step(h, x_ptr, d_ptr, rt, rr, k + rk, T, R, K, stride_xt, stride_dr,
+                            IEEE, ALIGNED)
         # A fresh float32 workspace of whole (BT, BR) tiles: rows start on 64 bytes.
         tl.store(tl.multiple_of(ws_ptr + pid * BT * BR + rt[:, None] * BR + rr[None, :],
                                 [16, 16]), h)

@@ -17,8 +17,8 @@ from shuttle.kernels.launch import interpreting
 # this module is imported, as Triton fixes interpretation when it decorates a kernel.
 _RNE_BY_HAND: tl.constexpr = tl.constexpr(interpreting())
 
-__all__ = ["dot_over_k", "hash_uniform", "lowrank_tile", "pick", "round_bf16", "store_rne",
-           "tile_of"]
+__all__ = ["dot_over_k", "hash_uniform", "lowrank_tile", "pick", "round_bf16", "shrink_step",
+           "store_rne", "tile_of"]
 
 
 @triton.jit
@@ -145,3 +145,28 @@ def store_rne(ptrs, x, mask):
         tl.store(ptrs, round_bf16(x), mask=mask)
     else:
         tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def shrink_step(h, x_ptr, d_ptr, rt, rr, kk, T, R, K, stride_xt, stride_dr,
+                IEEE: tl.constexpr, ALIGNED: tl.constexpr):
+    """``h + x[rt, kk] @ down[rr, kk].T``: one K step of a small shrink, (BT, BR) float32.
+
+    Rows past T, ranks past R and K offsets past K load zeros. ALIGNED: rows of x and down
+    start on 16 bytes and K is a multiple of 16 (the callers check it), told to the compiler
+    on the pointer and mask tensors so that loads along K are 16-byte vectors.
+    """
+    x_ptrs = x_ptr + rt[:, None] * stride_xt + kk[None, :]
+    d_ptrs = d_ptr + rr[None, :] * stride_dr + kk[:, None]
+    x_mask = (rt[:, None] < T) & (kk[None, :] < K)
+    d_mask = (rr[None, :] < R) & (kk[:, None] < K)
+    if ALIGNED:
+        x_ptrs = tl.multiple_of(x_ptrs, [16, 16])
+        d_ptrs = tl.multiple_of(d_ptrs, [16, 16])
+        x_mask = tl.max_constancy(x_mask, [1, 16])  # runs of 16 along K hold or fail alike
+        d_mask = tl.max_constancy(d_mask, [16, 1])
+    x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+    d = tl.load(d_ptrs, mask=d_mask, other=0.0)
+    if IEEE:  # the interpreter, whose bf16 dot is wrong
+        return tl.dot(x.to(tl.float32), d.to(tl.float32), h, input_precision="ieee")
+    return tl.dot(x, d, h)
