@@ -367,16 +367,17 @@ def lora_decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     parts = cdiv(k, per)
     ws = torch.empty(parts * bt * br, dtype=torch.float32, device=x.device)
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    x_aligned = _aligned(x, sizes=(k,))  # both kernels read x
     with on_device_of(x):
         _kernels()[2]((parts,), x, down, ws, t, k, r, per, x.stride(0), down.stride(0),
-                      BT=bt, BK=step, BR=br, IEEE=interpret, ALIGNED=_aligned(x, down, sizes=(k,)),
-                      num_warps=4)
+                      BT=bt, BK=step, BR=br, IEEE=interpret,
+                      ALIGNED=x_aligned and _aligned(down, sizes=()), num_warps=4)
         _kernels()[1](
             (cdiv(n, cfg.block_n),), x, weight, bias if bias is not None else out, up,
             scale.to(torch.float32).contiguous(), ws, out, t, k, n, r,
             x.stride(0), weight.stride(0), up.stride(0), out.stride(0),
             BT=bt, BK=cfg.block_k, BR=br, BN=cfg.block_n, H_PARTS=parts,
             HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, IEEE=interpret,
-            ALIGNED=_aligned(x, weight, out, sizes=(k, n)), num_warps=cfg.num_warps,
+            ALIGNED=x_aligned and _aligned(weight, out, sizes=(n,)), num_warps=cfg.num_warps,
             num_stages=cfg.num_stages)
     return out

@@ -440,9 +440,11 @@ def lora_linear_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
             rank part runs as an IEEE float32 dot; so does the base part for float32 operands.
         config: a :class:`FusedConfig` (or the same 7-tuple) to override
             :data:`FUSED_CUDA_CONFIG` / :data:`FUSED_CUDA_SMALL_T_CONFIG` (or the interpreter's).
-        tma: use the Hopper kernel (TMA loads, persistent tiles; :data:`FUSED_TMA_CONFIG`, or
-            ``config``); default: for T > 64 on CUDA devices of compute capability 9.0+, when
-            all operands share one 16-bit dtype and are 16-byte aligned.
+        tma: use the Hopper kernel (TMA loads, persistent tiles; ``config``, else
+            :data:`FUSED_TMA_CONFIG`, or :data:`FUSED_TMA_NARROW_CONFIG` where the wide tiles
+            fill the SMs' last round below :data:`FILL_FOR_WIDE_TILES`); default: for T > 64
+            on CUDA devices of compute capability 9.0+, when all operands share one 16-bit
+            dtype and are 16-byte aligned.
 
     Returns:
         (T, N) in x's dtype. R may be any size >= 1 (the rank loop is masked).
@@ -570,9 +572,11 @@ class PreparedLoraLinear:
             return None
         s = torch.empty(t, self._r, dtype=x.dtype, device=x.device)
         out = torch.empty(t, self._n, dtype=x.dtype, device=x.device)
-        _launch_tma(x, self.down, None, None, None, scale, s, self._shrink)
-        _launch_tma(x, weight, s, self.up, bias, None, out,
-                    self._fused[_fused_tma_config(t, self._n, self._sms)])
+        ensure_allocator()
+        with on_device_of(x):
+            _launch_tma(x, self.down, None, None, None, scale, s, self._sms, self._shrink)
+            _launch_tma(x, weight, s, self.up, bias, None, out, self._sms,
+                        self._fused[_fused_tma_config(t, self._n, self._sms)])
         return out
 
 
@@ -607,23 +611,21 @@ def _tma_constexprs(cfg: FusedConfig, n: int, r: int, has_bias: bool, has_scale:
 
 def _launch_tma(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None,
                 up: torch.Tensor | None, bias: torch.Tensor | None, scale: torch.Tensor | None,
-                out: torch.Tensor, constexprs: dict) -> None:
+                out: torch.Tensor, progs: int, constexprs: dict) -> None:
     """``out = x @ w.T (+ s @ up.T) (* scale) (+ bias)`` by the TMA kernel (see _kernels), on
-    checked operands (contiguous bias, TMA-addressable tensors) and :func:`_tma_constexprs`.
+    checked operands (contiguous bias, TMA-addressable tensors), with ``progs`` persistent
+    programs and :func:`_tma_constexprs`; the caller installs Triton's allocator
+    (:func:`ensure_allocator`) and enters x's device.
     """
     t, k = x.shape
     n = w.shape[0]
-    # One persistent program per SM (see the kernel's N_PROGS); two under the interpreter.
-    progs = sm_count(x.device.index) if x.is_cuda else 2
     # Without a LoRA part (the shrink), x and w stand in for the unused S and B (never read).
     s_, up_ = (s, up) if s is not None else (x, w)
-    ensure_allocator()
-    with on_device_of(x):
-        _kernels()[2](
-            (progs,), x, w, s_, up_, out, bias if bias is not None else out,
-            scale if scale is not None else out, t, n, k, s_.shape[1] if s is not None else 0,
-            x.stride(0), w.stride(0), s_.stride(0), up_.stride(0), out.stride(0),
-            N_PROGS=progs, **constexprs)
+    _kernels()[2](
+        (progs,), x, w, s_, up_, out, bias if bias is not None else out,
+        scale if scale is not None else out, t, n, k, s_.shape[1] if s is not None else 0,
+        x.stride(0), w.stride(0), s_.stride(0), up_.stride(0), out.stride(0),
+        N_PROGS=progs, **constexprs)
 
 
 def _linear_tma(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None,
@@ -634,4 +636,8 @@ def _linear_tma(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None,
         bias = bias.contiguous()
     cx = _tma_constexprs(cfg, w.shape[0], s.shape[1] if s is not None else 0, bias is not None,
                          scale is not None, out.dtype, x.is_cuda)
-    _launch_tma(x, w, s, up, bias, scale, out, cx)
+    # One persistent program per SM (see the kernel's N_PROGS); two under the interpreter.
+    progs = sm_count(x.device.index) if x.is_cuda else 2
+    ensure_allocator()
+    with on_device_of(x):
+        _launch_tma(x, w, s, up, bias, scale, out, progs, cx)
