@@ -70,6 +70,21 @@ def test_adapters_merge_and_dynamic_match_merge_lora_on_a_copy():
     handle.remove()
 
 
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", "cpu"])
+def test_the_model_reports_its_compute_device_not_its_host_memory(device):
+    # generate() puts its inputs and the tensors it makes on model.device. On a CPU machine
+    # compute and host devices coincide, so the report is checked without a forward: the
+    # parameters stay in host memory (cpu) and model.device must still say `device`.
+    model = tiny_llama()
+    cls = type(model)
+    handle = shuttle_transformers.offload(model, max_host_bytes=2**20, device=device)
+    assert model.device == torch.device(device)
+    assert next(model.parameters()).device.type == "cpu"
+    assert isinstance(model, cls) and type(model).__name__ == cls.__name__
+    handle.remove()
+    assert type(model) is cls and model.device.type == "cpu"
+
+
 def test_remove_restores_the_model():
     ref = tiny_llama()
     model = copy.deepcopy(ref)
@@ -81,6 +96,7 @@ def test_remove_restores_the_model():
         shuttle_transformers.offload(model, max_host_bytes=2**20, device="cpu")
     handle.remove()
     handle.remove()  # a second remove does nothing
+    assert type(model) is type(ref)
     assert_restored(model, before)
     assert torch.equal(generate(model), generate(ref))
 

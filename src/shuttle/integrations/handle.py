@@ -59,6 +59,7 @@ class _Component:
     hook: ModuleHook | None = None
     wrapped: list[str] = field(default_factory=list)  # entry methods set on the instance
     attrs: list[str] = field(default_factory=list)  # instance attributes set by the handle
+    own_class: type | None = None  # the module's class, while the handle gives it another
     stream: StreamConfig | None = None
     need: int = 0  # device weight bytes while active
 
@@ -95,6 +96,9 @@ class OffloadHandle:
         host: ``"pinned"`` or ``"adopt"`` (see :class:`~shuttle.ModelSpec`).
         methods: name -> entry methods besides ``forward`` that activate the module.
         attrs: instance attributes set on every module while offloaded (removed at the end).
+        classes: name -> the class a module takes while offloaded: a subclass of its own
+            class that adds no state (e.g. one whose ``device`` reports the compute device);
+            its own class comes back at :meth:`remove`.
         key_prefix: prefix of the cache keys (``f"{key_prefix}.{name}"``).
 
     Attributes:
@@ -116,8 +120,9 @@ class OffloadHandle:
                  blocks: Mapping[str, Sequence[str]], *, cache: ModelCache,
                  device: str | torch.device, prefetch: int = 2, vram_budget: int | None = None,
                  host: HostBacking = "pinned", methods: Mapping[str, Sequence[str]] | None = None,
-                 attrs: Mapping[str, Any] | None = None, key_prefix: str = "offloaded"):
-        methods, attrs = methods or {}, attrs or {}
+                 attrs: Mapping[str, Any] | None = None,
+                 classes: Mapping[str, type] | None = None, key_prefix: str = "offloaded"):
+        methods, attrs, classes = methods or {}, attrs or {}, classes or {}
         StreamConfig(prefetch=prefetch, vram_budget=vram_budget)  # validates both
         self.device = torch.device(device)
         self.unmatched: dict[str, str] = {}
@@ -131,13 +136,13 @@ class OffloadHandle:
         self._loras: dict[str, list[tuple[LoRASpec, float]]] = {}
         self._mode: LoRAMode = "merge"
         self._routed: dict[int, tuple[LoRA, dict[str, LoRASpec]]] = {}  # id(lora) -> specs
-        _check_free(modules, methods, attrs)
+        _check_free(modules, methods, attrs, classes)
         try:
             for name, module in modules.items():
                 self._capture(name, module, tuple(blocks.get(name, ())), host, key_prefix,
                               prefetch)
             for name, c in self._components.items():
-                self._install(c, methods.get(name, ()), attrs)
+                self._install(c, methods.get(name, ()), attrs, classes.get(name))
         except BaseException:
             self.remove()
             raise
@@ -220,7 +225,9 @@ class OffloadHandle:
                 remove_hook(c.module, c.hook)
             for attr in c.wrapped + c.attrs:
                 del c.module.__dict__[attr]
-            c.hook, c.wrapped, c.attrs = None, [], []
+            if c.own_class is not None:
+                c.module.__class__ = c.own_class
+            c.hook, c.wrapped, c.attrs, c.own_class = None, [], [], None
         self._leases.close()
         self._drop_specs({})
         for name, off in self._offloaders.items():
@@ -252,8 +259,10 @@ class OffloadHandle:
         logger.info("%s: %s", name, f"streams {list(paths)} ({c.need} device bytes)" if paths
                     else f"moves whole ({c.need} device bytes)")
 
-    def _install(self, c: _Component, methods: Sequence[str], attrs: Mapping[str, Any]
-                 ) -> None:
+    def _install(self, c: _Component, methods: Sequence[str], attrs: Mapping[str, Any],
+                 cls: type | None) -> None:
+        if cls is not None:
+            c.own_class, c.module.__class__ = type(c.module), cls
         c.hook = _Activate(self, c.name)
         add_hook(c.module, c.hook)
         for method in methods:
@@ -320,10 +329,14 @@ class OffloadHandle:
 
 
 def _check_free(modules: Mapping[str, torch.nn.Module], methods: Mapping[str, Sequence[str]],
-                attrs: Mapping[str, Any]) -> None:
+                attrs: Mapping[str, Any], classes: Mapping[str, type]) -> None:
     for name, module in modules.items():
         if any(isinstance(h, _Activate) for h in hooks_of(module)):
             raise OffloadError(f"{name} is offloaded already; remove() its handle first")
+        cls = classes.get(name)
+        if cls is not None and type(module) not in cls.__bases__:
+            raise OffloadError(f"{name}: classes[{name!r}]={cls.__qualname__} is not a direct "
+                               f"subclass of its class {type(module).__qualname__}")
         taken = [a for a in [*methods.get(name, ()), *attrs] if a in module.__dict__]
         if taken:
             raise OffloadError(f"{name}: instance attributes {taken} are set already (another "

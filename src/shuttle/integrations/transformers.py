@@ -4,6 +4,10 @@
 the model is activated on the device at its first forward and stays active (each forward
 streams the layers) until :meth:`~shuttle.integrations.handle.OffloadHandle.deactivate` or
 ``remove``. Inputs go on ``device``, as for any model there.
+
+While offloaded, ``model.device`` is ``device`` (the parameters themselves live in host memory
+between calls): ``generate`` reads it to place the tensors it makes (cache positions, beam
+indices, the inputs it moves), as it does for a model that lives on ``device``.
 """
 
 from __future__ import annotations
@@ -21,6 +25,28 @@ from shuttle.offload.host_storage import HostBacking
 from shuttle.optional import import_optional
 
 __all__ = ["offload"]
+
+_EXECUTION_DEVICE = "_shuttle_execution_device"
+_DEVICE_CLASSES: dict[type, type] = {}
+
+
+def _reporting_device(cls: type) -> type:
+    """A subclass of ``cls`` (adding no state) whose ``device`` is the compute device.
+
+    ``PreTrainedModel.device`` is a property reading the first parameter's device, so an
+    instance attribute cannot shadow it; the offloaded instance takes this class instead, and
+    its own class back at ``remove()``. One subclass per model class, made once.
+    """
+    sub = _DEVICE_CLASSES.get(cls)
+    if sub is None:
+        def device(self: Any) -> torch.device:
+            return self.__dict__[_EXECUTION_DEVICE]
+
+        sub = _DEVICE_CLASSES[cls] = type(cls.__name__, (cls,), {
+            "device": property(device, doc="The device the offloaded model computes on."),
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+            "__doc__": cls.__doc__})
+    return sub
 
 
 def offload(model: Any, max_host_bytes: int | None = None, *, cache: ModelCache | None = None,
@@ -61,6 +87,9 @@ def offload(model: Any, max_host_bytes: int | None = None, *, cache: ModelCache 
                            "transformers.PreTrainedModel")
     cache = cache_for(max_host_bytes, cache)
     paths = find_block_lists(model) if blocks is None else list(blocks)
+    device = torch.device(device)
     return OffloadHandle({"model": model}, {"model": paths}, cache=cache, device=device,
                          prefetch=prefetch, vram_budget=vram_budget, host=host,
+                         attrs={_EXECUTION_DEVICE: device},
+                         classes={"model": _reporting_device(type(model))},
                          key_prefix=f"{type(model).__name__}@{id(model):x}")
