@@ -114,3 +114,88 @@ def assert_restored(module: torch.nn.Module, before: dict) -> None:
         assert name not in params or id(t) == ident, f"{name} is a new Parameter"
     for m in module.modules():
         assert not {"forward", "_shuttle_hooks", "_hf_hook", "decode", "encode"} & set(m.__dict__)
+
+
+def midsize_flux(num_layers: int = 2, num_single_layers: int = 4):
+    """A bf16 FluxPipeline whose transformer has Flux-dev's width (3072, 24 heads of 128) and a
+    few blocks, beside small CLIP/T5 encoders of the widths it reads (768 pooled, 4096) and a
+    one-level VAE with Flux's 16 latent channels. Random weights; for the GPU tests.
+    """
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        FluxPipeline,
+        FluxTransformer2DModel,
+    )
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=64, num_layers=num_layers, num_single_layers=num_single_layers,
+        attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096,
+        pooled_projection_dim=768, guidance_embeds=False, axes_dims_rope=[16, 56, 56])
+    clip = CLIPTextModel(CLIPTextConfig(
+        bos_token_id=0, eos_token_id=2, pad_token_id=1, hidden_size=768, intermediate_size=1024,
+        num_attention_heads=12, num_hidden_layers=2, vocab_size=16, projection_dim=768))
+    t5 = T5EncoderModel(T5Config(vocab_size=16, d_model=4096, d_kv=64, d_ff=1024, num_layers=2,
+                                 num_heads=8, decoder_start_token_id=0))
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, block_out_channels=(32,), layers_per_block=1,
+        latent_channels=16, norm_num_groups=32, use_quant_conv=False, use_post_quant_conv=False,
+        shift_factor=0.1159, scaling_factor=0.3611)
+    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), text_encoder=clip,
+                        tokenizer=_tokenizer(), text_encoder_2=t5, tokenizer_2=_tokenizer(),
+                        transformer=transformer, vae=vae)
+    pipe.to(torch.bfloat16)
+    for m in (transformer, clip, t5, vae):
+        m.eval()
+    return pipe
+
+
+def run_midsize_flux(pipe, device: str = "cuda") -> torch.Tensor:
+    """Two denoising steps of a 64x64 image (1024 image tokens), seeded; decoded pixels."""
+    with torch.no_grad():
+        return pipe("a red cat", num_inference_steps=2, height=64, width=64,
+                    max_sequence_length=16, output_type="pt",
+                    generator=torch.Generator(device).manual_seed(0)).images
+
+
+def midsize_flux_lora() -> shuttle.LoRA:
+    """Diffusers-style keys on both block lists, a non-block layer and the CLIP encoder."""
+    g = torch.Generator().manual_seed(8)
+    sd = {}
+    for key, (out_f, in_f) in {
+        "transformer.transformer_blocks.1.attn.to_q": (3072, 3072),
+        "transformer.single_transformer_blocks.2.proj_mlp": (12288, 3072),
+        "transformer.x_embedder": (3072, 64),
+        "text_encoder.text_model.encoder.layers.1.self_attn.q_proj": (768, 768),
+    }.items():
+        sd[f"{key}.lora_A.weight"] = torch.randn(8, in_f, generator=g) * 0.02
+        sd[f"{key}.lora_B.weight"] = torch.randn(out_f, 8, generator=g) * 0.02
+    return shuttle.load_lora(sd)
+
+
+def midsize_llama(num_layers: int = 4):
+    """A bf16 LlamaForCausalLM with Llama-3.1-8B's layer width (4096, 14336, 32 heads, 8 KV
+    heads) and a few layers, a 32000-token vocabulary. Random weights; for the GPU tests.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=num_layers, num_attention_heads=32,
+                         num_key_value_heads=8, max_position_embeddings=4096,
+                         rope_theta=500000.0, tie_word_embeddings=False)
+    return LlamaForCausalLM._from_config(config, torch_dtype=torch.bfloat16).eval()
+
+
+def midsize_llama_lora() -> shuttle.LoRA:
+    """PEFT-style keys on two layers and the (non-layer) head."""
+    g = torch.Generator().manual_seed(9)
+    sd = {}
+    for key, (out_f, in_f) in {"model.layers.0.self_attn.q_proj": (4096, 4096),
+                               "model.layers.3.mlp.down_proj": (4096, 14336),
+                               "lm_head": (32000, 4096)}.items():
+        sd[f"base_model.model.{key}.lora_A.weight"] = torch.randn(8, in_f, generator=g) * 0.02
+        sd[f"base_model.model.{key}.lora_B.weight"] = torch.randn(out_f, 8, generator=g) * 0.02
+    return shuttle.load_lora(sd)
