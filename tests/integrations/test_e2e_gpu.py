@@ -95,8 +95,8 @@ def test_flux_pipeline_under_offload_is_the_resident_pipeline(flux, budget):
         assert torch.equal(run_midsize_flux(pipe), refs["plain"])
         plan = plan or handle.offloaders["transformer"].plan
     if budget is not None:
-        assert sum(map(len, plan.resident.values())) > 0
-        assert any(plan.ring.values())  # something still streams
+        assert plan.device_bytes <= vram and any(plan.ring.values())  # something streams
+        assert (sum(map(len, plan.resident.values())) > 0) == (budget > 0.5)
     for mode in ("merge", "dynamic", "merge"):  # switches between modes and back
         assert handle.set_loras([(lora, 0.8)], mode=mode) == {}
         assert torch.equal(run_midsize_flux(pipe), refs[mode]), mode
