@@ -297,3 +297,113 @@ def test_gpu_fused_layer_launches_from_checked_operands_and_follows_its_weight()
         got = model(x)
         assert hook._prepared is not prep and torch.equal(got, functions())
         handle.detach()
+
+
+def _flux_model(layout: str, h: int, mlp: int, inp: int) -> nn.Module:
+    """A one-block Flux skeleton (float32): BFL's fused ``img_attn.qkv`` and ``linear1``, or
+    diffusers' separate ``to_q/to_k/to_v`` and ``proj_mlp`` (what the Flux name table needs)."""
+    torch.manual_seed(0)
+    m = nn.Module()
+    if layout == "bfl":
+        m.double_blocks = nn.ModuleList([nn.Module()])
+        m.double_blocks[0].img_attn = nn.Module()
+        m.double_blocks[0].img_attn.qkv = nn.Linear(inp, 3 * h)
+        m.single_blocks = nn.ModuleList([nn.Module()])
+        m.single_blocks[0].linear1 = nn.Linear(inp, 3 * h + mlp)
+    else:
+        m.transformer_blocks = nn.ModuleList([nn.Module()])
+        m.transformer_blocks[0].attn = nn.Module()
+        for n in ("to_q", "to_k", "to_v"):
+            setattr(m.transformer_blocks[0].attn, n, nn.Linear(inp, h))
+        m.single_transformer_blocks = nn.ModuleList([nn.Module()])
+        m.single_transformer_blocks[0].proj_mlp = nn.Linear(inp, mlp)
+    return m
+
+
+def _flux_qkv_outputs(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if hasattr(m, "double_blocks"):
+        return m.double_blocks[0].img_attn.qkv(x)
+    attn = m.transformer_blocks[0].attn
+    return torch.cat([attn.to_q(x), attn.to_k(x), attn.to_v(x)], dim=-1)
+
+
+@pytest.mark.parametrize("quality", ["lossless", "fused"])
+@pytest.mark.parametrize("layout", ["bfl", "diffusers"])
+def test_kohya_flux_split_qkv_dynamic_equals_merged(layout, quality):
+    """A kohya split-qkv save (downs stacked, ups block diagonal, alpha of one split) keeps its
+    n-times scale (``effective_scale``) at forward time: dynamic output == merged output, on
+    the fused qkv weight and split over diffusers' to_q/to_k/to_v."""
+    h, mlp, inp, r = 8, 16, 6, 2
+    g = torch.Generator().manual_seed(12)
+    key = "lora_unet_double_blocks_0_img_attn_qkv"
+    sd = {f"{key}.lora_up.weight": torch.block_diag(
+              *[torch.randn(h, r, generator=g) * 0.5 for _ in range(3)]),
+          f"{key}.lora_down.weight": torch.randn(3 * r, inp, generator=g) * 0.5,
+          f"{key}.alpha": torch.tensor(4.0)}
+    lora = shuttle.load_lora(sd)
+    (patch,) = lora.modules[key]
+    assert patch.split_qkv and patch.effective_scale == 3 * patch.scale  # the case under test
+    merged = _flux_model(layout, h, mlp, inp)
+    report = shuttle.merge_lora(merged, [(lora, 0.8)])
+    assert len(report.applied) == (1 if layout == "bfl" else 3) and not report.unmatched
+    dyn = _flux_model(layout, h, mlp, inp)
+    x = torch.randn(5, inp, generator=g)
+    with torch.no_grad():
+        base = _flux_qkv_outputs(dyn, x)
+        want = _flux_qkv_outputs(merged, x)
+        with shuttle.apply_lora(dyn, [(lora, 0.8)], mode="dynamic", quality=quality):
+            got = _flux_qkv_outputs(dyn, x)
+    assert not torch.allclose(want, base, rtol=1e-2, atol=1e-2)  # the update is not negligible
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _dense_kind_sd(kind: str, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """An adapter of one residual-path kind for ``lin`` = Linear(8, 6)."""
+    sds = {
+        "diff": {"lycoris_lin.diff": torch.randn(6, 8, generator=g),
+                 "lycoris_lin.diff_b": torch.randn(6, generator=g)},
+        "loha": {"lycoris_lin.hada_w1_a": torch.randn(6, 2, generator=g),
+                 "lycoris_lin.hada_w1_b": torch.randn(2, 8, generator=g),
+                 "lycoris_lin.hada_w2_a": torch.randn(6, 2, generator=g),
+                 "lycoris_lin.hada_w2_b": torch.randn(2, 8, generator=g),
+                 "lycoris_lin.alpha": torch.tensor(1.0)},
+        "lokr": {"lycoris_lin.lokr_w1": torch.randn(2, 2, generator=g),
+                 "lycoris_lin.lokr_w2": torch.randn(3, 4, generator=g)},
+        "dora": {"lycoris_lin.lora_down.weight": torch.randn(2, 8, generator=g),
+                 "lycoris_lin.lora_up.weight": torch.randn(6, 2, generator=g),
+                 "lycoris_lin.dora_scale": torch.rand(6, 1, generator=g) + 0.5},
+        "ia3": {"lycoris_lin.weight": torch.randn(6, generator=g) * 0.1,
+                "lycoris_lin.on_input": torch.tensor(False)},
+        "set": {"lin.set_weight": torch.randn(6, 8, generator=g)},
+    }
+    return sds[kind]
+
+
+@pytest.mark.parametrize("kind", ["diff", "loha", "lokr", "dora", "ia3", "set"])
+def test_set_strength_equals_attaching_at_the_new_strength(kind):
+    """set_strength refreshes the float32 weight residual of every non-low-rank kind: the
+    output is bit-identical to attaching the adapter at the new strength from scratch."""
+    g = torch.Generator().manual_seed(13)
+    sd = _dense_kind_sd(kind, g)
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        m = nn.Module()
+        m.lin = nn.Linear(8, 6)
+        return m
+
+    x = torch.randn(3, 8, generator=g)
+    changed, fresh = model(), model()
+    with torch.no_grad():
+        handle = shuttle.attach_lora(changed, [(sd, 0.7)], quality="lossless")
+        assert handle.applied and all(not h.slots and h.dense for h in handle.hooks.values())
+        before = changed.lin(x)
+        handle.set_strength(0, -0.4)
+        got = changed.lin(x)
+        handle.detach()
+        with shuttle.apply_lora(fresh, [(sd, -0.4)], mode="dynamic", quality="lossless"):
+            want = fresh.lin(x)
+    assert torch.equal(got, want), (
+        f"after set_strength the output differs from a fresh attach at the new strength by up "
+        f"to {float((got - want).abs().max()):.3g}")
+    assert not torch.equal(want, before)  # the new strength changes the output

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 import shuttle
@@ -235,6 +237,35 @@ def test_several_kinds_on_one_weight(dtype):
     assert_bits_equal(model.layer.bias, ref_b.to(dtype))
     if dtype != torch.float32:
         assert rounding_matters(ref_w, dtype)
+
+
+@pytest.mark.parametrize("prefix", ["base_model.model.", "transformer."], ids=["peft", "diffusers"])
+def test_lora_bias_beside_a_dora_magnitude_takes_the_low_rank_scale(prefix, tmp_path):
+    """A PEFT DoRA file with ``lora_B.bias`` (``lora_bias=True``): the bias update is scaled
+    like the factors, ``strength * lora_alpha / r``, not left at 1 by the DoRA wrapper."""
+    g = torch.Generator().manual_seed(6)
+    model = Holder(nn.Linear(16, 8))
+    set_weights(model, g)
+    w0, b0 = model.layer.weight.detach().double(), model.layer.bias.detach().double()
+    a, b, bias = grid(2, 16, g=g), grid(8, 2, g=g), grid(8, g=g)
+    m = 1 + grid(8, g=g, k=8, denom=16)  # magnitudes in [0.5, 1.5]
+    save_file({f"{prefix}layer.lora_A.weight": a.float(), f"{prefix}layer.lora_B.weight": b.float(),
+               f"{prefix}layer.lora_B.bias": bias.float(),
+               f"{prefix}layer.lora_magnitude_vector": m.float()},
+              str(tmp_path / "adapter_model.safetensors"))
+    (tmp_path / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 2, "lora_alpha": 6, "use_dora": True, "lora_bias": True}))
+    strength, scale = 0.5, 6 / 2
+
+    report = shuttle.merge_lora(model, [(shuttle.load_lora(tmp_path), strength)])
+
+    assert set(report.applied) == {"layer.weight", "layer.bias"} and not report.unmatched
+    # bias: b + k * s * lora_B.bias, exact on the grid
+    assert_bits_equal(model.layer.bias, (b0 + strength * scale * bias).float())
+    # weight (PEFT's DoRA): V = W + k * s * B @ A, W' = m * V / ||V|| per output row
+    v = w0 + strength * scale * (b @ a)
+    ref_w = m[:, None] * v / v.norm(dim=1, keepdim=True)
+    torch.testing.assert_close(model.layer.weight.double(), ref_w, rtol=1e-6, atol=1e-6)
 
 
 # -- split q/k/v onto a fused qkv -----------------------------------------------------------------

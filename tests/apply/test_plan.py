@@ -172,3 +172,27 @@ def test_nan_anywhere_in_a_large_tensor_among_many_is_found(device, where):
     maxima = plan_mod._screen(tensors)
     assert [i for i, m in enumerate(maxima) if m != m] == [7]
     assert all(0 < m < 10 for i, m in enumerate(maxima) if i != 7)
+
+
+def test_an_adapter_edited_in_place_after_a_merge_is_checked_again():
+    """The finite-check memory is keyed on each tensor's version: a NaN written into a factor
+    of an adapter that was already merged once is found before the second merge writes any of
+    the targets (the edited one is merged last, after the others)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 10), nn.ReLU(),
+                          nn.Linear(10, 6))
+    g = torch.Generator().manual_seed(2)
+    lora = shuttle.load_lora({f"{i}.{f}.weight": torch.randn(*shape, generator=g)
+                              for i, (o, n) in {0: (12, 8), 2: (10, 12), 4: (6, 10)}.items()
+                              for f, shape in (("lora_A", (3, n)), ("lora_B", (o, 3)))})
+    report = shuttle.merge_lora(model, [(lora, 0.5)])
+    assert report.applied == ["0.weight", "2.weight", "4.weight"]  # the merge order
+    (patch,) = lora.modules["4"]
+    patch.down[1, 2] = float("nan")  # in place: same tensor object, a new version
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(shuttle.errors.NonFiniteAdapterError) as info:
+        shuttle.merge_lora(model, [(lora, 0.5)])
+    for n, p in model.named_parameters():  # bit for bit, NaN payloads and signed zeros too
+        assert torch.equal(p.detach().view(torch.int32), before[n].view(torch.int32)), (
+            f"{n} changed before the error: {info.value}")
+    assert "'4'" in str(info.value) and "'down'" in str(info.value)  # the planner's check

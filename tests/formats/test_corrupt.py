@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 import struct
 
 import pytest
@@ -33,7 +34,7 @@ from shuttle.errors import (
     NonFiniteAdapterError,
     ShuttleError,
 )
-from shuttle.formats.safetensors_file import DTYPES
+from shuttle.formats.safetensors_file import DTYPES, SafetensorsFile
 
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True, database=None,
                     phases=[Phase.explicit, Phase.generate, Phase.shrink],
@@ -287,6 +288,24 @@ def test_specific_header_lies_are_corrupt(workdir, valid_bytes, change):
     change(header)
     with pytest.raises(CorruptFileError):
         shuttle.load_lora(write(workdir, join(header, body)))
+
+
+@pytest.mark.parametrize("how", ["smaller-shape", "longer-span"])
+def test_a_span_longer_than_dtype_times_shape_is_corrupt_at_open(workdir, valid_bytes, how):
+    """data_offsets spanning more bytes than dtype x shape, inside the data and overlapping no
+    other tensor: only the span-length check sees it, when the file is opened."""
+    header, body = split(valid_bytes)
+    if how == "smaller-shape":  # (4, 2) float32 in 32 bytes claimed as (2, 2): 16 bytes
+        key = "lora_unet_lin.lora_up.weight"
+        header[key]["shape"] = [2, 2]
+    else:  # the last tensor of the data section grows into 16 appended bytes
+        key = max((k for k in header if k != "__metadata__"),
+                  key=lambda k: header[k]["data_offsets"][1])
+        header[key]["data_offsets"][1] += 16
+        body += bytes(16)
+    path = write(workdir, join(header, body))
+    with pytest.raises(CorruptFileError, match=f"{re.escape(repr(key))}.*offsets span"):
+        SafetensorsFile(path)
 
 
 # -- headers that are not JSON --------------------------------------------------------------------

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shuttle.errors import BlockLayoutError, HostBackingError
-from shuttle.offload import HostStorage, Layout
+from shuttle.offload import HostStorage, Layout, ModelOffloader, StreamConfig
 from tests.offload.models import Block, TinyDiT
 
 
@@ -93,6 +93,23 @@ def test_adopt_is_zero_copy():
     storage = HostStorage(model, groups(model), "adopt")
     assert storage.host_bytes == 0
     assert_unchanged(model, before)
+
+
+def test_adopt_shares_storage_with_the_models_tensors(cpu_copy):
+    """host="adopt" keeps the model's own CPU tensors: every host tensor of every unit is the
+    memory the model's parameter or buffer already had, before and after an activation."""
+    model = TinyDiT()
+    ptrs = {k: v.data_ptr() for k, v in model.state_dict(keep_vars=True).items()}
+    off = ModelOffloader.from_module(model, blocks=["blocks", "single"], host="adopt")
+    assert off.storage.host_bytes == 0
+    for unit in off.storage.units:
+        for b in unit.bindings:
+            table = b.module._parameters if b.is_param else b.module._buffers
+            assert unit.host_views[b.entry].data_ptr() == table[b.name].data_ptr(), (
+                f"{b.name} of unit {unit.name or '(rest)'} was copied, not adopted")
+    with off.use("cpu", StreamConfig(prefetch=1)), torch.no_grad():
+        off.model(torch.randint(0, 64, (2, 5)))  # tensors bound to device slots meanwhile
+    assert {k: v.data_ptr() for k, v in model.state_dict(keep_vars=True).items()} == ptrs
 
 
 @pytest.mark.parametrize("host", ["pinned", "adopt"])

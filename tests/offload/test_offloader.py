@@ -89,6 +89,12 @@ def test_cpu_activation_is_a_pass_through():
     assert_unchanged(off.model, before)
 
 
+def device_bytes_held(off: ModelOffloader) -> int:
+    """Bytes of every device buffer the current activation allocated, counted from the slot
+    pools themselves (not from the planner's ``device_bytes``)."""
+    return sum(b.numel() * b.element_size() for p in off._active.pools for b in p.buffers)
+
+
 def test_budget_chooses_resident_counts(cpu_copy):
     _, off = pair()
     rest = off.storage.rest.layout.nbytes
@@ -99,7 +105,9 @@ def test_budget_chooses_resident_counts(cpu_copy):
     for budget in [rest + block + single, rest + 3 * block + 3 * single, total - 1, total]:
         with off.use("cpu", StreamConfig(prefetch=2, vram_budget=budget)):
             plan = off.plan
-            assert plan.device_bytes <= budget
+            held = device_bytes_held(off)
+            assert held <= budget, f"the activation holds {held} device bytes, budget {budget}"
+            assert plan.device_bytes == held  # and the plan reports what it holds
             counts.append(sum(len(r) for r in plan.resident.values()))
             if budget == rest + block + single:
                 assert plan.prefetch == 0 and plan.ring == {"blocks": 1, "single": 1}
