@@ -1,6 +1,6 @@
 """Load synthetic adapters with the exact key names and shapes of published files.
 
-Each JSON in ``shared/reference/real-keys/`` records one adapter's tensor names and shapes. The
+Each JSON in ``tests/data/real_keys/`` records one adapter's tensor names and shapes. The
 tests write a ``.safetensors`` file with those names and shapes (small random values) and check
 that ``load_lora`` detects the format, uses every key, and that ``describe()`` and the
 ``inspect`` command cover every module.
@@ -21,8 +21,8 @@ import torch
 import shuttle
 from shuttle.patches import DoRA, LowRank
 
-REAL_KEYS = Path(__file__).parents[3] / "shared/reference/real-keys"
-FILES = sorted(p.name for p in REAL_KEYS.glob("*.json")) if REAL_KEYS.is_dir() else []
+REAL_KEYS = Path(__file__).parents[1] / "data/real_keys"
+FILES = sorted(p.name for p in REAL_KEYS.glob("*.json"))
 
 # The key family each file belongs to, decided from the detection rules (lowest priority wins):
 # lycoris (lokr_w1 markers) < kohya (lora_down / lora_unet_ ...) < peft (base_model.model.)
@@ -60,16 +60,12 @@ EXPECTED_KINDS = {
     "qwen-image-kohya-lokr.json": {"lokr"},
 }
 
-needs_real_keys = pytest.mark.skipif(
-    not FILES, reason=f"reference key layouts not found at {REAL_KEYS} (shared/ not checked out)"
-)
-
 _ALPHA = 8.0
 _DTYPE = torch.float16
 
 
 def _layout(name: str) -> dict[str, list[int]]:
-    return json.loads((REAL_KEYS / name).read_text())["keys"]
+    return json.loads((REAL_KEYS / name).read_text())
 
 
 def write_safetensors(keys: dict[str, list[int]], path: Path) -> None:
@@ -132,12 +128,9 @@ def _consumed_keys(lora: shuttle.LoRA) -> set[str]:
 
 
 def test_expected_table_covers_every_file():
-    if not FILES:
-        pytest.skip(f"reference key layouts not found at {REAL_KEYS}")
     assert set(EXPECTED_FORMAT) == set(FILES)
 
 
-@needs_real_keys
 @pytest.mark.parametrize("name", FILES)
 def test_load_real_layout(name, adapter_file):
     keys = _layout(name)
@@ -170,8 +163,6 @@ def test_split_qkv_rule_reads_up(tmp_path):
     """A kohya Flux qkv module with an alpha is a split-qkv candidate; dense random ``up``
     factors are not block diagonal, so the scale stays alpha / rank.
     """
-    if not FILES:
-        pytest.skip(f"reference key layouts not found at {REAL_KEYS}")
     keys = {k: s for k, s in _layout("flux-dev-kohya.json").items()
             if k.startswith("lora_unet_double_blocks_0_img_attn_qkv.")}
     path = tmp_path / "qkv.safetensors"
@@ -185,7 +176,6 @@ def _cli():
     return pytest.importorskip("shuttle.cli", reason="shuttle.cli is not importable yet")
 
 
-@needs_real_keys
 @pytest.mark.parametrize("name", FILES)
 def test_inspect_json_real_layout(name, adapter_file, capsys):
     cli = _cli()
@@ -200,7 +190,6 @@ def test_inspect_json_real_layout(name, adapter_file, capsys):
     assert info["patches"] == len(info["patch_list"]) == len(lora.describe())
 
 
-@needs_real_keys
 def test_inspect_command_line(tmp_path):
     _cli()
     path = tmp_path / "xlabs.safetensors"

@@ -1,8 +1,8 @@
 """Resolve published adapter layouts onto FLUX.1-dev built on the meta device.
 
-Adapters come from ``shared/reference/real-keys/*.json`` (names and shapes only). Their tensors
+Adapters come from ``tests/data/real_keys/*.json`` (names and shapes only). Their tensors
 are meta tensors (no memory) except the 0-dim alphas, which the loader reads into scales. Every
-file the README marks "shapes fit: yes" is resolved onto the model of its naming scheme:
+file its README marks "shapes fit: yes" is resolved onto the model of its naming scheme:
 BFL-named ones onto :class:`FluxBFL`, diffusers-named ones onto diffusers'
 ``FluxTransformer2DModel`` (with CLIP-L and T5-XXL as ``text_encoder``/``text_encoder_2``).
 """
@@ -22,12 +22,7 @@ from shuttle.errors import ShapeMismatchError
 from shuttle.targets import ModelNames, resolve
 from tests.targets.flux_bfl import FluxBFL
 
-REAL_KEYS = Path(__file__).parents[3] / "shared/reference/real-keys"
-
-pytestmark = pytest.mark.skipif(
-    not REAL_KEYS.is_dir(),
-    reason=f"reference key layouts not found at {REAL_KEYS} (shared/ not checked out)",
-)
+REAL_KEYS = Path(__file__).parents[1] / "data/real_keys"
 
 # file -> the model it is resolved onto (fixture names below).
 MODEL_OF = {
@@ -49,8 +44,6 @@ MODEL_OF = {
 
 def shapes_fit_files() -> list[str]:
     """Files whose "shapes fit" column in the README starts with "yes"."""
-    if not REAL_KEYS.is_dir():
-        return []
     out = []
     for line in (REAL_KEYS / "README.md").read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -61,7 +54,7 @@ def shapes_fit_files() -> list[str]:
 
 def meta_state_dict(name: str) -> dict[str, torch.Tensor]:
     """The file's keys as meta tensors, with real 0-dim alphas (the loader reads those)."""
-    keys = json.loads((REAL_KEYS / name).read_text())["keys"]
+    keys = json.loads((REAL_KEYS / name).read_text())
     return {k: torch.tensor(16.0) if s == [] else torch.empty(s, dtype=torch.bfloat16,
                                                                device="meta")
             for k, s in keys.items()}
@@ -126,13 +119,13 @@ def test_bfl_skeleton_matches_layouts():
     with torch.device("meta"):
         shapes = ModelNames.of(FluxBFL()).shapes
     assert sum(s.numel() for s in shapes.values()) == pytest.approx(11.9e9, rel=0.01)
-    aitoolkit = json.loads((REAL_KEYS / "flux-dev-aitoolkit.json").read_text())["keys"]
+    aitoolkit = json.loads((REAL_KEYS / "flux-dev-aitoolkit.json").read_text())
     for key, shape in aitoolkit.items():
         module = key.removeprefix("diffusion_model.").rsplit(".lora_", 1)[0]
         w = shapes[f"{module}.weight"]
         assert shape[0 if ".lora_A." in key else 1] == 16
         assert shape[1 if ".lora_A." in key else 0] == (w[1] if ".lora_A." in key else w[0])
-    control = json.loads((REAL_KEYS / "flux-dev-bfl-control.json").read_text())["keys"]
+    control = json.loads((REAL_KEYS / "flux-dev-bfl-control.json").read_text())
     for key, shape in control.items():
         if key.endswith("_norm.scale"):
             assert shapes[key] == torch.Size(shape)

@@ -215,8 +215,15 @@ def merge_4bit(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
     Computes what :func:`merge_4bit_reference` computes; nearest rounding gives the same
     result except where float32 summation order moves a value across a code midpoint (and
     a block's absmax may differ in its last bits). Stochastic rounding draws
-    ``hash_uniform(seed, flat element index)``: repeatable for a seed on any tiling,
-    unbiased.
+    ``hash_uniform(seed, flat element index)``: unbiased, and the same draws on any tiling.
+
+    Repeatable for the same inputs, seed and ``config``, bit for bit. Not bit-identical across
+    tilings: ``tl.dot`` sums the low-rank products in float32 in an order that may follow the
+    tile shape (under the interpreter NumPy's BLAS picks its kernel by shape; on AVX2 CPUs
+    this moved 5 of 120 absmax by one ulp between ``(16, 64)`` and ``(32, 128)`` tiles). So
+    another ``config`` may move a block's absmax by a few float32 ulps, and a code only where
+    its value lies within that rounding of a code midpoint (nearest) or of its draw
+    (stochastic). A fixed order would take the products off ``tl.dot``.
 
     Args:
         packed: the 4-bit indices, two per byte, high nibble first (any dtype viewing the
