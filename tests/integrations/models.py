@@ -59,19 +59,25 @@ def run_flux(pipe, output_type: str = "latent") -> torch.Tensor:
                     generator=torch.Generator().manual_seed(0)).images
 
 
+def random_lora(shapes: dict[str, tuple[int, int]], rank: int, scale: float, seed: int,
+                prefix: str = "") -> shuttle.LoRA:
+    """A LoRA of random factors (``lora_A``/``lora_B`` keys) on each ``key -> (out, in)``."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for key, (out_f, in_f) in shapes.items():
+        sd[f"{prefix}{key}.lora_A.weight"] = torch.randn(rank, in_f, generator=g) * scale
+        sd[f"{prefix}{key}.lora_B.weight"] = torch.randn(out_f, rank, generator=g) * scale
+    return shuttle.load_lora(sd)
+
+
 def flux_lora() -> shuttle.LoRA:
     """Diffusers-style keys on a streamed block, a non-block layer and the CLIP encoder."""
-    g = torch.Generator().manual_seed(5)
-    sd = {}
-    for key, (out_f, in_f) in {
+    return random_lora({
         "transformer.single_transformer_blocks.1.attn.to_q": (32, 32),
         "transformer.transformer_blocks.0.ff.net.2": (32, 128),
         "transformer.x_embedder": (32, 4),
         "text_encoder.text_model.encoder.layers.1.self_attn.q_proj": (32, 32),
-    }.items():
-        sd[f"{key}.lora_A.weight"] = torch.randn(4, in_f, generator=g) * 0.3
-        sd[f"{key}.lora_B.weight"] = torch.randn(out_f, 4, generator=g) * 0.3
-    return shuttle.load_lora(sd)
+    }, rank=4, scale=0.3, seed=5)
 
 
 def tiny_llama():
@@ -87,14 +93,10 @@ def tiny_llama():
 
 def llama_lora() -> shuttle.LoRA:
     """PEFT-style keys on two streamed layers and the (non-layer) head."""
-    g = torch.Generator().manual_seed(6)
-    sd = {}
-    for key, (out_f, in_f) in {"model.layers.0.self_attn.q_proj": (32, 32),
-                               "model.layers.2.mlp.down_proj": (32, 64),
-                               "lm_head": (64, 32)}.items():
-        sd[f"base_model.model.{key}.lora_A.weight"] = torch.randn(4, in_f, generator=g) * 0.3
-        sd[f"base_model.model.{key}.lora_B.weight"] = torch.randn(out_f, 4, generator=g) * 0.3
-    return shuttle.load_lora(sd)
+    return random_lora({"model.layers.0.self_attn.q_proj": (32, 32),
+                        "model.layers.2.mlp.down_proj": (32, 64),
+                        "lm_head": (64, 32)}, rank=4, scale=0.3, seed=6,
+                       prefix="base_model.model.")
 
 
 def snapshot(module: torch.nn.Module) -> dict[str, tuple[int, torch.device, torch.Tensor]]:
@@ -162,17 +164,12 @@ def run_midsize_flux(pipe, device: str = "cuda") -> torch.Tensor:
 
 def midsize_flux_lora() -> shuttle.LoRA:
     """Diffusers-style keys on both block lists, a non-block layer and the CLIP encoder."""
-    g = torch.Generator().manual_seed(8)
-    sd = {}
-    for key, (out_f, in_f) in {
+    return random_lora({
         "transformer.transformer_blocks.1.attn.to_q": (3072, 3072),
         "transformer.single_transformer_blocks.2.proj_mlp": (12288, 3072),
         "transformer.x_embedder": (3072, 64),
         "text_encoder.text_model.encoder.layers.1.self_attn.q_proj": (768, 768),
-    }.items():
-        sd[f"{key}.lora_A.weight"] = torch.randn(8, in_f, generator=g) * 0.02
-        sd[f"{key}.lora_B.weight"] = torch.randn(out_f, 8, generator=g) * 0.02
-    return shuttle.load_lora(sd)
+    }, rank=8, scale=0.02, seed=8)
 
 
 def midsize_llama(num_layers: int = 4):
@@ -191,11 +188,7 @@ def midsize_llama(num_layers: int = 4):
 
 def midsize_llama_lora() -> shuttle.LoRA:
     """PEFT-style keys on two layers and the (non-layer) head."""
-    g = torch.Generator().manual_seed(9)
-    sd = {}
-    for key, (out_f, in_f) in {"model.layers.0.self_attn.q_proj": (4096, 4096),
-                               "model.layers.3.mlp.down_proj": (4096, 14336),
-                               "lm_head": (32000, 4096)}.items():
-        sd[f"base_model.model.{key}.lora_A.weight"] = torch.randn(8, in_f, generator=g) * 0.02
-        sd[f"base_model.model.{key}.lora_B.weight"] = torch.randn(out_f, 8, generator=g) * 0.02
-    return shuttle.load_lora(sd)
+    return random_lora({"model.layers.0.self_attn.q_proj": (4096, 4096),
+                        "model.layers.3.mlp.down_proj": (4096, 14336),
+                        "lm_head": (32000, 4096)}, rank=8, scale=0.02, seed=9,
+                       prefix="base_model.model.")
