@@ -11,7 +11,7 @@ import logging
 import math
 import numbers
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import NamedTuple, Protocol
 
 import torch
@@ -26,7 +26,7 @@ from shuttle.errors import (
 from shuttle.formats import LoRA, load_lora
 from shuttle.formats.source import Source
 from shuttle.patches import DoRA, Patch, materialize
-from shuttle.targets import KeyMapping, ModelNames, Target, resolve
+from shuttle.targets import KeyMapping, ModelNames, Target, fused_modules, resolve
 from shuttle.weights import Fp8Weight, PlainWeight, WeightRepresentation, represent
 
 __all__ = [
@@ -131,7 +131,8 @@ def plan_merge(
         InvalidStrengthError, ShapeMismatchError, DuplicateTargetError, UnsupportedLayerError,
         NonFiniteAdapterError, CorruptFileError: see the messages; the model is untouched.
     """
-    return plan_params(dict(model.named_parameters()), loras, mapping)
+    return plan_params(dict(model.named_parameters()), loras, mapping,
+                       fused=fused_modules(model))
 
 
 def plan_params(
@@ -141,6 +142,7 @@ def plan_params(
     *,
     device: torch.device | str | None = None,
     load: bool = True,
+    fused: Collection[str] = (),
 ) -> MergePlan:
     """:func:`plan_merge` over parameter specs instead of a model (a checkpoint's header, ...).
 
@@ -151,11 +153,14 @@ def plan_params(
             parameters on the ``meta`` device).
         load: read the patches and check them finite; with False they stay lazy (and
             ``device`` is ignored), for planning without reading tensors.
+        fused: modules running fused projections beside their split ones
+            (:func:`~shuttle.targets.fused_modules` of the model): updates of the split layers
+            go to the rows of the fused layer the forward reads.
     """
     pairs = normalize_loras(loras)
     # Quantized weights are planned by the weight they stand for (shape, compute dtype).
     params = {n: logical_spec(p) for n, p in params.items()}
-    signature = _signature(params) if mapping is None else None
+    signature = (_signature(params), frozenset(fused)) if mapping is None else None
     names: ModelNames | None = None
     plan = MergePlan({}, {}, {}, pairs)
     several = len(pairs) > 1
@@ -164,7 +169,7 @@ def plan_params(
         placed = _cached_placement(lora, signature)
         if placed is None:
             if names is None:
-                names = ModelNames({n: p.shape for n, p in params.items()})
+                names = ModelNames({n: p.shape for n, p in params.items()}, fused)
             res = resolve(lora, names, mapping)
             for t in res.targets:
                 _validate(t, params[t.param])
@@ -183,8 +188,11 @@ def plan_params(
                 if placed.resident[i] != target:
                     if target.type == "meta":
                         raise UnsupportedLayerError(
-                            f"parameter {t.param!r} is on the meta device; materialize the "
-                            "model (or load its checkpoint) before merging, or pass device="
+                            f"parameter {t.param!r} is on the meta device, with no weight to "
+                            "merge into: materialize the model first (load its weights, e.g. "
+                            "load_state_dict(..., assign=True)), or have "
+                            "shuttle.load_checkpoint(model, files, loras=[...]) merge the "
+                            "adapters as the checkpoint's weights land"
                         )
                     patch = patch.load(target)
                     if patch is t.patch:  # every tensor real and already there: next time too
