@@ -131,6 +131,21 @@ def test_end_to_end_sharded_with_dtype(tmp_path, capsys):
     assert all(torch.equal(got[k], ref[k]) for k in ref)
 
 
+def test_prints_the_notes(tmp_path, capsys):
+    """A kohya Flux split-qkv save (block-diagonal up): the report's note is printed."""
+    base = tmp_path / "model.safetensors"
+    save_file({"double_blocks.0.img_attn.qkv.weight": torch.zeros(24, 8)}, str(base))
+    lora = tmp_path / "split.safetensors"
+    key = "lora_unet_double_blocks_0_img_attn_qkv"
+    save_file({f"{key}.lora_up.weight": torch.block_diag(*torch.ones(3, 8, 2)),
+               f"{key}.lora_down.weight": torch.ones(6, 8), f"{key}.alpha": torch.tensor(2.0)},
+              str(lora))
+    args = _parser().parse_args(["merge", "--base", str(base), "--lora", str(lora), "-o",
+                                 str(tmp_path / "out.safetensors"), "--no-progress"])
+    assert merge_cli.run(args) == 0
+    assert "note (kohya-flux-split-qkv, 1 module(s)): " in capsys.readouterr().out
+
+
 def test_library_errors_propagate_for_main_to_report(tmp_path):
     _, base, lora = _files(tmp_path)
     args = _parser().parse_args(["merge", "--base", str(base), "--lora", f"{lora}:nan",

@@ -1,4 +1,7 @@
-"""DoRA: "inner" (PEFT) and "blend" (LyCORIS/ComfyUI) strength rules, row and column norms."""
+"""DoRA: "inner" (PEFT), "blend" (ComfyUI) and "lycoris" strength rules, row and column norms.
+
+LyCORIS's own library is the reference in test_dora_lycoris.py; here float64 math.
+"""
 
 from __future__ import annotations
 
@@ -45,6 +48,16 @@ def blend64(w, delta, m, k, axis):
     return w.double() + k * (d - w.double())
 
 
+def lycoris64(w, delta, m, k, axis):
+    """LyCORIS weight_decompose: V * (k * (m / (||V|| + eps) - 1) + 1) = V + k * (D - V)."""
+    v = w.double() + delta
+    ratio = m.double().reshape(norm64(v, axis).shape) / (norm64(v, axis) + EPS32)
+    return v * (k * (ratio - 1) + 1)
+
+
+EPS32 = torch.finfo(torch.float32).eps
+
+
 def make(out_f=6, in_f=4, r=2, kernel=()):
     up = torch.randn(out_f, r, *[1] * len(kernel))
     down = torch.randn(r, in_f, *kernel)
@@ -75,14 +88,51 @@ def test_blend_linear_rows(k):
     close(p.apply(w.clone(), k), expected)
 
 
-@pytest.mark.parametrize("mode", ["inner", "blend"])
+@pytest.mark.parametrize("k", [1.0, 0.5, -0.3, 2.0])
+def test_lycoris_linear_rows(k):
+    w, up, down = make()
+    m = torch.rand(6, 1) + 0.5  # LyCORIS dora_scale (out, 1)
+    s = 1.25
+    p = DoRA("weight", magnitude=m, inner=LowRank("weight", up=up, down=down, scale=s),
+             mode="lycoris")
+    delta = lowrank_delta64(up, down, s)
+    expected = lycoris64(w, delta, m, k, "row")
+    close(p.apply(w.clone(), k), expected)
+    # LyCORIS's rule minus ComfyUI's: (1 - k) * (V - W) = (1 - k) * s * delta
+    comfy = DoRA("weight", magnitude=m, inner=p.inner, mode="blend").apply(w.clone(), k)
+    close(p.apply(w.clone(), k) - comfy, (1 - k) * delta)
+
+
+@pytest.mark.parametrize("mode", ["blend", "lycoris"])
+def test_strength_zero_is_off(mode):
+    # LyCORIS's formula would leave V = W + s * delta at k = 0; in shuttle 0 means off, as
+    # merges drop zero strengths before any patch sees them.
+    w, up, down = make()
+    p = DoRA("weight", magnitude=torch.rand(6, 1) + 0.5,
+             inner=LowRank("weight", up=up, down=down), mode=mode)
+    assert torch.equal(p.apply(w.clone(), 0.0), w)
+
+
+def test_dora_scale_eps():
+    # A row whose V is zero: LyCORIS and ComfyUI divide by ||V|| + eps, so it stays zero.
+    w = torch.zeros(3, 4)
+    w[1:] = torch.randn(2, 4)
+    up, down = torch.zeros(3, 1), torch.zeros(1, 4)
+    for mode in ("blend", "lycoris"):
+        p = DoRA("weight", magnitude=torch.ones(3, 1), inner=LowRank("weight", up=up, down=down),
+                 mode=mode)
+        out = p.apply(w.clone(), 0.5)
+        assert torch.isfinite(out).all() and not out[0].any()
+
+
+@pytest.mark.parametrize("mode", ["inner", "blend", "lycoris"])
 def test_columns(mode):
     w, up, down = make(out_f=6, in_f=4)
     m = torch.rand(1, 4) + 0.5  # per input column (wd_on_out=False)
     p = DoRA("weight", magnitude=m, inner=LowRank("weight", up=up, down=down, scale=0.5),
              mode=mode)
     p.check(tuple(w.shape), "lin.weight")
-    ref = inner64 if mode == "inner" else blend64
+    ref = {"inner": inner64, "blend": blend64, "lycoris": lycoris64}[mode]
     close(p.apply(w.clone(), 0.6), ref(w, lowrank_delta64(up, down, 0.5), m, 0.6, "col"))
 
 
@@ -99,7 +149,9 @@ def test_modes_agree_at_strength_one():
     inner = LowRank("weight", up=up, down=down, scale=0.3)
     a = DoRA("weight", magnitude=m, inner=inner, mode="inner").apply(w.clone(), 1.0)
     b = DoRA("weight", magnitude=m, inner=inner, mode="blend").apply(w.clone(), 1.0)
+    c = DoRA("weight", magnitude=m, inner=inner, mode="lycoris").apply(w.clone(), 1.0)
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
     close(a, inner64(w, lowrank_delta64(up, down, 0.3), m, 1.0, "row"))
 
 
@@ -128,6 +180,10 @@ def test_conv_blend_rows_and_columns(kernel):
           blend64(w, delta, rows, 0.5, "row"))
     close(DoRA("weight", magnitude=cols, inner=inner, mode="blend").apply(w.clone(), 0.5),
           blend64(w, delta, cols, 0.5, "col"))
+    close(DoRA("weight", magnitude=rows, inner=inner, mode="lycoris").apply(w.clone(), 0.5),
+          lycoris64(w, delta, rows, 0.5, "row"))
+    close(DoRA("weight", magnitude=cols, inner=inner, mode="lycoris").apply(w.clone(), 0.5),
+          lycoris64(w, delta, cols, 0.5, "col"))
 
 
 def test_inner_loha():

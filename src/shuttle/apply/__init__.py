@@ -7,6 +7,7 @@ from shuttle.apply.dynamic import DynamicAdapters, attach_lora
 from shuttle.apply.extract import ExtractReport, extract_lora
 from shuttle.apply.load import LoadReport, load_checkpoint, replacement_parameters
 from shuttle.apply.merge import MergeReport, merge_lora
+from shuttle.apply.notes import Note
 from shuttle.apply.plan import MergePlan, plan_merge
 from shuttle.apply.rounding import round_to, stochastic_round
 from shuttle.apply.scale import lora_scale
@@ -18,6 +19,7 @@ __all__ = [
     "LoadReport",
     "MergePlan",
     "MergeReport",
+    "Note",
     "apply_lora",
     "attach_lora",
     "extract_lora",

@@ -25,6 +25,7 @@ import torch
 
 from shuttle.apply.dynamic import DynamicAdapters
 from shuttle.apply.merge import apply_contributions
+from shuttle.apply.notes import Note
 from shuttle.apply.plan import MergePlan
 from shuttle.apply.rounding import Rounding, round_to
 from shuttle.errors import InvalidStrengthError
@@ -61,6 +62,8 @@ class AutoReport:
             :func:`~shuttle.lora_scale` reach only the dynamic parameters: merged ones are fixed).
         unmatched: adapter keys that reached no parameter -> why.
         skipped: adapter keys that were not turned into patches -> why.
+        notes: where the update differs on purpose from a peer tool's, as in
+            :class:`~shuttle.MergeReport`.
     """
 
     decisions: dict[str, str]
@@ -68,6 +71,7 @@ class AutoReport:
     dynamic: DynamicAdapters
     unmatched: dict[str, str]
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+    notes: list[Note] = dataclasses.field(default_factory=list)
 
     @property
     def applied(self) -> list[str]:

@@ -16,6 +16,7 @@ import torch
 
 from shuttle.apply.dynamic_layer import LoRAHook, Quality
 from shuttle.apply.merge import MergeReport
+from shuttle.apply.notes import plan_notes
 from shuttle.apply.plan import AdapterList, Contribution, MergePlan, plan_merge
 from shuttle.apply.scale import bump_generation
 from shuttle.errors import InvalidStrengthError, ShuttleError
@@ -169,7 +170,7 @@ def attach_plan(model: torch.nn.Module, plan: MergePlan, quality: Quality,
     for param, contribs in plan.params.items():
         module, _, leaf = param.rpartition(".")
         per_module[module][leaf].extend(contribs)
-    report = MergeReport(list(plan.params), plan.unmatched, plan.skipped)
+    report = MergeReport(list(plan.params), plan.unmatched, plan.skipped, plan_notes(plan))
     handle = DynamicAdapters(model, [lora for lora, _ in plan.adapters],
                              [s for _, s in plan.adapters], quality, report)
     modules = dict(model.named_modules())

@@ -24,6 +24,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from shuttle.apply.merge import exact_cublas, merge_param, overflow_flag
+from shuttle.apply.notes import Note, plan_notes
 from shuttle.apply.plan import (
     AdapterList,
     Contribution,
@@ -72,6 +73,8 @@ class LoadReport:
             address (``<adapter module>.<param>``) -> kind and why; each is also logged.
         missing: parameters and buffers left as they were (only with ``strict=False``).
         skipped: adapter keys that ``load_lora`` did not turn into patches -> why.
+        notes: where the update differs on purpose from a peer tool's, as in
+            :class:`~shuttle.MergeReport`.
     """
 
     loaded: list[str]
@@ -82,6 +85,7 @@ class LoadReport:
     dense_unmatched: dict[str, str] = dataclasses.field(default_factory=dict)
     missing: list[str] = dataclasses.field(default_factory=list)
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+    notes: list[Note] = dataclasses.field(default_factory=list)
 
 
 class _Slot(NamedTuple):
@@ -207,7 +211,8 @@ def load_checkpoint(
             _install(slots[name], _land(base, spec.dtype, name, plan.params[name], rounding, seed))
             bar.update()
     return LoadReport(loaded, supplied, list(plan.params), unexpected, plan.unmatched,
-                      dense_unmatched, [] if strict else missing, plan.skipped)
+                      dense_unmatched, [] if strict else missing, plan.skipped,
+                      plan_notes(plan))
 
 
 def replacement_parameters(

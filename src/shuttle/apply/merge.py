@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 from tqdm.auto import tqdm
 
+from shuttle.apply.notes import Note, plan_notes
 from shuttle.apply.plan import (
     AdapterList,
     Contribution,
@@ -43,7 +44,7 @@ from shuttle.kernels.merge_lowrank import (
     replay_merges,
 )
 from shuttle.patches import LowRank
-from shuttle.targets import KeyMapping
+from shuttle.targets import KeyMapping, fused_modules
 from shuttle.weights import PLAIN_DTYPES, WeightRepresentation, represent
 
 __all__ = [
@@ -72,11 +73,14 @@ class MergeReport:
         unmatched: adapter keys that reached no parameter -> why (prefixed ``source::`` when
             several adapters were merged).
         skipped: adapter keys that were not turned into patches -> why (from ``load_lora``).
+        notes: where the update differs on purpose from a peer tool's (:class:`Note`; a kohya
+            Flux split-qkv save, scaled per split as trained, is 3x or 4x diffusers' update).
     """
 
     applied: list[str]
     unmatched: dict[str, str]
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+    notes: list[Note] = dataclasses.field(default_factory=list)
 
 
 def merge_lora(
@@ -119,9 +123,9 @@ def merge_lora(
         raise InvalidStrengthError(
             f"rounding={rounding!r}: expected 'nearest', 'stochastic' or None (the default)")
     params = dict(model.named_parameters())
-    plan = plan_params(params, loras, mapping)
+    plan = plan_params(params, loras, mapping, fused=fused_modules(model))
     merge_plan(model, plan, rounding=rounding, seed=seed, progress=progress, params=params)
-    return MergeReport(list(plan.params), plan.unmatched, plan.skipped)
+    return MergeReport(list(plan.params), plan.unmatched, plan.skipped, plan_notes(plan))
 
 
 def merge_plan(model: torch.nn.Module, plan: MergePlan, *, rounding: Rounding | None = None,

@@ -24,6 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from shuttle.apply.merge import merge_param
+from shuttle.apply.notes import Note, plan_notes
 from shuttle.apply.plan import AdapterList, Contribution, MergePlan, ParamSpec, plan_params
 from shuttle.apply.rounding import Rounding, round_to
 from shuttle.errors import (
@@ -66,6 +67,8 @@ class FileMergeReport:
         skipped: adapter keys that were not turned into patches -> why.
         total_size: bytes of tensor data written.
         metadata: the ``__metadata__`` written into every file.
+        notes: where the update differs on purpose from a peer tool's, as in
+            :class:`~shuttle.MergeReport`.
     """
 
     files: list[Path]
@@ -75,6 +78,7 @@ class FileMergeReport:
     skipped: dict[str, str]
     total_size: int
     metadata: dict[str, str]
+    notes: list[Note] = dataclasses.field(default_factory=list)
 
 
 def merge_files(
@@ -172,7 +176,8 @@ def merge_files(
         bar.close()
     _warn_stale(paths, index)
     applied = [n for n in tensors if n in plan.params]
-    return FileMergeReport(paths, index, applied, plan.unmatched, plan.skipped, total, metadata)
+    return FileMergeReport(paths, index, applied, plan.unmatched, plan.skipped, total, metadata,
+                           plan_notes(plan))
 
 
 def _parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:

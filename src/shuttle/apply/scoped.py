@@ -19,6 +19,7 @@ from shuttle.apply.dynamic import (
 )
 from shuttle.apply.dynamic_layer import Quality
 from shuttle.apply.merge import MergeReport, merge_plan, write_back
+from shuttle.apply.notes import plan_notes
 from shuttle.apply.plan import AdapterList, check_mergeable, is_plain_tensor, plan_merge
 from shuttle.apply.rounding import Rounding
 from shuttle.errors import InvalidStrengthError, ShuttleError
@@ -94,8 +95,9 @@ def apply_lora(
     plan = plan_merge(model, loras, mapping)
     params = dict(model.named_parameters())
     merged, dynamic = plan, None
+    notes = plan_notes(plan)
     report: MergeReport | AutoReport = MergeReport(list(plan.params), plan.unmatched,
-                                                   plan.skipped)
+                                                   plan.skipped, notes)
     if mode == "auto":
         decisions = decide(plan, params, auto_threshold, rounding=rounding, seed=seed)
         merged = dataclasses.replace(plan, params={
@@ -112,7 +114,7 @@ def apply_lora(
             handle = attach_plan(model, dynamic, quality, None)
             report = AutoReport({n: d.mode for n, d in decisions.items()},
                                 {n: d.loss for n, d in decisions.items()}, handle,
-                                plan.unmatched, plan.skipped)
+                                plan.unmatched, plan.skipped, notes)
         merge_plan(model, merged, rounding=rounding, seed=seed)
         yield report
     finally:

@@ -82,4 +82,6 @@ def run(args: argparse.Namespace) -> int:  # noqa: D103
         print(f"{len(report.unmatched)} adapter key(s) matched no tensor:")
         for key, why in list(report.unmatched.items())[:10]:
             print(f"  {key}: {why}")
+    for note in report.notes:
+        print(f"note ({note.kind}, {len(note.keys)} module(s)): {note.text}")
     return 0

@@ -4,7 +4,9 @@ Scale rules (the same in every format; see docs/formats.md):
     * a module's ``alpha`` tensor gives ``scale = alpha / rank`` (rank = ``down.shape[0]``), with
       ``alpha == 0`` meaning ``alpha = rank``;
     * without one, a PEFT config gives ``lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA, per-module
-      patterns applied);
+      patterns applied): the config of the module's component where the file has one per
+      component (diffusers' pipeline metadata, patterns matched below ``<component>.``), else
+      the adapter's one config;
     * without either, the scale is 1.
 """
 
@@ -32,6 +34,7 @@ def assemble(
     fmt: AdapterFormat,
     config: PeftConfig | None,
     *,
+    components: Mapping[str, PeftConfig] | None = None,
     strict: bool = True,
     source: str = "adapter",
 ) -> tuple[dict[str, list[Patch]], dict[str, str]]:
@@ -41,6 +44,8 @@ def assemble(
         table: tensor name -> tensor or lazy reference.
         fmt: the detected format (its ``rename`` is applied to every key first).
         config: the PEFT config, if the adapter has one.
+        components: per-component PEFT configs (diffusers pipeline files): component name ->
+            the config of the modules under ``<component>.``, in place of ``config``.
         strict: raise on keys of no known kind; otherwise report them in the second result.
         source: how to name the adapter in messages.
 
@@ -95,13 +100,26 @@ def assemble(
             skipped[k] = "key of no known adapter kind (strict=False)"
     modules: dict[str, list[Patch]] = {}
     for module, r in roles.items():
-        patches = _build_module(module, r, config, fmt, source)
+        cfg, name = _config_of(module, config, components or {})
+        patches = _build_module(module, r, cfg, name, fmt, source)
         if patches:
             modules[module] = patches
         else:
             for key, _ in r.values():
                 skipped[key] = "alpha without factors: nothing to apply"
     return modules, skipped
+
+
+def _config_of(
+    module: str, config: PeftConfig | None, components: Mapping[str, PeftConfig]
+) -> tuple[PeftConfig | None, str]:
+    """The config that scales ``module``, and the name its patterns are matched against: a
+    component's config sees the names inside that component (as PEFT did when it trained it).
+    """
+    component, dot, rest = module.partition(".")
+    if dot and component in components:
+        return components[component], rest
+    return config, module
 
 
 def _scalar(key: str, t: Tensorish, source: str) -> float:
@@ -120,6 +138,7 @@ def _build_module(
     module: str,
     r: dict[str, tuple[str, Tensorish]],
     config: PeftConfig | None,
+    config_name: str,
     fmt: AdapterFormat,
     source: str,
 ) -> list[Patch]:
@@ -147,12 +166,12 @@ def _build_module(
     def scale(rank: int | None) -> float:
         if rank is None:  # LoKr with both factors full: LyCORIS forces scale 1, PEFT does not
             if config is not None and alpha is None:
-                return config.alpha_for(module) / config.rank_for(module)
+                return config.alpha_for(config_name) / config.rank_for(config_name)
             return 1.0
         if alpha is not None:
             return (alpha if alpha != 0 else rank) / rank
         if config is not None:
-            return config.scale_for(module, rank)
+            return config.scale_for(config_name, rank)
         return 1.0
 
     transposed = bool(config and config.fan_in_fan_out)

@@ -5,18 +5,26 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from shuttle.errors import AdapterFormatError
+from shuttle.errors import AdapterFormatError, ShuttleError
 from shuttle.formats.assemble import assemble
+from shuttle.formats.diffusers import METADATA_KEY
+from shuttle.formats.lycoris import DORA_RULE_KEY, written_by_lycoris
 from shuttle.formats.peft import PeftConfig
 from shuttle.formats.registry import AdapterFormat, detect_format
 from shuttle.formats.source import Source, open_source
-from shuttle.patches import Patch
+from shuttle.patches import DoRA, Patch
 
-__all__ = ["LoRA", "load_lora"]
+__all__ = ["DORA_RULES", "DoraRule", "LoRA", "load_lora"]
+
+DoraRule = Literal["lycoris", "comfy"]
+# How a strength k enters a dora_scale DoRA, by rule -> the DoRA patch's mode:
+#   "lycoris": W' = V + k (D - V)   (LyCORIS's forward and merge)
+#   "comfy":   W' = W + k (D - W)   (ComfyUI)
+DORA_RULES: dict[str, str] = {"lycoris": "lycoris", "comfy": "blend"}
 
 
 @dataclasses.dataclass
@@ -30,8 +38,12 @@ class LoRA:
         modules: adapter module key (as spelled in the file) -> its patches.
         source: where it came from.
         metadata: safetensors ``__metadata__``.
-        config: the PEFT config, if any.
+        config: the PEFT config, if any (``adapter_config.json``, ``load_lora(config=...)``, or
+            diffusers' flat ``lora_adapter_metadata``).
         skipped: keys that were not turned into patches, with the reason (never silent).
+        component_configs: the PEFT configs of a diffusers pipeline file, per component
+            (``transformer``, ``unet``, ``text_encoder``, ...): each scales the modules under
+            ``<component>.``, with its patterns matched below that prefix.
     """
 
     format: str
@@ -40,6 +52,7 @@ class LoRA:
     metadata: dict[str, str] = dataclasses.field(default_factory=dict)
     config: PeftConfig | None = None
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+    component_configs: dict[str, PeftConfig] = dataclasses.field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.modules)
@@ -68,6 +81,26 @@ class LoRA:
         modules = {m: [p.load(device) for p in ps] for m, ps in self.modules.items()}
         return dataclasses.replace(self, modules=modules)
 
+    def with_dora(self, rule: DoraRule) -> LoRA:
+        """A copy whose ``dora_scale`` DoRA patches take a strength as ``rule`` says (itself
+        when they already do).
+
+        With ``V = W + s * delta`` and ``D = mag * V / ||V||`` (see docs/formats.md), at
+        strength ``k``: ``"lycoris"`` gives ``V + k * (D - V)`` (LyCORIS's own forward and
+        merge), ``"comfy"`` gives ``W + k * (D - W)`` (ComfyUI). Both give ``D`` at ``k = 1``.
+        PEFT's ``lora_magnitude_vector`` DoRA always follows PEFT and is left as it is.
+
+        Raises:
+            ShuttleError: ``rule`` is not ``"lycoris"`` or ``"comfy"``.
+        """
+        mode = _dora_mode(rule)
+        if all(not isinstance(p, DoRA) or p.mode in ("inner", mode) for _, p in self.patches()):
+            return self
+        modules = {m: [dataclasses.replace(p, mode=mode)
+                       if isinstance(p, DoRA) and p.mode != "inner" else p for p in ps]
+                   for m, ps in self.modules.items()}
+        return dataclasses.replace(self, modules=modules)
+
     def describe(self) -> list[dict[str, Any]]:
         """One row per patch: module, param, kind, rank, alpha, scale, shapes, dtype, bytes."""
         rows = []
@@ -88,6 +121,7 @@ def load_lora(
     *,
     config: dict[str, Any] | None = None,
     strict: bool = True,
+    dora: DoraRule | Literal["auto"] = "auto",
 ) -> LoRA:
     """Read an adapter of any supported format.
 
@@ -95,9 +129,15 @@ def load_lora(
         source: a ``.safetensors`` file, a list of them, a PEFT adapter directory, a
             ``.bin``/``.pt`` file (loaded with ``weights_only=True``), an in-memory state dict,
             or a :class:`LoRA` (returned as is).
-        config: a PEFT ``adapter_config.json`` as a dict, overriding one found with the source.
+        config: a PEFT ``adapter_config.json`` as a dict, overriding every config found with
+            the source (diffusers' per-component ones too): it then scales all modules.
         strict: raise :class:`~shuttle.errors.UnknownKeyError` on keys of no known kind;
             with False they are listed in ``LoRA.skipped`` instead.
+        dora: how a strength enters a ``dora_scale`` DoRA (see :meth:`LoRA.with_dora`):
+            ``"lycoris"``, ``"comfy"``, or ``"auto"``: ``"lycoris"`` for a file that LyCORIS
+            wrote (``lycoris_`` names, or ``ss_network_module`` = ``lycoris.*`` in its
+            metadata), else ``"comfy"``, the result ComfyUI users see from such a file. A
+            file written by :func:`~shuttle.save_lora` keeps the rule it was saved with.
 
     Returns:
         The adapter; only safetensors headers (and 0-dim alphas) have been read.
@@ -108,18 +148,51 @@ def load_lora(
         UnsupportedFormatError: a recognized format shuttle does not implement (OFT, GLoRA).
         UnknownKeyError: keys of no known kind (with ``strict``).
         AdapterFormatError: malformed adapter (missing partner tensors, bad alpha, no keys).
+        ShuttleError: ``dora`` is not one of ``"auto"``, ``"lycoris"``, ``"comfy"``.
     """
+    if dora != "auto":
+        _dora_mode(dora)
     if isinstance(source, LoRA):
-        return source
+        return source if dora == "auto" else source.with_dora(dora)
     src = open_source(source)
     cfg_dict = config if config is not None else src.config
     peft_cfg = PeftConfig.from_dict(cfg_dict, src.name) if cfg_dict is not None else None
+    components = {} if config is not None else {
+        name: PeftConfig.from_dict(d, f"{src.name} ({METADATA_KEY}, component {name!r})")
+        for name, d in src.component_configs.items()}
     if not src.tensors:
         raise AdapterFormatError(f"{src.name}: holds no tensors; it is not an adapter")
     fmt = detect_format(list(src.tensors), cfg_dict)
     # With no format matched, parsing still runs so the error names the offending keys.
     fmt = fmt or AdapterFormat("unknown", "no registered format matched", lambda k, c: True, 0)
-    modules, skipped = assemble(src.tensors, fmt, peft_cfg, strict=strict, source=src.name)
+    modules, skipped = assemble(src.tensors, fmt, peft_cfg, components=components,
+                                strict=strict, source=src.name)
     if not modules:
         raise AdapterFormatError(f"{src.name}: no key forms an update ({len(skipped)} skipped)")
-    return LoRA(fmt.name, modules, src.name, src.metadata, peft_cfg, skipped)
+    lora = LoRA(fmt.name, modules, src.name, src.metadata, peft_cfg, skipped, components)
+    if dora == "auto":
+        dora = _file_dora_rule(list(src.tensors), src.metadata, src.name)
+    return lora.with_dora(dora)
+
+
+def _dora_mode(rule: str) -> str:
+    if rule not in DORA_RULES:
+        raise ShuttleError(
+            f"dora={rule!r}: expected 'lycoris' (LyCORIS's strength rule) or 'comfy' "
+            "(ComfyUI's), or 'auto' at load to choose from the file"
+        )
+    return DORA_RULES[rule]
+
+
+def _file_dora_rule(keys: list[str], metadata: dict[str, str], name: str) -> DoraRule:
+    """The rule of a file's ``dora_scale``: as saved by shuttle, else by who wrote it."""
+    saved = metadata.get(DORA_RULE_KEY)
+    if saved is not None:
+        if saved not in DORA_RULES:
+            raise AdapterFormatError(
+                f"{name}: metadata {DORA_RULE_KEY}={saved!r} should be 'lycoris' or 'comfy'; "
+                "pass dora= to load_lora to choose"
+            )
+        return saved  # type: ignore[return-value]
+    # Not LyCORIS: ComfyUI reads most such files (kohya and OneTrainer DoRA), so its rule.
+    return "lycoris" if written_by_lycoris(keys, metadata) else "comfy"

@@ -1,4 +1,4 @@
-"""Open an adapter source into a table of (lazy) tensors, its metadata and its PEFT config.
+"""Open an adapter source into a table of (lazy) tensors, its metadata and its PEFT configs.
 
 Sources: a ``.safetensors`` file (header only until tensors are needed), a list of them, a PEFT
 adapter directory, a ``.bin``/``.pt`` pickle (``torch.load(weights_only=True)``), or an in-memory
@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from shuttle.errors import AdapterFileError, AdapterFormatError, CorruptFileError
+from shuttle.formats.diffusers import configs_from_metadata
 from shuttle.formats.safetensors_file import SafetensorsFile
 from shuttle.patches.patch import Tensorish
 
@@ -34,13 +35,16 @@ class AdapterSource:
         name: a description for messages (the path, or ``"<state dict>"``).
         tensors: tensor name -> tensor or lazy reference, in file order.
         metadata: safetensors ``__metadata__`` (merged over files).
-        config: a PEFT config dict, from ``adapter_config.json`` or diffusers' metadata.
+        config: a PEFT config dict, from ``adapter_config.json`` or diffusers' flat metadata.
+        component_configs: pipeline component name (``transformer``, ``text_encoder``, ...)
+            -> the PEFT config dict diffusers stored for the tensors under ``<component>.``.
     """
 
     name: str
     tensors: dict[str, Tensorish]
     metadata: dict[str, str]
     config: dict[str, Any] | None
+    component_configs: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
 
 def open_source(source: Source) -> AdapterSource:
@@ -98,7 +102,8 @@ def _open_files(paths: list[Path], name: str) -> AdapterSource:
                     "partition one adapter (or load them as separate adapters)."
                 )
         tensors.update(part)
-    return AdapterSource(name, tensors, metadata, _config_from_metadata(metadata))
+    flat, components = configs_from_metadata(metadata, name)
+    return AdapterSource(name, tensors, metadata, flat, components)
 
 
 def _load_pickle(path: Path) -> dict[str, Tensorish]:
@@ -138,14 +143,3 @@ def _open_peft_dir(path: Path) -> AdapterSource:
     src.name = str(path)
     return src
 
-
-def _config_from_metadata(metadata: Mapping[str, str]) -> dict[str, Any] | None:
-    """A PEFT config that diffusers stores as ``lora_adapter_metadata``, when it is flat."""
-    raw = metadata.get("lora_adapter_metadata")
-    if raw is None:
-        return None
-    try:
-        cfg = json.loads(raw)
-    except json.JSONDecodeError:
-        return None
-    return cfg if isinstance(cfg, dict) and "r" in cfg else None

@@ -19,7 +19,8 @@ from safetensors.torch import save_file
 
 from shuttle.errors import UnsupportedFormatError
 from shuttle.formats.kohya import KOHYA_PREFIXES
-from shuttle.formats.lora import LoRA
+from shuttle.formats.lora import DORA_RULES, LoRA
+from shuttle.formats.lycoris import DORA_RULE_KEY
 from shuttle.patches import IA3, Diff, DoRA, LoHa, LoKr, LowRank, Patch, Set, materialize
 from shuttle.patches.lowrank import split_blocks
 
@@ -59,7 +60,7 @@ def _lycoris_tensors(name: str, p: Patch, to: str) -> dict[str, torch.Tensor]:
             "alpha = rank (scale 1); convert to peft instead."
         )
     if isinstance(p, DoRA):
-        if p.mode != "blend":
+        if p.mode == "inner":
             raise UnsupportedFormatError(
                 f"module {name!r}: PEFT's magnitude vector takes strength differently from a "
                 f"LyCORIS dora_scale, which is the only DoRA {to} spells; convert to peft instead."
@@ -153,8 +154,8 @@ def _peft_tensors(lora: LoRA) -> tuple[dict[str, torch.Tensor], dict]:
             use_dora = True
             if p.mode != "inner":
                 raise UnsupportedFormatError(
-                    f"module {module!r}: a LyCORIS dora_scale blends with strength differently "
-                    "from PEFT's magnitude vector; keep it in kohya or comfy spelling."
+                    f"module {module!r}: a dora_scale takes strength differently from PEFT's "
+                    "magnitude vector; keep it in kohya or comfy spelling."
                 )
             tensors[f"{base}.lora_magnitude_vector"] = materialize(p.magnitude)
         name = module.removeprefix("base_model.model.")
@@ -225,6 +226,16 @@ def save_lora(lora: LoRA, path: str | os.PathLike[str], to: Target = "comfy") ->
 
 def _save(tensors: dict[str, torch.Tensor], path: Path, lora: LoRA) -> None:
     meta = {"shuttle_source_format": lora.format}
+    # A dora_scale's strength rule, which the new names and metadata may no longer show.
+    rules = {r for r, mode in DORA_RULES.items() for _, p in lora.patches()
+             if isinstance(p, DoRA) and p.mode == mode}
+    if len(rules) > 1:
+        raise UnsupportedFormatError(
+            "the adapter's dora_scale patches take strength by both LyCORIS's and ComfyUI's rule; "
+            "one file records one rule. Use lora.with_dora('lycoris' or 'comfy') first."
+        )
+    if rules:
+        meta[DORA_RULE_KEY] = rules.pop()
     tmp = path.with_name(path.name + ".tmp")
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
     os.replace(tmp, path)

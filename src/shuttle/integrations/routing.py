@@ -9,7 +9,7 @@ import torch
 
 from shuttle.errors import DuplicateTargetError
 from shuttle.formats import LoRA
-from shuttle.targets import ModelNames, resolve
+from shuttle.targets import ModelNames, fused_modules, resolve
 
 __all__ = ["route_lora"]
 
@@ -42,7 +42,9 @@ def route_lora(lora: LoRA, components: dict[str, torch.nn.Module]
         res = resolve(lora, module)
         return ({name: lora} if res.targets else {}), dict(res.unmatched)
     names = ModelNames({f"{c}.{n}": p.shape for c, m in components.items()
-                        for n, p in m.named_parameters()})
+                        for n, p in m.named_parameters()},
+                       {f"{c}.{f}" if f else c for c, m in components.items()
+                        for f in fused_modules(m)})
     res = resolve(lora, names)
     owners: dict[str, set[str]] = defaultdict(set)
     for t in res.targets:

@@ -36,11 +36,12 @@ from shuttle.apply.auto import DEFAULT_THRESHOLD, Decision, decide
 from shuttle.apply.dynamic import QUALITIES, DynamicAdapters, default_quality
 from shuttle.apply.dynamic_layer import LoRAHook, Quality
 from shuttle.apply.merge import MergeReport, exact_cublas, merge_param
+from shuttle.apply.notes import plan_notes
 from shuttle.apply.plan import AdapterList, Contribution, is_plain_tensor, plan_params
 from shuttle.errors import OffloadError, UnsupportedLayerError
 from shuttle.hooks import add_hook
 from shuttle.offload.host_storage import HostStorage, HostUnit
-from shuttle.targets import KeyMapping
+from shuttle.targets import KeyMapping, fused_modules
 
 __all__ = ["LORA_MODES", "ActivationAdapters", "LoRAMode", "check_lora_mode"]
 
@@ -98,7 +99,7 @@ class ActivationAdapters:
         # Validates every target over the host tensors' specs first, then reads the patches
         # onto the device and checks them finite.
         params = dict(model.named_parameters())
-        plan = plan_params(params, loras, mapping, device=device)
+        plan = plan_params(params, loras, mapping, device=device, fused=fused_modules(model))
         quantized = [n for n in plan.params if not is_plain_tensor(params[n])]
         if quantized and mode != "dynamic":
             # The slots hold such a weight's storage tensors (packed data, scales): a merge as
@@ -110,7 +111,8 @@ class ActivationAdapters:
                 "or merge the adapter before capturing the model (shuttle.merge_lora)."
             )
         self.plan = plan
-        self.report = MergeReport(list(plan.params), plan.unmatched, plan.skipped)
+        self.report = MergeReport(list(plan.params), plan.unmatched, plan.skipped,
+                                  plan_notes(plan))
         self.folds = 0
         self.decisions: dict[str, Decision] = {}
         merged, dynamic = (plan.params, {}) if mode == "merge" else ({}, plan.params)

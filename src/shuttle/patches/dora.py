@@ -5,9 +5,14 @@ With ``V = W + s * delta`` (the inner patch) and magnitude ``m``, the decomposed
 input column (``m`` shaped (1, in, ...)), over the axes where ``m`` has size one.
 
 Tools disagree on how a strength ``k`` enters (see docs/formats.md):
-    "inner" (PEFT ``lora_magnitude_vector``):  V = W + k * s * delta;   W' = m * V / ||V||
-    "blend" (LyCORIS/ComfyUI ``dora_scale``):  V = W + s * delta;       W' = W + k * (D - W)
-At k = 1 both give D.
+    "inner"   (PEFT ``lora_magnitude_vector``):  V = W + k * s * delta;  W' = m * V / ||V||
+    "blend"   (ComfyUI, a ``dora_scale``):       V = W + s * delta;      W' = W + k * (D - W)
+    "lycoris" (LyCORIS, a ``dora_scale``):       V = W + s * delta;      W' = V + k * (D - V)
+At k = 1 all three give D. For a ``dora_scale`` both tools divide by ``||V|| + eps`` (eps of
+float32). LyCORIS computes ``W' = V * (k * (m / (||V|| + eps) - 1) + 1)`` in ``weight_decompose``
+(its forward, ``merge_to`` and ``get_merged_weight`` alike), which is ``V + k * (D - V)``: at
+k = 0 it would leave the plain low-rank update ``V``, but a strength of 0 means off in shuttle
+(zero strengths are dropped), so "lycoris" leaves the weight as it was at exactly k = 0.
 """
 
 from __future__ import annotations
@@ -21,17 +26,26 @@ import torch
 from shuttle.errors import ShapeMismatchError
 from shuttle.patches.patch import Patch, Tensorish, materialize, register_patch
 
-__all__ = ["DoRA"]
+__all__ = ["DoRA", "DoraMode"]
+
+DoraMode = Literal["inner", "blend", "lycoris"]
 
 
 @register_patch("dora")
 @dataclasses.dataclass(frozen=True, eq=False)
 class DoRA(Patch):
-    """Magnitude ``m`` and direction ``W + s * delta`` of an inner (usually low-rank) patch."""
+    """Magnitude ``m`` and direction ``W + s * delta`` of an inner (usually low-rank) patch.
+
+    Attributes:
+        magnitude: ``m``, per output row or per input column (see the module docstring).
+        inner: the patch giving ``s * delta`` (LoRA, LoHa, LoKr).
+        mode: how a strength enters: ``"inner"`` (PEFT), ``"blend"`` (ComfyUI) or
+            ``"lycoris"`` (LyCORIS); see the module docstring.
+    """
 
     magnitude: Tensorish = None  # type: ignore[assignment]
     inner: Patch = None  # type: ignore[assignment]
-    mode: Literal["inner", "blend"] = "inner"
+    mode: DoraMode = "inner"
     tensor_fields = ("magnitude",)
     additive = False
 
@@ -92,9 +106,17 @@ class DoRA(Patch):
         ms = self._mag_shape(shape)
         m = materialize(self.magnitude).float().reshape(ms)
         dims = tuple(i for i, (a, b) in enumerate(zip(ms, shape, strict=True)) if a == 1 and b > 1)
-        inner_k = strength if self.mode == "inner" else 1.0
-        v = self.inner.apply(weight.clone(), inner_k)
-        d = v.mul_(m / torch.linalg.vector_norm(v, dim=dims, keepdim=True))
         if self.mode == "inner":
-            return weight.copy_(d)
-        return weight.add_(d.sub_(weight), alpha=strength)
+            v = self.inner.apply(weight.clone(), strength)
+            return weight.copy_(v.mul_(m / torch.linalg.vector_norm(v, dim=dims, keepdim=True)))
+        if strength == 0:
+            return weight
+        v = self.inner.apply(weight.clone(), 1.0)
+        # m / (||V|| + eps), as LyCORIS's weight_decompose and ComfyUI compute it
+        ratio = m / torch.linalg.vector_norm(v, dim=dims, keepdim=True).add_(
+            torch.finfo(v.dtype).eps)
+        if self.mode == "lycoris":
+            # V * (k * (ratio - 1) + 1) = V + k * (D - V)
+            return weight.copy_(v.mul_(ratio.sub_(1).mul_(strength).add_(1)))
+        assert self.mode == "blend", f"unknown DoRA mode {self.mode!r}"
+        return weight.add_(v.mul_(ratio).sub_(weight), alpha=strength)

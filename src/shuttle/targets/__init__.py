@@ -4,7 +4,7 @@
 from shuttle.targets import flux  # noqa: F401
 from shuttle.targets.family import FAMILY_MAPS, register_family
 from shuttle.targets.fused import FUSED_GROUPS
-from shuttle.targets.names import ADAPTER_PREFIXES, ModelNames
+from shuttle.targets.names import ADAPTER_PREFIXES, ModelNames, fused_modules
 from shuttle.targets.resolve import KeyMapping, Resolution, Target, resolve
 from shuttle.targets.split import Split
 
@@ -17,6 +17,7 @@ __all__ = [
     "Resolution",
     "Split",
     "Target",
+    "fused_modules",
     "register_family",
     "resolve",
 ]

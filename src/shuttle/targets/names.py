@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
-__all__ = ["ADAPTER_PREFIXES", "ModelNames"]
+__all__ = ["ADAPTER_PREFIXES", "ModelNames", "fused_modules"]
 
 # Prefixes adapters put before module paths, and that models may have as component roots.
 ADAPTER_PREFIXES = (
@@ -30,10 +30,15 @@ class ModelNames:
     Args:
         params: parameter name -> shape (``dict((n, p.shape) for n, p in
             model.named_parameters())``); a model's tensors may be on the ``meta`` device.
+        fused: paths of modules that run fused projections beside their split ones
+            (:func:`fused_modules`); adapter updates of their split layers go to the rows of
+            the fused layer instead.
     """
 
-    def __init__(self, params: Mapping[str, torch.Size | tuple[int, ...]]):
+    def __init__(self, params: Mapping[str, torch.Size | tuple[int, ...]],
+                 fused: Iterable[str] = ()):
         self.shapes = {n: torch.Size(s) for n, s in params.items()}
+        self.fused = frozenset(fused)
         # module path -> its parameter names (relative); a bare parameter is its own module.
         self.modules: dict[str, set[str]] = defaultdict(set)
         for name in self.shapes:
@@ -53,8 +58,10 @@ class ModelNames:
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> ModelNames:
-        """Index ``model.named_parameters()`` (tied parameters are listed once)."""
-        return cls({n: p.shape for n, p in model.named_parameters()})
+        """Index ``model.named_parameters()`` (tied parameters are listed once) and the
+        modules that run fused projections (:func:`fused_modules`).
+        """
+        return cls({n: p.shape for n, p in model.named_parameters()}, fused_modules(model))
 
     def param(self, module: str, leaf: str) -> str | None:
         """The full name of parameter ``leaf`` of ``module``, or of the bare parameter
@@ -90,3 +97,22 @@ class ModelNames:
         if m is None:
             return None
         return int(m.group(2)) if m.group(2) else 1
+
+    @staticmethod
+    def text_encoder_root(index: int) -> str:
+        """``text_encoder.`` for 1, ``text_encoder_2.`` for 2, ..."""
+        return "text_encoder." if index == 1 else f"text_encoder_{index}."
+
+
+def fused_modules(model: torch.nn.Module) -> frozenset[str]:
+    """Paths of the modules of ``model`` whose forward runs fused projections.
+
+    diffusers' ``fuse_qkv_projections()`` gives each attention module a ``to_qkv`` (and
+    ``to_added_qkv``, or ``to_kv`` for cross-attention) built from ``to_q``/``to_k``/``to_v``,
+    keeps those split layers as they are, and sets ``fused_projections = True``; from then on
+    the forward reads only the fused layers.
+    """
+    # Fusing sets the flag on the instance; reading __dict__ avoids nn.Module.__getattr__'s
+    # failed lookup (an exception) on each of a large model's thousands of other modules.
+    return frozenset(name for name, m in model.named_modules()
+                     if m.__dict__.get("fused_projections") is True)

@@ -3,11 +3,17 @@
 Order of rules for one module key:
     1. the caller's ``mapping`` (a dict or a function), which may also give a row range;
     2. kohya names (``lora_unet_``, ``lora_te2_``, ...): the model's forward-built underscore
-       spellings, the prefix choosing between components (``lora_te2_`` -> ``text_encoder_2.``);
+       spellings, the prefix choosing between components: ``lora_te_``/``lora_te1_`` pin
+       ``text_encoder.``, ``lora_te2_`` ``text_encoder_2.``, ``lora_te3_`` ``text_encoder_3.``
+       when the model has that root (a CLIP ``text_model.`` level the adapter spells and that
+       component lacks never sends the key to another encoder that has one);
     3. dotted names: the key as is, then with adapter prefixes removed (``base_model.model.``,
        ``diffusion_model.``, ``transformer.``, ...) and the model's own roots added, and legacy
        ``.processor.`` segments dropped;
     4. a split projection onto the model's fused one (``to_q`` onto rows of ``to_qkv``).
+Then a place on a split layer of a module that runs fused projections (diffusers'
+``fuse_qkv_projections`` keeps ``to_q`` beside the ``to_qkv`` the forward reads) also gets its
+rows of the fused layer.
 A key that no rule places, or that several place equally well, is reported with the reason.
 """
 
@@ -24,7 +30,7 @@ from shuttle.formats import LoRA
 from shuttle.formats.kohya import KOHYA_PREFIXES
 from shuttle.patches import Patch, select_rows
 from shuttle.targets.family import FAMILY_MAPS
-from shuttle.targets.fused import fused_candidates
+from shuttle.targets.fused import fused_candidates, live_fused
 from shuttle.targets.names import ADAPTER_PREFIXES, ModelNames
 from shuttle.targets.split import MappingValue, Rows, Split
 
@@ -104,6 +110,7 @@ def resolve(
         if found:
             places[module] = found
     _fused_rows(lora, places, names, unmatched)
+    _onto_live_fused(places, names, unmatched)
     targets = []
     for module, module_places in places.items():
         for place in module_places:
@@ -169,10 +176,7 @@ def _locate(module: str, names: ModelNames, unmatched: dict[str, str]) -> _Place
         rest = module[len(kohya):]
         spellings = [rest] + [rest[len(w):] for w in _DROPPED_WRAPPERS if rest.startswith(w)]
         for name in spellings:
-            found = _kohya(name, kohya, names)
-            if not found:
-                found = [_Place(p.path, (i, g)) for f, i, g in fused_candidates(name, "_")
-                         for p in _kohya(f, kohya, names)]
+            found = _kohya(name, kohya, names) or _kohya_fused(name, kohya, names)
             if found:
                 break
     else:
@@ -192,23 +196,38 @@ def _locate(module: str, names: ModelNames, unmatched: dict[str, str]) -> _Place
     return None
 
 
-def _affinity(prefix: str, root: str) -> int:
-    """0 when a kohya prefix names this root's component, 1 a plausible one, 2 the wrong kind."""
+def _affinity(prefix: str, root: str, roots: list[str]) -> int:
+    """0 when a kohya prefix names this root's component, 1 a plausible one, 2 the wrong kind.
+
+    A text encoder prefix pins its component when the model has it (``lora_te2_`` and
+    ``text_encoder_2.``): every other root is then the wrong kind. Without it, any text
+    encoder root is plausible, and so is the model itself (a text encoder on its own).
+    """
     te = ModelNames.text_encoder_index(root)
     if prefix in ("lora_unet_", "lora_transformer_", "lycoris_"):
         return 0 if te is None and root != "text_encoders." else 2
     want = {"lora_te_": 1, "lora_te1_": 1, "lora_te2_": 2, "lora_te3_": 3}[prefix]
-    return 0 if te == want else 1 if (te is not None or root == "text_encoders.") else 2
+    if te == want:
+        return 0
+    if ModelNames.text_encoder_root(want) in roots:
+        return 2
+    return 1 if (te is not None or root in ("", "text_encoders.")) else 2
 
 
 def _kohya(underscored: str, prefix: str, names: ModelNames) -> list[_Place]:
     cands = names.kohya_candidates(underscored)
     if not cands:
         return []
-    best = min(_affinity(prefix, root) for root, _ in cands)
+    best = min(_affinity(prefix, root, names.roots) for root, _ in cands)
     if best == 2:
         return []
-    return [_Place(path) for root, path in cands if _affinity(prefix, root) == best]
+    return [_Place(path) for root, path in cands if _affinity(prefix, root, names.roots) == best]
+
+
+def _kohya_fused(underscored: str, prefix: str, names: ModelNames) -> list[_Place]:
+    """A split projection's fused spellings (``..._to_q`` -> ``..._to_qkv``)."""
+    return [_Place(p.path, (i, g)) for f, i, g in fused_candidates(underscored, "_")
+            for p in _kohya(f, prefix, names)]
 
 
 def _variants(module: str) -> list[str]:
@@ -267,6 +286,35 @@ def _fused_rows(lora: LoRA, places: dict[str, _Place], names: ModelNames,
         starts = [sum(sizes[:i]) for i in range(n)]
         for i, m in members.items():
             places[m] = [_Place(path, rows=(starts[i], starts[i] + sizes[i]))]
+
+
+def _onto_live_fused(places: dict[str, list[_Place]], names: ModelNames,
+                     unmatched: dict[str, str]) -> None:
+    """Give each place on a split layer of a fused module its rows of the fused layer too.
+
+    The split layer keeps its place: the forward reads one of the two, and which one the flag
+    does not always tell (diffusers' ``UNet2DConditionModel.unfuse_qkv_projections`` restores
+    the split processors but leaves ``fused_projections`` and ``to_qkv``; a later unfuse of a
+    merged model reads the split layers again). Updating both is right either way.
+    """
+    if not names.fused:
+        return
+    for module, module_places in list(places.items()):
+        both = []
+        for place in module_places:
+            both.append(place)
+            live = live_fused(place.path, names)
+            if isinstance(live, str):
+                unmatched[module] = live
+                del places[module]
+                break
+            if live is not None:
+                path, start, height = live
+                a, b = place.rows or (0, height)
+                both.append(dataclasses.replace(place, path=path, fused=None,
+                                                rows=(start + a, start + b)))
+        else:
+            places[module] = both
 
 
 def _out_rows(lora: LoRA, module: str) -> int | None:
