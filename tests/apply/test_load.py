@@ -3,6 +3,7 @@ set_weight, tied weights, shards, bad input (model unchanged), the loud report, 
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -425,3 +426,27 @@ def test_peak_memory_is_a_few_tensors_not_the_checkpoint(tmp_path):
     working = r["peak"] - r["base"] - r["kept"]
     print(f"checkpoint {size / 2**20:.0f} MiB, working memory at peak {working / 2**20:.0f} MiB")
     assert working < 0.4 * size
+
+
+def test_a_dense_payload_split_by_rows_is_not_reported_unmatched(tmp_path, caplog):
+    """A kohya ``.diff`` on BFL's fused ``img_attn.qkv`` lands on diffusers' split q/k/v as
+    row-sliced payloads: applied, and therefore not listed (or logged) as unmatched."""
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    model = diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+        axes_dims_rope=[4, 4, 8])
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+              str(tmp_path / "model.safetensors"))
+    diff = torch.randn(96, 32, generator=torch.Generator().manual_seed(1))
+    lora = shuttle.load_lora({"lora_unet_double_blocks_0_img_attn_qkv.diff": diff})
+    fresh = copy.deepcopy(model)
+    with caplog.at_level(logging.WARNING, logger="shuttle"):
+        report = shuttle.load_checkpoint(fresh, tmp_path / "model.safetensors",
+                                         loras=[(lora, 0.5)])
+    assert report.dense_unmatched == {} and "was not loaded" not in caplog.text
+    for i, name in enumerate(("to_q", "to_k", "to_v")):
+        got = getattr(fresh.transformer_blocks[0].attn, name).weight
+        want = getattr(model.transformer_blocks[0].attn, name).weight + 0.5 * diff[32 * i:][:32]
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

@@ -331,13 +331,16 @@ def _check_sets(plan: MergePlan) -> None:
 
 def _report_dense(plan: MergePlan) -> dict[str, str]:
     """Warn about each dense payload that reached no parameter; return them with why."""
-    placed = {id(c.patch) for cs in plan.params.values() for c in cs}
+    # Matched by (adapter, module key, parameter leaf), not by patch identity: a payload of a
+    # fused module split by rows reaches its parameters as new (row-sliced) patch objects.
+    placed = {(c.adapter, c.module_key, name.rsplit(".", 1)[-1])
+              for name, cs in plan.params.items() for c in cs}
     tagged = len(plan.adapters) > 1
     out = {}
-    for lora, _ in plan.adapters:
+    for i, (lora, _) in enumerate(plan.adapters):
         tag = f"{lora.source}::" if tagged else ""
         for module, patch in lora.patches():
-            if not isinstance(patch, (Diff, Set)) or id(patch) in placed:
+            if not isinstance(patch, (Diff, Set)) or (i, module, patch.param) in placed:
                 continue
             why = (plan.unmatched.get(f"{tag}{module}")
                    or plan.unmatched.get(f"{tag}{module} ({patch.param})")

@@ -7,7 +7,10 @@ BFL fuses what diffusers keeps apart: ``double_blocks.N.img_attn.qkv`` is diffus
 diffusers, so its two row halves swap. An adapter in one layout applies to a model in the other
 through this table: a fused adapter module is split by rows over the separate layers, separate
 adapter modules land on rows of the fused weight. Either spelling of the adapter's names works
-(dotted, or kohya's underscores).
+(dotted, or kohya's underscores). Low-rank modules split by the rows of their up factor, LoKr
+and LoHa ones (as Flux LyCORIS trainers write them) by the rows of their whole float32 update,
+DoRA ones by rows when the magnitude is per output row (:func:`shuttle.patches.select_rows`); a
+DoRA normalizing input columns spans every split layer, and merging refuses it.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from shuttle.targets.split import MappingValue, Split
 __all__ = ["flux_names"]
 
 _S = r"[._]"  # adapters spell the same path with dots or with kohya's underscores
-_STRIP = ("lora_unet_", "lora_transformer_", "base_model.model.", "diffusion_model.",
+# LyCORIS's own wrapper names modules ``lycoris_<path>`` (kohya's underscores, no ``unet``).
+_STRIP = ("lora_unet_", "lora_transformer_", "lycoris_", "base_model.model.", "diffusion_model.",
           "transformer.")
 
 # One-to-one layers: BFL path template -> diffusers path template ({i}: block index).
