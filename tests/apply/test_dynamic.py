@@ -407,3 +407,157 @@ def test_set_strength_equals_attaching_at_the_new_strength(kind):
         f"after set_strength the output differs from a fresh attach at the new strength by up "
         f"to {float((got - want).abs().max()):.3g}")
     assert not torch.equal(want, before)  # the new strength changes the output
+
+
+def _split_qkv_sd(seed: int, rank: int = 4, dim: int = 16) -> dict[str, torch.Tensor]:
+    """A PEFT-style adapter with separate q/k/v keys (float32)."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for n in ("to_q", "to_k", "to_v"):
+        sd |= _lora_sd(n, dim, dim, rank, g, dtype=torch.float32, scale=0.5)
+    return sd
+
+
+def _native_qkv(dtype=torch.float32) -> nn.Module:
+    """A model with one native fused ``to_qkv`` Linear: q/k/v keys land on its rows."""
+    torch.manual_seed(0)
+    m = nn.Module()
+    m.to_qkv = nn.Linear(16, 48).to(dtype)
+    m.out = nn.Linear(48, 16).to(dtype)
+    return m
+
+
+@pytest.mark.parametrize("quality", ["exact", "lossless", "fused"])
+def test_swap_on_fused_rows_equals_a_fresh_attach(quality):
+    """Three slots (q, k, v rows) on one fused weight: swap replaces each on its own rows, so
+    the output is the fresh attach's bit for bit (before the fix only the first slot took the
+    new factors, the last key's: off by several units)."""
+    old, new = shuttle.load_lora(_split_qkv_sd(1)), shuttle.load_lora(_split_qkv_sd(2))
+    x = torch.randn(5, 16, generator=torch.Generator().manual_seed(3))
+    swapped, fresh = _native_qkv(), _native_qkv()
+    with torch.no_grad():
+        handle = shuttle.attach_lora(swapped, [(old, 0.7)], quality=quality)
+        assert [s.rows for s in hooks_of(swapped.to_qkv)[0].slots] == [(0, 16), (16, 32),
+                                                                        (32, 48)]
+        before = swapped.to_qkv(x)
+        report = handle.swap(0, new)
+        got = swapped.to_qkv(x)
+        handle.detach()
+        with shuttle.apply_lora(fresh, [(new, 0.7)], mode="dynamic", quality=quality):
+            want = fresh.to_qkv(x)
+    assert report.applied == ["to_qkv.weight"] and not report.unmatched
+    assert torch.equal(got, want), f"off by {float((got - want).abs().max()):.3g}"
+    assert not torch.allclose(before, want)
+    assert handle.loras[0] is new
+
+
+def test_swap_after_fuse_qkv_projections_equals_a_fresh_attach():
+    """diffusers' fused Flux: each split key has a slot on its split layer and one on its rows
+    of ``to_qkv``; swap replaces both."""
+    pytest.importorskip("diffusers")
+    from diffusers import FluxTransformer2DModel
+
+    def flux():
+        torch.manual_seed(0)
+        m = FluxTransformer2DModel(
+            patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
+            attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+            pooled_projection_dim=32, axes_dims_rope=[4, 4, 8]).eval()
+        m.fuse_qkv_projections()
+        return m
+
+    def lora(seed):
+        g = torch.Generator().manual_seed(seed)
+        sd = {}
+        for n in ("to_q", "to_k", "to_v"):
+            sd |= _lora_sd(f"transformer.transformer_blocks.0.attn.{n}", 32, 32, 4, g,
+                           dtype=torch.float32, scale=0.3)
+        return shuttle.load_lora(sd)
+
+    g = torch.Generator().manual_seed(1)
+    inputs = {"hidden_states": torch.randn(1, 16, 4, generator=g),
+              "encoder_hidden_states": torch.randn(1, 8, 32, generator=g),
+              "pooled_projections": torch.randn(1, 32, generator=g),
+              "timestep": torch.tensor([0.5]), "img_ids": torch.zeros(16, 3),
+              "txt_ids": torch.zeros(8, 3)}
+    swapped, fresh = flux(), flux()
+    with torch.no_grad():
+        handle = shuttle.attach_lora(swapped, [(lora(2), 0.8)])
+        handle.swap(0, lora(3))
+        got = swapped(**inputs).sample
+        handle.detach()
+        with shuttle.apply_lora(fresh, [(lora(3), 0.8)], mode="dynamic"):
+            want = fresh(**inputs).sample
+    assert torch.equal(got, want), f"off by {float((got - want).abs().max()):.3g}"
+
+
+def _outputs(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return m.out(m.to_qkv(x))
+
+
+@pytest.mark.parametrize("case", ["other rows", "rank above a later slot", "dense kind",
+                                  "non-finite"])
+def test_swap_that_cannot_be_done_changes_nothing(case):
+    """Every check runs before the first slot changes: the attached adapter stays."""
+    m = _native_qkv()
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(4))
+    g = torch.Generator().manual_seed(5)
+    handle = shuttle.attach_lora(m, [(_split_qkv_sd(1) | _lora_sd("out", 16, 48, 4, g), 1.0)])
+    before = _outputs(m, x)
+    new = _split_qkv_sd(2) | _lora_sd("out", 16, 48, 4, g)
+    if case == "other rows":  # q and k only: the v slot would keep the old factors
+        new = {k: v for k, v in new.items() if not k.startswith("to_v")}
+        err, match = shuttle.errors.UnsupportedLayerError, "same targets.*to_qkv rows"
+    elif case == "rank above a later slot":  # to_qkv's slots fit, out's does not
+        new |= _lora_sd("out", 16, 48, 6, g)
+        err, match = shuttle.errors.UnsupportedLayerError, "out: .*max_rank >= 6"
+    elif case == "dense kind":
+        new["to_v.diff_b"] = torch.randn(16)
+        err, match = shuttle.errors.UnsupportedLayerError, "low-rank weight patches only"
+    else:
+        new["to_v.lora_B.weight"][0, 0] = float("nan")
+        err, match = shuttle.errors.NonFiniteAdapterError, "to_v"
+    with pytest.raises(err, match=match):
+        handle.swap(0, new)
+    assert torch.equal(_outputs(m, x), before)
+    handle.detach()
+
+
+def test_swap_of_an_adapter_running_as_a_residual_is_refused():
+    m = nn.Module()
+    m.lin = nn.Linear(8, 6)
+    g = torch.Generator().manual_seed(5)
+    handle = shuttle.attach_lora(m, [(_dense_kind_sd("loha", g), 1.0)])
+    with pytest.raises(shuttle.errors.UnsupportedLayerError, match="detach\\(\\) and attach"):
+        handle.swap(0, _lora_sd("lin", 6, 8, 2, g, dtype=torch.float32))
+    handle.detach()
+
+
+@pytest.mark.parametrize("quality", ["exact", "lossless"])
+def test_swap_on_conv_and_embedding_equals_a_fresh_attach(quality):
+    def model():
+        torch.manual_seed(0)
+        m = nn.Module()
+        m.conv = nn.Conv2d(3, 8, 3, padding=1)
+        m.emb = nn.Embedding(20, 6)
+        return m
+
+    def sd(seed):
+        g = torch.Generator().manual_seed(seed)
+        return {"conv.lora_down.weight": torch.randn(2, 3, 3, 3, generator=g) * 0.2,
+                "conv.lora_up.weight": torch.randn(8, 2, 1, 1, generator=g) * 0.2,
+                "base_model.model.emb.lora_embedding_A": torch.randn(3, 20, generator=g),
+                "base_model.model.emb.lora_embedding_B": torch.randn(6, 3, generator=g)}
+
+    x = torch.randn(2, 3, 5, 5)
+    ids = torch.tensor([[1, 4, 19], [0, 2, 2]])
+    swapped, fresh = model(), model()
+    with torch.no_grad():
+        handle = shuttle.attach_lora(swapped, [(sd(1), 0.6)], quality=quality)
+        handle.swap(0, sd(2))
+        got = (swapped.conv(x), swapped.emb(ids))
+        handle.detach()
+        with shuttle.apply_lora(fresh, [(sd(2), 0.6)], mode="dynamic", quality=quality):
+            want = (fresh.conv(x), fresh.emb(ids))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

@@ -457,3 +457,18 @@ def test_kohya_split_qkv_round_trip(tmp_path, model, to):
     assert_same_patches(src, back, {name: name})
     assert back.modules[name][0].split_qkv
     assert_same_merge(src, back, model)
+
+
+@pytest.mark.parametrize("to", ["comfy", "kohya"])
+def test_peft_lokr_with_a_3d_w2_has_no_lycoris_spelling(tmp_path, to):
+    """PEFT places a Conv1d's kron(w1, w2 (c, d, k)) otherwise than LyCORIS readers: written in
+    their spelling it would merge as another update, so it is refused; a PEFT file that the
+    LoKr layouts agree on (a 4-D w2) still converts."""
+    w1 = torch.randn(2, 2)
+    conv1d = {f"{P}conv.lokr_w1": w1, f"{P}conv.lokr_w2": torch.randn(3, 2, 3)}
+    cfg = {"peft_type": "LOKR", "r": 4, "alpha": 4}
+    with pytest.raises(UnsupportedFormatError, match="3-D lokr_w2"):
+        save_lora(load_lora(conv1d, config=cfg), tmp_path / "a.safetensors", to=to)
+    assert no_files_written(tmp_path)
+    conv2d = {f"{P}conv.lokr_w1": w1, f"{P}conv.lokr_w2": torch.randn(3, 2, 3, 3)}
+    save_lora(load_lora(conv2d, config=cfg), tmp_path / "b.safetensors", to=to)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from torch import nn
 
+import shuttle
 from shuttle.errors import ShapeMismatchError
 from shuttle.patches import LoKr
 
@@ -129,3 +133,66 @@ def test_non_contiguous_factors():
     assert not w1.is_contiguous() and not w2.is_contiguous()
     p = LoKr("weight", w1=w1, w2=w2)
     close(p.delta((8, 15, 3, 3)), kron64(w1, w2))
+
+
+def test_peft_layout_of_a_3d_w2_is_peft_make_kron():
+    """PEFT's make_kron unsqueezes w1 for a 4-D w2 only: a Conv1d's full (c, d, k) w2 takes
+    kron(w1[None], w2) reshaped, not LyCORIS's kron(w1[..., None], w2)."""
+    w1, w2 = torch.randn(2, 3), torch.randn(3, 2, 5)
+    shape = (6, 6, 5)
+    peft_like = torch.kron(w1.double()[None], w2.double()).reshape(shape) * 0.5
+    p = LoKr("weight", w1=w1, w2=w2, scale=0.5, layout="peft")
+    assert p.peft_layout
+    close(p.delta(shape), peft_like)
+    lycoris = LoKr("weight", w1=w1, w2=w2, scale=0.5)
+    close(lycoris.delta(shape), 0.5 * kron64(w1, w2))
+    assert not torch.allclose(peft_like, 0.5 * kron64(w1, w2))  # the two layouts differ
+    # 2-D and 4-D w2: PEFT and LyCORIS agree, so the flag changes nothing
+    for w2, shape in ((torch.randn(3, 2), (6, 6)), (torch.randn(3, 2, 3, 3), (6, 6, 3, 3))):
+        a = LoKr("weight", w1=w1, w2=w2, layout="peft")
+        assert not a.peft_layout
+        assert torch.equal(a.delta(shape), LoKr("weight", w1=w1, w2=w2).delta(shape))
+
+
+def test_peft_make_kron_itself():
+    make_kron = pytest.importorskip("peft.tuners.lokr.layer").make_kron
+    w1, w2 = torch.randn(2, 2), torch.randn(3, 2, 3)
+    p = LoKr("weight", w1=w1, w2=w2, scale=0.25, layout="peft")
+    assert torch.equal(p.delta((6, 4, 3)), make_kron(w1, w2, 0.25).reshape(6, 4, 3))
+
+
+def test_peft_lokr_conv1d_with_a_full_w2_merges_as_peft(tmp_path):
+    """A file PEFT wrote (LoKrConfig, decompose_both=False, rank high enough that lokr_w2 is
+    full and 3-D on the Conv1d): shuttle's merge equals PEFT's merge_and_unload() bit for bit,
+    and its dynamic forward equals PEFT's unmerged forward."""
+    peft = pytest.importorskip("peft")
+
+    class Base(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv1d(4, 6, 3, padding=1)
+            self.c2 = nn.Conv2d(4, 6, 3)  # 4-D w2: the layouts agree
+
+    torch.manual_seed(0)
+    base = Base()
+    config = peft.LoKrConfig(r=4, alpha=2, target_modules=["conv", "c2"], decompose_both=False,
+                             init_weights=False)
+    pm = peft.get_peft_model(copy.deepcopy(base), config)
+    pm.save_pretrained(tmp_path)
+    x1, x2 = torch.randn(2, 4, 7), torch.randn(2, 4, 5, 5)
+    with torch.no_grad():
+        want_forward = (pm.base_model.model.conv(x1), pm.base_model.model.c2(x2))
+    want = pm.merge_and_unload()
+    lora = shuttle.load_lora(tmp_path)
+    (patch,) = lora.modules["base_model.model.conv"]
+    assert patch.kind == "lokr" and len(patch.w2.shape) == 3  # the case under test
+    merged = copy.deepcopy(base)
+    shuttle.merge_lora(merged, [(lora, 1.0)])
+    for name, p in want.named_parameters():
+        assert torch.equal(dict(merged.named_parameters())[name], p), name
+    dyn = copy.deepcopy(base)
+    with torch.no_grad(), shuttle.apply_lora(dyn, [(lora, 1.0)], mode="dynamic"):
+        got = (dyn.conv(x1), dyn.c2(x2))
+    for g, w in zip(got, want_forward, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    assert patch.peft_layout

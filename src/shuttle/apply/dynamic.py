@@ -8,6 +8,7 @@ an adapter for another of the same targets and rank, and detaches, leaving every
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from collections import defaultdict
@@ -17,13 +18,21 @@ import torch
 from shuttle.apply.dynamic_layer import LoRAHook, Quality
 from shuttle.apply.merge import MergeReport
 from shuttle.apply.notes import plan_notes
-from shuttle.apply.plan import AdapterList, Contribution, MergePlan, plan_merge
+from shuttle.apply.plan import (
+    AdapterList,
+    Contribution,
+    MergePlan,
+    check_finite,
+    plan_merge,
+    plan_params,
+)
 from shuttle.apply.scale import bump_generation
-from shuttle.errors import InvalidStrengthError, ShuttleError
+from shuttle.errors import InvalidStrengthError, ShuttleError, UnsupportedLayerError
 from shuttle.formats import LoRA, load_lora
 from shuttle.hooks import add_hook, remove_hook
 from shuttle.patches import LowRank
-from shuttle.targets import KeyMapping, resolve
+from shuttle.targets import KeyMapping, fused_modules
+from shuttle.targets.split import Rows
 
 __all__ = ["QUALITIES", "DynamicAdapters", "attach_lora", "attach_plan", "default_quality"]
 
@@ -92,33 +101,78 @@ class DynamicAdapters:
             if any(c.adapter == index for cs in hook.dense.values() for c in cs):
                 hook.refresh(modules[name])
 
-    def swap(self, index: int, lora: LoRA | str, mapping: KeyMapping | None = None) -> None:
-        """Replace adapter ``index`` by ``lora``, which must reach the same Linear/Conv modules
-        with low-rank patches of rank at most the attached one (see ``max_rank``).
+    def swap(self, index: int, lora: LoRA | str, mapping: KeyMapping | None = None
+             ) -> MergeReport:
+        """Replace adapter ``index`` by ``lora``, in place.
 
-        Factors are copied into the existing buffers, so a compiled model keeps its graphs.
+        ``lora`` must place low-rank weight patches on exactly the (module, rows) slots the
+        attached adapter holds: a fused ``qkv`` weight carries one slot per row range (q, k, v
+        keys of a split adapter), and each is swapped on its own rows. On a Linear, each new
+        rank must be at most the slot's width (the attached rank, or ``max_rank``); factors are
+        copied into the existing buffers, so a compiled model keeps its graphs. Conv and
+        Embedding slots take the new patch as it is.
+
+        Everything is resolved, validated and read before the first slot changes: on an error
+        the attached adapter stays as it was.
+
+        Returns:
+            The new adapter's report: the parameters it reaches, its unmatched and skipped keys.
+
+        Raises:
+            UnsupportedLayerError: the new adapter reaches other slots than the attached one,
+                holds another patch kind, or a rank above a slot's width; the attached one holds
+                patches that run as weight residuals (LoHa, LoKr, diffs, ...). Each message
+                says to ``detach()`` and attach the new adapter instead (or to attach with a
+                larger ``max_rank``).
+            Everything :func:`~shuttle.merge_lora` raises for a bad adapter (shapes, non-finite
+                tensors, duplicate targets).
         """
         new = load_lora(lora)
-        res = resolve(new, self.model, mapping)
-        by_module: dict[str, LowRank] = {}
-        for t in res.targets:
-            module = t.param.rpartition(".")[0]
-            if not isinstance(t.patch, LowRank) or t.param.rpartition(".")[2] != "weight":
-                raise ShuttleError(f"swap supports low-rank weight patches only; {t.module_key!r}"
-                                   f" is {t.patch.kind} on {t.param!r}")
-            by_module[module] = t.patch
-        old = {n for n, h in self.hooks.items() if any(s.adapter == index for s in h.slots)}
-        if set(by_module) != old:
-            raise ShuttleError(
-                f"swap needs the same target modules: the new adapter reaches "
-                f"{len(by_module)} modules, the attached one {len(old)} "
-                f"(differing: {sorted(set(by_module) ^ old)[:4]}); detach and attach instead"
+        plan = plan_params(dict(self.model.named_parameters()), [(new, 1.0)], mapping,
+                           load=False, fused=fused_modules(self.model))
+        attached = self.loras[index].source
+        fix = "detach() and attach_lora(...) the new adapter instead"
+        dense = sorted(n for n, h in self.hooks.items()
+                       if any(c.adapter == index for cs in h.dense.values() for c in cs))
+        if dense:
+            raise UnsupportedLayerError(
+                f"swap replaces low-rank factors only, but adapter {index} ({attached}) runs "
+                f"as a weight residual on {dense[:4]} (a patch other than low-rank on a "
+                f"Linear/Conv/Embedding weight); {fix}"
             )
+        # (module, rows) -> the new patch: a fused weight has one slot per row range
+        wanted: dict[tuple[str, Rows | None], Contribution] = {}
+        for param, contribs in plan.params.items():
+            module, _, leaf = param.rpartition(".")
+            for c in contribs:
+                if leaf != "weight" or not isinstance(c.patch, LowRank):
+                    raise UnsupportedLayerError(
+                        f"swap brings in low-rank weight patches only; {c.module_key!r} is a "
+                        f"{c.patch.kind} patch on {param!r}; {fix}"
+                    )
+                assert (module, c.rows) not in wanted, f"two patches on {param!r} {c.rows}"
+                wanted[(module, c.rows)] = c
+        held = {(n, s.rows) for n, h in self.hooks.items() for s in h.slots if s.adapter == index}
+        if set(wanted) != held:
+            differ = sorted((f"{n} rows {r}" if r else n) for n, r in set(wanted) ^ held)
+            raise UnsupportedLayerError(
+                f"swap needs the same targets (modules and row ranges): the new adapter "
+                f"reaches {len(wanted)}, adapter {index} ({attached}) holds {len(held)} "
+                f"(differing: {differ[:4]}); {fix}"
+            )
+        for (module, rows), c in wanted.items():
+            self.hooks[module].check_swap(index, rows, c.patch)  # raises before any change
         modules = dict(self.model.named_modules())
-        for name, patch in by_module.items():
-            self.hooks[name].swap(index, patch.load(modules[name].weight.device))
+        loaded: dict[str, list[Contribution]] = defaultdict(list)
+        for (module, _), c in wanted.items():
+            device = self.hooks[module].device or modules[module].weight.device
+            loaded[f"{module}.weight"].append(dataclasses.replace(c, patch=c.patch.load(device)))
+        check_finite(MergePlan(loaded, {}, {}))
+        for param, contribs in loaded.items():
+            self.hooks[param.rpartition(".")[0]].swap(index, {c.rows: c.patch for c in contribs})
         self.loras[index] = new
         bump_generation()
+        return MergeReport(list(plan.params), plan.unmatched, plan.skipped, plan_notes(plan))
 
     def detach(self) -> None:
         """Remove every hook; the model is exactly as before attaching."""

@@ -318,17 +318,46 @@ class LoRAHook(ModuleHook):
         return out
 
     # -- swapping --------------------------------------------------------------------------
-    def swap(self, adapter: int, patch: LowRank) -> None:
-        """Copy another adapter's factors into ``adapter``'s columns, in place (no new tensors,
-        so compiled graphs keep running).
+    @property
+    def device(self) -> torch.device | None:
+        """Where the hook's low-rank factors live (None: no Linear factors, patches as given)."""
+        return None if self.down is None else self.down.device
+
+    def check_swap(self, adapter: int, rows: tuple[int, int] | None, patch: LowRank) -> None:
+        """Raise unless ``patch`` can replace ``adapter``'s slot on ``rows`` (nothing changes).
+
+        Raises:
+            UnsupportedLayerError: a patch this layer would run otherwise (a Tucker core on a
+                Linear), or a rank above the slot's width.
         """
-        slot = next(s for s in self.slots if s.adapter == adapter)
-        width = slot.columns[1] - slot.columns[0]
-        if patch.rank > width:
+        where = f"{self.name}" + (f" rows {rows}" if rows is not None else "")
+        slot = next((s for s in self.slots if s.adapter == adapter and s.rows == rows), None)
+        assert slot is not None, f"{where}: adapter {adapter} has no slot here"
+        if not _runs_as_residual(self.kind, patch):
             raise UnsupportedLayerError(
-                f"{self.name}: the new adapter has rank {patch.rank} but the slot holds "
-                f"{width}; attach with max_rank >= {patch.rank} to allow swapping"
+                f"{where}: the new adapter's low-rank patch (shapes {patch.shapes()}) does not "
+                f"run through this {self.kind} layer's factor slots; detach() and attach the "
+                "new adapter instead"
             )
-        slot.patch = patch
-        self._place(slot, slot.columns[0], width)
+        width = slot.columns[1] - slot.columns[0]
+        if self.kind == "linear" and patch.rank > width:
+            raise UnsupportedLayerError(
+                f"{where}: the new adapter has rank {patch.rank} but the slot holds {width}; "
+                f"attach with max_rank >= {patch.rank} to allow swapping"
+            )
+
+    def swap(self, adapter: int, patches: dict[tuple[int, int] | None, LowRank]) -> None:
+        """Give each of ``adapter``'s slots (keyed by its rows) its new patch.
+
+        Linear factors are copied into the slot's columns in place (no new tensors, so compiled
+        graphs keep running); Conv and Embedding slots keep the patch itself. Call
+        :meth:`check_swap` for every patch first: this changes the slots as it goes.
+        """
+        slots = {s.rows: s for s in self.slots if s.adapter == adapter}
+        assert set(slots) == set(patches), f"{self.name}: swap of other row ranges than held"
+        for rows, patch in patches.items():
+            slot = slots[rows]
+            slot.patch = patch
+            if self.kind == "linear":
+                self._place(slot, slot.columns[0], slot.columns[1] - slot.columns[0])
         self._cache_gen = -1

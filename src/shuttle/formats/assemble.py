@@ -8,6 +8,10 @@ Scale rules (the same in every format; see docs/formats.md):
       component (diffusers' pipeline metadata, patterns matched below ``<component>.``), else
       the adapter's one config;
     * without either, the scale is 1.
+
+Tensors a PEFT config says are saved whole (``modules_to_save`` copies, ``bias="all"``
+biases) become :class:`~shuttle.patches.Replace` patches, ahead of the module's other patches
+(PEFT adds a ``lora_B.bias`` to the trained bias it loaded).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from shuttle.errors import AdapterFormatError, UnknownKeyError, UnsupportedForma
 from shuttle.formats.peft import PeftConfig
 from shuttle.formats.registry import AdapterFormat
 from shuttle.formats.roles import split_key, unsupported_kind
-from shuttle.patches import IA3, Diff, DoRA, LoHa, LoKr, LowRank, Patch, Set, materialize
+from shuttle.patches import IA3, Diff, DoRA, LoHa, LoKr, LowRank, Patch, Replace, Set, materialize
 from shuttle.patches.patch import Tensorish
 
 __all__ = ["assemble"]
@@ -59,14 +63,35 @@ def assemble(
         AdapterFormatError: a module's tensors do not form a patch (an up without a down, ...).
     """
     roles: dict[str, dict[str, tuple[str, Tensorish]]] = defaultdict(dict)
+    whole: dict[str, dict[str, tuple[str, Tensorish]]] = defaultdict(dict)  # module -> param
     unknown: list[str] = []
     skipped: dict[str, str] = {}
     on_input_modules = {k[: -len(".on_input")] for k in table if k.endswith(".on_input")}
+    names = {key: fmt.rename(key) if fmt.rename else key for key in table}
+    plain = set(names.values())
     for key, t in table.items():
-        name = fmt.rename(key) if fmt.rename else key
+        name = names[key]
         split = split_key(name)
         if split is None and name.endswith(".weight") and name[:-7] in on_input_modules:
             split = (name[:-7], "ia3_weight")
+        saved = _saved_whole(name, split, config, components or {})
+        if saved is not None:
+            module, param, wrapper = saved
+            if wrapper == "original_module":
+                skipped[key] = ("PEFT's untouched original of a modules_to_save module "
+                                "(bias='all' saves it too); the saved copy replaces it")
+                continue
+            if wrapper == "modules_to_save" and f"{module}.{param}" in plain:
+                skipped[key] = (f"the same saved copy as {module}.{param} (bias='all' "
+                                "writes it twice)")
+                continue
+            if param in whole[module]:
+                raise AdapterFormatError(
+                    f"{source}: keys {whole[module][param][0]!r} and {key!r} both hold the saved "
+                    f"{param!r} of module {module!r}; remove one of them from the file."
+                )
+            whole[module][param] = (key, t)
+            continue
         if split is None:
             kind = unsupported_kind(name)
             if kind is not None:
@@ -90,24 +115,62 @@ def assemble(
     if unknown:
         listed = ", ".join(repr(k) for k in unknown[:_MAX_LISTED])
         more = f" and {len(unknown) - _MAX_LISTED} more" if len(unknown) > _MAX_LISTED else ""
+        peft = [k for k in unknown if k.startswith("base_model.model.")]
         if strict:
             raise UnknownKeyError(
                 f"{source}: {len(unknown)} key(s) of no known adapter kind: {listed}{more}. "
-                "If this is a full model checkpoint, it is not an adapter; to skip these keys, "
-                "pass strict=False to load_lora."
+                + (_PEFT_WHOLE if peft else
+                   "If this is a full model checkpoint, it is not an adapter; ")
+                + "to skip these keys, pass strict=False to load_lora."
             )
         for k in unknown:
-            skipped[k] = "key of no known adapter kind (strict=False)"
+            skipped[k] = ("looks like a PEFT modules_to_save copy or trained bias, but no "
+                          "adapter_config.json names it (strict=False)" if k in peft else
+                          "key of no known adapter kind (strict=False)")
     modules: dict[str, list[Patch]] = {}
-    for module, r in roles.items():
+    for module in {**whole, **roles}:
         cfg, name = _config_of(module, config, components or {})
-        patches = _build_module(module, r, cfg, name, fmt, source)
+        patches = _build_module(module, roles[module], cfg, name, fmt, source) \
+            if module in roles else []
+        if not patches and module in roles:
+            for key, _ in roles[module].values():
+                skipped[key] = "alpha without factors: nothing to apply"
+        patches = [Replace(p, value=t) for p, (_, t) in whole.get(module, {}).items()] + patches
         if patches:
             modules[module] = patches
-        else:
-            for key, _ in r.values():
-                skipped[key] = "alpha without factors: nothing to apply"
     return modules, skipped
+
+
+_PEFT_WHOLE = (
+    "Plain 'base_model.model.<module>.<param>' keys are how PEFT saves tensors it trained in "
+    "full: the modules listed under modules_to_save in adapter_config.json (a head, an "
+    "embedding) and, with bias='all' or 'lora_only', biases. shuttle applies them as "
+    "whole-parameter replacements when the config says which they are: load the adapter "
+    "directory with its adapter_config.json, or pass that config as "
+    "load_lora(file, config={...}) (with its modules_to_save / bias); "
+)
+
+
+def _saved_whole(
+    name: str, split: tuple[str, str] | None, config: PeftConfig | None,
+    components: Mapping[str, PeftConfig],
+) -> tuple[str, str, str | None] | None:
+    """``(module, param, wrapper)`` when key ``name`` holds a tensor the PEFT config saves
+    whole (:meth:`PeftConfig.saved_whole`).
+
+    Factor keys keep their meaning; a plain key, or one whose leaf merely looks like a role
+    (a module's own ``alpha`` or ``scale`` parameter), is a saved tensor if the config says so.
+    """
+    if split is not None and split[1] not in ("alpha", "norm_scale"):
+        return None
+    module, _, param = name.rpartition(".")
+    cfg, inner = _config_of(module, config, components)
+    if not module or cfg is None:
+        return None
+    found = cfg.saved_whole(inner, param)
+    if found is None:
+        return None
+    return module[: len(module) - len(inner)] + found[0], param, found[1]
 
 
 def _config_of(
@@ -211,7 +274,8 @@ def _build_module(
         main = _one(main, LoKr(
             "weight", w1=get("lokr_w1"), w1a=get("lokr_w1_a"), w1b=get("lokr_w1_b"),
             w2=get("lokr_w2"), w2a=get("lokr_w2_a"), w2b=get("lokr_w2_b"), t2=get("lokr_t2"),
-            scale=scale(rank), alpha_value=alpha), module, source)
+            scale=scale(rank), alpha_value=alpha,
+            layout="peft" if fmt.name == "peft" else "lycoris"), module, source)
     if "magnitude" in r or "dora_scale" in r:
         if main is None:
             raise AdapterFormatError(

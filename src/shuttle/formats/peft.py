@@ -1,5 +1,11 @@
 """PEFT: ``base_model.model.<module>.lora_A/lora_B`` (+ DoRA, embeddings, ``lora_B.bias``), LoHa and
 LoKr, with alpha, rsLoRA and per-module patterns from ``adapter_config.json``.
+
+Besides the factors PEFT saves some trained tensors whole, as plain
+``base_model.model.<module>.<param>`` keys: the modules named in ``modules_to_save`` (a head, an
+embedding) and, with ``bias="all"``/``"lora_only"``, biases (``<module>.base_layer.bias`` for a
+LoRA layer's own). Only the config tells them apart from a model checkpoint's keys:
+:meth:`PeftConfig.saved_whole` says which they are (see :class:`~shuttle.patches.Replace`).
 """
 
 from __future__ import annotations
@@ -37,6 +43,9 @@ class PeftConfig:
         rank_pattern, alpha_pattern: per-module overrides; keys are regexes matched against the
             module name as ``(.*\\.)?(key)$``.
         fan_in_fan_out: the layers store weights transposed (GPT-2 ``Conv1D``).
+        modules_to_save: module names whose trained copies the file holds whole; a module
+            matches as PEFT matches it, when its name (or a module above it) ends with one.
+        bias: ``"none"``, ``"all"`` or ``"lora_only"``: which trained biases the file holds.
     """
 
     peft_type: str = "LORA"
@@ -46,6 +55,8 @@ class PeftConfig:
     rank_pattern: dict[str, int] = dataclasses.field(default_factory=dict)
     alpha_pattern: dict[str, float] = dataclasses.field(default_factory=dict)
     fan_in_fan_out: bool = False
+    modules_to_save: tuple[str, ...] = ()
+    bias: str = "none"
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str = "adapter_config.json") -> PeftConfig:
@@ -72,12 +83,57 @@ class PeftConfig:
                 alpha_pattern={str(k): float(v) for k, v in
                                (d.get("alpha_pattern") or {}).items()},
                 fan_in_fan_out=bool(d.get("fan_in_fan_out", False)),
+                modules_to_save=tuple(str(m) for m in (d.get("modules_to_save") or ())),
+                bias=str(d.get("bias") or "none"),
             )
         except (TypeError, ValueError) as e:
             raise AdapterFormatError(f"{where}: invalid field ({e}); fix the config file") from None
         if not math.isfinite(cfg.alpha):
             raise AdapterFormatError(f"{where}: {alpha_key} is {cfg.alpha}; it must be finite")
+        if d.get("target_parameters"):
+            # ParamWrapper keys name the module, not the parameter (nested wrappers spell the
+            # others as <module>.base_layer...), and the per-expert layout of the factors
+            # depends on the model class (is_transposed): they cannot be placed from the file.
+            raise UnsupportedFormatError(
+                f"{where}: PEFT target_parameters (per-expert LoRA on a 3-D parameter: "
+                f"{list(d['target_parameters'])[:4]}) is not supported yet; merge with PEFT's "
+                "merge_and_unload()."
+            )
+        if d.get("trainable_token_indices"):
+            raise UnsupportedFormatError(
+                f"{where}: PEFT trainable_token_indices (trained rows of an embedding, saved as "
+                "<module>.token_adapter.trainable_tokens_delta) is not supported yet; merge "
+                "with PEFT's merge_and_unload()."
+            )
         return cfg
+
+    def saved_whole(self, module: str, param: str) -> tuple[str, str | None] | None:
+        """Where key ``<module>.<param>`` lands if the config says PEFT saved it whole.
+
+        Returns:
+            None for a key the config does not save whole; else ``(target module, wrapper)``.
+            A ``modules_to_save`` copy keeps its path; a trained bias of a LoRA layer is saved
+            under the wrapper's ``base_layer``, which is dropped. ``wrapper`` names the
+            ``ModulesToSaveWrapper`` level the key spells, if any (``bias="all"`` saves every
+            bias of the wrapper too): ``"modules_to_save"`` (the copy again, dropped from the
+            target) or ``"original_module"`` (the untouched original, which PEFT's merge
+            discards).
+        """
+        name = module.removeprefix("base_model.model.")
+        root = module[: len(module) - len(name)]
+        parts = name.split(".")
+        for i in range(1, len(parts) + 1):
+            # PEFT wraps every module whose name ends with an entry (a plain string suffix)
+            if any(".".join(parts[:i]).endswith(t) for t in self.modules_to_save):
+                level = parts[i] if i < len(parts) else None
+                if level in ("modules_to_save", "original_module"):
+                    return root + ".".join(parts[:i] + parts[i + 1:]), level
+                return module, None
+        if self.bias in ("all", "lora_only") and param == "bias":
+            while module.endswith(".base_layer"):
+                module = module[: -len(".base_layer")]
+            return module, None
+        return None
 
     def _pattern(self, table: dict[str, Any], module: str) -> Any:
         name = module.removeprefix("base_model.model.")

@@ -92,6 +92,11 @@ def _lycoris_tensors(name: str, p: Patch, to: str) -> dict[str, torch.Tensor]:
         return {**{f"{name}.{names[k]}": v for k, v in t.items()}, f"{name}.alpha": _alpha(p)}
     if isinstance(p, LoKr):
         out = {f"{name}.lokr_{k[:2]}{'_' + k[2] if len(k) == 3 else ''}": v for k, v in t.items()}
+        if p.peft_layout:
+            raise UnsupportedFormatError(
+                f"module {name!r}: a PEFT LoKr with a full 3-D lokr_w2 (Conv1d) places its "
+                f"Kronecker product as PEFT does, which {to} readers do not; keep the PEFT file."
+            )
         if p.rank is None and p.scale != 1.0:
             raise UnsupportedFormatError(
                 f"module {name!r}: a LoKr with two full factors and scale {p.scale} (PEFT's "

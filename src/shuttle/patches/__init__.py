@@ -7,6 +7,7 @@ from shuttle.patches.loha import LoHa
 from shuttle.patches.lokr import LoKr
 from shuttle.patches.lowrank import LowRank
 from shuttle.patches.patch import PATCH_KINDS, Patch, TensorRef, materialize, register_patch
+from shuttle.patches.replace import Replace
 from shuttle.patches.select_rows import RowSlice, select_rows
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "LoKr",
     "LowRank",
     "Patch",
+    "Replace",
     "RowSlice",
     "Set",
     "TensorRef",

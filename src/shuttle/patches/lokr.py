@@ -5,12 +5,19 @@ w1 is ``lokr_w1`` (a, b) or ``lokr_w1_a @ lokr_w1_b``; w2 is ``lokr_w2`` (c, d[,
 ``einsum("i j ..., i p, j q -> p q ...", lokr_t2, w2a, w2b)``. The product has a*c rows and
 b*d*k... columns. A 2-D kron reshaped equals the 4-D kron of the conv layout, since row-major
 flattening of (b*d, k...) matches the 2-D column index.
+
+LyCORIS unsqueezes w1 to w2's dimensions before the kron (``w1[:, :, None, ...]``). PEFT does so
+for a 4-D w2 only: for a Conv1d with a full 3-D ``lokr_w2`` (c, d, k) its ``make_kron`` takes
+``kron(w1 (a, b), w2)``, which torch computes as ``kron(w1[None], w2)`` of shape (c, a*d, b*k),
+and reshapes that to the weight's (a*c, b*d, k): another placement of the same products.
+``layout="peft"`` (set for files PEFT wrote) follows it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Literal
 
 import torch
 
@@ -24,7 +31,11 @@ __all__ = ["LoKr"]
 @register_patch("lokr")
 @dataclasses.dataclass(frozen=True, eq=False)
 class LoKr(Patch):
-    """Kronecker product of two (possibly low-rank) factors, times ``scale``."""
+    """Kronecker product of two (possibly low-rank) factors, times ``scale``.
+
+    ``layout``: ``"lycoris"`` (w1 unsqueezed to w2's dimensions), or ``"peft"`` (PEFT's
+    ``make_kron``, which differs for a 3-D w2 only).
+    """
 
     w1: Tensorish | None = None
     w1a: Tensorish | None = None
@@ -35,11 +46,18 @@ class LoKr(Patch):
     t2: Tensorish | None = None
     scale: float = 1.0
     alpha_value: float | None = None
+    layout: Literal["lycoris", "peft"] = "lycoris"
     tensor_fields = ("w1", "w1a", "w1b", "w2", "w2a", "w2b", "t2")
 
     def __post_init__(self) -> None:
         assert (self.w1 is None) != (self.w1a is None), "LoKr needs w1 or w1a/w1b"
         assert (self.w2 is None) != (self.w2a is None), "LoKr needs w2 or w2a/w2b"
+        assert self.layout in ("lycoris", "peft"), f"unknown LoKr layout {self.layout!r}"
+
+    @property
+    def peft_layout(self) -> bool:
+        """Whether the product is placed as PEFT places it and LyCORIS does not (3-D w2)."""
+        return self.layout == "peft" and self.w2 is not None and len(self.w2.shape) == 3
 
     @property
     def rank(self) -> int | None:
@@ -98,6 +116,10 @@ class LoKr(Patch):
         else:
             w2 = f(self.w2a).flatten(1) @ f(self.w2b).flatten(1)
         w1 = w1.reshape(w1.shape[0], -1)
+        if self.peft_layout:
+            # (a, b) kron (c, d, k) = (1, a, b) kron (c, d, k): (c, a*d, b*k), then reshaped
+            return torch.kron(w1[None].contiguous(), w2.contiguous()).mul_(self.scale) \
+                .reshape(shape)
         w1 = w1.reshape(*w1.shape, *([1] * (w2.dim() - 2)))
         # torch.kron fails on non-contiguous inputs (the Tucker einsum gives a permuted view)
         return torch.kron(w1.contiguous(), w2.contiguous()).mul_(self.scale).reshape(shape)

@@ -24,6 +24,7 @@ from shuttle.patches.dora import DoRA
 from shuttle.patches.ia3 import IA3
 from shuttle.patches.lowrank import LowRank
 from shuttle.patches.patch import Patch, Tensorish, materialize
+from shuttle.patches.replace import Replace
 
 __all__ = ["RowSlice", "RowsOf", "select_rows"]
 
@@ -131,7 +132,7 @@ def select_rows(patch: Patch, start: int, end: int) -> Patch:
                                    scale_source=source if patch.split_qkv else None)
     if isinstance(patch, Diff) and len(patch.diff.shape):
         return dataclasses.replace(patch, diff=_rows(patch.diff, start, end))
-    if isinstance(patch, Set) and len(patch.value.shape):
+    if isinstance(patch, (Set, Replace)) and len(patch.value.shape):
         return dataclasses.replace(patch, value=_rows(patch.value, start, end))
     if isinstance(patch, DoRA) and patch.magnitude.shape[0] == patch.out_rows:
         # Norms per output row: each row's norm reads that row only, so the rows split exactly.
