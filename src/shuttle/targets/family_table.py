@@ -1,0 +1,88 @@
+"""Family maps that are tables: an original (upstream) module name -> where it lives now.
+
+Most model families differ from their diffusers port by renames and row splits only. Such a
+family is a function that reads the model's own names once and returns a table from each
+module's original path to its place in the model (a path, or :class:`~shuttle.targets.Split`
+rows). :func:`family_table` turns that function into a family map: it builds the table once
+per :class:`~shuttle.targets.ModelNames`, strips the prefixes adapters put before original names
+(``diffusion_model.``, kohya's ``lora_unet_``, ...), and looks a key up with dots and with
+kohya's underscores alike. Building forward from the model's names, like
+:meth:`ModelNames.kohya_candidates`, avoids guessing where a kohya name's dots were.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+
+from shuttle.targets.family import FamilyMap
+from shuttle.targets.names import ModelNames
+from shuttle.targets.split import MappingValue
+
+__all__ = ["Table", "family_table"]
+
+Table = dict[str, MappingValue]  # original module path (dotted) -> place in the model
+
+# Prefixes before original names: kohya/musubi-tuner, LyCORIS, ComfyUI and trainers that save
+# the checkpoint's own keys, PEFT, diffusers-style component names. Stripped one at a time.
+_PREFIXES = ("lora_unet_", "lora_transformer_", "lycoris_", "base_model.model.",
+             "model.diffusion_model.", "diffusion_model.", "transformer.", "unet.", "model.")
+
+
+class _Index:
+    """A table indexed by its dotted keys and by their kohya spellings.
+
+    An underscored spelling two original paths share is left out (kohya's name cannot tell
+    them apart); the dotted spellings still reach both.
+    """
+
+    def __init__(self, table: Table):
+        self.dotted = table
+        self.underscored: Table = {}
+        clashes = set()
+        for path, value in table.items():
+            key = path.replace(".", "_")
+            if key in self.underscored and self.underscored[key] != value:
+                clashes.add(key)
+            self.underscored[key] = value
+        for key in clashes:
+            del self.underscored[key]
+
+    def get(self, module: str) -> MappingValue | None:
+        for key in _spellings(module):
+            value = self.dotted.get(key)
+            if value is None:
+                value = self.underscored.get(key.replace(".", "_"))
+            if value is not None:
+                return value
+        return None
+
+
+def _spellings(module: str) -> list[str]:
+    """``module``, then with one more known prefix stripped each time."""
+    out = [module]
+    while True:
+        key = out[-1]
+        prefix = next((p for p in _PREFIXES if key.startswith(p) and len(key) > len(p)), None)
+        if prefix is None:
+            return out
+        out.append(key[len(prefix):])
+
+
+def family_table(build: Callable[[ModelNames], Table | None]) -> FamilyMap:
+    """A family map from ``build(names)``, the family's table for a model (None: not this family).
+
+    The table is built once per :class:`ModelNames` (resolving one adapter asks for every key).
+    """
+    tables: weakref.WeakKeyDictionary[ModelNames, _Index | None] = weakref.WeakKeyDictionary()
+
+    @functools.wraps(build)
+    def lookup(module: str, names: ModelNames) -> MappingValue | None:
+        if names not in tables:
+            table = build(names)
+            tables[names] = _Index(table) if table else None
+        index = tables[names]
+        return None if index is None else index.get(module)
+
+    return lookup

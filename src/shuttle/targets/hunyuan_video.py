@@ -1,0 +1,130 @@
+"""HunyuanVideo names: Tencent's original layout on diffusers' HunyuanVideoTransformer3DModel.
+
+Adapters trained on the original code (``hyvideo/modules/models.py``:
+``HYVideoDiffusionTransformer`` with ``double_blocks.N.img_attn_qkv``, ``img_mlp.fc1``,
+``img_mod.linear``, ``single_blocks.N.linear1``, ``modulation.linear``; ``token_refiner.py``'s
+``txt_in``) come as ``diffusion_model.``/``transformer.`` keys (diffusion-pipe, finetrainers)
+or in musubi-tuner's kohya spelling ``lora_unet_double_blocks_0_img_attn_qkv``. diffusers'
+names follow
+``convert_hunyuan_video_transformer_to_diffusers`` (loaders/single_file_utils.py) and
+``_convert_hunyuan_video_lora_to_diffusers`` (loaders/lora_conversion_utils.py).
+
+Like FLUX.1 (:mod:`shuttle.targets.flux`), the original fuses what diffusers keeps apart:
+``img_attn_qkv`` is ``to_q, to_k, to_v`` stacked by rows (``txt_attn_qkv`` the ``add_*_proj``,
+the token refiner's ``self_attn_qkv`` its ``to_q/k/v``), and ``single_blocks.N.linear1`` is
+``to_q, to_k, to_v, proj_mlp`` stacked; rows come from the diffusers layers' own heights. The
+final adaLN projection stores (shift, scale) where diffusers' ``norm_out.linear`` stores
+(scale, shift), so its row halves swap.
+"""
+
+from __future__ import annotations
+
+import re
+
+from shuttle.targets.family import register_family
+from shuttle.targets.family_table import Table, family_table
+from shuttle.targets.names import ModelNames
+from shuttle.targets.split import MappingValue, Split
+
+__all__ = ["hunyuan_video_names"]
+
+# One-to-one layers below ``double_blocks.N.`` (original -> diffusers ``transformer_blocks.N.``).
+_DOUBLE = {
+    "img_attn_proj": "attn.to_out.0", "txt_attn_proj": "attn.to_add_out",
+    "img_attn_q_norm": "attn.norm_q", "img_attn_k_norm": "attn.norm_k",
+    "txt_attn_q_norm": "attn.norm_added_q", "txt_attn_k_norm": "attn.norm_added_k",
+    "img_mlp.fc1": "ff.net.0.proj", "img_mlp.fc2": "ff.net.2",
+    "txt_mlp.fc1": "ff_context.net.0.proj", "txt_mlp.fc2": "ff_context.net.2",
+    "img_mod.linear": "norm1.linear", "txt_mod.linear": "norm1_context.linear",
+}
+# Below ``single_blocks.N.`` (-> ``single_transformer_blocks.N.``).
+_SINGLE = {"linear2": "proj_out", "modulation.linear": "norm.linear",
+           "q_norm": "attn.norm_q", "k_norm": "attn.norm_k"}
+# Below ``txt_in.individual_token_refiner.blocks.N.`` (-> ``context_embedder.token_refiner.
+# refiner_blocks.N.``); the refiner's adaLN gives (gate_msa, gate_mlp) in both, no swap.
+_REFINER = {"norm1": "norm1", "norm2": "norm2", "self_attn_proj": "attn.to_out.0",
+            "mlp.fc1": "ff.net.0.proj", "mlp.fc2": "ff.net.2",
+            "adaLN_modulation.1": "norm_out.linear"}
+_TOP = {
+    "img_in.proj": "x_embedder.proj",
+    "time_in.mlp.0": "time_text_embed.timestep_embedder.linear_1",
+    "time_in.mlp.2": "time_text_embed.timestep_embedder.linear_2",
+    "vector_in.in_layer": "time_text_embed.text_embedder.linear_1",
+    "vector_in.out_layer": "time_text_embed.text_embedder.linear_2",
+    "guidance_in.mlp.0": "time_text_embed.guidance_embedder.linear_1",
+    "guidance_in.mlp.2": "time_text_embed.guidance_embedder.linear_2",
+    "txt_in.input_embedder": "context_embedder.proj_in",
+    "txt_in.t_embedder.mlp.0": "context_embedder.time_text_embed.timestep_embedder.linear_1",
+    "txt_in.t_embedder.mlp.2": "context_embedder.time_text_embed.timestep_embedder.linear_2",
+    "txt_in.c_embedder.linear_1": "context_embedder.time_text_embed.text_embedder.linear_1",
+    "txt_in.c_embedder.linear_2": "context_embedder.time_text_embed.text_embedder.linear_2",
+    "final_layer.linear": "proj_out",
+}
+_QKV = ("attn.to_q", "attn.to_k", "attn.to_v")
+_ADDED_QKV = ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")
+_LINEAR1 = (*_QKV, "proj_mlp")
+_INDEX = re.compile(r"(transformer_blocks|single_transformer_blocks|"
+                    r"context_embedder\.token_refiner\.refiner_blocks)\.(\d+)\.")
+
+
+def _root(names: ModelNames) -> str | None:
+    for root in names.roots:
+        if (f"{root}transformer_blocks.0.attn.to_q.weight" in names.shapes
+                and f"{root}context_embedder.token_refiner.refiner_blocks.0.attn.to_q.weight"
+                in names.shapes and f"{root}x_embedder.proj.weight" in names.shapes):
+            return root
+    return None
+
+
+def _stacked(names: ModelNames, paths: list[str]) -> MappingValue | None:
+    """Splits sending consecutive row bands of a fused update to ``paths``, in that order."""
+    heights = [names.shapes.get(f"{p}.weight") for p in paths]
+    if any(h is None for h in heights):
+        return None
+    splits, start = [], 0
+    for p, h in zip(paths, heights, strict=True):
+        splits.append(Split(p, (start, start + h[0])))
+        start += h[0]
+    return splits
+
+
+def _half_swap(names: ModelNames, path: str) -> MappingValue | None:
+    """(shift, scale) rows of the original onto the (scale, shift) rows of ``path``."""
+    shape = names.shapes.get(f"{path}.weight")
+    if shape is None or shape[0] % 2:
+        return None
+    h = shape[0] // 2
+    return [Split(path, (0, h), (h, 2 * h)), Split(path, (h, 2 * h), (0, h))]
+
+
+@register_family
+@family_table
+def hunyuan_video_names(names: ModelNames) -> Table | None:
+    """Original module path -> diffusers place, for a diffusers HunyuanVideo model (or None)."""
+    root = _root(names)
+    if root is None:
+        return None
+    blocks: dict[str, set[int]] = {}
+    for path in names.modules:
+        if path.startswith(root) and (m := _INDEX.match(path[len(root):])):
+            blocks.setdefault(m.group(1), set()).add(int(m.group(2)))
+    table: dict[str, MappingValue | None] = {}
+    for i in blocks.get("transformer_blocks", ()):
+        new, old = f"{root}transformer_blocks.{i}.", f"double_blocks.{i}."
+        table |= {old + o: new + d for o, d in _DOUBLE.items()}
+        table[old + "img_attn_qkv"] = _stacked(names, [new + d for d in _QKV])
+        table[old + "txt_attn_qkv"] = _stacked(names, [new + d for d in _ADDED_QKV])
+    for i in blocks.get("single_transformer_blocks", ()):
+        new, old = f"{root}single_transformer_blocks.{i}.", f"single_blocks.{i}."
+        table |= {old + o: new + d for o, d in _SINGLE.items()}
+        table[old + "linear1"] = _stacked(names, [new + d for d in _LINEAR1])
+    for i in blocks.get("context_embedder.token_refiner.refiner_blocks", ()):
+        new = f"{root}context_embedder.token_refiner.refiner_blocks.{i}."
+        old = f"txt_in.individual_token_refiner.blocks.{i}."
+        table |= {old + o: new + d for o, d in _REFINER.items()}
+        table[old + "self_attn_qkv"] = _stacked(names, [new + d for d in _QKV])
+    table |= {o: root + d for o, d in _TOP.items()}
+    table["final_layer.adaLN_modulation.1"] = _half_swap(names, f"{root}norm_out.linear")
+    # Keep what this model has: a layer it lacks (no guidance embedder) is not a place.
+    return {o: v for o, v in table.items()
+            if v is not None and (not isinstance(v, str) or names.has_module(v))}

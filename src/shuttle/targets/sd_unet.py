@@ -1,0 +1,124 @@
+"""Stable Diffusion 1.x/2.x and SDXL UNet names: the original LDM (sgm) layout on diffusers' UNet.
+
+kohya trains SDXL on its own copy of Stability's sgm UNet, so SDXL LoRAs name modules the LDM way
+(``lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q``), and so do adapters that keep a
+checkpoint's own keys (ComfyUI's ``diffusion_model.input_blocks.1.1...``, LyCORIS on an LDM
+model). diffusers' ``UNet2DConditionModel`` has the same layers under other names. The table is
+built forward from the diffusers model's names; index arithmetic and renames follow
+``ldm/modules/diffusionmodules/openaimodel.py`` (``UNetModel``: ``input_blocks``,
+``middle_block``, ``output_blocks``, ``time_embed``, ``label_emb``, ``out``; ``ResBlock``:
+``in_layers``, ``emb_layers``, ``out_layers``, ``skip_connection``; ``Downsample.op``,
+``Upsample.conv``) as diffusers converts them: ``convert_ldm_unet_checkpoint`` and
+``update_unet_resnet_ldm_to_diffusers`` (loaders/single_file_utils.py) for whole checkpoints,
+``_maybe_map_sgm_blocks_to_diffusers`` and ``_convert_unet_lora_key`` (loaders/
+lora_conversion_utils.py) for kohya SDXL LoRAs; ComfyUI's ``comfy.utils.unet_to_diffusers`` is
+the same map.
+
+The LDM UNet numbers its blocks in one sequence per direction: ``input_blocks.0`` is
+``conv_in``, then each level's ResBlocks (each with its SpatialTransformer at index 1 when the
+level has attention) and, below the last level, a Downsample; ``middle_block`` is ResBlock,
+SpatialTransformer, ResBlock; ``output_blocks`` count each level's ResBlocks, the last one of a
+level carrying the Upsample after its transformer (index 2) or after the ResBlock (index 1).
+The SpatialTransformer's inner names (``proj_in``, ``transformer_blocks.N.attn1.to_q``,
+``ff.net.0.proj``, ...) are diffusers' too.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+from shuttle.targets.family import register_family
+from shuttle.targets.family_table import Table, family_table
+from shuttle.targets.names import ModelNames
+
+__all__ = ["sd_unet_names"]
+
+# ResBlock layers: diffusers ResnetBlock2D name -> LDM ResBlock name.
+_RESNET = {
+    "norm1": "in_layers.0", "conv1": "in_layers.2", "time_emb_proj": "emb_layers.1",
+    "norm2": "out_layers.0", "conv2": "out_layers.3", "conv_shortcut": "skip_connection",
+}
+# Layers outside the blocks. SDXL's added conditioning (``add_embedding``) and SD 2.x unCLIP's
+# class embedding (``class_embedding``) are both LDM's ``label_emb`` MLP; a model has one.
+_TOP = {
+    "conv_in": "input_blocks.0.0", "time_embedding.linear_1": "time_embed.0",
+    "time_embedding.linear_2": "time_embed.2", "add_embedding.linear_1": "label_emb.0.0",
+    "add_embedding.linear_2": "label_emb.0.2", "class_embedding.linear_1": "label_emb.0.0",
+    "class_embedding.linear_2": "label_emb.0.2", "conv_norm_out": "out.0", "conv_out": "out.2",
+}
+_BLOCK = re.compile(r"(down|up)_blocks\.(\d+)\.(resnets|attentions|downsamplers|upsamplers)"
+                    r"\.(\d+)\.(.+)")
+_MID = re.compile(r"mid_block\.(resnets|attentions)\.(\d+)\.(.+)")
+
+
+def _root(names: ModelNames) -> str | None:
+    for root in names.roots:
+        if (f"{root}conv_in.weight" in names.shapes
+                and f"{root}down_blocks.0.resnets.0.conv1.weight" in names.shapes):
+            return root
+    return None
+
+
+def _ldm_paths(paths: list[str]) -> dict[str, str]:
+    """Map each UNet module among ``paths`` (diffusers names) to its LDM module path."""
+    resnets: dict[tuple[str, int], set[int]] = defaultdict(set)  # (down|up, level) -> indices
+    attention: set[tuple[str, int]] = set()
+    sampler: set[tuple[str, int]] = set()
+    for p in paths:
+        if m := _BLOCK.fullmatch(p):
+            side, level, kind, i = m.group(1), int(m.group(2)), m.group(3), int(m.group(4))
+            if kind == "resnets":
+                resnets[(side, level)].add(i)
+            elif kind == "attentions":
+                attention.add((side, level))
+            else:
+                sampler.add((side, level))
+    # Where each level's ResBlocks start in the LDM sequence, and its sampler's block index.
+    start: dict[tuple[str, int], int] = {}
+    sampler_at: dict[tuple[str, int], str] = {}
+    n = 1  # input_blocks.0 is conv_in
+    for level in sorted(lv for side, lv in resnets if side == "down"):
+        start[("down", level)] = n
+        n += len(resnets[("down", level)])
+        if ("down", level) in sampler:
+            sampler_at[("down", level)] = f"input_blocks.{n}.0.op"
+            n += 1
+    n = 0
+    for level in sorted(lv for side, lv in resnets if side == "up"):
+        start[("up", level)] = n
+        n += len(resnets[("up", level)])
+        inner = 2 if ("up", level) in attention else 1
+        sampler_at[("up", level)] = f"output_blocks.{n - 1}.{inner}.conv"
+    out = {}
+    for p in paths:
+        if p in _TOP:
+            out[p] = _TOP[p]
+        elif m := _BLOCK.fullmatch(p):
+            side, level, kind, i, rest = m.groups()
+            key = (side, int(level))
+            block = "input_blocks" if side == "down" else "output_blocks"
+            if kind == "resnets" and rest in _RESNET and key in start:
+                out[p] = f"{block}.{start[key] + int(i)}.0.{_RESNET[rest]}"
+            elif kind == "attentions" and key in start:
+                out[p] = f"{block}.{start[key] + int(i)}.1.{rest}"
+            elif kind in ("downsamplers", "upsamplers") and rest == "conv" and key in sampler_at:
+                out[p] = sampler_at[key]
+        elif m := _MID.fullmatch(p):
+            kind, i, rest = m.group(1), int(m.group(2)), m.group(3)
+            if kind == "attentions" and i == 0:
+                out[p] = f"middle_block.1.{rest}"
+            elif kind == "resnets" and i in (0, 1) and rest in _RESNET:
+                out[p] = f"middle_block.{2 * i}.{_RESNET[rest]}"
+    return out
+
+
+@register_family
+@family_table
+def sd_unet_names(names: ModelNames) -> Table | None:
+    """LDM module path -> diffusers module path, for a diffusers UNet among ``names`` (or None)."""
+    root = _root(names)
+    if root is None:
+        return None
+    paths = [m[len(root):] for m in names.modules if m.startswith(root)]
+    return {ldm: root + p for p, ldm in _ldm_paths(paths).items()}
