@@ -51,6 +51,9 @@ UNSUPPORTED_SUFFIXES: dict[str, str] = {
     "oft_r": "OFT (PEFT)",
     "ia3_l": "(IA)3 (PEFT)",
     "reshape_weight": "ComfyUI reshape_weight",
+    # T-LoRA's update depends on the timestep (lambda_layer masks ranks per step): no static
+    # merge exists.
+    "lambda_layer": "T-LoRA (LyCORIS)",
 }
 
 _TABLE: list[tuple[str, str]] = sorted(
