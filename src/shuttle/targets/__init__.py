@@ -1,7 +1,16 @@
 """Resolving adapter keys onto a model's parameter names, and the report of what did not match."""
 
 # Model families register their name tables on import.
-from shuttle.targets import flux, hunyuan_video, sd_unet, wan  # noqa: F401
+from shuttle.targets import (  # noqa: F401
+    chroma,
+    flux,
+    hunyuan_video,
+    ltx_video,
+    lumina2,
+    sd3,
+    sd_unet,
+    wan,
+)
 from shuttle.targets.family import FAMILY_MAPS, register_family
 from shuttle.targets.fused import FUSED_GROUPS
 from shuttle.targets.names import ADAPTER_PREFIXES, ModelNames, fused_modules

@@ -1,0 +1,101 @@
+"""Chroma names: lodestones' FLUX.1-derived layout on diffusers' ChromaTransformer2DModel.
+
+Chroma (``src/models/chroma/model.py`` in lodestones/flow) is FLUX.1 with the per-block
+modulation layers pruned (no ``img_mod``/``txt_mod``/``modulation``, no final adaLN): one
+``distilled_guidance_layer`` (an MLP "approximator": ``in_proj``, ``layers.N.in_layer``/
+``out_layer``, ``norms.N``, ``out_proj``) computes every block's modulation. Adapters in these
+names come as ``diffusion_model.`` keys (ComfyUI, diffusion-pipe, ai-toolkit) or in kohya
+sd-scripts' spelling ``lora_unet_double_blocks_0_img_attn_qkv``. diffusers names the layers as
+``convert_chroma_transformer_checkpoint_to_diffusers`` (loaders/single_file_utils.py) does;
+Chroma's pipeline reads LoRAs with FluxLoraLoaderMixin (``_convert_kohya_flux_lora_to_diffusers``
+for kohya names), which knows the blocks but not the approximator.
+
+As in FLUX.1 (:mod:`shuttle.targets.flux`, which also places the block layers on this model),
+``img_attn.qkv``/``txt_attn.qkv`` are ``to_q, to_k, to_v``/``add_*_proj`` stacked by rows and
+``single_blocks.N.linear1`` is ``to_q, to_k, to_v, proj_mlp`` stacked; rows come from the
+diffusers layers' heights. This table is complete on its own: it also covers the approximator
+and the RMSNorms (Chroma's ``query_norm.scale`` is diffusers' ``norm_q.weight``).
+"""
+
+from __future__ import annotations
+
+import re
+
+from shuttle.targets.family import register_family
+from shuttle.targets.family_table import Table, family_table
+from shuttle.targets.names import ModelNames
+from shuttle.targets.split import MappingValue, Split
+
+__all__ = ["chroma_names"]
+
+# One-to-one layers below ``double_blocks.N.`` (original -> diffusers ``transformer_blocks.N.``).
+_DOUBLE = {
+    "img_attn.proj": "attn.to_out.0", "txt_attn.proj": "attn.to_add_out",
+    "img_attn.norm.query_norm": "attn.norm_q", "img_attn.norm.key_norm": "attn.norm_k",
+    "txt_attn.norm.query_norm": "attn.norm_added_q", "txt_attn.norm.key_norm": "attn.norm_added_k",
+    "img_mlp.0": "ff.net.0.proj", "img_mlp.2": "ff.net.2",
+    "txt_mlp.0": "ff_context.net.0.proj", "txt_mlp.2": "ff_context.net.2",
+}
+# Below ``single_blocks.N.`` (-> ``single_transformer_blocks.N.``).
+_SINGLE = {"linear2": "proj_out", "norm.query_norm": "attn.norm_q",
+           "norm.key_norm": "attn.norm_k"}
+# Below ``distilled_guidance_layer.layers.N.`` (-> the same path): PixArt-style MLP names.
+_APPROXIMATOR = {"in_layer": "linear_1", "out_layer": "linear_2"}
+_TOP = {"img_in": "x_embedder", "txt_in": "context_embedder", "final_layer.linear": "proj_out",
+        "distilled_guidance_layer.in_proj": "distilled_guidance_layer.in_proj",
+        "distilled_guidance_layer.out_proj": "distilled_guidance_layer.out_proj"}
+_QKV = {"img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+        "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")}
+_LINEAR1 = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")
+_INDEX = re.compile(r"(transformer_blocks|single_transformer_blocks|"
+                    r"distilled_guidance_layer\.layers)\.(\d+)\.")
+
+
+def _root(names: ModelNames) -> str | None:
+    for root in names.roots:
+        if (f"{root}distilled_guidance_layer.in_proj.weight" in names.shapes
+                and f"{root}single_transformer_blocks.0.proj_mlp.weight" in names.shapes
+                and f"{root}transformer_blocks.0.attn.add_q_proj.weight" in names.shapes):
+            return root
+    return None
+
+
+def _stacked(names: ModelNames, paths: list[str]) -> MappingValue | None:
+    """Splits sending consecutive row bands of a fused update to ``paths``, in that order."""
+    heights = [names.shapes.get(f"{p}.weight") for p in paths]
+    if any(h is None for h in heights):
+        return None
+    splits, start = [], 0
+    for p, h in zip(paths, heights, strict=True):
+        splits.append(Split(p, (start, start + h[0])))
+        start += h[0]
+    return splits
+
+
+@register_family
+@family_table
+def chroma_names(names: ModelNames) -> Table | None:
+    """Original module path -> diffusers place, for a diffusers Chroma transformer (or None)."""
+    root = _root(names)
+    if root is None:
+        return None
+    blocks: dict[str, set[int]] = {}
+    for path in names.modules:
+        if path.startswith(root) and (m := _INDEX.match(path[len(root):])):
+            blocks.setdefault(m.group(1), set()).add(int(m.group(2)))
+    table: dict[str, MappingValue | None] = {}
+    for i in blocks.get("transformer_blocks", ()):
+        new, old = f"{root}transformer_blocks.{i}.", f"double_blocks.{i}."
+        table |= {old + o: new + d for o, d in _DOUBLE.items()}
+        table |= {old + o: _stacked(names, [new + d for d in ds]) for o, ds in _QKV.items()}
+    for i in blocks.get("single_transformer_blocks", ()):
+        new, old = f"{root}single_transformer_blocks.{i}.", f"single_blocks.{i}."
+        table |= {old + o: new + d for o, d in _SINGLE.items()}
+        table[old + "linear1"] = _stacked(names, [new + d for d in _LINEAR1])
+    for i in blocks.get("distilled_guidance_layer.layers", ()):
+        old = f"distilled_guidance_layer.layers.{i}."
+        table |= {old + o: f"{root}{old}{d}" for o, d in _APPROXIMATOR.items()}
+        table[f"distilled_guidance_layer.norms.{i}"] = f"{root}distilled_guidance_layer.norms.{i}"
+    table |= {o: root + d for o, d in _TOP.items()}
+    return {o: v for o, v in table.items()
+            if v is not None and (not isinstance(v, str) or names.has_module(v))}
