@@ -27,9 +27,11 @@ __all__ = [
     "ModelInUseError",
     "NonFiniteAdapterError",
     "OffloadError",
+    "OutputIsInputError",
     "ResourceLeasedError",
     "ResourceNotRegisteredError",
     "ResourceTooLargeError",
+    "ScopeOrderError",
     "ShapeMismatchError",
     "ShuttleError",
     "UnknownKeyError",
@@ -37,6 +39,7 @@ __all__ = [
     "UnsupportedFeatureError",
     "UnsupportedFormatError",
     "UnsupportedLayerError",
+    "WideningError",
 ]
 
 
@@ -50,6 +53,12 @@ class AdapterFileError(ShuttleError, OSError):
 
 class CorruptFileError(AdapterFileError):
     """A file is truncated or its header lies about its contents."""
+
+
+class OutputIsInputError(AdapterFileError):
+    """An output path is, or would replace, a file being read (the same path, a link to the
+    same file, one shard of a sharded input); nothing was written.
+    """
 
 
 class AdapterFormatError(ShuttleError, ValueError):
@@ -74,6 +83,12 @@ class ShapeMismatchError(ShuttleError, ValueError):
     """An adapter's update does not have the shape of the parameter it targets."""
 
 
+class WideningError(ShapeMismatchError):
+    """An adapter takes more input features than its layer has (a control LoRA), where the
+    entry point or the layer cannot widen it: only merges widen, and only ``nn.Linear`` weights.
+    """
+
+
 class DuplicateTargetError(ShuttleError, ValueError):
     """Two keys of one adapter resolve onto the same parameter (or overlapping rows of it)."""
 
@@ -84,6 +99,12 @@ class InvalidStrengthError(ShuttleError, ValueError):
 
 class NonFiniteAdapterError(ShuttleError, ValueError):
     """An adapter tensor holds NaN or infinity, or a merge would produce them."""
+
+
+class ScopeOrderError(ShuttleError, RuntimeError):
+    """A scoped merge (``apply_lora``) exited while a later one on the same model was still
+    open; the weights keep its merge until the later scope exits, which restores both.
+    """
 
 
 class UnsupportedLayerError(ShuttleError, TypeError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from safetensors.torch import save_file
 
 import shuttle
 from shuttle.cli import extract
-from shuttle.errors import AdapterFileError
+from shuttle.errors import AdapterFileError, OutputIsInputError
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -87,3 +88,17 @@ def test_missing_input_raises_a_typed_error(tmp_path):
     with pytest.raises(AdapterFileError, match="no such file"):
         extract.run(args)
     assert not (tmp_path / "o.safetensors").exists()
+
+
+@pytest.mark.parametrize("via", ["path", "folder"])
+def test_refuses_to_overwrite_an_input(tmp_path, via):
+    """`-o` the tuned file, named directly or found in a folder passed as the input."""
+    b, t, _ = _files(tmp_path)
+    (tmp_path / "ft").mkdir()
+    t = str((tmp_path / "tuned.safetensors").rename(tmp_path / "ft" / "tuned.safetensors"))
+    tuned = t if via == "path" else str(tmp_path / "ft")
+    before = Path(t).read_bytes()
+    args = _parse(["--base", b, "--tuned", tuned, "-o", t])
+    with pytest.raises(OutputIsInputError, match="would overwrite the input"):
+        extract.run(args)
+    assert Path(t).read_bytes() == before

@@ -13,8 +13,9 @@ from torch import nn
 
 import shuttle
 from shuttle.apply.merge_files import merge_files
+from shuttle.cli import main
 from shuttle.cli import merge as merge_cli
-from shuttle.errors import InvalidStrengthError
+from shuttle.errors import InvalidStrengthError, OutputIsInputError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -153,3 +154,43 @@ def test_library_errors_propagate_for_main_to_report(tmp_path):
     with pytest.raises(InvalidStrengthError):  # main() prints it and exits with status 2
         merge_cli.run(args)
     assert not (tmp_path / "o.safetensors").exists()
+
+
+def _listing(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+@pytest.mark.parametrize("out", ["base", "folder", "hardlink", "symlink", "adapter"])
+def test_refuses_to_overwrite_an_input(tmp_path, capsys, out):
+    """`-o` naming the base (by path, folder, hard or symbolic link) or an adapter: exit 2,
+    and every file stays as it was."""
+    _, base, lora = _files(tmp_path)
+    target = {"base": base, "folder": tmp_path, "adapter": lora,
+              "hardlink": tmp_path / "l.safetensors",
+              "symlink": tmp_path / "s.safetensors"}[out]
+    if out == "hardlink":
+        target.hardlink_to(base)
+    if out == "symlink":
+        target.symlink_to(base)
+    before = _listing(tmp_path)
+    status = main(["merge", "--base", str(base), "--lora", str(lora), "-o", str(target),
+                   "--no-progress"])
+    assert status == 2
+    err = capsys.readouterr().err
+    assert "would overwrite the input" in err and "nothing was written" in err
+    assert _listing(tmp_path) == before
+
+
+def test_refuses_to_overwrite_a_shard_of_a_sharded_base(tmp_path):
+    _, base, lora = _files(tmp_path)
+    sharded = merge_files(base, [], tmp_path / "ckpt" / "model.safetensors", max_shard_bytes=1024)
+    assert len(sharded.files) > 1
+    before = _listing(tmp_path / "ckpt")
+    for out in [tmp_path / "ckpt", tmp_path / "ckpt" / "model.safetensors"]:
+        with pytest.raises(OutputIsInputError, match="would overwrite the input"):
+            merge_files(sharded.index, [(lora, 1.0)], out, max_shard_bytes=1024)
+        with pytest.raises(OutputIsInputError):  # the shards given one by one
+            merge_files(sharded.files, [(lora, 1.0)], out, max_shard_bytes=1024)
+    assert _listing(tmp_path / "ckpt") == before
+    # A different output name beside the inputs is fine.
+    merge_files(sharded.index, [(lora, 1.0)], tmp_path / "ckpt" / "merged.safetensors")

@@ -725,3 +725,15 @@ def test_no_update_at_all():
 def test_non_tensor_values():
     with pytest.raises(AdapterFormatError, match="must be tensors"):
         load_lora({"lora_unet_x.alpha": 1.0})
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int8, torch.uint8, torch.bool])
+def test_integer_factors_are_refused(tmp_path, dtype):
+    """Integer factors would be merged as numbers (weights moved by ~4e8)."""
+    f = tmp_path / "int.safetensors"
+    save_file({"lora_unet_x.lora_down.weight": torch.ones(4, 16, dtype=dtype),
+               "lora_unet_x.lora_up.weight": torch.ones(32, 4),
+               "lora_unet_x.alpha": torch.tensor(4)}, str(f))  # an integer alpha is fine
+    with pytest.raises(AdapterFormatError, match=r"'lora_unet_x.lora_down.weight' is "
+                                                 r"(int|uint|bool).*must be floating point"):
+        load_lora(f)

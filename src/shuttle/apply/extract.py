@@ -35,7 +35,7 @@ from shuttle.errors import (
     ShapeMismatchError,
 )
 from shuttle.formats.lora import LoRA, load_lora
-from shuttle.formats.model_checkpoint import CheckpointSource, open_checkpoint
+from shuttle.formats.model_checkpoint import CheckpointSource, open_checkpoint, refuse_overwrite
 from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.formats.safetensors_spool import SafetensorsSpool
 from shuttle.patches import materialize
@@ -97,7 +97,8 @@ def extract_lora(
     Raises:
         ValueError: ``rank`` / ``energy`` / ``dtype`` out of range, or both ranks given.
         AdapterFileError: an input cannot be opened, or ``out`` is not a ``.safetensors`` path
-            in an existing directory, or is one of the inputs.
+            in an existing directory.
+        OutputIsInputError: ``out`` is one of the input files (or another name of one).
         CorruptFileError: an input's header is inconsistent.
         ShapeMismatchError: a parameter has different shapes in base and tuned.
         CheckpointError: nothing differs; names collide; with ``strict``, a parameter only in
@@ -108,8 +109,10 @@ def extract_lora(
     rank, energy = _check_args(rank, energy, dtype)
     dev = torch.device(device if device is not None else
                        ("cuda" if torch.cuda.is_available() else "cpu"))
-    out_path = _check_out(out, base, tuned)
+    out_path = _check_out(out)
     b_ckpt, t_ckpt = open_checkpoint(base), open_checkpoint(tuned)
+    if out_path is not None:
+        refuse_overwrite([out_path], [*b_ckpt.files, *t_ckpt.files])
     b_map, t_map = b_ckpt.tensors, t_ckpt.tensors
     _check_pairs(b_map, t_map, strict, prefix)
     base_only = [n for n in b_map if n not in t_map]
@@ -178,7 +181,7 @@ def _check_args(rank: int | None, energy: float | None,
     return rank, None
 
 
-def _check_out(out: str | os.PathLike[str] | None, *sources: CheckpointSource) -> Path | None:
+def _check_out(out: str | os.PathLike[str] | None) -> Path | None:
     if out is None:
         return None
     path = Path(out)
@@ -187,15 +190,6 @@ def _check_out(out: str | os.PathLike[str] | None, *sources: CheckpointSource) -
     if not path.parent.is_dir():
         raise AdapterFileError(f"out={str(path)!r}: directory {path.parent} does not exist; "
                                "create it first")
-    inputs = []
-    for s in sources:
-        if isinstance(s, (str, os.PathLike)):
-            inputs.append(Path(s))
-        elif isinstance(s, (list, tuple)):
-            inputs.extend(Path(p) for p in s)
-    if any(p.resolve() == path.resolve() for p in inputs):
-        raise AdapterFileError(f"out={str(path)!r} is one of the input checkpoints; write the "
-                               "adapter to another file")
     return path
 
 

@@ -33,6 +33,7 @@ from shuttle.apply.plan import (
 )
 from shuttle.apply.recipe import MergeRecipe, find_recipe, remember_recipe
 from shuttle.apply.rounding import Rounding, param_seed, round_to
+from shuttle.apply.widen import narrow, widen_layers
 from shuttle.errors import InvalidStrengthError, NonFiniteAdapterError
 from shuttle.kernels import triton_available
 from shuttle.kernels.merge_lowrank import (
@@ -117,14 +118,27 @@ def merge_lora(
         UnsupportedLayerError: a parameter cannot take the patch (integer dtype, meta device).
         UnmergeableWeightError: a quantized weight whose encoding cannot be redone (GGUF,
             torchao int4 tile-packed): use ``mode="dynamic"``.
+        WideningError: an adapter widens a layer that cannot be widened (see
+            :mod:`shuttle.apply.widen`).
         All of these are raised before any weight changes.
+
+    An adapter whose update takes more input features than its ``nn.Linear`` has (a FLUX.1
+    control LoRA's ``img_in``) widens the layer for good: its weight gains zero columns, its
+    ``in_features`` grows (:mod:`shuttle.apply.widen`); if the merge then fails, the widened
+    layers get their original weights back.
     """
     if rounding not in (None, "nearest", "stochastic"):
         raise InvalidStrengthError(
             f"rounding={rounding!r}: expected 'nearest', 'stochastic' or None (the default)")
     params = dict(model.named_parameters())
-    plan = plan_params(params, loras, mapping, fused=fused_modules(model))
-    merge_plan(model, plan, rounding=rounding, seed=seed, progress=progress, params=params)
+    plan = plan_params(params, loras, mapping, fused=fused_modules(model), widen=True)
+    check_mergeable(plan, params)
+    widened = widen_layers(model, plan, params)  # checks every layer first
+    try:
+        merge_plan(model, plan, rounding=rounding, seed=seed, progress=progress, params=params)
+    except BaseException:  # a widened layer that failed goes back to its original weight
+        narrow(widened)
+        raise
     return MergeReport(list(plan.params), plan.unmatched, plan.skipped, plan_notes(plan))
 
 

@@ -33,7 +33,7 @@ from shuttle.errors import (
     NonFiniteAdapterError,
     ShuttleError,
 )
-from shuttle.formats.model_checkpoint import open_checkpoint
+from shuttle.formats.model_checkpoint import Checkpoint, open_checkpoint, refuse_overwrite
 from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.formats.safetensors_writer import SafetensorsWriter
 from shuttle.targets import KeyMapping
@@ -122,6 +122,8 @@ def merge_files(
         CorruptFileError: a file is truncated, or the index names tensors its files lack.
         InvalidStrengthError: a bad strength or rounding.
         ShapeMismatchError, DuplicateTargetError, UnsupportedLayerError: as for a merge.
+        OutputIsInputError: an output file (a shard, the index) is the base or an adapter
+            file, or another name of one.
         ShuttleError: an unknown ``dtype``, a bad ``max_shard_bytes`` or ``out``.
             All of the above are raised before anything is written.
         NonFiniteAdapterError: while writing: a tensor merges to NaN or infinity, or outside
@@ -133,14 +135,16 @@ def merge_files(
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) \
             or max_shard_bytes <= 0:
         raise ShuttleError(f"max_shard_bytes={max_shard_bytes!r}: pass a positive number of bytes")
-    tensors, base_meta = _open_base(base)
+    ckpt = _open_base(base)
+    tensors: dict[str, LazyTensor] = ckpt.tensors  # type: ignore[assignment]  # files: all lazy
     plan = plan_params({n: ParamSpec(t.shape, t.dtype) for n, t in tensors.items()}, loras, mapping,
                        load=False)
     dtypes = {n: out_dtype if out_dtype is not None and t.dtype.is_floating_point else t.dtype
               for n, t in tensors.items()}
     shards = _shards(tensors, dtypes, max_shard_bytes)
     paths, index = _output_paths(Path(out), len(shards))
-    metadata = _metadata(base_meta, plan, out_dtype, rounding, seed)
+    refuse_overwrite([*paths, *([index] if index else [])], [*ckpt.files, *_adapter_files(loras)])
+    metadata = _metadata(ckpt.metadata, plan, out_dtype, rounding, seed)
 
     paths[0].parent.mkdir(parents=True, exist_ok=True)
     token = uuid.uuid4().hex[:8]
@@ -195,13 +199,22 @@ def _parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     return found
 
 
-def _open_base(base: BaseSource) -> tuple[dict[str, LazyTensor], dict[str, str]]:
-    """Tensor name -> lazy tensor, in checkpoint order, and the files' metadata merged."""
+def _open_base(base: BaseSource) -> Checkpoint:
+    """The base's headers: tensor name -> lazy tensor in checkpoint order, metadata, files."""
     if isinstance(base, Mapping):
         raise AdapterFileError("base must be checkpoint files (.safetensors, shards or an "
                                "index.json); to merge a state dict, load it and use merge_lora")
-    ckpt = open_checkpoint(base)
-    return ckpt.tensors, ckpt.metadata  # type: ignore[return-value]  # files: all LazyTensor
+    return open_checkpoint(base)
+
+
+def _adapter_files(loras: AdapterList) -> list[Path]:
+    """The files that adapters given by path are read from (a directory: the files in it)."""
+    entries = [] if not isinstance(loras, Sequence) else [e[0] for e in loras
+                                                          if isinstance(e, tuple) and e]
+    paths = [Path(p) for e in entries
+             for p in (e if isinstance(e, (list, tuple)) else [e])
+             if isinstance(p, (str, os.PathLike))]
+    return [f for p in paths for f in (sorted(p.iterdir()) if p.is_dir() else [p])]
 
 
 def _nbytes(shape: torch.Size, dtype: torch.dtype) -> int:

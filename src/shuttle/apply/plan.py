@@ -19,14 +19,17 @@ import torch
 from shuttle.errors import (
     InvalidStrengthError,
     NonFiniteAdapterError,
+    ShapeMismatchError,
     ShuttleError,
     UnmergeableWeightError,
     UnsupportedLayerError,
+    WideningError,
 )
 from shuttle.formats import LoRA, load_lora
 from shuttle.formats.source import Source
 from shuttle.patches import DoRA, Patch, materialize
 from shuttle.targets import KeyMapping, ModelNames, Target, fused_modules, resolve
+from shuttle.targets.family import widenable
 from shuttle.weights import Fp8Weight, PlainWeight, WeightRepresentation, represent
 
 __all__ = [
@@ -63,12 +66,18 @@ class Contribution:
 
 @dataclasses.dataclass
 class MergePlan:
-    """Validated work: parameter name -> contributions in application order."""
+    """Validated work: parameter name -> contributions in application order.
+
+    ``widen``: parameters whose contributions take more input columns than they have (a
+    control LoRA's ``img_in``) -> the shape they are validated at and must be widened to
+    (:mod:`shuttle.apply.widen`) before the merge; only when planned with ``widen=True``.
+    """
 
     params: dict[str, list[Contribution]]
     unmatched: dict[str, str]
     skipped: dict[str, str]
     adapters: list[tuple[LoRA, float]] = dataclasses.field(default_factory=list)
+    widen: dict[str, torch.Size] = dataclasses.field(default_factory=dict)
 
 
 def normalize_loras(loras: AdapterList) -> list[tuple[LoRA, float]]:
@@ -124,15 +133,20 @@ def plan_merge(
     model: torch.nn.Module,
     loras: AdapterList,
     mapping: KeyMapping | None = None,
+    *,
+    widen: bool = False,
 ) -> MergePlan:
     """Resolve, validate and load everything a merge needs (tensors land on each weight's device).
 
+    ``widen``: as for :func:`plan_params`.
+
     Raises:
         InvalidStrengthError, ShapeMismatchError, DuplicateTargetError, UnsupportedLayerError,
-        NonFiniteAdapterError, CorruptFileError: see the messages; the model is untouched.
+        NonFiniteAdapterError, CorruptFileError, WideningError: see the messages; the model
+        is untouched.
     """
     return plan_params(dict(model.named_parameters()), loras, mapping,
-                       fused=fused_modules(model))
+                       fused=fused_modules(model), widen=widen)
 
 
 def plan_params(
@@ -143,6 +157,7 @@ def plan_params(
     device: torch.device | str | None = None,
     load: bool = True,
     fused: Collection[str] = (),
+    widen: bool = False,
 ) -> MergePlan:
     """:func:`plan_merge` over parameter specs instead of a model (a checkpoint's header, ...).
 
@@ -156,6 +171,12 @@ def plan_params(
         fused: modules running fused projections beside their split ones
             (:func:`~shuttle.targets.fused_modules` of the model): updates of the split layers
             go to the rows of the fused layer the forward reads.
+        widen: accept updates with more input columns than their 2-D weight (a control
+            LoRA's ``img_in``), validated at the wider shape and listed in ``plan.widen``;
+            the caller widens the layers before merging (:mod:`shuttle.apply.widen`).
+
+    Raises:
+        WideningError: without ``widen``, an update takes more input columns than its weight.
     """
     pairs = normalize_loras(loras)
     # Quantized weights are planned by the weight they stand for (shape, compute dtype).
@@ -171,15 +192,28 @@ def plan_params(
             if names is None:
                 names = ModelNames({n: p.shape for n, p in params.items()}, fused)
             res = resolve(lora, names, mapping)
+            wide = _widened(res.targets, params, widenable(names))
             for t in res.targets:
-                _validate(t, params[t.param])
-            placed = _Placed(res.targets, res.unmatched, [None] * len(res.targets))
+                _validate(t, params[t.param], wide.get(t.param))
+            placed = _Placed(res.targets, res.unmatched, [None] * len(res.targets), wide)
             if signature is not None:
                 _remember_placement(lora, signature, placed)
+        if placed.widen and not widen:
+            _refuse_widening(placed)
+        for name, shape in placed.widen.items():
+            if plan.widen.setdefault(name, shape) != shape:
+                raise ShapeMismatchError(
+                    f"two adapters widen {name!r} differently, to {tuple(plan.widen[name])} and "
+                    f"{tuple(shape)}; merge them one at a time. Nothing was changed.")
         tag = f"{lora.source}::" if several else ""
         plan.unmatched.update({tag + k: v for k, v in placed.unmatched.items()})
         plan.skipped.update({tag + k: v for k, v in lora.skipped.items()})
         staged.append((placed, strength, index))
+    if plan.widen:  # every adapter's updates of a widened weight must fit its new width
+        for placed, _, _ in staged:
+            for t in placed.targets:
+                if t.param in plan.widen and placed.widen.get(t.param) is None:
+                    _validate(t, params[t.param], plan.widen[t.param])
     for placed, strength, index in staged:
         for i, t in enumerate(placed.targets):
             patch = t.patch
@@ -218,6 +252,7 @@ class _Placed:
     targets: list[Target]
     unmatched: dict[str, str]
     resident: list[torch.device | None]
+    widen: dict[str, torch.Size] = dataclasses.field(default_factory=dict)
 
 
 # The last placement of each adapter, keyed by id() with a weak reference (an entry dies with
@@ -320,8 +355,42 @@ def check_mergeable(plan: MergePlan, params: Mapping[str, torch.Tensor]) -> None
             )
 
 
-def _validate(t: Target, p: TensorSpec) -> None:
-    shape = tuple(p.shape)
+def _widened(targets: list[Target], params: Mapping[str, TensorSpec],
+             allowed: Collection[str]) -> dict[str, torch.Size]:
+    """Weights that an adapter's updates widen: name -> (out, in') with in' > in columns.
+
+    A FLUX.1 control LoRA (Canny, Depth) feeds the control image's latents in beside the
+    noisy ones: its ``img_in`` factors take (3072, 128) where the model has (3072, 64). Only
+    weights a model family lets widen (``allowed``: :func:`~shuttle.targets.family.widenable`)
+    count, whole and 2-D, where the update's rows match; the widest update sets the width,
+    and a narrower one then fails its shape check. Any other weight keeps its shape, and an
+    update of another width there is an adapter for another model (a shape mismatch).
+    """
+    wide: dict[str, torch.Size] = {}
+    for t in targets:
+        if t.param not in allowed:
+            continue
+        shape = params[t.param].shape
+        cols = t.patch.in_columns
+        if t.rows is None and len(shape) == 2 and cols is not None and cols > shape[1] \
+                and t.patch.out_rows == shape[0]:
+            wide[t.param] = torch.Size((shape[0], max(cols, wide.get(t.param, shape)[1])))
+    return wide
+
+
+def _refuse_widening(placed: _Placed) -> None:
+    name, shape = next(iter(placed.widen.items()))
+    key = next(t.module_key for t in placed.targets if t.param == name)
+    raise WideningError(
+        f"adapter module {key!r} takes {shape[1]} input features where {name!r} has fewer: it "
+        "widens the layer (a control LoRA adds input channels for its control image). Only a "
+        "merge widens a layer: use shuttle.merge_lora(...) or apply_lora(..., mode=\"merge\"). "
+        "Nothing was changed."
+    )
+
+
+def _validate(t: Target, p: TensorSpec, wide: torch.Size | None = None) -> None:
+    shape = tuple(p.shape if wide is None else wide)
     if t.rows is not None:
         start, end = t.rows
         if not 0 <= start < end <= shape[0]:

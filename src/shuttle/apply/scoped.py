@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from collections.abc import Iterator
 from typing import Literal
 
@@ -22,7 +23,8 @@ from shuttle.apply.merge import MergeReport, merge_plan, write_back
 from shuttle.apply.notes import plan_notes
 from shuttle.apply.plan import AdapterList, check_mergeable, is_plain_tensor, plan_merge
 from shuttle.apply.rounding import Rounding
-from shuttle.errors import InvalidStrengthError, ShuttleError
+from shuttle.apply.widen import narrow, widen_layers
+from shuttle.errors import InvalidStrengthError, ScopeOrderError, ShuttleError
 from shuttle.targets import KeyMapping
 from shuttle.weights import WeightRepresentation, represent
 
@@ -30,6 +32,18 @@ __all__ = ["apply_lora"]
 
 Mode = Literal["merge", "dynamic", "auto"]
 MODES: tuple[str, ...] = ("merge", "dynamic", "auto")
+
+
+@dataclasses.dataclass(eq=False)
+class _Scope:
+    """What one open merge scope restores on exit (handed on when it exits out of order)."""
+
+    backups: dict[str, torch.Tensor | WeightRepresentation]
+    widened: list
+
+
+# model -> its open merge scopes, oldest first
+_OPEN: weakref.WeakKeyDictionary[torch.nn.Module, list[_Scope]] = weakref.WeakKeyDictionary()
 
 
 @contextlib.contextmanager
@@ -50,6 +64,9 @@ def apply_lora(
     With ``mode="merge"`` the adapters are merged as by :func:`~shuttle.merge_lora`; a copy of
     every changed parameter is kept (on ``backup_device``, default the parameter's own) and
     copied back on exit, so the weights are bit-identical to before, also when the body raises.
+    A layer the adapter widens (a FLUX.1 control LoRA's ``img_in``, see
+    :mod:`shuttle.apply.widen`) gets its original weight tensor and ``in_features`` back.
+    Only this mode widens; the others raise :class:`~shuttle.errors.WideningError`.
     With ``mode="dynamic"`` they are attached as by :func:`~shuttle.attach_lora` (weights never
     written) and detached on exit. With ``mode="auto"`` each parameter is merged where a merge
     in its dtype keeps the update (at most ``auto_threshold`` of the update's norm rounded away,
@@ -92,7 +109,7 @@ def apply_lora(
         quality = quality or default_quality(model)
         if quality not in QUALITIES:
             raise ShuttleError(f"quality={quality!r}: expected one of {', '.join(QUALITIES)}")
-    plan = plan_merge(model, loras, mapping)
+    plan = plan_merge(model, loras, mapping, widen=mode == "merge")
     params = dict(model.named_parameters())
     merged, dynamic = plan, None
     notes = plan_notes(plan)
@@ -105,8 +122,13 @@ def apply_lora(
         dynamic = dataclasses.replace(plan, params={
             n: cs for n, cs in plan.params.items() if decisions[n].mode == "dynamic"})
     check_mergeable(merged, params)  # before any backup or hook
-    backups = {name: _backup(params[name], backup_device) for name in merged.params}
+    # a widened weight needs no copy: narrow() gives back the original tensor, never written
+    backups = {name: _backup(params[name], backup_device) for name in merged.params
+               if name not in plan.widen}
     handle: DynamicAdapters | None = None
+    widened = widen_layers(model, plan, params)  # checks every layer before widening one
+    scope = _Scope(backups, widened)
+    _OPEN.setdefault(model, []).append(scope)
     try:
         if dynamic is not None:
             # Hooks first: attaching validates every dynamic patch and writes no weight, and
@@ -120,12 +142,42 @@ def apply_lora(
     finally:
         if handle is not None:
             handle.detach()
+        _close(model, scope)
         with torch.no_grad():
             for name, saved in backups.items():
                 if isinstance(saved, WeightRepresentation):
                     write_back(params[name], saved)
                 else:
                     params[name].copy_(saved)
+        narrow(widened)
+
+
+def _close(model: torch.nn.Module, scope: _Scope) -> None:
+    """Leave the stack of open scopes; out of order, hand the originals to the next scope.
+
+    Scopes nest: a later scope's backups hold this one's merge. Restoring here would undo the
+    later scope's merge too, and its exit would then write this merge back for good. So the
+    older copies (and widened layers) go to the next open scope, which restores them on its
+    exit, and the exit is refused with nothing changed.
+
+    Raises:
+        ScopeOrderError: a later scope on ``model`` is still open.
+    """
+    stack = _OPEN[model]
+    i = stack.index(scope)
+    del stack[i]
+    if i == len(stack):
+        return
+    later = stack[i]
+    later.backups.update(scope.backups)  # the older copy of a parameter both merged wins
+    later.widened[:0] = scope.widened
+    scope.backups.clear()
+    scope.widened.clear()
+    raise ScopeOrderError(
+        f"apply_lora scope {i + 1} of {len(stack) + 1} on this model exited while a later one "
+        "was still open; its merge stays until that scope exits, which restores the weights of "
+        "both. Exit scopes in reverse order of entry (nest the with blocks)."
+    )
 
 
 def _backup(p: torch.Tensor, device: torch.device | str | None

@@ -218,6 +218,14 @@ def _build_module(
             )
 
     for role, (key, t) in r.items():
+        # An integer factor or diff would be merged as numbers (a weight moved by ~1e8); only an
+        # alpha, a set_weight (an integer buffer's value) or an (IA)3 on_input flag may be.
+        if role not in ("alpha", "set_weight", "on_input") and not t.dtype.is_floating_point:
+            raise AdapterFormatError(
+                f"{source}: {key!r} is {str(t.dtype).removeprefix('torch.')}; adapter factors "
+                "and diffs must be floating point. The file is corrupt or was converted wrongly; "
+                "export it again in float32, float16 or bfloat16."
+            )
         factor = role in _FACTOR_ROLES or role.startswith(("hada_", "lokr_"))
         if factor and len(t.shape) < 2:
             raise AdapterFormatError(

@@ -12,17 +12,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
-from shuttle.errors import AdapterFileError, CheckpointError, CorruptFileError
+from shuttle.errors import (
+    AdapterFileError,
+    CheckpointError,
+    CorruptFileError,
+    OutputIsInputError,
+)
 from shuttle.formats.safetensors_file import SafetensorsFile
 from shuttle.formats.source import tensor_dict
 from shuttle.patches.patch import Tensorish
 
-__all__ = ["Checkpoint", "CheckpointSource", "open_checkpoint"]
+__all__ = ["Checkpoint", "CheckpointSource", "open_checkpoint", "refuse_overwrite"]
 
 CheckpointSource = (
     str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | Mapping[str, torch.Tensor]
@@ -37,11 +42,13 @@ class Checkpoint:
         name: a description for messages and metadata (file names, or ``"<state dict>"``).
         tensors: parameter name -> tensor or lazy reference, in file order.
         metadata: the files' safetensors ``__metadata__``, merged.
+        files: every file read (shards and indexes); empty for a state dict.
     """
 
     name: str
     tensors: dict[str, Tensorish]
     metadata: dict[str, str] = dataclasses.field(default_factory=dict)
+    files: list[Path] = dataclasses.field(default_factory=list)
 
 
 def open_checkpoint(source: CheckpointSource) -> Checkpoint:
@@ -68,9 +75,11 @@ def open_checkpoint(source: CheckpointSource) -> Checkpoint:
     tensors: dict[str, Tensorish] = {}
     metadata: dict[str, str] = {}
     names = []
+    files: list[Path] = []
     for path in map(Path, paths):
-        part, meta = _open_path(path)
+        part, meta, read = _open_path(path)
         names.append(path.name)
+        files.extend(read)
         metadata.update(meta)
         for k in part:
             if k in tensors:
@@ -79,10 +88,34 @@ def open_checkpoint(source: CheckpointSource) -> Checkpoint:
                     "the files of one checkpoint, each once."
                 )
         tensors.update(part)
-    return Checkpoint(", ".join(names), tensors, metadata)
+    return Checkpoint(", ".join(names), tensors, metadata, files)
 
 
-def _open_path(path: Path) -> tuple[dict[str, Tensorish], dict[str, str]]:
+def refuse_overwrite(outputs: Iterable[Path], inputs: Iterable[str | os.PathLike[str]],
+                     what: str = "out") -> None:
+    """Raise before anything is written when an output would replace an input file.
+
+    An output replaces an input when it names the same file after resolving symlinks, or is
+    another name (a hard link) of the same inode; ``outputs`` should list every file a command
+    will write (each shard and the index), so a shard of a sharded input is caught too.
+
+    Raises:
+        OutputIsInputError: the first output that is an input.
+    """
+    ins = [Path(p) for p in inputs]
+    resolved = {p.resolve(): p for p in ins}
+    for out in outputs:
+        hit = resolved.get(out.resolve())
+        if hit is None and out.exists():
+            hit = next((p for p in ins if p.exists() and os.path.samefile(p, out)), None)
+        if hit is not None:
+            raise OutputIsInputError(
+                f"{what}={str(out)!r} would overwrite the input {str(hit)!r}; write the output "
+                "to another file or directory (nothing was written)."
+            )
+
+
+def _open_path(path: Path) -> tuple[dict[str, Tensorish], dict[str, str], list[Path]]:
     if path.is_dir():
         indexes = sorted(path.glob("*.safetensors.index.json"))
         if len(indexes) > 1:
@@ -99,7 +132,7 @@ def _open_path(path: Path) -> tuple[dict[str, Tensorish], dict[str, str]]:
                 "file itself."
             )
         ckpt = open_checkpoint(files)
-        return ckpt.tensors, ckpt.metadata
+        return ckpt.tensors, ckpt.metadata, ckpt.files
     if path.name.endswith(".json"):
         return _open_index(path)
     if path.suffix != ".safetensors":
@@ -110,10 +143,10 @@ def _open_path(path: Path) -> tuple[dict[str, Tensorish], dict[str, str]]:
             "convert this file to safetensors first."
         )
     f = SafetensorsFile(path)
-    return {k: f.tensor_ref(k) for k in f}, f.metadata
+    return {k: f.tensor_ref(k) for k in f}, f.metadata, [path]
 
 
-def _open_index(path: Path) -> tuple[dict[str, Tensorish], dict[str, str]]:
+def _open_index(path: Path) -> tuple[dict[str, Tensorish], dict[str, str], list[Path]]:
     if not path.is_file():
         raise AdapterFileError(f"{path}: no such file")
     try:
@@ -143,4 +176,4 @@ def _open_index(path: Path) -> tuple[dict[str, Tensorish], dict[str, str]]:
                 f"{path}: the index places {k!r} in {name}, which does not hold it; the shards "
                 "and the index are from different downloads."
             )
-    return tensors, metadata
+    return tensors, metadata, [path, *(path.parent / name for name in shards)]

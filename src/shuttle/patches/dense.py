@@ -42,6 +42,10 @@ class Diff(Patch):
     def out_rows(self) -> int | None:
         return self.diff.shape[0] if len(self.diff.shape) else None
 
+    @property
+    def in_columns(self) -> int | None:
+        return self.diff.shape[1] if len(self.diff.shape) == 2 else None
+
     def delta(self, shape: tuple[int, ...]) -> torch.Tensor:
         return materialize(self.diff).float().mul(self.scale).reshape(shape)
 

@@ -70,6 +70,11 @@ class LowRank(Patch):
         return self.in_numel if self.transposed else self.out_features
 
     @property
+    def in_columns(self) -> int | None:
+        plain = self.mid is None and not self.transposed and len(self.down.shape) == 2
+        return self.down.shape[1] if plain else None
+
+    @property
     def in_numel(self) -> int:
         """Columns of the flattened delta: inputs times kernel size."""
         n = math.prod(self.down.shape[1:])

@@ -135,6 +135,13 @@ class Patch:
         """Leading dimension of the parameter this patch fits, when the tensors tell it."""
         return None
 
+    @property
+    def in_columns(self) -> int | None:
+        """Columns (input features) of the 2-D weight this patch fits, when the tensors tell it;
+        a control LoRA's ``img_in`` has more than the model's layer (see ``apply.widen``).
+        """
+        return None
+
     def check(self, shape: torch.Size | tuple[int, ...], name: str) -> None:
         """Raise :class:`ShapeMismatchError` unless this patch fits a parameter of ``shape``.
 

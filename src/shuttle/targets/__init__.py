@@ -3,6 +3,7 @@
 # Model families register their name tables on import.
 from shuttle.targets import (  # noqa: F401
     chroma,
+    cogvideox,
     flux,
     hunyuan_video,
     ltx_video,

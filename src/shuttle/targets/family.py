@@ -3,16 +3,22 @@
 A family map is a function ``(adapter module key, model names) -> mapping value or None`` that
 recognizes its own layouts (it should return None quickly for any other model). Registering one
 is a decorated function in a new module; :mod:`shuttle.targets.flux` is the example.
+
+A family may also name the weights an adapter is allowed to widen (more input columns than the
+model has: FLUX.1 control LoRAs feed a control image into ``x_embedder``) with
+:func:`register_widenable`; every other weight keeps its shape, and an update of another
+width is a shape mismatch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from shuttle.targets.names import ModelNames
 from shuttle.targets.split import MappingValue
 
-__all__ = ["FAMILY_MAPS", "FamilyMap", "register_family"]
+__all__ = ["FAMILY_MAPS", "FamilyMap", "WIDENABLE", "register_family", "register_widenable",
+           "widenable"]
 
 FamilyMap = Callable[[str, ModelNames], "MappingValue | None"]
 FAMILY_MAPS: list[FamilyMap] = []
@@ -22,3 +28,18 @@ def register_family(fn: FamilyMap) -> FamilyMap:
     """Add ``fn`` to :data:`FAMILY_MAPS`."""
     FAMILY_MAPS.append(fn)
     return fn
+
+
+WidenableMap = Callable[[ModelNames], Iterable[str]]
+WIDENABLE: list[WidenableMap] = []
+
+
+def register_widenable(fn: WidenableMap) -> WidenableMap:
+    """Add ``fn`` (model names -> parameter names an adapter may widen) to :data:`WIDENABLE`."""
+    WIDENABLE.append(fn)
+    return fn
+
+
+def widenable(names: ModelNames) -> frozenset[str]:
+    """The parameters of the model that any family lets an adapter widen."""
+    return frozenset(n for fn in WIDENABLE for n in fn(names))

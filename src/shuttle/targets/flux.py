@@ -11,17 +11,22 @@ adapter modules land on rows of the fused weight. Either spelling of the adapter
 and LoHa ones (as Flux LyCORIS trainers write them) by the rows of their whole float32 update,
 DoRA ones by rows when the magnitude is per output row (:func:`shuttle.patches.select_rows`); a
 DoRA normalizing input columns spans every split layer, and merging refuses it.
+
+The attention's RMSNorm weights are BFL's ``...norm.query_norm.scale`` / ``key_norm.scale`` and
+diffusers' ``attn.norm_q.weight`` / ``norm_k`` (``norm_added_q`` / ``norm_added_k`` for the text
+stream of a double block): a BFL control LoRA's norm replacements land on them under the
+parameter's other name.
 """
 
 from __future__ import annotations
 
 import re
 
-from shuttle.targets.family import register_family
+from shuttle.targets.family import register_family, register_widenable
 from shuttle.targets.names import ModelNames
 from shuttle.targets.split import MappingValue, Split
 
-__all__ = ["flux_names"]
+__all__ = ["flux_names", "flux_widenable"]
 
 _S = r"[._]"  # adapters spell the same path with dots or with kohya's underscores
 # LyCORIS's own wrapper names modules ``lycoris_<path>`` (kohya's underscores, no ``unet``).
@@ -46,6 +51,15 @@ _TOP = {
     "guidance_in.out_layer": "time_text_embed.guidance_embedder.linear_2",
     "final_layer.linear": "proj_out",
 }
+# RMSNorms of q and k: BFL path template -> diffusers path template; BFL's parameter is
+# ``scale`` where diffusers' is ``weight``.
+_DOUBLE_NORMS = {
+    "img_attn.norm.query_norm": "attn.norm_q", "img_attn.norm.key_norm": "attn.norm_k",
+    "txt_attn.norm.query_norm": "attn.norm_added_q", "txt_attn.norm.key_norm": "attn.norm_added_k",
+}
+_SINGLE_NORMS = {"norm.query_norm": "attn.norm_q", "norm.key_norm": "attn.norm_k"}
+_TO_DIFFUSERS = (("scale", "weight"),)
+_TO_BFL = (("weight", "scale"),)
 _QKV = {"img": ("attn.to_q", "attn.to_k", "attn.to_v"),
         "txt": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")}
 _SINGLE_SPLIT = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")
@@ -99,6 +113,11 @@ def _bfl_to_diffusers(key: str, root: str, h: int, m: int) -> MappingValue | Non
     for bfl, dif in _SINGLE.items():
         if mt := re.fullmatch(rf"single_blocks{_S}(\d+){_S}{_pattern(bfl)}", key):
             return f"{root}single_transformer_blocks.{mt.group(1)}.{dif}"
+    for blocks, table, into in (("double_blocks", _DOUBLE_NORMS, "transformer_blocks"),
+                                ("single_blocks", _SINGLE_NORMS, "single_transformer_blocks")):
+        for bfl, dif in table.items():
+            if mt := re.fullmatch(rf"{blocks}{_S}(\d+){_S}{_pattern(bfl)}", key):
+                return [Split(f"{root}{into}.{mt.group(1)}.{dif}", params=_TO_DIFFUSERS)]
     for bfl, dif in _TOP.items():
         if re.fullmatch(_pattern(bfl), key):
             return f"{root}{dif}"
@@ -115,6 +134,9 @@ def _diffusers_to_bfl(key: str, root: str, h: int, m: int) -> MappingValue | Non
         for bfl, dif in _DOUBLE.items():
             if re.fullmatch(_pattern(dif), rest):
                 return f"{root}double_blocks.{i}.{bfl}"
+        for bfl, dif in _DOUBLE_NORMS.items():
+            if re.fullmatch(_pattern(dif), rest):
+                return [Split(f"{root}double_blocks.{i}.{bfl}", params=_TO_BFL)]
         return None
     if mt := re.fullmatch(rf"single_transformer_blocks{_S}(\d+){_S}(.+)", key):
         i, rest = mt.groups()
@@ -125,6 +147,9 @@ def _diffusers_to_bfl(key: str, root: str, h: int, m: int) -> MappingValue | Non
         for bfl, dif in _SINGLE.items():
             if re.fullmatch(_pattern(dif), rest):
                 return f"{root}single_blocks.{i}.{bfl}"
+        for bfl, dif in _SINGLE_NORMS.items():
+            if re.fullmatch(_pattern(dif), rest):
+                return [Split(f"{root}single_blocks.{i}.{bfl}", params=_TO_BFL)]
         return None
     if re.fullmatch(_pattern(_FINAL_MOD[1]), key):  # (scale, shift) -> (shift, scale)
         return [Split(f"{root}{_FINAL_MOD[0]}", (0, h), (h, 2 * h)),
@@ -146,3 +171,15 @@ def flux_names(module: str, names: ModelNames) -> MappingValue | None:
     if kind == "diffusers":
         return _bfl_to_diffusers(key, root, h, m)
     return _diffusers_to_bfl(key, root, h, m)
+
+
+@register_widenable
+def flux_widenable(names: ModelNames) -> list[str]:
+    """The input embedder (``x_embedder`` / ``img_in``), which a control LoRA (Canny, Depth)
+    widens from 64 to 128 input channels: the control image's latents beside the noisy ones.
+    """
+    layout = _layout(names)
+    if layout is None:
+        return []
+    kind, root, _, _ = layout
+    return [f"{root}{'x_embedder' if kind == 'diffusers' else 'img_in'}.weight"]

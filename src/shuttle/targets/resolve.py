@@ -75,6 +75,7 @@ class _Place:
     fused: tuple[int, tuple[str, ...]] | None = None  # (index, group) on a fused projection
     rows: Rows | None = None  # rows of the model's parameter
     source_rows: Rows | None = None  # rows of the adapter's update (one module split in several)
+    params: tuple[tuple[str, str], ...] = ()  # (adapter param, model param) renames
 
 
 def resolve(
@@ -115,10 +116,11 @@ def resolve(
     for module, module_places in places.items():
         for place in module_places:
             for patch in lora.modules[module]:
-                param = names.param(place.path, patch.param)
+                leaf = dict(place.params).get(patch.param, patch.param)
+                param = names.param(place.path, leaf)
                 if param is None:
                     unmatched[f"{module} ({patch.param})"] = (
-                        f"module {place.path!r} of the model has no parameter {patch.param!r}")
+                        f"module {place.path!r} of the model has no parameter {leaf!r}")
                     continue
                 if place.source_rows is not None:
                     patch = select_rows(patch, *place.source_rows)
@@ -142,7 +144,8 @@ def _places(module: str, value: MappingValue, names: ModelNames,
         return None
     unmatched.pop(module, None)
     return [_Place(s.path, rows=tuple(s.rows) if s.rows is not None else None,
-                   source_rows=tuple(s.source_rows) if s.source_rows is not None else None)
+                   source_rows=tuple(s.source_rows) if s.source_rows is not None else None,
+                   params=tuple(s.params))
             for s in splits]
 
 

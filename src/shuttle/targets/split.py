@@ -14,12 +14,15 @@ class Split(NamedTuple):
 
     A list of splits sends one adapter module to several model modules: a BFL Flux LoRA's fused
     ``img_attn.qkv`` onto diffusers' separate ``to_q``, ``to_k``, ``to_v``, for instance.
-    ``None`` means all rows.
+    ``None`` means all rows. ``params`` renames the adapter's parameters where the model calls
+    them otherwise, as ``((adapter_param, model_param), ...)``: BFL's RMSNorm ``scale`` is
+    diffusers' ``norm_q.weight``, so ``Split(".../attn.norm_q", params=(("scale", "weight"),))``.
     """
 
     path: str
     source_rows: Rows | None = None
     rows: Rows | None = None
+    params: tuple[tuple[str, str], ...] = ()
 
 
 # A mapping sends an adapter module key to a module path, a path and the rows of its parameter,
