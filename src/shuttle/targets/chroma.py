@@ -22,9 +22,9 @@ from __future__ import annotations
 import re
 
 from shuttle.targets.family import register_family
-from shuttle.targets.family_table import Table, family_table
+from shuttle.targets.family_table import Table, family_table, stacked
 from shuttle.targets.names import ModelNames
-from shuttle.targets.split import MappingValue, Split
+from shuttle.targets.split import MappingValue
 
 __all__ = ["chroma_names"]
 
@@ -60,17 +60,6 @@ def _root(names: ModelNames) -> str | None:
     return None
 
 
-def _stacked(names: ModelNames, paths: list[str]) -> MappingValue | None:
-    """Splits sending consecutive row bands of a fused update to ``paths``, in that order."""
-    heights = [names.shapes.get(f"{p}.weight") for p in paths]
-    if any(h is None for h in heights):
-        return None
-    splits, start = [], 0
-    for p, h in zip(paths, heights, strict=True):
-        splits.append(Split(p, (start, start + h[0])))
-        start += h[0]
-    return splits
-
 
 @register_family
 @family_table
@@ -87,11 +76,11 @@ def chroma_names(names: ModelNames) -> Table | None:
     for i in blocks.get("transformer_blocks", ()):
         new, old = f"{root}transformer_blocks.{i}.", f"double_blocks.{i}."
         table |= {old + o: new + d for o, d in _DOUBLE.items()}
-        table |= {old + o: _stacked(names, [new + d for d in ds]) for o, ds in _QKV.items()}
+        table |= {old + o: stacked(names, [new + d for d in ds]) for o, ds in _QKV.items()}
     for i in blocks.get("single_transformer_blocks", ()):
         new, old = f"{root}single_transformer_blocks.{i}.", f"single_blocks.{i}."
         table |= {old + o: new + d for o, d in _SINGLE.items()}
-        table[old + "linear1"] = _stacked(names, [new + d for d in _LINEAR1])
+        table[old + "linear1"] = stacked(names, [new + d for d in _LINEAR1])
     for i in blocks.get("distilled_guidance_layer.layers", ()):
         old = f"distilled_guidance_layer.layers.{i}."
         table |= {old + o: f"{root}{old}{d}" for o, d in _APPROXIMATOR.items()}

@@ -18,9 +18,9 @@ from collections.abc import Callable
 
 from shuttle.targets.family import FamilyMap
 from shuttle.targets.names import ModelNames
-from shuttle.targets.split import MappingValue
+from shuttle.targets.split import MappingValue, Split
 
-__all__ = ["Table", "family_table"]
+__all__ = ["Table", "family_table", "half_swap", "stacked"]
 
 Table = dict[str, MappingValue]  # original module path (dotted) -> place in the model
 
@@ -86,3 +86,31 @@ def family_table(build: Callable[[ModelNames], Table | None]) -> FamilyMap:
         return None if index is None else index.get(module)
 
     return lookup
+
+
+def stacked(names: ModelNames, paths: list[str] | tuple[str, ...]) -> MappingValue | None:
+    """Splits sending consecutive row bands of a fused update to ``paths``, in that order, each
+    band as high as that layer's weight (None when a layer is missing).
+
+    A fused ``qkv`` of (3 * h, in) onto ``to_q``, ``to_k``, ``to_v``: rows 0:h, h:2h, 2h:3h;
+    grouped key/value heads give unequal bands, read from the layers themselves.
+    """
+    heights = [names.shapes.get(f"{p}.weight") for p in paths]
+    if any(h is None for h in heights):
+        return None
+    splits, start = [], 0
+    for p, h in zip(paths, heights, strict=True):
+        splits.append(Split(p, (start, start + h[0])))
+        start += h[0]
+    return splits
+
+
+def half_swap(names: ModelNames, path: str) -> MappingValue | None:
+    """An adaLN projection's (shift, scale) rows onto the (scale, shift) rows of ``path``, as
+    diffusers' ``AdaLayerNormContinuous`` orders them (None when ``path`` is missing or odd).
+    """
+    shape = names.shapes.get(f"{path}.weight")
+    if shape is None or shape[0] % 2:
+        return None
+    h = shape[0] // 2
+    return [Split(path, (0, h), (h, 2 * h)), Split(path, (h, 2 * h), (0, h))]

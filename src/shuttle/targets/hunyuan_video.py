@@ -22,9 +22,9 @@ from __future__ import annotations
 import re
 
 from shuttle.targets.family import register_family
-from shuttle.targets.family_table import Table, family_table
+from shuttle.targets.family_table import Table, family_table, half_swap, stacked
 from shuttle.targets.names import ModelNames
-from shuttle.targets.split import MappingValue, Split
+from shuttle.targets.split import MappingValue
 
 __all__ = ["hunyuan_video_names"]
 
@@ -76,25 +76,6 @@ def _root(names: ModelNames) -> str | None:
     return None
 
 
-def _stacked(names: ModelNames, paths: list[str]) -> MappingValue | None:
-    """Splits sending consecutive row bands of a fused update to ``paths``, in that order."""
-    heights = [names.shapes.get(f"{p}.weight") for p in paths]
-    if any(h is None for h in heights):
-        return None
-    splits, start = [], 0
-    for p, h in zip(paths, heights, strict=True):
-        splits.append(Split(p, (start, start + h[0])))
-        start += h[0]
-    return splits
-
-
-def _half_swap(names: ModelNames, path: str) -> MappingValue | None:
-    """(shift, scale) rows of the original onto the (scale, shift) rows of ``path``."""
-    shape = names.shapes.get(f"{path}.weight")
-    if shape is None or shape[0] % 2:
-        return None
-    h = shape[0] // 2
-    return [Split(path, (0, h), (h, 2 * h)), Split(path, (h, 2 * h), (0, h))]
 
 
 @register_family
@@ -112,19 +93,19 @@ def hunyuan_video_names(names: ModelNames) -> Table | None:
     for i in blocks.get("transformer_blocks", ()):
         new, old = f"{root}transformer_blocks.{i}.", f"double_blocks.{i}."
         table |= {old + o: new + d for o, d in _DOUBLE.items()}
-        table[old + "img_attn_qkv"] = _stacked(names, [new + d for d in _QKV])
-        table[old + "txt_attn_qkv"] = _stacked(names, [new + d for d in _ADDED_QKV])
+        table[old + "img_attn_qkv"] = stacked(names, [new + d for d in _QKV])
+        table[old + "txt_attn_qkv"] = stacked(names, [new + d for d in _ADDED_QKV])
     for i in blocks.get("single_transformer_blocks", ()):
         new, old = f"{root}single_transformer_blocks.{i}.", f"single_blocks.{i}."
         table |= {old + o: new + d for o, d in _SINGLE.items()}
-        table[old + "linear1"] = _stacked(names, [new + d for d in _LINEAR1])
+        table[old + "linear1"] = stacked(names, [new + d for d in _LINEAR1])
     for i in blocks.get("context_embedder.token_refiner.refiner_blocks", ()):
         new = f"{root}context_embedder.token_refiner.refiner_blocks.{i}."
         old = f"txt_in.individual_token_refiner.blocks.{i}."
         table |= {old + o: new + d for o, d in _REFINER.items()}
-        table[old + "self_attn_qkv"] = _stacked(names, [new + d for d in _QKV])
+        table[old + "self_attn_qkv"] = stacked(names, [new + d for d in _QKV])
     table |= {o: root + d for o, d in _TOP.items()}
-    table["final_layer.adaLN_modulation.1"] = _half_swap(names, f"{root}norm_out.linear")
+    table["final_layer.adaLN_modulation.1"] = half_swap(names, f"{root}norm_out.linear")
     # Keep what this model has: a layer it lacks (no guidance embedder) is not a place.
     return {o: v for o, v in table.items()
             if v is not None and (not isinstance(v, str) or names.has_module(v))}

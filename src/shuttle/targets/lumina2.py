@@ -31,9 +31,9 @@ from __future__ import annotations
 import re
 
 from shuttle.targets.family import register_family
-from shuttle.targets.family_table import Table, family_table
+from shuttle.targets.family_table import Table, family_table, stacked
 from shuttle.targets.names import ModelNames
-from shuttle.targets.split import MappingValue, Split
+from shuttle.targets.split import MappingValue
 
 __all__ = ["lumina2_names", "z_image_names"]
 
@@ -66,17 +66,6 @@ _Z_TOP = ("t_embedder.mlp.0", "t_embedder.mlp.2", "cap_embedder.0", "cap_embedde
           "x_pad_token", "cap_pad_token")
 
 
-def _stacked(names: ModelNames, paths: list[str]) -> MappingValue | None:
-    """Splits sending consecutive row bands of a fused update to ``paths``, in that order."""
-    heights = [names.shapes.get(f"{p}.weight") for p in paths]
-    if any(h is None for h in heights):
-        return None
-    splits, start = [], 0
-    for p, h in zip(paths, heights, strict=True):
-        splits.append(Split(p, (start, start + h[0])))
-        start += h[0]
-    return splits
-
 
 def _blocks(names: ModelNames, root: str) -> list[tuple[str, str]]:
     """(``<blocks>``, N) of every NextDiT block below ``root``, in model order."""
@@ -108,7 +97,7 @@ def lumina2_names(names: ModelNames) -> Table | None:
         new, old = f"{root}{blocks}.{i}.", f"{blocks}.{i}."
         rename = _LUMINA_CONTEXT if blocks == "context_refiner" else _LUMINA_BLOCK
         table |= {old + o: new + d for o, d in rename.items()}
-        table[old + "attention.qkv"] = _stacked(
+        table[old + "attention.qkv"] = stacked(
             names, [f"{new}attn.{d}" for d in ("to_q", "to_k", "to_v")])
     table |= {o: root + d for o, d in _LUMINA_TOP.items()}
     return _kept(names, table)
@@ -139,7 +128,7 @@ def z_image_names(names: ModelNames) -> Table | None:
         new, old = f"{root}{blocks}.{i}.", f"{blocks}.{i}."
         table |= {old + o: new + d for o, d in _Z_BLOCK.items()}
         table |= {old + o: new + o for o in _Z_SAME}
-        table[old + "attention.qkv"] = _stacked(
+        table[old + "attention.qkv"] = stacked(
             names, [f"{new}attention.{d}" for d in ("to_q", "to_k", "to_v")])
     table |= {o: root + o for o in _Z_TOP}
     if (embedder := _single_entry(names, f"{root}all_x_embedder")) is not None:

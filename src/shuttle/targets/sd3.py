@@ -23,9 +23,9 @@ from __future__ import annotations
 import re
 
 from shuttle.targets.family import register_family
-from shuttle.targets.family_table import Table, family_table
+from shuttle.targets.family_table import Table, family_table, half_swap, stacked
 from shuttle.targets.names import ModelNames
-from shuttle.targets.split import MappingValue, Split
+from shuttle.targets.split import MappingValue
 
 __all__ = ["sd3_names"]
 
@@ -66,25 +66,6 @@ def _root(names: ModelNames) -> str | None:
     return None
 
 
-def _stacked(names: ModelNames, paths: tuple[str, ...] | list[str]) -> MappingValue | None:
-    """Splits sending consecutive row bands of a fused update to ``paths``, in that order."""
-    heights = [names.shapes.get(f"{p}.weight") for p in paths]
-    if any(h is None for h in heights):
-        return None
-    splits, start = [], 0
-    for p, h in zip(paths, heights, strict=True):
-        splits.append(Split(p, (start, start + h[0])))
-        start += h[0]
-    return splits
-
-
-def _half_swap(names: ModelNames, path: str) -> MappingValue | None:
-    """(shift, scale) rows of the original onto the (scale, shift) rows of ``path``."""
-    shape = names.shapes.get(f"{path}.weight")
-    if shape is None or shape[0] % 2:
-        return None
-    h = shape[0] // 2
-    return [Split(path, (0, h), (h, 2 * h)), Split(path, (h, 2 * h), (0, h))]
 
 
 @register_family
@@ -100,14 +81,14 @@ def sd3_names(names: ModelNames) -> Table | None:
     for i in blocks:
         new, old = f"{root}transformer_blocks.{i}.", f"joint_blocks.{i}."
         table |= {old + o: new + d for o, d in _BLOCK.items()}
-        table |= {old + o: _stacked(names, [new + d for d in ds]) for o, ds in _QKV.items()}
+        table |= {old + o: stacked(names, [new + d for d in ds]) for o, ds in _QKV.items()}
         mod = f"{new}norm1_context.linear"
         # pre-only (the last block): no context output projection, a (shift, scale) modulation
         pre_only = not names.has_module(f"{new}attn.to_add_out")
         table[old + "context_block.adaLN_modulation.1"] = (
-            _half_swap(names, mod) if pre_only else mod)
+            half_swap(names, mod) if pre_only else mod)
     table |= {o: root + d for o, d in _TOP.items()}
-    table["final_layer.adaLN_modulation.1"] = _half_swap(names, f"{root}norm_out.linear")
+    table["final_layer.adaLN_modulation.1"] = half_swap(names, f"{root}norm_out.linear")
     # Keep what this model has: SD 3 has no qk norms, most blocks no attn2.
     return {o: v for o, v in table.items()
             if v is not None and (not isinstance(v, str) or names.has_module(v))}
