@@ -7,12 +7,10 @@ Run ``.venv/bin/python -m tests.targets.cogvideox_layouts`` to write their files
 
 from __future__ import annotations
 
-import json
-
 import torch
 from torch import nn
 
-from tests.targets.family_layouts import FAMILY_KEYS, lora_keys, original_layers
+from tests.targets.family_layouts import lora_keys, original_layers, write
 
 # THUDM/CogVideoX-2b, transformer/config.json: diffusers' defaults (30 layers of 30 heads x 64).
 COGVIDEOX_2B: dict = {}
@@ -51,12 +49,7 @@ def layout(name: str, model: nn.Module | None = None) -> dict[str, list[int]]:
 
 
 def main() -> None:
-    for name in FILES:
-        keys = layout(name)
-        text = "{\n" + ",\n".join(f"{json.dumps(k)}:{json.dumps(s, separators=(',', ':'))}"
-                                  for k, s in keys.items()) + "\n}\n"
-        (FAMILY_KEYS / name).write_text(text)
-        print(f"{name}: {len(keys)} keys")
+    write(FILES, layout)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ Run ``.venv/bin/python -m tests.targets.family_layouts`` to write ``tests/data/f
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -145,13 +145,18 @@ def load(name: str) -> dict[str, list[int]]:
     return json.loads((FAMILY_KEYS / name).read_text())
 
 
-def main() -> None:
-    for name in FILES:
+def write(names: Iterable[str], layout: Callable[[str], dict[str, list[int]]]) -> None:
+    """Write each named layout file: one key per line, compact shapes."""
+    for name in names:
         keys = layout(name)
         text = "{\n" + ",\n".join(f"{json.dumps(k)}:{json.dumps(s, separators=(',', ':'))}"
                                   for k, s in keys.items()) + "\n}\n"
         (FAMILY_KEYS / name).write_text(text)
         print(f"{name}: {len(keys)} keys")
+
+
+def main() -> None:
+    write(FILES, layout)
 
 
 if __name__ == "__main__":

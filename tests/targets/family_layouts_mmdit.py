@@ -11,13 +11,12 @@ Run ``.venv/bin/python -m tests.targets.family_layouts_mmdit`` to write the file
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from tests.targets.family_layouts import FAMILY_KEYS, lora_keys, original_layers
+from tests.targets.family_layouts import lora_keys, original_layers, write
 
 # stabilityai/stable-diffusion-3-medium-diffusers, transformer/config.json
 SD3_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24,
@@ -111,12 +110,7 @@ def layout(name: str, model: nn.Module | None = None) -> dict[str, list[int]]:
 
 
 def main() -> None:
-    for name in FILES:
-        keys = layout(name)
-        text = "{\n" + ",\n".join(f"{json.dumps(k)}:{json.dumps(s, separators=(',', ':'))}"
-                                  for k, s in keys.items()) + "\n}\n"
-        (FAMILY_KEYS / name).write_text(text)
-        print(f"{name}: {len(keys)} keys")
+    write(FILES, layout)
 
 
 if __name__ == "__main__":

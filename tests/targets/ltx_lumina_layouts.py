@@ -8,13 +8,12 @@ Run ``.venv/bin/python -m tests.targets.ltx_lumina_layouts`` to write their file
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from tests.targets.family_layouts import FAMILY_KEYS, lora_keys, original_layers
+from tests.targets.family_layouts import lora_keys, original_layers, write
 
 # Lightricks/LTX-Video-0.9.7-dev (13B), transformer/config.json: 48 layers of 32 heads x 128,
 # T5-XXL's 4096-wide context; the rest diffusers' defaults (the 2B models' values).
@@ -65,12 +64,7 @@ def layout(name: str, model: nn.Module | None = None) -> dict[str, list[int]]:
 
 
 def main() -> None:
-    for name in FILES:
-        keys = layout(name)
-        text = "{\n" + ",\n".join(f"{json.dumps(k)}:{json.dumps(s, separators=(',', ':'))}"
-                                  for k, s in keys.items()) + "\n}\n"
-        (FAMILY_KEYS / name).write_text(text)
-        print(f"{name}: {len(keys)} keys")
+    write(FILES, layout)
 
 
 if __name__ == "__main__":
