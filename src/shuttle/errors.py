@@ -1,7 +1,8 @@
 """Typed errors. Every user mistake raises a subclass of :class:`ShuttleError`.
 
 Each message names what is wrong (the file, key or parameter) and what to do about it. When one
-of these is raised by a mutating call, nothing was changed.
+of these is raised by a mutating call, nothing was changed (the one exception: an overflow found
+by ``load_checkpoint`` mid-load, see :class:`NonFiniteAdapterError`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ __all__ = [
     "DuplicateResourceKeyError",
     "DuplicateTargetError",
     "EvictionPolicyError",
+    "FileChangedError",
     "HostBackingError",
     "InvalidStrengthError",
     "MissingDependencyError",
@@ -35,6 +37,7 @@ __all__ = [
     "ShapeMismatchError",
     "ShuttleError",
     "UnknownKeyError",
+    "UnmatchedKeysError",
     "UnmergeableWeightError",
     "UnsupportedFeatureError",
     "UnsupportedFormatError",
@@ -53,6 +56,13 @@ class AdapterFileError(ShuttleError, OSError):
 
 class CorruptFileError(AdapterFileError):
     """A file is truncated or its header lies about its contents."""
+
+
+class FileChangedError(AdapterFileError):
+    """A file was rewritten, truncated, replaced or deleted after it was opened (its size,
+    modification time or inode differ), and its tensors are read only when needed; nothing was
+    read from it. Load it again.
+    """
 
 
 class OutputIsInputError(AdapterFileError):
@@ -98,7 +108,28 @@ class InvalidStrengthError(ShuttleError, ValueError):
 
 
 class NonFiniteAdapterError(ShuttleError, ValueError):
-    """An adapter tensor holds NaN or infinity, or a merge would produce them."""
+    """An adapter tensor holds NaN or infinity, or a merge would produce them.
+
+    NaN or infinity in an adapter is found before anything changes. A merge that overflows its
+    dtype (float16 beyond 65504) is found while merging: ``merge_lora`` then restores the
+    parameters it merged earlier in the call, ``apply_lora`` restores every weight, and
+    ``merge_files`` leaves the output as it was (it replaces it only whole), so nothing was
+    changed. ``load_checkpoint`` alone keeps the tensors it loaded before the one that
+    overflows (its message says so).
+    """
+
+
+class UnmatchedKeysError(ShuttleError, LookupError):
+    """With ``strict=True``, adapter keys reached no parameter (an adapter made for another
+    model, a wrong ``mapping``); raised before anything changes.
+
+    Attributes:
+        unmatched: adapter key -> why it reached no parameter.
+    """
+
+    def __init__(self, message: str, unmatched: dict[str, str] | None = None):
+        super().__init__(message)
+        self.unmatched = dict(unmatched or {})
 
 
 class ScopeOrderError(ShuttleError, RuntimeError):
@@ -227,3 +258,16 @@ class PendingGradientError(ActivationError):
 
 
 __all__ += ["CheckpointRequiredError", "PendingGradientError", "StreamModeError"]
+
+
+class AdapterIndexError(ShuttleError, IndexError):
+    """An index names no adapter of a dynamic handle (``set_strength``, ``swap``)."""
+
+
+class DeviceUnavailableError(ShuttleError, RuntimeError):
+    """A device was asked for that this machine or this torch build does not have (``"cuda"``
+    without a GPU); the message names the device and what to pass instead.
+    """
+
+
+__all__ += ["AdapterIndexError", "DeviceUnavailableError"]

@@ -72,8 +72,17 @@ def test_arguments():
         "--shard-size", "2GB", "--seed", "3"])
     assert args.base == ["m.safetensors"]
     assert args.lora == [("a.safetensors", 0.8), ("b.safetensors", 1.0)]
-    assert (args.out, args.dtype, args.rounding) == ("out.safetensors", "bf16", "stochastic")
+    assert (args.out, args.dtype, args.rounding) == ("out.safetensors", torch.bfloat16,
+                                                     "stochastic")
     assert (args.shard_size, args.seed) == (2 * 10**9, 3)
+
+
+@pytest.mark.parametrize("spelling", ["bf16", "bfloat16", "BF16"])
+def test_dtype_spellings_match_extract(spelling):
+    """merge takes every spelling extract takes (bf16 and bfloat16 alike)."""
+    args = _parser().parse_args(["merge", "--base", "m.safetensors", "-o", "o.safetensors",
+                                 "--dtype", spelling])
+    assert args.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("bad", [["--dtype", "int4"], ["--rounding", "up"],
@@ -194,3 +203,48 @@ def test_refuses_to_overwrite_a_shard_of_a_sharded_base(tmp_path):
     assert _listing(tmp_path / "ckpt") == before
     # A different output name beside the inputs is fine.
     merge_files(sharded.index, [(lora, 1.0)], tmp_path / "ckpt" / "merged.safetensors")
+
+
+# -- issue 19: adapters that land nowhere, --strict, truthful NaN reports --------------------
+
+def test_an_adapter_for_another_model_exits_2_and_writes_nothing(tmp_path, capsys):
+    _, base, _ = _files(tmp_path)
+    other = tmp_path / "other.safetensors"
+    save_file({"lora_unet_q_proj.lora_down.weight": torch.ones(4, 16),
+               "lora_unet_q_proj.lora_up.weight": torch.ones(32, 4)}, str(other))
+    before = _listing(tmp_path)
+    status = main(["merge", "--base", str(base), "--lora", str(other),
+                   "-o", str(tmp_path / "o.safetensors"), "--no-progress"])
+    assert status == 2
+    err = capsys.readouterr().err
+    assert "no adapter key reached a tensor" in err and "Nothing was written" in err
+    assert _listing(tmp_path) == before
+
+
+def test_strict_fails_on_any_unmatched_key(tmp_path, capsys):
+    _, base, lora = _files(tmp_path)
+    extra = tmp_path / "extra.safetensors"
+    save_file({**load_file(str(lora)), "lora_unet_q_proj.lora_down.weight": torch.ones(4, 16),
+               "lora_unet_q_proj.lora_up.weight": torch.ones(32, 4)}, str(extra))
+    out = tmp_path / "o.safetensors"
+    argv = ["merge", "--base", str(base), "--lora", str(extra), "-o", str(out), "--no-progress"]
+    assert main([*argv, "--strict"]) == 2
+    assert "lora_unet_q_proj" in capsys.readouterr().err and not out.exists()
+    assert main(argv) == 0  # without --strict: merged, the unmatched key listed
+    printed = capsys.readouterr().out
+    assert "into 2 tensor(s)" in printed and "lora_unet_q_proj" in printed
+
+
+def test_a_nan_adapter_is_reported_as_such(tmp_path, capsys):
+    _, base, lora = _files(tmp_path)
+    sd = load_file(str(lora))
+    sd["lora_unet_2.lora_up.weight"][0, 0] = float("nan")
+    bad = tmp_path / "bad.safetensors"
+    save_file(sd, str(bad))
+    out = tmp_path / "o.safetensors"
+    assert main(["merge", "--base", str(base), "--lora", str(bad), "-o", str(out),
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "holds NaN or infinity" in err and "lora_unet_2" in err
+    assert "lower the strength" not in err and "keep their merge" not in err
+    assert not out.exists()

@@ -354,8 +354,10 @@ def test_specific_non_json_headers(workdir, valid_bytes, raw):
 
 
 def test_empty_header_object_is_not_an_adapter(workdir, valid_bytes):
-    _, body = split(valid_bytes)
     with pytest.raises(AdapterFormatError):
+        shuttle.load_lora(write(workdir, join(b"{}", b"")))
+    _, body = split(valid_bytes)  # then the data belongs to no tensor
+    with pytest.raises(CorruptFileError, match="belong to no tensor"):
         shuttle.load_lora(write(workdir, join(b"{}", body)))
 
 

@@ -317,16 +317,22 @@ def test_bfl_control_to_comfy(tmp_path, model):
 
 
 def test_kohya_to_peft_names_need_a_mapping(tmp_path, model):
-    # kohya's underscored names cannot be turned back into module paths without the model,
-    # so a kohya LoRA written as PEFT keeps them under base_model.model.
+    # kohya's underscored names are not module paths: written as PEFT keys, neither PEFT nor
+    # shuttle could apply them. Refused (nothing written) unless the model or a mapping names
+    # the modules.
     sd = {k: v for k, v in kohya_adapter().items()
           if k.startswith(("lora_unet_proj.lora", "lora_unet_proj.alpha", "lora_unet_conv."))}
     src = load_lora(sd)
-    save_lora(src, tmp_path / "ad", to="peft")
+    with pytest.raises(UnsupportedFormatError, match="kohya name.*Convert to kohya or comfy"):
+        save_lora(src, tmp_path / "ad", to="peft")
+    assert no_files_written(tmp_path)
+    save_lora(src, tmp_path / "ad", to="peft", model=model)
     back = load_lora(tmp_path / "ad")
-    assert_same_patches(src, back, {m: f"{P}{m}" for m in src.modules})
-    mapping = {f"{P}lora_unet_proj": "proj", f"{P}lora_unet_conv": "conv"}
-    assert_same_merge(src, back, model, mapping=mapping)
+    assert_same_patches(src, back, {"lora_unet_proj": f"{P}proj", "lora_unet_conv": f"{P}conv"})
+    assert_same_merge(src, back, model)  # placed without a mapping: real module paths
+    save_lora(src, tmp_path / "ad2", to="peft",
+              mapping={"lora_unet_proj": "proj", "lora_unet_conv": "conv"})
+    assert sorted(load_lora(tmp_path / "ad2").modules) == [f"{P}conv", f"{P}proj"]
 
 
 # -- what a format cannot spell ---------------------------------------------------------------

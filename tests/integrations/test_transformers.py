@@ -70,7 +70,9 @@ def test_adapters_merge_and_dynamic_match_merge_lora_on_a_copy():
     handle.remove()
 
 
-@pytest.mark.parametrize("device", ["cuda", "cuda:0", "cpu"])
+@pytest.mark.parametrize("device", [
+    pytest.param(d, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))
+    for d in ("cuda", "cuda:0")] + ["cpu"])
 def test_the_model_reports_its_compute_device_not_its_host_memory(device):
     # generate() puts its inputs and the tensors it makes on model.device. On a CPU machine
     # compute and host devices coincide, so the report is checked without a forward: the

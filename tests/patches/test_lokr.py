@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import shuttle
-from shuttle.errors import ShapeMismatchError
+from shuttle.errors import AdapterFormatError, ShapeMismatchError
 from shuttle.patches import LoKr
 
 
@@ -114,11 +114,16 @@ def test_check_mismatch():
 
 
 def test_needs_one_spelling_of_each_factor():
-    with pytest.raises(AssertionError, match="w1"):
+    # a typed error (not an assert, which python -O drops) naming the tensors and the fix
+    with pytest.raises(AdapterFormatError, match="needs lokr_w1, or lokr_w1_a with lokr_w1_b"):
         LoKr("weight", w2=torch.randn(2, 2))
-    with pytest.raises(AssertionError, match="w2"):
+    with pytest.raises(AdapterFormatError, match="lokr_w2.*export it again"):
         LoKr("weight", w1=torch.randn(2, 2), w2=torch.randn(2, 2), w2a=torch.randn(2, 1),
              w2b=torch.randn(1, 2))
+    with pytest.raises(AdapterFormatError, match="lokr_w2_b"):  # half of a low-rank pair
+        LoKr("weight", w1=torch.randn(2, 2), w2a=torch.randn(2, 1))
+    with pytest.raises(AdapterFormatError, match="layout"):
+        LoKr("weight", w1=torch.randn(2, 2), w2=torch.randn(2, 2), layout="kohya")
 
 
 def test_shapes_and_nbytes():

@@ -24,7 +24,7 @@ from typing import Literal
 import torch
 
 from shuttle.apply.dynamic import DynamicAdapters
-from shuttle.apply.merge import apply_contributions
+from shuttle.apply.merge import apply_contributions, compute_dtype
 from shuttle.apply.notes import Note
 from shuttle.apply.plan import MergePlan
 from shuttle.apply.rounding import Rounding, round_to
@@ -129,7 +129,7 @@ def decide(
     with torch.no_grad():
         for name, contribs in plan.params.items():
             p = params[name]
-            compute = torch.float64 if p.dtype == torch.float64 else torch.float32
+            compute = compute_dtype(p.dtype, contribs)
             w0 = p.detach().to(compute)
             w = apply_contributions(w0.clone(), contribs)  # as merge_param's float path
             lost = round_to(w, p.dtype, rounding, name, seed).to(compute) - w

@@ -9,7 +9,6 @@ an adapter for another of the same targets and rank, and detaches, leaving every
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 from collections import defaultdict
 
@@ -27,7 +26,8 @@ from shuttle.apply.plan import (
     plan_params,
 )
 from shuttle.apply.scale import bump_generation
-from shuttle.errors import InvalidStrengthError, ShuttleError, UnsupportedLayerError
+from shuttle.apply.strength import check_strength
+from shuttle.errors import AdapterIndexError, ShuttleError, UnsupportedLayerError
 from shuttle.formats import LoRA, load_lora
 from shuttle.hooks import add_hook, remove_hook
 from shuttle.patches import LowRank
@@ -88,18 +88,31 @@ class DynamicAdapters:
         """Change adapter ``index``'s strength without rebuilding low-rank factors.
 
         Raises:
-            InvalidStrengthError: ``strength`` is not a finite number.
+            InvalidStrengthError: ``strength`` is not a real number within float32's range
+                (:func:`~shuttle.apply.strength.check_strength`).
+            AdapterIndexError: no adapter ``index``.
         """
-        if not isinstance(strength, numbers.Real) or not math.isfinite(float(strength)):
-            raise InvalidStrengthError(f"strength {strength!r} must be a finite real number")
-        self.strengths[index] = float(strength)
+        index = self._check_index(index, "set_strength")
+        strength = check_strength(strength, f"set_strength({index}, strength)")
+        self.strengths[index] = strength
         for t in self._strength_t.values():
-            t[index] = float(strength)
+            t[index] = strength
         bump_generation()
         modules = dict(self.model.named_modules())
         for name, hook in self.hooks.items():
             if any(c.adapter == index for cs in hook.dense.values() for c in cs):
                 hook.refresh(modules[name])
+
+    def _check_index(self, index: int, method: str) -> int:
+        n = len(self.loras)
+        if isinstance(index, bool) or not isinstance(index, numbers.Integral) \
+                or not -n <= index < n:
+            raise AdapterIndexError(
+                f"{method}({index!r}, ...): this handle holds {n} adapter(s), at indices "
+                f"0..{n - 1} in the order attach_lora got them (adapters at strength 0 are "
+                "dropped, so they take no index); pass one of those."
+            )
+        return int(index) % n
 
     def swap(self, index: int, lora: LoRA | str, mapping: KeyMapping | None = None
              ) -> MergeReport:
@@ -124,9 +137,11 @@ class DynamicAdapters:
                 patches that run as weight residuals (LoHa, LoKr, diffs, ...). Each message
                 says to ``detach()`` and attach the new adapter instead (or to attach with a
                 larger ``max_rank``).
+            AdapterIndexError: no adapter ``index``.
             Everything :func:`~shuttle.merge_lora` raises for a bad adapter (shapes, non-finite
                 tensors, duplicate targets).
         """
+        index = self._check_index(index, "swap")
         new = load_lora(lora)
         plan = plan_params(dict(self.model.named_parameters()), [(new, 1.0)], mapping,
                            load=False, fused=fused_modules(self.model))
@@ -225,8 +240,11 @@ def attach_plan(model: torch.nn.Module, plan: MergePlan, quality: Quality,
         module, _, leaf = param.rpartition(".")
         per_module[module][leaf].extend(contribs)
     report = MergeReport(list(plan.params), plan.unmatched, plan.skipped, plan_notes(plan))
-    handle = DynamicAdapters(model, [lora for lora, _ in plan.adapters],
-                             [s for _, s in plan.adapters], quality, report)
+    # strengths live in a float32 tensor: refuse what it cannot hold (1e308 -> inf)
+    strengths = [check_strength(s, f"loras[{i}] strength") for i, (_, s) in
+                 enumerate(plan.adapters)]
+    handle = DynamicAdapters(model, [lora for lora, _ in plan.adapters], strengths, quality,
+                             report)
     modules = dict(model.named_modules())
     hooks = {name: LoRAHook(name, modules[name], dict(leaves), handle.strengths,
                             handle.strength_tensor, quality, max_rank)

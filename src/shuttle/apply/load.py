@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from shuttle.apply.merge import exact_cublas, merge_param, overflow_flag
+from shuttle.apply.merge import compute_dtype, exact_cublas, merge_param, overflow_flag
 from shuttle.apply.notes import Note, plan_notes
 from shuttle.apply.plan import (
     AdapterList,
@@ -109,6 +109,7 @@ def load_checkpoint(
     rounding: Rounding = "nearest",
     seed: int | None = None,
     progress: bool | None = None,
+    strict_adapters: bool = False,
 ) -> LoadReport:
     """Stream a safetensors checkpoint into ``model``, folding adapters in as tensors arrive.
 
@@ -129,6 +130,11 @@ def load_checkpoint(
         rounding: ``"nearest"`` or ``"stochastic"`` (seeded by parameter name and ``seed``).
         seed: mixed into the stochastic rounding seed.
         progress: a progress bar over tensors (default: with more than 200).
+        strict_adapters: every adapter key must reach a parameter, else
+            :class:`~shuttle.errors.UnmatchedKeysError` before the first tensor is read (the
+            ``strict`` of :func:`~shuttle.merge_lora`; named apart because ``strict`` here is
+            about the checkpoint's coverage of the model). Without it, adapters of which no key
+            lands are logged as a warning and warned (:class:`UserWarning`).
 
     Returns:
         A :class:`LoadReport`.
@@ -143,6 +149,7 @@ def load_checkpoint(
         NonFiniteAdapterError: an adapter tensor holds NaN or infinity.
         UnsupportedLayerError: an update targets an integer tensor, or the checkpoint's and the
             model's tensor disagree on being floating point.
+        UnmatchedKeysError: with ``strict_adapters``, an adapter key reaches no parameter.
         All of these are raised before the first tensor is written. Only a merged value that
         overflows its dtype (float16 beyond 65504) is found when its tensor is reached, and
         raises ``NonFiniteAdapterError`` with earlier tensors already loaded.
@@ -169,7 +176,7 @@ def load_checkpoint(
     specs = {name: ParamSpec(s.tensor.shape, _final_dtype(s, ckpt, source.get(name), dtype),
                          _device(s, target))
              for name, s in slots.items() if s.is_param}
-    plan = plan_params(specs, loras, mapping, load=False)
+    plan = plan_params(specs, loras, mapping, load=False, strict=strict_adapters)
     _check_sets(plan)
     supplied = [n for n, cs in plan.params.items()
                 if n not in source and any(isinstance(c.patch, Set) and c.rows is None
@@ -381,7 +388,8 @@ def _land(t: torch.Tensor, final: torch.dtype, name: str, contribs: list[Contrib
             if flag is not None and bool(flag):
                 raise NonFiniteAdapterError(f"merging into {name!r} overflows {final}")
             return t
-        wide = torch.float64 if torch.float64 in (t.dtype, final) else torch.float32
+        wide = compute_dtype(torch.float64 if torch.float64 in (t.dtype, final) else final,
+                             loaded)
         w = t.to(wide)
         merge_param(w, name, loaded)  # rounding to float32 is exact: nothing is lost here
         out = round_to(w, final, rounding, name, seed)

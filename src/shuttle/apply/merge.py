@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
@@ -51,6 +52,7 @@ from shuttle.weights import PLAIN_DTYPES, WeightRepresentation, represent
 __all__ = [
     "MergeReport",
     "apply_contributions",
+    "compute_dtype",
     "exact_cublas",
     "merge_lora",
     "merge_param",
@@ -92,6 +94,7 @@ def merge_lora(
     seed: int | None = None,
     mapping: KeyMapping | None = None,
     progress: bool | None = None,
+    strict: bool = False,
 ) -> MergeReport:
     """Fold adapters into ``model``'s weights permanently.
 
@@ -106,6 +109,11 @@ def merge_lora(
         seed: mixed into the stochastic rounding seed.
         mapping: adapter module key -> model module path (or ``(path, (start, end))``).
         progress: show a progress bar (default: when many parameters change).
+        strict: every adapter key must reach a parameter, else
+            :class:`~shuttle.errors.UnmatchedKeysError` (listing the keys and why) before any
+            change. Without it, unmatched keys are reported (``MergeReport.unmatched``), and a
+            merge in which no key lands at all is logged as a warning and warned
+            (:class:`UserWarning`).
 
     Returns:
         A :class:`MergeReport`.
@@ -120,7 +128,17 @@ def merge_lora(
             torchao int4 tile-packed): use ``mode="dynamic"``.
         WideningError: an adapter widens a layer that cannot be widened (see
             :mod:`shuttle.apply.widen`).
+        UnmatchedKeysError: with ``strict``, an adapter key reaches no parameter.
         All of these are raised before any weight changes.
+
+    A merge that overflows a weight's dtype (float16 beyond 65504) is found while merging:
+    the parameters this call merged before it are then restored bit for bit and
+    ``NonFiniteAdapterError`` is raised, so on any error nothing was changed. For that, each
+    parameter whose update could overflow is copied just before its write (float16/bfloat16
+    weights whose update bound ``|m s| r max|up| max|down|`` comes near the dtype's overflow
+    margin, other patch kinds than plain low-rank, quantized and float8 weights), and those
+    are merged first; the copies are dropped when the call returns. The extra memory is at most
+    the size of those parameters, none for updates that cannot overflow (the usual case).
 
     An adapter whose update takes more input features than its ``nn.Linear`` has (a FLUX.1
     control LoRA's ``img_in``) widens the layer for good: its weight gains zero columns, its
@@ -131,7 +149,8 @@ def merge_lora(
         raise InvalidStrengthError(
             f"rounding={rounding!r}: expected 'nearest', 'stochastic' or None (the default)")
     params = dict(model.named_parameters())
-    plan = plan_params(params, loras, mapping, fused=fused_modules(model), widen=True)
+    plan = plan_params(params, loras, mapping, fused=fused_modules(model), widen=True,
+                       strict=strict)
     check_mergeable(plan, params)
     widened = widen_layers(model, plan, params)  # checks every layer first
     try:
@@ -144,19 +163,26 @@ def merge_lora(
 
 def merge_plan(model: torch.nn.Module, plan: MergePlan, *, rounding: Rounding | None = None,
                seed: int | None = None, progress: bool | None = None,
-               params: dict[str, torch.Tensor] | None = None) -> None:
+               params: dict[str, torch.Tensor] | None = None, rollback: bool = True) -> None:
     """Apply a validated :class:`MergePlan` to ``model``'s parameters.
 
     ``params``: ``dict(model.named_parameters())`` when the caller has it already.
+    ``rollback``: copy each parameter whose merge could overflow before writing it, and
+    restore those on an overflow (see :func:`merge_lora`); False where the caller restores
+    every parameter itself (a scoped merge).
 
     Raises:
         UnmergeableWeightError: before any write, if a planned parameter cannot be re-encoded.
+        NonFiniteAdapterError: a merge overflows its dtype; with ``rollback``, the parameters
+            merged before were restored.
     """
     params = params if params is not None else dict(model.named_parameters())
     check_mergeable(plan, params)
     show = progress if progress is not None else len(plan.params) >= _PROGRESS_MIN_PARAMS
     nearest = rounding in (None, "nearest")
     recipe = find_recipe(model, plan, params) if nearest else None
+    if recipe is not None and recipe.flags:  # an overflow possible: merged in phases instead
+        recipe = None
     if recipe is not None:  # the same merge as before: its launches again (see apply.recipe)
         flags = recipe.flags
         for flag in flags.values():
@@ -168,59 +194,122 @@ def merge_plan(model: torch.nn.Module, plan: MergePlan, *, rounding: Rounding | 
                 if name not in fused:
                     merge_param(params[name], name, plan.params[name], rounding, seed)
     else:
-        flags = _merge_plan(model, plan, params, rounding, seed, show)
-    if any(bool(f) for f in flags.values()):
-        # rare: find the weights (those now holding infinity or NaN)
-        bad = [n for n in plan.params if params[n].device in flags
-               and params[n].dtype in _FUSED_DTYPES and is_plain_tensor(params[n])
-               and not bool(torch.isfinite(params[n]).all())]
-        raise NonFiniteAdapterError(
-            f"merging into {', '.join(repr(n) for n in bad[:3]) or 'a weight'}"
-            f"{f' (and {len(bad) - 3} more)' if len(bad) > 3 else ''} gives infinity or NaN "
-            f"where the weight was finite (the update overflows its dtype); lower the strength. "
-            "The merge was done on the GPU before this was known: those parameters now hold "
-            "it, and the others their merge. Use apply_lora for a scoped merge that always "
-            "restores."
-        )
+        flags = _merge_plan(model, plan, params, rounding, seed, show, rollback)
+    if any(bool(f) for f in flags.values()):  # not reached: _merge_plan checks its flags
+        raise _overflowed(plan, params, flags)
+
+
+def _overflowed(plan: MergePlan, params: dict[str, torch.Tensor],
+                flags: dict[torch.device, torch.Tensor]) -> NonFiniteAdapterError:
+    """The error for an overflow the fused kernel flagged (found by a scan of the weights)."""
+    bad = [n for n in plan.params if params[n].device in flags
+           and params[n].dtype in _FUSED_DTYPES and is_plain_tensor(params[n])
+           and not bool(torch.isfinite(params[n]).all())]
+    return NonFiniteAdapterError(
+        f"merging into {', '.join(repr(n) for n in bad[:3]) or 'a weight'}"
+        f"{f' (and {len(bad) - 3} more)' if len(bad) > 3 else ''} gives infinity or NaN "
+        f"where the weight was finite (the update overflows its dtype); lower the strength."
+    )
+
+
+_RESTORED = (" Nothing was changed: the parameters this call merged before it was found were "
+             "restored.")
 
 
 def _merge_plan(model: torch.nn.Module, plan: MergePlan, params: dict[str, torch.Tensor],
                 rounding: Rounding | None, seed: int | None,
-                show: bool) -> dict[torch.device, torch.Tensor]:
+                show: bool, rollback: bool = True) -> dict[torch.device, torch.Tensor]:
     """:func:`merge_plan`'s work where no recipe repeats it; returns the overflow flags, and
     remembers the launches as a recipe where they can be repeated (:mod:`shuttle.apply.recipe`).
+
+    Parameters whose merge could overflow (:func:`_cannot_fail` false) are merged first, each
+    copied just before its write (with ``rollback``); their overflow flags are read once
+    after them, and any failure among them restores the copies. The rest cannot fail by
+    overflow: they are merged after, without a finiteness check and without a copy.
     """
-    # Per device, one overflow flag that the fused kernel sets and merge_plan reads once at
-    # the end (the kernel path cannot stop before a write without a host sync per weight);
-    # none, and no sync, where no update can overflow its weight.
+    # Per device, one overflow flag that the fused kernel sets and this reads once after
+    # the risky parameters (the kernel path cannot stop before a write without a host sync per
+    # weight); none, and no sync, where no update can overflow its weight.
     flags: dict[torch.device, torch.Tensor] = {}
     nearest = rounding in (None, "nearest")
     # Weights the fused kernel takes are launched in groups of same-shaped weights as they
     # come (LowRankMerges): one launch per weight cost more host time than the GPU's merge.
     merges = LowRankMerges(record=nearest)
     fused_names = []
-    with torch.no_grad(), exact_cublas():
+    safe = {n: _cannot_fail(params[n], cs) for n, cs in plan.params.items()}
+    risky = [n for n in plan.params if not safe[n]]
+    backups: dict[str, torch.Tensor | WeightRepresentation] = {}
+    with torch.no_grad(), exact_cublas(), \
+            tqdm(total=len(plan.params), desc="merging", unit="param", disable=not show) as bar:
         try:
-            for name in tqdm(plan.params, desc="merging", unit="param", disable=not show):
-                p, contribs = params[name], plan.params[name]
-                fused = _fused_jobs(p, contribs) if nearest else None
-                if fused is None:
-                    merge_param(p, name, contribs, rounding, seed)
-                    continue
-                overflow = overflow_flag(p, contribs, flags)
-                if overflow is not None:
-                    fused = [job._replace(overflow=overflow) for job in fused]
-                fused_names.append(name)
-                for job in fused:
-                    if job.w is not p or not _plain_factors(job, contribs):
-                        merges.stop_recording()  # a view or a copy: see apply.recipe
-                    merges.add(job)
-        finally:  # a weight that failed leaves the ones before it merged (as documented)
-            merges.flush()
-    if merges.launches and not any(bool(f) for f in flags.values()):
+            for names in (risky, [n for n in plan.params if safe[n]]):
+                for name in names:
+                    p, contribs = params[name], plan.params[name]
+                    if rollback and not safe[name]:
+                        backups[name] = _backup(p)
+                    bar.update()
+                    fused = _fused_jobs(p, contribs) if nearest else None
+                    if fused is None:
+                        merge_param(p, name, contribs, rounding, seed, check=not safe[name])
+                        continue
+                    overflow = overflow_flag(p, contribs, flags)
+                    if overflow is not None:
+                        fused = [job._replace(overflow=overflow) for job in fused]
+                    fused_names.append(name)
+                    for job in fused:
+                        if job.w is not p or not _plain_factors(job, contribs):
+                            merges.stop_recording()  # a view or a copy: see apply.recipe
+                        merges.add(job)
+                if names is risky and flags:  # one sync, before any parameter without a copy
+                    merges.flush()
+                    if any(bool(f) for f in flags.values()):
+                        raise _overflowed(plan, params, flags)
+        except BaseException as e:
+            merges.flush()  # launches queued before the failure complete, then are undone
+            for name, saved in backups.items():
+                _restore(params[name], saved)
+            if isinstance(e, NonFiniteAdapterError) and backups:
+                raise NonFiniteAdapterError(f"{e}{_RESTORED}") from e
+            raise
+        merges.flush()
+    if merges.launches and not flags:  # a recipe replays without phases: only overflow-free
         remember_recipe(model, MergeRecipe(plan, params, fused_names, merges.launches, flags),
                         plan.adapters)
     return flags
+
+
+def _backup(p: torch.Tensor) -> torch.Tensor | WeightRepresentation:
+    """A copy of everything a merge rewrites in ``p`` (see :func:`_restore`)."""
+    if is_plain_tensor(p):
+        return p.detach().clone()
+    rep = represent(p)
+    return dataclasses.replace(rep, **{n: t.clone() for n, t in rep.tensors().items()})
+
+
+def _restore(p: torch.Tensor, saved: torch.Tensor | WeightRepresentation) -> None:
+    with torch.no_grad():
+        if isinstance(saved, WeightRepresentation):
+            write_back(p, saved)
+        else:
+            p.data.copy_(saved)
+
+
+# Beyond the kernel's margins (float16, bfloat16): how far past the largest finite value a
+# float32 or float64 sum may go and still round to it (half an ulp at the top).
+_WIDE_MARGIN = {torch.float32: 2.0 ** 103, torch.float64: 2.0 ** 970}
+
+
+def _cannot_fail(p: torch.Tensor, contribs: list[Contribution]) -> bool:
+    """Whether merging ``contribs`` into ``p`` provably cannot overflow: a plain weight of a
+    plain dtype, plain low-rank contributions whose bound (as in :func:`_cannot_overflow`) is
+    below the dtype's margin. A weight that already holds NaN or infinity then keeps it; no
+    other merge can make a value non-finite. Quantized and float8 weights, and other patch
+    kinds, are never known safe.
+    """
+    if not (is_plain_tensor(p) and p.dtype in PLAIN_DTYPES):
+        return False
+    margin = overflow_margin(p.dtype) or _WIDE_MARGIN.get(p.dtype)
+    return margin is not None and _update_bound(contribs) * 2 < margin
 
 
 def _plain_factors(job: LowRankJob, contribs: list[Contribution]) -> bool:
@@ -233,7 +322,8 @@ def _plain_factors(job: LowRankJob, contribs: list[Contribution]) -> bool:
 
 def merge_param(p: torch.Tensor, name: str, contribs: list[Contribution],
                 rounding: Rounding | None = None, seed: int | None = None, *,
-                fresh: bool = False, overflow: torch.Tensor | None = None) -> None:
+                fresh: bool = False, overflow: torch.Tensor | None = None,
+                check: bool = True) -> None:
     """Apply ``contribs`` to parameter ``p`` (named ``name``) with one rounding per element.
 
     ``rounding=None`` is nearest for float16/bfloat16/float32/float64 and stochastic for float8
@@ -242,23 +332,34 @@ def merge_param(p: torch.Tensor, name: str, contribs: list[Contribution],
     merge is seeded as the first one and not counted: the same bits every time.
     ``overflow``: a one-element int32 tensor that the fused kernel path sets to 1 where a
     finite sum rounds to infinity (float16 overflow); the other paths raise instead.
+    ``check``: scan the result for NaN and infinity before writing it; False where the update
+    is known unable to overflow (:func:`_cannot_fail`), saving a pass over the weight.
     """
     if not (is_plain_tensor(p) and p.dtype in PLAIN_DTYPES):
-        _merge_encoded(p, name, contribs, rounding or "stochastic", seed, fresh)
+        _merge_encoded(p, name, contribs, rounding or "stochastic", seed, fresh, check)
         return
     rounding = rounding or "nearest"
     if rounding == "nearest" and _merge_fused(p, contribs, overflow):
         return
-    compute = torch.float64 if p.dtype == torch.float64 else torch.float32
-    w = apply_contributions(p.detach().to(compute, copy=True), contribs)
+    w = apply_contributions(p.detach().to(compute_dtype(p.dtype, contribs), copy=True), contribs)
     w = round_to(w, p.dtype, rounding, name, seed)  # checked after rounding: float16 overflows
-    if not bool(torch.isfinite(w).all()):
+    if check and not bool(torch.isfinite(w).all()):
         raise NonFiniteAdapterError(
             f"merging into {name!r} gives NaN or infinity (the update overflows "
-            f"{p.dtype}); lower the strength. Parameters merged before it keep their merge; "
-            "use apply_lora for a scoped merge that always restores."
+            f"{p.dtype}); lower the strength."
         )
     p.data.copy_(w)
+
+
+def compute_dtype(dtype: torch.dtype, contribs: list[Contribution]) -> torch.dtype:
+    """The dtype a merge into a ``dtype`` weight sums in: float64 where the weight or an
+    adapter tensor is float64 (a float64 adapter's update is not cut to float32 first), else
+    float32.
+    """
+    if dtype == torch.float64 or any(t.dtype == torch.float64 for c in contribs
+                                     for _, t in c.patch.tensors()):
+        return torch.float64
+    return torch.float32
 
 
 def apply_contributions(w: torch.Tensor, contribs: list[Contribution],
@@ -295,7 +396,8 @@ def _count_merge(p: torch.Tensor, count: int) -> None:
 
 
 def _merge_encoded(p: torch.Tensor, name: str, contribs: list[Contribution],
-                   rounding: Rounding, seed: int | None, fresh: bool = False) -> None:
+                   rounding: Rounding, seed: int | None, fresh: bool = False,
+                   check: bool = True) -> None:
     """Merge into a float8 or quantized parameter: dequantize to float32 once, apply every
     contribution, encode once (data-dependent scales recomputed), write back in place.
 
@@ -318,11 +420,9 @@ def _merge_encoded(p: torch.Tensor, name: str, contribs: list[Contribution],
                 _count_merge(p, count + 1)
             return
     w = apply_contributions(rep.dequantize(), contribs)
-    if not bool(torch.isfinite(w).all()):
+    if check and not bool(torch.isfinite(w).all()):
         raise NonFiniteAdapterError(
-            f"merging into {name!r} gives NaN or infinity in float32; lower the strength. "
-            "Parameters merged before it keep their merge; use apply_lora for a scoped merge "
-            "that always restores."
+            f"merging into {name!r} gives NaN or infinity in float32; lower the strength."
         )
     g = torch.Generator(device=p.device)
     g.manual_seed(mixed)
@@ -365,7 +465,7 @@ def lowrank_sums(contribs: list[Contribution]
         if not _plain_lowrank(patch):
             return None
         up, down = patch.factors()
-        if up.dtype != down.dtype:
+        if up.dtype != down.dtype or up.dtype == torch.float64:  # the kernels sum in float32
             return None
         return {c.rows: LowRankSum(up, down, [0, down.shape[0]],
                                    [c.strength * patch.effective_scale])}
@@ -377,7 +477,8 @@ def lowrank_sums(contribs: list[Contribution]
             return None
         factor_dtypes |= {patch.up.dtype, patch.down.dtype}
         groups.setdefault(c.rows, []).append(c)
-    if len(factor_dtypes) != 1 or (None in groups and len(groups) > 1):
+    if len(factor_dtypes) != 1 or torch.float64 in factor_dtypes \
+            or (None in groups and len(groups) > 1):
         return None
     sums = {}
     for rows, cs in groups.items():
@@ -447,15 +548,22 @@ def _cannot_overflow(dtype: torch.dtype, contribs: list[Contribution]) -> bool:
     margin = overflow_margin(dtype)
     if margin is None:
         return True
+    return _update_bound(contribs) * 2 < margin
+
+
+def _update_bound(contribs: list[Contribution]) -> float:
+    """``sum_i |m_i s_i| r_i max|up_i| max|down_i|``, a bound on every element of the update;
+    infinity where it cannot tell (another patch kind, an unmeasured tensor).
+    """
     bound = 0.0
     for c in contribs:
         if not _plain_lowrank(c.patch):
-            return False
+            return math.inf
         up, down = known_abs_max(c.patch.up), known_abs_max(c.patch.down)
         if up is None or down is None:
-            return False
+            return math.inf
         bound += abs(c.strength * c.patch.effective_scale) * c.patch.rank * up * down
-    return bound * 2 < margin
+    return bound
 
 
 # The fused kernel accumulates in float32: float64 weights take the float64 path.

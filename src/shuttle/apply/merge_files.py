@@ -23,15 +23,23 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from shuttle.apply.merge import merge_param
+from shuttle.apply.merge import apply_contributions, compute_dtype
 from shuttle.apply.notes import Note, plan_notes
-from shuttle.apply.plan import AdapterList, Contribution, MergePlan, ParamSpec, plan_params
+from shuttle.apply.plan import (
+    AdapterList,
+    Contribution,
+    MergePlan,
+    ParamSpec,
+    check_finite,
+    plan_params,
+)
 from shuttle.apply.rounding import Rounding, round_to
 from shuttle.errors import (
     AdapterFileError,
     InvalidStrengthError,
     NonFiniteAdapterError,
     ShuttleError,
+    UnmatchedKeysError,
 )
 from shuttle.formats.model_checkpoint import Checkpoint, open_checkpoint, refuse_overwrite
 from shuttle.formats.safetensors_file import LazyTensor
@@ -92,6 +100,8 @@ def merge_files(
     max_shard_bytes: int = 5 * 2**30,
     mapping: KeyMapping | None = None,
     progress: bool | None = None,
+    strict: bool = False,
+    allow_empty: bool = True,
 ) -> FileMergeReport:
     """Merge adapters into a safetensors checkpoint, writing a new checkpoint.
 
@@ -113,6 +123,12 @@ def merge_files(
         max_shard_bytes: most tensor bytes per file; a larger single tensor gets its own file.
         mapping: adapter module key -> tensor path, as for :func:`~shuttle.merge_lora`.
         progress: show a progress bar (default: when writing to a terminal).
+        strict: every adapter key must reach a tensor, else
+            :class:`~shuttle.errors.UnmatchedKeysError` before anything is written.
+        allow_empty: with False, adapters of which no key reaches a tensor raise
+            :class:`~shuttle.errors.UnmatchedKeysError` before anything is written (``shuttle
+            merge`` does this); with True (the default) that is logged as a warning and warned
+            (:class:`UserWarning`), and the output is the base (in ``dtype``).
 
     Returns:
         A :class:`FileMergeReport`.
@@ -122,12 +138,16 @@ def merge_files(
         CorruptFileError: a file is truncated, or the index names tensors its files lack.
         InvalidStrengthError: a bad strength or rounding.
         ShapeMismatchError, DuplicateTargetError, UnsupportedLayerError: as for a merge.
+        UnmatchedKeysError: with ``strict``, an adapter key reaches no tensor; without
+            ``allow_empty``, adapters were given and none of their keys reaches a tensor.
         OutputIsInputError: an output file (a shard, the index) is the base or an adapter
             file, or another name of one.
         ShuttleError: an unknown ``dtype``, a bad ``max_shard_bytes`` or ``out``.
             All of the above are raised before anything is written.
-        NonFiniteAdapterError: while writing: a tensor merges to NaN or infinity, or outside
-            the range of the output dtype. The output is then left as it was.
+        NonFiniteAdapterError: while writing (each adapter tensor is read when its base
+            tensor is merged): an adapter tensor holds NaN or infinity, or a tensor merges to
+            values outside the range of the output dtype. The output is then left as it was
+            (it is replaced only whole, so no earlier tensor is kept).
     """
     out_dtype = _parse_dtype(dtype)
     if rounding not in ("nearest", "stochastic"):
@@ -138,7 +158,13 @@ def merge_files(
     ckpt = _open_base(base)
     tensors: dict[str, LazyTensor] = ckpt.tensors  # type: ignore[assignment]  # files: all lazy
     plan = plan_params({n: ParamSpec(t.shape, t.dtype) for n, t in tensors.items()}, loras, mapping,
-                       load=False)
+                       load=False, strict=strict)
+    if not allow_empty and plan.adapters and not plan.params:
+        raise UnmatchedKeysError(
+            f"no adapter key reached a tensor of {ckpt.files[0]}: none of the "
+            f"{len(plan.unmatched)} key(s) matched, so the output would be a copy of the base. "
+            "The adapter was probably made for another model (or needs a mapping). Nothing "
+            "was written.", plan.unmatched)
     dtypes = {n: out_dtype if out_dtype is not None and t.dtype.is_floating_point else t.dtype
               for n, t in tensors.items()}
     shards = _shards(tensors, dtypes, max_shard_bytes)
@@ -274,37 +300,80 @@ def _metadata(base: Mapping[str, str], plan: MergePlan, dtype: torch.dtype | Non
 
 def _merged(t: LazyTensor, name: str, contribs: list[Contribution], dtype: torch.dtype,
             rounding: Rounding, seed: int | None) -> torch.Tensor:
-    """Base tensor ``t`` with its contributions, rounded once to ``dtype``."""
+    """Base tensor ``t`` with its contributions, rounded once to ``dtype``.
+
+    At most one pass checks the result: none for a tensor copied as it is or converted to a
+    dtype that holds every value of its own; one (``aminmax``, of the result or for float8 of
+    the unrounded sum) otherwise, and only when it finds something a slower pass says where.
+    """
     # A copy, not a view of the file's map: touched map pages stay resident until the file is
     # closed, so a view would grow the process to the checkpoint's size; a copy is freed here.
     value = t.load(copy=True)
     if not contribs and dtype == value.dtype:
         return value  # untouched: the file's bytes as they are
-    # Read the patches now, not at planning: one tensor's adapters in memory at a time.
+    if not contribs:
+        w = value if value.dtype in (torch.float32, torch.float64) else value.float()
+        out = round_to(w, dtype, rounding, name, seed)
+        if not _fits(value.dtype, dtype):
+            _check_range(value, w, out, name, dtype, merged=False)
+        return out
+    # Read the patches now, not at planning: one tensor's adapters in memory at a time. Found
+    # finite here (a NaN adapter is reported as such), a non-finite sum below is an overflow
+    # of the compute dtype or the weight's own NaN or infinity.
     contribs = [dataclasses.replace(c, patch=c.patch.load("cpu")) for c in contribs]
-    compute = torch.float64 if torch.float64 in (value.dtype, dtype) else torch.float32
-    w = value.to(compute, copy=True)
-    if contribs:
-        # merge_lora's own per-parameter code, on a float32 copy: its rounding (to float32)
-        # is the identity, so the one rounding is round_to below, seeded exactly as merge_lora.
-        merge_param(w, name, contribs, rounding, seed)
+    check_finite(MergePlan({name: contribs}, {}, {}))
+    compute = compute_dtype(value.dtype if value.dtype == torch.float64 else dtype, contribs)
+    # merge_lora's own per-parameter math (its CPU path): contributions applied in float32 (or
+    # float64), then the one rounding, round_to below, seeded exactly as merge_lora's.
+    w = apply_contributions(value.to(compute, copy=True), contribs)
     out = round_to(w, dtype, rounding, name, seed)
-    # Overflow: float16 rounds to inf, float8 saturates silently; both are lost values.
+    _check_range(value, w, out, name, dtype, merged=True)
+    return out
+
+
+def _fits(have: torch.dtype, dtype: torch.dtype) -> bool:
+    """Whether every finite value of ``have`` rounds to a finite value of ``dtype`` (to nearest
+    or stochastically: both neighbours of a value are at most ``dtype``'s largest).
+    """
+    return have.is_floating_point and torch.finfo(dtype).max >= torch.finfo(have).max
+
+
+def _check_range(value: torch.Tensor, w: torch.Tensor, out: torch.Tensor, name: str,
+                 dtype: torch.dtype, *, merged: bool) -> None:
+    """Raise if a value that was finite in the base is lost in ``out``: infinite after the
+    merge in the compute dtype (``w``), or beyond ``dtype``'s range (float16 rounds it to
+    infinity, float8 saturates silently). NaN and infinity already in the base pass through.
+    """
     fi = torch.finfo(dtype)
     limit = fi.max + 2.0 ** math.floor(math.log2(fi.max)) * fi.eps / 2  # max + half an ulp
-    overflow = w.abs() >= limit
-    if dtype not in _FP8:  # stochastic rounding may step from near max to inf (fp8 has no isfinite)
-        overflow |= ~torch.isfinite(out)
+    if w.numel() == 0:
+        return
+    if dtype in _FP8:  # no isfinite for float8: the sum against the saturation limit
+        lo, hi = torch.aminmax(w)
+        if math.isfinite(lo) and math.isfinite(hi) and max(-float(lo), float(hi)) < limit:
+            return
+    else:  # one pass over the result; stochastic rounding may step from near max to inf
+        lo, hi = torch.aminmax(out)
+        if math.isfinite(lo) and math.isfinite(hi):
+            return
+    # Rare: where exactly (the base's own NaN and infinity are not this merge's doing).
+    was_finite = torch.isfinite(value if value.element_size() > 1 else value.float())
+    lost = ~torch.isfinite(w) | (w.abs() >= limit)
+    if dtype not in _FP8:
+        lost |= ~torch.isfinite(out)
+    bad = was_finite & lost
+    if not bool(bad.any()):
+        return
     finite = torch.isfinite(w)
-    bad = finite & overflow
-    if bool(bad.any()):
-        raise NonFiniteAdapterError(
-            f"tensor {name!r} {'merges to' if contribs else 'holds'} values beyond the range of "
-            f"{dtype} (largest |value| {float(w[finite].abs().max()):.4g}, limit {fi.max:.4g}); "
-            f"{'lower the strength or ' if contribs else ''}choose a wider output dtype "
-            "(bf16/fp32). Nothing was written."
-        )
-    return out
+    largest = float(w[finite].abs().max()) if bool(finite.any()) else math.inf
+    where = "" if largest < limit else f" (largest |value| {largest:.4g}, limit {fi.max:.4g})"
+    raise NonFiniteAdapterError(
+        f"tensor {name!r} {'merges to' if merged else 'holds'} values beyond the range of "
+        f"{dtype if bool((bad & finite).any()) else w.dtype}{where}; "
+        f"{'lower the strength or ' if merged else ''}choose a wider output dtype "
+        "(bf16/fp32). Nothing was written: the output is replaced only when every tensor is "
+        "complete, and no earlier tensor is kept."
+    )
 
 
 def _warn_stale(paths: list[Path], index: Path | None) -> None:

@@ -9,18 +9,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import numbers
+import warnings
 import weakref
 from collections.abc import Collection, Mapping, Sequence
 from typing import NamedTuple, Protocol
 
 import torch
 
+from shuttle.apply.strength import check_strength
 from shuttle.errors import (
     InvalidStrengthError,
     NonFiniteAdapterError,
     ShapeMismatchError,
     ShuttleError,
+    UnmatchedKeysError,
     UnmergeableWeightError,
     UnsupportedLayerError,
     WideningError,
@@ -39,6 +41,7 @@ __all__ = [
     "ParamSpec",
     "TensorSpec",
     "check_finite",
+    "check_landed",
     "check_mergeable",
     "is_plain_tensor",
     "known_abs_max",
@@ -84,7 +87,8 @@ def normalize_loras(loras: AdapterList) -> list[tuple[LoRA, float]]:
     """``[(LoRA, strength)]`` from user input, with strengths checked and zeros dropped.
 
     Raises:
-        InvalidStrengthError: a strength is not a finite real number.
+        InvalidStrengthError: a strength is not a real number within float32's range
+            (:func:`~shuttle.apply.strength.check_strength`).
     """
     if isinstance(loras, LoRA):
         loras = [(loras, 1.0)]
@@ -96,15 +100,10 @@ def normalize_loras(loras: AdapterList) -> list[tuple[LoRA, float]]:
                 "e.g. [(lora, 0.8)]"
             )
         lora, strength = item
-        if isinstance(strength, torch.Tensor) and strength.numel() == 1:
-            strength = strength.item()
-        if not isinstance(strength, numbers.Real) or not math.isfinite(float(strength)):
-            raise InvalidStrengthError(
-                f"loras[{i}] has strength {strength!r}; strengths must be finite real numbers"
-            )
+        strength = check_strength(strength, f"loras[{i}] strength")
         if strength == 0:
             continue  # exact zeros are skipped: nothing to read, nothing to round
-        out.append((load_lora(lora), float(strength)))
+        out.append((load_lora(lora), strength))
     return out
 
 
@@ -135,18 +134,19 @@ def plan_merge(
     mapping: KeyMapping | None = None,
     *,
     widen: bool = False,
+    strict: bool = False,
 ) -> MergePlan:
     """Resolve, validate and load everything a merge needs (tensors land on each weight's device).
 
-    ``widen``: as for :func:`plan_params`.
+    ``widen``, ``strict``: as for :func:`plan_params`.
 
     Raises:
         InvalidStrengthError, ShapeMismatchError, DuplicateTargetError, UnsupportedLayerError,
-        NonFiniteAdapterError, CorruptFileError, WideningError: see the messages; the model
-        is untouched.
+        NonFiniteAdapterError, CorruptFileError, WideningError, UnmatchedKeysError: see the
+        messages; the model is untouched.
     """
     return plan_params(dict(model.named_parameters()), loras, mapping,
-                       fused=fused_modules(model), widen=widen)
+                       fused=fused_modules(model), widen=widen, strict=strict)
 
 
 def plan_params(
@@ -158,6 +158,7 @@ def plan_params(
     load: bool = True,
     fused: Collection[str] = (),
     widen: bool = False,
+    strict: bool = False,
 ) -> MergePlan:
     """:func:`plan_merge` over parameter specs instead of a model (a checkpoint's header, ...).
 
@@ -174,9 +175,12 @@ def plan_params(
         widen: accept updates with more input columns than their 2-D weight (a control
             LoRA's ``img_in``), validated at the wider shape and listed in ``plan.widen``;
             the caller widens the layers before merging (:mod:`shuttle.apply.widen`).
+        strict: every adapter key must reach a parameter (see :func:`check_landed`).
 
     Raises:
         WideningError: without ``widen``, an update takes more input columns than its weight.
+        UnmatchedKeysError: with ``strict``, an adapter key reaches no parameter (raised
+            before any adapter tensor is read).
     """
     pairs = normalize_loras(loras)
     # Quantized weights are planned by the weight they stand for (shape, compute dtype).
@@ -214,6 +218,7 @@ def plan_params(
             for t in placed.targets:
                 if t.param in plan.widen and placed.widen.get(t.param) is None:
                     _validate(t, params[t.param], plan.widen[t.param])
+    check_landed(plan, strict, targets=sum(len(p.targets) for p, _, _ in staged))
     for placed, strength, index in staged:
         for i, t in enumerate(placed.targets):
             patch = t.patch
@@ -239,6 +244,39 @@ def plan_params(
         log.warning("%d adapter key(s) matched no parameter: %s", len(plan.unmatched),
                     "; ".join(f"{k}: {v}" for k, v in list(plan.unmatched.items())[:5]))
     return plan
+
+
+def check_landed(plan: MergePlan, strict: bool, *, targets: int | None = None) -> None:
+    """Refuse (``strict``) or warn loudly about adapters that miss the model.
+
+    With ``strict``, every adapter key must reach a parameter: otherwise
+    :class:`~shuttle.errors.UnmatchedKeysError` lists the keys that did not, with why. Keys
+    that ``load_lora`` deliberately did not turn into patches (``plan.skipped``: PEFT's
+    untouched originals, embeddings) are not weight updates and do not count. Without it, a
+    plan in which adapters were given (at a non-zero strength) and none of their keys reaches
+    a parameter is almost always an adapter made for another model: it is logged as a warning
+    on the ``shuttle`` logger and raised as a :class:`UserWarning`.
+
+    ``targets``: how many targets the plan will hold (default: ``len(plan.params)``).
+    """
+    if strict and plan.unmatched:
+        keys = list(plan.unmatched.items())
+        raise UnmatchedKeysError(
+            f"strict=True: {len(keys)} adapter key(s) reached no parameter: "
+            + "; ".join(f"{k}: {v}" for k, v in keys[:10])
+            + (f"; ... ({len(keys) - 10} more in .unmatched)" if len(keys) > 10 else "")
+            + ". Check that the adapter was made for this model (or pass a mapping); nothing "
+            "was changed.", plan.unmatched)
+    landed = len(plan.params) if targets is None else targets
+    if plan.adapters and not landed:
+        sources = ", ".join(repr(lora.source) for lora, _ in plan.adapters[:3])
+        message = (
+            f"NO adapter update landed: none of the {len(plan.unmatched)} key(s) of {sources} "
+            "reached a parameter of this model, so nothing will change. The adapter was "
+            "probably made for another model (or needs a mapping); see the report's "
+            ".unmatched, or pass strict=True to make this an error.")
+        log.warning(message)
+        warnings.warn(message, UserWarning, stacklevel=4)
 
 
 @dataclasses.dataclass
@@ -482,9 +520,21 @@ def _screen(tensors: list[torch.Tensor]) -> list[float]:
     (checked on CPU and CUDA by tests/apply/test_plan.py) and is infinite for an infinity; a
     tensor whose maximum is not finite gets the exact check.
     """
-    # float8 has no reduction kernels: measured from its float32 values
-    ts = [t.float() if t.element_size() == 1 else t for t in tensors]
-    return torch.stack(torch._foreach_norm(ts, math.inf, dtype=torch.float32)).tolist()
+    # float8 has no reduction kernels: measured from its float32 values; float64 tensors are
+    # measured in float64 (a reduction may not narrow them, and their maxima may exceed float32)
+    wide = [i for i, t in enumerate(tensors) if t.dtype == torch.float64]
+    rest = [i for i, t in enumerate(tensors) if t.dtype != torch.float64]
+    out = [0.0] * len(tensors)
+    if rest:
+        ts = [tensors[i].float() if tensors[i].element_size() == 1 else tensors[i] for i in rest]
+        for i, m in zip(rest, torch.stack(torch._foreach_norm(ts, math.inf, dtype=torch.float32))
+                        .tolist(), strict=True):
+            out[i] = m
+    if wide:
+        norms = torch._foreach_norm([tensors[i] for i in wide], math.inf)
+        for i, m in zip(wide, torch.stack(norms).tolist(), strict=True):
+            out[i] = m
+    return out
 
 
 def _finite(t: torch.Tensor) -> bool:

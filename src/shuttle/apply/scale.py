@@ -8,13 +8,12 @@ change through :func:`generation`.
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 from collections.abc import Iterator
 
 import torch
 
-from shuttle.errors import InvalidStrengthError
+from shuttle.apply.strength import check_strength
 
 __all__ = ["generation", "lora_scale", "request_scale", "request_scale_value"]
 
@@ -57,8 +56,7 @@ def lora_scale(scale: float) -> Iterator[None]:
         InvalidStrengthError: ``scale`` is not a finite number.
     """
     global _value
-    if not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise InvalidStrengthError(f"lora_scale({scale!r}): the scale must be a finite number")
+    scale = check_strength(scale, f"lora_scale({scale!r})")
     with _lock:
         previous = _value
         _set(float(scale))

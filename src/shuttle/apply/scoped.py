@@ -21,7 +21,14 @@ from shuttle.apply.dynamic import (
 from shuttle.apply.dynamic_layer import Quality
 from shuttle.apply.merge import MergeReport, merge_plan, write_back
 from shuttle.apply.notes import plan_notes
-from shuttle.apply.plan import AdapterList, check_mergeable, is_plain_tensor, plan_merge
+from shuttle.apply.plan import (
+    AdapterList,
+    MergePlan,
+    check_landed,
+    check_mergeable,
+    is_plain_tensor,
+    plan_merge,
+)
 from shuttle.apply.rounding import Rounding
 from shuttle.apply.widen import narrow, widen_layers
 from shuttle.errors import InvalidStrengthError, ScopeOrderError, ShuttleError
@@ -58,6 +65,7 @@ def apply_lora(
     backup_device: torch.device | str | None = None,
     quality: Quality | None = None,
     auto_threshold: float = DEFAULT_THRESHOLD,
+    strict: bool = False,
 ) -> Iterator[MergeReport | DynamicAdapters | AutoReport]:
     """Apply adapters for the duration of a ``with`` block.
 
@@ -82,6 +90,9 @@ def apply_lora(
         quality: the dynamic tier (``"exact"``, ``"lossless"``, ``"fused"``).
         auto_threshold: with ``mode="auto"``, the largest fraction of a parameter's update a
             merge may lose to rounding (0 merges only where rounding loses nothing).
+        strict: every adapter key must reach a parameter, else
+            :class:`~shuttle.errors.UnmatchedKeysError` before the block runs (in dynamic
+            mode the hooks just attached are detached first; no weight is ever written there).
 
     Yields:
         The :class:`~shuttle.MergeReport` (merge), the :class:`~shuttle.DynamicAdapters`
@@ -97,6 +108,9 @@ def apply_lora(
         raise ShuttleError(f"mode={mode!r}: apply_lora supports {', '.join(MODES)}")
     if mode == "dynamic":
         handle = attach_lora(model, loras, quality=quality, mapping=mapping)
+        if strict and handle.unmatched:
+            handle.detach()
+            check_landed(MergePlan({}, dict(handle.unmatched), {}), strict=True)
         try:
             yield handle
         finally:
@@ -109,7 +123,7 @@ def apply_lora(
         quality = quality or default_quality(model)
         if quality not in QUALITIES:
             raise ShuttleError(f"quality={quality!r}: expected one of {', '.join(QUALITIES)}")
-    plan = plan_merge(model, loras, mapping, widen=mode == "merge")
+    plan = plan_merge(model, loras, mapping, widen=mode == "merge", strict=strict)
     params = dict(model.named_parameters())
     merged, dynamic = plan, None
     notes = plan_notes(plan)
@@ -137,7 +151,7 @@ def apply_lora(
             report = AutoReport({n: d.mode for n, d in decisions.items()},
                                 {n: d.loss for n, d in decisions.items()}, handle,
                                 plan.unmatched, plan.skipped, notes)
-        merge_plan(model, merged, rounding=rounding, seed=seed)
+        merge_plan(model, merged, rounding=rounding, seed=seed, rollback=False)  # see finally
         yield report
     finally:
         if handle is not None:

@@ -11,18 +11,17 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import math
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
 
+from shuttle.apply.strength import check_strength
 from shuttle.cache.policy import EvictionPolicy
 from shuttle.cache.resource_cache import ResourceCache
 from shuttle.cache.specs import LoRASpec, ModelSpec, Spec
 from shuttle.errors import (
     CacheError,
-    InvalidStrengthError,
     ModelInUseError,
     UnsupportedFeatureError,
 )
@@ -122,10 +121,9 @@ def _check_loras(loras: Sequence[tuple[Any, float]]) -> list[tuple[Any, float]]:
             raise CacheError(f"loras[{i}]={pair!r}: expected a (LoRASpec or key, strength) "
                              "pair")
         spec, w = pair
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
-            raise InvalidStrengthError(f"loras[{i}] strength={w!r}: expected a finite number")
+        w = check_strength(w, f"loras[{i}] strength")
         if w != 0:  # as the offloader does: an adapter at strength 0 is not even built
-            pairs.append((spec, float(w)))
+            pairs.append((spec, w))
     return pairs
 
 

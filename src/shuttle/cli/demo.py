@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import shuttle
+from shuttle.cli.args import device_arg
 from shuttle.cli.table import render_table
 
 # A reference update: (parameter name, rows or None, W64 -> new W64).
@@ -65,7 +66,8 @@ class DemoDiT(nn.Module):
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # noqa: D103
     p = sub.add_parser("demo", help="write, load and merge adapters of four formats; verify")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    p.add_argument("--device", type=device_arg, default=None,
+                   help="cuda or cpu (default: cuda when present)")
     p.add_argument("--json", action="store_true", help="print results as JSON")
 
 
@@ -188,7 +190,7 @@ def _compare(model: nn.Module, ref: dict[str, torch.Tensor], base: dict[str, tor
 
 
 def run(args: argparse.Namespace) -> int:  # noqa: D103
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = str(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     model = DemoDiT().to(device=device, dtype=torch.bfloat16)

@@ -8,9 +8,10 @@ import json
 import torch
 
 from shuttle.apply.extract import DEFAULT_RANK, ExtractReport, extract_lora
+from shuttle.cli.args import device_arg, dtype_arg, fraction_arg, positive_int_arg
 from shuttle.cli.table import format_bytes, render_table
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SHOWN = 20
 
 
@@ -23,13 +24,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # noqa: D103
     p.add_argument("--tuned", required=True, nargs="+", help="fine-tuned checkpoint, same forms")
     p.add_argument("-o", "--out", required=True, help="adapter file to write (.safetensors)")
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--rank", type=int, help=f"rank of each low-rank payload "
+    size.add_argument("--rank", type=positive_int_arg, help=f"rank of each low-rank payload "
                       f"(default {DEFAULT_RANK})")
-    size.add_argument("--energy", type=float,
+    size.add_argument("--energy", type=fraction_arg,
                       help="per matrix, the smallest rank capturing this fraction of ||delta||^2")
-    p.add_argument("--device", help="where the SVDs run (default cuda when available, else cpu)")
-    p.add_argument("--dtype", choices=sorted(_DTYPES),
-                   help="dtype of factors and diffs (default: the checkpoint's, where exact)")
+    p.add_argument("--device", type=device_arg,
+                   help="where the SVDs run (default cuda when available, else cpu)")
+    p.add_argument("--dtype", type=dtype_arg(_DTYPES),
+                   help="dtype of factors and diffs: bf16, fp16 or fp32 (or bfloat16, float16, "
+                        "float32; default: the checkpoint's, where exact)")
     p.add_argument("--prefix", default="", help="put before every key, e.g. diffusion_model.")
     p.add_argument("--seed", type=int, default=0, help="seed of the randomized SVD")
     p.add_argument("--strict", action="store_true",
@@ -55,7 +58,7 @@ def _rows(report: ExtractReport, show_all: bool) -> tuple[list[list[object]], in
 def run(args: argparse.Namespace) -> int:  # noqa: D103
     report = extract_lora(
         _one(args.base), _one(args.tuned), args.out, rank=args.rank, energy=args.energy,
-        device=args.device, dtype=_DTYPES[args.dtype] if args.dtype else None,
+        device=args.device, dtype=args.dtype,
         progress=None if not args.json else False, seed=args.seed, strict=args.strict,
         prefix=args.prefix,
     )

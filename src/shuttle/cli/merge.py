@@ -1,4 +1,8 @@
-"""``shuttle merge --base MODEL --lora A:0.8 -o OUT``: merge adapters into a checkpoint file."""
+"""``shuttle merge --base MODEL --lora A:0.8 -o OUT``: merge adapters into a checkpoint file.
+
+Adapters of which no key reaches a tensor of the base (an adapter made for another model) are an
+error: exit status 2, nothing written. ``--strict`` makes any unmatched key one.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import re
 from pathlib import Path
 
 from shuttle.apply.merge_files import OUTPUT_DTYPES, merge_files
+from shuttle.cli.args import dtype_arg
 from shuttle.cli.table import format_bytes
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -60,21 +65,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # noqa: D103
                    metavar="PATH[:STRENGTH]", help="adapter and strength (default 1.0); repeat")
     p.add_argument("-o", "--out", required=True,
                    help="output NAME.safetensors (shards go beside it) or a directory")
-    p.add_argument("--dtype", choices=list(OUTPUT_DTYPES),
-                   help="output dtype of floating-point tensors (default: keep each one's)")
+    p.add_argument("--dtype", type=dtype_arg(OUTPUT_DTYPES.values()),
+                   help="output dtype of floating-point tensors: bf16 (bfloat16), fp16 "
+                        "(float16), fp32 (float32), ... (default: keep each one's)")
     p.add_argument("--rounding", choices=["nearest", "stochastic"], default="nearest",
                    help="rounding to the output dtype (default nearest)")
     p.add_argument("--seed", type=int, default=None, help="stochastic rounding seed")
     p.add_argument("--shard-size", type=parse_size, default=None, metavar="SIZE",
                    help="most tensor bytes per file, e.g. 5GB or 4GiB (default 5GiB)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--strict", action="store_true",
+                   help="fail (nothing written) if any adapter key matches no tensor; without "
+                        "it, unmatched keys are listed, and only adapters of which no key "
+                        "matches fail")
 
 
 def run(args: argparse.Namespace) -> int:  # noqa: D103
     base = args.base[0] if len(args.base) == 1 else args.base
     kwargs = {} if args.shard_size is None else {"max_shard_bytes": args.shard_size}
     report = merge_files(base, args.lora, args.out, dtype=args.dtype, rounding=args.rounding,
-                         seed=args.seed, progress=False if args.no_progress else None, **kwargs)
+                         seed=args.seed, progress=False if args.no_progress else None,
+                         strict=args.strict, allow_empty=False, **kwargs)
     where = report.index or report.files[0]
     print(f"merged {len(args.lora)} adapter(s) into {len(report.applied)} tensor(s); wrote "
           f"{len(report.files)} file(s), {format_bytes(report.total_size)}: {where}")

@@ -185,6 +185,9 @@ def _config_of(
     return config, module
 
 
+_FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
+
+
 def _scalar(key: str, t: Tensorish, source: str) -> float:
     v = materialize(t)
     if v.numel() != 1:
@@ -232,9 +235,26 @@ def _build_module(
                 f"{source}: {key!r} has shape {tuple(t.shape)}; adapter factors are matrices "
                 "or conv kernels. The file is corrupt; export it again."
             )
+        if factor and 0 in t.shape:
+            raise AdapterFormatError(
+                f"{source}: {key!r} has shape {tuple(t.shape)}: an empty factor (rank 0) gives "
+                f"no update. The file is corrupt; export it again, or remove the keys of module "
+                f"{module!r} from it."
+            )
     alpha = _scalar(*r["alpha"], source) if "alpha" in r else None
 
     def scale(rank: int | None) -> float:
+        s = _scale(rank)
+        if not (math.isfinite(s) and abs(s) <= _FLOAT32_MAX):
+            given = f"alpha {alpha!r}" if alpha is not None else "the config's alpha"
+            raise AdapterFormatError(
+                f"{source}: module {module!r}: {given} over rank {rank} gives the scale {s:.4g}, "
+                f"beyond float32's range (|scale| <= {_FLOAT32_MAX:.4g}). The alpha is corrupt; "
+                "export the adapter again (alpha is usually the rank or twice it)."
+            )
+        return s
+
+    def _scale(rank: int | None) -> float:
         if rank is None:  # LoKr with both factors full: LyCORIS forces scale 1, PEFT does not
             if config is not None and alpha is None:
                 return config.alpha_for(config_name) / config.rank_for(config_name)

@@ -67,6 +67,11 @@ class PeftConfig:
             UnsupportedFormatError: a PEFT type other than LoRA, LoHa or LoKr.
             AdapterFormatError: a field has the wrong type.
         """
+        if not isinstance(d, dict):
+            raise AdapterFormatError(
+                f"{where}: the PEFT config is a {type(d).__name__}; it must be a JSON object "
+                '(a dict such as {"r": 8, "lora_alpha": 8}). Fix the config file.'
+            )
         peft_type = str(d.get("peft_type", "LORA")).upper()
         if peft_type not in _SUPPORTED:
             raise UnsupportedFormatError(
@@ -74,15 +79,17 @@ class PeftConfig:
                 f"{', '.join(_SUPPORTED)}). Merge it with PEFT's merge_and_unload() instead."
             )
         alpha_key = "lora_alpha" if peft_type == "LORA" else "alpha"
+        r = _rank(d.get("r", 8), "r", where)
+        alpha = _alpha(d.get(alpha_key) if d.get(alpha_key) is not None else r, alpha_key, where)
+        rank_pattern = {str(k): _rank(v, f"rank_pattern[{k!r}]", where)
+                        for k, v in _table(d, "rank_pattern", where).items()}
+        alpha_pattern = {str(k): _alpha(v, f"alpha_pattern[{k!r}]", where)
+                         for k, v in _table(d, "alpha_pattern", where).items()}
         try:
-            r = int(d.get("r", 8))
-            alpha = float(d.get(alpha_key) if d.get(alpha_key) is not None else r)
             cfg = cls(
                 peft_type=peft_type, r=r, alpha=alpha,
                 use_rslora=bool(d.get("use_rslora", False)),
-                rank_pattern={str(k): int(v) for k, v in (d.get("rank_pattern") or {}).items()},
-                alpha_pattern={str(k): float(v) for k, v in
-                               (d.get("alpha_pattern") or {}).items()},
+                rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,
                 fan_in_fan_out=bool(d.get("fan_in_fan_out", False)),
                 modules_to_save=tuple(str(m) for m in (d.get("modules_to_save") or ())),
                 bias=str(d.get("bias") or "none"),
@@ -91,8 +98,6 @@ class PeftConfig:
             raise AdapterFormatError(f"{where}: invalid field ({e}); fix the config file") from None
         for pat in (*cfg.rank_pattern, *cfg.alpha_pattern):
             _compile(pat, where)  # refuse what cannot be matched safely, at load
-        if not math.isfinite(cfg.alpha):
-            raise AdapterFormatError(f"{where}: {alpha_key} is {cfg.alpha}; it must be finite")
         if d.get("target_parameters"):
             # ParamWrapper keys name the module, not the parameter (nested wrappers spell the
             # others as <module>.base_layer...), and the per-expert layout of the factors
@@ -160,6 +165,49 @@ class PeftConfig:
         a = self.alpha_for(module)
         return a / math.sqrt(rank) if self.use_rslora else a / rank
 
+
+def _table(d: dict[str, Any], field: str, where: str) -> dict[Any, Any]:
+    value = d.get(field) or {}
+    if not isinstance(value, dict):
+        raise AdapterFormatError(
+            f"{where}: {field} is a {type(value).__name__}; it must map module patterns to "
+            f'values (e.g. {{"down_blocks.0": 4}}). Fix the config file.'
+        )
+    return value
+
+
+def _rank(value: Any, field: str, where: str) -> int:
+    """A rank from a config: a whole number >= 1 (``8`` or ``8.0``; not ``True``, ``1e999``)."""
+    ok = isinstance(value, (int, float, str)) and not isinstance(value, bool)
+    try:
+        r = float(value) if ok else math.nan
+    except (ValueError, OverflowError):
+        r = math.nan
+    if not (math.isfinite(r) and r == int(r) and r >= 1):
+        raise AdapterFormatError(
+            f"{where}: {field} is {value!r}; a rank must be a whole number >= 1 (e.g. 8). "
+            "Fix the config file."
+        )
+    return int(r)
+
+
+def _alpha(value: Any, field: str, where: str) -> float:
+    """An alpha from a config: a finite number within float32's range."""
+    ok = isinstance(value, (int, float, str)) and not isinstance(value, bool)
+    try:
+        a = float(value) if ok else math.nan
+    except (ValueError, OverflowError):
+        a = math.nan
+    if not (math.isfinite(a) and abs(a) <= _FLOAT32_MAX):
+        raise AdapterFormatError(
+            f"{where}: {field} is {value!r}; alpha must be a finite number within float32's "
+            f"range (|alpha| <= {_FLOAT32_MAX:.4g}), usually the rank or twice it. Fix the "
+            "config file."
+        )
+    return a
+
+
+_FLOAT32_MAX = 3.4028234663852886e38
 
 # A pattern as alternatives, each (anchored at the start, [(atom, quantifier)]): an atom is a
 # character, or None for ``.``; a quantifier is "", "*", "+" or "?".

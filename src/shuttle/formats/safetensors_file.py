@@ -2,42 +2,35 @@
 
 File layout: an 8-byte little-endian header length ``n``, ``n`` bytes of JSON mapping each tensor
 name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to the end of the
-header), then the data. Every entry is checked against the file's size before any tensor is read,
-so a truncated file or a header that lies about sizes fails at open, naming the key.
+header), then the data. The header is checked as the ``safetensors`` library checks it
+(:mod:`~shuttle.formats.safetensors_header`) before any tensor is read, so a truncated file or a
+header that lies about sizes fails at open, naming the key.
+
+Tensors are read long after the open (at a merge), from a map of the file or with ``pread``. A
+file rewritten in between would be read as other bytes, and one made shorter kills the process
+with SIGBUS when a mapped page past its new end is touched. So the file's identity (device, inode,
+size, modification time in ns) is recorded at open and compared before every read; a change
+raises :class:`~shuttle.errors.FileChangedError` without touching the map. A change during the
+short window between that check and the use of a mapped view is not caught.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import json
-import math
 import mmap
 import os
 import struct
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
 
-from shuttle.errors import AdapterFileError, CorruptFileError
+from shuttle.errors import AdapterFileError, CorruptFileError, FileChangedError
+from shuttle.formats.safetensors_header import DTYPES, parse_header
 
 __all__ = ["DTYPES", "LazyTensor", "SafetensorsFile"]
 
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 _MAX_HEADER = 100 * 2**20  # the safetensors format's own limit
 _READ_PIECE = 16 * 2**20  # smallest piece a large read is split into
 _READERS = max(1, min(8, os.cpu_count() or 1))
@@ -46,6 +39,10 @@ _READERS = max(1, min(8, os.cpu_count() or 1))
 @functools.cache
 def _reader_pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(_READERS, thread_name_prefix="shuttle-read")
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 class LazyTensor:
@@ -84,32 +81,30 @@ class SafetensorsFile:
         path: the file.
 
     Raises:
-        AdapterFileError: the file does not exist.
-        CorruptFileError: the file is truncated, its header is not valid JSON, or an entry's
-            dtype, shape or offsets are inconsistent with each other or with the file size.
+        AdapterFileError: the file does not exist or cannot be read.
+        CorruptFileError: the file is truncated, or its header is refused (not valid JSON, a
+            name given twice, an entry's dtype, shape or offsets inconsistent with each other or
+            with the file size, bytes that belong to no tensor; see
+            :mod:`~shuttle.formats.safetensors_header`).
     """
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
         if not self.path.is_file():
             raise AdapterFileError(f"{self.path}: no such file")
-        self.size = self.path.stat().st_size
-        header, self.data_start = self._read_header()
-        meta = header.pop("__metadata__", None) or {}
-        if not isinstance(meta, dict):
-            raise self._corrupt("__metadata__ is not a JSON object")
-        self.metadata: dict[str, str] = {str(k): str(v) for k, v in meta.items()}
-        self._entries: dict[str, tuple[torch.dtype, torch.Size, int, int]] = {}
-        data_size = self.size - self.data_start
-        spans = []
-        for key, entry in header.items():
-            dtype, shape, begin, end = self._parse_entry(key, entry, data_size)
-            self._entries[key] = (dtype, shape, begin, end)
-            spans.append((begin, end, key))
-        spans.sort()
-        for (_, end_a, key_a), (begin_b, end_b, key_b) in zip(spans, spans[1:], strict=False):
-            if begin_b < end_a and end_b > begin_b:
-                raise self._corrupt(f"tensors {key_a!r} and {key_b!r} overlap in the data")
+        try:
+            with open(self.path, "rb") as f:
+                st = os.fstat(f.fileno())  # the identity of the very file the header comes from
+                self.size = st.st_size
+                raw = self._read_header(f)
+        except AdapterFileError:  # CorruptFileError is an OSError too
+            raise
+        except OSError as e:
+            raise AdapterFileError(f"{self.path}: cannot be read ({e.strerror}); check its "
+                                   "permissions") from None
+        self._identity = _identity(st)
+        self.data_start = 8 + len(raw)
+        self.metadata, self._entries = parse_header(raw, self.size - self.data_start, self.path)
         self._mmap: mmap.mmap | None = None
 
     def _corrupt(self, what: str) -> CorruptFileError:
@@ -117,49 +112,47 @@ class SafetensorsFile:
             f"{self.path}: {what}. The file is truncated or corrupt; download or export it again."
         )
 
-    def _read_header(self) -> tuple[dict, int]:
+    def _read_header(self, f) -> bytes:
         if self.size < 8:
             raise self._corrupt(f"only {self.size} bytes, shorter than the 8-byte header length")
-        with open(self.path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > _MAX_HEADER or 8 + n > self.size:
-                raise self._corrupt(
-                    f"header claims {n} bytes but the file has {self.size - 8} after the length"
-                )
-            raw = f.read(n)
-        try:
-            header = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-            raise self._corrupt(f"header is not valid JSON ({e})") from None
-        if not isinstance(header, dict):
-            raise self._corrupt("header is not a JSON object")
-        return header, 8 + n
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > _MAX_HEADER or 8 + n > self.size:
+            raise self._corrupt(
+                f"header claims {n} bytes but the file has {self.size - 8} after the length"
+            )
+        raw = f.read(n)
+        if len(raw) != n:
+            raise self._corrupt(f"it ended {n - len(raw)} bytes early while reading the header")
+        return raw
 
-    def _parse_entry(self, key: str, entry: object, data_size: int):
-        if not isinstance(entry, dict):
-            raise self._corrupt(f"entry {key!r} is not an object")
-        name = entry.get("dtype")
-        dtype = DTYPES.get(name) if isinstance(name, str) else None  # a list is unhashable
-        if dtype is None:
-            raise self._corrupt(f"tensor {key!r} has unknown dtype {entry.get('dtype')!r}")
-        shape, offsets = entry.get("shape"), entry.get("data_offsets")
-        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
-            raise self._corrupt(f"tensor {key!r} has an invalid shape {shape!r}")
-        if not (isinstance(offsets, list) and len(offsets) == 2
-                and all(isinstance(o, int) for o in offsets)):
-            raise self._corrupt(f"tensor {key!r} has invalid data_offsets {offsets!r}")
-        begin, end = offsets
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        if not 0 <= begin <= end <= data_size:
-            raise self._corrupt(
-                f"tensor {key!r} spans bytes {begin}..{end} but the data section has {data_size}"
-            )
-        if end - begin != nbytes:
-            raise self._corrupt(
-                f"tensor {key!r} of shape {shape} and dtype {entry['dtype']} needs {nbytes} bytes "
-                f"but its offsets span {end - begin}"
-            )
-        return dtype, torch.Size(shape), begin, end
+    def _check_unchanged(self, fd: int | None = None) -> None:
+        """Raise FileChangedError unless the file (``fd``'s, else the one at the path) is the
+        one opened: same device, inode, size and modification time.
+        """
+        try:
+            st = os.fstat(fd) if fd is not None else os.stat(self.path)
+        except OSError as e:
+            raise FileChangedError(
+                f"{self.path}: can no longer be read ({e.strerror}); it was opened (loaded) "
+                "earlier and its tensors are read only when needed. Restore the file, or load "
+                "it again from where it is now."
+            ) from None
+        now = _identity(st)
+        if now == self._identity:
+            return
+        dev, ino, size, mtime = self._identity
+        if (now[0], now[1]) != (dev, ino):
+            what = "was replaced by another file"
+        elif now[2] != size:
+            what = f"was rewritten ({size} bytes when opened, {now[2]} now)"
+        else:
+            what = "was rewritten (its modification time changed)"
+        raise FileChangedError(
+            f"{self.path}: {what} after it was opened (loaded); its tensors are read only when "
+            "needed, and reading them now would give other bytes than the header describes "
+            "(or crash on a shorter file). Load it again (shuttle.load_lora) to use the new "
+            "contents, and keep adapter files unchanged while they are loaded."
+        )
 
     def __iter__(self):
         return iter(self._entries)
@@ -191,15 +184,27 @@ class SafetensorsFile:
             return torch.empty(shape, dtype=dtype)
         if copy:
             return self._read_copy(begin, end).view(dtype).reshape(shape)
+        # Before the map is touched: a page past the end of a file made shorter raises SIGBUS.
+        self._check_unchanged()
         if self._mmap is None:
-            with open(self.path, "rb") as f:
-                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            self._mmap = self._map()
         flat = torch.frombuffer(
             self._mmap, dtype=torch.uint8, count=end - begin, offset=self.data_start + begin
         )
         if (self.data_start + begin) % flat.new_empty((), dtype=dtype).element_size():
             flat = flat.clone()  # unaligned offset: a dtype view needs an aligned start
         return flat.view(dtype).reshape(shape)
+
+    def _map(self) -> mmap.mmap:
+        try:
+            with open(self.path, "rb") as f:
+                self._check_unchanged(f.fileno())  # the file mapped is the one opened
+                return mmap.mmap(f.fileno(), self.size, access=mmap.ACCESS_COPY)
+        except FileChangedError:
+            raise
+        except (OSError, ValueError) as e:  # ValueError: shorter than size since the check
+            self._check_unchanged()
+            raise AdapterFileError(f"{self.path}: cannot be mapped ({e})") from None
 
     def read_into(self, key: str, out: torch.Tensor) -> torch.Tensor:
         """Read one tensor into ``out`` (a CPU ``uint8`` buffer of at least its size, e.g. a
@@ -215,8 +220,11 @@ class SafetensorsFile:
         got = 0
         while got < len(view):  # one read returns at most ~2 GiB on Linux
             k = os.preadv(fd, [view[got:]], offset + got)
-            if not k:
-                raise self._corrupt(f"it ended {len(view) - got} bytes early while reading")
+            if not k:  # its size was checked: it was made shorter while being read
+                raise FileChangedError(
+                    f"{self.path}: became shorter while a tensor was read from it; load it "
+                    "again (shuttle.load_lora) once it is complete, and keep adapter files "
+                    "unchanged while they are loaded.")
             got += k
 
     def _read_copy(self, begin: int, end: int, raw: torch.Tensor | None = None) -> torch.Tensor:
@@ -228,8 +236,14 @@ class SafetensorsFile:
         # preadv needs a writable buffer; ctypes gives one over the tensor's memory without
         # numpy (an optional dependency).
         view = memoryview((ctypes.c_ubyte * n).from_address(raw.data_ptr())).cast("B")
-        fd = os.open(self.path, os.O_RDONLY)
         try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError as e:
+            self._check_unchanged()  # deleted or replaced since the open
+            raise AdapterFileError(f"{self.path}: cannot be read ({e.strerror}); check its "
+                                   "permissions") from None
+        try:
+            self._check_unchanged(fd)
             # A large tensor is read in a few contiguous pieces at once: one thread copies
             # from the page cache at ~5 GB/s, several at the memory's speed. preadv releases
             # the GIL and takes an offset, so the threads share the descriptor.
@@ -239,9 +253,12 @@ class SafetensorsFile:
             if len(pieces) == 1:
                 self._pread(fd, view, start)
             else:
-                for f in [_reader_pool().submit(self._pread, fd, view[a:b], start + a)
-                          for a, b in pieces]:
+                # Every piece ends before fd is closed: its number could be reused by then.
+                done, _ = wait([_reader_pool().submit(self._pread, fd, view[a:b], start + a)
+                                for a, b in pieces])
+                for f in done:
                     f.result()
+            self._check_unchanged(fd)  # a write that raced the read leaves a new mtime
         finally:
             os.close(fd)
         return raw

@@ -20,7 +20,7 @@ from typing import BinaryIO
 
 import torch
 
-from shuttle.formats.safetensors_writer import SafetensorsWriter
+from shuttle.formats.safetensors_writer import SafetensorsWriter, create_temp
 
 __all__ = ["SafetensorsSpool"]
 
@@ -87,10 +87,7 @@ class SafetensorsSpool:
             ``path`` is left as it was.
         """
         path = Path(path)
-        fd, name = tempfile.mkstemp(dir=self.directory, prefix=f".{path.name}.",
-                                    suffix=path.suffix)
-        os.close(fd)
-        tmp = Path(name)
+        tmp = create_temp(path)  # mode 0666 less the umask, as merge's outputs
         try:
             entries = {k: (dtype, shape) for k, (dtype, shape, _, _) in self.entries.items()}
             with SafetensorsWriter(tmp, entries, metadata) as w:

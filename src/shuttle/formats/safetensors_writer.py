@@ -16,6 +16,8 @@ import math
 import os
 import struct
 import sys
+import time
+import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -24,7 +26,12 @@ import torch
 
 from shuttle.formats.safetensors_file import DTYPES
 
-__all__ = ["SafetensorsWriter"]
+__all__ = ["TEMP_PREFIX", "SafetensorsWriter", "create_temp", "publish_mode",
+           "remove_stale_temps"]
+
+# Every temporary file shuttle writes beside an output starts with this, so that one a killed
+# process left behind (SIGKILL, power loss) can be found and removed by a later run.
+TEMP_PREFIX = ".shuttle-partial."
 
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
@@ -113,3 +120,62 @@ class SafetensorsWriter:
             self.close()
         else:
             self._file.close()  # incomplete: the caller deletes the file
+
+
+def create_temp(final: str | os.PathLike[str]) -> Path:
+    """Create an empty temporary file beside ``final``, to be renamed onto it when complete.
+
+    Named ``.shuttle-partial.<final name>.<token><final suffix>`` (the suffix kept, as readers
+    choose a format by it) and created as ``open()`` creates files: mode 0666 less the umask, so
+    the published file gets the permissions of any other new file (0644 under umask 022).
+    """
+    final = Path(final)
+    while True:
+        tmp = final.with_name(f"{TEMP_PREFIX}{final.name}.{uuid.uuid4().hex[:8]}{final.suffix}")
+        try:
+            os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+            return tmp
+        except FileExistsError:
+            continue
+
+
+def publish_mode(path: str | os.PathLike[str]) -> None:
+    """Give ``path`` the mode a new file gets (0666 less the umask); for files that a library
+    created 0600 (``safetensors.torch.save_file``).
+    """
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    try:  # Linux: read it without changing it (os.umask() sets it, racing other threads)
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def remove_stale_temps(directory: str | os.PathLike[str], older_than_hours: float = 24.0
+                       ) -> list[Path]:
+    """Delete temporary files (:data:`TEMP_PREFIX`) in ``directory`` not modified for
+    ``older_than_hours``: ones a killed run left. A younger one may belong to a run in progress
+    and is kept. Returns the paths removed; files that vanish or cannot be removed are skipped.
+    """
+    cutoff = time.time() - older_than_hours * 3600
+    removed = []
+    try:
+        candidates = [p for p in Path(directory).iterdir() if p.name.startswith(TEMP_PREFIX)]
+    except OSError:
+        return removed
+    for p in candidates:
+        try:
+            if p.is_file() and not p.is_symlink() and p.stat().st_mtime < cutoff:
+                p.unlink()
+                removed.append(p)
+        except OSError:
+            continue
+    return removed

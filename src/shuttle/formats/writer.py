@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Literal
 
 import torch
 from safetensors.torch import save_file
 
-from shuttle.errors import UnsupportedFormatError
+from shuttle.errors import AdapterFileError, UnsupportedFormatError
 from shuttle.formats.kohya import KOHYA_PREFIXES
 from shuttle.formats.lora import DORA_RULES, LoRA
 from shuttle.formats.lycoris import DORA_RULE_KEY
+from shuttle.formats.safetensors_writer import create_temp, publish_mode
 from shuttle.patches import IA3, Diff, DoRA, LoHa, LoKr, LowRank, Patch, Set, materialize
 from shuttle.patches.lowrank import split_blocks
 
@@ -124,13 +125,42 @@ def _lycoris_tensors(name: str, p: Patch, to: str) -> dict[str, torch.Tensor]:
     raise UnsupportedFormatError(f"module {name!r}: patch kind {p.kind!r} has no {to} spelling")
 
 
-def _peft_tensors(lora: LoRA) -> tuple[dict[str, torch.Tensor], dict]:
+def _peft_names(lora: LoRA, mapping: Mapping[str, str] | None,
+                model: torch.nn.Module | None) -> dict[str, str]:
+    """Module key -> the module path PEFT keys need. kohya keys spell paths with ``_`` for
+    ``.`` (``lora_unet_down_blocks_0`` is ``down_blocks.0`` or ``down.blocks_0``): only a
+    mapping, or the model the keys resolve against, names the modules.
+    """
+    names = dict(mapping or {})
+    if model is not None:
+        from shuttle.targets import resolve  # targets imports formats
+
+        for t in resolve(lora, model).targets:
+            if t.rows is None and t.param.endswith((".weight", ".bias")):
+                names.setdefault(t.module_key, t.param.rpartition(".")[0])
+    return {module: names.get(module, module) for module in lora.modules}
+
+
+def _check_path(module: str, path: str) -> None:
+    if path.removeprefix("base_model.model.").startswith(KOHYA_PREFIXES):
+        raise UnsupportedFormatError(
+            f"module {module!r} has a kohya name, with '_' for each '.' of a module path; "
+            "PEFT keys need the module path itself, which the file alone does not give, and "
+            "neither PEFT nor shuttle could apply the result. Convert to kohya or comfy instead, "
+            "or, in Python, pass the model the adapter is for "
+            "(shuttle.save_lora(lora, dir, to='peft', model=model)) or a mapping "
+            "{kohya name: module path}."
+        )
+
+
+def _peft_tensors(lora: LoRA, names: Mapping[str, str]) -> tuple[dict[str, torch.Tensor], dict]:
     tensors: dict[str, torch.Tensor] = {}
     ranks: dict[str, int] = {}
     alphas: dict[str, float] = {}
     use_dora = lora_bias = False
     for module, p in lora.patches():
-        base = module if module.startswith("base_model.model.") else f"base_model.model.{module}"
+        path = names[module]
+        base = path if path.startswith("base_model.model.") else f"base_model.model.{path}"
         inner = p.inner if isinstance(p, DoRA) else p
         if isinstance(p, Diff) and p.param == "bias":
             # PEFT's reader scales lora_B.bias by the module's LoRA scale (1 without a LoRA).
@@ -142,6 +172,7 @@ def _peft_tensors(lora: LoRA) -> tuple[dict[str, torch.Tensor], dict]:
                     f"scale {getattr(main, 'scale', 1.0)} has no PEFT spelling (lora_B.bias takes "
                     "the LoRA's scale); convert to comfy instead."
                 )
+            _check_path(module, path)
             tensors[f"{base}.lora_B.bias"] = materialize(p.diff)
             lora_bias = True
             continue
@@ -150,6 +181,12 @@ def _peft_tensors(lora: LoRA) -> tuple[dict[str, torch.Tensor], dict]:
                 f"module {module!r}: a {p.kind} patch has no PEFT LoRA spelling; convert to "
                 "comfy (which spells every kind) instead."
             )
+        if isinstance(p, DoRA) and p.mode != "inner":
+            raise UnsupportedFormatError(
+                f"module {module!r}: a dora_scale takes strength differently from PEFT's "
+                "magnitude vector; keep it in kohya or comfy spelling."
+            )
+        _check_path(module, path)
         # Transposed factors (embeddings, fan_in_fan_out) use PEFT's embedding spelling, which
         # reads back as the same transposed product.
         emb = "embedding_" if inner.transposed else ""
@@ -157,13 +194,8 @@ def _peft_tensors(lora: LoRA) -> tuple[dict[str, torch.Tensor], dict]:
         tensors[f"{base}.lora_{emb}B{'' if emb else '.weight'}"] = materialize(inner.up)
         if isinstance(p, DoRA):
             use_dora = True
-            if p.mode != "inner":
-                raise UnsupportedFormatError(
-                    f"module {module!r}: a dora_scale takes strength differently from PEFT's "
-                    "magnitude vector; keep it in kohya or comfy spelling."
-                )
             tensors[f"{base}.lora_magnitude_vector"] = materialize(p.magnitude)
-        name = module.removeprefix("base_model.model.")
+        name = path.removeprefix("base_model.model.")
         ranks[name] = inner.rank
         alphas[name] = inner.scale * inner.rank
     r = max(ranks.values(), default=8)
@@ -182,7 +214,9 @@ def _exact(module: str) -> str:
     return "^" + module.replace(".", r"\.")
 
 
-def save_lora(lora: LoRA, path: str | os.PathLike[str], to: Target = "comfy") -> Path:
+def save_lora(lora: LoRA, path: str | os.PathLike[str], to: Target = "comfy", *,
+              model: torch.nn.Module | None = None,
+              mapping: Mapping[str, str] | None = None) -> Path:
     """Write ``lora`` in the spelling of ``to``.
 
     Args:
@@ -190,17 +224,31 @@ def save_lora(lora: LoRA, path: str | os.PathLike[str], to: Target = "comfy") ->
         path: a ``.safetensors`` file for ``kohya`` and ``comfy``; a directory for ``peft``
             (``adapter_model.safetensors`` + ``adapter_config.json``).
         to: ``"peft"``, ``"kohya"`` or ``"comfy"``.
+        model: for ``peft`` only: the model the adapter is for; each module key is written
+            under the module path it resolves to (needed for kohya names).
+        mapping: for ``peft`` only: module key -> module path, before ``model``'s.
+
+    Files are written to a temporary name beside ``path`` (``.shuttle-partial.*``) and
+    renamed, with the mode of any new file (0666 less the umask).
 
     Returns:
         The path of the written weight file.
 
     Raises:
-        UnsupportedFormatError: a patch has no spelling in ``to``; nothing is written.
+        UnsupportedFormatError: a patch has no spelling in ``to``, or (``peft``) a module has a
+            kohya name that neither ``model`` nor ``mapping`` turns into a path; nothing is
+            written.
+        AdapterFileError: ``path`` is a directory or not ``*.safetensors`` (``kohya``/``comfy``),
+            or a file (``peft``).
         ValueError: ``to`` is not one of :data:`TARGETS`.
     """
     path = Path(path)
     if to == "peft":
-        tensors, config = _peft_tensors(lora)
+        if path.exists() and not path.is_dir():
+            raise AdapterFileError(
+                f"{path}: is a file; --to peft writes a directory (adapter_model.safetensors + "
+                "adapter_config.json). Name a directory instead.")
+        tensors, config = _peft_tensors(lora, _peft_names(lora, mapping, model))
         path.mkdir(parents=True, exist_ok=True)
         out = path / "adapter_model.safetensors"
         _save(tensors, out, lora)
@@ -213,6 +261,14 @@ def save_lora(lora: LoRA, path: str | os.PathLike[str], to: Target = "comfy") ->
         namer = lambda m: m.removeprefix("base_model.model.")  # noqa: E731
     else:
         raise ValueError(f"to={to!r}: expected one of {TARGETS}")
+    if path.is_dir():
+        raise AdapterFileError(
+            f"{path}: is a directory; --to {to} writes one file. Name a .safetensors file, "
+            f"e.g. {path / 'adapter.safetensors'}.")
+    if path.suffix != ".safetensors":
+        raise AdapterFileError(
+            f"{path}: --to {to} writes safetensors, which readers recognize by the "
+            f".safetensors suffix; name the file {path.with_suffix('.safetensors').name}.")
     tensors = {}
     for module, p in lora.patches():
         name = namer(module)
@@ -241,6 +297,11 @@ def _save(tensors: dict[str, torch.Tensor], path: Path, lora: LoRA) -> None:
         )
     if rules:
         meta[DORA_RULE_KEY] = rules.pop()
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
-    os.replace(tmp, path)
+    tmp = create_temp(path)
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
+        publish_mode(tmp)  # save_file creates 0600; give it a new file's mode, as merge does
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -25,7 +25,7 @@ import torch
 from shuttle.apply.merge import MergeReport
 from shuttle.apply.plan import AdapterList, normalize_loras
 from shuttle.cache import LoRASpec, ModelCache, ModelSpec
-from shuttle.errors import BudgetTooSmallError, CacheError, OffloadError
+from shuttle.errors import BudgetTooSmallError, CacheError, DeviceUnavailableError, OffloadError
 from shuttle.formats import LoRA
 from shuttle.hooks import ModuleHook, add_hook, hooks_of, remove_hook
 from shuttle.integrations.routing import route_lora
@@ -33,9 +33,42 @@ from shuttle.offload import ModelOffloader, StreamConfig, plan_residency
 from shuttle.offload.adapters import LoRAMode, check_lora_mode
 from shuttle.offload.host_storage import HostBacking, HostStorage
 
-__all__ = ["OffloadHandle", "cache_for"]
+__all__ = ["OffloadHandle", "cache_for", "check_device"]
 
 logger = logging.getLogger(__name__)
+
+
+def check_device(device: str | torch.device, what: str = "device") -> torch.device:
+    """``device`` as a ``torch.device`` this machine has, else :class:`DeviceUnavailableError`.
+
+    ``"cuda"`` on a machine (or a torch build) without CUDA, ``"cuda:3"`` with two GPUs, or a
+    name torch does not know are refused here, before anything moves.
+    """
+    shown = str(device) if isinstance(device, torch.device) else device
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise DeviceUnavailableError(
+            f"{what}={shown!r} is not a device name torch knows; pass 'cuda', 'cuda:0' "
+            "or 'cpu'."
+        ) from None
+    if d.type in ("cpu", "meta"):
+        return d
+    backend = getattr(torch, d.type, None)
+    available = backend is not None and getattr(backend, "is_available", lambda: False)()
+    if not available:
+        raise DeviceUnavailableError(
+            f"{what}={shown!r}: this machine has no {d.type} device (torch {torch.__version__} "
+            f"sees none); run where one is visible (check CUDA_VISIBLE_DEVICES and that torch "
+            "was built with CUDA), or pass 'cpu'."
+        )
+    count = getattr(backend, "device_count", lambda: 1)()
+    if d.index is not None and d.index >= count:
+        raise DeviceUnavailableError(
+            f"{what}={shown!r}: this machine has {count} {d.type} device(s), "
+            f"{d.type}:0..{d.type}:{count - 1}; pass one of those."
+        )
+    return d
 
 
 def cache_for(max_host_bytes: int | None, cache: ModelCache | None) -> ModelCache:
@@ -123,8 +156,8 @@ class OffloadHandle:
                  attrs: Mapping[str, Any] | None = None,
                  classes: Mapping[str, type] | None = None, key_prefix: str = "offloaded"):
         methods, attrs, classes = methods or {}, attrs or {}, classes or {}
+        self.device = check_device(device)  # at offload time, not at the first call
         StreamConfig(prefetch=prefetch, vram_budget=vram_budget)  # validates both
-        self.device = torch.device(device)
         self.unmatched: dict[str, str] = {}
         self._cache = cache
         self._vram_budget = vram_budget

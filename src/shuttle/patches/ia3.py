@@ -29,12 +29,21 @@ class IA3(Patch):
         return (shape[0], *([1] * (len(shape) - 1)))
 
     def check(self, shape: tuple[int, ...], name: str) -> None:
+        shape = tuple(shape)
+        where = "input columns" if self.on_input else "output rows"
+        if len(shape) < 2:
+            raise ShapeMismatchError(
+                f"ia3 patch for {name!r} rescales the {where} of a matrix or conv weight, but "
+                f"the parameter has shape {shape}. The adapter was made for a different model "
+                "(or layer); load it into the model it was trained for, or pass a key mapping."
+            )
         want = shape[1] if self.on_input else shape[0]
-        if len(shape) < 2 or math.prod(self.weight.shape) != want:
+        if math.prod(self.weight.shape) != want:
             raise ShapeMismatchError(
                 f"ia3 patch for {name!r} has {math.prod(self.weight.shape)} scales but the "
-                f"parameter of shape {tuple(shape)} has {want} "
-                f"{'input columns' if self.on_input else 'output rows'}."
+                f"parameter of shape {shape} has {want} {where}. The adapter was made for a "
+                "different model (or layer); check that you load it into the model it was "
+                "trained for, or pass a key mapping."
             )
 
     def delta(self, shape: tuple[int, ...]) -> torch.Tensor:

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from shuttle.errors import ShapeMismatchError
+from shuttle.errors import AdapterFormatError, ShapeMismatchError
 from shuttle.patches.patch import Patch, Tensorish, expect_numel, materialize, register_patch
 
 __all__ = ["LoHa", "rebuild_tucker"]
@@ -37,6 +37,14 @@ class LoHa(Patch):
     scale: float = 1.0
     alpha_value: float | None = None
     tensor_fields = ("w1a", "w1b", "w2a", "w2b", "t1", "t2")
+
+    def __post_init__(self) -> None:
+        if (self.t1 is None) != (self.t2 is None):
+            raise AdapterFormatError(
+                f"loha patch for {self.param!r} has one Tucker core of two ({self.shapes()}); "
+                "the Tucker form needs both hada_t1 and hada_t2. The file is corrupt; export it "
+                "again."
+            )
 
     @property
     def rank(self) -> int:
@@ -76,7 +84,6 @@ class LoHa(Patch):
         w1a, w1b, w2a, w2b = (materialize(t).float() for t in (self.w1a, self.w1b, self.w2a,
                                                                self.w2b))
         if self.t1 is not None:
-            assert self.t2 is not None, "LoHa Tucker form needs both t1 and t2"
             f1 = rebuild_tucker(materialize(self.t1).float(), w1a, w1b)
             f2 = rebuild_tucker(materialize(self.t2).float(), w2a, w2b)
         else:

@@ -21,7 +21,7 @@ from typing import Literal
 
 import torch
 
-from shuttle.errors import ShapeMismatchError
+from shuttle.errors import AdapterFormatError, ShapeMismatchError
 from shuttle.patches.loha import rebuild_tucker
 from shuttle.patches.patch import Patch, Tensorish, expect_numel, materialize, register_patch
 
@@ -50,9 +50,17 @@ class LoKr(Patch):
     tensor_fields = ("w1", "w1a", "w1b", "w2", "w2a", "w2b", "t2")
 
     def __post_init__(self) -> None:
-        assert (self.w1 is None) != (self.w1a is None), "LoKr needs w1 or w1a/w1b"
-        assert (self.w2 is None) != (self.w2a is None), "LoKr needs w2 or w2a/w2b"
-        assert self.layout in ("lycoris", "peft"), f"unknown LoKr layout {self.layout!r}"
+        for n in ("1", "2"):
+            full, a, b = (getattr(self, f"w{n}{s}") for s in ("", "a", "b"))
+            if (full is None) == (a is None or b is None) or (a is None) != (b is None):
+                raise AdapterFormatError(
+                    f"lokr patch for {self.param!r} needs lokr_w{n}, or lokr_w{n}_a with "
+                    f"lokr_w{n}_b, and not both; it has {self.shapes()}. The file is corrupt; "
+                    "export it again."
+                )
+        if self.layout not in ("lycoris", "peft"):
+            raise AdapterFormatError(
+                f"unknown LoKr layout {self.layout!r}; use 'lycoris' or 'peft'")
 
     @property
     def peft_layout(self) -> bool:

@@ -19,7 +19,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
-from shuttle.errors import ShapeMismatchError
+from shuttle.errors import NonFiniteAdapterError, ShapeMismatchError
 from shuttle.patches.patch import Patch, Tensorish, expect_numel, materialize, register_patch
 
 __all__ = ["LowRank", "split_blocks"]
@@ -132,11 +132,21 @@ class LowRank(Patch):
     def apply(self, weight: torch.Tensor, strength: float) -> torch.Tensor:
         if self.transposed or self.mid is not None:
             return weight.add_(self.delta(weight.shape), alpha=strength)
+        alpha = strength * self.effective_scale
+        limit = torch.finfo(weight.dtype).max
+        if not abs(alpha) <= limit:  # addmm_ would raise a bare RuntimeError
+            raise NonFiniteAdapterError(
+                f"lora patch: strength {strength:.4g} times the adapter's scale "
+                f"{self.effective_scale:.4g} (alpha {self.alpha_value} / rank {self.rank}) is "
+                f"{alpha:.4g}, beyond {str(weight.dtype).removeprefix('torch.')}'s range "
+                f"({limit:.4g}); lower the strength, or export the adapter again if its alpha "
+                "is corrupt."
+            )
         up, down = self.factors()
         # One fused multiply-add into the float32 (or float64) weight: w += (m * s) * up @ down.
         w2d = weight.view(weight.shape[0], -1)
         w2d.addmm_(up.to(weight.dtype), down.to(weight.dtype),
-                   alpha=strength * self.effective_scale)
+                   alpha=alpha)
         return weight
 
     def residual(self, x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
