@@ -248,3 +248,12 @@ def test_a_nan_adapter_is_reported_as_such(tmp_path, capsys):
     assert "holds NaN or infinity" in err and "lora_unet_2" in err
     assert "lower the strength" not in err and "keep their merge" not in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("name", ["out.bin", "out.pt", "out.ckpt"])
+def test_an_output_named_as_another_format_is_refused(tmp_path, name):
+    """extract refuses such names; merge used to take them for a directory to create."""
+    _, base, lora = _files(tmp_path)
+    with pytest.raises(shuttle.errors.ShuttleError, match="safetensors only"):
+        merge_files([str(base)], [(str(lora), 1.0)], tmp_path / name, progress=False)
+    assert not (tmp_path / name).exists()

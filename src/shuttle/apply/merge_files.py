@@ -262,6 +262,10 @@ def _shards(tensors: Mapping[str, LazyTensor], dtypes: Mapping[str, torch.dtype]
     return shards
 
 
+# Suffixes of other checkpoint formats: an output named so would be taken for a directory.
+_OTHER_FORMATS = (".bin", ".pt", ".pth", ".ckpt", ".gguf", ".sft")
+
+
 def _output_paths(out: Path, n: int) -> tuple[list[Path], Path | None]:
     """The final file names for ``n`` shards, and the index path when ``n > 1``."""
     if out.suffix == ".safetensors":
@@ -269,6 +273,11 @@ def _output_paths(out: Path, n: int) -> tuple[list[Path], Path | None]:
             raise ShuttleError(f"out={out} is a directory; pass a file name or the directory")
         directory, stem = out.parent, out.name.removesuffix(".safetensors")
     else:
+        if out.suffix.lower() in _OTHER_FORMATS and not out.is_dir():
+            raise ShuttleError(
+                f"out={out}: merged checkpoints are written as safetensors only; name the "
+                f"output {out.with_suffix('.safetensors').name}, or pass a directory"
+            )
         if out.exists() and not out.is_dir():
             raise ShuttleError(
                 f"out={out} is a file without the .safetensors suffix; name the output "
