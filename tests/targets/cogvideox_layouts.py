@@ -45,7 +45,9 @@ def layout(name: str, model: nn.Module | None = None) -> dict[str, list[int]]:
     """The layout of file ``name``, written from the model (built when not given)."""
     kind, style = FILES[name]
     model = build(kind) if model is None else model
-    return lora_keys(original_layers(model, table()), style)
+    keys = lora_keys(original_layers(model, table()), style)
+    assert keys, f"{name}: the table placed no layer of the model"
+    return keys
 
 
 def main() -> None:

@@ -106,7 +106,9 @@ def layout(name: str, model: nn.Module | None = None) -> dict[str, list[int]]:
     """The layout of file ``name``, written from the model (built when not given)."""
     kind, style, keep = FILES[name]
     model = build(kind) if model is None else model
-    return lora_keys(table_of(kind)(model), style, keep or (lambda p: True))
+    keys = lora_keys(table_of(kind)(model), style, keep or (lambda p: True))
+    assert keys, f"{name}: the table placed no layer of the model"
+    return keys
 
 
 def main() -> None:
