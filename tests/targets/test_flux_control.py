@@ -120,6 +120,7 @@ def test_merge_matches_float64_math_and_widens_for_good():
     report = shuttle.merge_lora(model, [(sd, 1.0)])
     assert report.unmatched == {}
     assert model.x_embedder.in_features == 8
+    assert model.config.in_channels == 8  # FluxControlPipeline sizes its latents from it
     got = {n: p.detach().double() for n, p in model.named_parameters()}
 
     def update(key):
@@ -152,11 +153,11 @@ def test_scoped_merge_restores_the_layer_bit_for_bit():
         base_out = model(**_inputs(4))[0]
     with shuttle.apply_lora(model, [(control_lora(), 0.7)], mode="merge"):
         assert model.x_embedder.weight is weight and weight.shape == (H, 8)
-        assert model.x_embedder.in_features == 8
+        assert model.x_embedder.in_features == 8 and model.config.in_channels == 8
         with torch.no_grad():
             model(**_inputs(8))
     assert model.x_embedder.weight is weight and weight.data_ptr() == original.data_ptr()
-    assert model.x_embedder.in_features == 4
+    assert model.x_embedder.in_features == 4 and model.config.in_channels == 4
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]), n
     with torch.no_grad():

@@ -12,7 +12,7 @@ width is a shape mismatch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Mapping
 
 from shuttle.targets.names import ModelNames
 from shuttle.targets.split import MappingValue
@@ -30,16 +30,22 @@ def register_family(fn: FamilyMap) -> FamilyMap:
     return fn
 
 
-WidenableMap = Callable[[ModelNames], Iterable[str]]
+# model names -> {parameter an adapter may widen: the config attribute of the layer's parent
+# that records its input width (``in_channels``), or None}
+WidenableMap = Callable[[ModelNames], Mapping[str, "str | None"]]
 WIDENABLE: list[WidenableMap] = []
 
 
 def register_widenable(fn: WidenableMap) -> WidenableMap:
-    """Add ``fn`` (model names -> parameter names an adapter may widen) to :data:`WIDENABLE`."""
+    """Add ``fn`` (model names -> widenable parameters and their config attributes) to
+    :data:`WIDENABLE`.
+    """
     WIDENABLE.append(fn)
     return fn
 
 
-def widenable(names: ModelNames) -> frozenset[str]:
-    """The parameters of the model that any family lets an adapter widen."""
-    return frozenset(n for fn in WIDENABLE for n in fn(names))
+def widenable(names: ModelNames) -> dict[str, str | None]:
+    """The parameters of the model that any family lets an adapter widen, each with the config
+    attribute (of the module holding the layer) that follows its input width, or None.
+    """
+    return {n: attr for fn in WIDENABLE for n, attr in fn(names).items()}

@@ -174,12 +174,16 @@ def flux_names(module: str, names: ModelNames) -> MappingValue | None:
 
 
 @register_widenable
-def flux_widenable(names: ModelNames) -> list[str]:
+def flux_widenable(names: ModelNames) -> dict[str, str | None]:
     """The input embedder (``x_embedder`` / ``img_in``), which a control LoRA (Canny, Depth)
     widens from 64 to 128 input channels: the control image's latents beside the noisy ones.
+    diffusers' transformer records that width as ``config.in_channels`` (``FluxControlPipeline``
+    reads it to size its latents), as diffusers' own loader sets it.
     """
     layout = _layout(names)
     if layout is None:
-        return []
+        return {}
     kind, root, _, _ = layout
-    return [f"{root}{'x_embedder' if kind == 'diffusers' else 'img_in'}.weight"]
+    if kind == "diffusers":
+        return {f"{root}x_embedder.weight": "in_channels"}
+    return {f"{root}img_in.weight": None}
