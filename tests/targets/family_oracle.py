@@ -11,7 +11,7 @@ tensors are small at real size: an up is (out, 1), a down (1, in, k...).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -136,3 +136,39 @@ def only(family: FamilyMap | None) -> Iterator[None]:
         yield
     finally:
         FAMILY_MAPS[:] = saved
+
+
+def tagged_checkpoint(names, table: dict, leaf_name=lambda original, leaf: leaf
+                      ) -> tuple[dict[str, torch.Tensor], Callable[[str], torch.Tensor]]:
+    """An original-layout checkpoint whose rows carry tags of where the table puts them.
+
+    Row ``j`` of diffusers parameter number ``i`` is tagged ``i * 2**20 + j``; each original
+    parameter gets the tags of the rows the table sends it to (split rows included, -1 where
+    none). Feeding it to diffusers' own converter must give every parameter its own tags back.
+
+    Returns:
+        ``(checkpoint, tags)``: ``tags(param)`` is the expected value of a diffusers parameter.
+    """
+    from shuttle.targets import Split
+
+    index = {p: i for i, p in enumerate(names.shapes)}
+
+    def tags(param: str) -> torch.Tensor:
+        shape = names.shapes[param]
+        return torch.arange(shape[0] if shape else 1, dtype=torch.float64) + index[param] * 2**20
+
+    checkpoint = {}
+    for original, place in table.items():
+        if isinstance(place, str) and place in names.shapes:  # a bare parameter
+            checkpoint[original] = tags(place)
+            continue
+        splits = [Split(place)] if isinstance(place, str) else place
+        for leaf in names.modules[splits[0].path]:
+            height = max(s.source_rows[1] if s.source_rows else names.shapes[
+                f"{s.path}.{leaf}"][0] for s in splits)
+            value = torch.full((height,), -1.0, dtype=torch.float64)
+            for s in splits:
+                a, b = s.source_rows or (0, height)
+                value[a:b] = tags(f"{s.path}.{leaf}")[slice(*s.rows) if s.rows else slice(None)]
+            checkpoint[f"{original}.{leaf_name(original, leaf)}"] = value
+    return checkpoint, tags

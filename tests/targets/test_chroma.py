@@ -22,11 +22,18 @@ import pytest
 import torch
 
 import shuttle
-from shuttle.targets import ModelNames, Split
+from shuttle.targets import ModelNames
 from shuttle.targets.chroma import chroma_names
 from tests.targets.family_layouts import load, lora_keys, original_layers
 from tests.targets.family_layouts_mmdit import build, layout
-from tests.targets.family_oracle import check_layout, converted_rows, only, shuttle_rows, tagged
+from tests.targets.family_oracle import (
+    check_layout,
+    converted_rows,
+    only,
+    shuttle_rows,
+    tagged,
+    tagged_checkpoint,
+)
 
 diffusers = pytest.importorskip("diffusers")
 logging.getLogger("diffusers").setLevel(logging.ERROR)
@@ -59,24 +66,11 @@ def test_table_is_the_single_file_converters_map(model):
     )
 
     names = ModelNames.of(model)
-    index = {p: i for i, p in enumerate(names.shapes)}
-
-    def tags(param: str) -> torch.Tensor:  # row j of diffusers parameter number i
-        return torch.arange(names.shapes[param][0], dtype=torch.float64) + index[param] * 2**20
-
-    checkpoint = {}
-    for original, place in chroma_names.__wrapped__(names).items():
-        splits = [Split(place)] if isinstance(place, str) else place
-        for leaf in names.modules[splits[0].path]:
-            height = max(s.source_rows[1] if s.source_rows else names.shapes[
-                f"{s.path}.{leaf}"][0] for s in splits)
-            value = torch.full((height,), -1.0, dtype=torch.float64)
-            for s in splits:
-                a, b = s.source_rows or (0, height)
-                value[a:b] = tags(f"{s.path}.{leaf}")[slice(*s.rows) if s.rows else slice(None)]
-            # Chroma's RMSNorms keep their weight as ``scale``
-            norm = original.endswith(("_norm", ".norm")) or ".norms." in original
-            checkpoint[f"{original}.{'scale' if norm else leaf}"] = value
+    # Chroma's RMSNorms keep their weight as ``scale``
+    checkpoint, tags = tagged_checkpoint(
+        names, chroma_names.__wrapped__(names),
+        lambda original, leaf: "scale" if original.endswith(("_norm", ".norm"))
+        or ".norms." in original else leaf)
     converted = convert_chroma_transformer_checkpoint_to_diffusers(checkpoint)
     assert checkpoint == {}  # the converter took every original parameter
     assert set(converted) == set(names.shapes)  # none left without its original

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import shuttle
-from shuttle.targets import ModelNames, Split
+from shuttle.targets import ModelNames
 from shuttle.targets.hunyuan_video import hunyuan_video_names
 from tests.targets.family_layouts import build, layout, load, lora_keys, original_layers
 from tests.targets.family_oracle import (
@@ -32,6 +32,7 @@ from tests.targets.family_oracle import (
     only,
     shuttle_rows,
     tagged,
+    tagged_checkpoint,
 )
 
 diffusers = pytest.importorskip("diffusers")
@@ -68,22 +69,7 @@ def test_table_is_the_single_file_converters_map(model):
     from diffusers.loaders.single_file_utils import convert_hunyuan_video_transformer_to_diffusers
 
     names = ModelNames.of(model)
-    index = {p: i for i, p in enumerate(names.shapes)}
-
-    def tags(param: str) -> torch.Tensor:  # row j of diffusers parameter number i
-        return torch.arange(names.shapes[param][0], dtype=torch.float64) + index[param] * 2**20
-
-    checkpoint = {}
-    for original, place in hunyuan_video_names.__wrapped__(names).items():
-        splits = [Split(place)] if isinstance(place, str) else place
-        for leaf in names.modules[splits[0].path]:
-            height = max(s.source_rows[1] if s.source_rows else names.shapes[
-                f"{s.path}.{leaf}"][0] for s in splits)
-            value = torch.full((height,), -1.0, dtype=torch.float64)
-            for s in splits:
-                a, b = s.source_rows or (0, height)
-                value[a:b] = tags(f"{s.path}.{leaf}")[slice(*s.rows) if s.rows else slice(None)]
-            checkpoint[f"{original}.{leaf}"] = value
+    checkpoint, tags = tagged_checkpoint(names, hunyuan_video_names.__wrapped__(names))
     converted = convert_hunyuan_video_transformer_to_diffusers(checkpoint)
     # Parameters without an original counterpart would be missing here.
     assert set(converted) == set(names.shapes)

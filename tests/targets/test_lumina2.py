@@ -26,10 +26,17 @@ import pytest
 import torch
 
 import shuttle
-from shuttle.targets import ModelNames, Split
+from shuttle.targets import ModelNames
 from shuttle.targets.lumina2 import lumina2_names, z_image_names
 from tests.targets.family_layouts import load, lora_keys, original_layers
-from tests.targets.family_oracle import check_layout, converted_rows, only, shuttle_rows, tagged
+from tests.targets.family_oracle import (
+    check_layout,
+    converted_rows,
+    only,
+    shuttle_rows,
+    tagged,
+    tagged_checkpoint,
+)
 from tests.targets.ltx_lumina_layouts import build, layout
 
 diffusers = pytest.importorskip("diffusers")
@@ -69,27 +76,7 @@ def test_table_is_the_single_file_converters_map(name, real):
     convert = {"lumina2": convert_lumina2_to_diffusers,
                "z_image": convert_z_image_transformer_checkpoint_to_diffusers}[kind]
     names = ModelNames.of(real[kind])
-    index = {p: i for i, p in enumerate(names.shapes)}
-
-    def tags(param: str) -> torch.Tensor:  # row j of diffusers parameter number i
-        shape = names.shapes[param]
-        rows = torch.arange(shape[0] if shape else 1, dtype=torch.float64)
-        return rows + index[param] * 2**20
-
-    checkpoint = {}
-    for original, place in family.__wrapped__(names).items():
-        if isinstance(place, str) and place in names.shapes:  # a bare parameter
-            checkpoint[original] = tags(place)
-            continue
-        splits = [Split(place)] if isinstance(place, str) else place
-        for leaf in names.modules[splits[0].path]:
-            height = max(s.source_rows[1] if s.source_rows else names.shapes[
-                f"{s.path}.{leaf}"][0] for s in splits)
-            value = torch.full((height,), -1.0, dtype=torch.float64)
-            for s in splits:
-                a, b = s.source_rows or (0, height)
-                value[a:b] = tags(f"{s.path}.{leaf}")[slice(*s.rows) if s.rows else slice(None)]
-            checkpoint[f"{original}.{leaf}"] = value
+    checkpoint, tags = tagged_checkpoint(names, family.__wrapped__(names))
     if kind == "z_image":
         checkpoint = {f"model.diffusion_model.{k}": v for k, v in checkpoint.items()}
     # (diffusers' Lumina2 converter fails on the ComfyUI prefix it strips: it renames the keys,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 
 from shuttle.targets.family import register_family
-from shuttle.targets.family_table import Table, family_table, stacked
+from shuttle.targets.family_table import Table, block_indices, family_table, stacked
 from shuttle.targets.names import ModelNames
 from shuttle.targets.split import MappingValue
 
@@ -68,10 +68,7 @@ def chroma_names(names: ModelNames) -> Table | None:
     root = _root(names)
     if root is None:
         return None
-    blocks: dict[str, set[int]] = {}
-    for path in names.modules:
-        if path.startswith(root) and (m := _INDEX.match(path[len(root):])):
-            blocks.setdefault(m.group(1), set()).add(int(m.group(2)))
+    blocks = block_indices(names, root, _INDEX)
     table: dict[str, MappingValue | None] = {}
     for i in blocks.get("transformer_blocks", ()):
         new, old = f"{root}transformer_blocks.{i}.", f"double_blocks.{i}."

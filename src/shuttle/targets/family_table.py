@@ -13,6 +13,7 @@ kohya's underscores alike. Building forward from the model's names, like
 from __future__ import annotations
 
 import functools
+import re
 import weakref
 from collections.abc import Callable
 
@@ -20,7 +21,7 @@ from shuttle.targets.family import FamilyMap
 from shuttle.targets.names import ModelNames
 from shuttle.targets.split import MappingValue, Split
 
-__all__ = ["Table", "family_table", "half_swap", "stacked"]
+__all__ = ["Table", "block_indices", "family_table", "half_swap", "stacked"]
 
 Table = dict[str, MappingValue]  # original module path (dotted) -> place in the model
 
@@ -114,3 +115,14 @@ def half_swap(names: ModelNames, path: str) -> MappingValue | None:
         return None
     h = shape[0] // 2
     return [Split(path, (0, h), (h, 2 * h)), Split(path, (h, 2 * h), (0, h))]
+
+
+def block_indices(names: ModelNames, root: str, pattern: re.Pattern[str]) -> dict[str, set[int]]:
+    """Block list -> the indices the model has, from ``pattern``'s two groups (the list's path,
+    the index) matched at the start of each module path below ``root``.
+    """
+    blocks: dict[str, set[int]] = {}
+    for path in names.modules:
+        if path.startswith(root) and (m := pattern.match(path[len(root):])):
+            blocks.setdefault(m.group(1), set()).add(int(m.group(2)))
+    return blocks
