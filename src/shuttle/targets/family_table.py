@@ -8,6 +8,12 @@ per :class:`~shuttle.targets.ModelNames`, strips the prefixes adapters put befor
 (``diffusion_model.``, kohya's ``lora_unet_``, ...), and looks a key up with dots and with
 kohya's underscores alike. Building forward from the model's names, like
 :meth:`ModelNames.kohya_candidates`, avoids guessing where a kohya name's dots were.
+
+The other direction, a diffusers-named adapter on a model that keeps the original names (a
+ComfyUI-style checkpoint loaded as is), reuses the same table: :func:`reverse_table` gives the
+family the names the model would have in diffusers' layout (a rename of its own names, fused
+layers cut into their parts), builds the forward table on those and inverts it, so each
+correspondence is written once.
 """
 
 from __future__ import annotations
@@ -15,13 +21,14 @@ from __future__ import annotations
 import functools
 import re
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from shuttle.targets.family import FamilyMap
 from shuttle.targets.names import ModelNames
 from shuttle.targets.split import MappingValue, Split
 
-__all__ = ["Table", "block_indices", "family_table", "half_swap", "stacked"]
+__all__ = ["Table", "block_indices", "family_table", "half_swap", "invert", "renamed",
+           "reverse_table", "rows_of", "stacked"]
 
 Table = dict[str, MappingValue]  # original module path (dotted) -> place in the model
 
@@ -126,3 +133,72 @@ def block_indices(names: ModelNames, root: str, pattern: re.Pattern[str]) -> dic
         if path.startswith(root) and (m := pattern.match(path[len(root):])):
             blocks.setdefault(m.group(1), set()).add(int(m.group(2)))
     return blocks
+
+
+# An original-layout model's root and the names it would have in diffusers' layout (or None).
+DiffusersNames = Callable[[ModelNames], "tuple[str, ModelNames] | None"]
+
+
+def reverse_table(forward: Callable[[ModelNames], Table | None],
+                  diffusers_names: DiffusersNames) -> Callable[[ModelNames], Table | None]:
+    """The table builder for models in a family's original layout, from its forward builder.
+
+    ``diffusers_names(names)`` recognizes the original layout (None: not this family) and
+    returns its root with the model's names as diffusers would spell them, relative to that
+    root. The forward table built on those names, inverted (:func:`invert`), sends each
+    diffusers module path to its original module under the root: a rename, or rows of a
+    fused layer. Wrap the result in :func:`family_table` and register it.
+    """
+
+    def build(names: ModelNames) -> Table | None:
+        found = diffusers_names(names)
+        if found is None:
+            return None
+        root, diffusers = found
+        table = forward(diffusers)
+        return invert(table, root) if table else None
+
+    build.__name__ = build.__qualname__ = f"{forward.__name__}_reversed"
+    build.__doc__ = f"diffusers module path -> original place, inverting {forward.__name__}."
+    return build
+
+
+def invert(table: Table, root: str) -> Table:
+    """A forward table (original path -> diffusers place, diffusers paths relative) turned
+    around: diffusers path -> ``root`` + original path, or the splits of its rows.
+
+    ``Split(d, source_rows=s, rows=r)`` under original ``o`` (rows ``s`` of ``o``'s update go
+    to rows ``r`` of ``d``) becomes ``Split(root + o, source_rows=r, rows=s)`` under ``d``, its
+    parameter renames swapped. A place given as ``(path, rows)`` has no inverse (the rest of
+    that layer's rows would go nowhere) and is left out.
+    """
+    out: dict[str, MappingValue] = {}
+    for original, place in table.items():
+        if isinstance(place, str):
+            out.setdefault(place, root + original)
+        elif isinstance(place, list):
+            for s in place:
+                splits = out.setdefault(s.path, [])
+                if isinstance(splits, list):
+                    splits.append(Split(root + original, s.rows, s.source_rows,
+                                        tuple((model, adapter) for adapter, model in s.params)))
+    return out
+
+
+def renamed(names: ModelNames, root: str,
+            rename: Callable[[str, tuple[int, ...]], Iterable[tuple[str, tuple[int, ...]]]]
+            ) -> ModelNames:
+    """The names below ``root`` as ``rename(relative parameter, shape)`` spells them: each
+    yields ``(new relative name, shape)`` pairs, none to drop the parameter, several to cut a
+    fused layer into its parts.
+    """
+    params = {}
+    for name, shape in names.shapes.items():
+        if name.startswith(root):
+            params.update(rename(name[len(root):], tuple(shape)))
+    return ModelNames(params)
+
+
+def rows_of(shape: tuple[int, ...], heights: Iterable[int]) -> list[tuple[int, ...]]:
+    """The shapes of a fused weight's (or bias's) row bands of ``heights``."""
+    return [(h, *shape[1:]) for h in heights]

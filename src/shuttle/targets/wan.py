@@ -9,6 +9,10 @@ kohya spelling ``lora_unet_blocks_0_self_attn_q``. diffusers names the same laye
 ``_convert_non_diffusers_wan_lora_to_diffusers`` / ``_convert_musubi_wan_lora_to_diffusers``
 (loaders/lora_conversion_utils.py) for LoRAs. Every layer keeps its shape; only the names move,
 and two LayerNorms trade names (Wan's affine ``norm3`` is diffusers' ``norm2``).
+
+Both directions: :func:`wan_names` for a diffusers model, :func:`wan_original_names` for a model
+in the original names (diffusers-named adapters, ``transformer.blocks.0.attn1.to_q``, onto
+``blocks.0.self_attn.q``).
 """
 
 from __future__ import annotations
@@ -16,10 +20,10 @@ from __future__ import annotations
 import re
 
 from shuttle.targets.family import register_family
-from shuttle.targets.family_table import Table, family_table
+from shuttle.targets.family_table import Table, family_table, renamed, reverse_table
 from shuttle.targets.names import ModelNames
 
-__all__ = ["wan_names"]
+__all__ = ["wan_names", "wan_original_names"]
 
 # Block layers: diffusers path below ``blocks.N.`` -> Wan path below ``blocks.N.``.
 _BLOCK = {
@@ -82,3 +86,36 @@ def wan_names(names: ModelNames) -> Table | None:
         elif (m := _IN_BLOCK.fullmatch(rel)) and m.group(2) in _BLOCK:
             table[f"blocks.{m.group(1)}.{_BLOCK[m.group(2)]}"] = path
     return table
+
+
+_DIFFUSERS_BLOCK = {wan: d for d, wan in _BLOCK.items()}
+_DIFFUSERS_TOP = {wan: d for d, wan in _TOP.items()}
+
+
+def _diffusers_path(path: str) -> str | None:
+    """A Wan module (or bare parameter) path -> its diffusers path (None: no counterpart)."""
+    if path in _DIFFUSERS_TOP:
+        return _DIFFUSERS_TOP[path]
+    if (m := _IN_BLOCK.fullmatch(path)) and m.group(2) in _DIFFUSERS_BLOCK:
+        return f"blocks.{m.group(1)}.{_DIFFUSERS_BLOCK[m.group(2)]}"
+    return None
+
+
+def _rename(param: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+    if (bare := _diffusers_path(param)) is not None:  # modulation, head.modulation
+        return [(bare, shape)]
+    module, _, leaf = param.rpartition(".")
+    path = _diffusers_path(module)
+    return [] if path is None else [(f"{path}.{leaf}", shape)]
+
+
+def _as_diffusers(names: ModelNames) -> tuple[str, ModelNames] | None:
+    for root in names.roots:
+        if (f"{root}blocks.0.self_attn.q.weight" in names.shapes
+                and f"{root}time_projection.1.weight" in names.shapes):
+            return root, renamed(names, root, _rename)
+    return None
+
+
+wan_original_names = register_family(family_table(reverse_table(wan_names.__wrapped__,
+                                                                 _as_diffusers)))
