@@ -14,25 +14,69 @@ from __future__ import annotations
 import pytest
 import torch
 
+import shuttle
 from shuttle.targets import ModelNames, Split
-from tests.targets import cogvideox_layouts, family_layouts, family_layouts_mmdit, \
-    ltx_lumina_layouts
+from tests.targets import (
+    cogvideox_layouts,
+    family_layouts,
+    family_layouts_mmdit,
+    ltx_lumina_layouts,
+)
 from tests.targets.family_oracle import only, shuttle_rows, tagged
+from tests.targets.test_hunyuan_video import tiny_hunyuan_video
+from tests.targets.test_sd3 import tiny_sd35
 
 pytest.importorskip("diffusers")
 
-# kind -> (build, forward table builder, the reversed family map)
+# kind -> (the test module that builds it, its family)
 FAMILIES = {
+    "sdxl": (family_layouts, "sd_unet"),
+    "sd15": (family_layouts, "sd_unet"),
     "wan_t2v": (family_layouts, "wan"),
     "wan_i2v": (family_layouts, "wan"),
+    "hunyuan_video": (family_layouts, "hunyuan_video"),
+    "sd3_medium": (family_layouts_mmdit, "sd3"),
+    "sd35_large": (family_layouts_mmdit, "sd3"),
+    "sd35_medium": (family_layouts_mmdit, "sd3"),
+    "chroma": (family_layouts_mmdit, "chroma"),
+    "lumina2": (ltx_lumina_layouts, "lumina2"),
+    "z_image": (ltx_lumina_layouts, "z_image"),
+    "cogvideox_2b": (cogvideox_layouts, "cogvideox"),
+    "cogvideox_5b": (cogvideox_layouts, "cogvideox"),
+    "ltxv_13b": (ltx_lumina_layouts, "ltx_video"),
 }
+# the module of each family map, where its name is not the family's
+MODULES = {"z_image": "lumina2"}
 
 
 def _family(kind: str):
     builder, family = FAMILIES[kind]
-    module = __import__(f"shuttle.targets.{family}", fromlist=["_"])
+    module = __import__(f"shuttle.targets.{MODULES.get(family, family)}", fromlist=["_"])
     forward = getattr(module, f"{family}_names").__wrapped__
     return builder.build(kind), forward, getattr(module, f"{family}_original_names")
+
+
+def original_state(state: dict[str, torch.Tensor], table: dict) -> dict[str, torch.Tensor]:
+    """A diffusers model's ``state`` as the original layout's parameters (fused rows stacked
+    as the table splits them; rows no split fills are NaN)."""
+    names = ModelNames({n: t.shape for n, t in state.items()})
+    out = {}
+    for original, place in table.items():
+        if isinstance(place, str) and place in state:
+            out[original] = state[place].clone()
+            continue
+        splits = [Split(place)] if isinstance(place, str) else place
+        for leaf in names.modules[splits[0].path]:
+            first = state[f"{splits[0].path}.{leaf}"]
+            height = max(s.source_rows[1] if s.source_rows else
+                         state[f"{s.path}.{leaf}"].shape[0] for s in splits)
+            value = torch.full((height, *first.shape[1:]), torch.nan, dtype=first.dtype)
+            for s in splits:
+                rows = state[f"{s.path}.{leaf}"][slice(*s.rows) if s.rows else slice(None)]
+                value[slice(*s.source_rows) if s.source_rows else slice(None)] = rows
+            renamed = dict((m, a) for a, m in splits[0].params).get(leaf, leaf)
+            out[f"{original}.{renamed}"] = value
+    return out
 
 
 def original_model(names: ModelNames, table: dict, root: str = "") -> torch.nn.Module:
@@ -99,3 +143,44 @@ def test_diffusers_adapter_lands_on_the_original_layout(kind, root):
         got, unmatched = shuttle_rows(sd, modules, original_model(names, table, root))
     assert unmatched == {}
     assert got == expected
+
+
+@pytest.mark.parametrize("kind", ["hunyuan_video", "sd3"])
+def test_a_diffusers_file_merges_into_the_original_layout_as_diffusers_fuses_it(kind, tmp_path):
+    """A LoRA trained with PEFT on the diffusers model and saved by the pipeline's
+    ``save_lora_weights``, merged into the original layout by shuttle, equals diffusers'
+    ``fuse_lora`` on the diffusers model, row for row through the family's table."""
+    from diffusers import HunyuanVideoPipeline, StableDiffusion3Pipeline
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    base = tiny_hunyuan_video() if kind == "hunyuan_video" else tiny_sd35()
+    family = "hunyuan_video" if kind == "hunyuan_video" else "sd3"
+    module = __import__(f"shuttle.targets.{family}", fromlist=["_"])
+    table = getattr(module, f"{family}_names").__wrapped__(ModelNames.of(base))
+    original = original_model(ModelNames.of(base), table)
+    original.load_state_dict(original_state(base.state_dict(), table), assign=True)
+
+    linears = [n for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)]
+    base.add_adapter(LoraConfig(r=4, lora_alpha=6, target_modules=linears,
+                                init_lora_weights=False))
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for name, p in base.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.3)
+    pipeline = HunyuanVideoPipeline if kind == "hunyuan_video" else StableDiffusion3Pipeline
+    pipeline.save_lora_weights(  # as diffusers' training scripts save: alpha in the metadata
+        tmp_path, transformer_lora_layers=get_peft_model_state_dict(base),
+        transformer_lora_adapter_metadata=base.peft_config["default"].to_dict())
+    base.fuse_lora(lora_scale=0.7)
+    base.unload_lora()
+
+    report = shuttle.merge_lora(original, [(tmp_path / "pytorch_lora_weights.safetensors", 0.7)])
+    assert report.unmatched == {}
+    want = original_state(base.state_dict(), table)
+    got = dict(original.named_parameters())
+    assert set(got) == set(want)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-5, equal_nan=True,
+                                   msg=name)

@@ -22,11 +22,18 @@ from __future__ import annotations
 import re
 
 from shuttle.targets.family import register_family
-from shuttle.targets.family_table import Table, block_indices, family_table, stacked
+from shuttle.targets.family_table import (
+    Table,
+    block_indices,
+    family_table,
+    respelled,
+    reverse_table,
+    stacked,
+)
 from shuttle.targets.names import ModelNames
 from shuttle.targets.split import MappingValue
 
-__all__ = ["chroma_names"]
+__all__ = ["chroma_names", "chroma_original_names"]
 
 # One-to-one layers below ``double_blocks.N.`` (original -> diffusers ``transformer_blocks.N.``).
 _DOUBLE = {
@@ -85,3 +92,30 @@ def chroma_names(names: ModelNames) -> Table | None:
     table |= {o: root + d for o, d in _TOP.items()}
     return {o: v for o, v in table.items()
             if v is not None and (not isinstance(v, str) or names.has_module(v))}
+
+
+# Original -> diffusers, the tables above turned around (fused layers cut into their parts).
+_SPELLING = (
+    {f"double_blocks.{{i}}.{o}": f"transformer_blocks.{{i}}.{d}" for o, d in _DOUBLE.items()}
+    | {f"double_blocks.{{i}}.{o}": tuple(f"transformer_blocks.{{i}}.{d}" for d in ds)
+       for o, ds in _QKV.items()}
+    | {f"single_blocks.{{i}}.{o}": f"single_transformer_blocks.{{i}}.{d}"
+       for o, d in _SINGLE.items()}
+    | {"single_blocks.{i}.linear1": tuple(f"single_transformer_blocks.{{i}}.{d}"
+                                          for d in _LINEAR1)}
+    | {f"distilled_guidance_layer.layers.{{i}}.{o}": f"distilled_guidance_layer.layers.{{i}}.{d}"
+       for o, d in _APPROXIMATOR.items()}
+    | {"distilled_guidance_layer.norms.{i}": "distilled_guidance_layer.norms.{i}"}
+    | _TOP)
+
+
+def _as_diffusers(names: ModelNames) -> tuple[str, ModelNames] | None:
+    for root in names.roots:
+        if (f"{root}distilled_guidance_layer.in_proj.weight" in names.shapes
+                and f"{root}single_blocks.0.linear1.weight" in names.shapes):
+            return root, respelled(names, root, _SPELLING)
+    return None
+
+
+chroma_original_names = register_family(family_table(reverse_table(chroma_names.__wrapped__,
+                                                                    _as_diffusers)))

@@ -21,11 +21,11 @@ from __future__ import annotations
 import re
 
 from shuttle.targets.family import register_family
-from shuttle.targets.family_table import Table, family_table
+from shuttle.targets.family_table import Table, family_table, respelled, reverse_table
 from shuttle.targets.names import ModelNames
 from shuttle.targets.split import MappingValue, Split
 
-__all__ = ["cogvideox_names"]
+__all__ = ["cogvideox_names", "cogvideox_original_names"]
 
 # One-to-one layers below ``transformer.layers.N.`` (original -> diffusers
 # ``transformer_blocks.N.``).
@@ -106,3 +106,27 @@ def cogvideox_names(names: ModelNames) -> Table | None:
     # Keep what this model has: a layer it lacks (no ofs embedding) is not a place.
     return {o: v for o, v in table.items()
             if v is not None and (not isinstance(v, str) or names.has_module(v))}
+
+
+# Original -> diffusers, the tables above turned around (qkv in thirds; the adaLN's 12 chunks in
+# two halves, a name and a height for each norm's linear: the forward table places the chunks).
+_SPELLING = (
+    {f"transformer.layers.{{i}}.{o}": f"transformer_blocks.{{i}}.{d}" for o, d in _BLOCK.items()}
+    | {o: f"transformer_blocks.{{i}}.{d}" for o, d in _MIXIN.items()}
+    | {"transformer.layers.{i}.attention.query_key_value":
+       tuple(f"transformer_blocks.{{i}}.{d}" for d in _QKV),
+       "mixins.adaln_layer.adaLN_modulations.{i}.1":
+       tuple(f"transformer_blocks.{{i}}.{d}" for d in _ADALN)}
+    | _TOP)
+
+
+def _as_diffusers(names: ModelNames) -> tuple[str, ModelNames] | None:
+    for root in names.roots:
+        if (f"{root}transformer.layers.0.attention.query_key_value.weight" in names.shapes
+                and f"{root}mixins.patch_embed.proj.weight" in names.shapes):
+            return root, respelled(names, root, _SPELLING)
+    return None
+
+
+cogvideox_original_names = register_family(family_table(reverse_table(
+    cogvideox_names.__wrapped__, _as_diffusers)))

@@ -28,7 +28,7 @@ from shuttle.targets.names import ModelNames
 from shuttle.targets.split import MappingValue, Split
 
 __all__ = ["Table", "block_indices", "family_table", "half_swap", "invert", "renamed",
-           "reverse_table", "rows_of", "stacked"]
+           "respelled", "reverse_table", "stacked"]
 
 Table = dict[str, MappingValue]  # original module path (dotted) -> place in the model
 
@@ -199,6 +199,51 @@ def renamed(names: ModelNames, root: str,
     return ModelNames(params)
 
 
-def rows_of(shape: tuple[int, ...], heights: Iterable[int]) -> list[tuple[int, ...]]:
-    """The shapes of a fused weight's (or bias's) row bands of ``heights``."""
-    return [(h, *shape[1:]) for h in heights]
+# Original module path templates -> diffusers path templates ("{i}": a block index), a tuple
+# of them for a fused original layer whose rows stack those layers.
+Respelling = dict[str, "str | tuple[str, ...]"]
+
+
+def respelled(names: ModelNames, root: str, spelling: Respelling) -> ModelNames:
+    """The names below ``root`` in diffusers' spelling, by templates (see :data:`Respelling`).
+
+    A bare parameter matches a template by its whole name, any other by its module's. A fused
+    layer's parameters are cut into row bands: two halves, or for three or four parts a query
+    as high as the layer's input and the rest shared (``qkv``: ``[in, k, k]`` with
+    ``2k = out - in``, grouped key/value heads included; ``linear1``: ``[in, in, in, mlp]``).
+    Only the names and heights are made up; the forward table decides where rows go.
+    """
+    patterns = [(re.compile(re.escape(o).replace(re.escape("{i}"), r"(\d+)")), d)
+                for o, d in spelling.items()]
+
+    def place(path: str) -> str | tuple[str, ...] | None:
+        for pattern, d in patterns:
+            if m := pattern.fullmatch(path):
+                i = m.group(1) if pattern.groups else None
+                return d.format(i=i) if isinstance(d, str) else tuple(x.format(i=i) for x in d)
+        return None
+
+    def rename(param: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+        if isinstance(bare := place(param), str):
+            return [(bare, shape)]
+        module, _, leaf = param.rpartition(".")
+        d = place(module)
+        if d is None:
+            return []
+        if isinstance(d, str):
+            return [(f"{d}.{leaf}", shape)]
+        weight = tuple(names.shapes.get(f"{root}{module}.weight", shape))
+        return [(f"{part}.{leaf}", (h, *shape[1:]))
+                for part, h in zip(d, _bands(len(d), weight), strict=True)]
+
+    return renamed(names, root, rename)
+
+
+def _bands(n: int, weight: tuple[int, ...]) -> list[int]:
+    """Row heights of the ``n`` layers a fused weight of shape ``weight`` stacks."""
+    out, inp = weight[0], weight[1] if len(weight) > 1 else 0
+    if n == 3 and 0 < inp < out and (out - inp) % 2 == 0:
+        return [inp, (out - inp) // 2, (out - inp) // 2]
+    if n == 4 and 0 < 3 * inp < out:
+        return [inp, inp, inp, out - 3 * inp]
+    return [out // n] * n

@@ -22,11 +22,19 @@ from __future__ import annotations
 import re
 
 from shuttle.targets.family import register_family
-from shuttle.targets.family_table import Table, block_indices, family_table, half_swap, stacked
+from shuttle.targets.family_table import (
+    Table,
+    block_indices,
+    family_table,
+    half_swap,
+    respelled,
+    reverse_table,
+    stacked,
+)
 from shuttle.targets.names import ModelNames
 from shuttle.targets.split import MappingValue
 
-__all__ = ["hunyuan_video_names"]
+__all__ = ["hunyuan_video_names", "hunyuan_video_original_names"]
 
 # One-to-one layers below ``double_blocks.N.`` (original -> diffusers ``transformer_blocks.N.``).
 _DOUBLE = {
@@ -106,3 +114,33 @@ def hunyuan_video_names(names: ModelNames) -> Table | None:
     # Keep what this model has: a layer it lacks (no guidance embedder) is not a place.
     return {o: v for o, v in table.items()
             if v is not None and (not isinstance(v, str) or names.has_module(v))}
+
+
+# Original -> diffusers, the tables above turned around (fused layers cut into their parts).
+_REFINER_BLOCKS = "txt_in.individual_token_refiner.blocks.{i}."
+_DIFFUSERS_REFINER = "context_embedder.token_refiner.refiner_blocks.{i}."
+_SPELLING = (
+    {f"double_blocks.{{i}}.{o}": f"transformer_blocks.{{i}}.{d}" for o, d in _DOUBLE.items()}
+    | {"double_blocks.{i}.img_attn_qkv": tuple(f"transformer_blocks.{{i}}.{d}" for d in _QKV),
+       "double_blocks.{i}.txt_attn_qkv":
+       tuple(f"transformer_blocks.{{i}}.{d}" for d in _ADDED_QKV)}
+    | {f"single_blocks.{{i}}.{o}": f"single_transformer_blocks.{{i}}.{d}"
+       for o, d in _SINGLE.items()}
+    | {"single_blocks.{i}.linear1": tuple(f"single_transformer_blocks.{{i}}.{d}"
+                                          for d in _LINEAR1)}
+    | {_REFINER_BLOCKS + o: _DIFFUSERS_REFINER + d for o, d in _REFINER.items()}
+    | {_REFINER_BLOCKS + "self_attn_qkv": tuple(_DIFFUSERS_REFINER + d for d in _QKV)}
+    | _TOP | {"final_layer.adaLN_modulation.1": "norm_out.linear"})
+
+
+def _as_diffusers(names: ModelNames) -> tuple[str, ModelNames] | None:
+    for root in names.roots:
+        if (f"{root}double_blocks.0.img_attn_qkv.weight" in names.shapes
+                and f"{root}txt_in.individual_token_refiner.blocks.0.self_attn_qkv.weight"
+                in names.shapes):
+            return root, respelled(names, root, _SPELLING)
+    return None
+
+
+hunyuan_video_original_names = register_family(family_table(reverse_table(
+    hunyuan_video_names.__wrapped__, _as_diffusers)))

@@ -16,10 +16,10 @@ on layers its model lacks. Every layer keeps its shape.
 from __future__ import annotations
 
 from shuttle.targets.family import register_family
-from shuttle.targets.family_table import Table, family_table
+from shuttle.targets.family_table import Table, family_table, renamed, reverse_table
 from shuttle.targets.names import ModelNames
 
-__all__ = ["ltx_video_names"]
+__all__ = ["ltx_video_names", "ltx_video_original_names"]
 
 # diffusers -> original, for the leading component of a path.
 _HEAD = {"proj_in": "patchify_proj", "time_embed": "adaln_single"}
@@ -68,3 +68,29 @@ def ltx_video_names(names: ModelNames) -> Table | None:
         elif module:
             table[_original(module)] = root + module
     return table
+
+
+_DIFFUSERS_HEAD = {o: d for d, o in _HEAD.items()}
+_DIFFUSERS_LEAF = {o: d for d, o in _LEAF.items()}
+
+
+def _diffusers(param: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+    """An original parameter name in diffusers' spelling (the renames above, turned around)."""
+    parts = param.split(".")
+    parts[0] = _DIFFUSERS_HEAD.get(parts[0], parts[0])
+    if len(parts) > 2:  # module.leaf: the module's last component
+        parts[-2] = _DIFFUSERS_LEAF.get(parts[-2], parts[-2])
+    return [(".".join(parts), shape)]
+
+
+def _as_diffusers(names: ModelNames) -> tuple[str, ModelNames] | None:
+    for root in names.roots:
+        if (f"{root}patchify_proj.weight" in names.shapes
+                and f"{root}adaln_single.emb.timestep_embedder.linear_1.weight" in names.shapes
+                and f"{root}transformer_blocks.0.attn1.to_q.weight" in names.shapes):
+            return root, renamed(names, root, _diffusers)
+    return None
+
+
+ltx_video_original_names = register_family(family_table(reverse_table(
+    ltx_video_names.__wrapped__, _as_diffusers)))

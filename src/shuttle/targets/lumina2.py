@@ -31,11 +31,11 @@ from __future__ import annotations
 import re
 
 from shuttle.targets.family import register_family
-from shuttle.targets.family_table import Table, family_table, stacked
+from shuttle.targets.family_table import Table, family_table, respelled, reverse_table, stacked
 from shuttle.targets.names import ModelNames
 from shuttle.targets.split import MappingValue
 
-__all__ = ["lumina2_names", "z_image_names"]
+__all__ = ["lumina2_names", "lumina2_original_names", "z_image_names", "z_image_original_names"]
 
 _BLOCKS = re.compile(r"(noise_refiner|context_refiner|layers)\.(\d+)\.")
 
@@ -137,3 +137,47 @@ def z_image_names(names: ModelNames) -> Table | None:
         table["final_layer.linear"] = f"{final}.linear"
         table["final_layer.adaLN_modulation.1"] = f"{final}.adaLN_modulation.1"
     return _kept(names, table)
+
+
+# Original -> diffusers, the tables above turned around (qkv cut into the query and the grouped
+# key/value heads). Lumina2's and Z-Image's original checkpoints share NextDiT's names, so both
+# reversed tables serve such a model; an adapter's diffusers spelling picks one.
+_KINDS = ("noise_refiner", "context_refiner", "layers")
+_LUMINA_SPELLING = (
+    {f"{b}.{{i}}.{o}": f"{b}.{{i}}.{d}" for b in _KINDS
+     for o, d in (_LUMINA_CONTEXT if b == "context_refiner" else _LUMINA_BLOCK).items()}
+    | {f"{b}.{{i}}.attention.qkv": tuple(f"{b}.{{i}}.attn.{d}" for d in ("to_q", "to_k", "to_v"))
+       for b in _KINDS}
+    | {o: d for o, d in _LUMINA_TOP.items()})
+_Z_SPELLING = (
+    {f"{b}.{{i}}.{o}": f"{b}.{{i}}.{d}" for b in _KINDS for o, d in _Z_BLOCK.items()}
+    | {f"{b}.{{i}}.{o}": f"{b}.{{i}}.{o}" for b in _KINDS for o in _Z_SAME}
+    | {f"{b}.{{i}}.attention.qkv":
+       tuple(f"{b}.{{i}}.attention.{d}" for d in ("to_q", "to_k", "to_v")) for b in _KINDS}
+    | {o: o for o in _Z_TOP}
+    # one patch size, diffusers' default key for it
+    | {"x_embedder": "all_x_embedder.2-1", "final_layer.linear": "all_final_layer.2-1.linear",
+       "final_layer.adaLN_modulation.1": "all_final_layer.2-1.adaLN_modulation.1"})
+
+
+def _nextdit_root(names: ModelNames) -> str | None:
+    return next((r for r in names.roots
+                 if f"{r}layers.0.attention.qkv.weight" in names.shapes
+                 and f"{r}t_embedder.mlp.0.weight" in names.shapes
+                 and f"{r}cap_embedder.1.weight" in names.shapes), None)
+
+
+def _lumina2_as_diffusers(names: ModelNames) -> tuple[str, ModelNames] | None:
+    root = _nextdit_root(names)
+    return None if root is None else (root, respelled(names, root, _LUMINA_SPELLING))
+
+
+def _z_image_as_diffusers(names: ModelNames) -> tuple[str, ModelNames] | None:
+    root = _nextdit_root(names)
+    return None if root is None else (root, respelled(names, root, _Z_SPELLING))
+
+
+lumina2_original_names = register_family(family_table(reverse_table(
+    lumina2_names.__wrapped__, _lumina2_as_diffusers)))
+z_image_original_names = register_family(family_table(reverse_table(
+    z_image_names.__wrapped__, _z_image_as_diffusers)))

@@ -23,11 +23,18 @@ from __future__ import annotations
 import re
 
 from shuttle.targets.family import register_family
-from shuttle.targets.family_table import Table, family_table, half_swap, stacked
+from shuttle.targets.family_table import (
+    Table,
+    family_table,
+    half_swap,
+    respelled,
+    reverse_table,
+    stacked,
+)
 from shuttle.targets.names import ModelNames
 from shuttle.targets.split import MappingValue
 
-__all__ = ["sd3_names"]
+__all__ = ["sd3_names", "sd3_original_names"]
 
 # One-to-one layers below ``joint_blocks.N.`` (original -> diffusers ``transformer_blocks.N.``).
 _BLOCK = {
@@ -92,3 +99,25 @@ def sd3_names(names: ModelNames) -> Table | None:
     # Keep what this model has: SD 3 has no qk norms, most blocks no attn2.
     return {o: v for o, v in table.items()
             if v is not None and (not isinstance(v, str) or names.has_module(v))}
+
+
+# Original -> diffusers, the tables above turned around (fused qkv layers cut in three).
+_SPELLING = ({f"joint_blocks.{{i}}.{o}": f"transformer_blocks.{{i}}.{d}" for o, d in _BLOCK.items()}
+             | {f"joint_blocks.{{i}}.{o}": tuple(f"transformer_blocks.{{i}}.{d}" for d in ds)
+                for o, ds in _QKV.items()}
+             | {"joint_blocks.{i}.context_block.adaLN_modulation.1":
+                "transformer_blocks.{i}.norm1_context.linear",
+                "final_layer.adaLN_modulation.1": "norm_out.linear"}
+             | _TOP)
+
+
+def _as_diffusers(names: ModelNames) -> tuple[str, ModelNames] | None:
+    for root in names.roots:
+        if (f"{root}joint_blocks.0.x_block.attn.qkv.weight" in names.shapes
+                and f"{root}x_embedder.proj.weight" in names.shapes):
+            return root, respelled(names, root, _SPELLING)
+    return None
+
+
+sd3_original_names = register_family(family_table(reverse_table(sd3_names.__wrapped__,
+                                                                 _as_diffusers)))

@@ -25,14 +25,15 @@ The SpatialTransformer's inner names (``proj_in``, ``transformer_blocks.N.attn1.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import defaultdict
 
 from shuttle.targets.family import register_family
-from shuttle.targets.family_table import Table, family_table
+from shuttle.targets.family_table import Table, family_table, renamed, reverse_table
 from shuttle.targets.names import ModelNames
 
-__all__ = ["sd_unet_names"]
+__all__ = ["sd_unet_names", "sd_unet_original_names"]
 
 # ResBlock layers: diffusers ResnetBlock2D name -> LDM ResBlock name.
 _RESNET = {
@@ -122,3 +123,80 @@ def sd_unet_names(names: ModelNames) -> Table | None:
         return None
     paths = [m[len(root):] for m in names.modules if m.startswith(root)]
     return {ldm: root + p for p, ldm in _ldm_paths(paths).items()}
+
+
+# LDM -> diffusers, for a model in the LDM layout. SD 2.x unCLIP's class embedding is also
+# ``label_emb``; SDXL's ``add_embedding`` is the one such a model is taken to have.
+_DIFFUSERS_RESNET = {ldm: d for d, ldm in _RESNET.items()}
+_DIFFUSERS_TOP = {ldm: d for d, ldm in _TOP.items() if not d.startswith("class_embedding")}
+_LDM_BLOCK = re.compile(r"(input|output)_blocks\.(\d+)\.(\d+)\.(.+)")
+_LDM_MID = re.compile(r"middle_block\.(\d+)\.(.+)")
+
+
+def _diffusers_paths(modules: set[str]) -> dict[str, str]:
+    """Each LDM UNet module path among ``modules`` -> its diffusers path: the block sequence
+    read level by level (a Downsample's ``op`` or an Upsample's ``conv`` ends a level).
+    """
+    where: dict[tuple[str, int], tuple[int, int]] = {}  # (input|output, N) -> (level, index)
+    ends: dict[tuple[str, int], int] = {}  # the block holding a level's sampler -> level
+    for side in ("input", "output"):
+        numbers = sorted({int(m.group(2)) for p in modules
+                          if (m := _LDM_BLOCK.fullmatch(p)) and m.group(1) == side})
+        level = index = 0
+        for n in numbers:
+            if side == "input" and n == 0:  # conv_in
+                continue
+            if side == "input" and f"input_blocks.{n}.0.op" in modules:
+                ends[(side, n)] = level
+                level, index = level + 1, 0
+                continue
+            where[(side, n)] = (level, index)
+            index += 1
+            if side == "output" and (f"output_blocks.{n}.1.conv" in modules
+                                     or f"output_blocks.{n}.2.conv" in modules):
+                ends[(side, n)] = level
+                level, index = level + 1, 0
+    out = {}
+    for p in modules:
+        if p in _DIFFUSERS_TOP:
+            out[p] = _DIFFUSERS_TOP[p]
+        elif m := _LDM_BLOCK.fullmatch(p):
+            side, n, part, rest = m.group(1), int(m.group(2)), int(m.group(3)), m.group(4)
+            block = "down_blocks" if side == "input" else "up_blocks"
+            sampler = "downsamplers" if side == "input" else "upsamplers"
+            if (side, n) in ends and rest in ("op", "conv") and (part > 0 or side == "input"):
+                out[p] = f"{block}.{ends[(side, n)]}.{sampler}.0.conv"
+            elif (side, n) in where and part == 0 and rest in _DIFFUSERS_RESNET:
+                level, i = where[(side, n)]
+                out[p] = f"{block}.{level}.resnets.{i}.{_DIFFUSERS_RESNET[rest]}"
+            elif (side, n) in where and part == 1 and rest != "conv":
+                level, i = where[(side, n)]
+                out[p] = f"{block}.{level}.attentions.{i}.{rest}"
+        elif m := _LDM_MID.fullmatch(p):
+            part, rest = int(m.group(1)), m.group(2)
+            if part == 1:
+                out[p] = f"mid_block.attentions.0.{rest}"
+            elif part in (0, 2) and rest in _DIFFUSERS_RESNET:
+                out[p] = f"mid_block.resnets.{part // 2}.{_DIFFUSERS_RESNET[rest]}"
+    return out
+
+
+def _as_diffusers(names: ModelNames) -> tuple[str, ModelNames] | None:
+    for root in names.roots:
+        if (f"{root}input_blocks.0.0.weight" in names.shapes
+                and f"{root}middle_block.0.in_layers.0.weight" in names.shapes
+                and f"{root}out.2.weight" in names.shapes):
+            modules = {m[len(root):] for m in names.modules if m.startswith(root)}
+            return root, renamed(names, root, functools.partial(_rename,
+                                                                _diffusers_paths(modules)))
+    return None
+
+
+def _rename(paths: dict[str, str], param: str,
+            shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+    module, _, leaf = param.rpartition(".")
+    return [(f"{paths[module]}.{leaf}", shape)] if module in paths else []
+
+
+sd_unet_original_names = register_family(family_table(reverse_table(sd_unet_names.__wrapped__,
+                                                                     _as_diffusers)))

@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 
 from shuttle.targets.family import register_family
-from shuttle.targets.family_table import Table, family_table, renamed, reverse_table
+from shuttle.targets.family_table import Table, family_table, respelled, reverse_table
 from shuttle.targets.names import ModelNames
 
 __all__ = ["wan_names", "wan_original_names"]
@@ -88,32 +88,16 @@ def wan_names(names: ModelNames) -> Table | None:
     return table
 
 
-_DIFFUSERS_BLOCK = {wan: d for d, wan in _BLOCK.items()}
-_DIFFUSERS_TOP = {wan: d for d, wan in _TOP.items()}
-
-
-def _diffusers_path(path: str) -> str | None:
-    """A Wan module (or bare parameter) path -> its diffusers path (None: no counterpart)."""
-    if path in _DIFFUSERS_TOP:
-        return _DIFFUSERS_TOP[path]
-    if (m := _IN_BLOCK.fullmatch(path)) and m.group(2) in _DIFFUSERS_BLOCK:
-        return f"blocks.{m.group(1)}.{_DIFFUSERS_BLOCK[m.group(2)]}"
-    return None
-
-
-def _rename(param: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
-    if (bare := _diffusers_path(param)) is not None:  # modulation, head.modulation
-        return [(bare, shape)]
-    module, _, leaf = param.rpartition(".")
-    path = _diffusers_path(module)
-    return [] if path is None else [(f"{path}.{leaf}", shape)]
+# Wan -> diffusers, the tables above turned around.
+_SPELLING = ({f"blocks.{{i}}.{wan}": f"blocks.{{i}}.{d}" for d, wan in _BLOCK.items()}
+             | {wan: d for d, wan in _TOP.items()})
 
 
 def _as_diffusers(names: ModelNames) -> tuple[str, ModelNames] | None:
     for root in names.roots:
         if (f"{root}blocks.0.self_attn.q.weight" in names.shapes
                 and f"{root}time_projection.1.weight" in names.shapes):
-            return root, renamed(names, root, _rename)
+            return root, respelled(names, root, _SPELLING)
     return None
 
 
