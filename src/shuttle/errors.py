@@ -23,6 +23,7 @@ __all__ = [
     "EvictionPolicyError",
     "FileChangedError",
     "HostBackingError",
+    "InvalidOptionError",
     "InvalidStrengthError",
     "MissingDependencyError",
     "MissingParameterError",
@@ -101,6 +102,12 @@ class WideningError(ShapeMismatchError):
 
 class DuplicateTargetError(ShuttleError, ValueError):
     """Two keys of one adapter resolve onto the same parameter (or overlapping rows of it)."""
+
+
+class InvalidOptionError(ShuttleError, ValueError):
+    """An option names none of its choices (``mode``, ``quality``, ``rounding``): the message
+    lists them.
+    """
 
 
 class InvalidStrengthError(ShuttleError, ValueError):

@@ -17,6 +17,7 @@ import shuttle
 from shuttle.errors import (
     AdapterFormatError,
     DuplicateTargetError,
+    InvalidOptionError,
     InvalidStrengthError,
     NonFiniteAdapterError,
     ShapeMismatchError,
@@ -93,7 +94,7 @@ def test_malformed_adapter_list(loras):
 
 
 def test_bad_rounding_mode():
-    expect_unchanged(Net(), InvalidStrengthError, [(good(), 1.0)], rounding="up")
+    expect_unchanged(Net(), InvalidOptionError, [(good(), 1.0)], rounding="up")
 
 
 # -- shapes ---------------------------------------------------------------------------------------

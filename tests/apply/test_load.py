@@ -23,6 +23,7 @@ from shuttle.errors import (
     AdapterFileError,
     CorruptFileError,
     DuplicateTargetError,
+    InvalidOptionError,
     InvalidStrengthError,
     MissingParameterError,
     NonFiniteAdapterError,
@@ -327,7 +328,7 @@ def _bad_cases(tmp_path):
          "'b.weight'"),
         ("integer", {}, tmp_path / "integer.safetensors", good, {}, UnsupportedLayerError,
          "norm.weight"),
-        ("rounding", {}, ckp, good, {"rounding": "up"}, InvalidStrengthError, "rounding"),
+        ("rounding", {}, ckp, good, {"rounding": "up"}, InvalidOptionError, "rounding"),
     ]
 
 

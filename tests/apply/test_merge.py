@@ -491,7 +491,7 @@ def test_unknown_rounding_is_rejected_before_any_change():
     g = torch.Generator().manual_seed(13)
     model = Two()
     before = snapshot(model)
-    with pytest.raises(shuttle.errors.InvalidStrengthError):
+    with pytest.raises(shuttle.errors.InvalidOptionError, match="rounding='down'"):
         shuttle.merge_lora(model, [(_pair("first", 4, 8, g), 1.0)], rounding="down")
     assert_unchanged(model, before)
 

@@ -20,6 +20,7 @@ from shuttle.errors import (
     CheckpointError,
     CorruptFileError,
     DuplicateTargetError,
+    InvalidOptionError,
     InvalidStrengthError,
     NonFiniteAdapterError,
     ShapeMismatchError,
@@ -133,9 +134,14 @@ def test_dtype_conversion_rounds_once(tmp_path, out_dtype):
     merge_files(_base(tmp_path, torch.float32), loras, out, dtype=out_dtype)
     target = out_dtype if isinstance(out_dtype, torch.dtype) else \
         merge_files_mod.OUTPUT_DTYPES[out_dtype]
-    # A float32 merge is exact in float32; its one rounding is the conversion.
-    want = {k: v.to(target) if v.is_floating_point() else v
+    # A float32 merge is exact in float32; its one rounding is the conversion, by the default
+    # for the output dtype: nearest, stochastic (seeded by the tensor's name) into float8.
+    want = {k: round_to(v, target, None, k) if v.is_floating_point() else v
             for k, v in _reference(torch.float32, loras).items()}
+    if target == torch.float8_e4m3fn:  # not the nearest values
+        nearest = {k: v.to(target) for k, v in _reference(torch.float32, loras).items()
+                   if v.is_floating_point()}
+        assert any(not torch.equal(want[k].float(), v.float()) for k, v in nearest.items())
     assert_same_tensors(load_file(str(out)), want)
 
 
@@ -262,7 +268,7 @@ def _bad_cases(tmp_path):
         (DuplicateTargetError, dict(base=base, loras=[(dup, 1.0)])),
         (ShuttleError, dict(base=base, loras=[(a, 1.0)], dtype="int8")),
         (ShuttleError, dict(base=base, loras=[(a, 1.0)], dtype=torch.float64)),
-        (InvalidStrengthError, dict(base=base, loras=[(a, 1.0)], rounding="up")),
+        (InvalidOptionError, dict(base=base, loras=[(a, 1.0)], rounding="up")),
         (ShuttleError, dict(base=base, loras=[(a, 1.0)], max_shard_bytes=0)),
     ]
 

@@ -81,5 +81,5 @@ def test_bfloat16_default_is_still_nearest():
 
 def test_rounding_is_validated():
     model, lora = model_and_lora(torch.float8_e4m3fn)
-    with pytest.raises(shuttle.errors.InvalidStrengthError):
+    with pytest.raises(shuttle.errors.InvalidOptionError):
         shuttle.merge_lora(model, [(lora, 1.0)], rounding="down")

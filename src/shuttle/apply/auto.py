@@ -104,7 +104,7 @@ def decide(
     params: Mapping[str, torch.Tensor],
     threshold: float = DEFAULT_THRESHOLD,
     *,
-    rounding: Rounding = "nearest",
+    rounding: Rounding | None = None,
     seed: int | None = None,
 ) -> dict[str, Decision]:
     """Measure, per parameter of ``plan``, how much of its update a merge would lose.

@@ -27,7 +27,11 @@ from shuttle.apply.plan import (
 )
 from shuttle.apply.scale import bump_generation
 from shuttle.apply.strength import check_strength
-from shuttle.errors import AdapterIndexError, ShuttleError, UnsupportedLayerError
+from shuttle.errors import (
+    AdapterIndexError,
+    InvalidOptionError,
+    UnsupportedLayerError,
+)
 from shuttle.formats import LoRA, load_lora
 from shuttle.hooks import add_hook, remove_hook
 from shuttle.patches import LowRank
@@ -221,7 +225,7 @@ def attach_lora(
     """
     quality = quality or default_quality(model)
     if quality not in QUALITIES:
-        raise ShuttleError(f"quality={quality!r}: expected one of {', '.join(QUALITIES)}")
+        raise InvalidOptionError(f"quality={quality!r}: expected one of {', '.join(QUALITIES)}")
     return attach_plan(model, plan_merge(model, loras, mapping), quality, max_rank)
 
 

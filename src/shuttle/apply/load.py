@@ -33,10 +33,9 @@ from shuttle.apply.plan import (
     check_finite,
     plan_params,
 )
-from shuttle.apply.rounding import Rounding, round_to
+from shuttle.apply.rounding import Rounding, check_rounding, round_to
 from shuttle.errors import (
     DuplicateTargetError,
-    InvalidStrengthError,
     MissingParameterError,
     NonFiniteAdapterError,
     ShapeMismatchError,
@@ -106,7 +105,7 @@ def load_checkpoint(
     dtype: torch.dtype | None = None,
     strict: bool = True,
     mapping: KeyMapping | None = None,
-    rounding: Rounding = "nearest",
+    rounding: Rounding | None = None,
     seed: int | None = None,
     progress: bool | None = None,
     strict_adapters: bool = False,
@@ -127,7 +126,9 @@ def load_checkpoint(
         strict: raise when a parameter or persistent buffer gets no value; with False it is
             left as it was and listed in ``LoadReport.missing``.
         mapping: adapter module key -> model module path, as for :func:`~shuttle.merge_lora`.
-        rounding: ``"nearest"`` or ``"stochastic"`` (seeded by parameter name and ``seed``).
+        rounding: ``"nearest"`` or ``"stochastic"`` (seeded by parameter name and ``seed``);
+            None (the default) rounds as :func:`~shuttle.merge_lora` does: nearest into
+            16/32/64-bit floats, stochastic into float8 and quantized weights.
         seed: mixed into the stochastic rounding seed.
         progress: a progress bar over tensors (default: with more than 200).
         strict_adapters: every adapter key must reach a parameter, else
@@ -141,7 +142,8 @@ def load_checkpoint(
 
     Raises:
         AdapterFileError, CorruptFileError: a checkpoint or adapter file is missing or corrupt.
-        InvalidStrengthError: a strength is not a finite number, or ``rounding`` is unknown.
+        InvalidStrengthError: a strength is not a finite number.
+        InvalidOptionError: ``rounding`` is unknown.
         ShapeMismatchError: a checkpoint tensor or an adapter update does not fit the model.
         DuplicateTargetError: two keys of one adapter, or two adapters' ``set_weight``, reach
             one parameter.
@@ -154,8 +156,7 @@ def load_checkpoint(
         overflows its dtype (float16 beyond 65504) is found when its tensor is reached, and
         raises ``NonFiniteAdapterError`` with earlier tensors already loaded.
     """
-    if rounding not in ("nearest", "stochastic"):
-        raise InvalidStrengthError(f"rounding={rounding!r}: expected 'nearest' or 'stochastic'")
+    rounding = check_rounding(rounding)
     if dtype is not None and not dtype.is_floating_point:
         raise ShuttleError(f"dtype={dtype}: pass a floating-point dtype, or None to keep the "
                            "checkpoint's dtypes")
@@ -371,7 +372,7 @@ def _read(ref: Tensorish, writable: bool) -> torch.Tensor:
 
 
 def _land(t: torch.Tensor, final: torch.dtype, name: str, contribs: list[Contribution],
-          rounding: Rounding, seed: int | None) -> torch.Tensor:
+          rounding: Rounding | None, seed: int | None) -> torch.Tensor:
     """``t`` (the checkpoint's value, on its device) with ``contribs`` applied, in ``final``.
 
     The updates are summed in float32 onto the checkpoint's own value and rounded once: casting

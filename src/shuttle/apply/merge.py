@@ -33,9 +33,9 @@ from shuttle.apply.plan import (
     plan_params,
 )
 from shuttle.apply.recipe import MergeRecipe, find_recipe, remember_recipe
-from shuttle.apply.rounding import Rounding, param_seed, round_to
+from shuttle.apply.rounding import Rounding, check_rounding, param_seed, round_to
 from shuttle.apply.widen import narrow, widen_layers
-from shuttle.errors import InvalidStrengthError, NonFiniteAdapterError
+from shuttle.errors import NonFiniteAdapterError
 from shuttle.kernels import triton_available
 from shuttle.kernels.merge_lowrank import (
     RANK_STEPS,
@@ -145,9 +145,7 @@ def merge_lora(
     ``in_features`` grows (:mod:`shuttle.apply.widen`); if the merge then fails, the widened
     layers get their original weights back.
     """
-    if rounding not in (None, "nearest", "stochastic"):
-        raise InvalidStrengthError(
-            f"rounding={rounding!r}: expected 'nearest', 'stochastic' or None (the default)")
+    rounding = check_rounding(rounding)
     params = dict(model.named_parameters())
     plan = plan_params(params, loras, mapping, fused=fused_modules(model), widen=True,
                        strict=strict)

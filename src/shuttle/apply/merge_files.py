@@ -33,10 +33,9 @@ from shuttle.apply.plan import (
     check_finite,
     plan_params,
 )
-from shuttle.apply.rounding import Rounding, round_to
+from shuttle.apply.rounding import Rounding, check_rounding, round_to
 from shuttle.errors import (
     AdapterFileError,
-    InvalidStrengthError,
     NonFiniteAdapterError,
     ShuttleError,
     UnmatchedKeysError,
@@ -95,7 +94,7 @@ def merge_files(
     out: str | os.PathLike[str],
     *,
     dtype: str | torch.dtype | None = None,
-    rounding: Rounding = "nearest",
+    rounding: Rounding | None = None,
     seed: int | None = None,
     max_shard_bytes: int = 5 * 2**30,
     mapping: KeyMapping | None = None,
@@ -118,7 +117,9 @@ def merge_files(
         dtype: output dtype of every floating-point tensor: ``"bf16"``, ``"fp16"``, ``"fp32"``,
             ``"fp8_e4m3fn"`` (or the torch dtype); None keeps each tensor's own. Other tensors
             are copied as they are.
-        rounding: ``"nearest"`` or ``"stochastic"`` (seeded by tensor name and ``seed``).
+        rounding: ``"nearest"`` or ``"stochastic"`` (seeded by tensor name and ``seed``);
+            None (the default) as :func:`~shuttle.merge_lora`: nearest into 16/32/64-bit
+            floats, stochastic into float8.
         seed: mixed into the stochastic rounding seed.
         max_shard_bytes: most tensor bytes per file; a larger single tensor gets its own file.
         mapping: adapter module key -> tensor path, as for :func:`~shuttle.merge_lora`.
@@ -136,7 +137,8 @@ def merge_files(
     Raises:
         AdapterFileError: a base or adapter file is missing, or ``base`` is not safetensors.
         CorruptFileError: a file is truncated, or the index names tensors its files lack.
-        InvalidStrengthError: a bad strength or rounding.
+        InvalidStrengthError: a bad strength.
+        InvalidOptionError: an unknown ``rounding``.
         ShapeMismatchError, DuplicateTargetError, UnsupportedLayerError: as for a merge.
         UnmatchedKeysError: with ``strict``, an adapter key reaches no tensor; without
             ``allow_empty``, adapters were given and none of their keys reaches a tensor.
@@ -150,8 +152,7 @@ def merge_files(
             (it is replaced only whole, so no earlier tensor is kept).
     """
     out_dtype = _parse_dtype(dtype)
-    if rounding not in ("nearest", "stochastic"):
-        raise InvalidStrengthError(f"rounding={rounding!r}: expected 'nearest' or 'stochastic'")
+    rounding = check_rounding(rounding)
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) \
             or max_shard_bytes <= 0:
         raise ShuttleError(f"max_shard_bytes={max_shard_bytes!r}: pass a positive number of bytes")
@@ -291,7 +292,7 @@ def _output_paths(out: Path, n: int) -> tuple[list[Path], Path | None]:
 
 
 def _metadata(base: Mapping[str, str], plan: MergePlan, dtype: torch.dtype | None,
-              rounding: str, seed: int | None) -> dict[str, str]:
+              rounding: Rounding | None, seed: int | None) -> dict[str, str]:
     from shuttle import __version__  # the package is initialized by the time this runs
 
     meta = dict(base)
@@ -300,7 +301,7 @@ def _metadata(base: Mapping[str, str], plan: MergePlan, dtype: torch.dtype | Non
     meta["shuttle.adapters"] = json.dumps(
         [{"source": lora.source, "format": lora.format, "strength": s}
          for lora, s in plan.adapters])
-    meta["shuttle.rounding"] = rounding
+    meta["shuttle.rounding"] = rounding or "default"  # nearest, float8 stochastic
     meta["shuttle.dtype"] = str(dtype).removeprefix("torch.") if dtype else "unchanged"
     if seed is not None:
         meta["shuttle.seed"] = str(seed)
@@ -308,7 +309,7 @@ def _metadata(base: Mapping[str, str], plan: MergePlan, dtype: torch.dtype | Non
 
 
 def _merged(t: LazyTensor, name: str, contribs: list[Contribution], dtype: torch.dtype,
-            rounding: Rounding, seed: int | None) -> torch.Tensor:
+            rounding: Rounding | None, seed: int | None) -> torch.Tensor:
     """Base tensor ``t`` with its contributions, rounded once to ``dtype``.
 
     At most one pass checks the result: none for a tensor copied as it is or converted to a

@@ -29,9 +29,9 @@ from shuttle.apply.plan import (
     is_plain_tensor,
     plan_merge,
 )
-from shuttle.apply.rounding import Rounding
+from shuttle.apply.rounding import Rounding, check_rounding
 from shuttle.apply.widen import narrow, widen_layers
-from shuttle.errors import InvalidStrengthError, ScopeOrderError, ShuttleError
+from shuttle.errors import InvalidOptionError, ScopeOrderError
 from shuttle.targets import KeyMapping
 from shuttle.weights import WeightRepresentation, represent
 
@@ -59,7 +59,7 @@ def apply_lora(
     loras: AdapterList,
     mode: Mode = "merge",
     *,
-    rounding: Rounding = "nearest",
+    rounding: Rounding | None = None,
     seed: int | None = None,
     mapping: KeyMapping | None = None,
     backup_device: torch.device | str | None = None,
@@ -105,7 +105,7 @@ def apply_lora(
         InvalidStrengthError: ``auto_threshold`` is not a finite number >= 0.
     """
     if mode not in MODES:
-        raise ShuttleError(f"mode={mode!r}: apply_lora supports {', '.join(MODES)}")
+        raise InvalidOptionError(f"mode={mode!r}: apply_lora supports {', '.join(MODES)}")
     if mode == "dynamic":
         handle = attach_lora(model, loras, quality=quality, mapping=mapping)
         if strict and handle.unmatched:
@@ -116,13 +116,12 @@ def apply_lora(
         finally:
             handle.detach()
         return
-    if rounding not in ("nearest", "stochastic"):
-        raise InvalidStrengthError(f"rounding={rounding!r}: expected 'nearest' or 'stochastic'")
+    rounding = check_rounding(rounding)
     if mode == "auto":
         auto_threshold = check_threshold(auto_threshold)
         quality = quality or default_quality(model)
         if quality not in QUALITIES:
-            raise ShuttleError(f"quality={quality!r}: expected one of {', '.join(QUALITIES)}")
+            raise InvalidOptionError(f"quality={quality!r}: expected one of {', '.join(QUALITIES)}")
     plan = plan_merge(model, loras, mapping, widen=mode == "merge", strict=strict)
     params = dict(model.named_parameters())
     merged, dynamic = plan, None

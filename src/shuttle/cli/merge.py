@@ -68,8 +68,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # noqa: D103
     p.add_argument("--dtype", type=dtype_arg(OUTPUT_DTYPES.values()),
                    help="output dtype of floating-point tensors: bf16 (bfloat16), fp16 "
                         "(float16), fp32 (float32), ... (default: keep each one's)")
-    p.add_argument("--rounding", choices=["nearest", "stochastic"], default="nearest",
-                   help="rounding to the output dtype (default nearest)")
+    p.add_argument("--rounding", choices=["nearest", "stochastic"], default=None,
+                   help="rounding to the output dtype (default: nearest, stochastic into "
+                        "float8)")
     p.add_argument("--seed", type=int, default=None, help="stochastic rounding seed")
     p.add_argument("--shard-size", type=parse_size, default=None, metavar="SIZE",
                    help="most tensor bytes per file, e.g. 5GB or 4GiB (default 5GiB)")
