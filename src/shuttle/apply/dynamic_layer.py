@@ -33,7 +33,12 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from shuttle.apply.merge import apply_contributions
 from shuttle.apply.plan import Contribution, is_plain_tensor, logical_spec
-from shuttle.apply.scale import generation, request_scale, request_scale_value
+from shuttle.apply.scale import (
+    generation,
+    prepare_request_scale,
+    request_scale,
+    request_scale_value,
+)
 from shuttle.errors import UnsupportedLayerError
 from shuttle.hooks import ModuleHook
 from shuttle.kernels import interpreting, lora_linear_fused, lora_shrink, triton_available
@@ -124,7 +129,7 @@ class LoRAHook(ModuleHook):
         # Create the shared scale tensors now: created inside a compiled forward, they would
         # change a guarded dict and cost a recompile on the next call.
         for p in module.parameters(recurse=False):
-            request_scale(p.device)
+            prepare_request_scale(p.device)
             strength_tensor(p.device)
 
     # -- building --------------------------------------------------------------------------
@@ -176,8 +181,8 @@ class LoRAHook(ModuleHook):
                 setattr(self, attr, t.to(device))
         self._prepared = None
         self.residuals = {k: r.to(device) for k, r in self.residuals.items()}
-        self._cache_gen = -1
-        request_scale(device)
+        self._cache_key = None
+        prepare_request_scale(device)
         self._strength_tensor(device)
 
     def refresh(self, module: torch.nn.Module) -> None:
@@ -188,18 +193,20 @@ class LoRAHook(ModuleHook):
             w = p.detach().float()
             out = apply_contributions(w.clone(), cs, self._strengths)
             self.residuals[leaf] = out.sub_(w)
-        self._cache_gen = -1
+        self._cache_key = None
 
     # -- forward ---------------------------------------------------------------------------
     def _scale_vector(self, device: torch.device) -> torch.Tensor:
         """(R,) float32: alpha/r * strength * request per rank column."""
-        if not torch.compiler.is_compiling() and self._cache_gen == generation():
-            return self._cached
-        s = self.base_scale * self._strength_tensor(device)[self.col_adapter] \
-            * request_scale(device)
-        if not torch.compiler.is_compiling():
-            self._cached, self._cache_gen = s, generation()
-        return s
+        if torch.compiler.is_compiling():  # traced once: reads the shared tensors
+            return self.base_scale * self._strength_tensor(device)[self.col_adapter] \
+                * request_scale(device)
+        key = (generation(), request_scale_value())  # strengths, and this context's scale
+        if self._cache_key != key:
+            self._cached = self.base_scale * self._strength_tensor(device)[self.col_adapter] \
+                * request_scale(device)
+            self._cache_key = key
+        return self._cached
 
     def _overrides(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         if not self.residuals:
@@ -360,4 +367,4 @@ class LoRAHook(ModuleHook):
             slot.patch = patch
             if self.kind == "linear":
                 self._place(slot, slot.columns[0], slot.columns[1] - slot.columns[0])
-        self._cache_gen = -1
+        self._cache_key = None

@@ -1,13 +1,23 @@
 """Per-request scaling of every active dynamic adapter: ``with shuttle.lora_scale(0.5): ...``.
 
-The scale lives in one 0-dim float32 tensor per device, updated in place, so a compiled model
-reads a new value without recompiling. Eager-mode layers cache their combined scales and notice a
-change through :func:`generation`.
+The scale belongs to the context that set it (a :class:`contextvars.ContextVar`): another
+thread, or another asyncio task, keeps its own (1 unless it sets one), so concurrent requests on
+one model do not see each other's scales. Eager layers read it through :func:`request_scale`:
+a 0-dim float32 tensor per device and value, created once and never written, so a kernel queued
+under one scale reads that scale whatever another thread sets later.
+
+Code traced by ``torch.compile`` or captured into a CUDA graph cannot look a value up per call.
+It reads one tensor per device that :func:`lora_scale` updates in place, so a compiled model or
+a captured graph follows a new scale without recompiling or re-capturing. That tensor holds the
+scale most recently set by any thread: under ``torch.compile`` or CUDA graphs the request scale
+is process-wide. Give concurrent requests of compiled models their own strengths (or models)
+instead.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import threading
 from collections.abc import Iterator
 
@@ -15,29 +25,61 @@ import torch
 
 from shuttle.apply.strength import check_strength
 
-__all__ = ["generation", "lora_scale", "request_scale", "request_scale_value"]
+__all__ = ["generation", "lora_scale", "prepare_request_scale", "request_scale",
+           "request_scale_value"]
 
+_scale: contextvars.ContextVar[float] = contextvars.ContextVar("shuttle_lora_scale", default=1.0)
 _lock = threading.Lock()
-_value = 1.0
-_tensors: dict[torch.device, torch.Tensor] = {}
+_by_value: dict[tuple[torch.device, float], torch.Tensor] = {}  # eager: never written
+_shared: dict[torch.device, torch.Tensor] = {}  # compiled and captured code: written in place
+_shared_value = 1.0
 _generation = 0
 
 
 def request_scale(device: torch.device) -> torch.Tensor:
-    """The current request scale as a 0-dim float32 tensor on ``device``."""
-    t = _tensors.get(device)
+    """The request scale as a 0-dim float32 tensor on ``device``: this context's value in eager
+    code, the process-wide shared tensor inside ``torch.compile`` or a CUDA graph capture.
+    """
+    if torch.compiler.is_compiling() or (device.type == "cuda"
+                                         and torch.cuda.is_current_stream_capturing()):
+        t = _shared.get(device)
+        return t if t is not None else _shared_tensor(device)
+    value = _scale.get()
+    t = _by_value.get((device, value))
     if t is None:
-        t = _tensors[device] = torch.full((), _value, dtype=torch.float32, device=device)
+        with _lock:
+            t = _by_value.setdefault((device, value), torch.full(
+                (), value, dtype=torch.float32, device=device))
     return t
 
 
+def prepare_request_scale(device: torch.device) -> None:
+    """Create ``device``'s shared tensor ahead of any compiled forward (created while tracing,
+    it would change a dict dynamo guards, and cost a recompile on the next call).
+    """
+    if device not in _shared:
+        _shared_tensor(device)
+
+
+def _shared_tensor(device: torch.device) -> torch.Tensor:
+    with _lock:
+        return _shared.setdefault(device, torch.full((), _shared_value, dtype=torch.float32,
+                                                     device=device))
+
+
 def request_scale_value() -> float:
-    """The current request scale as a Python float (for the exact tier)."""
-    return _value
+    """This context's request scale as a Python float (for the exact tier); inside
+    ``torch.compile``, the process-wide value (a guarded constant: a change recompiles).
+    """
+    if torch.compiler.is_compiling():
+        return _shared_value
+    return _scale.get()
 
 
 def generation() -> int:
-    """A counter that changes whenever any scale or strength of a dynamic adapter changes."""
+    """A counter that changes whenever a strength of a dynamic adapter changes (with
+    :func:`request_scale_value`, the key of a layer's cached combined scales).
+    """
     return _generation
 
 
@@ -50,26 +92,28 @@ def bump_generation() -> None:
 
 @contextlib.contextmanager
 def lora_scale(scale: float) -> Iterator[None]:
-    """Scale every active dynamic adapter by ``scale`` inside the block, without touching models.
+    """Scale every active dynamic adapter by ``scale`` inside the block, for this thread or task
+    only (compiled models and CUDA graphs: process-wide, see the module docs), without
+    touching models.
 
     Raises:
         InvalidStrengthError: ``scale`` is not a finite number.
     """
-    global _value
-    scale = check_strength(scale, f"lora_scale({scale!r})")
-    with _lock:
-        previous = _value
-        _set(float(scale))
+    scale = float(check_strength(scale, f"lora_scale({scale!r})"))
+    token = _scale.set(scale)
+    previous = _set_shared(scale)
     try:
         yield
     finally:
-        with _lock:
-            _set(previous)
+        _scale.reset(token)
+        _set_shared(previous)
 
 
-def _set(value: float) -> None:
-    global _value, _generation
-    _value = value
-    _generation += 1
-    for t in _tensors.values():
-        t.fill_(value)
+def _set_shared(value: float) -> float:
+    """Write ``value`` into the shared tensors; return the value they held."""
+    global _shared_value
+    with _lock:
+        previous, _shared_value = _shared_value, value
+        for t in _shared.values():
+            t.fill_(value)
+    return previous
