@@ -135,24 +135,30 @@ def test_dtype_conversion_rounds_once(tmp_path, out_dtype):
     target = out_dtype if isinstance(out_dtype, torch.dtype) else \
         merge_files_mod.OUTPUT_DTYPES[out_dtype]
     # A float32 merge is exact in float32; its one rounding is the conversion, by the default
-    # for the output dtype: nearest, stochastic (seeded by the tensor's name) into float8.
-    want = {k: round_to(v, target, None, k) if v.is_floating_point() else v
-            for k, v in _reference(torch.float32, loras).items()}
-    if target == torch.float8_e4m3fn:  # not the nearest values
-        nearest = {k: v.to(target) for k, v in _reference(torch.float32, loras).items()
-                   if v.is_floating_point()}
-        assert any(not torch.equal(want[k].float(), v.float()) for k, v in nearest.items())
-    assert_same_tensors(load_file(str(out)), want)
+    # for the output dtype: nearest, stochastic into float8.
+    nearest = {k: v.to(target) if v.is_floating_point() else v
+               for k, v in _reference(torch.float32, loras).items()}
+    if target != torch.float8_e4m3fn:
+        assert_same_tensors(load_file(str(out)), nearest)
+        return
+    stochastic = tmp_path / "stochastic.safetensors"
+    merge_files(_base(tmp_path, torch.float32), loras, stochastic, dtype=out_dtype,
+                rounding="stochastic")
+    assert_same_tensors(load_file(str(out)), load_file(str(stochastic)))
+    got = load_file(str(out))
+    assert any(not torch.equal(got[k].float(), v.float()) for k, v in nearest.items()
+               if v.is_floating_point())
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_stochastic_dtype_conversion_is_seeded_by_name(tmp_path, out_dtype):
-    a, _ = _adapters(tmp_path)
-    out = tmp_path / "merged.safetensors"
-    merge_files(_base(tmp_path, torch.float32), [(a, 1.0)], out, dtype=out_dtype,
-                rounding="stochastic", seed=5)
+    """Without adapters a tensor's seed is its name and ``seed`` (with adapters, their
+    fingerprints too: test_equals_in_memory_merge)."""
+    base = _base(tmp_path, torch.float32)
+    out = tmp_path / "converted.safetensors"
+    merge_files(base, [], out, dtype=out_dtype, rounding="stochastic", seed=5)
     want = {k: round_to(v, out_dtype, "stochastic", k, 5) if v.is_floating_point() else v
-            for k, v in _reference(torch.float32, [(a, 1.0)]).items()}
+            for k, v in load_file(str(base)).items()}
     assert_same_tensors(load_file(str(out)), want)
 
 

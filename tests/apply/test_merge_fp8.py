@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 import shuttle
-from shuttle.apply.rounding import param_seed
+from shuttle.apply.plan import plan_params
+from shuttle.apply.rounding import merge_seed
 from shuttle.weights import Fp8Weight
 from tests.weights.test_rounding import fp8_gap
 
@@ -49,27 +50,43 @@ def test_merge_within_a_step_of_float64(dtype, rounding):
 
 
 @pytest.mark.parametrize("dtype", FP8)
-def test_default_is_stochastic_seeded_by_name_then_merge_count(dtype):
+def test_default_is_stochastic_seeded_by_the_merges_arguments(dtype):
     model, lora = model_and_lora(dtype)
     w0 = model.layer.weight.detach().clone()
     exact = w0.float() + 0.7 * delta(lora)
+    contribs = plan_params(dict(model.named_parameters()), [(lora, 0.7)]).params["layer.weight"]
     shuttle.merge_lora(model, [(lora, 0.7)], seed=5)
-    g = torch.Generator().manual_seed(param_seed("layer.weight", 5))
+    g = torch.Generator().manual_seed(merge_seed("layer.weight", 5, contribs))
     want = Fp8Weight(w0).encode(exact, "stochastic", g).data
     assert torch.equal(model.layer.weight.view(torch.uint8), want.view(torch.uint8))
     assert not torch.equal(want.float(), exact.to(dtype).float())  # differs from nearest
 
-    # repeatable: the same merges into a fresh copy give the same bits, second merge included
-    shuttle.merge_lora(model, [(lora, 0.7)], seed=5)
-    again, _ = model_and_lora(dtype)
-    shuttle.merge_lora(again, [(lora, 0.7)], seed=5)
-    shuttle.merge_lora(again, [(lora, 0.7)], seed=5)
-    assert torch.equal(model.layer.weight.view(torch.uint8), again.layer.weight.view(torch.uint8))
-    # the second merge drew fresh noise (merge count 1), not the first merge's
-    w1 = Fp8Weight(want).dequantize() + 0.7 * delta(lora)
-    g = torch.Generator().manual_seed(param_seed("layer.weight", 5))
-    same_seed = Fp8Weight(want).encode(w1, "stochastic", g).data
-    assert not torch.equal(model.layer.weight.view(torch.uint8), same_seed.view(torch.uint8))
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_a_merge_depends_only_on_its_arguments(dtype):
+    """A second adapter merged after a first gives the bits it gives on a fresh copy of the
+    first merge's result (as if saved and loaded again): no per-weight history."""
+    model, lora = model_and_lora(dtype)
+    other = {"layer.lora_A.weight": lora["layer.lora_A.weight"].flip(0),
+             "layer.lora_B.weight": lora["layer.lora_B.weight"].flip(1) * 0.5}
+    shuttle.merge_lora(model, [(lora, 0.7)])
+    fresh, _ = model_and_lora(dtype)
+    fresh.layer.weight.data = model.layer.weight.detach().clone()
+    shuttle.merge_lora(model, [(other, 0.9)])
+    shuttle.merge_lora(fresh, [(other, 0.9)])
+    assert torch.equal(model.layer.weight.view(torch.uint8), fresh.layer.weight.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_different_adapters_draw_different_noise(dtype):
+    model, lora = model_and_lora(dtype)
+    other = {k: v.flip(0) for k, v in lora.items()}
+    params = dict(model.named_parameters())
+    seeds = {merge_seed("layer.weight", None, plan_params(params, [(sd, 1.0)]).params[
+        "layer.weight"]) for sd in (lora, other)}
+    seeds.add(merge_seed("layer.weight", None, plan_params(params, [(lora, 0.5)]).params[
+        "layer.weight"]))
+    assert len(seeds) == 3
 
 
 def test_bfloat16_default_is_still_nearest():

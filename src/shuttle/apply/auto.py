@@ -132,7 +132,7 @@ def decide(
             compute = compute_dtype(p.dtype, contribs)
             w0 = p.detach().to(compute)
             w = apply_contributions(w0.clone(), contribs)  # as merge_param's float path
-            lost = round_to(w, p.dtype, rounding, name, seed).to(compute) - w
+            lost = round_to(w, p.dtype, rounding, name, seed, contribs).to(compute) - w
             update = float(torch.linalg.vector_norm(w - w0))
             err = float(torch.linalg.vector_norm(lost))
             # A merge that overflows (err non-finite) cannot be merged; a zero update loses nothing.

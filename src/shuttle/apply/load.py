@@ -393,7 +393,7 @@ def _land(t: torch.Tensor, final: torch.dtype, name: str, contribs: list[Contrib
                              loaded)
         w = t.to(wide)
         merge_param(w, name, loaded)  # rounding to float32 is exact: nothing is lost here
-        out = round_to(w, final, rounding, name, seed)
+        out = round_to(w, final, rounding, name, seed, loaded)
         if not bool(torch.isfinite(out).all()):
             raise NonFiniteAdapterError(f"merging into {name!r} overflows {final}")
         return out

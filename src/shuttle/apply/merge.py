@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import logging
 import math
-import weakref
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
@@ -33,7 +32,7 @@ from shuttle.apply.plan import (
     plan_params,
 )
 from shuttle.apply.recipe import MergeRecipe, find_recipe, remember_recipe
-from shuttle.apply.rounding import Rounding, check_rounding, param_seed, round_to
+from shuttle.apply.rounding import Rounding, check_rounding, merge_seed, merge_seeds, round_to
 from shuttle.apply.widen import narrow, widen_layers
 from shuttle.errors import NonFiniteAdapterError
 from shuttle.kernels import triton_available
@@ -235,6 +234,7 @@ def _merge_plan(model: torch.nn.Module, plan: MergePlan, params: dict[str, torch
     merges = LowRankMerges(record=nearest)
     fused_names = []
     safe = {n: _cannot_fail(params[n], cs) for n, cs in plan.params.items()}
+    seeds = _encoded_seeds(plan, params, rounding, seed)
     risky = [n for n in plan.params if not safe[n]]
     backups: dict[str, torch.Tensor | WeightRepresentation] = {}
     with torch.no_grad(), exact_cublas(), \
@@ -248,7 +248,8 @@ def _merge_plan(model: torch.nn.Module, plan: MergePlan, params: dict[str, torch
                     bar.update()
                     fused = _fused_jobs(p, contribs) if nearest else None
                     if fused is None:
-                        merge_param(p, name, contribs, rounding, seed, check=not safe[name])
+                        merge_param(p, name, contribs, rounding, seed, check=not safe[name],
+                                    encoded_seed=seeds.get(name))
                         continue
                     overflow = overflow_flag(p, contribs, flags)
                     if overflow is not None:
@@ -274,6 +275,20 @@ def _merge_plan(model: torch.nn.Module, plan: MergePlan, params: dict[str, torch
         remember_recipe(model, MergeRecipe(plan, params, fused_names, merges.launches, flags),
                         plan.adapters)
     return flags
+
+
+def _encoded_seeds(plan: MergePlan, params: dict[str, torch.Tensor], rounding: Rounding | None,
+                   seed: int | None) -> dict[str, int]:
+    """The stochastic seeds of the float8 and quantized parameters, all read before the first
+    launch (:func:`~shuttle.apply.rounding.merge_seeds`: one wait for the GPU, not one a
+    parameter between launches).
+    """
+    if rounding == "nearest":
+        return {}
+    names = [n for n in plan.params
+             if not (is_plain_tensor(params[n]) and params[n].dtype in PLAIN_DTYPES)]
+    return dict(zip(names, merge_seeds([(n, plan.params[n]) for n in names], seed),
+                    strict=True))
 
 
 def _backup(p: torch.Tensor) -> torch.Tensor | WeightRepresentation:
@@ -320,27 +335,29 @@ def _plain_factors(job: LowRankJob, contribs: list[Contribution]) -> bool:
 
 def merge_param(p: torch.Tensor, name: str, contribs: list[Contribution],
                 rounding: Rounding | None = None, seed: int | None = None, *,
-                fresh: bool = False, overflow: torch.Tensor | None = None,
-                check: bool = True) -> None:
+                overflow: torch.Tensor | None = None, check: bool = True,
+                encoded_seed: int | None = None) -> None:
     """Apply ``contribs`` to parameter ``p`` (named ``name``) with one rounding per element.
 
     ``rounding=None`` is nearest for float16/bfloat16/float32/float64 and stochastic for float8
-    and quantized weights (see :func:`_merge_encoded`). ``fresh``: ``p`` is a new copy of the
-    original weight (an offloader's slot, refilled from the host before every merge), so each
-    merge is seeded as the first one and not counted: the same bits every time.
+    and quantized weights (see :func:`_merge_encoded`); stochastic rounding is seeded by
+    :func:`~shuttle.apply.rounding.merge_seed` (the name, ``seed`` and ``contribs``).
     ``overflow``: a one-element int32 tensor that the fused kernel path sets to 1 where a
     finite sum rounds to infinity (float16 overflow); the other paths raise instead.
     ``check``: scan the result for NaN and infinity before writing it; False where the update
     is known unable to overflow (:func:`_cannot_fail`), saving a pass over the weight.
+    ``encoded_seed``: ``merge_seed(name, seed, contribs)`` computed once by a caller that
+    merges the same contributions into fresh copies many times (an offloader's slots), for a
+    float8 or quantized ``p``; it spares the small reads of the adapter's fingerprint.
     """
     if not (is_plain_tensor(p) and p.dtype in PLAIN_DTYPES):
-        _merge_encoded(p, name, contribs, rounding or "stochastic", seed, fresh, check)
+        _merge_encoded(p, name, contribs, rounding or "stochastic", seed, check, encoded_seed)
         return
     rounding = rounding or "nearest"
     if rounding == "nearest" and _merge_fused(p, contribs, overflow):
         return
     w = apply_contributions(p.detach().to(compute_dtype(p.dtype, contribs), copy=True), contribs)
-    w = round_to(w, p.dtype, rounding, name, seed)  # checked after rounding: float16 overflows
+    w = round_to(w, p.dtype, rounding, name, seed, contribs)  # checked after: float16 overflows
     if check and not bool(torch.isfinite(w).all()):
         raise NonFiniteAdapterError(
             f"merging into {name!r} gives NaN or infinity (the update overflows "
@@ -375,37 +392,18 @@ def apply_contributions(w: torch.Tensor, contribs: list[Contribution],
     return w
 
 
-# Merges already folded into a float8 or quantized parameter, keyed by id() (tensors compare
-# elementwise), with a weak reference so that an entry dies with its tensor. The count is mixed
-# into the stochastic-rounding seed: a second merge into the same weight draws fresh noise
-# instead of repeating the first one's (which would correlate the rounding errors), and a
-# process that repeats the same merges gets the same bits.
-_MERGES: dict[int, tuple[weakref.ref, int]] = {}
-
-
-def _merge_count(p: torch.Tensor) -> int:
-    entry = _MERGES.get(id(p))
-    return entry[1] if entry is not None and entry[0]() is p else 0
-
-
-def _count_merge(p: torch.Tensor, count: int) -> None:
-    key = id(p)
-    _MERGES[key] = (weakref.ref(p, lambda _: _MERGES.pop(key, None)), count)
-
-
 def _merge_encoded(p: torch.Tensor, name: str, contribs: list[Contribution],
-                   rounding: Rounding, seed: int | None, fresh: bool = False,
-                   check: bool = True) -> None:
+                   rounding: Rounding, seed: int | None, check: bool = True,
+                   mixed: int | None = None) -> None:
     """Merge into a float8 or quantized parameter: dequantize to float32 once, apply every
     contribution, encode once (data-dependent scales recomputed), write back in place.
 
     Float8 values beyond the format's finite range clamp to ``±finfo.max``. The stochastic
-    seed is ``param_seed(name, seed)`` for the first merge into ``p`` and moves on with each
-    merge (unless ``fresh``: see :func:`merge_param`).
+    seed is :func:`~shuttle.apply.rounding.merge_seed` of the merge's arguments.
     """
     rep = represent(p.detach() if is_plain_tensor(p) else p)
-    count = 0 if fresh else _merge_count(p)
-    mixed = (param_seed(name, seed) + count * 0x9E3779B97F4A7C15) & (2**63 - 1)
+    if mixed is None:
+        mixed = merge_seed(name, seed, contribs) if rounding == "stochastic" else 0
     # Concatenating the factors is work only a representation with a fused kernel uses.
     fused = type(rep).merge_lowrank is not WeightRepresentation.merge_lowrank
     sums = lowrank_sums(contribs) if fused and p.is_cuda and triton_available() else None
@@ -414,8 +412,6 @@ def _merge_encoded(p: torch.Tensor, name: str, contribs: list[Contribution],
         out = rep.merge_lowrank(*sums[None], rounding=rounding, seed=mixed)
         if out is not None:
             write_back(p, out)
-            if not fresh:
-                _count_merge(p, count + 1)
             return
     w = apply_contributions(rep.dequantize(), contribs)
     if check and not bool(torch.isfinite(w).all()):
@@ -425,8 +421,6 @@ def _merge_encoded(p: torch.Tensor, name: str, contribs: list[Contribution],
     g = torch.Generator(device=p.device)
     g.manual_seed(mixed)
     write_back(p, rep.encode(w, rounding, g))
-    if not fresh:
-        _count_merge(p, count + 1)
 
 
 def write_back(p: torch.Tensor, rep: WeightRepresentation) -> None:

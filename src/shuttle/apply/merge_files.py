@@ -336,7 +336,7 @@ def _merged(t: LazyTensor, name: str, contribs: list[Contribution], dtype: torch
     # merge_lora's own per-parameter math (its CPU path): contributions applied in float32 (or
     # float64), then the one rounding, round_to below, seeded exactly as merge_lora's.
     w = apply_contributions(value.to(compute, copy=True), contribs)
-    out = round_to(w, dtype, rounding, name, seed)
+    out = round_to(w, dtype, rounding, name, seed, contribs)
     _check_range(value, w, out, name, dtype, merged=True)
     return out
 

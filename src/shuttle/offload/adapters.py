@@ -38,6 +38,7 @@ from shuttle.apply.dynamic_layer import LoRAHook, Quality
 from shuttle.apply.merge import MergeReport, exact_cublas, merge_param
 from shuttle.apply.notes import plan_notes
 from shuttle.apply.plan import AdapterList, Contribution, is_plain_tensor, plan_params
+from shuttle.apply.rounding import merge_seeds
 from shuttle.errors import OffloadError, UnsupportedLayerError
 from shuttle.hooks import add_hook
 from shuttle.offload.host_storage import HostStorage, HostUnit
@@ -53,6 +54,7 @@ class _Target(NamedTuple):
     entry: int  # index into the unit's layout
     name: str  # the parameter's name in the model
     contribs: list[Contribution]
+    seed: int  # merge_seed(name, None, contribs): a float8 or quantized weight's rounding
 
 
 def check_lora_mode(lora_mode: str, quality: Quality | None) -> None:
@@ -149,9 +151,9 @@ class ActivationAdapters:
             return
         with torch.no_grad(), exact_cublas():
             for t in targets:
-                # Each fold lands in a fresh copy from the host: the same rounding bits
-                # every time (a float8 or quantized weight is otherwise re-seeded per merge).
-                merge_param(views[t.entry], t.name, t.contribs, fresh=True)
+                # Each fold lands in a fresh copy from the host with the same seed: the same
+                # rounding bits every time, and no read of the adapter per fold.
+                merge_param(views[t.entry], t.name, t.contribs, encoded_seed=t.seed)
                 self.folds += 1
 
     def merged_copies(self, unit: HostUnit) -> list[torch.Tensor]:
@@ -241,7 +243,9 @@ def _targets_by_unit(model: torch.nn.Module, storage: HostStorage,
             if full in params and b.entry not in seen:  # a tied tensor is merged once
                 seen.add(b.entry)
                 found.add(full)
-                out.setdefault(unit.name, []).append(_Target(b.entry, full, params[full]))
+                out.setdefault(unit.name, []).append(_Target(b.entry, full, params[full], 0))
     missing = set(params) - found
     assert not missing, f"adapted parameters not found in host storage: {sorted(missing)[:4]}"
-    return out
+    targets = [t for ts in out.values() for t in ts]
+    seeds = iter(merge_seeds([(t.name, t.contribs) for t in targets], None))
+    return {unit: [t._replace(seed=next(seeds)) for t in ts] for unit, ts in out.items()}
