@@ -417,3 +417,28 @@ def test_mapping_onto_taken_parameter():
     model = tree({BLOCK: lin()})
     with pytest.raises(DuplicateTargetError):
         resolve(lora_of({BLOCK: (4, 4), "other": (4, 4)}), model, mapping={"other": BLOCK})
+
+
+def test_layers_peft_wrapped_take_the_update_in_their_base_layer():
+    """A PeftModel (or a diffusers model after load_lora_weights) keeps each targeted layer's
+    weight at ``<layer>.base_layer.weight``: the layer's own name reaches it, the report says
+    PEFT's adapter is there too, and the model's output is the base output plus both."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.q, model.k = nn.Linear(8, 8), nn.Linear(8, 8)
+    x = torch.randn(3, 8)
+    g = torch.Generator().manual_seed(1)
+    sd = {f"{n}.lora_{p}.weight": torch.randn(*s, generator=g)
+          for n in ("q", "k") for p, s in (("A", (2, 8)), ("B", (8, 2)))}
+    want_q = model.q.weight.detach() + sd["q.lora_B.weight"] @ sd["q.lora_A.weight"]
+    peft = get_peft_model(model, LoraConfig(r=2, target_modules=["q"], init_lora_weights=False))
+    report = shuttle.merge_lora(peft, [(sd, 1.0)])
+    assert report.unmatched == {}
+    assert sorted(report.applied) == ["base_model.model.k.weight",
+                                      "base_model.model.q.base_layer.weight"]
+    assert torch.equal(peft.base_model.model.q.base_layer.weight, want_q)
+    assert [(n.kind, n.keys) for n in report.notes] == [("peft-wrapped", ("q",))]
+    with peft.disable_adapter():  # PEFT's own adapter off: shuttle's update alone
+        torch.testing.assert_close(peft.base_model.model.q(x), x @ want_q.T + model.q.bias)

@@ -16,13 +16,19 @@ from shuttle.patches import DoRA, LowRank
 
 __all__ = ["Note", "NoteKind", "plan_notes"]
 
-NoteKind = Literal["kohya-flux-split-qkv"]
+NoteKind = Literal["kohya-flux-split-qkv", "peft-wrapped"]
 
 SPLIT_QKV_TEXT = (
     "kohya Flux split-qkv save (downs stacked to rank n*r, block-diagonal up, alpha of one "
     "split): shuttle scales each split by alpha/r, as sd-scripts trained it; diffusers' loader "
     "divides alpha by the stacked rank n*r, so its update is 1/3 of shuttle's on the q, k, v "
     "of *_attn_qkv and 1/4 on the q, k, v, mlp of linear1"
+)
+PEFT_WRAPPED_TEXT = (
+    "these layers are wrapped by PEFT (diffusers' load_lora_weights, or a PeftModel): the "
+    "update went into each wrapped layer's base_layer; PEFT's own adapters on them still add "
+    "theirs in the forward while active (unload them, e.g. pipe.unload_lora_weights() or "
+    "merge_and_unload(), to keep only this one)"
 )
 
 
@@ -33,6 +39,8 @@ class Note:
     Attributes:
         kind: what it is about. ``"kohya-flux-split-qkv"``: modules of a kohya Flux split-qkv
             save, scaled per split (docs/formats.md, "Where the tools disagree").
+            ``"peft-wrapped"``: modules that landed on layers PEFT wraps, whose own adapters
+            add to the update while active.
         keys: the adapter module keys concerned (``source::`` prefixed when several adapters
             were applied, as in ``unmatched``).
         text: the same in one sentence.
@@ -50,13 +58,20 @@ def plan_notes(plan: MergePlan) -> list[Note]:
     is a split save (merging reads it for the same reason; a loaded plan's patches keep it).
     """
     split: dict[int, dict[str, None]] = {}
-    for contribs in plan.params.values():
+    wrapped: dict[int, dict[str, None]] = {}
+    for name, contribs in plan.params.items():
         for c in contribs:
             p = c.patch.inner if isinstance(c.patch, DoRA) else c.patch
             if isinstance(p, LowRank) and p.split_qkv and p.effective_scale != p.scale:
                 split.setdefault(c.adapter, {})[c.module_key] = None
+            if ".base_layer." in name:
+                wrapped.setdefault(c.adapter, {})[c.module_key] = None
     several = len(plan.adapters) > 1
-    return [Note("kohya-flux-split-qkv",
-                 tuple(f"{plan.adapters[i][0].source}::{k}" if several else k for k in keys),
-                 SPLIT_QKV_TEXT)
-            for i, keys in sorted(split.items())]
+
+    def keys(i: int, found: dict[str, None]) -> tuple[str, ...]:
+        return tuple(f"{plan.adapters[i][0].source}::{k}" if several else k for k in found)
+
+    return ([Note("kohya-flux-split-qkv", keys(i, found), SPLIT_QKV_TEXT)
+             for i, found in sorted(split.items())]
+            + [Note("peft-wrapped", keys(i, found), PEFT_WRAPPED_TEXT)
+               for i, found in sorted(wrapped.items())])

@@ -22,6 +22,7 @@ ADAPTER_PREFIXES = (
     "model.", "text_encoder_3.", "text_encoder_2.", "text_encoder.", "text_encoders.",
 )
 _TE = re.compile(r"^text_encoder(_(\d))?\.")
+_BASE_LAYER = ".base_layer"
 
 
 class ModelNames:
@@ -41,9 +42,16 @@ class ModelNames:
         self.fused = frozenset(fused)
         # module path -> its parameter names (relative); a bare parameter is its own module.
         self.modules: dict[str, set[str]] = defaultdict(set)
+        # PEFT's wrapped layers (after diffusers' load_lora_weights, or in a PeftModel) keep
+        # the original weight at ``<layer>.base_layer.weight``: the layer's own name reaches it.
+        self.base_layers: dict[tuple[str, str], str] = {}
         for name in self.shapes:
             module, _, leaf = name.rpartition(".")
             self.modules[module].add(leaf)
+            if module.endswith(_BASE_LAYER):
+                wrapper = module[:-len(_BASE_LAYER)]
+                self.modules[wrapper].add(leaf)
+                self.base_layers[(wrapper, leaf)] = name
         # A root is a model prefix of one or two dotted components ("transformer.",
         # "model.diffusion_model."): collect those of every module once, then look them up.
         heads = set()
@@ -67,6 +75,8 @@ class ModelNames:
         """The full name of parameter ``leaf`` of ``module``, or of the bare parameter
         ``module`` itself when ``leaf`` is ``"weight"``.
         """
+        if (module, leaf) in self.base_layers:
+            return self.base_layers[(module, leaf)]
         if leaf in self.modules.get(module, ()):
             return f"{module}.{leaf}" if module else leaf
         if leaf == "weight" and module in self.shapes:
