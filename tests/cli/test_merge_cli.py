@@ -257,3 +257,38 @@ def test_an_output_named_as_another_format_is_refused(tmp_path, name):
     with pytest.raises(shuttle.errors.ShuttleError, match="safetensors only"):
         merge_files([str(base)], [(str(lora), 1.0)], tmp_path / name, progress=False)
     assert not (tmp_path / name).exists()
+
+
+def test_mapping_places_keys_no_rule_knows(tmp_path, capsys):
+    model, base, _ = _files(tmp_path)
+    g = torch.Generator().manual_seed(2)
+    lora = tmp_path / "odd.safetensors"
+    save_file({"first.lora_down.weight": torch.randn(4, 16, generator=g) * 0.1,
+               "first.lora_up.weight": torch.randn(32, 4, generator=g) * 0.1,
+               "last.lora_down.weight": torch.randn(2, 32, generator=g) * 0.1,
+               "last.lora_up.weight": torch.randn(4, 2, generator=g) * 0.1}, str(lora))
+    mapping = tmp_path / "mapping.json"
+    mapping.write_text(json.dumps({"first": "0", "last": ["2", [4, 8]]}))
+    out = tmp_path / "merged.safetensors"
+    args = _parser().parse_args(["merge", "--base", str(base), "--lora", str(lora), "-o",
+                                 str(out), "--mapping", str(mapping), "--strict",
+                                 "--no-progress"])
+    assert merge_cli.run(args) == 0
+    shuttle.merge_lora(model, [(str(lora), 1.0)], mapping={"first": "0", "last": ("2", (4, 8))},
+                       strict=True)
+    got = load_file(str(out))
+    for k, v in model.state_dict().items():
+        assert torch.equal(got[k].view(torch.int16), v.view(torch.int16)), k
+
+
+@pytest.mark.parametrize(("text", "why"), [
+    ("[1, 2]", "expected a JSON object"), ("{nope", "is not JSON"),
+    ('{"a": 3}', "the value of 'a'"), ('{"a": ["p", [0]]}', "the value of 'a'"),
+])
+def test_a_bad_mapping_file_exits_naming_it(tmp_path, capsys, text, why):
+    mapping = tmp_path / "mapping.json"
+    mapping.write_text(text)
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["merge", "--base", "m.safetensors", "-o", "o", "--mapping",
+                              str(mapping)])
+    assert why in capsys.readouterr().err

@@ -7,6 +7,7 @@ error: exit status 2, nothing written. ``--strict`` makes any unmatched key one.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from pathlib import Path
 
@@ -57,6 +58,38 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+def parse_mapping(path: str) -> dict[str, str | tuple[str, tuple[int, int]]]:
+    """A JSON file ``{adapter module key: "tensor.module.path"}`` (or ``[path, [start, end]]``
+    for rows of a fused tensor) -> a ``mapping=`` for :func:`~shuttle.merge_files`.
+
+    Raises:
+        argparse.ArgumentTypeError: the file is missing, not JSON, or not such an object.
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read {path!r}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{path!r} is not JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise argparse.ArgumentTypeError(
+            f"{path!r}: expected a JSON object {{adapter key: module path}}, got "
+            f"{type(data).__name__}")
+    out: dict[str, str | tuple[str, tuple[int, int]]] = {}
+    for key, value in data.items():
+        if isinstance(value, str):
+            out[key] = value
+        elif (isinstance(value, list) and len(value) == 2 and isinstance(value[0], str)
+              and isinstance(value[1], list) and len(value[1]) == 2
+              and all(isinstance(r, int) and not isinstance(r, bool) for r in value[1])):
+            out[key] = (value[0], (value[1][0], value[1][1]))
+        else:
+            raise argparse.ArgumentTypeError(
+                f"{path!r}: the value of {key!r} is {value!r}; expected a module path or "
+                '["module.path", [start, end]]')
+    return out
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:  # noqa: D103
     p = sub.add_parser("merge", help="merge adapters into a checkpoint, writing a new one")
     p.add_argument("--base", required=True, nargs="+", metavar="FILE",
@@ -74,6 +107,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # noqa: D103
     p.add_argument("--seed", type=int, default=None, help="stochastic rounding seed")
     p.add_argument("--shard-size", type=parse_size, default=None, metavar="SIZE",
                    help="most tensor bytes per file, e.g. 5GB or 4GiB (default 5GiB)")
+    p.add_argument("--mapping", type=parse_mapping, default=None, metavar="FILE.json",
+                   help='adapter module key -> tensor module path, as JSON: {"key": '
+                        '"blocks.0.attn.qkv"} or {"key": ["blocks.0.attn.qkv", [0, 3072]]} '
+                        "for rows of a fused tensor (keys it names skip the built-in rules)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--strict", action="store_true",
                    help="fail (nothing written) if any adapter key matches no tensor; without "
@@ -85,7 +122,8 @@ def run(args: argparse.Namespace) -> int:  # noqa: D103
     base = args.base[0] if len(args.base) == 1 else args.base
     kwargs = {} if args.shard_size is None else {"max_shard_bytes": args.shard_size}
     report = merge_files(base, args.lora, args.out, dtype=args.dtype, rounding=args.rounding,
-                         seed=args.seed, progress=False if args.no_progress else None,
+                         seed=args.seed, mapping=args.mapping,
+                         progress=False if args.no_progress else None,
                          strict=args.strict, allow_empty=False, **kwargs)
     where = report.index or report.files[0]
     print(f"merged {len(args.lora)} adapter(s) into {len(report.applied)} tensor(s); wrote "
