@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-from shuttle.errors import AdapterFormatError, ShuttleError
+from shuttle.errors import AdapterFileError, AdapterFormatError, ShuttleError
 from shuttle.formats.assemble import assemble
 from shuttle.formats.diffusers import METADATA_KEY
+from shuttle.formats.hub import hub_file, looks_like_repo_id
 from shuttle.formats.lycoris import DORA_RULE_KEY, written_by_lycoris
 from shuttle.formats.peft import PeftConfig
 from shuttle.formats.registry import AdapterFormat, detect_format
@@ -122,13 +125,16 @@ def load_lora(
     config: dict[str, Any] | None = None,
     strict: bool = True,
     dora: DoraRule | Literal["auto"] = "auto",
+    weight_name: str | None = None,
 ) -> LoRA:
     """Read an adapter of any supported format.
 
     Args:
         source: a ``.safetensors`` file, a list of them, a PEFT adapter directory, a
             ``.bin``/``.pt`` file (loaded with ``weights_only=True``), an in-memory state dict,
-            or a :class:`LoRA` (returned as is).
+            a :class:`LoRA` (returned as is), or a Hugging Face Hub repo id ``"owner/name"``
+            that is no local path (fetched into the Hub's cache with ``huggingface_hub``; see
+            :mod:`shuttle.formats.hub`).
         config: a PEFT ``adapter_config.json`` as a dict, overriding every config found with
             the source (diffusers' per-component ones too): it then scales all modules.
         strict: raise :class:`~shuttle.errors.UnknownKeyError` on keys of no known kind;
@@ -138,12 +144,16 @@ def load_lora(
             wrote (``lycoris_`` names, or ``ss_network_module`` = ``lycoris.*`` in its
             metadata), else ``"comfy"``, the result ComfyUI users see from such a file. A
             file written by :func:`~shuttle.save_lora` keeps the rule it was saved with.
+        weight_name: the file to read in a Hub repo or a local directory (default: a repo's
+            only ``.safetensors`` file, or ``pytorch_lora_weights.safetensors``).
 
     Returns:
         The adapter; only safetensors headers (and 0-dim alphas) have been read.
 
     Raises:
-        AdapterFileError: the source cannot be opened.
+        AdapterFileError: the source cannot be opened (for a repo id: no such repo or file, or
+            the Hub unreachable and the file not cached: the message says how to download it).
+        MissingDependencyError: a repo id without ``huggingface_hub`` installed.
         CorruptFileError: a file is truncated or inconsistent.
         UnsupportedFormatError: a recognized format shuttle does not implement (OFT, GLoRA).
         UnknownKeyError: keys of no known kind (with ``strict``).
@@ -154,6 +164,11 @@ def load_lora(
         _dora_mode(dora)
     if isinstance(source, LoRA):
         return source if dora == "auto" else source.with_dora(dora)
+    if isinstance(source, (str, os.PathLike)):
+        source = _local(source, weight_name)
+    elif weight_name is not None:
+        raise AdapterFileError(f"weight_name={weight_name!r} is for a repo id or a directory; "
+                               "pass the file itself")
     src = open_source(source)
     cfg_dict = config if config is not None else src.config
     peft_cfg = PeftConfig.from_dict(cfg_dict, src.name) if cfg_dict is not None else None
@@ -173,6 +188,20 @@ def load_lora(
     if dora == "auto":
         dora = _file_dora_rule(list(src.tensors), src.metadata, src.name)
     return lora.with_dora(dora)
+
+
+def _local(source: str | os.PathLike[str], weight_name: str | None) -> str | os.PathLike[str]:
+    """A path to read: ``source`` itself, ``weight_name`` in a directory, or a Hub repo's file
+    fetched into the cache.
+    """
+    if isinstance(source, str) and looks_like_repo_id(source):
+        return hub_file(source, weight_name)
+    if weight_name is not None:
+        if not Path(source).is_dir():
+            raise AdapterFileError(f"weight_name={weight_name!r} needs a directory or a repo "
+                                   f"id; {str(source)!r} is neither")
+        return Path(source) / weight_name
+    return source
 
 
 def _dora_mode(rule: str) -> str:
