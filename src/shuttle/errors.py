@@ -43,6 +43,7 @@ __all__ = [
     "UnsupportedFeatureError",
     "UnsupportedFormatError",
     "UnsupportedLayerError",
+    "UnsupportedModelError",
     "WideningError",
 ]
 
@@ -147,6 +148,10 @@ class ScopeOrderError(ShuttleError, RuntimeError):
 
 class UnsupportedLayerError(ShuttleError, TypeError):
     """A patch kind cannot be applied to the layer it targets in the requested mode."""
+
+
+class UnsupportedModelError(ShuttleError, TypeError):
+    """What was passed as a model is neither an ``nn.Module`` nor a diffusers pipeline."""
 
 
 class MissingDependencyError(ShuttleError, ImportError):

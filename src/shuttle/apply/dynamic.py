@@ -17,6 +17,7 @@ import torch
 from shuttle.apply.dynamic_layer import LoRAHook, Quality
 from shuttle.apply.merge import MergeReport
 from shuttle.apply.notes import plan_notes
+from shuttle.apply.pipeline import Pipeline, as_model
 from shuttle.apply.plan import (
     AdapterList,
     Contribution,
@@ -30,6 +31,7 @@ from shuttle.apply.strength import check_strength
 from shuttle.errors import (
     AdapterIndexError,
     InvalidOptionError,
+    InvalidStrengthError,
     UnsupportedLayerError,
 )
 from shuttle.formats import LoRA, load_lora
@@ -202,7 +204,7 @@ class DynamicAdapters:
 
 
 def attach_lora(
-    model: torch.nn.Module,
+    model: torch.nn.Module | Pipeline,
     loras: AdapterList,
     *,
     quality: Quality | None = None,
@@ -223,6 +225,7 @@ def attach_lora(
         Everything :func:`~shuttle.merge_lora` raises, before anything is attached;
         UnsupportedLayerError: a patch a layer cannot take dynamically.
     """
+    model = as_model(model)
     quality = quality or default_quality(model)
     if quality not in QUALITIES:
         raise InvalidOptionError(f"quality={quality!r}: expected one of {', '.join(QUALITIES)}")
@@ -239,6 +242,11 @@ def attach_plan(model: torch.nn.Module, plan: MergePlan, quality: Quality,
     Raises:
         UnsupportedLayerError: a patch a layer cannot take dynamically; nothing is attached.
     """
+    if plan.components:
+        i = next(iter(plan.components))
+        raise InvalidStrengthError(
+            f"loras[{i}] has a strength per component; dynamic adapters hold one strength per "
+            "adapter: merge it (mode='merge'), or attach one adapter list per component")
     per_module: dict[str, dict[str, list[Contribution]]] = defaultdict(lambda: defaultdict(list))
     for param, contribs in plan.params.items():
         module, _, leaf = param.rpartition(".")

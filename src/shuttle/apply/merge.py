@@ -22,6 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from shuttle.apply.notes import Note, plan_notes
+from shuttle.apply.pipeline import Pipeline, as_model
 from shuttle.apply.plan import (
     AdapterList,
     Contribution,
@@ -86,7 +87,7 @@ class MergeReport:
 
 
 def merge_lora(
-    model: torch.nn.Module,
+    model: torch.nn.Module | Pipeline,
     loras: AdapterList,
     *,
     rounding: Rounding | None = None,
@@ -98,9 +99,13 @@ def merge_lora(
     """Fold adapters into ``model``'s weights permanently.
 
     Args:
-        model: the model; its parameters change in place.
+        model: the model, or a diffusers pipeline (its components; see
+            :mod:`shuttle.apply.pipeline`); its parameters change in place.
         loras: ``[(lora, strength), ...]``; each lora a :class:`~shuttle.LoRA` or anything
-            :func:`~shuttle.load_lora` reads. A strength of exactly 0 skips that adapter.
+            :func:`~shuttle.load_lora` reads. A strength of exactly 0 skips that adapter. A
+            strength may also be a dict per component, ``{"transformer": 0.8,
+            "text_encoder": 0.5}`` (the top-level modules: a pipeline's components), the
+            components it does not name at 1 (as diffusers' ``set_adapters`` weights).
         rounding: ``"nearest"``, or ``"stochastic"`` (unbiased; seeded by parameter name and
             ``seed``, so repeatable). Default: nearest for float16/bfloat16/float32 weights,
             stochastic for float8 and quantized weights (bitsandbytes, torchao, quanto; also
@@ -145,6 +150,7 @@ def merge_lora(
     layers get their original weights back.
     """
     rounding = check_rounding(rounding)
+    model = as_model(model)
     params = dict(model.named_parameters())
     plan = plan_params(params, loras, mapping, fused=fused_modules(model), widen=True,
                        strict=strict)

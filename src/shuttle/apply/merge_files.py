@@ -299,8 +299,8 @@ def _metadata(base: Mapping[str, str], plan: MergePlan, dtype: torch.dtype | Non
     meta.setdefault("format", "pt")  # transformers refuses safetensors metadata without it
     meta["shuttle.version"] = __version__
     meta["shuttle.adapters"] = json.dumps(
-        [{"source": lora.source, "format": lora.format, "strength": s}
-         for lora, s in plan.adapters])
+        [{"source": lora.source, "format": lora.format,
+          "strength": plan.components.get(i, s)} for i, (lora, s) in enumerate(plan.adapters)])
     meta["shuttle.rounding"] = rounding or "default"  # nearest, float8 stochastic
     meta["shuttle.dtype"] = str(dtype).removeprefix("torch.") if dtype else "unchanged"
     if seed is not None:

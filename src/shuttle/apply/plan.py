@@ -46,6 +46,7 @@ __all__ = [
     "is_plain_tensor",
     "known_abs_max",
     "logical_spec",
+    "normalize_adapters",
     "normalize_loras",
     "plan_merge",
     "plan_params",
@@ -53,7 +54,10 @@ __all__ = [
 
 log = logging.getLogger("shuttle")
 
-AdapterList = Sequence[tuple["LoRA | Source", float]] | LoRA
+# A strength per adapter, or per component (``{"transformer": 0.8, "text_encoder": 0.5}``:
+# the first component of each parameter's name; components not named get 1).
+Strength = float | Mapping[str, float]
+AdapterList = Sequence[tuple["LoRA | Source", Strength]] | LoRA
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +78,8 @@ class MergePlan:
     ``widen``: parameters whose contributions take more input columns than they have (a
     control LoRA's ``img_in``) -> the shape they are validated at and must be widened to
     (:mod:`shuttle.apply.widen`) before the merge; only when planned with ``widen=True``.
+    ``components``: adapter index -> its strength per component, for adapters given one
+    (their entry in ``adapters`` has strength 1; each contribution carries its own).
     """
 
     params: dict[str, list[Contribution]]
@@ -81,6 +87,7 @@ class MergePlan:
     skipped: dict[str, str]
     adapters: list[tuple[LoRA, float]] = dataclasses.field(default_factory=list)
     widen: dict[str, torch.Size] = dataclasses.field(default_factory=dict)
+    components: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
 
 
 def normalize_loras(loras: AdapterList) -> list[tuple[LoRA, float]]:
@@ -88,11 +95,32 @@ def normalize_loras(loras: AdapterList) -> list[tuple[LoRA, float]]:
 
     Raises:
         InvalidStrengthError: a strength is not a real number within float32's range
-            (:func:`~shuttle.apply.strength.check_strength`).
+            (:func:`~shuttle.apply.strength.check_strength`), or is a per-component dict
+            (only merges take those: see :func:`normalize_adapters`).
+    """
+    pairs, per_component = normalize_adapters(loras)
+    if per_component:
+        i = next(iter(per_component))
+        raise InvalidStrengthError(
+            f"loras[{i}] has a strength per component; only merges (merge_lora, "
+            "apply_lora(mode='merge'), load_checkpoint, merge_files) take those: pass one "
+            "number, or give each component its own adapter list")
+    return pairs
+
+
+def normalize_adapters(loras: AdapterList
+                       ) -> tuple[list[tuple[LoRA, float]], dict[int, dict[str, float]]]:
+    """:func:`normalize_loras` that also takes per-component strengths: returns the pairs (a
+    per-component adapter at strength 1) and, by pair index, its strengths per component.
+
+    Raises:
+        InvalidStrengthError: a strength (or a component's) is not a real number within
+            float32's range, or a component name is not a string.
     """
     if isinstance(loras, LoRA):
         loras = [(loras, 1.0)]
-    out = []
+    out: list[tuple[LoRA, float]] = []
+    per_component: dict[int, dict[str, float]] = {}
     for i, item in enumerate(loras):
         if not (isinstance(item, tuple) and len(item) == 2):
             raise InvalidStrengthError(
@@ -100,11 +128,22 @@ def normalize_loras(loras: AdapterList) -> list[tuple[LoRA, float]]:
                 "e.g. [(lora, 0.8)]"
             )
         lora, strength = item
+        if isinstance(strength, Mapping):
+            parts = {}
+            for name, s in strength.items():
+                if not isinstance(name, str):
+                    raise InvalidStrengthError(
+                        f"loras[{i}] strength: key {name!r} is not a component name; pass "
+                        '{"transformer": 0.8, "text_encoder": 0.5}')
+                parts[name] = check_strength(s, f"loras[{i}] strength[{name!r}]")
+            per_component[len(out)] = parts
+            out.append((load_lora(lora), 1.0))
+            continue
         strength = check_strength(strength, f"loras[{i}] strength")
         if strength == 0:
             continue  # exact zeros are skipped: nothing to read, nothing to round
         out.append((load_lora(lora), strength))
-    return out
+    return out, per_component
 
 
 class ParamSpec(NamedTuple):
@@ -182,12 +221,13 @@ def plan_params(
         UnmatchedKeysError: with ``strict``, an adapter key reaches no parameter (raised
             before any adapter tensor is read).
     """
-    pairs = normalize_loras(loras)
+    pairs, per_component = normalize_adapters(loras)
     # Quantized weights are planned by the weight they stand for (shape, compute dtype).
     params = {n: logical_spec(p) for n, p in params.items()}
+    _check_components(per_component, params)
     signature = (_signature(params), frozenset(fused)) if mapping is None else None
     names: ModelNames | None = None
-    plan = MergePlan({}, {}, {}, pairs)
+    plan = MergePlan({}, {}, {}, pairs, components=per_component)
     several = len(pairs) > 1
     staged: list[tuple[_Placed, float, int]] = []
     for index, (lora, strength) in enumerate(pairs):
@@ -220,7 +260,12 @@ def plan_params(
                     _validate(t, params[t.param], plan.widen[t.param])
     check_landed(plan, strict, targets=sum(len(p.targets) for p, _, _ in staged))
     for placed, strength, index in staged:
+        parts = per_component.get(index)
         for i, t in enumerate(placed.targets):
+            if parts is not None:
+                strength = parts.get(t.param.split(".", 1)[0], 1.0)
+                if strength == 0:
+                    continue
             patch = t.patch
             if load:
                 target = torch.device(device) if device is not None else params[t.param].device
@@ -244,6 +289,21 @@ def plan_params(
         log.warning("%d adapter key(s) matched no parameter: %s", len(plan.unmatched),
                     "; ".join(f"{k}: {v}" for k, v in list(plan.unmatched.items())[:5]))
     return plan
+
+
+def _check_components(per_component: dict[int, dict[str, float]],
+                      params: Mapping[str, TensorSpec]) -> None:
+    """Every component a per-component strength names is a top-level module of the model."""
+    if not per_component:
+        return
+    components = {n.split(".", 1)[0] for n in params}
+    for parts in per_component.values():
+        unknown = sorted(set(parts) - components)
+        if unknown:
+            raise InvalidStrengthError(
+                f"a per-component strength names {unknown} that the model does not have; its "
+                f"components (top-level modules) are {sorted(components)[:12]}. Merge into the "
+                "pipeline (merge_lora(pipe, ...)) to name its components")
 
 
 def check_landed(plan: MergePlan, strict: bool, *, targets: int | None = None) -> None:

@@ -21,6 +21,7 @@ from shuttle.apply.dynamic import (
 from shuttle.apply.dynamic_layer import Quality
 from shuttle.apply.merge import MergeReport, merge_plan, write_back
 from shuttle.apply.notes import plan_notes
+from shuttle.apply.pipeline import Pipeline, as_model
 from shuttle.apply.plan import (
     AdapterList,
     MergePlan,
@@ -55,7 +56,7 @@ _OPEN: weakref.WeakKeyDictionary[torch.nn.Module, list[_Scope]] = weakref.WeakKe
 
 @contextlib.contextmanager
 def apply_lora(
-    model: torch.nn.Module,
+    model: torch.nn.Module | Pipeline,
     loras: AdapterList,
     mode: Mode = "merge",
     *,
@@ -106,6 +107,7 @@ def apply_lora(
     """
     if mode not in MODES:
         raise InvalidOptionError(f"mode={mode!r}: apply_lora supports {', '.join(MODES)}")
+    model = as_model(model)
     if mode == "dynamic":
         handle = attach_lora(model, loras, quality=quality, mapping=mapping)
         if strict and handle.unmatched:
