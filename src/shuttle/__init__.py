@@ -9,6 +9,7 @@ from shuttle.apply import (
     ExtractReport,
     LoadReport,
     MergeReport,
+    UnmergeReport,
     apply_lora,
     attach_lora,
     extract_lora,
@@ -16,6 +17,7 @@ from shuttle.apply import (
     lora_scale,
     merge_lora,
     replacement_parameters,
+    unmerge_lora,
 )
 from shuttle.apply.merge_files import FileMergeReport, merge_files
 from shuttle.cache import (
@@ -52,6 +54,7 @@ __all__ = [
     "Resolution",
     "ResourceCache",
     "StreamConfig",
+    "UnmergeReport",
     "apply_lora",
     "attach_lora",
     "errors",
@@ -66,5 +69,6 @@ __all__ = [
     "replacement_parameters",
     "resolve",
     "save_lora",
+    "unmerge_lora",
     "upcast_on_use",
 ]

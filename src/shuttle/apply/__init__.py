@@ -12,6 +12,7 @@ from shuttle.apply.plan import MergePlan, plan_merge
 from shuttle.apply.rounding import round_to, stochastic_round
 from shuttle.apply.scale import lora_scale
 from shuttle.apply.scoped import apply_lora
+from shuttle.apply.unmerge import UnmergeReport, unmerge_lora
 
 __all__ = [
     "DynamicAdapters",
@@ -30,4 +31,6 @@ __all__ = [
     "replacement_parameters",
     "round_to",
     "stochastic_round",
+    "UnmergeReport",
+    "unmerge_lora",
 ]

@@ -35,7 +35,7 @@ from shuttle.apply.plan import (
 from shuttle.apply.recipe import MergeRecipe, find_recipe, remember_recipe
 from shuttle.apply.rounding import Rounding, check_rounding, merge_seed, merge_seeds, round_to
 from shuttle.apply.widen import narrow, widen_layers
-from shuttle.errors import NonFiniteAdapterError
+from shuttle.errors import NonFiniteAdapterError, WideningError
 from shuttle.kernels import triton_available
 from shuttle.kernels.merge_lowrank import (
     RANK_STEPS,
@@ -78,12 +78,16 @@ class MergeReport:
         skipped: adapter keys that were not turned into patches -> why (from ``load_lora``).
         notes: where the update differs on purpose from a peer tool's (:class:`Note`; a kohya
             Flux split-qkv save, scaled per split as trained, is 3x or 4x diffusers' update).
+        kept: with ``merge_lora(..., keep=...)``, what the merge overwrote, by parameter name:
+            :func:`~shuttle.unmerge_lora` puts it back bit for bit. None otherwise.
     """
 
     applied: list[str]
     unmatched: dict[str, str]
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
     notes: list[Note] = dataclasses.field(default_factory=list)
+    kept: dict[str, torch.Tensor | WeightRepresentation] | None = dataclasses.field(
+        default=None, repr=False)
 
 
 def merge_lora(
@@ -95,6 +99,7 @@ def merge_lora(
     mapping: KeyMapping | None = None,
     progress: bool | None = None,
     strict: bool = False,
+    keep: bool | str | torch.device = False,
 ) -> MergeReport:
     """Fold adapters into ``model``'s weights permanently.
 
@@ -118,6 +123,11 @@ def merge_lora(
             change. Without it, unmatched keys are reported (``MergeReport.unmatched``), and a
             merge in which no key lands at all is logged as a warning and warned
             (:class:`UserWarning`).
+        keep: keep a copy of every parameter the merge overwrites in the report
+            (``MergeReport.kept``), on the CPU for True or on the device given, so that
+            :func:`~shuttle.unmerge_lora` can undo the merge exactly. It costs the memory of
+            those parameters, for as long as the report is kept. (Undoing without it subtracts
+            the update, within a rounding or two of the original.)
 
     Returns:
         A :class:`MergeReport`.
@@ -155,13 +165,37 @@ def merge_lora(
     plan = plan_params(params, loras, mapping, fused=fused_modules(model), widen=True,
                        strict=strict)
     check_mergeable(plan, params)
+    kept = _keep(plan, params, keep)
     widened = widen_layers(model, plan, params)  # checks every layer first
     try:
         merge_plan(model, plan, rounding=rounding, seed=seed, progress=progress, params=params)
     except BaseException:  # a widened layer that failed goes back to its original weight
         narrow(widened)
         raise
-    return MergeReport(list(plan.params), plan.unmatched, plan.skipped, plan_notes(plan))
+    return MergeReport(list(plan.params), plan.unmatched, plan.skipped, plan_notes(plan), kept)
+
+
+def _keep(plan: MergePlan, params: dict[str, torch.Tensor], keep: bool | str | torch.device
+          ) -> dict[str, torch.Tensor | WeightRepresentation] | None:
+    """Copies of the parameters ``plan`` overwrites, on ``keep``'s device (True: the CPU)."""
+    if keep is False:
+        return None
+    if plan.widen:
+        raise WideningError(
+            f"keep= with an adapter that widens {sorted(plan.widen)[:3]}: the original layer "
+            "cannot be kept as a plain copy; use apply_lora(mode='merge') for a merge that "
+            "gives the original layer back")
+    device = torch.device("cpu" if keep is True else keep)
+    out: dict[str, torch.Tensor | WeightRepresentation] = {}
+    for name in plan.params:
+        p = params[name]
+        if is_plain_tensor(p):
+            out[name] = p.detach().to(device, copy=True)
+        else:
+            rep = represent(p)
+            out[name] = dataclasses.replace(
+                rep, **{n: t.to(device, copy=True) for n, t in rep.tensors().items()})
+    return out
 
 
 def merge_plan(model: torch.nn.Module, plan: MergePlan, *, rounding: Rounding | None = None,
