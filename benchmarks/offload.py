@@ -18,7 +18,7 @@ always runs):
     shuttle_<f>x              StreamConfig(prefetch, vram_budget=f * weight bytes), --fractions
     shuttle_<B>GiB            StreamConfig(prefetch, vram_budget=B GiB), --budgets
     shuttle_min_lora_dynamic  shuttle_min with a rank-32 (--lora-rank) LoRA on every Linear of
-                              the blocks, added at forward time (lora_mode="dynamic")
+                              the blocks, added at forward time (mode="dynamic")
     diffusers_group           enable_group_offload(block_level, 1 block per group,
                               use_stream=True, record_stream=True)
     accelerate_cpu            accelerate.cpu_offload (flux only unless --wan-accelerate; few
@@ -565,7 +565,7 @@ def run_model(name: str, args: argparse.Namespace, report: Report, storage: str 
                 capture_s.append(time.perf_counter() - t)
             off = offloader[0]
             t = time.perf_counter()
-            m = off.activate(DEVICE, stream, loras=loras, lora_mode="dynamic")
+            m = off.activate(DEVICE, stream, loras=loras, mode="dynamic")
             torch.cuda.synchronize()
             activate_s = time.perf_counter() - t
             plan = off.plan

@@ -40,7 +40,6 @@ __all__ = [
     "UnknownKeyError",
     "UnmatchedKeysError",
     "UnmergeableWeightError",
-    "UnsupportedFeatureError",
     "UnsupportedFormatError",
     "UnsupportedLayerError",
     "UnsupportedModelError",
@@ -234,12 +233,6 @@ class ResourceNotRegisteredError(CacheError, LookupError):
 
 class ModelInUseError(CacheError, RuntimeError):
     """``ModelCache.use`` of a model that another ``use`` holds active (uses are sequential)."""
-
-
-class UnsupportedFeatureError(CacheError, NotImplementedError):
-    """A cache call needs a feature that the layer below does not offer yet (the message
-    names it).
-    """
 
 
 class UnmergeableWeightError(ShuttleError, TypeError):

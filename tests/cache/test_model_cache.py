@@ -5,7 +5,6 @@ injected at each step (adapter build, factory, capture, activation, the body).
 from __future__ import annotations
 
 import copy
-import inspect
 import logging
 
 import pytest
@@ -19,15 +18,14 @@ from shuttle.errors import (
     CacheError,
     InvalidStrengthError,
     ModelInUseError,
+    OffloadError,
     ResourceTooLargeError,
-    UnsupportedFeatureError,
 )
 from shuttle.offload import CPU_COPY_ENV, ModelOffloader, StreamConfig
 from tests import lowrank_state
 from tests.offload.models import TinyDiT
 
 PATHS = ("blocks", "single")
-LORA_SUPPORTED = "loras" in inspect.signature(ModelOffloader.use).parameters
 
 
 class Factory:
@@ -156,9 +154,7 @@ def test_adapter_build_failure_unwinds():
 def test_failure_at_each_step_leaves_no_lease_and_exact_bytes(monkeypatch, step):
     cache = ModelCache(max_bytes=2**20)
     cache.register(ObjectSpec("other", object, bytes=100))
-    loras = []
-    if LORA_SUPPORTED:
-        loras = [(LoRASpec("style", lora_state_dict()), 1.0)]
+    loras = [(LoRASpec("style", lora_state_dict()), 1.0)]
     factory = Factory(fail=step == "factory")
     spec = ModelSpec("dit", factory, estimated_bytes=5000,
                      blocks="nowhere" if step == "capture" else PATHS)
@@ -209,16 +205,12 @@ def test_bad_strength_is_refused_before_anything_is_built():
     assert factory.calls == 0 and len(cache) == 0
 
 
-def test_loras_without_offloader_support_raise_a_typed_error(monkeypatch):
-    def use_without_loras(self, device="cuda", stream=None):
-        raise AssertionError("not reached")
-
-    monkeypatch.setattr(ModelOffloader, "use", use_without_loras)
+def test_an_unknown_mode_raises_before_anything_is_built():
     factory = Factory()
     cache = ModelCache(max_bytes=2**20)
-    with pytest.raises(UnsupportedFeatureError, match="loras="), \
+    with pytest.raises(OffloadError, match="mode='sideways'"), \
             cache.use(ModelSpec("dit", factory), device="cpu",
-                      loras=[(LoRASpec("s", lora_state_dict()), 1.0)]):
+                      loras=[(LoRASpec("s", lora_state_dict()), 1.0)], mode="sideways"):
         pass
     assert factory.calls == 0 and len(cache) == 0
 
@@ -235,7 +227,6 @@ def test_lora_spec_loads_casts_and_counts_bytes():
         assert cache.info("s").nbytes == lora.nbytes == sum(t.numel() for t in sd.values()) * 2
 
 
-@pytest.mark.skipif(not LORA_SUPPORTED, reason="ModelOffloader.use has no loras= yet")
 @pytest.mark.parametrize("mode", ["merge", "dynamic"])
 def test_use_with_loras_matches_apply_lora(monkeypatch, mode):
     monkeypatch.setenv(CPU_COPY_ENV, "1")
@@ -247,11 +238,32 @@ def test_use_with_loras_matches_apply_lora(monkeypatch, mode):
     with shuttle.apply_lora(ref, [(shuttle.load_lora(lora_state_dict()), 0.8)], mode=mode):
         want = ref(x)
     with cache.use(ModelSpec("dit", factory, blocks=PATHS), device="cpu",
-                   loras=[(spec, 0.8)], lora_mode=mode, stream=StreamConfig(prefetch=1)) as m:
+                   loras=[(spec, 0.8)], mode=mode, stream=StreamConfig(prefetch=1)) as m:
         assert cache.info("style").leases == 1
         torch.testing.assert_close(m(x), want)
     with cache.use("dit", device="cpu") as m:  # adapters gone with the activation
         torch.testing.assert_close(m(x), factory.reference(x), rtol=0, atol=0)
+    assert_quiet(cache)
+
+
+def test_use_passes_quality_and_mapping_to_the_activation(monkeypatch):
+    """Keys no rule places, placed by ``mapping``, at the exact tier: the output equals
+    apply_lora with the same arguments bit for bit."""
+    monkeypatch.setenv(CPU_COPY_ENV, "1")
+    factory = Factory()
+    cache = ModelCache(max_bytes=2**20)
+    sd = {k.replace("blocks.", "layer_"): v for k, v in lora_state_dict().items()}
+    mapping = {f"layer_{i}.{n}": f"blocks.{i}.{n}" for i in range(2) for n in ("attn", "up")}
+    x = tokens()
+    ref = copy.deepcopy(factory.reference)
+    with shuttle.apply_lora(ref, [(shuttle.load_lora(sd), 0.8)], mode="dynamic",
+                            quality="exact", mapping=mapping, strict=True):
+        want = ref(x)
+    with cache.use(ModelSpec("dit", factory, blocks=PATHS), device="cpu",
+                   loras=[(LoRASpec("odd", sd), 0.8)], mode="dynamic", quality="exact",
+                   mapping=mapping, stream=StreamConfig(prefetch=1)) as m:
+        assert torch.equal(m(x), want)
+    assert not torch.equal(want, factory.reference(x))
     assert_quiet(cache)
 
 

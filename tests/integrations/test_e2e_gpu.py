@@ -196,5 +196,5 @@ def test_llama_in_layer_mode_is_the_resident_model(llama, keep):
         assert len(off.plan.layers) == keep
         assert torch.equal(greedy_by_hand(model), refs["plain"]["logits"])
     with off.use("cuda", StreamConfig(prefetch=2, resident=keep), loras=[(lora, 0.8)],
-                 lora_mode="merge"):
+                 mode="merge"):
         assert torch.equal(greedy_by_hand(model), refs["merge"]["logits"])

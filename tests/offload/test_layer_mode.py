@@ -178,7 +178,7 @@ def test_lora_dynamic_in_layer_mode_equals_attach_lora(cpu_copy, mode):
     x = images()
     with torch.no_grad(), shuttle.apply_lora(ref, loras, mode="dynamic", quality="exact"):
         want = ref(x)
-    with torch.no_grad(), off.use("cpu", LAYER_MODES[mode], loras=loras, lora_mode="dynamic",
+    with torch.no_grad(), off.use("cpu", LAYER_MODES[mode], loras=loras, mode="dynamic",
                                   quality="exact") as model:
         # The stream hook is outermost: the LoRA hook sees the layer's weights in its slot.
         assert type(hooks_of(model.fc1)[0]).__name__ == "SlotHook"

@@ -96,7 +96,7 @@ def test_dynamic_mode_equals_attach_lora(cpu_copy, mode, quality):
         handle = shuttle.attach_lora(ref, loras, quality=quality)
         want = ref(x)
         handle.detach()
-        with off.use("cpu", MODES[mode], loras=loras, lora_mode="dynamic",
+        with off.use("cpu", MODES[mode], loras=loras, mode="dynamic",
                      quality=quality) as model:
             assert off.adapters.mode == "dynamic" and off.adapters.folds == 0
             assert set(off.adapters.handle.hooks) == {n.rpartition(".")[0] for n in
@@ -119,7 +119,7 @@ def test_auto_mode_equals_apply_lora_auto(cpu_copy, mode):
             want = ref(x)
             decisions = report.decisions
         assert set(decisions.values()) == {"merge", "dynamic"}  # the test covers both paths
-        with off.use("cpu", MODES[mode], loras=loras, lora_mode="auto",
+        with off.use("cpu", MODES[mode], loras=loras, mode="auto",
                      auto_threshold=0.015) as model:
             assert {n: d.mode for n, d in off.adapters.decisions.items()} == decisions
             assert off.adapters.merges and off.adapters.dynamic
@@ -131,19 +131,19 @@ def test_auto_mode_equals_apply_lora_auto(cpu_copy, mode):
 def test_auto_threshold_must_be_a_finite_fraction(cpu_copy):
     _, off, loras = setup()
     with pytest.raises(InvalidStrengthError, match="auto_threshold"):
-        off.activate("cpu", loras=loras, lora_mode="auto", auto_threshold=float("nan"))
+        off.activate("cpu", loras=loras, mode="auto", auto_threshold=float("nan"))
     assert not off.active
 
 
-@pytest.mark.parametrize("lora_mode", ["merge", "dynamic", "auto"])
-def test_cpu_pass_through_applies_and_restores(lora_mode):
+@pytest.mark.parametrize("mode", ["merge", "dynamic", "auto"])
+def test_cpu_pass_through_applies_and_restores(mode):
     ref, off, loras = setup()
     before = snapshot(off.model)
     x = tokens()
     with torch.no_grad():
-        with shuttle.apply_lora(ref, loras, mode=lora_mode):
+        with shuttle.apply_lora(ref, loras, mode=mode):
             want = ref(x)
-        with off.use("cpu", StreamConfig(), loras=loras, lora_mode=lora_mode) as model:
+        with off.use("cpu", StreamConfig(), loras=loras, mode=mode) as model:
             assert off.plan is None
             assert torch.equal(model(x), want)
     check_pristine_and_reusable(off, ref, before, None)
@@ -175,8 +175,8 @@ def test_zero_strengths_are_dropped_before_anything_is_built(cpu_copy, monkeypat
     monkeypatch.setattr(adapters_module, "plan_params", None)  # would fail if called
     x = tokens()
     with torch.no_grad():
-        for lora_mode in ("merge", "dynamic"):
-            with off.use("cpu", StreamConfig(prefetch=1), lora_mode=lora_mode,
+        for mode in ("merge", "dynamic"):
+            with off.use("cpu", StreamConfig(prefetch=1), mode=mode,
                          loras=[(lora, 0.0) for lora, _ in loras]) as model:
                 assert off.adapters is None
                 assert torch.equal(model(x), ref(x))
@@ -193,8 +193,8 @@ def bad_adapters():
         (dict(loras=[(wrong_shape, 1.0)]), ShapeMismatchError),
         (dict(loras=[(nan, 1.0)]), NonFiniteAdapterError),
         (dict(loras=[(ok, float("inf"))]), InvalidStrengthError),
-        (dict(loras=[(ok, 1.0)], lora_mode="sometimes"), OffloadError),
-        (dict(loras=[(ok, 1.0)], lora_mode="dynamic", quality="best"), OffloadError),
+        (dict(loras=[(ok, 1.0)], mode="sometimes"), OffloadError),
+        (dict(loras=[(ok, 1.0)], mode="dynamic", quality="best"), OffloadError),
     ]
 
 
@@ -221,21 +221,21 @@ def _spy(fn, calls):
     return wrapper
 
 
-@pytest.mark.parametrize("lora_mode,where", [("merge", "merge_param"),
+@pytest.mark.parametrize("mode,where", [("merge", "merge_param"),
                                              ("dynamic", "add_hook")])
 @pytest.mark.parametrize("n", [1, 3, 6])  # merge: 6 merges at activation
-def test_a_failure_in_the_lora_step_rolls_back(cpu_copy, monkeypatch, lora_mode, where, n):
+def test_a_failure_in_the_lora_step_rolls_back(cpu_copy, monkeypatch, mode, where, n):
     ref, off, loras = setup()
     before = snapshot(off.model)
     with monkeypatch.context() as m:
         m.setattr(adapters_module, where, fail_on_call(n, getattr(adapters_module, where)))
         with pytest.raises(RuntimeError, match="injected"):
-            off.activate("cpu", StreamConfig(prefetch=1), loras=loras, lora_mode=lora_mode)
+            off.activate("cpu", StreamConfig(prefetch=1), loras=loras, mode=mode)
     check_pristine_and_reusable(off, ref, before, StreamConfig(prefetch=1))
     merged = copy.deepcopy(ref)
     shuttle.merge_lora(merged, loras)
     x = tokens()
-    if lora_mode == "merge":  # the same adapters work once the failure is gone
+    if mode == "merge":  # the same adapters work once the failure is gone
         with off.use("cpu", StreamConfig(prefetch=1), loras=loras) as model, torch.no_grad():
             assert torch.equal(model(x), merged(x))
 
@@ -254,7 +254,7 @@ def test_dynamic_hooks_compose_with_a_streamed_block_that_is_adapted_itself(cpu_
         with shuttle.apply_lora(ref, [(lora, 0.7)], mode="dynamic"):
             want = ref(x)
         with off.use("cpu", StreamConfig(prefetch=1), loras=[(lora, 0.7)],
-                     lora_mode="dynamic") as m:
+                     mode="dynamic") as m:
             assert all(len(hooks_of(b)) == 2 for b in m)
             assert torch.equal(m(x), want)
     assert no_hooks(model)

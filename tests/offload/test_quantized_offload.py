@@ -232,7 +232,7 @@ def test_dynamic_lora_over_nf4_blocks_equals_attach_lora(cpu_copy, mode):
         want = ref(x)
         handle.detach()
     assert not torch.equal(want, plain)
-    with off.use("cpu", MODES[mode], loras=loras, lora_mode="dynamic") as model, \
+    with off.use("cpu", MODES[mode], loras=loras, mode="dynamic") as model, \
             torch.no_grad():
         for _ in range(2):
             assert torch.equal(model(x), want)
@@ -240,14 +240,14 @@ def test_dynamic_lora_over_nf4_blocks_equals_attach_lora(cpu_copy, mode):
         assert torch.equal(model(x), plain)
 
 
-@pytest.mark.parametrize("lora_mode", ["merge", "auto"])
-def test_merging_into_quantized_weights_while_active_is_refused(cpu_copy, lora_mode):
+@pytest.mark.parametrize("mode", ["merge", "auto"])
+def test_merging_into_quantized_weights_while_active_is_refused(cpu_copy, mode):
     ref, off = pair("nf4")
     x = torch.randn(4, 16)
     with torch.no_grad():
         plain = ref(x)
     with pytest.raises(UnsupportedLayerError, match="dynamic"):
-        off.activate("cpu", MODES["stream1"], loras=_nf4_adapter(), lora_mode=lora_mode)
+        off.activate("cpu", MODES["stream1"], loras=_nf4_adapter(), mode=mode)
     assert not off.active
     with off.use("cpu", MODES["stream1"]) as model, torch.no_grad():
         assert torch.equal(model(x), plain)

@@ -197,5 +197,5 @@ def test_adapters_while_streaming_are_bit_exact(mode, resident, slowed, inputs):
         refs = references(ref, inputs)
     off = ModelOffloader.from_module(model, blocks="blocks")
     with off.use("cuda", StreamConfig(prefetch=1, resident=resident), loras=[(lora, 0.8)],
-                 lora_mode=mode) as m:
+                 mode=mode) as m:
         assert_all_equal(run_steps(m, inputs), refs)

@@ -116,7 +116,7 @@ def test_training_a_weight_folded_by_a_merge_mode_adapter_raises(cpu_copy):
     _, off = setup(freeze=True)
     lora = shuttle.load_lora({"blocks.0.up.diff": torch.full((128, 32), 0.01)})
     with (off.use("cpu", StreamConfig(prefetch=1), loras=[(lora, 1.0)]),
-          pytest.raises(StreamModeError, match="lora_mode='dynamic'"), off.optimizer_step()):
+          pytest.raises(StreamModeError, match="mode='dynamic'"), off.optimizer_step()):
         pass
 
 

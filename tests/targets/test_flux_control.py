@@ -236,7 +236,7 @@ def test_offloader_refuses_widening():
     model = _tiny_transformer()
     off = shuttle.ModelOffloader.from_module(model, blocks=["transformer_blocks"])
     with pytest.raises(WideningError), off.use("cpu", loras=[(control_lora(), 1.0)],
-                                               lora_mode="merge"):
+                                               mode="merge"):
         pytest.fail("the body must not run")
 
 

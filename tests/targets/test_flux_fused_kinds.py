@@ -190,8 +190,8 @@ def test_dynamic_equals_merge(kind):
     assert torch.equal(_run(model), base)
 
 
-@pytest.mark.parametrize("lora_mode", ["merge", "dynamic"])
-def test_offloaded_equals_merge(cpu_copy, lora_mode):
+@pytest.mark.parametrize("mode", ["merge", "dynamic"])
+def test_offloaded_equals_merge(cpu_copy, mode):
     lora = shuttle.load_lora(_lokr("lora_unet_")[0])
     merged = _flux()
     shuttle.merge_lora(merged, [(lora, STRENGTH)])
@@ -199,9 +199,9 @@ def test_offloaded_equals_merge(cpu_copy, lora_mode):
     off = ModelOffloader.from_module(_flux(),
                                      blocks=["transformer_blocks", "single_transformer_blocks"])
     with off.use("cpu", StreamConfig(prefetch=1), loras=[(lora, STRENGTH)],
-                 lora_mode=lora_mode) as m:
+                 mode=mode) as m:
         got = _run(m)
-    if lora_mode == "merge":
+    if mode == "merge":
         assert torch.equal(got, want)
     else:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

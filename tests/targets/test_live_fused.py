@@ -140,13 +140,13 @@ def test_dynamic_on_a_fused_model_equals_the_unfused_merge(kind, quality):
     assert torch.equal(_run(m), base)  # detached exactly
 
 
-@pytest.mark.parametrize("lora_mode", ["merge", "dynamic"])
-def test_offloaded_fused_model_equals_the_unfused_merge(cpu_copy, lora_mode):
+@pytest.mark.parametrize("mode", ["merge", "dynamic"])
+def test_offloaded_fused_model_equals_the_unfused_merge(cpu_copy, mode):
     lora = _diffusers_lora()
     want = _reference(lora)
     off = ModelOffloader.from_module(_flux(fused=True),
                                      blocks=["transformer_blocks", "single_transformer_blocks"])
-    with off.use("cpu", loras=[(lora, STRENGTH)], lora_mode=lora_mode) as m:
+    with off.use("cpu", loras=[(lora, STRENGTH)], mode=mode) as m:
         got = _run(m)
         assert f"{ATTN}.to_qkv.weight" in off.adapters.report.applied
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -278,11 +278,11 @@ def test_offload_streams_the_stored_blocks(monkeypatch, stream):
         handle.remove()
     assert len(seen) == 3 and all(seen)
     assert all(inside(b.lin.weight, arenas) for b in off.model.blocks)
-    with off.use("cpu", stream, loras=loras, lora_mode="dynamic") as m, torch.no_grad():
+    with off.use("cpu", stream, loras=loras, mode="dynamic") as m, torch.no_grad():
         for _ in range(2):
             assert torch.equal(m(x), want_lora)
     with pytest.raises(shuttle.errors.UnsupportedLayerError, match="dynamic"):
-        off.activate("cpu", stream, loras=loras, lora_mode="merge")
+        off.activate("cpu", stream, loras=loras, mode="merge")
     with torch.no_grad():  # back on the host, unchanged
         assert torch.equal(off.model(x), want)
     for n, p in off.model.named_parameters():

@@ -175,6 +175,6 @@ def test_streamed_merge_into_float8_equals_merge_lora_every_step(cpu_copy, mode)
     upcast_on_use(model)
     off = ModelOffloader.from_module(model, blocks=PATHS)
     with torch.no_grad(), off.use("cpu", RESIDENCY_MODES[mode], loras=[(ad, 0.7)],
-                                  lora_mode="merge") as active:
+                                  mode="merge") as active:
         for _ in range(3):
             assert torch.equal(active(x), want)

@@ -46,10 +46,18 @@ QUALITIES: tuple[str, ...] = ("exact", "lossless", "fused")
 
 
 def default_quality(model: torch.nn.Module) -> Quality:
-    """The tier used when none is given: ``"lossless"``.
+    """The tier used when none is given: ``"lossless"``, for every model.
 
-    ``"fused"`` becomes the default on CUDA only where it measures faster; its first H200
-    measurements (docs/dynamic.md) did not yet beat lossless, so it is opt-in.
+    Lossless runs on any device, with or without Triton. ``"fused"`` does less GPU work per
+    layer but more host work per call (two Triton launches), so it is faster only where the GPU
+    is the bottleneck (a model run under CUDA graphs, or layers large enough that the launches
+    run ahead). Whether that holds depends on how the model is run, which the caller knows and
+    this function does not, so fused is opt-in (docs/dynamic.md).
+
+    Args:
+        model: the model the adapters go on. It is not read: it is in the signature so that the
+            default can come to depend on the model (its device, dtypes or layer sizes) without
+            changing the callers.
     """
     return "lossless"
 

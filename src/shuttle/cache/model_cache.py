@@ -9,13 +9,15 @@ A failure at any step unwinds the steps already taken and re-raises.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
 
+from shuttle.apply.auto import DEFAULT_THRESHOLD
+from shuttle.apply.dynamic_layer import Quality
+from shuttle.apply.scoped import Mode
 from shuttle.apply.strength import check_strength
 from shuttle.cache.policy import EvictionPolicy
 from shuttle.cache.resource_cache import ResourceCache
@@ -23,9 +25,10 @@ from shuttle.cache.specs import LoRASpec, ModelSpec, Spec
 from shuttle.errors import (
     CacheError,
     ModelInUseError,
-    UnsupportedFeatureError,
 )
 from shuttle.offload import ModelOffloader, StreamConfig
+from shuttle.offload.adapters import check_mode
+from shuttle.targets import KeyMapping
 
 __all__ = ["ModelCache"]
 
@@ -56,8 +59,9 @@ class ModelCache(ResourceCache):
     @contextlib.contextmanager
     def use(self, model: ModelSpec | Spec | Hashable, device: str | torch.device = "cuda",
             loras: Sequence[tuple[LoRASpec | Spec | Hashable, float]] = (),
-            lora_mode: str | None = None,
-            stream: StreamConfig | None = None) -> Iterator[torch.nn.Module]:
+            mode: Mode = "merge", stream: StreamConfig | None = None, *,
+            quality: Quality | None = None, mapping: KeyMapping | None = None,
+            auto_threshold: float = DEFAULT_THRESHOLD) -> Iterator[torch.nn.Module]:
         """Lease, build if missing, and activate a model for the ``with`` block.
 
         Args:
@@ -66,7 +70,9 @@ class ModelCache(ResourceCache):
             device: where to compute.
             loras: ``(adapter spec or key, strength)`` pairs, applied while active; those of
                 strength 0 are skipped (not leased, not built).
-            lora_mode: how the offloader applies them (its own default when None).
+            mode, quality, mapping, auto_threshold: how the adapters are applied, as for
+                :meth:`ModelOffloader.activate <shuttle.offload.ModelOffloader.activate>` (and
+                :func:`~shuttle.apply_lora`).
             stream: block streaming for this activation (None: the whole model on the device).
 
         Yields:
@@ -75,17 +81,12 @@ class ModelCache(ResourceCache):
         Raises:
             ModelInUseError: another ``use`` of this model is in progress.
             InvalidStrengthError: a strength is not a finite number.
-            UnsupportedFeatureError: ``loras``/``lora_mode`` given, but the offloader does not
-                accept them yet.
             CacheError: the model's value is not a ``ModelOffloader``.
             Any error of leasing (``ResourceTooLargeError``, ...), building or activating,
             after every lease taken so far was released.
         """
         pairs = _check_loras(loras)
-        wanted = ([("loras", "LoRA during activation")] if pairs else []) + (
-            [("lora_mode", "a LoRA mode for activation")] if lora_mode is not None else [])
-        if isinstance(model, ModelSpec):  # fail before building anything
-            _require(ModelOffloader.use, wanted)
+        check_mode(mode, quality)  # before building anything
         key = model.key if hasattr(model, "build") else model  # type: ignore[union-attr]
         with self._cond:
             if key in self._in_use:
@@ -100,13 +101,9 @@ class ModelCache(ResourceCache):
                     raise CacheError(f"cache entry {key!r} holds a {type(off).__name__}, not a "
                                      "ModelOffloader; use() needs a ModelSpec (or a spec "
                                      "building an offloader)")
-                _require(off.use, wanted)
-                kwargs: dict[str, Any] = {"stream": stream}
-                if pairs:
-                    kwargs["loras"] = adapters
-                if lora_mode is not None:
-                    kwargs["lora_mode"] = lora_mode
-                active = stack.enter_context(off.use(device, **kwargs))
+                active = stack.enter_context(off.use(
+                    device, stream, loras=adapters, mode=mode, quality=quality,
+                    mapping=mapping, auto_threshold=auto_threshold))
                 _log_residency(key, off)
                 yield active
         finally:
@@ -125,19 +122,6 @@ def _check_loras(loras: Sequence[tuple[Any, float]]) -> list[tuple[Any, float]]:
         if w != 0:  # as the offloader does: an adapter at strength 0 is not even built
             pairs.append((spec, w))
     return pairs
-
-
-def _require(method: Callable[..., Any], wanted: list[tuple[str, str]]) -> None:
-    params = inspect.signature(method).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return
-    missing = [(name, what) for name, what in wanted if name not in params]
-    if missing:
-        names = ", ".join(f"{name}= ({what})" for name, what in missing)
-        raise UnsupportedFeatureError(
-            f"ModelCache.use: ModelOffloader.use does not accept {names} yet, so the "
-            "adapters cannot be applied during activation. Use the model without loras= and "
-            "apply them yourself inside the block (shuttle.apply_lora).")
 
 
 def _log_residency(key: Hashable, off: ModelOffloader) -> None:

@@ -24,13 +24,14 @@ import torch
 
 from shuttle.apply.merge import MergeReport
 from shuttle.apply.plan import AdapterList, normalize_loras
+from shuttle.apply.scoped import Mode
 from shuttle.cache import LoRASpec, ModelCache, ModelSpec
 from shuttle.errors import BudgetTooSmallError, CacheError, DeviceUnavailableError, OffloadError
 from shuttle.formats import LoRA
 from shuttle.hooks import ModuleHook, add_hook, hooks_of, remove_hook
 from shuttle.integrations.routing import route_lora
 from shuttle.offload import ModelOffloader, StreamConfig, plan_residency
-from shuttle.offload.adapters import LoRAMode, check_lora_mode
+from shuttle.offload.adapters import check_mode
 from shuttle.offload.host_storage import HostBacking, HostStorage
 
 __all__ = ["OffloadHandle", "cache_for", "check_device"]
@@ -167,7 +168,7 @@ class OffloadHandle:
         self._active: dict[str, _Active] = {}  # least recently used first
         self._running: dict[str, int] = {}  # calls in progress: never deactivated
         self._loras: dict[str, list[tuple[LoRASpec, float]]] = {}
-        self._mode: LoRAMode = "merge"
+        self._mode: Mode = "merge"
         self._routed: dict[int, tuple[LoRA, dict[str, LoRASpec]]] = {}  # id(lora) -> specs
         _check_free(modules, methods, attrs, classes)
         try:
@@ -191,7 +192,7 @@ class OffloadHandle:
         return {n: off.adapters.report for n, off in self._offloaders.items()
                 if off.adapters is not None}
 
-    def set_loras(self, loras: AdapterList, mode: LoRAMode = "merge") -> dict[str, str]:
+    def set_loras(self, loras: AdapterList, mode: Mode = "merge") -> dict[str, str]:
         """Apply ``loras`` from the next call on (``[]`` removes every adapter).
 
         Each adapter is split over the modules it touches (see
@@ -214,7 +215,7 @@ class OffloadHandle:
             DuplicateTargetError: one key lands in two modules.
             Whatever ``shuttle.load_lora`` raises for a source. Nothing changes on error.
         """
-        check_lora_mode(mode, None)
+        check_mode(mode, None)
         pairs = normalize_loras(loras)
         modules = {n: c.module for n, c in self._components.items()}
         specs: dict[int, tuple[LoRA, dict[str, LoRASpec]]] = {}
@@ -331,7 +332,7 @@ class OffloadHandle:
             pairs = self._loras.get(name, [])
             stack.enter_context(self._cache.use(
                 c.spec, self.device, loras=pairs, stream=c.stream,
-                lora_mode=self._mode if pairs else None))
+                mode=self._mode))
             self._active[name] = _Active(stack.pop_all(), self._config(name))
 
     def _make_room(self, c: _Component) -> None:

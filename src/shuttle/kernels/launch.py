@@ -67,8 +67,8 @@ def interpreting() -> bool:
 
 
 def cdiv(a: int, b: int) -> int:
-    """``ceil(a / b)`` for grid sizes on the host (``triton.cdiv`` is a Triton function, about
-    2 us a call from Python: several per launch add up when merging hundreds of weights).
+    """``ceil(a / b)`` for grid sizes on the host (``triton.cdiv`` is a Triton function, slow
+    to call from Python: several calls per launch add up when merging hundreds of weights).
     """
     return -(-a // b)
 
@@ -126,11 +126,11 @@ class CompiledLaunch:
     """A Triton kernel launched from its compiled binary, without Triton's per-call dispatch.
 
     ``kernel[grid](*args)`` binds and specializes every argument on each call, then looks the
-    binary up: about 15 of the 31 us that one launch of the fused LoRA kernel costs on the lent
-    H200's host. For a kernel compiled with ``do_not_specialize`` on every runtime argument (no
-    value or alignment compiled in), the binary depends only on the arguments' types (tensor
-    dtypes; 32- or 64-bit ints), the constexprs and the device: this keeps it under that key
-    after the first launch and launches it directly.
+    binary up: about half the host time of one launch of the fused LoRA kernel. For a kernel
+    compiled with ``do_not_specialize`` on every runtime argument (no value or alignment
+    compiled in), the binary depends only on the arguments' types (tensor dtypes; 32- or 64-bit
+    ints), the constexprs and the device: this keeps it under that key after the first launch
+    and launches it directly.
 
     The first launch of each key, the interpreter, and a Triton whose compiled-kernel interface
     this does not know (a failure while fetching the binary) take Triton's own path.

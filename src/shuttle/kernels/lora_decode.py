@@ -14,8 +14,7 @@ of the up factor in float32 (``h`` is never rounded), adds the base output tile 
 rows of W once (at decode the layer is bound by reading W), sums the partials in a fixed order,
 adds ``(h * scale) @ B[rn].T`` (float32, ``h`` never rounded) and the bias, and rounds once. No
 base output is written and read back. (A one-launch form, every output program accumulating
-the whole of ``h`` beside its base product, measured 1.3x slower on the H200: 36.7 against
-28.7 us at 16 x 4096 -> 6144, rank 16, as CUDA graphs; its extra per-step loads of A cost more
+the whole of ``h`` beside its base product, is slower: its extra per-step loads of A cost more
 than the second launch.)
 
 :func:`lora_decode_add_reference` and :func:`lora_decode_linear_reference` are the same
@@ -286,13 +285,12 @@ class DecodeConfig(NamedTuple):
 
 
 # At decode the layer is bound by reading W once: column tiles narrow enough for every SM to
-# stream its share. In sweeps on an H200 (commits 3de6c5b and 8205fda, CUDA graphs,
-# docs/benchmarks/fused_breakdown_decode.md) 32 columns were best at N = 6144 (192 programs)
-# and 64 at N = 14336 (224 programs): block_n 64 is taken when that still gives 1.5 programs
-# per SM. 128-wide K steps, 4 warps, 3 stages (4 stages or 256-wide steps were ~6% faster at
-# N = 6144, untested on wide layers; 8 warps slower). h from partials of 256 K elements each:
-# 28.7 us against 36.7 us with h accumulated in the main kernel (16 x 4096 -> 6144, rank 16;
-# cuBLAS's base alone 21.4 us; the sweep's shrink_k 0 rows are the dropped one-launch form).
+# stream its share. In the decode sweeps (CUDA graphs, docs/benchmarks/fused_breakdown_decode.md)
+# 32 columns were best at N = 6144 (192 programs) and 64 at N = 14336 (224 programs): block_n 64
+# is taken when that still gives 1.5 programs per SM. 128-wide K steps, 4 warps, 3 stages (4
+# stages or 256-wide steps were a few percent faster at N = 6144, untested on wide layers; 8
+# warps slower). h comes from partials of 256 K elements each, written by a separate
+# split-K shrink: accumulating h in the main kernel is slower (see the module docstring).
 # Under the interpreter: small steps, so test shapes span several of them.
 DECODE_LINEAR_CONFIG = DecodeConfig(32, 128, 4, 3, 256)
 _INTERPRET_LINEAR_CONFIG = DecodeConfig(16, 16, 1, 1, 32)

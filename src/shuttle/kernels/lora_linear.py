@@ -86,34 +86,32 @@ class FusedConfig(NamedTuple):
     num_stages: int
 
 
-# Defaults for the H200 (sm_90, 132 SMs, 227 KiB shared memory per block). The fused kernel at
-# T > 64 is a compute-bound GEMM: the Triton matmul tutorial's Hopper bf16 tile (128 x 256 x 64,
-# 8 warps, 3 stages: 3 x (128 + 256) x 64 x 2 B = 144 KiB of staged tiles). In one sweep on an
-# H200 (bf16, prefill shapes) it beat 128 x 128 and 64 x 256 tiles by 10-25%; 4 stages and
-# 32-rank steps were within that run's noise (about 8%). float32 operands get shorter K/rank
-# steps so their staged tiles fit (_fit_step). At T <= 64 (decode) the kernel is bound by reading
-# W, so smaller column tiles give more programs; decode timings were dominated by host overhead
-# and are not settled.
+# Defaults for sm_90 (132 SMs, 227 KiB shared memory per block). The fused kernel at T > 64 is
+# a compute-bound GEMM: the Triton matmul tutorial's Hopper bf16 tile (128 x 256 x 64, 8 warps,
+# 3 stages: 3 x (128 + 256) x 64 x 2 B = 144 KiB of staged tiles). At bf16 prefill shapes it
+# beats 128 x 128 and 64 x 256 tiles; 4 stages and 32-rank steps make no measurable difference.
+# float32 operands get shorter K/rank steps so their staged tiles fit (_fit_step). At T <= 64
+# (decode) the kernel is bound by reading W, so smaller column tiles give more programs; decode
+# timings were dominated by host overhead and are not settled.
 FUSED_CUDA_CONFIG = FusedConfig(128, 256, 64, 64, 8, 8, 3)
 FUSED_CUDA_SMALL_T_CONFIG = FusedConfig(0, 64, 128, 64, 1, 4, 4)
 # The shrink reads x once and is memory-bound (its output has only R columns); split-K (float32
 # partial sums reduced on the host) engages when the (T, R) tiles alone cannot fill the SMs.
 SHRINK_CUDA_CONFIG = ShrinkConfig(64, 128, 64, 4, 4, 0)
-# The Hopper (TMA, persistent) kernel for T > 64: in a sweep on an H200 at the Wan2.1, Z-Image
-# and 8B-prefill shapes the 128 x 256 x 64 tile with 3 stages matched or beat cuBLAS on the base
-# GEMM alone and beat 128 x 128 tiles by 10-40% with the rank loop.
+# The Hopper (TMA, persistent) kernel for T > 64: at the Wan2.1, Z-Image and 8B-prefill shapes
+# the 128 x 256 x 64 tile with 3 stages comes close to cuBLAS on the base GEMM alone and beats
+# 128 x 128 tiles with the rank loop.
 FUSED_TMA_CONFIG = FusedConfig(128, 256, 64, 64, 8, 8, 3)
 # Where those tiles fill the SMs' last round poorly (below FILL_FOR_WIDE_TILES of the rounds'
 # slots), 128 x 128 tiles with 128-wide K steps: at the demo DiT's 1536-wide layers and 4096
-# rows (192 wide tiles on 132 SMs, 73% of two rounds) they measured 6-8% faster on an H200, and
-# 25-50% slower where the wide tiles fill their rounds (docs/benchmarks/fused_breakdown_waves.md).
+# rows (192 wide tiles on 132 SMs, 73% of two rounds) they are faster, and slower where the
+# wide tiles fill their rounds (docs/benchmarks/fused_breakdown_waves.md).
 FUSED_TMA_NARROW_CONFIG = FusedConfig(128, 128, 128, 64, 8, 8, 3)
 FILL_FOR_WIDE_TILES = 0.8
-# The shrink on the same kernel: output columns are the ranks (block_n is fitted to R). In a
-# sweep on an H200 (CUDA graphs, commit 3de6c5b) 64 x 128-wide K steps, 4 stages, beat the
-# earlier 128 x 64 steps at Z-Image attention (19.8 vs 26.7 us) and matched it at the Wan2.1
-# shapes (38.5 vs 39.3 us, x read at 2.6 TB/s); cuBLAS's skinny GEMM plus a scale kernel took
-# 22.8 and 56.0 us.
+# The shrink on the same kernel: output columns are the ranks (block_n is fitted to R). In the
+# tile sweep (CUDA graphs), 64 x 128-wide K steps with 4 stages beat 128 x 64 steps at Z-Image
+# attention and matched them at the Wan2.1 shapes; cuBLAS's skinny GEMM plus a scale kernel was
+# slower at both.
 SHRINK_TMA_CONFIG = FusedConfig(64, 128, 128, 64, 8, 4, 4)
 # Under the interpreter: small blocks so that test shapes span several tiles and rank steps.
 _FUSED_INTERPRET_CONFIG = FusedConfig(16, 32, 16, 16, 2, 1, 1)
@@ -282,9 +280,9 @@ def _kernels():
         grid_t = tl.cdiv(T, BT)
         grid_n = tl.cdiv(N, BN)
         in_group = GROUP * grid_n
-        # N_PROGS is a compile-time constant as in the stand-alone form of this kernel that
-        # measured +6-9% over cuBLAS on the H200; it is the SM count whatever the shape (programs
-        # beyond the tiles exit at once), so that new row counts compile nothing new.
+        # N_PROGS is a compile-time constant, as in the stand-alone form of this kernel (which
+        # runs close to cuBLAS); it is the SM count whatever the shape (programs beyond the
+        # tiles exit at once), so that new row counts compile nothing new.
         for tile in tl.range(tl.program_id(0), grid_t * grid_n, N_PROGS, flatten=True,
                              num_stages=STAGES):
             first_t = (tile // in_group) * GROUP
@@ -347,7 +345,7 @@ def _ieee(a: torch.dtype, b: torch.dtype, interpret: bool) -> bool:
     return a != b or a == torch.float32 or interpret
 
 
-_SMEM_BUDGET = 160 * 1024  # staged operand tiles; the H200 allows 227 KiB per block
+_SMEM_BUDGET = 160 * 1024  # staged operand tiles; sm_90 allows 227 KiB per block
 
 
 def _fit_step(step: int, rows: int, cols: int, a_bytes: int, b_bytes: int, stages: int) -> int:
@@ -507,10 +505,10 @@ class PreparedLoraLinear:
     """The fused tier's Hopper path for one layer, its fixed operands checked once.
 
     :func:`lora_shrink` and :func:`lora_linear_fused` check every operand on every call, which
-    costs about as much host time as the launches themselves (20-25 us each on the lent H200's
-    host). A dynamic layer's weight, bias and factors stay put between calls: built for them,
-    this checks them once, and a call checks x alone and launches the same two kernels with
-    the same configurations, so its result is theirs bit for bit.
+    costs about as much host time as the launches themselves. A dynamic layer's weight, bias
+    and factors stay put between calls: built for them, this checks them once, and a call
+    checks x alone and launches the same two kernels with the same configurations, so its
+    result is theirs bit for bit.
 
     ``usable`` is False where the TMA path does not apply to the fixed operands; a call answers
     None where it does not apply to x (few rows, another dtype or device, misaligned rows,

@@ -72,8 +72,8 @@ def _kernel():
         # zero-padded, so rank offsets are compile-time multiples of BR (aligned vector loads,
         # no rank masks). One (BM, BN) tile of W per program, and many programs per SM: the
         # W load is issued first, so its latency hides behind the factor loads and the dot,
-        # and other programs' loads fill the gaps. (A persistent loop over tiles measured
-        # 2-3x slower: the tiles' loads were not overlapped.)
+        # and other programs' loads fill the gaps. (A persistent loop over tiles is slower:
+        # its tiles' loads are not overlapped.)
         j = tl.program_id(1)
         w_ptr, b_ptr = pick(ws, j, G), pick(bs, j, G)
         a_ptr, alpha_ptr = pick(as_, j, G), pick(alphas, j, G)
@@ -87,8 +87,8 @@ def _kernel():
         store_rne(ptrs, x, mask)
         if OVERFLOW > 0:
             # a finite sum that rounds to infinity (float16: |x| >= 65520): flag it, by one
-            # store per tile after a tile-wide max (a masked store per element measured
-            # 73 us a 12288x3072 weight, this 54, none 44: benchmarks/tune_merge_kernel.py)
+            # store per tile after a tile-wide max (a masked store per element is slower:
+            # docs/benchmarks/merge_kernel_tuning_wide.md)
             bad = mask & (tl.abs(x) >= OVERFLOW) & (tl.abs(x) < float("inf"))
             if tl.max(bad.to(tl.int32)) > 0:
                 tl.store(flag_ptr, 1)
@@ -96,9 +96,10 @@ def _kernel():
     return merge_kernel
 
 
-# (BM, BN, num_warps) on CUDA; chosen by benchmarks/tune_merge_kernel.py on an H200 (the
-# configurations within a few percent of each other run to run). A variant moving the tiles by
-# TMA measured 25-35% slower in two runs (docs/benchmarks/merge_kernel_tuning.md) and was dropped.
+# (BM, BN, num_warps) on CUDA; chosen by benchmarks/tune_merge_kernel.py
+# (docs/benchmarks/merge_kernel_tuning_wide.md; the leading configurations lie within a few
+# percent of each other). A variant moving the tiles by TMA is slower
+# (docs/benchmarks/merge_kernel_tuning.md) and was dropped.
 CUDA_CONFIG: tuple[int, int, int] = (64, 128, 8)
 # The most weights one launch merges (benchmarks/merge.py --max-group): a whole-model merge
 # launches once per group of same-shaped weights, not once per weight, so that the host's
@@ -180,8 +181,8 @@ class LowRankMerges:
 
     Each kind's groups grow 1, 2, 4, ... up to MAX_GROUP: the first job is launched at once and
     the GPU merges while the host prepares the next ones (collecting every job before the
-    first launch left the GPU idle for the whole host loop: measured slower end to end than
-    one launch per weight at bb96e45). Jobs whose weights overlap in memory (row ranges of one
+    first launch left the GPU idle for the whole host loop, which was slower end to end than
+    one launch per weight). Jobs whose weights overlap in memory (row ranges of one
     weight that overlap) never share a launch and run in the order added. Call :meth:`flush`
     at the end: it launches what is left.
 

@@ -177,8 +177,7 @@ def _kernel():
 
 
 # (BM, BN, num_warps) on CUDA, BN raised to the blocksize where that is larger: the fastest GPU
-# time in benchmarks/quantized.py --sweep on an H200 (NF4 12288x3072, blocksize 64, rank 64;
-# the configurations tried lie within 27%).
+# time in benchmarks/quantized.py --sweep (NF4 12288x3072, blocksize 64, rank 64).
 CUDA_CONFIG: tuple[int, int, int] = (16, 128, 4)
 _INTERPRET_CONFIG: tuple[int, int, int] = (16, 64, 4)
 _MAX_TILE = 8192  # values per tile: a larger blocksize gets fewer rows (at least 16, for tl.dot)

@@ -178,7 +178,7 @@ def _kernel():
         # amax (programs of the first tile column store it) and writes the codes. SCALE: 0
         # none, 1 per tensor, 2 per row; the factors are zero-padded to BR ranks per
         # contribution, as in merge_lowrank. (Pass 1 as one program per row block walking the
-        # columns measured latency-bound on the H200, and programs walking rows slower.)
+        # columns is latency-bound, and programs walking rows are slower.)
         pid = tl.program_id(0)
         rm, rn, mask_m, mask_n = tile_of(pid, M, N, BM, BN)
         mask = mask_m[:, None] & mask_n[None, :]
@@ -280,7 +280,8 @@ def _kernel():
 
 
 # (BM, BN, num_warps) on CUDA per pass (pass 1: the amax; pass 2: the encode): the fastest GPU
-# time in benchmarks/quantized.py --sweep on an H200 (fp8 row-wise 12288x3072, rank 64).
+# time in benchmarks/quantized.py --sweep (fp8 row-wise 12288x3072, rank 64;
+# docs/benchmarks/quantized_merge_sweep.md).
 CUDA_CONFIG: tuple[int, int, int] = (64, 128, 4)
 CUDA_CONFIG_ENCODE: tuple[int, int, int] = (64, 128, 4)
 

@@ -37,7 +37,7 @@ def pick(values, j, G: tl.constexpr):
     """``values[j]`` of a tuple of ``G`` pointers, for a runtime ``j``: one select per slot,
     which keeps what Triton knows of every argument (16-byte aligned addresses), so loads
     through the result stay vectorized. Addresses read from a table in memory carry no such
-    facts: a grouped merge reading them measured 3x slower without alignment hints (13ea7fb).
+    facts: a grouped merge that read them lost its vectorized loads and was much slower.
     """
     out = values[0]
     for i in tl.static_range(1, G):
@@ -130,7 +130,7 @@ def hash_uniform(seed, idx):
 
     For stochastic rounding, where only the distribution matters: four multiplies and a few
     shifts per element, against the ten Philox rounds of ``tl.rand`` (with which a float8
-    merge's encode pass took about 2.5x as long on the H200).
+    merge's encode pass takes more than twice as long).
     """
     lo = idx.to(tl.uint32)
     hi = (idx >> 32).to(tl.uint32)

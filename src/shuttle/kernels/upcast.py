@@ -1,8 +1,9 @@
 """float8 -> bfloat16/float16/float32 by the hardware's conversion instructions.
 
 PyTorch's ``Tensor.to`` converts float8 element by element in software (decoding sign,
-exponent and mantissa with integer ops): on the H200, casting a float8 Flux's weights cost
-29 ms per step that way and 3.4 ms with this kernel (docs/benchmarks.md, "Quantized weights").
+exponent and mantissa with integer ops): where a float8 model's weights are cast on every step,
+that costs several times what the hardware conversion does (docs/benchmarks.md, "Quantized
+weights").
 :func:`upcast` is one Triton kernel that loads the codes, converts them with the GPU's float8
 conversion and stores the result: a bandwidth-bound copy.
 Every float8 value is exactly representable in the three outputs, so the result equals

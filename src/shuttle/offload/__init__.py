@@ -1,6 +1,6 @@
 """Host storage, whole-model and block-streamed device residency, activation lifecycle."""
 
-from shuttle.offload.adapters import LORA_MODES, ActivationAdapters
+from shuttle.offload.adapters import ActivationAdapters
 from shuttle.offload.host_storage import HostStorage, HostUnit, Layout
 from shuttle.offload.layer_streamer import LayerStreamer
 from shuttle.offload.offloader import CPU_COPY_ENV, ModelOffloader
@@ -10,7 +10,6 @@ from shuttle.offload.streamer import BlockStreamer
 
 __all__ = [
     "CPU_COPY_ENV",
-    "LORA_MODES",
     "ActivationAdapters",
     "BlockStreamer",
     "HostStorage",

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch.nn.utils.stateless import _reparametrize_module
@@ -39,15 +39,14 @@ from shuttle.apply.merge import MergeReport, exact_cublas, merge_param
 from shuttle.apply.notes import plan_notes
 from shuttle.apply.plan import AdapterList, Contribution, is_plain_tensor, plan_params
 from shuttle.apply.rounding import merge_seeds
+from shuttle.apply.scoped import MODES, Mode
 from shuttle.errors import OffloadError, UnsupportedLayerError
 from shuttle.hooks import add_hook
 from shuttle.offload.host_storage import HostStorage, HostUnit
 from shuttle.targets import KeyMapping, fused_modules
 
-__all__ = ["LORA_MODES", "ActivationAdapters", "LoRAMode", "check_lora_mode"]
+__all__ = ["ActivationAdapters", "check_mode"]
 
-LoRAMode = Literal["merge", "dynamic", "auto"]
-LORA_MODES: tuple[str, ...] = ("merge", "dynamic", "auto")
 
 
 class _Target(NamedTuple):
@@ -57,10 +56,10 @@ class _Target(NamedTuple):
     seed: int  # merge_seed(name, None, contribs): a float8 or quantized weight's rounding
 
 
-def check_lora_mode(lora_mode: str, quality: Quality | None) -> None:
-    """Raise :class:`OffloadError` for an unknown ``lora_mode`` or ``quality``."""
-    if lora_mode not in LORA_MODES:
-        raise OffloadError(f"lora_mode={lora_mode!r}: expected 'merge' (folded into each weight "
+def check_mode(mode: str, quality: Quality | None) -> None:
+    """Raise :class:`OffloadError` for an unknown ``mode`` or ``quality``."""
+    if mode not in MODES:
+        raise OffloadError(f"mode={mode!r}: expected 'merge' (folded into each weight "
                            "as it lands), 'dynamic' (added at forward time) or 'auto' (merged "
                            "where the weight's dtype keeps the update, dynamic elsewhere)")
     if quality is not None and quality not in QUALITIES:
@@ -94,7 +93,7 @@ class ActivationAdapters:
     """
 
     def __init__(self, model: torch.nn.Module, storage: HostStorage, loras: AdapterList,
-                 mode: LoRAMode, device: torch.device, quality: Quality | None = None,
+                 mode: Mode, device: torch.device, quality: Quality | None = None,
                  mapping: KeyMapping | None = None, auto_threshold: float = DEFAULT_THRESHOLD):
         self.model = model
         self.mode = mode
@@ -108,8 +107,8 @@ class ActivationAdapters:
             # they land would have to re-encode them on every load.
             raise UnsupportedLayerError(
                 f"{len(quantized)} adapted parameter(s) are quantized ({quantized[0]!r} ...): "
-                f"lora_mode={mode!r} during an offloader activation cannot merge into them. "
-                'Use lora_mode="dynamic" (the layer\'s own quantized forward plus the update), '
+                f"mode={mode!r} during an offloader activation cannot merge into them. "
+                'Use mode="dynamic" (the layer\'s own quantized forward plus the update), '
                 "or merge the adapter before capturing the model (shuttle.merge_lora)."
             )
         self.plan = plan

@@ -18,7 +18,7 @@ makes the optimizer update the host copies (:mod:`shuttle.offload.training`).
 ``StreamConfig(compile=...)`` compiles block forwards (:mod:`shuttle.offload.compiled`).
 
 Either can apply adapters for the activation (``loras=``): merged into each weight as its copy
-lands (``lora_mode="merge"``), added at forward time (``"dynamic"``), or each where it keeps
+lands (``mode="merge"``), added at forward time (``"dynamic"``), or each where it keeps
 the update (``"auto"``); see
 :mod:`shuttle.offload.adapters`. The host copy is never modified.
 
@@ -40,13 +40,14 @@ import torch
 from shuttle.apply.auto import DEFAULT_THRESHOLD, check_threshold
 from shuttle.apply.dynamic_layer import Quality
 from shuttle.apply.plan import AdapterList, normalize_loras
+from shuttle.apply.scoped import Mode
 from shuttle.errors import (
     AlreadyActiveError,
     BlockPathError,
     OffloadError,
     StreamModeError,
 )
-from shuttle.offload.adapters import ActivationAdapters, LoRAMode, check_lora_mode
+from shuttle.offload.adapters import ActivationAdapters, check_mode
 from shuttle.offload.compiled import BlockCompiler
 from shuttle.offload.host_storage import HostBacking, HostStorage, HostUnit
 from shuttle.offload.layer_streamer import LayerStreamer
@@ -168,7 +169,7 @@ class ModelOffloader:
 
     def activate(self, device: str | torch.device = "cuda",
                  stream: StreamConfig | None = None, *, loras: AdapterList = (),
-                 lora_mode: LoRAMode = "merge", quality: Quality | None = None,
+                 mode: Mode = "merge", quality: Quality | None = None,
                  mapping: KeyMapping | None = None,
                  auto_threshold: float = DEFAULT_THRESHOLD) -> torch.nn.Module:
         """Place the model on ``device``, with adapters applied if given; returns the model.
@@ -178,7 +179,7 @@ class ModelOffloader:
             stream: stream blocks as configured; None puts the whole model on the device.
             loras: ``[(lora, strength), ...]`` applied for this activation only; strengths of
                 exactly 0 are dropped before anything is built.
-            lora_mode: ``"merge"``: folded into each weight right after its copy lands (float32
+            mode: ``"merge"``: folded into each weight right after its copy lands (float32
                 sum, one rounding: the weights :func:`~shuttle.merge_lora` would give; a block
                 streamed again is merged again from the pristine host copy). ``"dynamic"``:
                 added at forward time by hooks (as :func:`~shuttle.attach_lora`), weights
@@ -188,12 +189,12 @@ class ModelOffloader:
                 patch tensors are read onto ``device`` once.
             quality: the dynamic tier (``"exact"``, ``"lossless"``, ``"fused"``).
             mapping: adapter module key -> model module path, as for ``merge_lora``.
-            auto_threshold: see ``lora_mode="auto"``.
+            auto_threshold: see ``mode="auto"``.
 
         Raises:
             AlreadyActiveError: an activation is in progress (call ``deactivate`` first).
             BudgetTooSmallError: ``stream.vram_budget`` is too small; nothing was changed.
-            OffloadError: an unknown ``lora_mode`` or ``quality``.
+            OffloadError: an unknown ``mode`` or ``quality``.
             InvalidStrengthError: ``auto_threshold`` is not a finite number >= 0.
             StreamModeError: ``stream.compile`` on an offloader without block lists.
             Everything :func:`~shuttle.merge_lora` raises for bad adapters (and
@@ -208,7 +209,7 @@ class ModelOffloader:
                 f"the offloader is already active on {self._active.device}; call deactivate() "
                 "(or leave the use() block) before activating again"
             )
-        check_lora_mode(lora_mode, quality)
+        check_mode(mode, quality)
         auto_threshold = check_threshold(auto_threshold)
         if stream is not None and stream.compile is not False and not self.blocks:
             raise StreamModeError(
@@ -222,7 +223,7 @@ class ModelOffloader:
             device = torch.device("cuda", torch.cuda.current_device())
         through = device.type == "cpu" and os.environ.get(CPU_COPY_ENV) != "1"
         plan = None if through else plan_residency(self.storage, stream)
-        adapters = ActivationAdapters(self.model, self.storage, pairs, lora_mode, device,
+        adapters = ActivationAdapters(self.model, self.storage, pairs, mode, device,
                                       quality, mapping, auto_threshold) if pairs else None
         active = _Activation(device, plan, adapters)
         try:
@@ -255,12 +256,12 @@ class ModelOffloader:
 
     @contextlib.contextmanager
     def use(self, device: str | torch.device = "cuda", stream: StreamConfig | None = None, *,
-            loras: AdapterList = (), lora_mode: LoRAMode = "merge",
+            loras: AdapterList = (), mode: Mode = "merge",
             quality: Quality | None = None, mapping: KeyMapping | None = None,
             auto_threshold: float = DEFAULT_THRESHOLD
             ) -> Iterator[torch.nn.Module]:
         """``activate`` for the ``with`` block, ``deactivate`` after it (also on error)."""
-        model = self.activate(device, stream, loras=loras, lora_mode=lora_mode,
+        model = self.activate(device, stream, loras=loras, mode=mode,
                               quality=quality, mapping=mapping, auto_threshold=auto_threshold)
         try:
             yield model
@@ -287,7 +288,7 @@ class ModelOffloader:
 
         Raises:
             StreamModeError: a trainable parameter lies in a unit that a merge-mode adapter
-                folds into (train beside adapters with ``lora_mode="dynamic"``).
+                folds into (train beside adapters with ``mode="dynamic"``).
             PendingGradientError: gradients were left on trainable parameters (call
                 ``optimizer.zero_grad()`` inside the block); the activation stays usable.
         """

@@ -67,7 +67,7 @@ def host_step(storage: HostStorage, resident: Sequence[tuple[SlotPool, int, Host
     if folded:
         raise StreamModeError(
             f"trainable parameters in {folded[:4]} are folded with a merge-mode adapter, so "
-            "the step would see merged weights: activate with lora_mode='dynamic' to train "
+            "the step would see merged weights: activate with mode='dynamic' to train "
             "beside an adapter, or freeze those parameters"
         )
     for unit, params in units:
