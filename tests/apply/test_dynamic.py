@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import shuttle
-from shuttle.errors import InvalidStrengthError, ShapeMismatchError
+from shuttle.errors import AdapterIndexError, InvalidStrengthError, ShapeMismatchError
 from shuttle.hooks import hooks_of
 
 
@@ -561,3 +561,49 @@ def test_swap_on_conv_and_embedding_equals_a_fresh_attach(quality):
         with shuttle.apply_lora(fresh, [(sd(2), 0.6)], mode="dynamic", quality=quality):
             want = (fresh.conv(x), fresh.emb(ids))
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def _two_adapters():
+    g = torch.Generator().manual_seed(21)
+    return _lora_sd("0", 48, 32, 4, g), _lora_sd("0", 48, 32, 6, g)
+
+
+@pytest.mark.parametrize("quality", ["exact", "lossless"])
+def test_adapters_by_name(quality):
+    m = _linear_model()
+    a, b = _two_adapters()
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(22)).bfloat16()
+    base = m(x)
+    with shuttle.apply_lora(m, [(b, 0.5)], mode="dynamic", quality=quality):
+        b_alone = m(x)
+    with shuttle.apply_lora(m, [(a, 0.3), (b, 0.5)], mode="dynamic", quality=quality):
+        both = m(x)
+    h = shuttle.attach_lora(m, [(a, 0.3), (b, 0.5)], quality=quality, names=["a", "b"])
+    assert h.names == ["a", "b"] and h.active == {"a": 0.3, "b": 0.5}
+    assert torch.equal(m(x), both)
+    h.set_adapters({"b": 0.5})  # diffusers' set_adapters: the others off
+    assert h.active == {"b": 0.5}
+    torch.testing.assert_close(m(x), b_alone, rtol=0, atol=0)
+    h.set_strength("a", 0.3)
+    assert torch.equal(m(x), both)
+    with pytest.raises(AdapterIndexError, match=r"\['a', 'b'\]"):
+        h.set_strength("c", 1.0)
+    h.delete("a")
+    assert h.names == ["b"] and len(h.loras) == 1
+    assert torch.equal(m(x), b_alone)
+    h.detach()
+    assert torch.equal(m(x), base)
+
+
+def test_default_names_come_from_the_files(tmp_path):
+    from safetensors.torch import save_file
+
+    a, b = _two_adapters()
+    save_file(a, str(tmp_path / "style.safetensors"))
+    h = shuttle.attach_lora(_linear_model(), [(str(tmp_path / "style.safetensors"), 1.0),
+                                              (str(tmp_path / "style.safetensors"), 0.5),
+                                              (b, 0.2)])
+    assert h.names == ["style", "style_2", "adapter2"]
+    h.detach()
+    with pytest.raises(AdapterIndexError, match="one distinct string per adapter"):
+        shuttle.attach_lora(_linear_model(), [(a, 1.0), (b, 1.0)], names=["x", "x"])

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import torch
 
@@ -65,20 +67,47 @@ def default_quality(model: torch.nn.Module) -> Quality:
 class DynamicAdapters:
     """Adapters attached to a model for forward-time application.
 
+    Each adapter has a name (``attach_lora(..., names=...)``, else its file's stem or
+    ``adapter<i>``) and an index (its place in the list); every method takes either.
+
     Attributes:
+        names: the adapters' names, in attach order.
         report: what was placed (``applied`` parameter names) and what was not.
         quality: the tier of low-rank Linear updates.
     """
 
     def __init__(self, model: torch.nn.Module, loras: list[LoRA], strengths: list[float],
-                 quality: Quality, report: MergeReport):
+                 quality: Quality, report: MergeReport, names: list[str] | None = None):
         self.model = model
         self.loras = loras
         self.strengths = strengths
         self.quality = quality
         self.report = report
+        self.names = names if names is not None else default_names(loras)
         self.hooks: dict[str, LoRAHook] = {}
         self._strength_t: dict[torch.device, torch.Tensor] = {}
+        self._mapping: KeyMapping | None = None  # how attach_lora placed them, for delete()
+        self._max_rank: int | None = None
+
+    @property
+    def active(self) -> dict[str, float]:
+        """Name -> strength of every adapter at a non-zero strength."""
+        return {n: s for n, s in zip(self.names, self.strengths, strict=True) if s != 0}
+
+    def set_adapters(self, strengths: Mapping[str | int, float]) -> None:
+        """Set the named (or indexed) adapters' strengths and every other adapter's to 0, as
+        diffusers' ``set_adapters``: ``h.set_adapters({"style": 0.8, "detail": 0.3})``.
+
+        Everything is checked before the first strength changes.
+
+        Raises:
+            AdapterIndexError: a name or index the handle does not hold.
+            InvalidStrengthError: a strength is not a real number within float32's range.
+        """
+        wanted = {self._check_index(k, "set_adapters"): check_strength(
+            s, f"set_adapters strength of {k!r}") for k, s in strengths.items()}
+        for i in range(len(self.loras)):
+            self.set_strength(i, wanted.get(i, 0.0))
 
     @property
     def applied(self) -> list[str]:
@@ -98,13 +127,13 @@ class DynamicAdapters:
                                                         device=device)
         return t
 
-    def set_strength(self, index: int, strength: float) -> None:
-        """Change adapter ``index``'s strength without rebuilding low-rank factors.
+    def set_strength(self, index: int | str, strength: float) -> None:
+        """Change adapter ``index``'s (or name's) strength without rebuilding low-rank factors.
 
         Raises:
             InvalidStrengthError: ``strength`` is not a real number within float32's range
                 (:func:`~shuttle.apply.strength.check_strength`).
-            AdapterIndexError: no adapter ``index``.
+            AdapterIndexError: no adapter ``index`` (or of that name).
         """
         index = self._check_index(index, "set_strength")
         strength = check_strength(strength, f"set_strength({index}, strength)")
@@ -117,8 +146,14 @@ class DynamicAdapters:
             if any(c.adapter == index for cs in hook.dense.values() for c in cs):
                 hook.refresh(modules[name])
 
-    def _check_index(self, index: int, method: str) -> int:
+    def _check_index(self, index: int | str, method: str) -> int:
         n = len(self.loras)
+        if isinstance(index, str):
+            if index not in self.names:
+                raise AdapterIndexError(
+                    f"{method}({index!r}, ...): no adapter of that name; this handle holds "
+                    f"{self.names} (names from attach_lora(names=...) or the files' stems)")
+            return self.names.index(index)
         if isinstance(index, bool) or not isinstance(index, numbers.Integral) \
                 or not -n <= index < n:
             raise AdapterIndexError(
@@ -128,7 +163,7 @@ class DynamicAdapters:
             )
         return int(index) % n
 
-    def swap(self, index: int, lora: LoRA | str, mapping: KeyMapping | None = None
+    def swap(self, index: int | str, lora: LoRA | str, mapping: KeyMapping | None = None
              ) -> MergeReport:
         """Replace adapter ``index`` by ``lora``, in place.
 
@@ -203,6 +238,35 @@ class DynamicAdapters:
         bump_generation()
         return MergeReport(list(plan.params), plan.unmatched, plan.skipped, plan_notes(plan))
 
+    def delete(self, index: int | str) -> None:
+        """Remove one adapter: the hooks are rebuilt for the others (at their strengths and
+        names), and the model runs as if it had never been attached. A compiled model
+        recompiles once.
+
+        Raises:
+            AdapterIndexError: no adapter ``index`` (or of that name).
+        """
+        index = self._check_index(index, "delete")
+        keep = [i for i in range(len(self.loras)) if i != index]
+        loras = [self.loras[i] for i in keep]
+        strengths = [self.strengths[i] for i in keep]
+        names = [self.names[i] for i in keep]
+        self.detach()
+        self.loras, self.strengths, self.names = loras, strengths, names
+        self._strength_t.clear()
+        if not loras:
+            self.report = MergeReport([], {}, {})
+            return
+        # The remaining adapters resolve as they did, planned at strength 1 (one at 0 through
+        # set_adapters keeps its place) and then set to their strengths.
+        plan = plan_merge(self.model, [(lora, 1.0) for lora in loras], self._mapping)
+        rebuilt = attach_plan(self.model, plan, self.quality, self._max_rank, names)
+        self.hooks, self.report = rebuilt.hooks, rebuilt.report
+        self.strengths, self._strength_t = rebuilt.strengths, rebuilt._strength_t
+        for i, s in enumerate(strengths):
+            self.set_strength(i, s)
+        bump_generation()
+
     def detach(self) -> None:
         """Remove every hook; the model is exactly as before attaching."""
         modules = dict(self.model.named_modules())
@@ -218,6 +282,7 @@ def attach_lora(
     quality: Quality | None = None,
     mapping: KeyMapping | None = None,
     max_rank: int | None = None,
+    names: Sequence[str] | None = None,
 ) -> DynamicAdapters:
     """Attach adapters for forward-time application; returns a handle (call ``detach()``).
 
@@ -228,6 +293,8 @@ def attach_lora(
         mapping: as for :func:`~shuttle.merge_lora`.
         max_rank: pad low-rank Linear slots to this rank so :meth:`DynamicAdapters.swap` can
             bring in adapters up to it without recompiling.
+        names: a name per adapter of non-zero strength, in order, for the handle's methods
+            (default: each file's stem, ``adapter<i>`` for one in memory; repeats get ``_2``).
 
     Raises:
         Everything :func:`~shuttle.merge_lora` raises, before anything is attached;
@@ -237,11 +304,30 @@ def attach_lora(
     quality = quality or default_quality(model)
     if quality not in QUALITIES:
         raise InvalidOptionError(f"quality={quality!r}: expected one of {', '.join(QUALITIES)}")
-    return attach_plan(model, plan_merge(model, loras, mapping), quality, max_rank)
+    handle = attach_plan(model, plan_merge(model, loras, mapping), quality, max_rank,
+                         list(names) if names is not None else None)
+    handle._mapping = mapping
+    return handle
+
+
+def default_names(loras: Sequence[LoRA]) -> list[str]:
+    """A name per adapter: its file's stem, or ``adapter<i>`` for a state dict; a name taken
+    already gets ``_2``, ``_3``, ...
+    """
+    out: list[str] = []
+    for i, lora in enumerate(loras):
+        stem = Path(lora.source.split(", ")[0]).stem if not lora.source.startswith("<") else ""
+        name = base = stem or f"adapter{i}"
+        k = 2
+        while name in out:
+            name, k = f"{base}_{k}", k + 1
+        out.append(name)
+    return out
 
 
 def attach_plan(model: torch.nn.Module, plan: MergePlan, quality: Quality,
-                max_rank: int | None = None) -> DynamicAdapters:
+                max_rank: int | None = None, names: list[str] | None = None
+                ) -> DynamicAdapters:
     """Attach a validated (and loaded) plan: :func:`attach_lora` after planning.
 
     ``plan.params`` may be a subset of a plan's parameters (``mode="auto"`` attaches the ones
@@ -263,8 +349,14 @@ def attach_plan(model: torch.nn.Module, plan: MergePlan, quality: Quality,
     # strengths live in a float32 tensor: refuse what it cannot hold (1e308 -> inf)
     strengths = [check_strength(s, f"loras[{i}] strength") for i, (_, s) in
                  enumerate(plan.adapters)]
-    handle = DynamicAdapters(model, [lora for lora, _ in plan.adapters], strengths, quality,
-                             report)
+    loras = [lora for lora, _ in plan.adapters]
+    if names is not None and (len(names) != len(loras) or len(set(names)) != len(names)
+                              or not all(isinstance(n, str) for n in names)):
+        raise AdapterIndexError(
+            f"names={names!r}: give one distinct string per adapter of non-zero strength "
+            f"({len(loras)} here)")
+    handle = DynamicAdapters(model, loras, strengths, quality, report, names)
+    handle._max_rank = max_rank
     modules = dict(model.named_modules())
     hooks = {name: LoRAHook(name, modules[name], dict(leaves), handle.strengths,
                             handle.strength_tensor, quality, max_rank)
