@@ -32,9 +32,8 @@ from shuttle.formats import FORMATS, LoRA, load_lora, register_format, save_lora
 from shuttle.offload import ModelOffloader, StreamConfig
 from shuttle.patches import PATCH_KINDS, register_patch
 from shuttle.targets import Resolution, resolve
+from shuttle.version import __version__ as __version__
 from shuttle.weights import upcast_on_use
-
-__version__ = "0.1.0"
 
 __all__ = [
     "FORMATS",

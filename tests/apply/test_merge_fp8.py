@@ -10,7 +10,7 @@ import shuttle
 from shuttle.apply.plan import plan_params
 from shuttle.apply.rounding import merge_seed
 from shuttle.weights import Fp8Weight
-from tests.weights.test_rounding import fp8_gap
+from tests.kernels.test_rounding import fp8_gap
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 

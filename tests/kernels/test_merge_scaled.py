@@ -16,7 +16,7 @@ import torch
 from shuttle.kernels import triton_available
 from shuttle.kernels.merge_scaled import merge_scaled, merge_scaled_or_none, merge_scaled_reference
 from shuttle.weights import BnbInt8Weight, Fp8Weight, QuantoWeight, TorchaoScaledWeight
-from tests.weights.test_rounding import fp8_gap
+from tests.kernels.test_rounding import fp8_gap
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed")
 # The module, not the function of the same name that shuttle.kernels re-exports.

@@ -7,7 +7,7 @@ import torch
 
 from shuttle.errors import ShuttleError
 from shuttle.weights import Fp8Weight, represent
-from tests.weights.test_rounding import fp8_gap
+from tests.kernels.test_rounding import fp8_gap
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.nn.utils.stateless import _reparametrize_module
 
 from shuttle.apply.merge import apply_contributions
-from shuttle.apply.plan import Contribution, is_plain_tensor, logical_spec
+from shuttle.apply.plan import Contribution, logical_spec
 from shuttle.apply.scale import (
     generation,
     prepare_request_scale,
@@ -46,6 +46,7 @@ from shuttle.kernels.lora_decode import DECODE_MAX_T, lora_decode_add, lora_deco
 from shuttle.kernels.lora_linear import PreparedLoraLinear
 from shuttle.patches import LowRank
 from shuttle.weights import FP8_DTYPES
+from shuttle.weights.plain import is_plain_tensor
 
 __all__ = ["LoRAHook", "Quality"]
 

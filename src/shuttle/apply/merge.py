@@ -28,7 +28,6 @@ from shuttle.apply.plan import (
     Contribution,
     MergePlan,
     check_mergeable,
-    is_plain_tensor,
     known_abs_max,
     plan_params,
 )
@@ -48,6 +47,7 @@ from shuttle.kernels.merge_lowrank import (
 from shuttle.patches import LowRank
 from shuttle.targets import KeyMapping, fused_modules
 from shuttle.weights import PLAIN_DTYPES, WeightRepresentation, represent
+from shuttle.weights.plain import is_plain_tensor
 
 __all__ = [
     "MergeReport",

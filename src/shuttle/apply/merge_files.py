@@ -44,6 +44,7 @@ from shuttle.formats.model_checkpoint import Checkpoint, open_checkpoint, refuse
 from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.formats.safetensors_writer import SafetensorsWriter
 from shuttle.targets import KeyMapping
+from shuttle.version import __version__
 
 __all__ = ["OUTPUT_DTYPES", "FileMergeReport", "merge_files"]
 
@@ -293,7 +294,6 @@ def _output_paths(out: Path, n: int) -> tuple[list[Path], Path | None]:
 
 def _metadata(base: Mapping[str, str], plan: MergePlan, dtype: torch.dtype | None,
               rounding: Rounding | None, seed: int | None) -> dict[str, str]:
-    from shuttle import __version__  # the package is initialized by the time this runs
 
     meta = dict(base)
     meta.setdefault("format", "pt")  # transformers refuses safetensors metadata without it

@@ -33,6 +33,7 @@ from shuttle.patches import DoRA, Patch, materialize
 from shuttle.targets import KeyMapping, ModelNames, Target, fused_modules, resolve
 from shuttle.targets.family import widenable
 from shuttle.weights import Fp8Weight, PlainWeight, WeightRepresentation, represent
+from shuttle.weights.plain import is_plain_tensor
 
 __all__ = [
     "AdapterList",
@@ -43,7 +44,6 @@ __all__ = [
     "check_finite",
     "check_landed",
     "check_mergeable",
-    "is_plain_tensor",
     "known_abs_max",
     "logical_spec",
     "normalize_adapters",
@@ -384,21 +384,6 @@ def _remember_placement(lora: LoRA, signature: tuple, placed: _Placed) -> None:
     key = id(lora)
     _PLACEMENTS[key] = (weakref.ref(lora, lambda _: _PLACEMENTS.pop(key, None)), signature,
                         _patch_ids(lora), placed)
-
-
-def is_plain_tensor(p: object) -> bool:
-    """Whether ``p`` is a plain float (or float8) tensor whose storage is the weight itself.
-
-    A ``Parameter`` counts by its ``data``: bitsandbytes' ``Params4bit`` holds uint8 bytes (not
-    plain), a torchao/quanto parameter is a tensor subclass (not plain) whatever its ``dtype``.
-    """
-    kind = type(p)
-    if kind is torch.Tensor or kind is torch.nn.Parameter:
-        # the common case, without ``p.data`` (a new tensor object per call): a Parameter of
-        # exactly this class wraps a plain tensor (``Parameter(subclass)`` keeps the subclass)
-        return p.dtype.is_floating_point
-    return (isinstance(p, torch.Tensor) and type(p.data) is torch.Tensor
-            and p.dtype.is_floating_point)
 
 
 def _representation(p: torch.Tensor) -> WeightRepresentation | None:

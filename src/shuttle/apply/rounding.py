@@ -5,7 +5,7 @@ probability proportional to closeness, so ``E[round(x)] = x``: many small merges
 Its random stream is seeded from the merge's own arguments (:func:`merge_seed`: the parameter's
 name, the contributions merged into it and an optional ``seed``), so a merge gives the same bits
 whatever the process merged before, and two different adapters draw different noise. The rounding
-itself lives in :mod:`shuttle.weights.rounding`; this module adds the seeding and the one
+itself lives in :mod:`shuttle.kernels.rounding`; this module adds the seeding and the one
 default every entry point shares (``rounding=None``): nearest into float16, bfloat16, float32
 and float64, where it is the exact result's closest value, and stochastic into float8 and
 quantized encodings, whose steps are coarse enough that nearest rounding drops small updates
@@ -22,11 +22,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from shuttle.errors import InvalidOptionError
-from shuttle.weights.representation import Rounding
 
 # One implementation for every float dtype (float8 included): it steps bit patterns rather than
 # calling torch.nextafter, which has no float8 kernel.
-from shuttle.weights.rounding import round_float, stochastic_round
+from shuttle.kernels.rounding import Rounding, round_float, stochastic_round
 
 if TYPE_CHECKING:
     from shuttle.apply.plan import Contribution

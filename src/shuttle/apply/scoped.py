@@ -27,7 +27,6 @@ from shuttle.apply.plan import (
     MergePlan,
     check_landed,
     check_mergeable,
-    is_plain_tensor,
     plan_merge,
 )
 from shuttle.apply.rounding import Rounding, check_rounding
@@ -35,6 +34,7 @@ from shuttle.apply.widen import narrow, widen_layers
 from shuttle.errors import InvalidOptionError, ScopeOrderError
 from shuttle.targets import KeyMapping
 from shuttle.weights import WeightRepresentation, represent
+from shuttle.weights.plain import is_plain_tensor
 
 __all__ = ["apply_lora"]
 

@@ -16,11 +16,12 @@ import torch
 
 from shuttle.apply.merge import MergeReport, merge_lora, write_back
 from shuttle.apply.pipeline import Pipeline, as_model
-from shuttle.apply.plan import AdapterList, is_plain_tensor, normalize_adapters
+from shuttle.apply.plan import AdapterList, normalize_adapters
 from shuttle.apply.rounding import Rounding, rounding_for
 from shuttle.errors import ShapeMismatchError, ShuttleError
 from shuttle.targets import KeyMapping
 from shuttle.weights import WeightRepresentation, represent
+from shuttle.weights.plain import is_plain_tensor
 
 __all__ = ["UnmergeReport", "unmerge_lora"]
 

@@ -23,10 +23,11 @@ from typing import Any
 
 import torch
 
-from shuttle.apply.plan import MergePlan, is_plain_tensor
+from shuttle.apply.plan import MergePlan
 from shuttle.errors import WideningError
 from shuttle.targets import ModelNames
 from shuttle.targets.family import widenable
+from shuttle.weights.plain import is_plain_tensor
 
 __all__ = ["Widened", "narrow", "widen_layers"]
 

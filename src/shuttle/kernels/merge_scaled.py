@@ -57,8 +57,7 @@ from shuttle.kernels.launch import (
     triton_available,
 )
 from shuttle.kernels.merge_lowrank import padded_factors
-from shuttle.weights.representation import Rounding
-from shuttle.weights.rounding import round_float
+from shuttle.kernels.rounding import Rounding, round_float
 
 __all__ = ["ScaledMerge", "merge_scaled", "merge_scaled_or_none", "merge_scaled_reference"]
 

@@ -37,13 +37,14 @@ from shuttle.apply.dynamic import QUALITIES, DynamicAdapters, default_quality
 from shuttle.apply.dynamic_layer import LoRAHook, Quality
 from shuttle.apply.merge import MergeReport, exact_cublas, merge_param
 from shuttle.apply.notes import plan_notes
-from shuttle.apply.plan import AdapterList, Contribution, is_plain_tensor, plan_params
+from shuttle.apply.plan import AdapterList, Contribution, plan_params
 from shuttle.apply.rounding import merge_seeds
 from shuttle.apply.scoped import MODES, Mode
 from shuttle.errors import OffloadError, UnsupportedLayerError
 from shuttle.hooks import add_hook
 from shuttle.offload.host_storage import HostStorage, HostUnit
 from shuttle.targets import KeyMapping, fused_modules
+from shuttle.weights.plain import is_plain_tensor
 
 __all__ = ["ActivationAdapters", "check_mode"]
 

@@ -34,9 +34,9 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from shuttle.apply.plan import is_plain_tensor
 from shuttle.errors import BlockLayoutError, HostBackingError, ShuttleError, UnsupportedLayerError
 from shuttle.weights import Fp8Weight, PlainWeight, WeightRepresentation, represent
+from shuttle.weights.plain import is_plain_tensor
 
 __all__ = ["HostBacking", "HostStorage", "HostUnit", "Layout"]
 

@@ -7,6 +7,7 @@ model compute with float8-stored parameters. bitsandbytes, torchao and
 optimum-quanto are imported only when a tensor of theirs is met.
 """
 
+from shuttle.kernels.rounding import round_float, stochastic_round
 from shuttle.weights.bnb import Bnb4bitWeight, BnbInt8Weight
 from shuttle.weights.fp8 import FP8_DTYPES, Fp8Weight
 from shuttle.weights.gguf import GGUF_TYPES, GGUFParameter, GGUFWeight, dequantize_blocks
@@ -19,7 +20,6 @@ from shuttle.weights.representation import (
     register_representation,
     represent,
 )
-from shuttle.weights.rounding import round_float, stochastic_round
 from shuttle.weights.scaled import ScaledCodes, absmax_encode
 from shuttle.weights.torchao import TorchaoInt4Weight, TorchaoScaledWeight
 from shuttle.weights.upcast import UpcastHook, Upcasting, upcast_on_use

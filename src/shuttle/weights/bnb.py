@@ -28,8 +28,9 @@ from typing import Any
 import torch
 
 from shuttle.errors import UnsupportedLayerError
+from shuttle.kernels.rounding import Rounding
 from shuttle.optional import import_optional
-from shuttle.weights.representation import Rounding, WeightRepresentation, register_representation
+from shuttle.weights.representation import WeightRepresentation, register_representation
 
 __all__ = ["Bnb4bitWeight", "BnbInt8Weight"]
 

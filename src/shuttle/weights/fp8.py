@@ -14,8 +14,8 @@ import dataclasses
 import torch
 
 from shuttle.errors import ShuttleError
-from shuttle.weights.representation import Rounding, WeightRepresentation, register_representation
-from shuttle.weights.rounding import round_float
+from shuttle.kernels.rounding import Rounding, round_float
+from shuttle.weights.representation import WeightRepresentation, register_representation
 
 __all__ = ["FP8_DTYPES", "Fp8Weight"]
 

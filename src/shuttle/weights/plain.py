@@ -6,12 +6,27 @@ import dataclasses
 
 import torch
 
-from shuttle.weights.representation import Rounding, WeightRepresentation, register_representation
-from shuttle.weights.rounding import round_float
+from shuttle.kernels.rounding import Rounding, round_float
+from shuttle.weights.representation import WeightRepresentation, register_representation
 
-__all__ = ["PLAIN_DTYPES", "PlainWeight"]
+__all__ = ["PLAIN_DTYPES", "PlainWeight", "is_plain_tensor"]
 
 PLAIN_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def is_plain_tensor(p: object) -> bool:
+    """Whether ``p`` is a plain float (or float8) tensor whose storage is the weight itself.
+
+    A ``Parameter`` counts by its ``data``: bitsandbytes' ``Params4bit`` holds uint8 bytes (not
+    plain), a torchao/quanto parameter is a tensor subclass (not plain) whatever its ``dtype``.
+    """
+    kind = type(p)
+    if kind is torch.Tensor or kind is torch.nn.Parameter:
+        # the common case, without ``p.data`` (a new tensor object per call): a Parameter of
+        # exactly this class wraps a plain tensor (``Parameter(subclass)`` keeps the subclass)
+        return p.dtype.is_floating_point
+    return (isinstance(p, torch.Tensor) and type(p.data) is torch.Tensor
+            and p.dtype.is_floating_point)
 
 
 @register_representation("plain")

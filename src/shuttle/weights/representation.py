@@ -11,21 +11,20 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import ClassVar, Literal, TypeVar
+from typing import ClassVar, TypeVar
 
 import torch
 
 from shuttle.errors import ShuttleError, UnmergeableWeightError
+from shuttle.kernels.rounding import Rounding
 
 __all__ = [
     "REPRESENTATIONS",
-    "Rounding",
     "WeightRepresentation",
     "register_representation",
     "represent",
 ]
 
-Rounding = Literal["nearest", "stochastic"]
 
 R = TypeVar("R", bound="WeightRepresentation")
 

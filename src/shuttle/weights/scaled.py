@@ -14,8 +14,8 @@ import dataclasses
 
 import torch
 
-from shuttle.weights.representation import Rounding, WeightRepresentation
-from shuttle.weights.rounding import round_float
+from shuttle.kernels.rounding import Rounding, round_float
+from shuttle.weights.representation import WeightRepresentation
 
 __all__ = ["ScaledCodes", "absmax_encode"]
 

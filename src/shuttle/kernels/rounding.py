@@ -1,5 +1,8 @@
 """Rounding float32 to a narrower float dtype: to nearest, or stochastically (unbiased).
 
+The pure-PyTorch rounding every layer shares (the fused merge kernels' reference, the weight
+representations' encoders, the merges' single rounding): it lives in the lowest layer using it.
+
 Stochastic rounding here steps the target's bit pattern instead of calling ``torch.nextafter``
 (which has no float8 kernel): IEEE-like floats are sign-magnitude, so within one sign the
 integer view is monotonic in magnitude, and the neighbour of a finite value ``n`` on the far
@@ -8,11 +11,13 @@ side of ``x`` is the bit pattern one step away from ``n``'s (toward zero or away
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
-from shuttle.weights.representation import Rounding
+__all__ = ["Rounding", "round_float", "stochastic_round"]
 
-__all__ = ["round_float", "stochastic_round"]
+Rounding = Literal["nearest", "stochastic"]
 
 # Same-width integer views; float8 bytes fit uint8, 16-bit floats are viewed as int16 and
 # masked back to unsigned in int32 arithmetic.

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shuttle.apply.rounding import stochastic_round as nextafter_round
-from shuttle.weights.rounding import round_float, stochastic_round
+from shuttle.kernels.rounding import round_float, stochastic_round
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 # (mantissa bits, exponent of the smallest normal)
