@@ -2,6 +2,10 @@
 mirror the package tree.
 
 ``lowrank_state``: PEFT-keyed low-rank factors for named modules, from one seeded generator.
+``close``: float64 comparison with a tolerance; ``assert_bits_equal``: bit for bit (NaN
+payloads and -0 too).
+``snapshot`` / ``assert_unchanged``: a model's parameters before a call that must not change
+them, and the check after it.
 """
 
 from __future__ import annotations
@@ -23,3 +27,42 @@ def lowrank_state(shapes: dict[str, tuple[int, int]], rank: int = 4, scale: floa
         sd[f"{m}.lora_A.weight"] = torch.randn(rank, in_f, generator=g) * scale
         sd[f"{m}.lora_B.weight"] = torch.randn(out_f, rank, generator=g) * scale
     return sd
+
+
+# same-width integer views, for bit-for-bit comparison of any float dtype (float8 included)
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-5,
+          atol: float = 1e-5) -> None:
+    """``actual`` equals ``expected`` within the tolerances, compared in float64."""
+    torch.testing.assert_close(actual.double(), expected.double(), rtol=rtol, atol=atol)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of ``t`` (so -0.0 != 0.0 and NaN payloads count)."""
+    return t.detach().cpu().contiguous().view(_BITS[t.element_size()])
+
+
+def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
+    """Same dtype, shape and bits; the message counts and shows the first differences."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
+    diff = bits(actual) != bits(expected)
+    assert not diff.any(), (
+        f"{what}: {int(diff.sum())} of {diff.numel()} elements differ; first: "
+        f"{actual.flatten()[diff.flatten()][:4].tolist()} vs "
+        f"{expected.flatten()[diff.flatten()][:4].tolist()}"
+    )
+
+
+def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of every parameter, by name."""
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_unchanged(model: torch.nn.Module, before: dict[str, torch.Tensor]) -> None:
+    """The model has the parameters of ``before``, bit for bit."""
+    params = dict(model.named_parameters())
+    assert params.keys() == before.keys()
+    for n, saved in before.items():
+        assert_bits_equal(params[n], saved, n)

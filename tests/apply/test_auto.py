@@ -15,6 +15,7 @@ from shuttle.apply.auto import AutoReport, decide
 from shuttle.apply.plan import plan_merge
 from shuttle.errors import InvalidStrengthError, ShapeMismatchError
 from shuttle.hooks import hooks_of
+from tests import snapshot
 
 
 def _model(dtype=torch.bfloat16):
@@ -33,10 +34,6 @@ def _adapter():
     }
 
 
-def _snapshot(model):
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
 def _assert_restored(model, before):
     for n, p in model.named_parameters():
         assert torch.equal(p.view(torch.int16), before[n].view(torch.int16)), n
@@ -46,7 +43,7 @@ def _assert_restored(model, before):
 def test_small_update_stays_dynamic_large_one_is_merged(caplog):
     m = _model()
     x = torch.randn(3, 64).bfloat16()
-    before = _snapshot(m)
+    before = snapshot(m)
     with caplog.at_level(logging.INFO, logger="shuttle"), \
             shuttle.apply_lora(m, [(_adapter(), 1.0)], mode="auto") as report:
         assert isinstance(report, AutoReport)
@@ -93,7 +90,7 @@ def test_the_dynamic_part_keeps_the_small_update():
 ])
 def test_threshold(threshold, want):
     m = _model()
-    before = _snapshot(m)
+    before = snapshot(m)
     with shuttle.apply_lora(m, [(_adapter(), 1.0)], mode="auto",
                             auto_threshold=threshold) as report:
         assert report.decisions == want
@@ -130,7 +127,7 @@ def test_decide_measures_the_fraction_of_the_update_lost():
 @pytest.mark.parametrize("body_raises", [False, True])
 def test_exact_restore(body_raises):
     m = _model()
-    before = _snapshot(m)
+    before = snapshot(m)
     with pytest.raises(RuntimeError) if body_raises else contextlib.nullcontext(), \
             shuttle.apply_lora(m, [(_adapter(), 1.0)], mode="auto", backup_device="cpu"):
         m(torch.randn(2, 64).bfloat16())
@@ -143,7 +140,7 @@ def test_a_failing_merge_detaches_and_restores(monkeypatch):
     import shuttle.apply.scoped as scoped
 
     m = _model()
-    before = _snapshot(m)
+    before = snapshot(m)
 
     def boom(*args, **kwargs):
         raise RuntimeError("merge failed")
@@ -157,7 +154,7 @@ def test_a_failing_merge_detaches_and_restores(monkeypatch):
 
 def test_bad_inputs_change_nothing():
     m = _model()
-    before = _snapshot(m)
+    before = snapshot(m)
     for bad in (float("nan"), -0.1, "0.1", True):
         with pytest.raises(InvalidStrengthError), \
                 shuttle.apply_lora(m, [(_adapter(), 1.0)], mode="auto", auto_threshold=bad):

@@ -21,10 +21,9 @@ from torch import nn
 
 import shuttle
 from shuttle.formats.safetensors_file import SafetensorsFile
+from tests import assert_bits_equal, assert_unchanged, snapshot
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-_INT_OF = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
-           torch.float64: torch.int64}
 
 
 # -- helpers --------------------------------------------------------------------------------------
@@ -32,32 +31,6 @@ _INT_OF = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float1
 def grid(*shape: int, g: torch.Generator, k: int = 8, denom: int = 32) -> torch.Tensor:
     """float64 values j/denom, |j| <= k: exact in float32, bfloat16 and float16."""
     return torch.randint(-k, k + 1, shape, generator=g).double() / denom
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bits of ``t`` (so -0.0 != 0.0 and NaN payloads count)."""
-    return t.detach().cpu().contiguous().view(_INT_OF[t.dtype])
-
-
-def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    diff = bits(actual) != bits(expected)
-    assert not diff.any(), (
-        f"{int(diff.sum())} of {diff.numel()} elements differ; first: "
-        f"{actual.flatten()[diff.flatten()][:4].tolist()} vs "
-        f"{expected.flatten()[diff.flatten()][:4].tolist()}"
-    )
-
-
-def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def assert_unchanged(model: nn.Module, before: dict[str, torch.Tensor]) -> None:
-    params = dict(model.named_parameters())
-    assert params.keys() == before.keys()
-    for n, saved in before.items():
-        assert_bits_equal(params[n], saved)
 
 
 def set_weights(model: nn.Module, g: torch.Generator) -> None:

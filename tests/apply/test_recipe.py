@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 import shuttle
-from tests.apply.test_merge import _stack, assert_bits_equal, grid, snapshot
+from tests import assert_bits_equal, snapshot
+from tests.apply.test_merge import _stack, grid
 
 RANK = 16  # a rank the kernel takes as it is (recipes keep no padded copies)
 

@@ -22,29 +22,13 @@ import shuttle
 from shuttle.apply import merge as merge_mod
 from shuttle.apply import merge_files as merge_files_mod
 from shuttle.errors import NonFiniteAdapterError, UnmatchedKeysError
-
-_BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
-         torch.float64: torch.int64}
-
+from tests import assert_unchanged, snapshot
 
 def _model(dtype: torch.dtype = torch.float32, n: int = 3, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     model = nn.Module()
     model.layers = nn.ModuleList(nn.Linear(8, 8, bias=False) for _ in range(n))
     return model.to(dtype)
-
-
-def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def _assert_unchanged(model: nn.Module, before: dict[str, torch.Tensor]) -> None:
-    params = dict(model.named_parameters())
-    assert params.keys() == before.keys()
-    for n, saved in before.items():
-        p = params[n].detach()
-        assert p.dtype == saved.dtype
-        assert torch.equal(p.view(_BITS[p.dtype]), saved.view(_BITS[p.dtype])), n
 
 
 def _lora(layers: list[int], *, dtype: torch.dtype = torch.float32, scale: float = 0.1,
@@ -61,14 +45,14 @@ def _lora(layers: list[int], *, dtype: torch.dtype = torch.float32, scale: float
 
 def test_merge_strict_refuses_unmatched_keys_before_any_change():
     model = _model()
-    before = _snapshot(model)
+    before = snapshot(model)
     sd = {**_lora([0, 1]), **_lora([5], prefix="elsewhere", seed=2)}
     with pytest.raises(UnmatchedKeysError, match="elsewhere.5") as info:
         shuttle.merge_lora(model, [(sd, 1.0)], strict=True)
     assert list(info.value.unmatched) == ["elsewhere.5"]
     assert "no module" in info.value.unmatched["elsewhere.5"]
     assert isinstance(info.value, shuttle.errors.ShuttleError)
-    _assert_unchanged(model, before)
+    assert_unchanged(model, before)
     # without strict: the matching keys land and the other is reported
     report = shuttle.merge_lora(model, [(sd, 1.0)])
     assert report.applied == ["layers.0.weight", "layers.1.weight"]
@@ -77,13 +61,13 @@ def test_merge_strict_refuses_unmatched_keys_before_any_change():
 
 def test_a_merge_that_lands_nothing_warns_loudly(caplog):
     model = _model()
-    before = _snapshot(model)
+    before = snapshot(model)
     with caplog.at_level(logging.WARNING, logger="shuttle"), \
             pytest.warns(UserWarning, match="NO adapter update landed"):
         report = shuttle.merge_lora(model, [(_lora([0], prefix="other_model"), 1.0)])
     assert report.applied == []
     assert any("NO adapter update landed" in r.getMessage() for r in caplog.records)
-    _assert_unchanged(model, before)
+    assert_unchanged(model, before)
 
 
 def test_no_warning_without_adapters_or_at_strength_zero(recwarn):
@@ -96,14 +80,14 @@ def test_no_warning_without_adapters_or_at_strength_zero(recwarn):
 @pytest.mark.parametrize("mode", ["merge", "dynamic", "auto"])
 def test_apply_lora_strict(mode):
     model = _model()
-    before = _snapshot(model)
+    before = snapshot(model)
     x = torch.randn(2, 8)
     y0 = model.layers[0](x)
     sd = {**_lora([0]), **_lora([7], prefix="elsewhere")}
     with pytest.raises(UnmatchedKeysError, match="elsewhere.7"), \
             shuttle.apply_lora(model, [(sd, 1.0)], mode=mode, strict=True):
         pytest.fail("the body must not run")
-    _assert_unchanged(model, before)
+    assert_unchanged(model, before)
     assert torch.equal(model.layers[0](x), y0)  # no hook left behind
     with pytest.warns(UserWarning, match="NO adapter update landed"), \
             shuttle.apply_lora(model, [(_lora([0], prefix="elsewhere"), 1.0)], mode=mode):
@@ -115,11 +99,11 @@ def test_load_checkpoint_strict_adapters(tmp_path):
     path = tmp_path / "model.safetensors"
     save_file({k: v.contiguous() for k, v in src.state_dict().items()}, str(path))
     model = _model(seed=4)
-    before = _snapshot(model)
+    before = snapshot(model)
     sd = {**_lora([0]), **_lora([9], prefix="elsewhere")}
     with pytest.raises(UnmatchedKeysError, match="elsewhere.9"):
         shuttle.load_checkpoint(model, path, loras=[(sd, 1.0)], strict_adapters=True)
-    _assert_unchanged(model, before)  # not even the checkpoint was loaded
+    assert_unchanged(model, before)  # not even the checkpoint was loaded
     with pytest.warns(UserWarning, match="NO adapter update landed"):
         report = shuttle.load_checkpoint(model, path, loras=[(_lora([0], prefix="x"), 1.0)])
     assert report.patched == []
@@ -182,7 +166,7 @@ def test_float64_adapter_is_computed_in_float64():
 @pytest.mark.parametrize("mode", ["merge", "auto", "dynamic"])
 def test_float64_adapter_apply_lora(mode):
     model, sd, strength, ref = _f64_case(torch.float32)
-    before = _snapshot(model)
+    before = snapshot(model)
     x = torch.randn(3, 8, dtype=torch.float64)
     with shuttle.apply_lora(model, [(sd, strength)], mode=mode):
         if mode != "dynamic":
@@ -190,7 +174,7 @@ def test_float64_adapter_apply_lora(mode):
                 _close_to_f64(p.detach(), ref[n])
         y = model.layers[0](x.float()).double()
         torch.testing.assert_close(y, x @ ref["layers.0.weight"].T, rtol=1e-5, atol=1e-6)
-    _assert_unchanged(model, before)
+    assert_unchanged(model, before)
 
 
 def test_float64_adapter_load_checkpoint_and_merge_files(tmp_path):
@@ -224,7 +208,7 @@ def _overflow_case(all_risky: bool):
 @pytest.mark.parametrize("all_risky", [True, False], ids=["all-risky", "third-risky"])
 def test_overflow_of_the_third_target_leaves_every_parameter_as_it_was(all_risky, monkeypatch):
     model, sd = _overflow_case(all_risky)
-    before = _snapshot(model)
+    before = snapshot(model)
     backed_up = []
     real = merge_mod._backup
     monkeypatch.setattr(merge_mod, "_backup",
@@ -233,7 +217,7 @@ def test_overflow_of_the_third_target_leaves_every_parameter_as_it_was(all_risky
         shuttle.merge_lora(model, [(sd, 1.0)])
     assert "Nothing was changed" in str(info.value)
     assert "keep their merge" not in str(info.value)
-    _assert_unchanged(model, before)
+    assert_unchanged(model, before)
     assert len(backed_up) == (3 if all_risky else 1)  # copies only where an overflow can be
 
 

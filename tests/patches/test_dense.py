@@ -7,10 +7,7 @@ import torch
 
 from shuttle.errors import ShapeMismatchError
 from shuttle.patches import Diff, Set
-
-
-def close(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    torch.testing.assert_close(actual.double(), expected, rtol=1e-6, atol=1e-6)
+from tests import close
 
 
 @pytest.mark.parametrize("shape", [(5,), (4, 3), (2, 3, 3, 3)], ids=["bias", "linear", "conv"])
@@ -54,7 +51,7 @@ def test_set(strength):
     p = Set("scale", value=value)
     w = torch.randn(6)
     out = p.apply(w.clone(), strength)
-    close(out, strength * value.double())  # the old value is gone
+    close(out, strength * value.double(), rtol=1e-6, atol=1e-6)  # the old value is gone
     close(p.delta((6,)), value.double())
     assert not p.additive and p.param == "scale" and p.out_rows == 6
     with pytest.raises(ShapeMismatchError, match="set patch for 'n.scale'"):

@@ -10,10 +10,7 @@ import torch
 
 from shuttle.errors import ShapeMismatchError
 from shuttle.patches import DoRA, LoHa, LowRank, TensorRef
-
-
-def close(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-5)
+from tests import close
 
 
 class Ref:

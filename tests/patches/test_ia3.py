@@ -7,10 +7,7 @@ import torch
 
 from shuttle.errors import ShapeMismatchError
 from shuttle.patches import IA3
-
-
-def close(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    torch.testing.assert_close(actual.double(), expected, rtol=1e-6, atol=1e-6)
+from tests import close
 
 
 @pytest.mark.parametrize("strength", [1.0, 0.4, -2.0])

@@ -11,10 +11,7 @@ from torch import nn
 import shuttle
 from shuttle.errors import AdapterFormatError, ShapeMismatchError
 from shuttle.patches import LoKr
-
-
-def close(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-5)
+from tests import close
 
 
 def kron64(w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
