@@ -24,6 +24,7 @@ from shuttle.apply import merge_files as merge_files_mod
 from shuttle.errors import NonFiniteAdapterError, UnmatchedKeysError
 from tests import assert_unchanged, snapshot
 
+
 def _model(dtype: torch.dtype = torch.float32, n: int = 3, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     model = nn.Module()
