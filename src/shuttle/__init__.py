@@ -5,6 +5,8 @@ The public API; see docs/ for guides.
 
 from shuttle import errors
 from shuttle.apply import (
+    AdapterReport,
+    AutoReport,
     DynamicAdapters,
     ExtractReport,
     LoadReport,
@@ -37,6 +39,8 @@ from shuttle.weights import upcast_on_use
 
 __all__ = [
     "FORMATS",
+    "AdapterReport",
+    "AutoReport",
     "DynamicAdapters",
     "ExtractReport",
     "FileMergeReport",

@@ -3,18 +3,22 @@
 ``merge_files`` is re-exported by ``shuttle`` only: here the name is its module's.
 """
 
+from shuttle.apply.auto import AutoReport
 from shuttle.apply.dynamic import DynamicAdapters, attach_lora
 from shuttle.apply.extract import ExtractReport, extract_lora
 from shuttle.apply.load import LoadReport, load_checkpoint, replacement_parameters
 from shuttle.apply.merge import MergeReport, merge_lora
 from shuttle.apply.notes import Note
 from shuttle.apply.plan import MergePlan, plan_merge
+from shuttle.apply.report import AdapterReport
 from shuttle.apply.rounding import round_to, stochastic_round
 from shuttle.apply.scale import lora_scale
 from shuttle.apply.scoped import apply_lora
 from shuttle.apply.unmerge import UnmergeReport, unmerge_lora
 
 __all__ = [
+    "AdapterReport",
+    "AutoReport",
     "DynamicAdapters",
     "ExtractReport",
     "LoadReport",

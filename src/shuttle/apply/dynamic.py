@@ -18,7 +18,7 @@ import torch
 
 from shuttle.apply.dynamic_layer import LoRAHook, Quality
 from shuttle.apply.merge import MergeReport
-from shuttle.apply.notes import plan_notes
+from shuttle.apply.notes import Note, plan_notes
 from shuttle.apply.pipeline import Pipeline, as_model
 from shuttle.apply.plan import (
     AdapterList,
@@ -118,6 +118,16 @@ class DynamicAdapters:
     def unmatched(self) -> dict[str, str]:
         """Adapter keys that reached no parameter, with why."""
         return self.report.unmatched
+
+    @property
+    def skipped(self) -> dict[str, str]:
+        """Adapter keys ``load_lora`` did not turn into patches, with why."""
+        return self.report.skipped
+
+    @property
+    def notes(self) -> list[Note]:
+        """Where the update differs on purpose from a peer tool's."""
+        return self.report.notes
 
     def strength_tensor(self, device: torch.device) -> torch.Tensor:
         """``(n_adapters,)`` float32 strengths on ``device`` (updated in place)."""

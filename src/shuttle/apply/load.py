@@ -86,6 +86,11 @@ class LoadReport:
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
     notes: list[Note] = dataclasses.field(default_factory=list)
 
+    @property
+    def applied(self) -> list[str]:
+        """``patched``, by the name every adapter report uses (:class:`AdapterReport`)."""
+        return self.patched
+
 
 class _Slot(NamedTuple):
     """One tensor object of the model under every name it has (tied weights share a slot)."""
