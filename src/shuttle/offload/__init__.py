@@ -4,7 +4,14 @@ from shuttle.offload.adapters import ActivationAdapters
 from shuttle.offload.host_storage import HostStorage, HostUnit, Layout
 from shuttle.offload.layer_streamer import LayerStreamer
 from shuttle.offload.offloader import CPU_COPY_ENV, ModelOffloader
-from shuttle.offload.residency import ResidencyPlan, StreamConfig, plan_residency
+from shuttle.offload.residency import (
+    ResidencyPlan,
+    ResidencyPolicy,
+    SpreadResidency,
+    StreamConfig,
+    plan_cost,
+    plan_residency,
+)
 from shuttle.offload.slots import SlotPool
 from shuttle.offload.streamer import BlockStreamer
 
@@ -18,7 +25,10 @@ __all__ = [
     "Layout",
     "ModelOffloader",
     "ResidencyPlan",
+    "ResidencyPolicy",
     "SlotPool",
+    "SpreadResidency",
     "StreamConfig",
+    "plan_cost",
     "plan_residency",
 ]

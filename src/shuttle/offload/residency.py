@@ -1,17 +1,26 @@
 """What one activation keeps on the device: :class:`StreamConfig` (asked) and
-:class:`ResidencyPlan` (chosen by :func:`plan_residency` from the host storage's unit sizes).
+:class:`ResidencyPlan` (chosen by a :class:`ResidencyPolicy` from the host storage's unit
+sizes; :func:`plan_residency` applies the config's policy and checks its plan).
+
+A policy decides which blocks (and layers) stay on the device and how deep the rings are; the
+streamer loads the others in model order through the rings. The default,
+:class:`SpreadResidency`, keeps as many blocks as the budget allows, spread evenly so that
+streamed blocks' copies overlap resident blocks' compute. Another policy (by measured block
+time, by access frequency) is one class with a ``plan`` method, passed as
+``StreamConfig(policy=...)``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from shuttle.errors import BudgetTooSmallError, OffloadError
 from shuttle.offload.host_storage import HostStorage
 
-__all__ = ["ResidencyPlan", "StreamConfig", "plan_residency"]
+__all__ = ["ResidencyPlan", "ResidencyPolicy", "SpreadResidency", "StreamConfig",
+           "plan_cost", "plan_residency"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +39,8 @@ class StreamConfig:
             outside the graph; one compile per block class and shape): ``True`` for the
             default backend (inductor), or a backend (``"aot_eager"``, a callable).
             Needs block lists (``from_module(..., blocks=...)``).
+        policy: the :class:`ResidencyPolicy` choosing what stays on the device (default:
+            :class:`SpreadResidency`).
 
     In layer mode ``prefetch`` counts layers, ``resident`` is the number of layers kept on
     the device (spread evenly), and ``vram_budget`` also pays for the layer ring
@@ -37,15 +48,20 @@ class StreamConfig:
 
     Raises:
         OffloadError: a negative or non-integer value, both ``resident`` and
-            ``vram_budget``, or a ``compile`` that is neither a bool, a string nor callable.
+            ``vram_budget``, a ``compile`` that is neither a bool, a string nor callable, or a
+            ``policy`` without a ``plan`` method.
     """
 
     prefetch: int = 2
     resident: int | None = None
     vram_budget: int | None = None
     compile: bool | str | Callable[..., Any] = False
+    policy: ResidencyPolicy | None = None
 
     def __post_init__(self) -> None:
+        if self.policy is not None and not isinstance(self.policy, ResidencyPolicy):
+            raise OffloadError(f"StreamConfig.policy={self.policy!r}: expected an object with "
+                               "a plan(storage, config) method (a ResidencyPolicy)")
         if not isinstance(self.compile, (bool, str)) and not callable(self.compile):
             raise OffloadError(f"StreamConfig.compile={self.compile!r}: expected a bool, a "
                                "backend name or a backend callable")
@@ -84,13 +100,94 @@ def _spread(count: int, n: int) -> tuple[int, ...]:
     return tuple(sorted({int((j + 0.5) * n / count) for j in range(count)}))
 
 
+@runtime_checkable
+class ResidencyPolicy(Protocol):
+    """Chooses what one activation keeps on the device.
+
+    ``plan`` returns a :class:`ResidencyPlan` for ``storage`` (its ``groups``: block group ->
+    units in model order, ``layers``, and ``rest``, each with ``layout.nbytes``) under
+    ``config`` (never None: a missing config keeps everything resident without asking).
+    Its ``device_bytes`` is recomputed and checked against ``config.vram_budget`` by
+    :func:`plan_residency`; :func:`plan_cost` gives the figure for a candidate.
+    """
+
+    def plan(self, storage: HostStorage, config: StreamConfig) -> ResidencyPlan: ...
+
+
+def plan_cost(storage: HostStorage, resident: dict[str, tuple[int, ...]], ring: dict[str, int],
+              layers: tuple[int, ...] = (), layer_ring: int = 0) -> int:
+    """Device weight bytes of a plan: the rest of the model, each group's resident blocks and
+    ring slots (blocks of a group have one size), the resident layers and the layer ring (slots
+    of the largest streamed layer).
+    """
+    total = storage.rest.layout.nbytes
+    for g, units in storage.groups.items():
+        total += (len(resident.get(g, ())) + ring.get(g, 0)) * units[0].layout.nbytes
+    sizes = [u.layout.nbytes for u in storage.layers]
+    kept = set(layers)
+    streamed = [b for i, b in enumerate(sizes) if i not in kept]
+    return total + sum(sizes[i] for i in kept) + layer_ring * max(streamed, default=0)
+
+
 def plan_residency(storage: HostStorage, config: StreamConfig | None) -> ResidencyPlan:
-    """Choose resident blocks (and layers) and ring sizes for ``config`` (None: all resident).
+    """The plan of ``config``'s policy (None: everything resident), checked.
 
     Raises:
         BudgetTooSmallError: ``config.vram_budget`` cannot hold the rest of the model plus
             one slot per group (and one slot of the largest layer, in layer mode).
+        OffloadError: a custom policy's plan names blocks or layers the storage lacks, leaves
+            a group or the layers with streamed units but no ring slot, or exceeds the budget.
     """
+    if config is None:
+        everything = {g: tuple(range(len(us))) for g, us in storage.groups.items()}
+        layers = tuple(range(len(storage.layers)))
+        return ResidencyPlan(everything, {g: 0 for g in everything}, 0,
+                             plan_cost(storage, everything, {}, layers), layers, 0)
+    policy = config.policy or SpreadResidency()
+    plan = policy.plan(storage, config)
+    if not isinstance(policy, SpreadResidency):
+        _check_plan(plan, storage, config, policy)
+    return plan
+
+
+def _check_plan(plan: ResidencyPlan, storage: HostStorage, config: StreamConfig,
+                policy: ResidencyPolicy) -> None:
+    who = type(policy).__name__
+    if set(plan.resident) != set(storage.groups) or set(plan.ring) != set(storage.groups):
+        raise OffloadError(f"{who}: its plan covers groups {sorted(plan.resident)} / "
+                           f"{sorted(plan.ring)}, the model has {sorted(storage.groups)}")
+    for g, units in storage.groups.items():
+        kept = plan.resident[g]
+        if any(not 0 <= i < len(units) for i in kept) or len(set(kept)) != len(kept):
+            raise OffloadError(f"{who}: resident positions {kept} of group {g!r}, which has "
+                               f"{len(units)} blocks")
+        if len(kept) < len(units) and plan.ring[g] < 1:
+            raise OffloadError(f"{who}: group {g!r} streams blocks but has no ring slot")
+    n = len(storage.layers)
+    if any(not 0 <= i < n for i in plan.layers) or (len(plan.layers) < n and plan.layer_ring < 1):
+        raise OffloadError(f"{who}: layer plan {plan.layers} (ring {plan.layer_ring}) does not "
+                           f"fit the model's {n} layers")
+    cost = plan_cost(storage, plan.resident, plan.ring, plan.layers, plan.layer_ring)
+    if plan.device_bytes != cost:
+        raise OffloadError(f"{who}: its plan says {plan.device_bytes} device bytes, its "
+                           f"blocks and slots take {cost} (plan_cost)")
+    if config.vram_budget is not None and cost > config.vram_budget:
+        raise OffloadError(f"{who}: its plan takes {cost} device bytes, over vram_budget="
+                           f"{config.vram_budget}")
+
+
+class SpreadResidency:
+    """The default policy: with a budget, the deepest prefetch that fits (up to the config's),
+    then one more resident block per group per round while the budget allows, then as many
+    layers as fit; without one, ``config.resident`` blocks per group. Resident blocks are
+    spread evenly over each group, so streamed blocks' copies overlap resident compute.
+    """
+
+    def plan(self, storage: HostStorage, config: StreamConfig) -> ResidencyPlan:  # noqa: D102
+        return _spread_plan(storage, config)
+
+
+def _spread_plan(storage: HostStorage, config: StreamConfig) -> ResidencyPlan:
     rest = storage.rest.layout.nbytes
     sizes = {g: (len(us), us[0].layout.nbytes) for g, us in storage.groups.items()}
     layer_sizes = [u.layout.nbytes for u in storage.layers]
@@ -112,8 +209,6 @@ def plan_residency(storage: HostStorage, config: StreamConfig | None) -> Residen
                              {g: min(p + 1, n - res[g]) for g, (n, _) in sizes.items()},
                              p, cost(res, p, keep), keep, min(p + 1, n_layers - len(keep)))
 
-    if config is None:
-        return plan({g: n for g, (n, _) in sizes.items()}, 0, tuple(range(n_layers)))
     if config.vram_budget is None:
         r = min(config.resident or 0, n_layers)
         return plan({g: min(config.resident or 0, n) for g, (n, _) in sizes.items()},
