@@ -26,8 +26,7 @@ from shuttle.targets.family_table import (
     Table,
     block_indices,
     family_table,
-    respelled,
-    reverse_table,
+    respelled_reverse,
     stacked,
 )
 from shuttle.targets.names import ModelNames
@@ -109,13 +108,6 @@ _SPELLING = (
     | _TOP)
 
 
-def _as_diffusers(names: ModelNames) -> tuple[str, ModelNames] | None:
-    for root in names.roots:
-        if (f"{root}distilled_guidance_layer.in_proj.weight" in names.shapes
-                and f"{root}single_blocks.0.linear1.weight" in names.shapes):
-            return root, respelled(names, root, _SPELLING)
-    return None
-
-
-chroma_original_names = register_family(family_table(reverse_table(chroma_names.__wrapped__,
-                                                                    _as_diffusers)))
+chroma_original_names = register_family(respelled_reverse(
+    chroma_names.__wrapped__,
+    ("distilled_guidance_layer.in_proj.weight", "single_blocks.0.linear1.weight"), _SPELLING))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 
 from shuttle.targets.family import register_family
-from shuttle.targets.family_table import Table, family_table, respelled, reverse_table
+from shuttle.targets.family_table import Table, family_table, respelled_reverse
 from shuttle.targets.names import ModelNames
 from shuttle.targets.split import MappingValue, Split
 
@@ -120,13 +120,7 @@ _SPELLING = (
     | _TOP)
 
 
-def _as_diffusers(names: ModelNames) -> tuple[str, ModelNames] | None:
-    for root in names.roots:
-        if (f"{root}transformer.layers.0.attention.query_key_value.weight" in names.shapes
-                and f"{root}mixins.patch_embed.proj.weight" in names.shapes):
-            return root, respelled(names, root, _SPELLING)
-    return None
-
-
-cogvideox_original_names = register_family(family_table(reverse_table(
-    cogvideox_names.__wrapped__, _as_diffusers)))
+cogvideox_original_names = register_family(respelled_reverse(
+    cogvideox_names.__wrapped__,
+    ("transformer.layers.0.attention.query_key_value.weight", "mixins.patch_embed.proj.weight"),
+    _SPELLING))

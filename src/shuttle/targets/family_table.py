@@ -28,7 +28,7 @@ from shuttle.targets.names import ModelNames
 from shuttle.targets.split import MappingValue, Split
 
 __all__ = ["Table", "block_indices", "family_table", "half_swap", "invert", "renamed",
-           "respelled", "reverse_table", "stacked"]
+           "respelled", "respelled_reverse", "reverse_table", "stacked"]
 
 Table = dict[str, MappingValue]  # original module path (dotted) -> place in the model
 
@@ -237,6 +237,22 @@ def respelled(names: ModelNames, root: str, spelling: Respelling) -> ModelNames:
                 for part, h in zip(d, _bands(len(d), weight), strict=True)]
 
     return renamed(names, root, rename)
+
+
+def respelled_reverse(forward: Callable[[ModelNames], Table | None], markers: tuple[str, ...],
+                      spelling: Respelling) -> FamilyMap:
+    """The family map for models in ``forward``'s original layout: those with every parameter
+    of ``markers`` below one of their roots, their names respelled by ``spelling``
+    (:func:`respelled`), the forward table inverted (:func:`reverse_table`).
+    """
+
+    def as_diffusers(names: ModelNames) -> tuple[str, ModelNames] | None:
+        for root in names.roots:
+            if all(f"{root}{m}" in names.shapes for m in markers):
+                return root, respelled(names, root, spelling)
+        return None
+
+    return family_table(reverse_table(forward, as_diffusers))
 
 
 def _bands(n: int, weight: tuple[int, ...]) -> list[int]:

@@ -27,8 +27,7 @@ from shuttle.targets.family_table import (
     block_indices,
     family_table,
     half_swap,
-    respelled,
-    reverse_table,
+    respelled_reverse,
     stacked,
 )
 from shuttle.targets.names import ModelNames
@@ -133,14 +132,7 @@ _SPELLING = (
     | _TOP | {"final_layer.adaLN_modulation.1": "norm_out.linear"})
 
 
-def _as_diffusers(names: ModelNames) -> tuple[str, ModelNames] | None:
-    for root in names.roots:
-        if (f"{root}double_blocks.0.img_attn_qkv.weight" in names.shapes
-                and f"{root}txt_in.individual_token_refiner.blocks.0.self_attn_qkv.weight"
-                in names.shapes):
-            return root, respelled(names, root, _SPELLING)
-    return None
-
-
-hunyuan_video_original_names = register_family(family_table(reverse_table(
-    hunyuan_video_names.__wrapped__, _as_diffusers)))
+hunyuan_video_original_names = register_family(respelled_reverse(
+    hunyuan_video_names.__wrapped__,
+    ("double_blocks.0.img_attn_qkv.weight",
+     "txt_in.individual_token_refiner.blocks.0.self_attn_qkv.weight"), _SPELLING))

@@ -31,7 +31,7 @@ from __future__ import annotations
 import re
 
 from shuttle.targets.family import register_family
-from shuttle.targets.family_table import Table, family_table, respelled, reverse_table, stacked
+from shuttle.targets.family_table import Table, family_table, respelled_reverse, stacked
 from shuttle.targets.names import ModelNames
 from shuttle.targets.split import MappingValue
 
@@ -160,24 +160,9 @@ _Z_SPELLING = (
        "final_layer.adaLN_modulation.1": "all_final_layer.2-1.adaLN_modulation.1"})
 
 
-def _nextdit_root(names: ModelNames) -> str | None:
-    return next((r for r in names.roots
-                 if f"{r}layers.0.attention.qkv.weight" in names.shapes
-                 and f"{r}t_embedder.mlp.0.weight" in names.shapes
-                 and f"{r}cap_embedder.1.weight" in names.shapes), None)
-
-
-def _lumina2_as_diffusers(names: ModelNames) -> tuple[str, ModelNames] | None:
-    root = _nextdit_root(names)
-    return None if root is None else (root, respelled(names, root, _LUMINA_SPELLING))
-
-
-def _z_image_as_diffusers(names: ModelNames) -> tuple[str, ModelNames] | None:
-    root = _nextdit_root(names)
-    return None if root is None else (root, respelled(names, root, _Z_SPELLING))
-
-
-lumina2_original_names = register_family(family_table(reverse_table(
-    lumina2_names.__wrapped__, _lumina2_as_diffusers)))
-z_image_original_names = register_family(family_table(reverse_table(
-    z_image_names.__wrapped__, _z_image_as_diffusers)))
+# NextDiT's original checkpoints (Lumina2 and Z-Image alike) hold these.
+_NEXTDIT = ("layers.0.attention.qkv.weight", "t_embedder.mlp.0.weight", "cap_embedder.1.weight")
+lumina2_original_names = register_family(respelled_reverse(
+    lumina2_names.__wrapped__, _NEXTDIT, _LUMINA_SPELLING))
+z_image_original_names = register_family(respelled_reverse(
+    z_image_names.__wrapped__, _NEXTDIT, _Z_SPELLING))

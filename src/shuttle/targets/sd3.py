@@ -27,8 +27,7 @@ from shuttle.targets.family_table import (
     Table,
     family_table,
     half_swap,
-    respelled,
-    reverse_table,
+    respelled_reverse,
     stacked,
 )
 from shuttle.targets.names import ModelNames
@@ -111,13 +110,6 @@ _SPELLING = ({f"joint_blocks.{{i}}.{o}": f"transformer_blocks.{{i}}.{d}" for o, 
              | _TOP)
 
 
-def _as_diffusers(names: ModelNames) -> tuple[str, ModelNames] | None:
-    for root in names.roots:
-        if (f"{root}joint_blocks.0.x_block.attn.qkv.weight" in names.shapes
-                and f"{root}x_embedder.proj.weight" in names.shapes):
-            return root, respelled(names, root, _SPELLING)
-    return None
-
-
-sd3_original_names = register_family(family_table(reverse_table(sd3_names.__wrapped__,
-                                                                 _as_diffusers)))
+sd3_original_names = register_family(respelled_reverse(
+    sd3_names.__wrapped__, ("joint_blocks.0.x_block.attn.qkv.weight", "x_embedder.proj.weight"),
+    _SPELLING))

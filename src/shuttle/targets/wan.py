@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 
 from shuttle.targets.family import register_family
-from shuttle.targets.family_table import Table, family_table, respelled, reverse_table
+from shuttle.targets.family_table import Table, family_table, respelled_reverse
 from shuttle.targets.names import ModelNames
 
 __all__ = ["wan_names", "wan_original_names"]
@@ -93,13 +93,5 @@ _SPELLING = ({f"blocks.{{i}}.{wan}": f"blocks.{{i}}.{d}" for d, wan in _BLOCK.it
              | {wan: d for d, wan in _TOP.items()})
 
 
-def _as_diffusers(names: ModelNames) -> tuple[str, ModelNames] | None:
-    for root in names.roots:
-        if (f"{root}blocks.0.self_attn.q.weight" in names.shapes
-                and f"{root}time_projection.1.weight" in names.shapes):
-            return root, respelled(names, root, _SPELLING)
-    return None
-
-
-wan_original_names = register_family(family_table(reverse_table(wan_names.__wrapped__,
-                                                                 _as_diffusers)))
+wan_original_names = register_family(respelled_reverse(
+    wan_names.__wrapped__, ("blocks.0.self_attn.q.weight", "time_projection.1.weight"), _SPELLING))
