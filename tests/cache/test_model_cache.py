@@ -273,3 +273,16 @@ def test_zero_strength_adapters_are_not_built():
     with cache.use(ModelSpec("dit", Factory()), device="cpu", loras=[(bad, 0.0)]):
         pass
     assert cache.keys() == ["dit"]
+
+
+def test_the_former_lora_mode_keyword_warns_and_works(monkeypatch):
+    monkeypatch.setenv(CPU_COPY_ENV, "1")
+    factory = Factory()
+    cache = ModelCache(max_bytes=2**20)
+    spec = LoRASpec("style", lora_state_dict())
+    with pytest.warns(FutureWarning, match="lora_mode= is now mode="), \
+            cache.use(ModelSpec("dit", factory, blocks=PATHS), device="cpu",
+                      loras=[(spec, 0.8)], lora_mode="dynamic") as m:
+        off = cache.info("dit")
+        assert m is not None and off.leases == 1
+    assert_quiet(cache)

@@ -274,3 +274,19 @@ def test_a_failing_merge_while_streaming_leaves_the_activation_usable(cpu_copy, 
         for _ in range(2):
             assert torch.equal(model(x), merged(x))
     assert no_hooks(off.model)
+
+
+def test_the_former_lora_mode_keyword_warns_and_works(cpu_copy):
+    ref, off, loras = setup()
+    x = tokens()
+    with off.use("cpu", StreamConfig(prefetch=1), loras=loras, mode="dynamic") as model, \
+            torch.no_grad():
+        want = model(x)
+    with pytest.warns(FutureWarning, match="lora_mode= is now mode="), \
+            off.use("cpu", StreamConfig(prefetch=1), loras=loras, lora_mode="dynamic") as model, \
+            torch.no_grad():
+        assert torch.equal(model(x), want)
+        assert off.adapters.mode == "dynamic"
+    with pytest.raises(OffloadError, match="give mode= only"), pytest.warns(FutureWarning), \
+            off.use("cpu", loras=loras, mode="auto", lora_mode="dynamic"):
+        pass

@@ -27,7 +27,7 @@ from shuttle.errors import (
     ModelInUseError,
 )
 from shuttle.offload import ModelOffloader, StreamConfig
-from shuttle.offload.adapters import check_mode
+from shuttle.offload.adapters import check_mode, former_mode
 from shuttle.targets import KeyMapping
 
 __all__ = ["ModelCache"]
@@ -61,7 +61,8 @@ class ModelCache(ResourceCache):
             loras: Sequence[tuple[LoRASpec | Spec | Hashable, float]] = (),
             mode: Mode = "merge", stream: StreamConfig | None = None, *,
             quality: Quality | None = None, mapping: KeyMapping | None = None,
-            auto_threshold: float = DEFAULT_THRESHOLD) -> Iterator[torch.nn.Module]:
+            auto_threshold: float = DEFAULT_THRESHOLD,
+            lora_mode: Mode | None = None) -> Iterator[torch.nn.Module]:
         """Lease, build if missing, and activate a model for the ``with`` block.
 
         Args:
@@ -74,6 +75,7 @@ class ModelCache(ResourceCache):
                 :meth:`ModelOffloader.activate <shuttle.offload.ModelOffloader.activate>` (and
                 :func:`~shuttle.apply_lora`).
             stream: block streaming for this activation (None: the whole model on the device).
+            lora_mode: the former name of ``mode`` (a ``FutureWarning``).
 
         Yields:
             The model, active on ``device``.
@@ -86,6 +88,7 @@ class ModelCache(ResourceCache):
             after every lease taken so far was released.
         """
         pairs = _check_loras(loras)
+        mode = former_mode(mode, lora_mode)
         check_mode(mode, quality)  # before building anything
         key = model.key if hasattr(model, "build") else model  # type: ignore[union-attr]
         with self._cond:

@@ -25,6 +25,7 @@ step.
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from typing import NamedTuple
@@ -46,7 +47,7 @@ from shuttle.offload.host_storage import HostStorage, HostUnit
 from shuttle.targets import KeyMapping, fused_modules
 from shuttle.weights.plain import is_plain_tensor
 
-__all__ = ["ActivationAdapters", "check_mode"]
+__all__ = ["ActivationAdapters", "check_mode", "former_mode"]
 
 
 
@@ -55,6 +56,22 @@ class _Target(NamedTuple):
     name: str  # the parameter's name in the model
     contribs: list[Contribution]
     seed: int  # merge_seed(name, None, contribs): a float8 or quantized weight's rounding
+
+
+def former_mode(mode: Mode, lora_mode: Mode | None) -> Mode:
+    """``mode``, or what the former keyword ``lora_mode=`` gave (with a :class:`FutureWarning`:
+    the adapter mode is ``mode=`` everywhere, as in ``apply_lora`` and ``set_loras``).
+
+    Raises:
+        OffloadError: both given, and different.
+    """
+    if lora_mode is None:
+        return mode
+    warnings.warn("lora_mode= is now mode= (the name apply_lora and set_loras use); the old "
+                  "spelling will be removed", FutureWarning, stacklevel=3)
+    if mode not in ("merge", lora_mode):
+        raise OffloadError(f"mode={mode!r} and lora_mode={lora_mode!r}: give mode= only")
+    return lora_mode
 
 
 def check_mode(mode: str, quality: Quality | None) -> None:

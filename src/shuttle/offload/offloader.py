@@ -47,7 +47,7 @@ from shuttle.errors import (
     OffloadError,
     StreamModeError,
 )
-from shuttle.offload.adapters import ActivationAdapters, check_mode
+from shuttle.offload.adapters import ActivationAdapters, check_mode, former_mode
 from shuttle.offload.compiled import BlockCompiler
 from shuttle.offload.host_storage import HostBacking, HostStorage, HostUnit
 from shuttle.offload.layer_streamer import LayerStreamer
@@ -171,7 +171,8 @@ class ModelOffloader:
                  stream: StreamConfig | None = None, *, loras: AdapterList = (),
                  mode: Mode = "merge", quality: Quality | None = None,
                  mapping: KeyMapping | None = None,
-                 auto_threshold: float = DEFAULT_THRESHOLD) -> torch.nn.Module:
+                 auto_threshold: float = DEFAULT_THRESHOLD,
+                 lora_mode: Mode | None = None) -> torch.nn.Module:
         """Place the model on ``device``, with adapters applied if given; returns the model.
 
         Args:
@@ -190,6 +191,7 @@ class ModelOffloader:
             quality: the dynamic tier (``"exact"``, ``"lossless"``, ``"fused"``).
             mapping: adapter module key -> model module path, as for ``merge_lora``.
             auto_threshold: see ``mode="auto"``.
+            lora_mode: the former name of ``mode`` (a ``FutureWarning``).
 
         Raises:
             AlreadyActiveError: an activation is in progress (call ``deactivate`` first).
@@ -209,6 +211,7 @@ class ModelOffloader:
                 f"the offloader is already active on {self._active.device}; call deactivate() "
                 "(or leave the use() block) before activating again"
             )
+        mode = former_mode(mode, lora_mode)
         check_mode(mode, quality)
         auto_threshold = check_threshold(auto_threshold)
         if stream is not None and stream.compile is not False and not self.blocks:
@@ -258,10 +261,10 @@ class ModelOffloader:
     def use(self, device: str | torch.device = "cuda", stream: StreamConfig | None = None, *,
             loras: AdapterList = (), mode: Mode = "merge",
             quality: Quality | None = None, mapping: KeyMapping | None = None,
-            auto_threshold: float = DEFAULT_THRESHOLD
+            auto_threshold: float = DEFAULT_THRESHOLD, lora_mode: Mode | None = None
             ) -> Iterator[torch.nn.Module]:
         """``activate`` for the ``with`` block, ``deactivate`` after it (also on error)."""
-        model = self.activate(device, stream, loras=loras, mode=mode,
+        model = self.activate(device, stream, loras=loras, mode=former_mode(mode, lora_mode),
                               quality=quality, mapping=mapping, auto_threshold=auto_threshold)
         try:
             yield model
