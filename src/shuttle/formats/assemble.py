@@ -273,7 +273,7 @@ def _build_module(
         down = get("down")
         key_up = r["up"][0]
         split = (
-            fmt.name == "kohya" and key_up.endswith("lora_up.weight")
+            fmt.split_qkv_saves and key_up.endswith("lora_up.weight")
             and module.endswith(("qkv", "linear1")) and alpha is not None
         )
         main = LowRank("weight", up=get("up"), down=down, mid=get("mid"),
@@ -303,7 +303,7 @@ def _build_module(
             "weight", w1=get("lokr_w1"), w1a=get("lokr_w1_a"), w1b=get("lokr_w1_b"),
             w2=get("lokr_w2"), w2a=get("lokr_w2_a"), w2b=get("lokr_w2_b"), t2=get("lokr_t2"),
             scale=scale(rank), alpha_value=alpha,
-            layout="peft" if fmt.name == "peft" else "lycoris"), module, source)
+            layout=fmt.lokr_layout), module, source)
     if "magnitude" in r or "dora_scale" in r:
         if main is None:
             raise AdapterFormatError(

@@ -14,6 +14,7 @@ KOHYA_PREFIXES = ("lora_unet_", "lora_te_", "lora_te1_", "lora_te2_", "lora_te3_
 @register_format(
     "kohya", priority=40,
     description="kohya / A1111: lora_unet_*/lora_te*_* with lora_down/lora_up/alpha",
+    split_qkv_saves=True,
 )
 def detect(keys, config):  # noqa: D103
     return any(".lora_down." in k or k.startswith(KOHYA_PREFIXES) for k in keys)

@@ -26,6 +26,7 @@ _SUPPORTED = ("LORA", "LOHA", "LOKR")
 @register_format(
     "peft", priority=60,
     description="PEFT: base_model.model.<module>.lora_A/lora_B (+ adapter_config.json)",
+    lokr_layout="peft",
 )
 def detect(keys, config):  # noqa: D103
     return config is not None or any(k.startswith("base_model.model.") for k in keys)

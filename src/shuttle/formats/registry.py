@@ -27,6 +27,11 @@ class AdapterFormat:
         priority: lower runs first.
         rename: maps a key of this format onto the common spellings of ``roles.ROLE_SUFFIXES``
             before it is parsed (for formats with names of their own, such as XLabs).
+        split_qkv_saves: the format's trainer saves fused ``qkv``/``linear1`` LoRAs as stacked
+            per-split factors with one split's alpha (kohya's Flux save), each split scaled by
+            ``alpha / r`` (``LowRank.split_qkv``).
+        lokr_layout: how a full 3-D ``lokr_w2`` of a Conv1d is laid out (``"lycoris"``, or
+            ``"peft"`` for PEFT's ``make_kron``).
     """
 
     name: str
@@ -34,19 +39,25 @@ class AdapterFormat:
     detect: DetectFn
     priority: int
     rename: Callable[[str], str] | None = None
+    split_qkv_saves: bool = False
+    lokr_layout: str = "lycoris"
 
 
 FORMATS: dict[str, AdapterFormat] = {}
 
 
 def register_format(
-    name: str, *, description: str, priority: int, rename: Callable[[str], str] | None = None
+    name: str, *, description: str, priority: int, rename: Callable[[str], str] | None = None,
+    split_qkv_saves: bool = False, lokr_layout: str = "lycoris",
 ) -> Callable[[DetectFn], DetectFn]:
-    """Register the decorated ``detect(keys, config)`` function as format ``name``."""
+    """Register the decorated ``detect(keys, config)`` function as format ``name``, with the
+    format's traits (:class:`AdapterFormat`), which the assembler reads.
+    """
 
     def deco(detect: DetectFn) -> DetectFn:
         assert name not in FORMATS, f"format {name!r} registered twice"
-        FORMATS[name] = AdapterFormat(name, description, detect, priority, rename)
+        FORMATS[name] = AdapterFormat(name, description, detect, priority, rename,
+                                      split_qkv_saves, lokr_layout)
         return detect
 
     return deco
