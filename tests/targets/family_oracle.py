@@ -11,6 +11,7 @@ tensors are small at real size: an up is (out, 1), a down (1, in, k...).
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterator
 
 import torch
@@ -172,3 +173,27 @@ def tagged_checkpoint(names, table: dict, leaf_name=lambda original, leaf: leaf
                 value[a:b] = tags(f"{s.path}.{leaf}")[slice(*s.rows) if s.rows else slice(None)]
             checkpoint[f"{original}.{leaf_name(original, leaf)}"] = value
     return checkpoint, tags
+
+
+def fused_by_diffusers(base: torch.nn.Module, converted: dict[str, torch.Tensor],
+                       strength: float, prefix: str | None = "transformer",
+                       **load_kwargs) -> torch.nn.Module:
+    """A copy of ``base`` with diffusers' own load of ``converted`` fused at ``strength``."""
+    expected = copy.deepcopy(base)
+    expected.load_lora_adapter(converted, prefix=prefix, **load_kwargs)
+    expected.fuse_lora(lora_scale=strength)
+    expected.unload_lora()
+    return expected
+
+
+def merged_like(base: torch.nn.Module, sd: dict[str, torch.Tensor], expected: torch.nn.Module,
+                strength: float) -> shuttle.apply.MergeReport:
+    """``merge_lora`` of ``sd`` on a copy of ``base``: every key lands and every parameter
+    equals ``expected``'s (float32 tolerance); returns the report."""
+    got = copy.deepcopy(base)
+    report = shuttle.merge_lora(got, [(sd, strength)])
+    assert report.unmatched == {}
+    want = dict(expected.named_parameters())
+    for name, p in got.named_parameters():
+        torch.testing.assert_close(p, want[name], rtol=1e-5, atol=1e-5, msg=name)
+    return report

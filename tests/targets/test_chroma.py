@@ -15,13 +15,11 @@ Oracles, none of which reads shuttle's table:
 
 from __future__ import annotations
 
-import copy
 import logging
 
 import pytest
 import torch
 
-import shuttle
 from shuttle.targets import ModelNames
 from shuttle.targets.chroma import chroma_names
 from tests.targets.family_layouts import load, lora_keys, original_layers
@@ -29,6 +27,8 @@ from tests.targets.family_layouts_mmdit import build, layout
 from tests.targets.family_oracle import (
     check_layout,
     converted_rows,
+    fused_by_diffusers,
+    merged_like,
     only,
     shuttle_rows,
     tagged,
@@ -137,7 +137,6 @@ def test_tiny_kohya_merge_equals_diffusers_load_and_fuse():
     float64 = {k: v for k, v in sd.items() if "_linear1." in k or "_distilled_guidance_" in k}
     assert len(float64) == 3 * (2 + 1 + 2 * 2 + 1)
 
-    expected = copy.deepcopy(base)
     converted = FluxLoraLoaderMixin.lora_state_dict(
         {k: v.clone() for k, v in sd.items() if k not in float64})
     # The converter writes the layers outside the blocks without "transformer.", so that
@@ -146,18 +145,11 @@ def test_tiny_kohya_merge_equals_diffusers_load_and_fuse():
     assert {k.split(".")[0] for k in converted if not k.startswith("transformer.")} == top
     converted = {k if k.startswith("transformer.") else f"transformer.{k}": v
                  for k, v in converted.items()}
-    expected.load_lora_adapter(converted, prefix="transformer")
-    expected.fuse_lora(lora_scale=0.7)
-    expected.unload_lora()
+    expected = fused_by_diffusers(base, converted, 0.7)
     with torch.no_grad():
         params = dict(expected.named_parameters())
         for name, delta in _float64_deltas(float64, hidden=16).items():
             params[name].copy_((params[name].double() + 0.7 * delta).float())
 
-    got = copy.deepcopy(base)
-    report = shuttle.merge_lora(got, [(sd, 0.7)])
-    assert report.unmatched == {}
+    report = merged_like(base, sd, expected, 0.7)
     assert len(report.applied) == sum(isinstance(m, torch.nn.Linear) for m in base.modules())
-    want = dict(expected.named_parameters())
-    for name, p in got.named_parameters():
-        torch.testing.assert_close(p, want[name], rtol=1e-5, atol=1e-5, msg=name)

@@ -16,19 +16,19 @@ Oracles, none of which reads shuttle's table:
 
 from __future__ import annotations
 
-import copy
 import logging
 
 import pytest
 import torch
 
-import shuttle
 from shuttle.targets import ModelNames
 from shuttle.targets.hunyuan_video import hunyuan_video_names
 from tests.targets.family_layouts import build, layout, load, lora_keys, original_layers
 from tests.targets.family_oracle import (
     check_layout,
     converted_rows,
+    fused_by_diffusers,
+    merged_like,
     only,
     shuttle_rows,
     tagged,
@@ -150,21 +150,13 @@ def test_tiny_merge_equals_diffusers_load_and_fuse():
                if any(c in k for c in _CUT_WRONGLY) or ".linear1." in k}
     assert len(float64) == 2 * (1 + 1 + 2)
 
-    expected = copy.deepcopy(base)
     converted = HunyuanVideoLoraLoaderMixin.lora_state_dict(
         {k: v.clone() for k, v in sd.items() if k not in float64})
-    expected.load_lora_adapter(converted, prefix="transformer")
-    expected.fuse_lora(lora_scale=0.7)
-    expected.unload_lora()
+    expected = fused_by_diffusers(base, converted, 0.7)
     with torch.no_grad():
         params = dict(expected.named_parameters())
         for name, delta in _float64_deltas(float64, hidden=16).items():
             params[name].copy_((params[name].double() + 0.7 * delta).float())
 
-    got = copy.deepcopy(base)
-    report = shuttle.merge_lora(got, [(sd, 0.7)])
-    assert report.unmatched == {}
+    report = merged_like(base, sd, expected, 0.7)
     assert len(report.applied) == sum(isinstance(m, LAYERS) for m in base.modules())
-    want = dict(expected.named_parameters())
-    for name, p in got.named_parameters():
-        torch.testing.assert_close(p, want[name], rtol=1e-5, atol=1e-5, msg=name)

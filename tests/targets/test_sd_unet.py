@@ -22,7 +22,14 @@ import shuttle
 from shuttle.targets import ModelNames
 from shuttle.targets.sd_unet import sd_unet_names
 from tests.targets.family_layouts import build, layout, load, lora_keys, original_layers
-from tests.targets.family_oracle import check_layout, converted_rows, shuttle_rows, tagged
+from tests.targets.family_oracle import (
+    check_layout,
+    converted_rows,
+    fused_by_diffusers,
+    merged_like,
+    shuttle_rows,
+    tagged,
+)
 
 diffusers = pytest.importorskip("diffusers")
 logging.getLogger("diffusers").setLevel(logging.ERROR)
@@ -197,20 +204,12 @@ def test_tiny_sdxl_merge_equals_diffusers_load_and_fuse():
     sd = random_lora(base, "kohya", varied_alphas=False)
     state_dict, alphas = StableDiffusionXLLoraLoaderMixin.lora_state_dict(
         {k: v.clone() for k, v in sd.items()}, unet_config=base.config)
-    expected = copy.deepcopy(base)
-    expected.load_lora_adapter(state_dict, network_alphas=alphas, prefix="unet")
-    expected.fuse_lora(lora_scale=0.7)
-    expected.unload_lora()
+    expected = fused_by_diffusers(base, state_dict, 0.7, prefix="unet", network_alphas=alphas)
 
-    got = copy.deepcopy(base)
-    report = shuttle.merge_lora(got, [(sd, 0.7)])
-    assert report.unmatched == {}
+    report = merged_like(base, sd, expected, 0.7)
     layers = [n for n, m in base.named_modules()
               if isinstance(m, torch.nn.Linear | torch.nn.Conv2d)]
     assert sorted(report.applied) == sorted(f"{n}.weight" for n in layers)
-    want = dict(expected.named_parameters())
-    for name, p in got.named_parameters():
-        torch.testing.assert_close(p, want[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_tiny_sd15_merge_equals_float64_deltas_routed_by_the_single_file_converter():
