@@ -211,8 +211,8 @@ def test_overflow_of_the_third_target_leaves_every_parameter_as_it_was(all_risky
     model, sd = _overflow_case(all_risky)
     before = snapshot(model)
     backed_up = []
-    real = merge_mod._backup
-    monkeypatch.setattr(merge_mod, "_backup",
+    real = merge_mod.copy_param
+    monkeypatch.setattr(merge_mod, "copy_param",
                         lambda p: backed_up.append(p.shape) or real(p))
     with pytest.raises(NonFiniteAdapterError, match=r"'layers\.2\.weight'") as info:
         shuttle.merge_lora(model, [(sd, 1.0)])
@@ -225,7 +225,7 @@ def test_overflow_of_the_third_target_leaves_every_parameter_as_it_was(all_risky
 def test_no_copy_where_no_update_can_overflow(monkeypatch):
     model = _model(torch.float16, n=3)
     calls = []
-    monkeypatch.setattr(merge_mod, "_backup", lambda p: calls.append(p) or p.clone())
+    monkeypatch.setattr(merge_mod, "copy_param", lambda p: calls.append(p) or p.clone())
     isfinite = torch.isfinite
     scans = []
     monkeypatch.setattr(torch, "isfinite", lambda t: scans.append(t.shape) or isfinite(t))

@@ -53,9 +53,11 @@ __all__ = [
     "MergeReport",
     "apply_contributions",
     "compute_dtype",
+    "copy_param",
     "exact_cublas",
     "merge_lora",
     "merge_param",
+    "restore_param",
     "merge_plan",
     "LowRankSum",
     "overflow_flag",
@@ -186,16 +188,7 @@ def _keep(plan: MergePlan, params: dict[str, torch.Tensor], keep: bool | str | t
             "cannot be kept as a plain copy; use apply_lora(mode='merge') for a merge that "
             "gives the original layer back")
     device = torch.device("cpu" if keep is True else keep)
-    out: dict[str, torch.Tensor | WeightRepresentation] = {}
-    for name in plan.params:
-        p = params[name]
-        if is_plain_tensor(p):
-            out[name] = p.detach().to(device, copy=True)
-        else:
-            rep = represent(p)
-            out[name] = dataclasses.replace(
-                rep, **{n: t.to(device, copy=True) for n, t in rep.tensors().items()})
-    return out
+    return {name: copy_param(params[name], device) for name in plan.params}
 
 
 def merge_plan(model: torch.nn.Module, plan: MergePlan, *, rounding: Rounding | None = None,
@@ -284,7 +277,7 @@ def _merge_plan(model: torch.nn.Module, plan: MergePlan, params: dict[str, torch
                 for name in names:
                     p, contribs = params[name], plan.params[name]
                     if rollback and not safe[name]:
-                        backups[name] = _backup(p)
+                        backups[name] = copy_param(p)
                     bar.update()
                     fused = _fused_jobs(p, contribs) if nearest else None
                     if fused is None:
@@ -306,7 +299,7 @@ def _merge_plan(model: torch.nn.Module, plan: MergePlan, params: dict[str, torch
         except BaseException as e:
             merges.flush()  # launches queued before the failure complete, then are undone
             for name, saved in backups.items():
-                _restore(params[name], saved)
+                restore_param(params[name], saved)
             if isinstance(e, NonFiniteAdapterError) and backups:
                 raise NonFiniteAdapterError(f"{e}{_RESTORED}") from e
             raise
@@ -331,18 +324,24 @@ def _encoded_seeds(plan: MergePlan, params: dict[str, torch.Tensor], rounding: R
                     strict=True))
 
 
-def _backup(p: torch.Tensor) -> torch.Tensor | WeightRepresentation:
-    """A copy of everything a merge rewrites in ``p`` (see :func:`_restore`)."""
+def copy_param(p: torch.Tensor, device: torch.device | str | None = None
+               ) -> torch.Tensor | WeightRepresentation:
+    """A copy of everything a merge rewrites in ``p``, on ``device`` (default: where it is):
+    the tensor, or for a quantized weight every storage tensor its representation declares
+    (packed data, scales, quant_state). :func:`restore_param` writes it back.
+    """
     if is_plain_tensor(p):
-        return p.detach().clone()
+        return p.detach().to(device or p.device, copy=True)
     rep = represent(p)
-    return dataclasses.replace(rep, **{n: t.clone() for n, t in rep.tensors().items()})
+    return dataclasses.replace(rep, **{n: t.to(device or t.device, copy=True)
+                                       for n, t in rep.tensors().items()})
 
 
-def _restore(p: torch.Tensor, saved: torch.Tensor | WeightRepresentation) -> None:
+def restore_param(p: torch.Tensor, saved: torch.Tensor | WeightRepresentation) -> None:
+    """Write a :func:`copy_param` copy back into ``p`` in place, bit for bit."""
     with torch.no_grad():
         if isinstance(saved, WeightRepresentation):
-            write_back(p, saved)
+            write_back(p, saved.to(p.device))
         else:
             p.data.copy_(saved)
 

@@ -19,7 +19,7 @@ from shuttle.apply.dynamic import (
     default_quality,
 )
 from shuttle.apply.dynamic_layer import Quality
-from shuttle.apply.merge import MergeReport, merge_plan, write_back
+from shuttle.apply.merge import MergeReport, copy_param, merge_plan, restore_param
 from shuttle.apply.notes import plan_notes
 from shuttle.apply.pipeline import Pipeline, as_model
 from shuttle.apply.plan import (
@@ -33,8 +33,7 @@ from shuttle.apply.rounding import Rounding, check_rounding
 from shuttle.apply.widen import narrow, widen_layers
 from shuttle.errors import InvalidOptionError, ScopeOrderError
 from shuttle.targets import KeyMapping
-from shuttle.weights import WeightRepresentation, represent
-from shuttle.weights.plain import is_plain_tensor
+from shuttle.weights import WeightRepresentation
 
 __all__ = ["apply_lora"]
 
@@ -138,7 +137,7 @@ def apply_lora(
             n: cs for n, cs in plan.params.items() if decisions[n].mode == "dynamic"})
     check_mergeable(merged, params)  # before any backup or hook
     # a widened weight needs no copy: narrow() gives back the original tensor, never written
-    backups = {name: _backup(params[name], backup_device) for name in merged.params
+    backups = {name: copy_param(params[name], backup_device) for name in merged.params
                if name not in plan.widen}
     handle: DynamicAdapters | None = None
     widened = widen_layers(model, plan, params)  # checks every layer before widening one
@@ -158,12 +157,8 @@ def apply_lora(
         if handle is not None:
             handle.detach()
         _close(model, scope)
-        with torch.no_grad():
-            for name, saved in backups.items():
-                if isinstance(saved, WeightRepresentation):
-                    write_back(params[name], saved)
-                else:
-                    params[name].copy_(saved)
+        for name, saved in backups.items():
+            restore_param(params[name], saved)
         narrow(widened)
 
 
@@ -193,15 +188,3 @@ def _close(model: torch.nn.Module, scope: _Scope) -> None:
         "was still open; its merge stays until that scope exits, which restores the weights of "
         "both. Exit scopes in reverse order of entry (nest the with blocks)."
     )
-
-
-def _backup(p: torch.Tensor, device: torch.device | str | None
-            ) -> torch.Tensor | WeightRepresentation:
-    """A copy of everything a merge rewrites in ``p``: the tensor, or for a quantized weight
-    every storage tensor its representation declares (packed data, scales, quant_state).
-    """
-    if is_plain_tensor(p):
-        return p.detach().to(device or p.device, copy=True)
-    rep = represent(p)
-    return dataclasses.replace(rep, **{n: t.to(device or t.device, copy=True)
-                                       for n, t in rep.tensors().items()})

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from shuttle.apply.merge import MergeReport, merge_lora, write_back
+from shuttle.apply.merge import MergeReport, merge_lora, restore_param
 from shuttle.apply.pipeline import Pipeline, as_model
 from shuttle.apply.plan import AdapterList, normalize_adapters
 from shuttle.apply.rounding import Rounding, rounding_for
@@ -111,13 +111,8 @@ def _write_back(model: torch.nn.Module,
         if not same:
             raise ShapeMismatchError(f"{name!r} changed its shape, dtype or form since the "
                                      "merge; nothing was written back")
-    with torch.no_grad():
-        for name, saved in kept.items():
-            p = params[name]
-            if isinstance(saved, WeightRepresentation):
-                write_back(p, saved.to(p.device))
-            else:
-                p.data.copy_(saved)
+    for name, saved in kept.items():
+        restore_param(params[name], saved)
     return UnmergeReport(list(kept), True)
 
 
