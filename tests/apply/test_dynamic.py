@@ -607,3 +607,39 @@ def test_default_names_come_from_the_files(tmp_path):
     h.detach()
     with pytest.raises(AdapterIndexError, match="one distinct string per adapter"):
         shuttle.attach_lora(_linear_model(), [(a, 1.0), (b, 1.0)], names=["x", "x"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quality", ["lossless", "fused"])
+@pytest.mark.parametrize("tokens", [4, 200])  # the decode kernels, and the prefill path
+def test_gpu_cuda_graph_captured_warm_follows_strength_and_request_scale(quality, tokens):
+    # Captured after eager calls have cached the combined scales: replays must still read the
+    # tensors that set_strength and lora_scale update, not the vector cached before capture.
+    g = torch.Generator().manual_seed(5)
+    model = nn.Sequential(nn.Linear(256, 384)).cuda().bfloat16()
+    sd = _lora_sd("0", 384, 256, 16, g, alpha=8.0)
+    x = torch.randn(tokens, 256, generator=g).cuda().bfloat16()
+    with torch.no_grad():
+        handle = shuttle.attach_lora(model, [(sd, 0.7)], quality=quality)
+        for _ in range(3):  # warm: kernels compiled, scale vector cached
+            model(x)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = model(x)
+
+        def replay():
+            graph.replay()
+            torch.cuda.synchronize()
+            return static_out.clone()
+
+        assert torch.equal(replay(), model(x))
+        handle.set_strength(0, 0.2)
+        eager = model(x)
+        got = replay()
+        assert torch.equal(got, eager)
+        with shuttle.lora_scale(0.5):
+            eager_half = model(x)
+            got_half = replay()
+        assert torch.equal(got_half, eager_half) and not torch.equal(got_half, got)
+        handle.detach()

@@ -199,7 +199,11 @@ class LoRAHook(ModuleHook):
     # -- forward ---------------------------------------------------------------------------
     def _scale_vector(self, device: torch.device) -> torch.Tensor:
         """(R,) float32: alpha/r * strength * request per rank column."""
-        if torch.compiler.is_compiling():  # traced once: reads the shared tensors
+        if torch.compiler.is_compiling() or (device.type == "cuda"
+                                             and torch.cuda.is_current_stream_capturing()):
+            # Traced or captured once, replayed many times: the product is computed inside the
+            # graph from the tensors that set_strength and lora_scale update in place (a vector
+            # cached by an earlier eager call would be frozen into every replay).
             return self.base_scale * self._strength_tensor(device)[self.col_adapter] \
                 * request_scale(device)
         key = (generation(), request_scale_value())  # strengths, and this context's scale
