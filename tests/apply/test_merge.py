@@ -580,13 +580,14 @@ def test_overflow_flag_made_only_for_updates_that_could_overflow(kernel_merges):
     small = plan.plan_merge(model, [(sd, 1.0)])
     params = dict(model.named_parameters())
     flags: dict = {}
-    assert all(merge.overflow_flag(params[n], cs, flags) is None
+    assert all(merge.overflow_flag(params[n], cs, flags, small.memo) is None
                for n, cs in small.params.items())
     assert flags == {}
     sd["layers.1.lora_B.weight"] = torch.full((20, 2), 300.0)
     sd["layers.2.lora_B.weight"] = torch.full((20, 2), 300.0)
     large = plan.plan_merge(model, [(sd, 1.0)])
-    got = [merge.overflow_flag(params[n], cs, flags) for n, cs in large.params.items()]
+    got = [merge.overflow_flag(params[n], cs, flags, large.memo)
+           for n, cs in large.params.items()]
     assert got[0] is None and got[1] is got[2] is flags[params["layers.1.weight"].device]
 
 

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import shuttle
+from shuttle.apply.memo import clear_memo
 
 pytestmark = pytest.mark.gpu
 
@@ -72,7 +73,7 @@ def test_repeated_cuda_merges_replay_and_equal_fresh_merges():
     """Merging one adapter again replays the remembered launches (apply.recipe): the weights
     equal those of merges prepared afresh, bit for bit, on grouped launches of several
     same-shaped weights."""
-    from shuttle.apply import merge, recipe
+    from shuttle.apply import merge
 
     def stack():
         torch.manual_seed(3)
@@ -92,7 +93,7 @@ def test_repeated_cuda_merges_replay_and_equal_fresh_merges():
         for _ in range(3):
             shuttle.merge_lora(model, [(lora, 0.7)])
             shuttle.merge_lora(fresh, [(lora, 0.7)])
-            recipe._RECIPES.pop(fresh, None)
+            clear_memo(fresh)
     finally:
         merge.replay_merges = real
     assert len(replays) == 2

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import gc
+import weakref
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ from torch import nn
 
 import shuttle
 from shuttle.apply import plan as plan_mod
+from shuttle.apply.memo import MergeMemo, clear_memo, memo_of
 from shuttle.errors import ShapeMismatchError
 from shuttle.patches import LowRank
 
@@ -30,6 +33,12 @@ def _lora(out_f: int = 12, in_f: int = 8, seed: int = 1) -> shuttle.LoRA:
 
 
 @pytest.fixture
+def plan():
+    """plan_params with one model's memo, as plan_merge and merge_lora pass it."""
+    return functools.partial(plan_mod.plan_params, memo=MergeMemo())
+
+
+@pytest.fixture
 def resolves(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts calls of resolve() made by planning."""
     calls: list[int] = []
@@ -43,11 +52,11 @@ def resolves(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-def test_second_plan_reuses_the_placement_and_gives_the_same_plan(resolves):
+def test_second_plan_reuses_the_placement_and_gives_the_same_plan(resolves, plan):
     model, lora = _model(), _lora()
     params = dict(model.named_parameters())
-    first = plan_mod.plan_params(params, [(lora, 0.5)])
-    second = plan_mod.plan_params(params, [(lora, 2.0)])
+    first = plan(params, [(lora, 0.5)])
+    second = plan(params, [(lora, 2.0)])
     assert len(resolves) == 1
     assert first.params.keys() == second.params.keys() == {"0.weight", "2.weight"}
     for name in first.params:
@@ -70,66 +79,96 @@ def test_cached_merge_equals_a_fresh_one(resolves):
         assert torch.equal(p, q), n
 
 
-def test_changed_shapes_resolve_again_and_fail_validation(resolves):
+def test_changed_shapes_resolve_again_and_fail_validation(resolves, plan):
     lora = _lora()
-    plan_mod.plan_params(dict(_model().named_parameters()), [(lora, 1.0)])
+    plan(dict(_model().named_parameters()), [(lora, 1.0)])
     wider = dict(_model(out_f=16).named_parameters())
     with pytest.raises(ShapeMismatchError):
-        plan_mod.plan_params(wider, [(lora, 1.0)])
+        plan(wider, [(lora, 1.0)])
     with pytest.raises(ShapeMismatchError):  # a failed validation is not remembered
-        plan_mod.plan_params(wider, [(lora, 1.0)])
+        plan(wider, [(lora, 1.0)])
     assert len(resolves) == 3
 
 
-def test_changed_names_resolve_again(resolves):
+def test_changed_names_resolve_again(resolves, plan):
     lora = _lora()
-    plan_mod.plan_params(dict(_model().named_parameters()), [(lora, 1.0)])
+    plan(dict(_model().named_parameters()), [(lora, 1.0)])
     renamed = {f"transformer.{n}": p for n, p in _model().named_parameters()}
-    plan = plan_mod.plan_params(renamed, [(lora, 1.0)])
+    plan = plan(renamed, [(lora, 1.0)])
     assert len(resolves) == 2
     assert set(plan.params) == {"transformer.0.weight", "transformer.2.weight"}
 
 
-def test_edited_adapter_resolves_again(resolves):
+def test_edited_adapter_resolves_again(resolves, plan):
     lora = _lora()
     params = dict(_model().named_parameters())
-    plan_mod.plan_params(params, [(lora, 1.0)])
+    plan(params, [(lora, 1.0)])
     del lora.modules["2"]
-    plan = plan_mod.plan_params(params, [(lora, 1.0)])
-    assert set(plan.params) == {"0.weight"}
+    got = plan(params, [(lora, 1.0)])
+    assert set(got.params) == {"0.weight"}
     (old,) = lora.modules["0"]
     lora.modules["0"] = [LowRank("weight", old.up * 2, old.down, scale=old.scale)]
-    plan = plan_mod.plan_params(params, [(lora, 1.0)])
-    assert plan.params["0.weight"][0].patch is lora.modules["0"][0]
+    got = plan(params, [(lora, 1.0)])
+    assert got.params["0.weight"][0].patch is lora.modules["0"][0]
     assert len(resolves) == 3
 
 
-def test_a_mapping_is_never_cached(resolves):
+def test_a_mapping_is_never_cached(resolves, plan):
     lora = _lora()
     params = dict(_model().named_parameters())
     for _ in range(2):
-        plan_mod.plan_params(params, [(lora, 1.0)], mapping={"0": "0"})
+        plan(params, [(lora, 1.0)], mapping={"0": "0"})
     assert len(resolves) == 2
 
 
-def test_the_entry_dies_with_its_adapter():
+def test_the_entry_dies_with_its_adapter(plan):
     lora = _lora()
-    plan_mod.plan_params(dict(_model().named_parameters()), [(lora, 1.0)])
-    key = id(lora)
-    assert key in plan_mod._PLACEMENTS
-    del lora
+    p = plan(dict(_model().named_parameters()), [(lora, 1.0)])
+    assert len(p.memo.placements) == 1
+    del lora, p
     gc.collect()
-    assert key not in plan_mod._PLACEMENTS
+    assert len(plan.keywords["memo"].placements) == 0
 
 
-def test_patches_loaded_elsewhere_are_loaded_each_time():
+def test_each_model_owns_its_memo_and_clearing_it_resolves_again(resolves):
+    a, b, lora = _model(), _model(), _lora()
+    shuttle.merge_lora(a, [(lora, 0.5)])
+    shuttle.merge_lora(b, [(lora, 0.5)])  # another model: its own memo, resolved afresh
+    assert len(resolves) == 2 and memo_of(a) is not memo_of(b)
+    assert len(memo_of(a).placements) == len(memo_of(b).placements) == 1
+    shuttle.merge_lora(a, [(lora, 0.5)])
+    assert len(resolves) == 2
+    clear_memo(a)
+    assert len(memo_of(a)) == 0 and len(memo_of(b).placements) == 1
+    shuttle.merge_lora(a, [(lora, 0.5)])
+    assert len(resolves) == 3
+
+
+def test_without_a_memo_nothing_is_kept(resolves):
+    lora = _lora()
+    params = dict(_model().named_parameters())
+    for _ in range(2):
+        plan_mod.plan_params(params, [(lora, 1.0)])
+    assert len(resolves) == 2
+
+
+def test_the_memo_dies_with_its_model():
+    model = _model()
+    shuttle.merge_lora(model, [(_lora(), 1.0)])
+    ref = weakref.ref(memo_of(model))
+    del model
+    gc.collect()
+    assert ref() is None
+
+
+def test_patches_loaded_elsewhere_are_loaded_each_time(plan):
     lora = _lora()
     params = dict(_model().named_parameters())
     meta = {n: p.to("meta") for n, p in params.items()}
-    plan_mod.plan_params(params, [(lora, 1.0)])  # resident on the CPU
+    plan(params, [(lora, 1.0)])  # resident on the CPU
     with pytest.raises(shuttle.errors.UnsupportedLayerError, match="meta device"):
-        plan_mod.plan_params(meta, [(lora, 1.0)])
-    plan = plan_mod.plan_params(meta, [(lora, 1.0)], device="cpu")
+        plan(meta, [(lora, 1.0)])
+    plan = plan(meta, [(lora, 1.0)], device="cpu")
     assert plan.params["0.weight"][0].patch is lora.modules["0"][0]
 
 
@@ -137,21 +176,21 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_huge_finite_adapter_passes_the_finite_check(device):
+def test_huge_finite_adapter_passes_the_finite_check(device, plan):
     # values near float32's limit (their sum would overflow): finite, and measured as such
     lora = _lora()
     (patch,) = lora.modules["0"]
     lora.modules["0"] = [LowRank("weight", torch.full_like(patch.up, 3e38), patch.down,
                                  scale=patch.scale)]
     params = {n: p.to(device) for n, p in _model().named_parameters()}
-    plan = plan_mod.plan_params(params, [(lora, 1.0)])
+    plan = plan(params, [(lora, 1.0)])
     assert plan.params["0.weight"][0].patch.up.isfinite().all()
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e5m2])
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
-def test_the_one_non_finite_tensor_is_named(device, dtype, value):
+def test_the_one_non_finite_tensor_is_named(device, dtype, value, plan):
     lora = _lora()
     (patch,) = lora.modules["2"]
     down = patch.down.clone()
@@ -159,7 +198,7 @@ def test_the_one_non_finite_tensor_is_named(device, dtype, value):
     lora.modules["2"] = [LowRank("weight", patch.up.to(dtype), down.to(dtype), scale=patch.scale)]
     params = {n: p.to(device) for n, p in _model().named_parameters()}
     with pytest.raises(shuttle.errors.NonFiniteAdapterError, match=r"'2'.*'down'"):
-        plan_mod.plan_params(params, [(lora, 1.0)])
+        plan(params, [(lora, 1.0)])
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import shuttle
+from shuttle.apply.memo import clear_memo, memo_of
 from tests import assert_bits_equal, snapshot
 from tests.apply.test_merge import _stack, grid
 
@@ -56,12 +57,11 @@ def _adapter(model: nn.Module, seed: int, rank: int = RANK) -> shuttle.LoRA:
 
 def _merged_fresh(model: nn.Module, merges: list[tuple[shuttle.LoRA, float]]) -> nn.Module:
     """A copy of ``model`` after ``merges``, each prepared afresh (no recipe)."""
-    from shuttle.apply import recipe
 
     twin = _model(len(model.layers), model.layers[0].weight.dtype)
     twin.load_state_dict(model.state_dict())
     for lora, strength in merges:
-        recipe._RECIPES.pop(twin, None)
+        clear_memo(twin)
         shuttle.merge_lora(twin, [(lora, strength)])
     return twin
 
@@ -138,21 +138,20 @@ def test_merges_that_would_keep_copies_or_views_are_not_remembered(kernel):
     """No recipe where the kernel jobs use concatenated or padded factors (two adapters on one
     weight, a rank the kernel pads), or views of a weight (row ranges, reshaped weights):
     a recipe would keep those alive."""
-    from shuttle.apply import recipe
 
     model = _model()
     for loras in ([(_adapter(model, 5), 1.0), (_adapter(model, 6), 1.0)],
                   [(_adapter(model, 7, rank=5), 1.0)]):
         shuttle.merge_lora(model, loras)
         shuttle.merge_lora(model, loras)
-    assert kernel["replayed"] == 0 and not recipe._RECIPES.get(model)
+    assert kernel["replayed"] == 0 and not memo_of(model).recipes
 
     conv = nn.Sequential(nn.Conv2d(4, 8, 3, bias=False)).bfloat16()
     g = torch.Generator().manual_seed(8)
     sd = {"0.lora_A.weight": grid(RANK, 4, 3, 3, g=g).float(),
           "0.lora_B.weight": grid(8, RANK, 1, 1, g=g).float()}
     shuttle.merge_lora(conv, [(sd, 1.0)])
-    assert not recipe._RECIPES.get(conv)
+    assert not memo_of(conv).recipes
 
 
 def test_recipes_die_with_their_adapter_and_are_bounded(kernel):
@@ -163,14 +162,14 @@ def test_recipes_die_with_their_adapter_and_are_bounded(kernel):
     model = _model()
     lora = _adapter(model, 9)
     shuttle.merge_lora(model, [(lora, 1.0)])
-    assert len(recipe._RECIPES[model]) == 1
+    assert len(memo_of(model).recipes) == 1
     del lora
     gc.collect()
-    assert recipe._RECIPES[model] == []
+    assert memo_of(model).recipes == []
     loras = [_adapter(model, 10 + i) for i in range(recipe.MAX_RECIPES + 2)]
     for lora in loras:
         shuttle.merge_lora(model, [(lora, 1.0)])
-    assert len(recipe._RECIPES[model]) == recipe.MAX_RECIPES
+    assert len(memo_of(model).recipes) == recipe.MAX_RECIPES
     shuttle.merge_lora(model, [(loras[-1], 1.0)])  # the most recent: still there
     assert kernel["replayed"] == 1
 

@@ -255,3 +255,35 @@ def test_unsupported_forms_return_none(monkeypatch):
     q, qs = F.quantize_4bit(w[:, :64].contiguous(), blocksize=64, quant_type="nf4")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert merge_4bit(q, qs.absmax, qs.code, (16, 64), 64, up, down[:, :64], seg, [1.0]) is None
+
+
+def test_code_order_sorts_and_indexes_back_into_the_code():
+    from shuttle.kernels.merge_nf4 import code_order
+
+    code = torch.randn(16, generator=torch.Generator().manual_seed(3)).bfloat16()
+    order = code_order(code)
+    assert torch.equal(order.values, code.float())
+    assert torch.equal(order.sorted, order.values[order.perm.long()])
+    assert bool((order.sorted[1:] >= order.sorted[:-1]).all()) and order.perm.dtype == torch.int32
+
+
+def test_a_code_is_ordered_once_until_it_changes(monkeypatch):
+    """The 4-bit representation keeps one order per code tensor (shared by a model's weights),
+    recomputed after the code is changed in place and dropped with the code."""
+    import gc
+
+    from shuttle.kernels import merge_nf4
+    from shuttle.weights import bnb
+
+    calls = []
+    real = merge_nf4.code_order
+    monkeypatch.setattr(merge_nf4, "code_order", lambda c: calls.append(1) or real(c))
+    code = torch.linspace(-1, 1, 16)
+    first = bnb._code_order(code)
+    assert bnb._code_order(code) is first and len(calls) == 1
+    code[0] = -2.0
+    assert bnb._code_order(code).values[0] == -2.0 and len(calls) == 2
+    n = len(bnb._ORDERS)
+    del code, first
+    gc.collect()
+    assert len(bnb._ORDERS) == n - 1

@@ -7,6 +7,7 @@ from shuttle.apply.auto import AutoReport
 from shuttle.apply.dynamic import DynamicAdapters, attach_lora
 from shuttle.apply.extract import ExtractReport, extract_lora
 from shuttle.apply.load import LoadReport, load_checkpoint, replacement_parameters
+from shuttle.apply.memo import MergeMemo, clear_memo, memo_of
 from shuttle.apply.merge import MergeReport, merge_lora
 from shuttle.apply.notes import Note
 from shuttle.apply.plan import MergePlan, plan_merge
@@ -22,14 +23,17 @@ __all__ = [
     "DynamicAdapters",
     "ExtractReport",
     "LoadReport",
+    "MergeMemo",
     "MergePlan",
     "MergeReport",
     "Note",
     "apply_lora",
     "attach_lora",
+    "clear_memo",
     "extract_lora",
     "load_checkpoint",
     "lora_scale",
+    "memo_of",
     "merge_lora",
     "plan_merge",
     "replacement_parameters",

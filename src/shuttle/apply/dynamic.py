@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from shuttle.apply.dynamic_layer import LoRAHook, Quality
+from shuttle.apply.memo import memo_of
 from shuttle.apply.merge import MergeReport
 from shuttle.apply.notes import Note, plan_notes
 from shuttle.apply.pipeline import Pipeline, as_model
@@ -203,7 +204,8 @@ class DynamicAdapters:
         index = self._check_index(index, "swap")
         new = load_lora(lora)
         plan = plan_params(dict(self.model.named_parameters()), [(new, 1.0)], mapping,
-                           load=False, fused=fused_modules(self.model))
+                           load=False, fused=fused_modules(self.model),
+                           memo=memo_of(self.model))
         attached = self.loras[index].source
         fix = "detach() and attach_lora(...) the new adapter instead"
         dense = sorted(n for n, h in self.hooks.items()

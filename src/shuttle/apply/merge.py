@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 from tqdm.auto import tqdm
 
+from shuttle.apply.memo import MergeMemo, memo_of
 from shuttle.apply.notes import Note, plan_notes
 from shuttle.apply.pipeline import Pipeline, as_model
 from shuttle.apply.plan import (
@@ -28,7 +29,6 @@ from shuttle.apply.plan import (
     Contribution,
     MergePlan,
     check_mergeable,
-    known_abs_max,
     plan_params,
 )
 from shuttle.apply.recipe import MergeRecipe, find_recipe, remember_recipe
@@ -165,7 +165,7 @@ def merge_lora(
     model = as_model(model)
     params = dict(model.named_parameters())
     plan = plan_params(params, loras, mapping, fused=fused_modules(model), widen=True,
-                       strict=strict)
+                       strict=strict, memo=memo_of(model))
     check_mergeable(plan, params)
     kept = _keep(plan, params, keep)
     widened = widen_layers(model, plan, params)  # checks every layer first
@@ -210,7 +210,7 @@ def merge_plan(model: torch.nn.Module, plan: MergePlan, *, rounding: Rounding | 
     check_mergeable(plan, params)
     show = progress if progress is not None else len(plan.params) >= _PROGRESS_MIN_PARAMS
     nearest = rounding in (None, "nearest")
-    recipe = find_recipe(model, plan, params) if nearest else None
+    recipe = find_recipe(memo_of(model), plan, params) if nearest else None
     if recipe is not None and recipe.flags:  # an overflow possible: merged in phases instead
         recipe = None
     if recipe is not None:  # the same merge as before: its launches again (see apply.recipe)
@@ -266,7 +266,7 @@ def _merge_plan(model: torch.nn.Module, plan: MergePlan, params: dict[str, torch
     # come (LowRankMerges): one launch per weight cost more host time than the GPU's merge.
     merges = LowRankMerges(record=nearest)
     fused_names = []
-    safe = {n: _cannot_fail(params[n], cs) for n, cs in plan.params.items()}
+    safe = {n: _cannot_fail(params[n], cs, plan.memo) for n, cs in plan.params.items()}
     seeds = _encoded_seeds(plan, params, rounding, seed)
     risky = [n for n in plan.params if not safe[n]]
     backups: dict[str, torch.Tensor | WeightRepresentation] = {}
@@ -284,7 +284,7 @@ def _merge_plan(model: torch.nn.Module, plan: MergePlan, params: dict[str, torch
                         merge_param(p, name, contribs, rounding, seed, check=not safe[name],
                                     encoded_seed=seeds.get(name))
                         continue
-                    overflow = overflow_flag(p, contribs, flags)
+                    overflow = overflow_flag(p, contribs, flags, plan.memo)
                     if overflow is not None:
                         fused = [job._replace(overflow=overflow) for job in fused]
                     fused_names.append(name)
@@ -305,8 +305,8 @@ def _merge_plan(model: torch.nn.Module, plan: MergePlan, params: dict[str, torch
             raise
         merges.flush()
     if merges.launches and not flags:  # a recipe replays without phases: only overflow-free
-        remember_recipe(model, MergeRecipe(plan, params, fused_names, merges.launches, flags),
-                        plan.adapters)
+        recipe = MergeRecipe(plan, params, fused_names, merges.launches, flags)
+        remember_recipe(memo_of(model), recipe, plan.adapters)
     return flags
 
 
@@ -351,7 +351,7 @@ def restore_param(p: torch.Tensor, saved: torch.Tensor | WeightRepresentation) -
 _WIDE_MARGIN = {torch.float32: 2.0 ** 103, torch.float64: 2.0 ** 970}
 
 
-def _cannot_fail(p: torch.Tensor, contribs: list[Contribution]) -> bool:
+def _cannot_fail(p: torch.Tensor, contribs: list[Contribution], memo: MergeMemo) -> bool:
     """Whether merging ``contribs`` into ``p`` provably cannot overflow: a plain weight of a
     plain dtype, plain low-rank contributions whose bound (as in :func:`_cannot_overflow`) is
     below the dtype's margin. A weight that already holds NaN or infinity then keeps it; no
@@ -361,7 +361,7 @@ def _cannot_fail(p: torch.Tensor, contribs: list[Contribution]) -> bool:
     if not (is_plain_tensor(p) and p.dtype in PLAIN_DTYPES):
         return False
     margin = overflow_margin(p.dtype) or _WIDE_MARGIN.get(p.dtype)
-    return margin is not None and _update_bound(contribs) * 2 < margin
+    return margin is not None and _update_bound(contribs, memo) * 2 < margin
 
 
 def _plain_factors(job: LowRankJob, contribs: list[Contribution]) -> bool:
@@ -554,14 +554,16 @@ def _fused_jobs(p: torch.Tensor, contribs: list[Contribution],
 
 
 def overflow_flag(p: torch.Tensor, contribs: list[Contribution],
-                  flags: dict[torch.device, torch.Tensor]) -> torch.Tensor | None:
+                  flags: dict[torch.device, torch.Tensor], memo: MergeMemo | None = None
+                  ) -> torch.Tensor | None:
     """The flag for :func:`merge_param`'s ``overflow``: ``p``'s device's one in ``flags``
     (created at its first use), or None where the fused kernel does not take ``p`` or its
     patches (the other paths raise on overflow themselves) or the update cannot overflow the
     weight (the kernel then skips the check, a fifth of its time, and the caller a sync).
+    ``memo``: where the finite check left the adapter tensors' maxima (None: not measured).
     """
     if not (_kernel_takes(p) and all(_plain_lowrank(c.patch) for c in contribs)) \
-            or _cannot_overflow(p.dtype, contribs):
+            or _cannot_overflow(p.dtype, contribs, memo):
         return None
     flag = flags.get(p.device)
     if flag is None:
@@ -569,7 +571,8 @@ def overflow_flag(p: torch.Tensor, contribs: list[Contribution],
     return flag
 
 
-def _cannot_overflow(dtype: torch.dtype, contribs: list[Contribution]) -> bool:
+def _cannot_overflow(dtype: torch.dtype, contribs: list[Contribution],
+                     memo: MergeMemo | None) -> bool:
     """Whether the update is too small to carry any finite weight of ``dtype`` past its
     overflow threshold: ``|update| <= sum_i |m_i s_i| r_i max|up_i| max|down_i|`` (each
     element of ``up @ down`` sums r products), from the maxima the finite check measured,
@@ -579,18 +582,20 @@ def _cannot_overflow(dtype: torch.dtype, contribs: list[Contribution]) -> bool:
     margin = overflow_margin(dtype)
     if margin is None:
         return True
-    return _update_bound(contribs) * 2 < margin
+    return _update_bound(contribs, memo) * 2 < margin
 
 
-def _update_bound(contribs: list[Contribution]) -> float:
+def _update_bound(contribs: list[Contribution], memo: MergeMemo | None) -> float:
     """``sum_i |m_i s_i| r_i max|up_i| max|down_i|``, a bound on every element of the update;
     infinity where it cannot tell (another patch kind, an unmeasured tensor).
     """
+    if memo is None:
+        return math.inf
     bound = 0.0
     for c in contribs:
         if not _plain_lowrank(c.patch):
             return math.inf
-        up, down = known_abs_max(c.patch.up), known_abs_max(c.patch.down)
+        up, down = memo.known_abs_max(c.patch.up), memo.known_abs_max(c.patch.down)
         if up is None or down is None:
             return math.inf
         bound += abs(c.strength * c.patch.effective_scale) * c.patch.rank * up * down

@@ -10,12 +10,12 @@ import dataclasses
 import logging
 import math
 import warnings
-import weakref
 from collections.abc import Collection, Mapping, Sequence
 from typing import NamedTuple, Protocol
 
 import torch
 
+from shuttle.apply.memo import MergeMemo, memo_of
 from shuttle.apply.strength import check_strength
 from shuttle.errors import (
     InvalidStrengthError,
@@ -44,7 +44,6 @@ __all__ = [
     "check_finite",
     "check_landed",
     "check_mergeable",
-    "known_abs_max",
     "logical_spec",
     "normalize_adapters",
     "normalize_loras",
@@ -80,6 +79,8 @@ class MergePlan:
     (:mod:`shuttle.apply.widen`) before the merge; only when planned with ``widen=True``.
     ``components``: adapter index -> its strength per component, for adapters given one
     (their entry in ``adapters`` has strength 1; each contribution carries its own).
+    ``memo``: the model's :class:`~shuttle.apply.memo.MergeMemo` (placements and finite
+    verdicts reused, ``max |t|`` of the checked adapter tensors), or a fresh one.
     """
 
     params: dict[str, list[Contribution]]
@@ -88,6 +89,7 @@ class MergePlan:
     adapters: list[tuple[LoRA, float]] = dataclasses.field(default_factory=list)
     widen: dict[str, torch.Size] = dataclasses.field(default_factory=dict)
     components: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
+    memo: MergeMemo = dataclasses.field(default_factory=MergeMemo, repr=False, compare=False)
 
 
 def normalize_loras(loras: AdapterList) -> list[tuple[LoRA, float]]:
@@ -185,7 +187,8 @@ def plan_merge(
         messages; the model is untouched.
     """
     return plan_params(dict(model.named_parameters()), loras, mapping,
-                       fused=fused_modules(model), widen=widen, strict=strict)
+                       fused=fused_modules(model), widen=widen, strict=strict,
+                       memo=memo_of(model))
 
 
 def plan_params(
@@ -198,6 +201,7 @@ def plan_params(
     fused: Collection[str] = (),
     widen: bool = False,
     strict: bool = False,
+    memo: MergeMemo | None = None,
 ) -> MergePlan:
     """:func:`plan_merge` over parameter specs instead of a model (a checkpoint's header, ...).
 
@@ -215,6 +219,8 @@ def plan_params(
             LoRA's ``img_in``), validated at the wider shape and listed in ``plan.widen``;
             the caller widens the layers before merging (:mod:`shuttle.apply.widen`).
         strict: every adapter key must reach a parameter (see :func:`check_landed`).
+        memo: the model's :class:`~shuttle.apply.memo.MergeMemo` (:func:`memo_of`), where
+            placements and finite verdicts are reused and kept; None: a fresh one.
 
     Raises:
         WideningError: without ``widen``, an update takes more input columns than its weight.
@@ -227,11 +233,12 @@ def plan_params(
     _check_components(per_component, params)
     signature = (_signature(params), frozenset(fused)) if mapping is None else None
     names: ModelNames | None = None
-    plan = MergePlan({}, {}, {}, pairs, components=per_component)
+    memo = memo if memo is not None else MergeMemo()
+    plan = MergePlan({}, {}, {}, pairs, components=per_component, memo=memo)
     several = len(pairs) > 1
     staged: list[tuple[_Placed, float, int]] = []
     for index, (lora, strength) in enumerate(pairs):
-        placed = _cached_placement(lora, signature)
+        placed = _cached_placement(memo, lora, signature)
         if placed is None:
             if names is None:
                 names = ModelNames({n: p.shape for n, p in params.items()}, fused)
@@ -241,7 +248,7 @@ def plan_params(
                 _validate(t, params[t.param], wide.get(t.param))
             placed = _Placed(res.targets, res.unmatched, [None] * len(res.targets), wide)
             if signature is not None:
-                _remember_placement(lora, signature, placed)
+                _remember_placement(memo, lora, signature, placed)
         if placed.widen and not widen:
             _refuse_widening(placed)
         for name, shape in placed.widen.items():
@@ -353,37 +360,32 @@ class _Placed:
     widen: dict[str, torch.Size] = dataclasses.field(default_factory=dict)
 
 
-# The last placement of each adapter, keyed by id() with a weak reference (an entry dies with
-# its adapter): merging the same adapter into the same model again (a server switching adapters)
-# skips resolution and shape checks, which cost as much host time as the merge kernels' GPU time.
-# An entry holds for parameters of the same names, shapes and dtype kinds, and for the adapter's
-# same patch objects; a caller's mapping is never cached (it may be a function).
-_PLACEMENTS: dict[int, tuple[weakref.ref, tuple, tuple, _Placed]] = {}
-
-
 def _signature(params: Mapping[str, TensorSpec]) -> tuple:
     """What resolution and validation read of the parameters: names, shapes, float or not."""
     return tuple((n, tuple(p.shape), p.dtype.is_floating_point) for n, p in params.items())
 
 
 def _patch_ids(lora: LoRA) -> tuple:
+    # a placement's targets hold these patches: their ids stay unique while it is kept
     return tuple(id(p) for _, p in lora.patches())
 
 
-def _cached_placement(lora: LoRA, signature: tuple | None) -> _Placed | None:
+def _cached_placement(memo: MergeMemo, lora: LoRA, signature: tuple | None) -> _Placed | None:
+    """The adapter's last placement in this model, when it holds for ``signature`` (names,
+    shapes and dtype kinds of the parameters) and the adapter's same patch objects; a caller's
+    mapping is never cached (it may be a function): ``signature`` is None then.
+    """
     if signature is None:
         return None
-    entry = _PLACEMENTS.get(id(lora))
-    if entry is None or entry[0]() is not lora or entry[1] != signature \
-            or entry[2] != _patch_ids(lora):
+    entry = memo.placements.get(lora)
+    if entry is None or entry[0] != signature or entry[1] != _patch_ids(lora):
         return None
-    return entry[3]
+    return entry[2]
 
 
-def _remember_placement(lora: LoRA, signature: tuple, placed: _Placed) -> None:
-    key = id(lora)
-    _PLACEMENTS[key] = (weakref.ref(lora, lambda _: _PLACEMENTS.pop(key, None)), signature,
-                        _patch_ids(lora), placed)
+def _remember_placement(memo: MergeMemo, lora: LoRA, signature: tuple, placed: _Placed
+                        ) -> None:
+    memo.placements[lora] = (signature, _patch_ids(lora), placed)
 
 
 def _representation(p: torch.Tensor) -> WeightRepresentation | None:
@@ -492,33 +494,6 @@ def _validate(t: Target, p: TensorSpec, wide: torch.Size | None = None) -> None:
     t.patch.check(shape, t.param)
 
 
-# Tensors already found finite, with their version counter then and their largest magnitude:
-# an adapter merged again (a server switching adapters) is not re-scanned unless it was
-# modified in place since, and merges bound their updates by the magnitudes (known_abs_max).
-# Keyed by id(): tensors compare elementwise, so they cannot be dict keys themselves.
-_FINITE: dict[int, tuple[weakref.ref, int, float]] = {}
-
-
-def _known_finite(t: torch.Tensor) -> bool:
-    entry = _FINITE.get(id(t))
-    return entry is not None and entry[0]() is t and entry[1] == t._version
-
-
-def _mark_finite(t: torch.Tensor, abs_max: float) -> None:
-    key = id(t)
-    _FINITE[key] = (weakref.ref(t, lambda _: _FINITE.pop(key, None)), t._version, abs_max)
-
-
-def known_abs_max(t: torch.Tensor) -> float | None:
-    """``max |t|`` as :func:`check_finite` measured it, if ``t`` was checked and not modified
-    in place since; else None.
-    """
-    entry = _FINITE.get(id(t))
-    if entry is None or entry[0]() is not t or entry[1] != t._version:
-        return None
-    return entry[2]
-
-
 def check_finite(plan: MergePlan) -> None:
     """Raise :class:`NonFiniteAdapterError` if any patch tensor of ``plan`` holds NaN or inf.
 
@@ -526,7 +501,7 @@ def check_finite(plan: MergePlan) -> None:
     already found finite and not modified since); lazy ones are read one at a time and dropped,
     so a plan that defers loading (a checkpoint load, a file merge) is checked without holding
     every adapter tensor at once. Each loaded tensor's ``max |t|`` is kept with its verdict
-    (:func:`known_abs_max`: merges bound their updates by it).
+    (``plan.memo.known_abs_max``: merges bound their updates by it).
     """
     where, tensors = [], []
     for name, contribs in plan.params.items():
@@ -537,7 +512,7 @@ def check_finite(plan: MergePlan) -> None:
                 if not isinstance(t, torch.Tensor):
                     if not _finite(materialize(t)):
                         _raise_non_finite([(c.module_key, field, name)])
-                elif not _known_finite(t):
+                elif not plan.memo.known_finite(t):
                     where.append((c.module_key, field, name))
                     tensors.append(t)
     if not tensors:
@@ -555,7 +530,7 @@ def check_finite(plan: MergePlan) -> None:
     if bad:
         _raise_non_finite([where[i] for i in bad])
     for t, m in zip(tensors, abs_max, strict=True):
-        _mark_finite(t, m)
+        plan.memo.mark_finite(t, m)
 
 
 def _screen(tensors: list[torch.Tensor]) -> list[float]:

@@ -11,7 +11,8 @@ objects on the same rows, the same parameter objects with the same storage layou
 device, shape, strides, dtype), the adapter tensors unmodified since. Anything else is a miss,
 and the merge is prepared afresh.
 
-Recipes are kept per model (weakly: they die with it), at most :data:`MAX_RECIPES` each, and
+Recipes are kept in the model's :class:`~shuttle.apply.memo.MergeMemo` (they die with the model
+and go with :func:`~shuttle.apply.memo.clear_memo`), at most :data:`MAX_RECIPES` each, and are
 dropped as soon as one of their adapters is garbage collected. They hold only what the adapter
 and the model hold already: recipes are made only for merges whose kernel jobs are whole
 parameters (no row-range or reshaped views, which would keep a replaced weight's old storage
@@ -25,6 +26,7 @@ from collections.abc import Mapping
 
 import torch
 
+from shuttle.apply.memo import MergeMemo
 from shuttle.apply.plan import MergePlan
 from shuttle.kernels.merge_lowrank import MergeLaunch
 
@@ -90,35 +92,30 @@ def _layout(p: torch.Tensor) -> tuple:
     return p.data_ptr(), p.device, p.shape, p.stride(), p.dtype
 
 
-# model -> its recipes, most recent first
-_RECIPES: weakref.WeakKeyDictionary[torch.nn.Module, list[MergeRecipe]] = \
-    weakref.WeakKeyDictionary()
-
-
-def find_recipe(model: torch.nn.Module, plan: MergePlan,
+def find_recipe(memo: MergeMemo, plan: MergePlan,
                 params: Mapping[str, torch.Tensor]) -> MergeRecipe | None:
-    """A remembered recipe of ``model`` that ``plan`` would repeat exactly, or None."""
-    for recipe in _RECIPES.get(model, ()):
+    """A recipe in a model's ``memo`` that ``plan`` would repeat exactly, or None."""
+    for recipe in memo.recipes:
         if recipe.matches(plan, params):
             return recipe
     return None
 
 
-def remember_recipe(model: torch.nn.Module, recipe: MergeRecipe,
+def remember_recipe(memo: MergeMemo, recipe: MergeRecipe,
                     adapters: list[tuple[object, float]]) -> None:
-    """Keep ``recipe`` for ``model`` (made from a plan of ``adapters``), replacing any recipe
-    of the same adapters and strengths, and dropping the oldest beyond :data:`MAX_RECIPES`.
+    """Keep ``recipe`` in a model's ``memo`` (made from a plan of ``adapters``), replacing any
+    recipe of the same adapters and strengths, and dropping the oldest beyond
+    :data:`MAX_RECIPES`.
     """
-    recipes = _RECIPES.setdefault(model, [])
+    recipes = memo.recipes
     recipes[:] = [r for r in recipes if r._adapters != recipe._adapters]
     recipes.insert(0, recipe)
     del recipes[MAX_RECIPES:]
-    model_ref = weakref.ref(model)
+    memo_ref = weakref.ref(memo)
 
     def forget(_: weakref.ref) -> None:  # an adapter of the recipe died: free its tensors
-        m = model_ref()
-        kept = _RECIPES.get(m) if m is not None else None
-        if kept is not None and recipe in kept:
-            kept.remove(recipe)
+        m = memo_ref()
+        if m is not None and recipe in m.recipes:
+            m.recipes.remove(recipe)
 
     recipe._loras = [weakref.ref(lora, forget) for lora, _ in adapters]

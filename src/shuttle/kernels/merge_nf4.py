@@ -24,8 +24,7 @@ shape: the oracle it is tested against (on CPU under ``TRITON_INTERPRET=1``).
 from __future__ import annotations
 
 import functools
-import weakref
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -39,7 +38,7 @@ from shuttle.kernels.launch import (
 )
 from shuttle.kernels.merge_lowrank import padded_factors
 
-__all__ = ["CUDA_CONFIG", "merge_4bit", "merge_4bit_reference"]
+__all__ = ["CUDA_CONFIG", "CodeOrder", "code_order", "merge_4bit", "merge_4bit_reference"]
 
 
 def merge_4bit_reference(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
@@ -183,30 +182,31 @@ _INTERPRET_CONFIG: tuple[int, int, int] = (16, 64, 4)
 _MAX_TILE = 8192  # values per tile: a larger blocksize gets fewer rows (at least 16, for tl.dot)
 
 
-_SORTED: dict[int, tuple[weakref.ref, int, torch.Tensor, torch.Tensor]] = {}
-
-
-def _sorted_code(code: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(code sorted as float32, int32 permutation)``, cached per code tensor (the same
-    object, unchanged since): a model's 4-bit weights share one code (bitsandbytes keeps one
-    per device), and sorting it for every weight cost host time comparable to the kernel.
+class CodeOrder(NamedTuple):
+    """A 16-value code as the kernel reads it: ``values`` (float32), ``sorted`` (ascending,
+    float32) and ``perm`` (int32: ``sorted[i] == values[perm[i]]``, for nearest-code search).
     """
-    hit = _SORTED.get(id(code))
-    if hit is not None and hit[0]() is code and hit[1] == code._version:
-        return hit[2], hit[3]
-    values, perm = code.float().sort()
-    perm = perm.to(torch.int32)
-    if len(_SORTED) > 64:  # codes come and go with models; keep the cache small
-        _SORTED.clear()
-    _SORTED[id(code)] = (weakref.ref(code), code._version, values, perm)
-    return values, perm
+
+    values: torch.Tensor
+    sorted: torch.Tensor
+    perm: torch.Tensor
+
+
+def code_order(code: torch.Tensor) -> CodeOrder:
+    """:class:`CodeOrder` of ``code``. A model's 4-bit weights share one code (bitsandbytes
+    keeps one per device): callers that merge many weights compute this once per code and pass
+    it to :func:`merge_4bit` (sorting per weight costs host time comparable to the kernel).
+    """
+    values = code.to(torch.float32, copy=True)  # never ``code`` itself: keyed by it, kept
+    ordered, perm = values.sort()
+    return CodeOrder(values, ordered, perm.to(torch.int32))
 
 
 def merge_4bit(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
                shape: tuple[int, ...], blocksize: int, up: torch.Tensor, down: torch.Tensor,
                seg: list[int], alpha: list[float], *,
                rounding: Literal["nearest", "stochastic"] = "nearest", seed: int = 0,
-               config: tuple[int, int, int] | None = None
+               config: tuple[int, int, int] | None = None, order: CodeOrder | None = None
                ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The merged 4-bit weight's ``(packed, absmax)``, by one Triton kernel; None where it
     cannot run.
@@ -238,6 +238,8 @@ def merge_4bit(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
         seed: the stochastic rounding's seed, ``0 <= seed < 2**64``.
         config: ``(BM, BN, num_warps)`` to override :data:`CUDA_CONFIG` (BN a power of two;
             raised to ``blocksize``).
+        order: ``code_order(code)``, when the caller keeps it across weights (default:
+            computed here).
 
     Returns:
         New ``(packed, absmax)`` with the inputs' dtypes and shapes, or None: no Triton, the
@@ -258,7 +260,7 @@ def merge_4bit(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
     bm, bn, warps = config or (_INTERPRET_CONFIG if interpret else CUDA_CONFIG)
     bn = max(bn, blocksize)
     bm = max(16, min(bm, _MAX_TILE // bn))
-    sorted_code, perm = _sorted_code(code)
+    order = order if order is not None else code_order(code)
     in_bytes = packed.contiguous().view(torch.uint8).reshape(-1)
     out_bytes = torch.empty_like(in_bytes)
     if in_bytes.numel() > m * n // 2:
@@ -266,7 +268,7 @@ def merge_4bit(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
     out_absmax = torch.empty(m * n // blocksize, dtype=torch.float32, device=packed.device)
     grid = (cdiv(m, bm) * cdiv(n, bn),)
     _kernel()[grid](
-        in_bytes, absmax.contiguous(), code.float().contiguous(), sorted_code, perm, up_p,
+        in_bytes, absmax.contiguous(), order.values, order.sorted, order.perm, up_p,
         down_p, device_floats(alpha, packed.device), out_bytes,
         out_absmax, m, n, up_p.stride(0), down_p.stride(0), seed32(seed), N_SEG=len(alpha), BM=bm,
         BN=bn, BR=br, BS=blocksize, STOCHASTIC=rounding == "stochastic",

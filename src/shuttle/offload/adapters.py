@@ -36,6 +36,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from shuttle.apply.auto import DEFAULT_THRESHOLD, Decision, decide
 from shuttle.apply.dynamic import QUALITIES, DynamicAdapters, default_quality
 from shuttle.apply.dynamic_layer import LoRAHook, Quality
+from shuttle.apply.memo import memo_of
 from shuttle.apply.merge import MergeReport, exact_cublas, merge_param
 from shuttle.apply.notes import plan_notes
 from shuttle.apply.plan import AdapterList, Contribution, plan_params
@@ -118,7 +119,8 @@ class ActivationAdapters:
         # Validates every target over the host tensors' specs first, then reads the patches
         # onto the device and checks them finite.
         params = dict(model.named_parameters())
-        plan = plan_params(params, loras, mapping, device=device, fused=fused_modules(model))
+        plan = plan_params(params, loras, mapping, device=device, fused=fused_modules(model),
+                           memo=memo_of(model))
         quantized = [n for n in plan.params if not is_plain_tensor(params[n])]
         if quantized and mode != "dynamic":
             # The slots hold such a weight's storage tensors (packed data, scales): a merge as

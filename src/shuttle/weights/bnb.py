@@ -26,6 +26,7 @@ import dataclasses
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from shuttle.errors import UnsupportedLayerError
 from shuttle.kernels.rounding import Rounding
@@ -71,6 +72,22 @@ def _to_code(v: torch.Tensor, code: torch.Tensor, rounding: Rounding,
     lo = hi - 1
     pos = _pick(lo, hi, v, sorted_code[lo], sorted_code[hi], rounding, generator)
     return perm[pos]
+
+
+# The code tensor -> its order for the merge kernel: a model's 4-bit weights share one code (one
+# per device), so its order is computed once per code, not per weight. Weakly keyed by the code
+# tensor (an entry dies with it) and checked against its version counter: a derivation of the
+# code's values that cannot change a result, only skip the sort.
+_ORDERS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+
+def _code_order(code: torch.Tensor) -> Any:
+    from shuttle.kernels.merge_nf4 import code_order
+
+    hit = _ORDERS.get(code)
+    if hit is None or hit[0] != code._version:
+        hit = _ORDERS[code] = (code._version, code_order(code))
+    return hit[1]
 
 
 def _blocks(x: torch.Tensor, blocksize: int) -> torch.Tensor:
@@ -193,7 +210,8 @@ class Bnb4bitWeight(WeightRepresentation):
         from shuttle.kernels.merge_nf4 import merge_4bit  # the kernels import Triton lazily
 
         out = merge_4bit(self.packed, self.absmax, self.code, self.shape, self.blocksize, up,
-                         down, seg, alpha, rounding=rounding, seed=seed)
+                         down, seg, alpha, rounding=rounding, seed=seed,
+                         order=_code_order(self.code))
         if out is None:
             return None
         return dataclasses.replace(self, packed=out[0], absmax=out[1])
