@@ -94,3 +94,21 @@ def test_group_removes_its_hooks_last_first_and_only_its_own():
     mine.remove_all()
     assert detached == [(a, h3), (b, h2), (a, h1)] and len(mine) == 0
     assert hooks_of(a) == [other] and "forward" not in b.__dict__
+
+
+def test_substituted_reads_the_tensors_and_restores_the_same_parameters_on_error():
+    from shuttle.hooks import substituted
+
+    lin = torch.nn.Linear(3, 2)
+    weight, bias = lin.weight, lin.bias
+    x = torch.randn(4, 3)
+    other = torch.randn(2, 3)
+    with substituted(lin, {"weight": other}):
+        assert torch.equal(lin(x), torch.nn.functional.linear(x, other, bias))
+    assert lin.weight is weight and list(lin._parameters) == ["weight", "bias"]
+    with pytest.raises(RuntimeError, match="boom"), substituted(lin, {"bias": torch.zeros(2)}):
+        raise RuntimeError("boom")
+    assert lin.bias is bias
+    with pytest.raises(ShuttleError, match="no parameter"), substituted(lin, {"scale": other}):
+        pass
+    assert lin.weight is weight

@@ -15,15 +15,16 @@ module's weights before any other hook reads them).
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 
 from shuttle.errors import ShuttleError
 
-__all__ = ["HookGroup", "ModuleHook", "add_hook", "hooks_of", "remove_hook"]
+__all__ = ["HookGroup", "ModuleHook", "add_hook", "hooks_of", "remove_hook", "substituted"]
 
 _HOOKS = "_shuttle_hooks"
 
@@ -129,3 +130,30 @@ class HookGroup:
 
     def __len__(self) -> int:
         return len(self._installed)
+
+
+@contextlib.contextmanager
+def substituted(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """Inside the block, ``module``'s own parameters named in ``tensors`` (leaf names, such as
+    ``"weight"``) read as those tensors; afterwards the same parameter objects are back, in
+    their order, whatever the block raised.
+
+    For a forward that must see another value of a weight (``W + R``, a device copy) without
+    changing the parameter: the entry of the module's parameter table is swapped, the
+    parameter object itself is neither replaced nor written.
+
+    Raises:
+        ShuttleError: a name that is not one of ``module``'s own parameters.
+    """
+    table = module._parameters
+    missing = [n for n in tensors if n not in table]
+    if missing:
+        raise ShuttleError(f"{type(module).__name__} has no parameter(s) {missing} of its own "
+                           f"(it has {list(table)})")
+    saved = {n: table[n] for n in tensors}
+    try:
+        for n, t in tensors.items():
+            table[n] = t
+        yield
+    finally:
+        table.update(saved)

@@ -643,3 +643,71 @@ def test_gpu_cuda_graph_captured_warm_follows_strength_and_request_scale(quality
             got_half = replay()
         assert torch.equal(got_half, eager_half) and not torch.equal(got_half, got)
         handle.detach()
+
+
+class _CausalConv3d(nn.Conv3d):
+    """Pads its input itself (as video VAEs' causal convolutions do), then convolves."""
+
+    def forward(self, x):
+        return super().forward(nn.functional.pad(x, (1, 1, 1, 1, 2, 0)))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: nn.Conv2d(4, 6, 3, padding=1, padding_mode="reflect"),
+    lambda: nn.Conv2d(4, 6, 3, padding=1, padding_mode="circular"),
+    lambda: nn.Conv2d(4, 6, 3, padding=1, groups=2),
+    lambda: _CausalConv3d(4, 6, 3),
+], ids=["reflect", "circular", "groups", "causal3d"])
+@pytest.mark.parametrize("quality", ["exact", "lossless"])
+def test_convolutions_the_factors_cannot_run_take_the_weight_residual(make, quality):
+    # The low-rank conv residual convolves x with zero padding and one group: any other layer
+    # runs its own forward over W + R, and equals the merged layer.
+    from shuttle.apply.dynamic_layer import layer_kind
+
+    torch.manual_seed(0)
+    m = nn.Sequential(make())
+    conv = m[0]
+    w = conv.weight
+    sd = {"0.lora_down.weight": torch.randn(2, *w.shape[1:]) * 0.3,
+          "0.lora_up.weight": torch.randn(w.shape[0], 2, *[1] * (w.dim() - 2)) * 0.3}
+    x = torch.randn(1, 4, *([5] * (w.dim() - 2)))
+    with torch.no_grad():
+        with shuttle.apply_lora(m, [(sd, 0.9)], mode="dynamic", quality=quality) as h:
+            got = m(x)
+            hook = hooks_of(conv)[0]
+            assert layer_kind(conv).name == "conv" and not hook.slots and hook.residuals
+            del h
+        with shuttle.apply_lora(m, [(sd, 0.9)], mode="merge"):
+            merged = m(x)
+    torch.testing.assert_close(got, merged, rtol=1e-5, atol=1e-5)
+
+
+def test_a_registered_layer_kind_runs_its_patches_as_residuals():
+    from shuttle.apply.dynamic_layer import LAYER_KINDS, LayerKind, layer_kind, register_layer_kind
+
+    class Projection(nn.Module):  # a Linear-shaped layer of a class torch does not know
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(6, 4))
+
+        def forward(self, x):
+            return x @ self.weight.T
+
+    torch.manual_seed(0)
+    m = nn.Sequential(Projection())
+    sd = {"0.lora_A.weight": torch.randn(2, 4), "0.lora_B.weight": torch.randn(6, 2)}
+    x = torch.randn(3, 4)
+    with torch.no_grad(), shuttle.apply_lora(m, [(sd, 1.0)], mode="merge"):
+        merged = m(x)
+    assert layer_kind(m[0]).name == "other"
+    try:
+        register_layer_kind(Projection)(LayerKind("projection", lambda mod, p: True,
+                                                  tiers=True))
+        with torch.no_grad(), shuttle.apply_lora(m, [(sd, 1.0)], mode="dynamic",
+                                                 quality="lossless"):
+            hook = hooks_of(m[0])[0]
+            assert len(hook.slots) == 1 and not hook.residuals
+            got = m(x)
+    finally:
+        LAYER_KINDS.pop(Projection, None)
+    torch.testing.assert_close(got, merged)

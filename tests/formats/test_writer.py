@@ -478,3 +478,44 @@ def test_peft_lokr_with_a_3d_w2_has_no_lycoris_spelling(tmp_path, to):
     assert no_files_written(tmp_path)
     conv2d = {f"{P}conv.lokr_w1": w1, f"{P}conv.lokr_w2": torch.randn(3, 2, 3, 3)}
     save_lora(load_lora(conv2d, config=cfg), tmp_path / "b.safetensors", to=to)
+
+
+def test_every_patch_kind_but_replace_has_a_kohya_comfy_spelling():
+    from shuttle.formats.writer import SPELLINGS
+    from shuttle.patches import PATCH_KINDS
+
+    assert set(SPELLINGS) == set(PATCH_KINDS) - {"replace"}
+
+
+def test_a_new_patch_kind_is_written_once_its_spelling_is_registered(tmp_path):
+    """The writer dispatches through the spelling registry: a kind added with register_patch
+    has no spelling (a typed error naming the fix) until register_spelling gives it one."""
+    import dataclasses
+
+    from shuttle.formats import writer
+    from shuttle.patches import PATCH_KINDS, Patch, register_patch
+
+    @register_patch("test-halved-diff")
+    @dataclasses.dataclass(frozen=True, eq=False)
+    class HalvedDiff(Patch):
+        diff: torch.Tensor = None
+        tensor_fields = ("diff",)
+
+    try:
+        lora = LoRA("comfy", {"lin": [HalvedDiff("weight", diff=torch.ones(2, 3))]})
+        with pytest.raises(UnsupportedFormatError, match="register_spelling"):
+            save_lora(lora, tmp_path / "a.safetensors", to="comfy")
+        assert not (tmp_path / "a.safetensors").exists()
+        with pytest.raises(KeyError, match="register_patch"):
+            writer.register_spelling("test-no-such-kind")
+
+        @writer.register_spelling("test-halved-diff")
+        def _halved(name, p, to, t):
+            return {f"{name}.diff": t["diff"] / 2}
+
+        save_lora(lora, tmp_path / "a.safetensors", to="comfy")
+        back = load_lora(tmp_path / "a.safetensors")
+        assert torch.equal(materialize(back.modules["lin"][0].diff), torch.full((2, 3), 0.5))
+    finally:
+        PATCH_KINDS.pop("test-halved-diff", None)
+        writer.SPELLINGS.pop("test-halved-diff", None)

@@ -236,9 +236,9 @@ class DynamicAdapters:
                 f"reaches {len(wanted)}, adapter {index} ({attached}) holds {len(held)} "
                 f"(differing: {differ[:4]}); {fix}"
             )
-        for (module, rows), c in wanted.items():
-            self.hooks[module].check_swap(index, rows, c.patch)  # raises before any change
         modules = dict(self.model.named_modules())
+        for (module, rows), c in wanted.items():  # raises before any change
+            self.hooks[module].check_swap(modules[module], index, rows, c.patch)
         loaded: dict[str, list[Contribution]] = defaultdict(list)
         for (module, _), c in wanted.items():
             device = self.hooks[module].device or modules[module].weight.device

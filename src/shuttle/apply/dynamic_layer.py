@@ -29,7 +29,6 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from torch.nn.utils.stateless import _reparametrize_module
 
 from shuttle.apply.merge import apply_contributions
 from shuttle.apply.plan import Contribution, logical_spec
@@ -40,7 +39,7 @@ from shuttle.apply.scale import (
     request_scale_value,
 )
 from shuttle.errors import UnsupportedLayerError
-from shuttle.hooks import ModuleHook
+from shuttle.hooks import ModuleHook, substituted
 from shuttle.kernels import interpreting, lora_linear_fused, lora_shrink, triton_available
 from shuttle.kernels.lora_decode import DECODE_MAX_T, lora_decode_add, lora_decode_linear
 from shuttle.kernels.lora_linear import PreparedLoraLinear
@@ -48,7 +47,8 @@ from shuttle.patches import LowRank
 from shuttle.weights import FP8_DTYPES
 from shuttle.weights.plain import is_plain_tensor
 
-__all__ = ["LoRAHook", "Quality"]
+__all__ = ["LAYER_KINDS", "LayerKind", "LoRAHook", "Quality", "layer_kind",
+           "register_layer_kind"]
 
 Quality = Literal["exact", "lossless", "fused"]
 
@@ -63,15 +63,68 @@ class _Slot:
     columns: tuple[int, int]  # its ranks in the concatenated factors
 
 
-def _runs_as_residual(kind: str, patch: object) -> bool:
-    """Whether a weight patch runs through the low-rank path of a layer of ``kind``."""
-    if not isinstance(patch, LowRank):
-        return False
-    if kind == "linear":
-        return patch.mid is None and not patch.transposed
-    if kind == "conv":
-        return not patch.transposed
-    return kind == "embedding" and patch.transposed
+@dataclasses.dataclass(frozen=True)
+class LayerKind:
+    """How a family of layers runs low-rank weight patches in a dynamic forward.
+
+    ``takes(module, patch)``: whether ``patch`` runs as a low-rank residual next to the
+    layer's own output (otherwise it joins the float32 weight residual ``W + request * R``,
+    which runs the module's own forward and is right for any module). ``tiers``: the Linear
+    tiers (exact / lossless / fused) over concatenated factors; otherwise the patch's own op
+    (:meth:`~shuttle.patches.LowRank.residual`).
+    """
+
+    name: str
+    takes: Callable[[torch.nn.Module, LowRank], bool]
+    tiers: bool = False
+
+
+# Layer class -> its kind, found along the module's MRO (a subclass takes its base's kind).
+LAYER_KINDS: dict[type[torch.nn.Module], LayerKind] = {}
+_OTHER = LayerKind("other", lambda module, patch: False)
+
+
+def register_layer_kind(*classes: type[torch.nn.Module]) -> Callable[[LayerKind], LayerKind]:
+    """Register ``kind`` for layers of ``classes`` (and their subclasses): ``register_layer_kind
+    (MyLinear)(LayerKind("mylinear", takes=...))``.
+    """
+
+    def add(kind: LayerKind) -> LayerKind:
+        for cls in classes:
+            LAYER_KINDS[cls] = kind
+        return kind
+
+    return add
+
+
+def layer_kind(module: torch.nn.Module) -> LayerKind:
+    """The registered kind of ``module``'s class or nearest base class, else ``"other"``."""
+    for cls in type(module).__mro__:
+        kind = LAYER_KINDS.get(cls)
+        if kind is not None:
+            return kind
+    return _OTHER
+
+
+def _plain_forward(module: torch.nn.Module, base: type[torch.nn.Module]) -> bool:
+    """Whether ``module`` runs ``base``'s own forward (a subclass that pads or reshapes its
+    input first, such as a causal Conv3d, gets the weight residual instead).
+    """
+    return type(module).forward is base.forward
+
+
+register_layer_kind(torch.nn.Linear)(LayerKind(
+    "linear", lambda module, p: p.mid is None and not p.transposed, tiers=True))
+for _conv in (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d):
+    # The residual convolves x with the factors at the layer's stride, padding and dilation:
+    # zero padding and one group only (another padding mode or grouped channels: W + R).
+    register_layer_kind(_conv)(LayerKind(
+        "conv", lambda module, p, base=_conv: (
+            not p.transposed and module.groups == 1 and module.padding_mode == "zeros"
+            and _plain_forward(module, base))))
+register_layer_kind(torch.nn.Embedding)(LayerKind(
+    "embedding", lambda module, p: (p.transposed and module.max_norm is None
+                                    and _plain_forward(module, torch.nn.Embedding))))
 
 
 class LoRAHook(ModuleHook):
@@ -96,10 +149,7 @@ class LoRAHook(ModuleHook):
         self.quality = quality
         self._strengths = strengths
         self._strength_tensor = strength_tensor
-        lin = isinstance(module, torch.nn.Linear)
-        conv = isinstance(module, torch.nn.modules.conv._ConvNd)
-        emb = isinstance(module, torch.nn.Embedding)
-        self.kind = "linear" if lin else "conv" if conv else "embedding" if emb else "other"
+        self.layer = layer_kind(module)
         # A quantized layer's output can come from a custom autograd Function, which forbids
         # in-place updates of it: the residual is then added out of place.
         self.in_place = is_plain_tensor(getattr(module, "weight", None))
@@ -107,8 +157,9 @@ class LoRAHook(ModuleHook):
         self.dense: dict[str, list[Contribution]] = {}
         for leaf, cs in contribs.items():
             for c in cs:
-                if leaf == "weight" and _runs_as_residual(self.kind, c.patch):
-                    if c.rows is not None and self.kind != "linear":
+                if leaf == "weight" and isinstance(c.patch, LowRank) \
+                        and self.layer.takes(module, c.patch):
+                    if c.rows is not None and not self.layer.tiers:
                         raise UnsupportedLayerError(
                             f"{name}: a low-rank patch on rows {c.rows} of a "
                             f"{type(module).__name__} cannot run dynamically; use mode='merge'"
@@ -138,7 +189,7 @@ class LoRAHook(ModuleHook):
         """Concatenate the Linear slots' factors: down (R, K), up (N, R) zero outside rows."""
         self.down = self.up = self.base_scale = self.col_adapter = None
         self._prepared: PreparedLoraLinear | None = None  # the fused tier's checked operands
-        if self.kind != "linear" or not self.slots:
+        if not self.layer.tiers or not self.slots:
             return
         w = module.weight
         spec = logical_spec(w)  # a quantized weight: its logical shape and compute dtype
@@ -228,17 +279,17 @@ class LoRAHook(ModuleHook):
                 **kwargs: Any) -> Any:
         overrides = self._overrides(module)
         x = args[0] if args else None
-        if self.kind == "linear" and self.slots and self.quality == "fused" and \
+        if self.layer.tiers and self.slots and self.quality == "fused" and \
                 self._fused_ok(module, x):
             return self._fused(module, x, overrides)
         if overrides:
-            with _reparametrize_module(module, overrides):
+            with substituted(module, overrides):
                 out = inner(*args, **kwargs)
         else:
             out = inner(*args, **kwargs)
         if not self.slots:
             return out
-        if self.kind == "linear":
+        if self.layer.tiers:
             return self._exact(x, out) if self.quality == "exact" else self._lossless(x, out)
         return self._residuals(module, x, out)
 
@@ -335,8 +386,10 @@ class LoRAHook(ModuleHook):
         """Where the hook's low-rank factors live (None: no Linear factors, patches as given)."""
         return None if self.down is None else self.down.device
 
-    def check_swap(self, adapter: int, rows: tuple[int, int] | None, patch: LowRank) -> None:
-        """Raise unless ``patch`` can replace ``adapter``'s slot on ``rows`` (nothing changes).
+    def check_swap(self, module: torch.nn.Module, adapter: int, rows: tuple[int, int] | None,
+                   patch: LowRank) -> None:
+        """Raise unless ``patch`` can replace ``adapter``'s slot on ``rows`` of ``module`` (the
+        hook's module; nothing changes).
 
         Raises:
             UnsupportedLayerError: a patch this layer would run otherwise (a Tucker core on a
@@ -345,14 +398,14 @@ class LoRAHook(ModuleHook):
         where = f"{self.name}" + (f" rows {rows}" if rows is not None else "")
         slot = next((s for s in self.slots if s.adapter == adapter and s.rows == rows), None)
         assert slot is not None, f"{where}: adapter {adapter} has no slot here"
-        if not _runs_as_residual(self.kind, patch):
+        if not self.layer.takes(module, patch):
             raise UnsupportedLayerError(
                 f"{where}: the new adapter's low-rank patch (shapes {patch.shapes()}) does not "
-                f"run through this {self.kind} layer's factor slots; detach() and attach the "
+                f"run through this {self.layer.name} layer's factor slots; detach() and attach the "
                 "new adapter instead"
             )
         width = slot.columns[1] - slot.columns[0]
-        if self.kind == "linear" and patch.rank > width:
+        if self.layer.tiers and patch.rank > width:
             raise UnsupportedLayerError(
                 f"{where}: the new adapter has rank {patch.rank} but the slot holds {width}; "
                 f"attach with max_rank >= {patch.rank} to allow swapping"
@@ -370,6 +423,6 @@ class LoRAHook(ModuleHook):
         for rows, patch in patches.items():
             slot = slots[rows]
             slot.patch = patch
-            if self.kind == "linear":
+            if self.layer.tiers:
                 self._place(slot, slot.columns[0], slot.columns[1] - slot.columns[0])
         self._cache_key = None

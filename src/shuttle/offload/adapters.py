@@ -31,7 +31,6 @@ from collections.abc import Iterator, Mapping
 from typing import NamedTuple
 
 import torch
-from torch.nn.utils.stateless import _reparametrize_module
 
 from shuttle.apply.auto import DEFAULT_THRESHOLD, Decision, decide
 from shuttle.apply.dynamic import QUALITIES, DynamicAdapters, default_quality
@@ -43,7 +42,7 @@ from shuttle.apply.plan import AdapterList, Contribution, plan_params
 from shuttle.apply.rounding import merge_seeds
 from shuttle.apply.scoped import MODES, Mode
 from shuttle.errors import OffloadError, UnsupportedLayerError
-from shuttle.hooks import add_hook
+from shuttle.hooks import add_hook, substituted
 from shuttle.offload.host_storage import HostStorage, HostUnit
 from shuttle.targets import KeyMapping, fused_modules
 from shuttle.weights.plain import is_plain_tensor
@@ -224,7 +223,7 @@ class ActivationAdapters:
             # the device even for a block that streams.
             on_device = {k: p.detach().to(device)
                          for k, p in module.named_parameters(recurse=False)}
-            with _reparametrize_module(module, on_device):
+            with substituted(module, on_device):
                 self._built[name] = LoRAHook(*args)
 
 
