@@ -1,7 +1,7 @@
 """Where the fused dynamic tier's GPU time goes, and the tile sweeps behind its defaults.
 
 An experiment, not a product path. ``k_exp`` is a copy of the fused TMA kernel
-(``shuttle.kernels.lora_linear``) whose MODE places the rank loop after the K loop (0, as
+(``shuttle.kernels.lora_linear_tma``) whose MODE places the rank loop after the K loop (0, as
 shipped), before it (1), inside it behind a branch on the step (2), or drops it (3: the base
 GEMM alone); FLAT toggles the persistent loop's flattening; INT_ROUND stores bf16 by integer
 rounding (the interpreter's spelling) instead of the hardware conversion. Also the shrink's TMA
@@ -28,6 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 from shuttle.kernels import lora_decode as LD  # noqa: E402
 from shuttle.kernels import lora_linear as LL  # noqa: E402
+from shuttle.kernels import lora_linear_tma as LT  # noqa: E402
+from shuttle.kernels.lora_shrink import lora_shrink  # noqa: E402
 from shuttle.kernels.tma import ensure_allocator  # noqa: E402
 
 LARGE = {"wan1.3b_attn": (32760, 1536, 1536, 128), "zimage_attn": (4352, 3840, 3840, 32),
@@ -209,7 +211,7 @@ def operands(t, k, n, r):
 
 def large(t, k, n, r, rounds):
     x, w, b, a, u, scale = operands(t, k, n, r)
-    s = LL.lora_shrink(x, a, scale)
+    s = lora_shrink(x, a, scale)
     out = torch.empty(t, n, device="cuda", dtype=torch.bfloat16)
     br = min(64, r)
     v = {"base cuBLAS": lambda: F.linear(x, w, b),
@@ -226,15 +228,15 @@ def large(t, k, n, r, rounds):
         lambda: run_exp(x, w, s, u, b, out, 0, stages=4, bk=32, br=min(32, r)))
     v["rank loop after K, group 16"] = lambda: run_exp(x, w, s, u, b, out, 0, group=16, br=br)
     v["shrink cuBLAS + scale"] = lambda: F.linear(x, a).mul_(scale)
-    v["shrink (shipped)"] = lambda: LL.lora_shrink(x, a, scale)
-    v["shrink plain kernel"] = lambda: LL.lora_shrink(x, a, scale, tma=False)
+    v["shrink (shipped)"] = lambda: lora_shrink(x, a, scale)
+    v["shrink plain kernel"] = lambda: lora_shrink(x, a, scale, tma=False)
     for cfg in [(64, 128, 64, 64, 8, 4, 4), (128, 128, 64, 64, 8, 4, 4),
                 (128, 128, 128, 64, 8, 4, 3), (256, 128, 64, 64, 8, 8, 3)]:
         v[f"shrink TMA {cfg[:3]} w{cfg[5]} s{cfg[6]}"] = (
-            lambda c=cfg: LL._linear_tma(x, a, None, None, None, scale, s, LL.FusedConfig(*c)))
+            lambda c=cfg: LT._linear_tma(x, a, None, None, None, scale, s, LL.FusedConfig(*c)))
     for cfg in [(64, 128, 64, 4, 4, 0), (64, 128, 128, 4, 3, 0), (32, 128, 128, 4, 4, 0)]:
         v[f"shrink plain {cfg[:3]} s{cfg[4]}"] = (
-            lambda c=cfg: LL.lora_shrink(x, a, scale, config=c, tma=False))
+            lambda c=cfg: lora_shrink(x, a, scale, config=c, tma=False))
     ref = x.float() @ w.float().T + s.float() @ u.float().T + b.float()
     errors = {}
     with torch.no_grad():
@@ -270,7 +272,7 @@ def inline(t, k, n, r, rounds):
     out = torch.empty(t, n, device="cuda", dtype=torch.bfloat16)
     v = {"base cuBLAS": lambda: F.linear(x, w, b),
          "shrink + fused (shipped)": lambda: LL.lora_linear_fused(x, w, b,
-                                                                  LL.lora_shrink(x, a, scale), u),
+                                                                  lora_shrink(x, a, scale), u),
          "base only (TMA)": lambda: run_exp(x, w, x, w, b, out, 3)}
     grid_n = triton.cdiv(n, 256)
     for c in [0] + [c for c in (6, 12) if c < grid_n]:
@@ -283,7 +285,7 @@ def inline(t, k, n, r, rounds):
                                                          warps=4)
     v["inline 128x256 bk128 s2"] = lambda: run_inline(x, w, a, u, scale, b, out, bk=128,
                                                       stages=2)
-    s = LL.lora_shrink(x, a, scale)
+    s = lora_shrink(x, a, scale)
     ref = x.float() @ w.float().T + s.float() @ u.float().T + b.float()
     errors = {}
     with torch.no_grad():
@@ -302,7 +304,7 @@ def inline(t, k, n, r, rounds):
 def waves(t, k, n, r, rounds):
     """Fused tile shapes at a few thousand rows, where 128 x 256 tiles fill the SMs unevenly."""
     x, w, b, a, u, scale = operands(t, k, n, r)
-    s = LL.lora_shrink(x, a, scale)
+    s = lora_shrink(x, a, scale)
 
     def lossless():
         out = F.linear(x, w, b)
@@ -310,9 +312,9 @@ def waves(t, k, n, r, rounds):
 
     v = {"base cuBLAS": lambda: F.linear(x, w, b), "lossless (cuBLAS chain)": lossless,
          "shrink + fused (shipped)": lambda: LL.lora_linear_fused(x, w, b,
-                                                                  LL.lora_shrink(x, a, scale), u),
-         "shrink (shipped)": lambda: LL.lora_shrink(x, a, scale),
-         "shrink plain kernel (split-K)": lambda: LL.lora_shrink(x, a, scale, tma=False),
+                                                                  lora_shrink(x, a, scale), u),
+         "shrink (shipped)": lambda: lora_shrink(x, a, scale),
+         "shrink plain kernel (split-K)": lambda: lora_shrink(x, a, scale, tma=False),
          "shrink cuBLAS + scale": lambda: F.linear(x, a).mul_(scale)}
     for cfg in [(128, 256, 64, 64, 8, 8, 3), (128, 128, 64, 64, 8, 4, 4),
                 (128, 128, 64, 64, 8, 8, 4), (64, 256, 64, 64, 8, 4, 3),
@@ -322,7 +324,7 @@ def waves(t, k, n, r, rounds):
     for cfg in [(64, 128, 128, 64, 8, 4, 4), (128, 64, 128, 64, 8, 4, 4),
                 (64, 64, 128, 64, 8, 4, 4)]:
         v[f"shrink TMA {cfg[:3]} w{cfg[5]} s{cfg[6]}"] = (
-            lambda c=cfg: LL._linear_tma(x, a, None, None, None, scale, s.clone(),
+            lambda c=cfg: LT._linear_tma(x, a, None, None, None, scale, s.clone(),
                                          LL.FusedConfig(*c)))
     ref = x.float() @ w.float().T + s.float() @ u.float().T + b.float()
     errors = {}
@@ -341,7 +343,7 @@ def decode(t, k, n, r, rounds):
     v = {"base cuBLAS": lambda: F.linear(x, w, b),
          "decode linear (shipped)": lambda: LD.lora_decode_linear(x, w, b, a, u, scale)}
     v["shrink + small-T fused kernel"] = (
-        lambda: LL.lora_linear_fused(x, w, b, LL.lora_shrink(x, a, scale), u))
+        lambda: LL.lora_linear_fused(x, w, b, lora_shrink(x, a, scale), u))
     # (The committed decode results also hold shrink_k 0 rows: the one-launch form, since
     # dropped from lora_decode_linear as slower.)
     for cfg in [(32, 128, 4, 3, 256),

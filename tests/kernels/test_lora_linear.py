@@ -1,4 +1,7 @@
-"""The LoRA shrink and fused linear kernels against their PyTorch references and float64 math.
+"""The fused LoRA linear kernel, fed by the shrink, against PyTorch references and float64 math.
+
+The shrink alone is tested in test_lora_shrink.py, the Hopper (TMA) kernel in
+test_lora_linear_tma.py; their shapes, dtypes and checks are defined here.
 
 On CPU the kernels run under TRITON_INTERPRET=1 (set in conftest) with small blocks, so the odd
 shapes below span several tiles, K steps and rank steps, with masked tails; on CUDA they are
@@ -69,17 +72,6 @@ def _assert_matches_float64(got, exact):
 
 @pytest.mark.parametrize(("dtype", "fdtype"), DTYPES)
 @pytest.mark.parametrize(("t", "k", "n", "r"), SHAPES)
-def test_shrink_matches_reference_and_float64(t, k, n, r, dtype, fdtype):
-    x, _, _, down, _, scale = _layer(t, k, n, r, dtype, fdtype)
-    got = lora_shrink(x, down, scale)
-    want = lora_shrink_reference(x, down, scale)
-    assert got.dtype == (dtype if fdtype == dtype else FP32)
-    _assert_one_ulp(got, want)
-    _assert_matches_float64(got, (x.double() @ down.double().T) * scale.double())
-
-
-@pytest.mark.parametrize(("dtype", "fdtype"), DTYPES)
-@pytest.mark.parametrize(("t", "k", "n", "r"), SHAPES)
 def test_fused_matches_reference_and_float64(t, k, n, r, dtype, fdtype):
     x, w, bias, down, up, scale = _layer(t, k, n, r, dtype, fdtype)
     s = lora_shrink_reference(x, down, scale)  # what the layer feeds the fused kernel
@@ -107,13 +99,6 @@ def test_layer_close_to_float64_math(dtype, fdtype):
     assert rel < (4e-3 if dtype == BF16 else 5e-4), rel
 
 
-def test_shrink_split_k_matches_reference():
-    x, _, _, down, _, scale = _layer(7, 70, 8, 20, BF16, BF16)
-    want = lora_shrink_reference(x, down, scale)
-    for split in (2, 3, 9):  # 9 > the 5 K steps: clamped to one K step per split
-        _assert_one_ulp(lora_shrink(x, down, scale, config=(16, 16, 16, 1, 1, split)), want)
-
-
 def test_non_contiguous_inputs():
     x, w, bias, down, up, scale = _layer(9, 40, 33, 6, BF16, BF16)
     buf = torch.zeros(9, 80, dtype=BF16, device=DEVICE)
@@ -133,19 +118,6 @@ def test_rank_above_one_step_and_custom_config():
     s = lora_shrink(x, down, scale)
     got = lora_linear_fused(x, w, bias, s, up, config=(16, 16, 16, 16, 1, 1, 1))
     _assert_one_ulp(got, lora_linear_fused_reference(x, w, bias, s, up))
-
-
-@pytest.mark.parametrize("dtype", [BF16, FP16])
-@pytest.mark.parametrize(("t", "k", "n", "r"), [(70, 40, 96, 24), (33, 64, 48, 8)])
-def test_tma_kernel_matches_reference(t, k, n, r, dtype):
-    """The Hopper kernel (TMA tiles, persistent programs), as shrink and as fused linear; the
-    shapes leave partial edge tiles in every dimension (rows 16-byte aligned, as TMA needs)."""
-    x, w, bias, down, up, scale = _layer(t, k, n, r, dtype, dtype)
-    s = lora_shrink(x, down, scale, tma=True)
-    _assert_one_ulp(s, lora_shrink_reference(x, down, scale))
-    for b in (bias, None):
-        got = lora_linear_fused(x, w, b, s, up, config=(32, 32, 16, 16, 2, 1, 1), tma=True)
-        _assert_one_ulp(got, lora_linear_fused_reference(x, w, b, s, up))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback")
@@ -188,77 +160,3 @@ def test_gpu_kernels_match_reference(t, dtype, fdtype):
     _assert_one_ulp(out, lora_linear_fused_reference(x, w, bias, s, up))
     exact = x.double() @ w.double().T + s.double() @ up.double().T + bias.double()
     _assert_matches_float64(out, exact)
-
-
-@pytest.mark.gpu
-def test_gpu_compiled_launches_equal_tritons_dispatch():
-    # The TMA kernel's later launches skip Triton's dispatch (launch.CompiledLaunch): same
-    # binary, so the same bits, at other sizes than the launch that compiled it.
-    from shuttle.kernels.lora_linear import _kernels
-
-    run = _kernels()[2]
-    for t in (100, 4096, 77, 100):
-        x, w, bias, down, up, scale = _layer(t, 512, 384, 32, BF16, BF16, device="cuda")
-        run.direct = False
-        want_s = lora_shrink(x, down, scale)
-        want = lora_linear_fused(x, w, bias, want_s, up)
-        run.direct = True
-        for _ in range(2):
-            s = lora_shrink(x, down, scale)
-            assert torch.equal(s, want_s)
-            assert torch.equal(lora_linear_fused(x, w, bias, s, up), want)
-    assert run.direct and run._binaries
-
-
-def test_prepared_layer_needs_cuda_and_tracks_its_operands():
-    from shuttle.kernels import PreparedLoraLinear
-
-    x, w, bias, down, up, scale = _layer(100, 64, 48, 16, BF16, BF16, device="cpu")
-    prep = PreparedLoraLinear(w, bias, down, up)
-    assert not prep.usable  # the Hopper path is CUDA's (the interpreter takes the functions)
-    assert prep.fits(w, bias)
-    assert not prep.fits(w.clone(), bias) and not prep.fits(w, None)
-    w.data = w.data.clone()  # as offloading swaps storage: same object, another address
-    assert not prep.fits(w, bias)
-
-
-@pytest.mark.gpu
-def test_gpu_prepared_layer_is_the_functions_bit_for_bit():
-    from shuttle.kernels import PreparedLoraLinear
-
-    x, w, bias, down, up, scale = _layer(300, 512, 384, 32, BF16, BF16, device="cuda")
-    prep = PreparedLoraLinear(w, bias, down, up)
-    assert prep.usable and prep.fits(w, bias)
-    want = lora_linear_fused(x, w, bias, lora_shrink(x, down, scale), up)
-    for _ in range(2):  # the second launch of each kernel: its compiled binary
-        assert torch.equal(prep(x, scale), want)
-    # x that the Hopper path does not take: the caller uses the functions.
-    assert prep(x[:64], scale) is None  # few rows
-    assert prep(x.half(), scale) is None
-    assert prep(torch.randn(300, 513, device="cuda").bfloat16()[:, 1:], scale) is None  # rows
-    assert prep(x, scale.bfloat16()) is None
-    with torch.enable_grad():
-        assert prep(x.clone().requires_grad_(), scale) is None
-    # Operands it cannot take at all.
-    assert not PreparedLoraLinear(w, bias, down.float(), up.float()).usable
-    shifted = torch.empty(w.numel() + 8, dtype=BF16, device="cuda")[1:1 + w.numel()]
-    assert not PreparedLoraLinear(shifted.view_as(w), bias, down, up).usable  # misaligned
-    del w
-    assert prep(x, scale) is None  # the weight it was built for is gone
-
-
-def test_fused_tiles_narrow_where_wide_ones_fill_the_sms_poorly():
-    from shuttle.kernels.lora_linear import (
-        FUSED_TMA_CONFIG,
-        FUSED_TMA_NARROW_CONFIG,
-        _fused_tma_config,
-    )
-
-    # On 132 SMs (the H200), the demo DiT at 4096 rows: 1536 wide -> 192 tiles of 128 x 256,
-    # 73% of two rounds: narrow; 4608 and 6144 wide -> 87% and 97%: wide. Wan2.1 at 32760
-    # rows, 1536 wide: 1536 tiles, 97%.
-    assert _fused_tma_config(4096, 1536, 132) == FUSED_TMA_NARROW_CONFIG
-    assert _fused_tma_config(4096, 4608, 132) == FUSED_TMA_CONFIG
-    assert _fused_tma_config(4096, 6144, 132) == FUSED_TMA_CONFIG
-    assert _fused_tma_config(32760, 1536, 132) == FUSED_TMA_CONFIG
-    assert _fused_tma_config(128, 1536, 132) == FUSED_TMA_NARROW_CONFIG  # 6 tiles of 132

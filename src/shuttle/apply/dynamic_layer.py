@@ -42,7 +42,7 @@ from shuttle.errors import UnsupportedLayerError
 from shuttle.hooks import ModuleHook, substituted
 from shuttle.kernels import interpreting, lora_linear_fused, lora_shrink, triton_available
 from shuttle.kernels.lora_decode import DECODE_MAX_T, lora_decode_add, lora_decode_linear
-from shuttle.kernels.lora_linear import PreparedLoraLinear
+from shuttle.kernels.lora_linear_tma import PreparedLoraLinear
 from shuttle.patches import LowRank
 from shuttle.weights import FP8_DTYPES
 from shuttle.weights.plain import is_plain_tensor

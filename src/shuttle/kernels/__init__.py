@@ -7,15 +7,9 @@ from shuttle.kernels.lora_decode import (
     lora_decode_linear,
     lora_decode_linear_reference,
 )
-from shuttle.kernels.lora_linear import (
-    FusedConfig,
-    PreparedLoraLinear,
-    ShrinkConfig,
-    lora_linear_fused,
-    lora_linear_fused_reference,
-    lora_shrink,
-    lora_shrink_reference,
-)
+from shuttle.kernels.lora_linear import FusedConfig, lora_linear_fused, lora_linear_fused_reference
+from shuttle.kernels.lora_linear_tma import PreparedLoraLinear
+from shuttle.kernels.lora_shrink import ShrinkConfig, lora_shrink, lora_shrink_reference
 from shuttle.kernels.merge_lowrank import merge_lowrank, merge_lowrank_reference
 from shuttle.kernels.merge_nf4 import merge_4bit, merge_4bit_reference
 from shuttle.kernels.merge_scaled import ScaledMerge, merge_scaled, merge_scaled_reference
