@@ -276,3 +276,22 @@ class DeviceUnavailableError(ShuttleError, RuntimeError):
 
 
 __all__ += ["AdapterIndexError", "DeviceUnavailableError"]
+
+
+class TrainingError(ShuttleError, RuntimeError):
+    """shuttle.train cannot train the model as asked."""
+
+
+class MergedWeightError(TrainingError):
+    """A weight that would be trained is merged with an adapter right now (an open
+    ``apply_lora(mode="merge")``): its gradient would be taken against the merged value.
+    """
+
+
+class UnsupportedBaseError(TrainingError, TypeError):
+    """A base layer whose weight the training functions cannot read (the module keeps its
+    own forward).
+    """
+
+
+__all__ += ["MergedWeightError", "TrainingError", "UnsupportedBaseError"]

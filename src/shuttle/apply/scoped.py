@@ -53,6 +53,17 @@ class _Scope:
 _OPEN: weakref.WeakKeyDictionary[torch.nn.Module, list[_Scope]] = weakref.WeakKeyDictionary()
 
 
+def merged_parameters(model: torch.nn.Module) -> list[str]:
+    """Names (relative to ``model``) of the parameters that an open ``apply_lora(mode="merge")``
+    block on ``model`` or one of its submodules holds merged right now.
+    """
+    out = []
+    for prefix, module in model.named_modules():
+        for scope in _OPEN.get(module, ()):
+            out.extend(f"{prefix}.{n}" if prefix else n for n in scope.backups)
+    return out
+
+
 @contextlib.contextmanager
 def apply_lora(
     model: torch.nn.Module | Pipeline,

@@ -1,0 +1,106 @@
+"""A LoRA linear layer with a hand-derived backward: ``y = x W^T + b + s * d(x) A^T B^T``.
+
+Shapes: ``x`` (T, K) (any leading dims), ``W`` (N, K) frozen, ``A`` (r, K), ``B`` (N, r), ``s``
+the LoRA scale, ``d`` dropout (identity at p = 0, or outside training). With ``xd = d(x)`` and
+``h = xd A^T`` (T, r), the gradients are, for ``dy`` (T, N):
+
+    u   = s * dy B                   (T, r)
+    dA  = u^T xd                     (r, K)
+    dB  = s * dy^T h                 (N, r)
+    dx  = dy W + mask * (u A)        (T, K)   (mask: dropout's, scaled by 1/(1-p))
+
+Saved for backward: ``xd`` (the input itself at p = 0; with dropout the dropped input, never
+both: the frozen base needs no activation) and ``h``, which is r/K the size of ``x``. Dropout's
+mask is not saved: it is drawn from a generator seeded per call (from the default CPU
+generator, so ``torch.manual_seed`` makes runs repeat) and drawn again in backward. Autograd
+on PEFT's module saves ``x`` and ``xd`` and runs eight kernels each way; here the forward is the
+base GEMM, one shrink and one ``addmm_``, the backward four skinny GEMMs besides ``dy W``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from shuttle.train.frozen import FrozenLinear
+
+__all__ = ["LoRALinearFunction", "lora_linear"]
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _mask(like: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+    """Dropout's mask for ``like``'s shape: 0 or ``1 / (1 - p)``, the same for the same seed."""
+    g = torch.Generator(device=like.device).manual_seed(seed)
+    keep = torch.empty(like.shape, dtype=torch.bool, device=like.device)
+    return keep.bernoulli_(1 - p, generator=g).to(like.dtype).div_(1 - p)
+
+
+class LoRALinearFunction(torch.autograd.Function):
+    """``y = x W^T + b + scale * dropout(x) A^T B^T`` (see the module docs for the math)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, base: FrozenLinear, a: torch.Tensor,
+                b: torch.Tensor, scale: float, dropout: float) -> torch.Tensor:
+        dtype = x.dtype
+        x2 = x.reshape(-1, x.shape[-1])
+        w = base.weight(dtype)
+        bias = base.bias
+        y = torch.addmm(_as(bias, dtype), x2, w.T) if bias is not None else x2 @ w.T
+        del w  # a dequantized weight is freed here
+        xd = x2
+        seed = None
+        if dropout > 0:
+            seed = int(torch.randint(0, 2 ** 62, (), dtype=torch.int64))
+            xd = x2 * _mask(x2, dropout, seed)
+        a_, b_ = _as(a, dtype), _as(b, dtype)
+        h = xd @ a_.T
+        y.addmm_(h, b_.T, alpha=scale)
+        ctx.base, ctx.scale, ctx.dropout, ctx.seed = base, scale, dropout, seed
+        ctx.param_dtypes = (a.dtype, b.dtype)
+        ctx.save_for_backward(xd, h, a, b, base.data)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        xd, h, a, b, data = ctx.saved_tensors
+        dtype = dy.dtype
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        a_, b_ = _as(a, dtype), _as(b, dtype)
+        u = dy2 @ b_
+        u.mul_(ctx.scale)
+        grad_a = grad_b = dx = None
+        if ctx.needs_input_grad[2]:
+            grad_a = _as(u.T @ xd, ctx.param_dtypes[0])
+        if ctx.needs_input_grad[3]:
+            grad_b = dy2.T @ h
+            grad_b.mul_(ctx.scale)
+            grad_b = _as(grad_b, ctx.param_dtypes[1])
+        if ctx.needs_input_grad[0]:
+            w = ctx.base.with_data(data).weight(dtype)
+            dx = dy2 @ w
+            del w
+            if ctx.seed is not None:
+                dx.add_((u @ a_).mul_(_mask(dx, ctx.dropout, ctx.seed)))
+            else:
+                dx.addmm_(u, a_)
+            dx = dx.view(*dy.shape[:-1], dx.shape[-1])
+        return dx, None, grad_a, grad_b, None, None, None
+
+
+def lora_linear(x: torch.Tensor, base: FrozenLinear, a: torch.Tensor, b: torch.Tensor,
+                scale: float, dropout: float = 0.0) -> torch.Tensor:
+    """``x W^T + bias + scale * dropout(x) A^T B^T`` with the hand-derived backward.
+
+    Args:
+        x: ``(..., K)`` in the compute dtype.
+        base: the frozen base (:func:`~shuttle.train.frozen.frozen_linear`).
+        a: ``(r, K)`` (PEFT's ``lora_A.weight``); b: ``(N, r)`` (``lora_B.weight``); any float
+            dtype (gradients come back in it; products run in ``x``'s dtype).
+        scale: the LoRA scale (``alpha / r``, or PEFT's ``scaling``).
+        dropout: LoRA dropout probability on the adapter's input (0 outside training).
+    """
+    return LoRALinearFunction.apply(x, base, a, b, scale, dropout)

@@ -1,0 +1,249 @@
+"""accelerate / restore on PEFT LoRA models built from transformers configs: the same losses,
+gradients and AdamW steps as PEFT's own forward, which paths ran, what is skipped and why,
+exact restore, gradient checkpointing, torch.compile, and the refusals."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import shuttle
+from shuttle.errors import MergedWeightError, ShuttleError
+from shuttle.hooks import hooks_of
+from shuttle.train import accelerate, restore
+from tests.train import rel_err
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _llama(dtype=torch.float64, family="llama", dropout=0.0, targets=TARGETS, **lora):
+    torch.manual_seed(0)
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    if family == "gemma":
+        cfg = transformers.GemmaConfig(head_dim=8, hidden_activation="gelu_pytorch_tanh",
+                                       **common)
+        model = transformers.GemmaForCausalLM(cfg)
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=dropout,
+                             init_lora_weights=False, **lora)
+    return peft.get_peft_model(model.to(dtype), config)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts the functions the hooks call: lora_linear, lora_mlp, lora_projections."""
+    import importlib
+
+    module = importlib.import_module("shuttle.train.accelerate")
+    counts = {"lora_linear": 0, "lora_mlp": 0, "lora_projections": 0}
+    for name in counts:
+        real = getattr(module, name)
+
+        def counting(*a, _real=real, _name=name, **k):
+            counts[_name] += 1
+            return _real(*a, **k)
+
+        monkeypatch.setattr(module, name, counting)
+    return counts
+
+
+def _step(model, ids):
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.loss.detach()
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_same_loss_and_gradients_as_peft_with_every_path_taken(family, calls):
+    peft_model = _llama(family=family)
+    fast = copy.deepcopy(peft_model)
+    report = accelerate(fast)
+    assert set(report.patched.values()) == {"lora_linear", "mlp", "projections"}
+    assert not report.skipped
+    ids = torch.randint(0, 64, (2, 10))
+    ref_loss, loss = _step(peft_model, ids), _step(fast, ids)
+    assert calls["lora_mlp"] == 2 and calls["lora_projections"] == 2  # one per layer each
+    assert rel_err(loss, ref_loss) < 1e-13
+    want, got = _grads(peft_model), _grads(fast)
+    assert max(rel_err(got[n], want[n]) for n in want) < 1e-12
+
+
+def test_two_adamw_steps_equal_peft():
+    peft_model = _llama()
+    fast = copy.deepcopy(peft_model)
+    accelerate(fast)
+    ids = torch.randint(0, 64, (2, 10))
+    for model in (peft_model, fast):
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        for _ in range(2):
+            opt.zero_grad()
+            _step(model, ids)
+            opt.step()
+    for (n, p), q in zip(peft_model.named_parameters(), fast.parameters(), strict=True):
+        if p.requires_grad:
+            assert rel_err(q, p) < 1e-12, n
+
+
+def test_bfloat16_model_within_tolerance_and_float32_adapters_keep_their_dtype():
+    peft_model = _llama(torch.bfloat16)
+    for n, p in peft_model.named_parameters():
+        if "lora_" in n:
+            p.data = p.data.float()
+    fast = copy.deepcopy(peft_model)
+    accelerate(fast)
+    ids = torch.randint(0, 64, (2, 10))
+    ref_loss, loss = _step(peft_model, ids), _step(fast, ids)
+    assert abs(loss.item() - ref_loss.item()) < 2e-2 * abs(ref_loss.item())
+    want, got = _grads(peft_model), _grads(fast)
+    assert all(got[n].dtype == torch.float32 for n in got)
+    # bf16 products: within a few percent of PEFT's float32 LoRA path
+    assert max(rel_err(got[n], want[n]) for n in want) < 0.1
+
+
+def test_restore_gives_back_exactly_the_model_it_was():
+    model = _llama()
+    forwards = {n: m.forward for n, m in model.named_modules()}
+    report = accelerate(model)
+    assert restore(model) == len(report.patched)
+    assert not any(hooks_of(m) for m in model.modules())
+    for n, m in model.named_modules():
+        assert "forward" not in m.__dict__ and m.forward == forwards[n]
+    with pytest.raises(ShuttleError, match="already"):
+        accelerate(model)
+        accelerate(model)
+
+
+def test_what_cannot_take_the_fast_path_is_named_and_keeps_peft_forward(calls):
+    model = _llama(targets=["q_proj", "v_proj", "o_proj", "down_proj"], use_dora=True)
+    report = accelerate(model)
+    assert not report.patched
+    assert set(report.skipped) == {n for n, m in model.named_modules()
+                                   if hasattr(m, "lora_A") and hasattr(m, "base_layer")}
+    assert all("variant" in why for why in report.skipped.values())
+    assert "skipped" in report.summary()
+    _step(model, torch.randint(0, 64, (1, 6)))
+    assert sum(calls.values()) == 0
+
+
+def test_dropout_in_training_takes_the_per_layer_path_and_eval_the_fused_ones(calls):
+    model = _llama(dropout=0.1)
+    accelerate(model)
+    ids = torch.randint(0, 64, (2, 8))
+    model.train()
+    _step(model, ids)
+    _step(model, ids)
+    assert calls["lora_mlp"] == calls["lora_projections"] == 0 and calls["lora_linear"] == 28
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=ids)
+        model(input_ids=ids)
+    assert calls["lora_mlp"] == 4 and calls["lora_projections"] == 4
+
+
+def test_changed_adapter_state_falls_back_to_peft_at_call_time(calls):
+    peft_model = _llama()
+    fast = copy.deepcopy(peft_model)
+    accelerate(fast)
+    ids = torch.randint(0, 64, (1, 6))
+    with fast.disable_adapter(), peft_model.disable_adapter(), torch.no_grad():
+        assert torch.equal(fast(input_ids=ids).logits, peft_model(input_ids=ids).logits)
+    assert sum(calls.values()) == 0
+
+
+class _Cross(torch.nn.Module):
+    """k and v read another tensor than q (cross-attention)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x, ctx):
+        return self.q_proj(x) + self.k_proj(ctx) + self.v_proj(ctx)
+
+
+class _Fooled(_Cross):
+    """Written as one variable, but rebound in between: the group must notice at run time."""
+
+    def forward(self, x, ctx):
+        q = self.q_proj(x)
+        x = ctx
+        return q + self.k_proj(x) + self.v_proj(x)
+
+
+def _cross_model(cls):
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=2, target_modules=["q_proj", "k_proj", "v_proj"],
+                             init_lora_weights=False)
+    return peft.get_peft_model(torch.nn.Sequential(cls()).double(), config)
+
+
+def test_projections_not_called_on_one_variable_are_not_grouped(calls):
+    model = _cross_model(_Cross)
+    report = accelerate(model)
+    assert any("one variable" in why for why in report.skipped.values())
+    assert "projections" not in report.patched.values()
+    x, ctx = torch.randn(3, 8, dtype=torch.float64), torch.randn(3, 8, dtype=torch.float64)
+    model.base_model.model[0](x, ctx)
+    assert calls["lora_linear"] == 3 and calls["lora_projections"] == 0
+
+
+def test_a_group_whose_members_see_different_tensors_turns_itself_off():
+    from shuttle.train.accelerate import _LinearHook
+
+    model = _cross_model(_Fooled)
+    ref = copy.deepcopy(model)
+    assert "projections" in accelerate(model).patched.values()
+    x, ctx = torch.randn(3, 8, dtype=torch.float64), torch.randn(3, 8, dtype=torch.float64)
+    inner = model.base_model.model[0]
+    for _ in range(3):
+        torch.testing.assert_close(inner(x, ctx), ref.base_model.model[0](x, ctx))
+    group = next(h for h in hooks_of(inner.q_proj) if isinstance(h, _LinearHook)).group
+    assert not group.on
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    peft_model = _llama()
+    fast = copy.deepcopy(peft_model)
+    accelerate(fast)
+    for m in (peft_model, fast):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.enable_input_require_grads()
+        m.train()
+    ids = torch.randint(0, 64, (2, 10))
+    _step(peft_model, ids), _step(fast, ids)
+    want, got = _grads(peft_model), _grads(fast)
+    assert max(rel_err(got[n], want[n]) for n in want) < 1e-12
+
+
+def test_compiled_model_gives_the_same_gradients():
+    peft_model = _llama(torch.float32)
+    fast = copy.deepcopy(peft_model)
+    accelerate(fast)
+    compiled = torch.compile(fast, backend="aot_eager")
+    ids = torch.randint(0, 64, (2, 10))
+    _step(peft_model, ids), _step(compiled, ids)
+    want, got = _grads(peft_model), _grads(fast)
+    assert max(rel_err(got[n], want[n]) for n in want) < 1e-4
+
+
+def test_a_trainable_weight_merged_by_an_open_scope_is_refused():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    sd = {"0.lora_A.weight": torch.randn(2, 8), "0.lora_B.weight": torch.randn(8, 2)}
+    with shuttle.apply_lora(model, [(sd, 1.0)], mode="merge"):
+        with pytest.raises(MergedWeightError, match="0.weight"):
+            accelerate(model)
+        model[0].weight.requires_grad_(False)
+        model[0].bias.requires_grad_(False)
+        accelerate(model)  # frozen merged weights: nothing to train against them
+    restore(model)

@@ -1,0 +1,53 @@
+"""lora_projections: q/k/v sharing one input, with LoRA on any of them, against autograd on
+the unfused projections; an output nobody uses counts as zero; x is saved once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shuttle.train import frozen_linear, lora_projections
+from tests.train import factors, linear, lora_ref, rel_err, wide
+
+TOL = {torch.float64: 1e-13, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("on", [(1, 1, 1), (1, 0, 1), (0, 1, 0)])
+@pytest.mark.parametrize("used", [(1, 1, 1), (1, 1, 0)])
+def test_matches_autograd_on_the_unfused_projections(dtype, on, used):
+    outs, scales = (16, 8, 8), (0.5, 0.7, 0.9)
+    layers = [linear(24, n, dtype, bias=i == 0) for i, n in enumerate(outs)]
+    facs = [factors(n, 24, 4, dtype) if o else (None, None) for n, o in zip(outs, on, strict=True)]
+    x = torch.randn(2, 5, 24, dtype=dtype, requires_grad=True)
+    ys = lora_projections(x, *[(frozen_linear(lyr), a, b, s)
+                               for lyr, (a, b), s in zip(layers, facs, scales, strict=True)])
+    dys = [torch.randn_like(y) for y in ys]
+    sum((y * d).sum() for y, d, u in zip(ys, dys, used, strict=True) if u).backward()
+    x64 = wide(x)
+    f64 = [(wide(a), wide(b)) for a, b in facs]
+    ys64 = [lora_ref(x64, lyr, a, b, s) for lyr, (a, b), s in zip(layers, f64, scales,
+                                                                   strict=True)]
+    sum((y * d.double()).sum() for y, d, u in zip(ys64, dys, used, strict=True) if u).backward()
+    for y, y64 in zip(ys, ys64, strict=True):
+        assert rel_err(y, y64) < TOL[dtype]
+    assert rel_err(x.grad, x64.grad) < TOL[dtype]
+    for (a, b), (a64, b64), u in zip(facs, f64, used, strict=True):
+        if a is None:
+            continue
+        if u:
+            assert rel_err(a.grad, a64.grad) < TOL[dtype]
+            assert rel_err(b.grad, b64.grad) < TOL[dtype]
+        else:  # an unused output: zero gradient (autograd gives none)
+            assert a.grad is None or not a.grad.any()
+            assert b.grad is None or not b.grad.any()
+
+
+def test_the_input_is_saved_once():
+    layers = [linear(24, 8) for _ in range(3)]
+    facs = [factors(8, 24) for _ in range(3)]
+    x = torch.randn(10, 24, dtype=torch.float64, requires_grad=True)
+    ys = lora_projections(x, *[(frozen_linear(lyr), a, b, 1.0) for lyr, (a, b) in
+                               zip(layers, facs, strict=True)])
+    saved = [t for t in ys[0].grad_fn.saved_tensors if t is not None and t.shape == (10, 24)]
+    assert len(saved) == 1
