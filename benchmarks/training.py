@@ -1,0 +1,239 @@
+"""LoRA training speed and memory: shuttle.train.accelerate against PEFT, one interleaved run.
+
+Llama-3.1-8B shapes, bf16, 8192 tokens, rank 16, every projection adapted, forward + backward
+with the input requiring grad (as inside a model), CUDA events, medians of interleaved rounds
+with the inputs rotated:
+
+    frozen     the same block without LoRA (the floor the adapter's work is measured against)
+    peft       PEFT's LoRA layers (get_peft_model defaults: float32 adapters on the bf16 base)
+    shuttle    the same PEFT model after shuttle.train.accelerate
+
+Blocks: the SwiGLU MLP (gate 4096->14336, up, down) and the q/k/v/o projections (GQA:
+4096->4096, 1024, 1024; o 4096->4096; attention itself left out). The MLP again over an NF4
+base (bitsandbytes Linear4bit): PEFT + bitsandbytes against shuttle. Peak memory is the
+largest allocation above what the block's weights and inputs hold before the step. Then a
+whole model step: a 2-layer Llama of real width (vocab 32000, 4096 tokens), loss.backward().
+
+Writes docs/benchmarks/training.{json,md}.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+from shuttle.train import accelerate  # noqa: E402
+
+HIDDEN, MLP, KV, TOKENS, RANK, VOCAB = 4096, 14336, 1024, 8192, 16, 32000
+DEVICE = "cuda"
+if os.environ.get("SHUTTLE_BENCH_SMOKE"):  # tiny shapes on the CPU: the script runs through
+    HIDDEN, MLP, KV, TOKENS, RANK, VOCAB, DEVICE = 64, 128, 32, 64, 4, 128, "cpu"
+
+
+def SwiGLU() -> nn.Module:  # noqa: N802 - stands for the class
+    """transformers' LlamaMLP at these shapes."""
+    import transformers
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    return LlamaMLP(transformers.LlamaConfig(hidden_size=HIDDEN, intermediate_size=MLP))
+
+
+class Projections(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_proj = nn.Linear(HIDDEN, HIDDEN, bias=False)
+        self.k_proj = nn.Linear(HIDDEN, KV, bias=False)
+        self.v_proj = nn.Linear(HIDDEN, KV, bias=False)
+        self.o_proj = nn.Linear(HIDDEN, HIDDEN, bias=False)
+
+    def forward(self, x):
+        q = self.q_proj(x)
+        k = self.k_proj(x)
+        v = self.v_proj(x)
+        return self.o_proj(q), k, v
+
+
+def _peft(model: nn.Module, targets: list[str]) -> nn.Module:
+    import peft
+
+    config = peft.LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=targets,
+                             lora_dropout=0.0, init_lora_weights=False)
+    return peft.get_peft_model(model, config)
+
+
+def _nf4_mlp(dense: nn.Module) -> nn.Module:
+    """A copy of ``dense`` (an MLP) with NF4 bitsandbytes projections of its weights."""
+    import bitsandbytes as bnb
+
+    q = copy.deepcopy(dense).cpu()
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        lin = getattr(q, name)
+        new = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=False,
+                                quant_type="nf4", compute_dtype=torch.bfloat16)
+        new.weight = bnb.nn.Params4bit(lin.weight.detach().float(), requires_grad=False,
+                                       quant_type="nf4")
+        setattr(q, name, new)
+    return q.to(DEVICE)
+
+
+def _step_fn(model: nn.Module, xs: list[torch.Tensor], dys: list) -> callable:
+    def step(i: int) -> None:
+        x = xs[i % len(xs)]
+        out = model(x)
+        outs = out if isinstance(out, tuple) else (out,)
+        torch.autograd.backward(outs, dys[i % len(dys)])
+        x.grad = None
+        for p in model.parameters():
+            p.grad = None
+    return step
+
+
+def _peak_gib(fn) -> float:
+    if DEVICE == "cpu":
+        fn(0)
+        return float("nan")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn(0)
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**30
+
+
+def bench_block(name: str, make, targets: list[str], nf4: bool, rounds: int) -> dict:
+    torch.manual_seed(0)
+    dense = make().to(DEVICE, torch.bfloat16).requires_grad_(False)
+    for p in dense.parameters():
+        p.data.normal_(0, 0.02)
+    frozen = _nf4_mlp(dense) if nf4 else dense
+    lora = _peft(copy.deepcopy(frozen) if not nf4 else _nf4_mlp(dense), targets)
+    fast = copy.deepcopy(lora) if not nf4 else _peft(_nf4_mlp(dense), targets)
+    if nf4:  # the same adapter values in both
+        fast.load_state_dict({k: v for k, v in lora.state_dict().items() if "lora_" in k},
+                             strict=False)
+    report = accelerate(fast)
+    xs = [torch.randn(TOKENS, HIDDEN, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+          for _ in range(3)]
+    with torch.no_grad():
+        out = dense(xs[0])
+    outs = out if isinstance(out, tuple) else (out,)
+    dys = [[torch.randn_like(o) for o in outs] for _ in range(3)]
+    variants = {"frozen": _step_fn(frozen, xs, dys), "peft": _step_fn(lora, xs, dys),
+                "shuttle": _step_fn(fast, xs, dys)}
+    # the same numbers: shuttle's gradients against PEFT's
+    grads = {}
+    for key in ("peft", "shuttle"):
+        model = lora if key == "peft" else fast
+        o = model(xs[0])
+        torch.autograd.backward(o if isinstance(o, tuple) else (o,), dys[0])
+        grads[key] = {n: p.grad.float().clone() for n, p in model.named_parameters()
+                      if p.grad is not None}
+        grads[key]["x"] = xs[0].grad.float().clone()
+        xs[0].grad = None
+        for p in model.parameters():
+            p.grad = None
+    err = max(((grads["shuttle"][n] - g).norm() / g.norm()).item()
+              for n, g in grads["peft"].items())
+    peak = {k: _peak_gib(fn) for k, fn in variants.items()}
+    times = harness.interleaved(variants, rounds=rounds)
+    ms = {k: v["median_ms"] for k, v in times.items()}
+    row = {"block": name, "nf4": nf4, "ms": ms, "peak_extra_gib": peak,
+           "shuttle_vs_frozen": ms["shuttle"] / ms["frozen"],
+           "peft_vs_frozen": ms["peft"] / ms["frozen"],
+           "peft_vs_shuttle": ms["peft"] / ms["shuttle"],
+           "grad_rel_err_vs_peft": err, "patched": sorted(set(report.patched.values()))}
+    print(row, flush=True)
+    del lora, fast, frozen, dense
+    torch.cuda.empty_cache()
+    return row
+
+
+def bench_model(rounds: int) -> dict:
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP,
+                                   num_hidden_layers=2, num_attention_heads=32,
+                                   num_key_value_heads=8, max_position_embeddings=8192)
+    base = transformers.LlamaForCausalLM(cfg).to(DEVICE, torch.bfloat16)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    lora = _peft(base, targets)
+    fast = copy.deepcopy(lora)
+    report = accelerate(fast)
+    ids = [torch.randint(0, VOCAB, (1, TOKENS // 2), device=DEVICE) for _ in range(3)]
+
+    def step_of(model):
+        def step(i):
+            out = model(input_ids=ids[i % 3], labels=ids[i % 3])
+            out.loss.backward()
+            for p in model.parameters():
+                p.grad = None
+        return step
+
+    variants = {"peft": step_of(lora), "shuttle": step_of(fast)}
+    peak = {k: _peak_gib(fn) for k, fn in variants.items()}
+    times = harness.interleaved(variants, rounds=rounds)
+    ms = {k: v["median_ms"] for k, v in times.items()}
+    row = {"ms": ms, "peak_extra_gib": peak, "peft_vs_shuttle": ms["peft"] / ms["shuttle"],
+           "patched": report.summary()}
+    print(row, flush=True)
+    return row
+
+
+def write(blocks: list[dict], model: dict | None) -> None:
+    rows = []
+    for b in blocks:
+        ms, pk = b["ms"], b["peak_extra_gib"]
+        rows.append([b["block"] + (" (NF4 base)" if b["nf4"] else ""), f"{ms['frozen']:.2f}",
+                     f"{ms['peft']:.2f}", f"**{ms['shuttle']:.2f}**",
+                     f"{b['peft_vs_frozen']:.2f}x", f"**{b['shuttle_vs_frozen']:.2f}x**",
+                     f"{b['peft_vs_shuttle']:.2f}x", f"{pk['frozen']:.2f}", f"{pk['peft']:.2f}",
+                     f"**{pk['shuttle']:.2f}**", f"{b['grad_rel_err_vs_peft']:.1e}"])
+    table = harness.markdown_table(
+        ["block", "frozen ms", "PEFT ms", "shuttle ms", "PEFT / frozen", "shuttle / frozen",
+         "PEFT / shuttle", "frozen peak GiB", "PEFT peak GiB", "shuttle peak GiB",
+         "grad rel. err vs PEFT"], rows)
+    notes = ("bf16, 8192 tokens, hidden 4096, MLP 14336, rank 16, forward + backward with the "
+             "input requiring grad; medians of interleaved rounds, inputs rotated. Peak: GiB "
+             "allocated above the block's weights and inputs during one step. PEFT uses its "
+             "defaults (float32 adapters on the bf16 base); the gradient error is "
+             "|g_shuttle - g_PEFT| / |g_PEFT| (largest over parameters and the input).")
+    if model is not None:
+        ms, pk = model["ms"], model["peak_extra_gib"]
+        notes += (f"\n\nWhole step of a 2-layer Llama of real width (vocab 32000, 4096 tokens): "
+                  f"PEFT {ms['peft']:.1f} ms, shuttle {ms['shuttle']:.1f} ms "
+                  f"({model['peft_vs_shuttle']:.2f}x); peak extra {pk['peft']:.2f} vs "
+                  f"{pk['shuttle']:.2f} GiB.")
+    harness.write_results("training", {"blocks": blocks, "model": model}, table,
+                          "LoRA training (benchmarks/training.py)", notes)
+    print(table)
+    print(notes)
+
+
+def main() -> None:
+    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 20
+    harness.spin_up()
+    mlp_t = ["gate_proj", "up_proj", "down_proj"]
+    blocks = []
+    for name, make, targets, nf4 in [
+            ("SwiGLU MLP", SwiGLU, mlp_t, False),
+            ("q, k, v, o projections", Projections, ["q_proj", "k_proj", "v_proj", "o_proj"],
+             False),
+            ("SwiGLU MLP", SwiGLU, mlp_t, True)]:
+        try:
+            blocks.append(bench_block(name, make, targets, nf4, rounds))
+        except ImportError as e:  # bitsandbytes missing: recorded, not hidden
+            print(f"{name} nf4={nf4}: skipped ({e})", flush=True)
+        write(blocks, None)
+    write(blocks, bench_model(max(5, rounds // 2)))
+
+
+if __name__ == "__main__":
+    main()
