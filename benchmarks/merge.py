@@ -130,10 +130,10 @@ def main() -> None:
     def run_shuttle(i: int) -> None:
         shuttle.merge_lora(model, [(loras[i % 2], 1.0)], progress=False)
 
-    recipes = importlib.import_module("shuttle.apply.recipe")
+    memo = shuttle.apply.memo_of(model)
 
     def run_prepared(i: int) -> None:
-        recipes._RECIPES.pop(model, None)
+        memo.recipes.clear()  # placements and finite verdicts stay remembered
         shuttle.merge_lora(model, [(loras[i % 2], 1.0)], progress=False)
 
     def fresh_lora(i: int) -> shuttle.LoRA:
