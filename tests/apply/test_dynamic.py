@@ -711,3 +711,27 @@ def test_a_registered_layer_kind_runs_its_patches_as_residuals():
     finally:
         LAYER_KINDS.pop(Projection, None)
     torch.testing.assert_close(got, merged)
+
+
+def test_a_followed_scale_vector_is_rewritten_in_place_by_strength_and_scale_changes():
+    # What a captured CUDA graph reads: the layer's own vector, updated in place (same object)
+    # by set_strength and by the shared request scale, never replaced.
+    from shuttle.apply.scale import follow, following
+
+    g = torch.Generator().manual_seed(12)
+    model = nn.Sequential(nn.Linear(32, 48))
+    handle = shuttle.attach_lora(model, [(_lora_sd("0", 48, 32, 4, g, dtype=torch.float32),
+                                          1.0)], quality="lossless")
+    hook = hooks_of(model[0])[0]
+    with torch.no_grad():
+        model(torch.randn(2, 32))
+    vec = hook._graph_scale
+    base = vec.clone()
+    follow(hook)
+    assert following(hook)
+    handle.set_strength(0, 0.5)
+    assert hook._graph_scale is vec and torch.allclose(vec, base * 0.5)
+    with shuttle.lora_scale(0.25):
+        assert torch.allclose(vec, base * 0.125)
+    assert torch.allclose(vec, base * 0.5)
+    handle.detach()

@@ -33,10 +33,14 @@ import torch.nn.functional as F
 from shuttle.apply.merge import apply_contributions
 from shuttle.apply.plan import Contribution, logical_spec
 from shuttle.apply.scale import (
+    follow,
+    following,
     generation,
+    graph_key,
     prepare_request_scale,
     request_scale,
     request_scale_value,
+    shared_request_scale,
 )
 from shuttle.errors import UnsupportedLayerError
 from shuttle.hooks import ModuleHook, substituted
@@ -177,6 +181,8 @@ class LoRAHook(ModuleHook):
                     self.dense.setdefault(leaf, []).append(c)
         self._build_lowrank(module, pad_rank)
         self.residuals: dict[str, torch.Tensor] = {}
+        self._graph_scale: torch.Tensor | None = None  # what a captured CUDA graph reads
+        self._graph_key: tuple[int, float] | None = None
         self.refresh(module)
         # Create the shared scale tensors now: created inside a compiled forward, they would
         # change a guarded dict and cost a recompile on the next call.
@@ -234,6 +240,8 @@ class LoRAHook(ModuleHook):
         self._prepared = None
         self.residuals = {k: r.to(device) for k, r in self.residuals.items()}
         self._cache_key = None
+        if not following(self):
+            self._graph_scale = None
         prepare_request_scale(device)
         self._strength_tensor(device)
 
@@ -248,21 +256,38 @@ class LoRAHook(ModuleHook):
         self._cache_key = None
 
     # -- forward ---------------------------------------------------------------------------
+    def _product(self, device: torch.device, request: torch.Tensor) -> torch.Tensor:
+        return self.base_scale * self._strength_tensor(device)[self.col_adapter] * request
+
     def _scale_vector(self, device: torch.device) -> torch.Tensor:
         """(R,) float32: alpha/r * strength * request per rank column."""
-        if torch.compiler.is_compiling() or (device.type == "cuda"
-                                             and torch.cuda.is_current_stream_capturing()):
-            # Traced or captured once, replayed many times: the product is computed inside the
-            # graph from the tensors that set_strength and lora_scale update in place (a vector
-            # cached by an earlier eager call would be frozen into every replay).
-            return self.base_scale * self._strength_tensor(device)[self.col_adapter] \
-                * request_scale(device)
+        if torch.compiler.is_compiling():  # traced once: reads the shared tensors
+            return self._product(device, request_scale(device))
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # Replayed without Python: the graph reads this layer's own vector, which every
+            # later strength or shared-scale change rewrites in place (it follows them, see
+            # shuttle.apply.scale). One computed since the last change is required; otherwise
+            # the product is computed inside the graph (three small kernels per replay).
+            g = self._graph_scale
+            if g is None or g.device != device or self._graph_key != graph_key():
+                return self._product(device, request_scale(device))
+            follow(self)
+            return g
         key = (generation(), request_scale_value())  # strengths, and this context's scale
         if self._cache_key != key:
-            self._cached = self.base_scale * self._strength_tensor(device)[self.col_adapter] \
-                * request_scale(device)
+            self._cached = self._product(device, request_scale(device))
             self._cache_key = key
+            if not following(self):  # a new object: no captured graph reads the old one
+                self._graph_scale = self._product(device, shared_request_scale(device))
+                self._graph_key = graph_key()
         return self._cached
+
+    def refresh_graph_scale(self) -> None:
+        """Rewrite the captured vector in place from the current strengths and shared scale."""
+        g = self._graph_scale
+        if g is not None:
+            g.copy_(self._product(g.device, shared_request_scale(g.device)))
+            self._graph_key = graph_key()
 
     def _overrides(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         if not self.residuals:

@@ -12,6 +12,12 @@ a captured graph follows a new scale without recompiling or re-capturing. That t
 scale most recently set by any thread: under ``torch.compile`` or CUDA graphs the request scale
 is process-wide. Give concurrent requests of compiled models their own strengths (or models)
 instead.
+
+A CUDA graph replays without Python, so a layer captured in one cannot recompute its combined
+scales (``alpha/r * strength * request``) per replay without kernels of its own in the graph.
+It reads a vector of its own instead, which it registers here as a *follower* when captured:
+every strength change (:func:`bump_generation`) and every change of the shared scale rewrites
+the followers' vectors in place, on the current stream, before the next replay.
 """
 
 from __future__ import annotations
@@ -19,14 +25,17 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
+import weakref
 from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 
 from shuttle.apply.strength import check_strength
 
-__all__ = ["generation", "lora_scale", "prepare_request_scale", "request_scale",
-           "request_scale_value"]
+__all__ = ["Follower", "follow", "following", "generation", "graph_key", "lora_scale",
+           "prepare_request_scale", "request_scale", "request_scale_value",
+           "shared_request_scale"]
 
 _scale: contextvars.ContextVar[float] = contextvars.ContextVar("shuttle_lora_scale", default=1.0)
 _lock = threading.Lock()
@@ -36,14 +45,22 @@ _shared_value = 1.0
 _generation = 0
 
 
+class Follower(Protocol):
+    """A captured layer's combined-scale vector, rewritten in place when scales change."""
+
+    def refresh_graph_scale(self) -> None: ...
+
+
+_followers: weakref.WeakSet[Follower] = weakref.WeakSet()
+
+
 def request_scale(device: torch.device) -> torch.Tensor:
     """The request scale as a 0-dim float32 tensor on ``device``: this context's value in eager
     code, the process-wide shared tensor inside ``torch.compile`` or a CUDA graph capture.
     """
     if torch.compiler.is_compiling() or (device.type == "cuda"
                                          and torch.cuda.is_current_stream_capturing()):
-        t = _shared.get(device)
-        return t if t is not None else _shared_tensor(device)
+        return shared_request_scale(device)
     value = _scale.get()
     t = _by_value.get((device, value))
     if t is None:
@@ -84,10 +101,39 @@ def generation() -> int:
 
 
 def bump_generation() -> None:
-    """Note that a strength changed (cached combined scales are stale)."""
+    """Note that a strength changed (cached combined scales are stale; followers' vectors are
+    rewritten now).
+    """
     global _generation
     with _lock:
         _generation += 1
+    _refresh_followers()
+
+
+def graph_key() -> tuple[int, float]:
+    """What a follower's vector was computed from: the generation and the shared scale."""
+    return _generation, _shared_value
+
+
+def shared_request_scale(device: torch.device) -> torch.Tensor:
+    """The process-wide request scale tensor of ``device`` (what captured graphs read)."""
+    t = _shared.get(device)
+    return t if t is not None else _shared_tensor(device)
+
+
+def follow(layer: Follower) -> None:
+    """Have ``layer``'s vector rewritten on every scale change from now on (weakly held)."""
+    _followers.add(layer)
+
+
+def following(layer: Follower) -> bool:
+    """Whether ``layer`` is a follower (a CUDA graph captured its vector)."""
+    return layer in _followers
+
+
+def _refresh_followers() -> None:
+    for layer in list(_followers):
+        layer.refresh_graph_scale()
 
 
 @contextlib.contextmanager
@@ -116,4 +162,6 @@ def _set_shared(value: float) -> float:
         previous, _shared_value = _shared_value, value
         for t in _shared.values():
             t.fill_(value)
+    if value != previous:
+        _refresh_followers()
     return previous
