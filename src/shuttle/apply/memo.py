@@ -43,7 +43,10 @@ class MergeMemo:
 
     def __init__(self) -> None:
         self.placements: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self._finite: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> (version, max)
+        # id(tensor) -> (weak ref, version, max |t|): read per adapter tensor on every merge,
+        # where a WeakIdKeyDictionary's Python-level key comparisons cost more host time than
+        # the check saves; an entry leaves with its tensor (the weak ref's callback)
+        self._finite: dict[int, tuple[weakref.ref, int, float]] = {}
         self.recipes: list[MergeRecipe] = []
 
     def __len__(self) -> int:
@@ -63,8 +66,10 @@ class MergeMemo:
         """``max |t|`` as the finite check measured it, if ``t`` was checked and not modified
         in place since; else None.
         """
-        entry = self._finite.get(t)
-        return entry[1] if entry is not None and entry[0] == t._version else None
+        entry = self._finite.get(id(t))
+        if entry is None or entry[0]() is not t or entry[1] != t._version:
+            return None
+        return entry[2]
 
     def known_finite(self, t: torch.Tensor) -> bool:
         """Whether ``t`` was found finite and not modified in place since."""
@@ -72,7 +77,8 @@ class MergeMemo:
 
     def mark_finite(self, t: torch.Tensor, abs_max: float) -> None:
         """Record that ``t`` is finite, with its largest magnitude."""
-        self._finite[t] = (t._version, abs_max)
+        key, table = id(t), self._finite
+        table[key] = (weakref.ref(t, lambda _: table.pop(key, None)), t._version, abs_max)
 
 
 _MEMOS: weakref.WeakKeyDictionary[Any, MergeMemo] = weakref.WeakKeyDictionary()
