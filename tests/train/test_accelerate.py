@@ -269,3 +269,42 @@ def test_gpu_bfloat16_model_trains_like_peft(family, calls):
     assert calls["lora_mlp"] == 6 and calls["lora_projections"] == 6
     for a, b in zip(losses["fast"], losses["peft"], strict=True):
         assert abs(a - b) < 2e-2 * abs(b)
+
+
+def test_a_flux_shaped_dit_trains_as_with_peft_alone():
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    dit = diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=8,
+        num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=16,
+        axes_dims_rope=[2, 2, 4]).double()
+    targets = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj",
+               "to_add_out", "ff.net.0.proj", "ff.net.2", "proj_mlp", "proj_out"]
+    ref = peft.get_peft_model(dit, peft.LoraConfig(r=4, target_modules=targets,
+                                                   init_lora_weights=False))
+    fast = copy.deepcopy(ref)
+    report = accelerate(fast)
+    lora_layers = [n for n, m in fast.named_modules() if hasattr(m, "lora_A")
+                   and hasattr(m, "base_layer")]
+    assert sorted(report.patched) == sorted(lora_layers)
+    d = torch.float64
+    inputs = dict(hidden_states=torch.randn(2, 16, 4, dtype=d),
+                  encoder_hidden_states=torch.randn(2, 4, 16, dtype=d),
+                  pooled_projections=torch.randn(2, 16, dtype=d),
+                  timestep=torch.tensor([0.5, 0.25], dtype=d),
+                  img_ids=torch.zeros(16, 3, dtype=d), txt_ids=torch.zeros(4, 3, dtype=d))
+    target = torch.randn(2, 16, 4, dtype=d)
+    losses = {}
+    for key, model in (("peft", ref), ("fast", fast)):
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        losses[key] = []
+        for _ in range(3):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(**inputs).sample, target)
+            loss.backward()
+            opt.step()
+            losses[key].append(loss.item())
+    assert losses["fast"] == pytest.approx(losses["peft"], rel=1e-12)
+    for (n, p), q in zip(ref.named_parameters(), fast.parameters(), strict=True):
+        if p.requires_grad:
+            assert rel_err(q, p) < 1e-12, n

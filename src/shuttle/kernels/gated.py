@@ -130,7 +130,8 @@ def _kernels():
 def _use_kernel(*tensors: torch.Tensor) -> bool:
     # Under torch.compile the references are traced instead: Inductor fuses them itself.
     t = tensors[0]
-    return (not torch.compiler.is_compiling() and triton_available() and (t.is_cuda or interpreting())
+    return (not torch.compiler.is_compiling() and triton_available()
+            and (t.is_cuda or interpreting())
             and t.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and all(x.is_contiguous() and x.dtype == t.dtype and x.shape == t.shape
                     for x in tensors))
