@@ -112,3 +112,29 @@ def test_substituted_reads_the_tensors_and_restores_the_same_parameters_on_error
     with pytest.raises(ShuttleError, match="no parameter"), substituted(lin, {"scale": other}):
         pass
     assert lin.weight is weight
+
+
+def test_a_deep_copy_of_a_hooked_module_runs_its_own_weights_and_hooks():
+    # EMA copies and model snapshots are made with copy.deepcopy while hooks are attached.
+    import copy
+
+    class Scale(ModuleHook):
+        def __init__(self, k):
+            self.k = k
+
+        def post_forward(self, module, output):
+            return output * self.k
+
+    lin = nn.Linear(3, 2)
+    add_hook(lin, Scale(2.0))
+    twin = copy.deepcopy(lin)
+    with torch.no_grad():
+        twin.weight.zero_()
+        twin.bias.fill_(1.0)
+    hooks_of(twin)[0].k = 3.0
+    x = torch.randn(4, 3)
+    assert torch.equal(twin(x), torch.full((4, 2), 3.0))
+    assert torch.allclose(lin(x), 2 * torch.nn.functional.linear(x, lin.weight, lin.bias))
+    remove_hook(twin)
+    assert "forward" not in twin.__dict__ and torch.equal(twin(x), torch.ones(4, 2))
+    assert hooks_of(lin)

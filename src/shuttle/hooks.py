@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -71,22 +72,25 @@ def add_hook(module: torch.nn.Module, hook: ModuleHook, outermost: bool = False)
             )
         hooks = []
         module.__dict__[_HOOKS] = hooks
-        original = module.forward  # the bound class forward
+        cls_forward = type(module).forward
 
-        @functools.wraps(original)
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            chain = module.__dict__[_HOOKS]
+        # Bound to the module as a method, not closed over it: copy.deepcopy of a hooked model
+        # rebinds the method to the copy (with the copy's hooks), where a closure would keep
+        # calling the original module.
+        @functools.wraps(cls_forward)
+        def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            chain = self.__dict__[_HOOKS]
             for h in chain:
-                args, kwargs = h.pre_forward(module, args, kwargs)
-            call: Callable[..., Any] = original
+                args, kwargs = h.pre_forward(self, args, kwargs)
+            call: Callable[..., Any] = cls_forward.__get__(self)
             for h in reversed(chain):
-                call = functools.partial(h.forward, module, call)
+                call = functools.partial(h.forward, self, call)
             out = call(*args, **kwargs)
             for h in reversed(chain):
-                out = h.post_forward(module, out)
+                out = h.post_forward(self, out)
             return out
 
-        module.forward = forward
+        module.forward = types.MethodType(forward, module)
     if hook in hooks:
         raise ShuttleError("this hook is already attached to the module")
     hook.on_attach(module)

@@ -144,3 +144,97 @@ def test_checkpointed_training_on_cuda_matches_the_resident_model():
         for n, q in ref.named_parameters():
             if q.requires_grad:
                 torch.testing.assert_close(got[n].grad, q.grad, msg=n)
+
+
+def _lora_dit(accelerated: bool):
+    """TinyDiT with PEFT LoRA on every block's linears (frozen base), optionally under
+    shuttle.train.accelerate."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    model = TinyDiT()
+    model.requires_grad_(False)
+    model = peft.inject_adapter_in_model(
+        peft.LoraConfig(r=4, target_modules=["attn", "up", "down"], init_lora_weights=False),
+        model)
+    if accelerated:
+        import shuttle.train
+
+        shuttle.train.accelerate(model)
+    return model
+
+
+@pytest.mark.parametrize("mode", ["stream0", "stream2", "resident", "budget"])
+@pytest.mark.parametrize("accelerated", [False, True])
+def test_lora_factors_stay_on_the_device_while_the_frozen_blocks_stream(cpu_copy, mode,
+                                                                          accelerated):
+    from tests.offload.models import RESIDENCY_MODES
+
+    ref = _lora_dit(accelerated)
+    model = copy.deepcopy(ref)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    off = ModelOffloader.from_module(model, blocks=PATHS, trainable="device")
+    assert {id(p) for p in off.on_device} == {id(p) for n, p in model.named_parameters()
+                                              if n in trainable}
+    frozen_bytes = sum(p.numel() * p.element_size() for p in ref.parameters()) + sum(
+        b.numel() * b.element_size() for b in ref.buffers())
+    assert off.storage.weight_bytes < frozen_bytes  # the factors are not in host storage
+    x, y = batch()
+    opt_ref = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    opt = torch.optim.AdamW(off.on_device, lr=1e-2)
+    with off.use("cpu", RESIDENCY_MODES[mode]) as active:
+        for _ in range(2):
+            loss_of(ref, x, y).backward()
+            loss_of(active, x, y).backward()
+            got = dict(active.named_parameters())
+            for n, q in ref.named_parameters():
+                if q.requires_grad:
+                    torch.testing.assert_close(got[n].grad, q.grad, rtol=1e-5, atol=1e-6,
+                                               msg=n)
+            opt_ref.step()
+            opt_ref.zero_grad()
+            opt.step()  # on the device, as for any model: no optimizer_step() needed
+            opt.zero_grad()
+    got = dict(off.model.named_parameters())
+    for n, q in ref.named_parameters():
+        torch.testing.assert_close(got[n], q, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_trainable_on_device_counts_against_the_budget(cpu_copy):
+    from shuttle.errors import BudgetTooSmallError
+
+    off = ModelOffloader.from_module(_lora_dit(False), blocks=PATHS, trainable="device")
+    kept = sum(p.numel() * p.element_size() for p in off.on_device)
+    with pytest.raises(BudgetTooSmallError, match="trainable"):
+        off.activate("cpu", StreamConfig(vram_budget=kept))
+    assert not off.active
+    plain = ModelOffloader.from_module(_lora_dit(False), blocks=PATHS)
+    budget = 150_000
+    with plain.use("cpu", StreamConfig(vram_budget=budget)):
+        resident_plain = plain.plan.device_bytes
+    with off.use("cpu", StreamConfig(vram_budget=budget)):
+        assert off.plan.device_bytes + kept <= budget
+        assert off.plan.device_bytes <= resident_plain
+
+
+def test_unknown_trainable_placement_is_refused():
+    from shuttle.errors import OffloadError
+
+    with pytest.raises(OffloadError, match="trainable='gpu'"):
+        ModelOffloader.from_module(TinyDiT(), blocks=PATHS, trainable="gpu")
+
+
+@pytest.mark.gpu
+def test_gpu_lora_training_with_resident_factors_matches_the_resident_model():
+    ref = _lora_dit(True).cuda()
+    model = copy.deepcopy(ref).cpu()
+    off = ModelOffloader.from_module(model, blocks=PATHS, trainable="device")
+    x, y = (t.cuda() for t in batch())
+    loss_of(ref, x, y).backward()
+    with off.use("cuda", StreamConfig(prefetch=1)) as active:
+        assert all(p.is_cuda for p in off.on_device)
+        loss_of(active, x, y).backward()
+        got = dict(active.named_parameters())
+        for n, q in ref.named_parameters():
+            if q.requires_grad:
+                torch.testing.assert_close(got[n].grad, q.grad, msg=n)
+    assert not any(p.is_cuda for p in off.on_device)

@@ -238,9 +238,11 @@ def _parts(t: torch.Tensor, rep: WeightRepresentation) -> dict[str, torch.Tensor
 
 
 def _survey(model: torch.nn.Module, groups: dict[str, Sequence[torch.nn.Module]],
-            adopt: bool, layers: dict[str, torch.nn.Module]
+            adopt: bool, layers: dict[str, torch.nn.Module], skip: frozenset[int] = frozenset()
             ) -> tuple[_UnitSurvey, dict[str, list[_UnitSurvey]], list[_UnitSurvey]]:
-    """Check every tensor and lay out every unit; changes nothing."""
+    """Check every tensor and lay out every unit, leaving out the parameters whose ids are in
+    ``skip``; changes nothing.
+    """
     block_ids = {id(b) for blocks in groups.values() for b in blocks}
     layer_ids = {id(m) for m in layers.values()}
     owner: dict[tuple, tuple[str, str]] = {}  # alias key -> (unit, full name)
@@ -277,7 +279,7 @@ def _survey(model: torch.nn.Module, groups: dict[str, Sequence[torch.nn.Module]]
                 if (layer and not kind) or (not layer and kind and streamed_params):
                     continue
                 for leaf, t in table.items():
-                    if t is None:
+                    if t is None or (kind and id(t) in skip):
                         continue
                     full = ".".join(p for p in (name, path, leaf) if p)
                     rep = _quantized(t, full) if kind else None
@@ -371,6 +373,8 @@ class HostStorage:
         host: ``"pinned"`` (copies into page-locked arenas) or ``"adopt"`` (zero-copy).
         layers: module path -> a module outside the blocks whose direct parameters form one
             unit each (layer mode); their buffers stay in the rest. Must be leaf modules.
+        skip: parameters left out of every unit (not captured, never re-pointed): the
+            trainable parameters an offloader keeps on the device.
 
     Raises:
         HostBackingError: a tensor that cannot be kept as asked; nothing was changed.
@@ -378,8 +382,10 @@ class HostStorage:
     """
 
     def __init__(self, model: torch.nn.Module, groups: dict[str, Sequence[torch.nn.Module]],
-                 host: HostBacking = "pinned", layers: dict[str, torch.nn.Module] | None = None):
-        rest, surveyed, layer_units = _survey(model, groups, host == "adopt", layers or {})
+                 host: HostBacking = "pinned", layers: dict[str, torch.nn.Module] | None = None,
+                 skip: Sequence[torch.nn.Parameter] = ()):
+        rest, surveyed, layer_units = _survey(model, groups, host == "adopt", layers or {},
+                                              frozenset(id(p) for p in skip))
         self.host: HostBacking = host
         self.host_bytes = 0  # bytes this storage allocated on the host
         self.pinned_bytes = 0  # of which page-locked

@@ -31,9 +31,10 @@ through the same slots and hooks as CUDA does, so CI exercises the streaming log
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -44,6 +45,7 @@ from shuttle.apply.scoped import Mode
 from shuttle.errors import (
     AlreadyActiveError,
     BlockPathError,
+    BudgetTooSmallError,
     OffloadError,
     StreamModeError,
 )
@@ -86,22 +88,27 @@ class ModelOffloader:
     Attributes:
         model: the wrapped model (the same object, its tensors now in host storage).
         storage: the host storage (``host_bytes``, ``pinned_bytes``, ``weight_bytes``).
+        on_device: with ``trainable="device"``: the trainable parameters, kept out of host
+            storage and moved whole to the device for each activation.
         blocks: block path -> the blocks streamed from it.
         layers: layer mode: module path -> each layer streamed on its own (empty otherwise).
     """
 
     def __init__(self, model: torch.nn.Module, blocks: dict[str, list[torch.nn.Module]],
-                 storage: HostStorage, layers: dict[str, torch.nn.Module] | None = None):
+                 storage: HostStorage, layers: dict[str, torch.nn.Module] | None = None,
+                 on_device: Sequence[torch.nn.Parameter] = ()):
         self.model = model
         self.blocks = blocks
         self.layers = layers or {}
         self.storage = storage
+        self.on_device = list(on_device)
         self._active: _Activation | None = None
 
     @classmethod
     def from_module(cls, model: torch.nn.Module, blocks: str | Sequence[str] = (),
                     host: HostBacking = "pinned",
-                    layers: bool | Sequence[type[torch.nn.Module]] = False) -> ModelOffloader:
+                    layers: bool | Sequence[type[torch.nn.Module]] = False,
+                    trainable: Literal["host", "device"] = "host") -> ModelOffloader:
         """Capture ``model``'s parameters and buffers into host storage.
 
         Args:
@@ -116,6 +123,13 @@ class ModelOffloader:
                 sequence of module classes (``(nn.Linear, nn.Conv2d)``): only instances of
                 those. Modules whose parameters are tied to another module's stay with the
                 rest (resident).
+            trainable: where the parameters with ``requires_grad`` (at this call) live.
+                ``"host"``: captured like the rest; streamed with their blocks, their host
+                copies updated by :meth:`optimizer_step`. ``"device"``: left out of host
+                storage and moved to the device for each activation (and back to the CPU
+                after it), so that a LoRA's factors stay resident while the frozen blocks
+                stream, forward and backward, and the optimizer runs on the device as for any
+                model (its state on the device too); the VRAM budget counts them.
 
         Raises:
             BlockPathError: a path names nothing, or not a non-empty block list, or two paths
@@ -129,13 +143,18 @@ class ModelOffloader:
         if host not in ("pinned", "adopt"):
             raise OffloadError(f"host={host!r}: expected 'pinned' (copies) or 'adopt' "
                                "(keep the CPU tensors)")
+        if trainable not in ("host", "device"):
+            raise OffloadError(f"trainable={trainable!r}: expected 'host' (captured and "
+                               "streamed like the rest) or 'device' (kept on the device)")
+        on_device = _trainable(model) if trainable == "device" else []
         paths = [blocks] if isinstance(blocks, str) else list(blocks)
         groups = {p: _block_list(model, p) for p in paths}
         if len(groups) != len(paths):
             raise BlockPathError(f"blocks={paths}: a path is listed twice")
         _check_disjoint(groups)
-        chosen = _layer_list(model, groups, layers)
-        return cls(model, groups, HostStorage(model, groups, host, chosen), chosen)
+        chosen = _layer_list(model, groups, layers, {id(p) for p in on_device})
+        storage = HostStorage(model, groups, host, chosen, skip=on_device)
+        return cls(model, groups, storage, chosen, on_device)
 
     @property
     def active(self) -> bool:
@@ -225,11 +244,13 @@ class ModelOffloader:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         through = device.type == "cpu" and os.environ.get(CPU_COPY_ENV) != "1"
-        plan = None if through else plan_residency(self.storage, stream)
+        plan = None if through else plan_residency(self.storage, self._budgeted(stream))
         adapters = ActivationAdapters(self.model, self.storage, pairs, mode, device,
                                       quality, mapping, auto_threshold) if pairs else None
         active = _Activation(device, plan, adapters)
         try:
+            if not through:
+                _move(self.on_device, device)
             if through:
                 self._pass_through(active)
             else:
@@ -369,6 +390,20 @@ class ModelOffloader:
             streamer.attach()
             streamer.warm()
 
+    def _budgeted(self, stream: StreamConfig | None) -> StreamConfig | None:
+        """``stream`` with its VRAM budget less the bytes of the parameters kept on the
+        device (they take that memory for the whole activation).
+        """
+        if stream is None or stream.vram_budget is None or not self.on_device:
+            return stream
+        kept = sum(p.numel() * p.element_size() for p in self.on_device)
+        if kept >= stream.vram_budget:
+            raise BudgetTooSmallError(
+                f"vram_budget={stream.vram_budget} bytes cannot hold the {kept} bytes of "
+                "trainable parameters kept on the device (trainable='device'), let alone the "
+                "model; raise the budget")
+        return dataclasses.replace(stream, vram_budget=stream.vram_budget - kept)
+
     def _teardown(self, active: _Activation) -> None:
         if active.compiler is not None:
             active.compiler.detach()
@@ -382,6 +417,8 @@ class ModelOffloader:
             unit.bind_host()
         for pool in active.pools:
             pool.close()
+        if active.device.type != "cpu" or os.environ.get(CPU_COPY_ENV) == "1":
+            _move(self.on_device, torch.device("cpu"))
         active.pools.clear()
         active.streamers.clear()
         active.placed.clear()
@@ -415,9 +452,31 @@ def _check_disjoint(groups: dict[str, list[torch.nn.Module]]) -> None:
                                          "list block paths that do not nest or share modules")
 
 
+def _trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters with ``requires_grad``, each once."""
+    seen: dict[int, torch.nn.Parameter] = {}
+    for p in model.parameters():
+        if p.requires_grad:
+            seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def _move(params: Sequence[torch.nn.Parameter], device: torch.device) -> None:
+    """Point each parameter (and its gradient) at a copy on ``device``; identity kept."""
+    with torch.no_grad():
+        for p in params:
+            if p.device != device:
+                p.data = p.data.to(device)
+                if p.grad is not None:
+                    p.grad = p.grad.to(device)
+
+
 def _layer_list(model: torch.nn.Module, groups: dict[str, list[torch.nn.Module]],
-                layers: bool | Sequence[type[torch.nn.Module]]) -> dict[str, torch.nn.Module]:
-    """Module path -> layer: leaf modules outside the blocks with untied parameters."""
+                layers: bool | Sequence[type[torch.nn.Module]],
+                skip: set[int] | None = None) -> dict[str, torch.nn.Module]:
+    """Module path -> layer: leaf modules outside the blocks with untied parameters (those
+    whose parameters are all in ``skip``, kept on the device, are none).
+    """
     if layers is False:
         return {}
     kinds: tuple[type, ...] = ()
@@ -434,7 +493,7 @@ def _layer_list(model: torch.nn.Module, groups: dict[str, list[torch.nn.Module]]
             owners[p] = owners.get(p, 0) + 1
     out = {}
     for path, m in model.named_modules():
-        own = [p for p in m._parameters.values() if p is not None]
+        own = [p for p in m._parameters.values() if p is not None and id(p) not in (skip or ())]
         if (not own or not path or id(m) in in_blocks or next(m.children(), None) is not None
                 or (kinds and not isinstance(m, kinds)) or any(owners[id(p)] > 1 for p in own)):
             continue
