@@ -295,3 +295,18 @@ class UnsupportedBaseError(TrainingError, TypeError):
 
 
 __all__ += ["MergedWeightError", "TrainingError", "UnsupportedBaseError"]
+
+
+class UnsupportedPlacementError(ShuttleError, TypeError):
+    """A DTensor placement (or a sharded update) shuttle cannot apply shard by shard: names the
+    parameter and the placement; nothing was changed on any rank.
+    """
+
+
+class RankFailedError(ShuttleError, RuntimeError):
+    """Another rank of a distributed call failed before any rank changed a weight (its error
+    is raised there); this rank changed nothing either.
+    """
+
+
+__all__ += ["RankFailedError", "UnsupportedPlacementError"]

@@ -33,6 +33,7 @@ from shuttle.apply.plan import (
 )
 from shuttle.apply.recipe import MergeRecipe, find_recipe, remember_recipe
 from shuttle.apply.rounding import Rounding, check_rounding, merge_seed, merge_seeds, round_to
+from shuttle.apply.sharded import agreed, localize
 from shuttle.apply.widen import narrow, widen_layers
 from shuttle.errors import NonFiniteAdapterError, WideningError
 from shuttle.kernels import triton_available
@@ -164,13 +165,22 @@ def merge_lora(
     rounding = check_rounding(rounding)
     model = as_model(model)
     params = dict(model.named_parameters())
-    plan = plan_params(params, loras, mapping, fused=fused_modules(model), widen=True,
-                       strict=strict, memo=memo_of(model))
-    check_mergeable(plan, params)
-    kept = _keep(plan, params, keep)
+
+    def validate() -> tuple[MergePlan, MergePlan, dict[str, torch.Tensor]]:
+        plan = plan_params(params, loras, mapping, fused=fused_modules(model), widen=True,
+                           strict=strict, memo=memo_of(model))
+        # DTensor parameters: their local shards, and the windows of the updates they hold
+        local_plan, local = localize(plan, params, rounding=rounding)
+        check_mergeable(local_plan, local)
+        return plan, local_plan, local
+
+    # every rank of a sharded model validates before any rank writes (apply.sharded)
+    plan, local_plan, local = agreed(params, validate)
+    kept = _keep(local_plan, local, keep)
     widened = widen_layers(model, plan, params)  # checks every layer first
     try:
-        merge_plan(model, plan, rounding=rounding, seed=seed, progress=progress, params=params)
+        merge_plan(model, local_plan, rounding=rounding, seed=seed, progress=progress,
+                   params=local)
     except BaseException:  # a widened layer that failed goes back to its original weight
         narrow(widened)
         raise

@@ -25,6 +25,7 @@ from shuttle.errors import (
     UnmatchedKeysError,
     UnmergeableWeightError,
     UnsupportedLayerError,
+    UnsupportedPlacementError,
     WideningError,
 )
 from shuttle.formats import LoRA, load_lora
@@ -33,6 +34,7 @@ from shuttle.patches import DoRA, Patch, materialize
 from shuttle.targets import KeyMapping, ModelNames, Target, fused_modules, resolve
 from shuttle.targets.family import widenable
 from shuttle.weights import Fp8Weight, PlainWeight, WeightRepresentation, represent
+from shuttle.weights.dtensor import is_dtensor
 from shuttle.weights.plain import is_plain_tensor
 
 __all__ = [
@@ -290,12 +292,24 @@ def plan_params(
                         placed.resident[i] = target
             plan.params.setdefault(t.param, []).append(
                 Contribution(patch, strength, t.rows, t.module_key, index))
+    _refuse_dtensor_factors(plan)
     if load:
         check_finite(plan)
     if plan.unmatched:
         log.warning("%d adapter key(s) matched no parameter: %s", len(plan.unmatched),
                     "; ".join(f"{k}: {v}" for k, v in list(plan.unmatched.items())[:5]))
     return plan
+
+
+def _refuse_dtensor_factors(plan: MergePlan) -> None:
+    for name, contribs in plan.params.items():
+        for c in contribs:
+            for field, t in c.patch.tensors():
+                if is_dtensor(t):
+                    raise UnsupportedPlacementError(
+                        f"the adapter's {field!r} for {name!r} ({c.module_key!r}) is a DTensor: "
+                        "adapter factors are read whole on every rank; pass plain tensors "
+                        "(each rank takes the rows or columns its shard needs)")
 
 
 def _check_components(per_component: dict[int, dict[str, float]],

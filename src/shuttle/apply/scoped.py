@@ -30,8 +30,9 @@ from shuttle.apply.plan import (
     plan_merge,
 )
 from shuttle.apply.rounding import Rounding, check_rounding
+from shuttle.apply.sharded import agreed, has_dtensors, localize
 from shuttle.apply.widen import narrow, widen_layers
-from shuttle.errors import InvalidOptionError, ScopeOrderError
+from shuttle.errors import InvalidOptionError, ScopeOrderError, UnsupportedPlacementError
 from shuttle.targets import KeyMapping
 from shuttle.weights import WeightRepresentation
 
@@ -134,8 +135,14 @@ def apply_lora(
         quality = quality or default_quality(model)
         if quality not in QUALITIES:
             raise InvalidOptionError(f"quality={quality!r}: expected one of {', '.join(QUALITIES)}")
-    plan = plan_merge(model, loras, mapping, widen=mode == "merge", strict=strict)
     params = dict(model.named_parameters())
+    if mode != "merge" and has_dtensors(params):
+        raise UnsupportedPlacementError(
+            f"apply_lora(mode={mode!r}) on a model with DTensor parameters: sharded models take "
+            "mode='merge' (each rank merges its shards); dynamic adapters on tensor-parallel "
+            "layers are not supported yet")
+    plan, sharded = agreed(params, lambda: _plan_local(model, params, loras, mapping, mode,
+                                                       strict, rounding))
     merged, dynamic = plan, None
     notes = plan_notes(plan)
     report: MergeReport | AutoReport = MergeReport(list(plan.params), plan.unmatched,
@@ -146,6 +153,8 @@ def apply_lora(
             n: cs for n, cs in plan.params.items() if decisions[n].mode == "merge"})
         dynamic = dataclasses.replace(plan, params={
             n: cs for n, cs in plan.params.items() if decisions[n].mode == "dynamic"})
+    if sharded is not None:  # DTensor parameters: their local shards and update windows
+        merged, params = sharded
     check_mergeable(merged, params)  # before any backup or hook
     # a widened weight needs no copy: narrow() gives back the original tensor, never written
     backups = {name: copy_param(params[name], backup_device) for name in merged.params
@@ -162,7 +171,8 @@ def apply_lora(
             report = AutoReport({n: d.mode for n, d in decisions.items()},
                                 {n: d.loss for n, d in decisions.items()}, handle,
                                 plan.unmatched, plan.skipped, notes)
-        merge_plan(model, merged, rounding=rounding, seed=seed, rollback=False)  # see finally
+        merge_plan(model, merged, rounding=rounding, seed=seed, rollback=False,  # see finally
+                   params=params)
         yield report
     finally:
         if handle is not None:
@@ -171,6 +181,16 @@ def apply_lora(
         for name, saved in backups.items():
             restore_param(params[name], saved)
         narrow(widened)
+
+
+def _plan_local(model: torch.nn.Module, params: dict[str, torch.Tensor], loras: AdapterList,
+                mapping: KeyMapping | None, mode: str, strict: bool, rounding: Rounding | None
+                ) -> tuple[MergePlan, tuple[MergePlan, dict[str, torch.Tensor]] | None]:
+    """The plan, and for a model with DTensor parameters its local plan and tensors."""
+    plan = plan_merge(model, loras, mapping, widen=mode == "merge", strict=strict)
+    if not has_dtensors(params):
+        return plan, None
+    return plan, localize(plan, params, rounding=rounding)
 
 
 def _close(model: torch.nn.Module, scope: _Scope) -> None:
