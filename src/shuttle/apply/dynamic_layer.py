@@ -42,13 +42,14 @@ from shuttle.apply.scale import (
     request_scale_value,
     shared_request_scale,
 )
-from shuttle.errors import UnsupportedLayerError
+from shuttle.errors import UnsupportedLayerError, UnsupportedPlacementError
 from shuttle.hooks import ModuleHook, substituted
 from shuttle.kernels import interpreting, lora_linear_fused, lora_shrink, triton_available
 from shuttle.kernels.lora_decode import DECODE_MAX_T, lora_decode_add, lora_decode_linear
 from shuttle.kernels.lora_linear_tma import PreparedLoraLinear
 from shuttle.patches import LowRank
 from shuttle.weights import FP8_DTYPES
+from shuttle.weights.dtensor import is_dtensor, shard_window
 from shuttle.weights.plain import is_plain_tensor
 
 __all__ = ["LAYER_KINDS", "LayerKind", "LoRAHook", "Quality", "layer_kind",
@@ -157,18 +158,25 @@ class LoRAHook(ModuleHook):
         # A quantized layer's output can come from a custom autograd Function, which forbids
         # in-place updates of it: the residual is then added out of place.
         self.in_place = is_plain_tensor(getattr(module, "weight", None))
+        self.sharded = is_dtensor(getattr(module, "weight", None))
         self.slots: list[_Slot] = []
         self.dense: dict[str, list[Contribution]] = {}
         for leaf, cs in contribs.items():
             for c in cs:
                 if leaf == "weight" and isinstance(c.patch, LowRank) \
-                        and self.layer.takes(module, c.patch):
+                        and self.layer.takes(module, c.patch) \
+                        and (self.layer.tiers or not self.sharded):
                     if c.rows is not None and not self.layer.tiers:
                         raise UnsupportedLayerError(
                             f"{name}: a low-rank patch on rows {c.rows} of a "
                             f"{type(module).__name__} cannot run dynamically; use mode='merge'"
                         )
                     self.slots.append(_Slot(c.adapter, c.patch, c.rows, (0, 0)))
+                elif self.sharded or is_dtensor(getattr(module, leaf)):
+                    raise UnsupportedPlacementError(
+                        f"{name}.{leaf}: a DTensor-sharded {type(module).__name__} runs "
+                        f"dynamic adapters for low-rank patches on Linear layers only, not a "
+                        f"{c.patch.kind} patch here; merge it (mode='merge') instead")
                 elif not is_plain_tensor(getattr(module, leaf)):
                     # The residual path overrides the weight with W + R: a quantized layer's
                     # forward cannot take a float weight, so only low-rank residuals run here.
@@ -180,6 +188,7 @@ class LoRAHook(ModuleHook):
                 else:
                     self.dense.setdefault(leaf, []).append(c)
         self._build_lowrank(module, pad_rank)
+        self._dt: tuple | None = None  # sharded factors: (key, A, B, scale mesh)
         self.residuals: dict[str, torch.Tensor] = {}
         self._graph_scale: torch.Tensor | None = None  # what a captured CUDA graph reads
         self._graph_key: tuple[int, float] | None = None
@@ -302,6 +311,9 @@ class LoRAHook(ModuleHook):
 
     def forward(self, module: torch.nn.Module, inner: Callable[..., Any], *args: Any,
                 **kwargs: Any) -> Any:
+        if self.sharded:
+            out = inner(*args, **kwargs)
+            return self._sharded(module, args[0], out) if self.slots else out
         overrides = self._overrides(module)
         x = args[0] if args else None
         if self.layer.tiers and self.slots and self.quality == "fused" and \
@@ -317,6 +329,43 @@ class LoRAHook(ModuleHook):
         if self.layer.tiers:
             return self._exact(x, out) if self.quality == "exact" else self._lossless(x, out)
         return self._residuals(module, x, out)
+
+    def _sharded(self, module: torch.nn.Module, x: torch.Tensor, out: torch.Tensor
+                 ) -> torch.Tensor:
+        """The update on a tensor-parallel layer, in DTensor ops: ``x`` and ``out`` are the
+        DTensors the layer's parallel style gives its forward.
+
+        The factors become DTensors laid out like the weight, from local slices of this
+        hook's factors (no communication): a row-sharded weight (``ColwiseParallel``) takes
+        ``B``'s rows and a replicated ``A``, so the update comes out sharded like the output;
+        a column-sharded one (``RowwiseParallel``) takes ``A``'s columns and a replicated
+        ``B``, so ``x A^T`` is a partial sum per rank and so is the update, which the layer's
+        own all-reduce of its partial output sums once with it (no collective of its own; the
+        bias stays the layer's, added once).
+        """
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        w = module.weight
+        key = (id(w), tuple(w.placements), self.down.data_ptr(), self.up.data_ptr())
+        if self._dt is None or self._dt[0] != key:
+            window = shard_window(w, self.name)
+            r0, r1 = window.starts[0], window.stops[0]
+            c0, c1 = window.starts[1], window.stops[1]
+            mesh = w.device_mesh
+            a_place = [Shard(1) if p == Shard(1) else Replicate() for p in w.placements]
+            b_place = [Shard(0) if p == Shard(0) else Replicate() for p in w.placements]
+            a = DTensor.from_local(self.down[:, c0:c1], mesh, a_place, run_check=False,
+                                   shape=self.down.shape, stride=self.down.stride())
+            b = DTensor.from_local(self.up[r0:r1], mesh, b_place, run_check=False,
+                                   shape=self.up.shape, stride=self.up.stride())
+            self._dt = (key, a, b, mesh)
+        _, a, b, mesh = self._dt
+        scale = DTensor.from_local(self._scale_vector(self.down.device), mesh,
+                                   [Replicate()] * mesh.ndim, run_check=False)
+        xf = x if x.dtype == a.dtype else x.to(a.dtype)
+        h = F.linear(xf, a)
+        h = (h.float() * scale).to(b.dtype)
+        return out + F.linear(h, b).to(out.dtype)
 
     def _exact(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         req = request_scale_value()
