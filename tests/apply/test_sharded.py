@@ -204,3 +204,57 @@ def test_dynamic_lora_on_tensor_parallel_layers_equals_the_single_device_result(
         for got, want in outs:
             torch.testing.assert_close(got, want, **tol)
         assert refused
+
+
+def _load_case(rank, world, path, style):
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from shuttle.errors import UnsupportedPlacementError
+
+    def make():
+        torch.manual_seed(5)  # other weights than the checkpoint's
+        return nn.Sequential(nn.Linear(8, 13), nn.ReLU(), nn.Linear(13, 6)).to(torch.bfloat16)
+
+    sd = lowrank_state({"0": (13, 8), "2": (6, 13)}, rank=4, scale=0.3, seed=2)
+    ref = make()
+    shuttle.load_checkpoint(ref, path, loras=[(sd, 0.6)])
+    model = make()
+    mesh = _mesh(world, (world,))
+    if style == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, mesh=mesh)
+    else:
+        parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    params = dict(model.named_parameters())
+    objects = {n: id(p) for n, p in params.items()}
+    shuttle.load_checkpoint(model, path, loras=[(sd, 0.6)])
+    same_objects = all(id(p) == objects[n] for n, p in model.named_parameters())
+    got = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    want = dict(ref.named_parameters())
+    # a meta DTensor cannot take its shard in place: refused before anything is read
+    meta = make().to("meta")
+    parallelize_module(meta, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    try:
+        shuttle.load_checkpoint(meta, path)
+        refused = False
+    except UnsupportedPlacementError:
+        refused = True
+    return all(torch.equal(got[n], want[n].detach()) for n in want), same_objects, refused
+
+
+@pytest.mark.parametrize("style", ["fsdp2", "tp"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_load_checkpoint_into_sharded_models_writes_each_shard_in_place(tmp_path, style, world):
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    full = nn.Sequential(nn.Linear(8, 13), nn.ReLU(), nn.Linear(13, 6)).to(torch.bfloat16)
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in full.state_dict().items()}, str(path))
+    for equal, same_objects, refused in run_ranks(_load_case, world, str(path), style):
+        assert equal and same_objects and refused

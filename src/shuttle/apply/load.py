@@ -34,6 +34,7 @@ from shuttle.apply.plan import (
     plan_params,
 )
 from shuttle.apply.rounding import Rounding, check_rounding, round_to
+from shuttle.apply.sharded import agreed
 from shuttle.errors import (
     DuplicateTargetError,
     MissingParameterError,
@@ -41,6 +42,7 @@ from shuttle.errors import (
     ShapeMismatchError,
     ShuttleError,
     UnsupportedLayerError,
+    UnsupportedPlacementError,
 )
 from shuttle.formats import LoRA, load_lora
 from shuttle.formats.device_reader import DeviceReader
@@ -50,6 +52,7 @@ from shuttle.formats.source import Source
 from shuttle.patches import Diff, Set
 from shuttle.patches.patch import Tensorish, materialize
 from shuttle.targets import KeyMapping, ModelNames, resolve
+from shuttle.weights.dtensor import is_dtensor, shard_window
 
 __all__ = ["LoadReport", "load_checkpoint", "replacement_parameters"]
 
@@ -166,8 +169,50 @@ def load_checkpoint(
         raise ShuttleError(f"dtype={dtype}: pass a floating-point dtype, or None to keep the "
                            "checkpoint's dtypes")
     target = torch.device(device) if device is not None else None
-    ckpt = open_checkpoint(files)
     slots, alias = _slots(model)
+    # A sharded model: every rank validates before any rank writes (apply.sharded).
+    ckpt, source, unexpected, specs, plan, supplied, missing, dense_unmatched = agreed(
+        {n: s.tensor for n, s in slots.items()},
+        lambda: _validate(files, slots, alias, loras, mapping, dtype, target, strict,
+                          strict_adapters))
+
+    # The checkpoint's own order, file by file: reads go through each file front to back.
+    # The checkpoint's own order, file by file: reads go through each file front to back.
+    reads = [(k, alias[k]) for k in ckpt.tensors if k in alias and source[alias[k]] == k]
+    total = len(reads) + len(supplied)
+    show = progress if progress is not None else total > _PROGRESS_MIN_TENSORS
+    loaded = []
+    staged = DeviceReader(target) if target is not None and target.type == "cuda" else None
+    with torch.no_grad(), exact_cublas(), \
+            tqdm(total=total, desc="loading", unit="tensor", disable=not show) as bar:
+        for key, name in reads:
+            slot = slots[name]
+            contribs = plan.params.get(name, [])
+            ref, dev = ckpt.tensors[key], _device(slot, target)
+            if staged is not None and isinstance(ref, LazyTensor) and dev == staged.device:
+                t = staged.read(ref)  # pinned and double-buffered: no pageable copy
+            else:
+                t = _read(ref, bool(contribs)).to(dev)
+            final = _final_dtype(slot, ckpt, key, dtype)
+            _install(slot, _land(t, final, name, contribs, rounding, seed))
+            loaded.append(key)
+            bar.update()
+        for name in supplied:
+            spec = specs[name]
+            base = torch.zeros(spec.shape, dtype=spec.dtype, device=spec.device)
+            _install(slots[name], _land(base, spec.dtype, name, plan.params[name], rounding, seed))
+            bar.update()
+    return LoadReport(loaded, supplied, list(plan.params), unexpected, plan.unmatched,
+                      dense_unmatched, [] if strict else missing, plan.skipped,
+                      plan_notes(plan))
+
+
+
+def _validate(files: CheckpointSource, slots: dict[str, _Slot], alias: dict[str, str],
+              loras: AdapterList, mapping: KeyMapping | None, dtype: torch.dtype | None,
+              target: torch.device | None, strict: bool, strict_adapters: bool) -> tuple:
+    """Everything :func:`load_checkpoint` checks before its first write."""
+    ckpt = open_checkpoint(files)
 
     # Which checkpoint key feeds which slot; a tied slot is read once, from its first key.
     source: dict[str, str] = {}
@@ -197,35 +242,25 @@ def load_checkpoint(
         )
     check_finite(plan)  # every adapter tensor read once before any write
     dense_unmatched = _report_dense(plan)
+    _check_dtensors(slots)
+    return ckpt, source, unexpected, specs, plan, supplied, missing, dense_unmatched
 
-    # The checkpoint's own order, file by file: reads go through each file front to back.
-    reads = [(k, alias[k]) for k in ckpt.tensors if k in alias and source[alias[k]] == k]
-    total = len(reads) + len(supplied)
-    show = progress if progress is not None else total > _PROGRESS_MIN_TENSORS
-    loaded = []
-    staged = DeviceReader(target) if target is not None and target.type == "cuda" else None
-    with torch.no_grad(), exact_cublas(), \
-            tqdm(total=total, desc="loading", unit="tensor", disable=not show) as bar:
-        for key, name in reads:
-            slot = slots[name]
-            contribs = plan.params.get(name, [])
-            ref, dev = ckpt.tensors[key], _device(slot, target)
-            if staged is not None and isinstance(ref, LazyTensor) and dev == staged.device:
-                t = staged.read(ref)  # pinned and double-buffered: no pageable copy
-            else:
-                t = _read(ref, bool(contribs)).to(dev)
-            final = _final_dtype(slot, ckpt, key, dtype)
-            _install(slot, _land(t, final, name, contribs, rounding, seed))
-            loaded.append(key)
-            bar.update()
-        for name in supplied:
-            spec = specs[name]
-            base = torch.zeros(spec.shape, dtype=spec.dtype, device=spec.device)
-            _install(slots[name], _land(base, spec.dtype, name, plan.params[name], rounding, seed))
-            bar.update()
-    return LoadReport(loaded, supplied, list(plan.params), unexpected, plan.unmatched,
-                      dense_unmatched, [] if strict else missing, plan.skipped,
-                      plan_notes(plan))
+
+def _check_dtensors(slots: dict[str, _Slot]) -> None:
+    """DTensor targets are written in place, shard by shard: they must be materialized, and
+    their placements must have windows (raises before any rank writes).
+    """
+    for name, slot in slots.items():
+        t = slot.tensor
+        if not is_dtensor(t):
+            continue
+        if t.is_meta:
+            raise UnsupportedPlacementError(
+                f"{name!r} is a DTensor on the meta device: shard the model (fully_shard, "
+                "parallelize_module), then materialize it (model.to_empty(device=...)) before "
+                "load_checkpoint, which writes each rank's shard in place (FSDP2 and tensor "
+                "parallelism keep references to the parameters they sharded)")
+        shard_window(t, name)
 
 
 def replacement_parameters(
@@ -287,6 +322,8 @@ def _slots(model: nn.Module) -> tuple[dict[str, _Slot], dict[str, str]]:
 def _device(slot: _Slot, target: torch.device | None) -> torch.device:
     if target is not None:
         return target
+    if is_dtensor(slot.tensor):  # where its shard lives (the whole tensor is cut there)
+        return slot.tensor.to_local().device
     return torch.device("cpu") if slot.tensor.is_meta else slot.tensor.device
 
 
@@ -297,8 +334,16 @@ def _final_dtype(slot: _Slot, ckpt: Checkpoint, key: str | None,
 
 
 def _install(slot: _Slot, t: torch.Tensor) -> None:
-    """Put ``t`` in the model under every name of ``slot``."""
+    """Put ``t`` in the model under every name of ``slot``: for a DTensor, this rank's window
+    of ``t``, copied into its local shard in place (the whole tensor is then dropped, so a
+    rank holds at most one whole tensor at a time).
+    """
     old = slot.tensor
+    if is_dtensor(old):
+        window = shard_window(old, slot.names[0])
+        part = t[tuple(slice(a, b) for a, b in zip(window.starts, window.stops, strict=True))]
+        old.to_local().copy_(part)
+        return
     if (not old.is_meta and old.dtype == t.dtype and old.device == t.device
             and old.shape == t.shape):
         # Materialized already: overwrite, keeping the object (optimizers, hooks and ties
