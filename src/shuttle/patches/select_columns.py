@@ -13,7 +13,6 @@ cannot be cut: :meth:`ColumnsOf.check` refuses it before anything changes.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 
 import torch
 
@@ -22,6 +21,7 @@ from shuttle.patches.dense import Diff, Set
 from shuttle.patches.lowrank import LowRank
 from shuttle.patches.patch import Patch, Tensorish, materialize
 from shuttle.patches.replace import Replace
+from shuttle.patches.select_rows import PartOf
 
 __all__ = ["ColumnSlice", "ColumnsOf", "select_columns"]
 
@@ -50,35 +50,14 @@ def _columns(t: Tensorish, start: int, end: int) -> Tensorish:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class ColumnsOf(Patch):
+class ColumnsOf(PartOf):
     """Columns ``start:end`` of ``inner``'s whole update (a parameter of ``columns`` columns).
 
     Attributes:
-        inner: the patch of the whole parameter.
-        start, end: the columns this patch stands for.
         columns: the whole parameter's columns.
     """
 
-    inner: Patch = None  # type: ignore[assignment]
-    start: int = 0
-    end: int = 0
     columns: int = 0
-
-    @property  # type: ignore[override]
-    def kind(self) -> str:
-        return self.inner.kind
-
-    def tensors(self) -> Iterator[tuple[str, Tensorish]]:
-        for name, t in self.inner.tensors():
-            yield f"inner.{name}", t
-
-    def load(self, device: torch.device | str | None = None) -> ColumnsOf:
-        inner = self.inner.load(device)
-        return self if inner is self.inner else dataclasses.replace(self, inner=inner)
-
-    @property
-    def rank(self) -> int | None:
-        return self.inner.rank
 
     @property
     def out_rows(self) -> int | None:

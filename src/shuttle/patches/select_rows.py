@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterator
+from typing import TypeVar
 
 import torch
 
@@ -26,7 +27,7 @@ from shuttle.patches.lowrank import LowRank
 from shuttle.patches.patch import Patch, Tensorish, materialize
 from shuttle.patches.replace import Replace
 
-__all__ = ["RowSlice", "RowsOf", "select_rows"]
+__all__ = ["PartOf", "RowSlice", "RowsOf", "select_rows"]
 
 
 class RowSlice:
@@ -47,18 +48,17 @@ class RowSlice:
         return materialize(self.base)[self.start:self.end]
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class RowsOf(Patch):
-    """Rows ``start:end`` of ``inner``'s whole update, for a patch made for a fused layer.
+_P = TypeVar("_P", bound="PartOf")
 
-    The update is ``inner.delta((inner.out_rows, *shape[1:]))[start:end]``: the whole update in
-    float32, once per target (each split layer forms it again; no state is kept between them).
-    Being additive, it merges, runs dynamically (as the dense weight residual every kind without
-    a low-rank forward uses) and lands during a streamed load like the inner kind would.
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PartOf(Patch):
+    """A window of ``inner``'s whole update (rows: :class:`RowsOf`; columns:
+    ``select_columns.ColumnsOf``): the kind, tensors and rank are the inner patch's.
 
     Attributes:
-        inner: the patch of the whole (fused) layer.
-        start, end: its rows that this patch stands for.
+        inner: the patch of the whole parameter.
+        start, end: the window along the dimension the subclass cuts.
     """
 
     inner: Patch = None  # type: ignore[assignment]
@@ -73,13 +73,24 @@ class RowsOf(Patch):
         for name, t in self.inner.tensors():
             yield f"inner.{name}", t
 
-    def load(self, device: torch.device | str | None = None) -> RowsOf:
+    def load(self: _P, device: torch.device | str | None = None) -> _P:
         inner = self.inner.load(device)
         return self if inner is self.inner else dataclasses.replace(self, inner=inner)
 
     @property
     def rank(self) -> int | None:
         return self.inner.rank
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RowsOf(PartOf):
+    """Rows ``start:end`` of ``inner``'s whole update, for a patch made for a fused layer.
+
+    The update is ``inner.delta((inner.out_rows, *shape[1:]))[start:end]``: the whole update in
+    float32, once per target (each split layer forms it again; no state is kept between them).
+    Being additive, it merges, runs dynamically (as the dense weight residual every kind without
+    a low-rank forward uses) and lands during a streamed load like the inner kind would.
+    """
 
     @property
     def alpha(self) -> float | None:
