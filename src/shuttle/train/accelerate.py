@@ -37,6 +37,7 @@ from shuttle.train.frozen import FrozenLinear, frozen_linear
 from shuttle.train.lora_linear import lora_linear
 from shuttle.train.lora_mlp import lora_mlp
 from shuttle.train.lora_qkv import lora_projections
+from shuttle.weights.upcast import UpcastHook
 
 __all__ = ["GATED_MLPS", "PROJECTION_GROUPS", "AccelerateReport", "accelerate", "restore"]
 
@@ -105,7 +106,7 @@ def _static_reason(module: torch.nn.Module) -> str | None:
     if getattr(module, "fan_in_fan_out", False):
         return "fan_in_fan_out weights"
     if base._forward_hooks or base._forward_pre_hooks or hasattr(base, "_hf_hook") \
-            or any(type(h).__name__ != "UpcastHook" for h in hooks_of(base)):
+            or any(not isinstance(h, UpcastHook) for h in hooks_of(base)):
         return "the base layer has forward hooks (offloading per layer?)"
     try:
         frozen_linear(base)
