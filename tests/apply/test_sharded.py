@@ -62,30 +62,40 @@ def _merge_case(rank, world, dims, spec, dtype, scoped):
     return [lin.weight.full_tensor() for lin in model], [r.weight.detach() for r in ref]
 
 
-CASES = [(2, (2,), "S0"), (2, (2,), "S1"), (2, (2,), "R"), (4, (4,), "S0"),
-         (4, (2, 2), "S0,S1"), (4, (2, 2), "S0,S0"), (4, (2, 2), "R,S1")]
+CASES = {2: [((2,), "S0"), ((2,), "S1"), ((2,), "R")],
+         4: [((4,), "S0"), ((2, 2), "S0,S1"), ((2, 2), "S0,S0"), ((2, 2), "R,S1")]}
+DTYPES = (torch.float32, torch.bfloat16)
 
 
-@pytest.mark.parametrize("world,dims,spec", CASES,
-                         ids=[f"{w}-{'x'.join(map(str, d))}-{s}" for w, d, s in CASES])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_each_shard_is_the_window_of_the_single_process_merge(world, dims, spec, dtype):
+def _merge_cases(rank, world):
+    """Every case of this world size and dtype in one process group (a spawn costs seconds)."""
+    return [(dims, spec, dtype, _merge_case(rank, world, dims, spec, dtype, False))
+            for dims, spec in CASES[world] for dtype in DTYPES]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_shard_is_the_window_of_the_single_process_merge(world):
     # bf16: bit for bit. float32: the same sums, but CPU BLAS picks other kernels for a shard
     # of one or a few rows, which may round the last bit differently.
-    for got, want in run_ranks(_merge_case, world, dims, spec, dtype, False):
-        for g, w in zip(got, want, strict=True):
-            if dtype == torch.bfloat16:
-                assert torch.equal(g, w)
-            else:
-                torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+    for cases in run_ranks(_merge_cases, world):
+        for dims, spec, dtype, (got, want) in cases:
+            for g, w in zip(got, want, strict=True):
+                msg = f"mesh {dims}, placements {spec}, {dtype}"
+                if dtype == torch.bfloat16:
+                    assert torch.equal(g, w), msg
+                else:
+                    torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7, msg=msg)
 
 
-@pytest.mark.parametrize("spec", ["S0", "S1"])
-def test_scoped_merge_restores_every_shard_bit_for_bit(spec):
-    for inside, want, after, before in run_ranks(_merge_case, 2, (2,), spec, torch.bfloat16,
-                                                 True):
-        for i, w, a, b in zip(inside, want, after, before, strict=True):
-            assert torch.equal(i, w) and torch.equal(a, b)
+def _scoped_cases(rank, world):
+    return [_merge_case(rank, world, (2,), spec, torch.bfloat16, True) for spec in ("S0", "S1")]
+
+
+def test_scoped_merge_restores_every_shard_bit_for_bit():
+    for cases in run_ranks(_scoped_cases, 2):
+        for inside, want, after, before in cases:
+            for i, w, a, b in zip(inside, want, after, before, strict=True):
+                assert torch.equal(i, w) and torch.equal(a, b)
 
 
 def _failing_rank_case(rank, world):
@@ -135,10 +145,14 @@ def _bad_placement_case(rank, world, what):
     return str(info.value), all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
 
 
-@pytest.mark.parametrize("what,message", [("partial", "Partial"), ("factors", "DTensor")])
-def test_unsupported_placements_are_refused_on_every_rank_before_any_change(what, message):
-    for text, unchanged in run_ranks(_bad_placement_case, 2, what):
-        assert message in text and unchanged
+def _bad_placement_cases(rank, world):
+    return [_bad_placement_case(rank, world, what) for what in ("partial", "factors")]
+
+
+def test_unsupported_placements_are_refused_on_every_rank_before_any_change():
+    for cases in run_ranks(_bad_placement_cases, 2):
+        for (text, unchanged), message in zip(cases, ("Partial", "DTensor"), strict=True):
+            assert message in text and unchanged
 
 
 def test_the_sharded_merge_example_runs_under_torchrun():
@@ -195,15 +209,19 @@ def _tp_case(rank, world, dtype):
     return [(a.float(), b.float()) for a, b in outs], refused
 
 
+def _tp_cases(rank, world):
+    return [(dtype, _tp_case(rank, world, dtype)) for dtype in DTYPES]
+
+
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_dynamic_lora_on_tensor_parallel_layers_equals_the_single_device_result(world, dtype):
-    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2,
-                                                                        "atol": 2e-2}
-    for outs, refused in run_ranks(_tp_case, world, dtype):
-        for got, want in outs:
-            torch.testing.assert_close(got, want, **tol)
-        assert refused
+def test_dynamic_lora_on_tensor_parallel_layers_equals_the_single_device_result(world):
+    for cases in run_ranks(_tp_cases, world):
+        for dtype, (outs, refused) in cases:
+            tol = ({"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else
+                   {"rtol": 2e-2, "atol": 2e-2})
+            for got, want in outs:
+                torch.testing.assert_close(got, want, **tol, msg=str(dtype))
+            assert refused
 
 
 def _load_case(rank, world, path, style):
@@ -247,14 +265,18 @@ def _load_case(rank, world, path, style):
     return all(torch.equal(got[n], want[n].detach()) for n in want), same_objects, refused
 
 
-@pytest.mark.parametrize("style", ["fsdp2", "tp"])
+def _load_cases(rank, world, path):
+    return [_load_case(rank, world, path, style) for style in ("fsdp2", "tp")]
+
+
 @pytest.mark.parametrize("world", [2, 4])
-def test_load_checkpoint_into_sharded_models_writes_each_shard_in_place(tmp_path, style, world):
+def test_load_checkpoint_into_sharded_models_writes_each_shard_in_place(tmp_path, world):
     from safetensors.torch import save_file
 
     torch.manual_seed(0)
     full = nn.Sequential(nn.Linear(8, 13), nn.ReLU(), nn.Linear(13, 6)).to(torch.bfloat16)
     path = tmp_path / "model.safetensors"
     save_file({k: v.contiguous() for k, v in full.state_dict().items()}, str(path))
-    for equal, same_objects, refused in run_ranks(_load_case, world, str(path), style):
-        assert equal and same_objects and refused
+    for cases in run_ranks(_load_cases, world, str(path)):
+        for equal, same_objects, refused in cases:  # FSDP2, then tensor parallel
+            assert equal and same_objects and refused
