@@ -106,25 +106,21 @@ class LoRAMLPFunction(torch.autograd.Function):
             grad_ad = _as(ud.T @ h, ad.dtype)
         del h, dh
 
-        grad_ag = grad_bg = grad_au = grad_bu = None
+        # gate and up: u = s * d B, dA = u^T x, dB = s * d^T (x A^T); d is de or dg
+        grads: dict[int, torch.Tensor] = {}  # argument position -> gradient
         us = []
         rg = ctx.rg
-        if ag is not None:
-            ug = de @ _as(bg, dt)
-            ug.mul_(sg)
-            us.append(ug)
-            if need[3]:
-                grad_ag = _as(ug.T @ x2, ag.dtype)
-            if need[4]:
-                grad_bg = _as((de.T @ hx[:, :rg]).mul_(sg), bg.dtype)
-        if au is not None:
-            uu = dg @ _as(bu, dt)
-            uu.mul_(su)
-            us.append(uu)
-            if need[7]:
-                grad_au = _as(uu.T @ x2, au.dtype)
-            if need[8]:
-                grad_bu = _as((dg.T @ hx[:, rg:]).mul_(su), bu.dtype)
+        for a, b, s, d, cols, at in ((ag, bg, sg, de, slice(0, rg), 3),
+                                     (au, bu, su, dg, slice(rg, None), 7)):
+            if a is None:
+                continue
+            u = d @ _as(b, dt)
+            u.mul_(s)
+            us.append(u)
+            if need[at]:
+                grads[at] = _as(u.T @ x2, a.dtype)
+            if need[at + 1]:
+                grads[at + 1] = _as((d.T @ hx[:, cols]).mul_(s), b.dtype)
         dx = None
         if need[0]:
             wg = gate.with_data(wg_data).weight(dt)
@@ -137,8 +133,8 @@ class LoRAMLPFunction(torch.autograd.Function):
                 a_in = _cat(*(None if a is None else _as(a, dt) for a in (ag, au)))
                 dx.addmm_(torch.cat(us, dim=1) if len(us) > 1 else us[0], a_in)
             dx = dx.view(*dy.shape[:-1], dx.shape[-1])
-        return (dx, None, None, grad_ag, grad_bg, None, None, grad_au, grad_bu, None,
-                None, grad_ad, grad_bd, None)
+        return (dx, None, None, grads.get(3), grads.get(4), None, None, grads.get(7),
+                grads.get(8), None, None, grad_ad, grad_bd, None)
 
 
 def lora_mlp(x: torch.Tensor, act: Activation,
