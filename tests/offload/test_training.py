@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -223,7 +224,16 @@ def test_unknown_trainable_placement_is_refused():
         ModelOffloader.from_module(TinyDiT(), blocks=PATHS, trainable="gpu")
 
 
+# torch's stream sanitizer loses a pending exception when a custom autograd.Function is the last
+# op saving tensors in a non-reentrant checkpoint's recomputation (a pure-torch Function, no
+# shuttle code, fails the same way): strict, so the marker goes once torch fixes it.
+_CSAN_CHECKPOINT_BUG = pytest.mark.xfail(
+    os.environ.get("TORCH_CUDA_SANITIZER") == "1", raises=SystemError, strict=True,
+    reason="torch CUDA sanitizer + checkpoint recomputation of a custom autograd.Function")
+
+
 @pytest.mark.gpu
+@_CSAN_CHECKPOINT_BUG
 def test_gpu_lora_training_with_resident_factors_matches_the_resident_model():
     ref = _lora_dit(True).cuda()
     model = copy.deepcopy(ref).cpu()
