@@ -200,6 +200,65 @@ def test_lora_factors_stay_on_the_device_while_the_frozen_blocks_stream(cpu_copy
         torch.testing.assert_close(got[n], q, rtol=1e-5, atol=1e-6, msg=n)
 
 
+def _quantized_lora_dit(kind: str, accelerated: bool):
+    """_lora_dit with the blocks' frozen bases stored quantized: ``"float8"`` (e4m3, upcast on
+    use) or ``"nf4"`` (bitsandbytes ``Linear4bit``)."""
+    if kind == "nf4":
+        from tests.offload.test_quantized_offload import quantized_linear
+
+        peft = pytest.importorskip("peft")
+        torch.manual_seed(0)
+        model = TinyDiT()
+        for b in [*model.blocks, *model.single]:
+            for name in ("attn", "up", "down"):
+                setattr(b, name, quantized_linear("nf4", getattr(b, name)))
+        model.requires_grad_(False)
+        model = peft.inject_adapter_in_model(
+            peft.LoraConfig(r=4, target_modules=["attn", "up", "down"],
+                            init_lora_weights=False), model)
+    else:
+        model = _lora_dit(False)
+        for name, p in model.named_parameters():
+            if name.endswith("base_layer.weight"):
+                p.data = p.data.to(torch.float8_e4m3fn)
+        shuttle.upcast_on_use(model, torch.float32)
+    if accelerated:
+        from shuttle.train import accelerate
+
+        report = accelerate(model)
+        assert report.patched  # the quantized bases take the fast path, not PEFT's fallback
+    return model
+
+
+@pytest.mark.parametrize("accelerated", [False, True])
+@pytest.mark.parametrize("kind", ["float8", "nf4"])
+def test_lora_training_over_quantized_blocks_streams_them_in_their_stored_form(
+        cpu_copy, kind, accelerated):
+    ref = _quantized_lora_dit(kind, accelerated)
+    model = copy.deepcopy(ref)
+    stored = {n: p.dtype for n, p in model.named_parameters() if n.endswith("base_layer.weight")}
+    off = ModelOffloader.from_module(model, blocks=PATHS, trainable="device")
+    moved = {d for us in off.storage.groups.values() for u in us for d in u.layout.dtypes}
+    assert set(stored.values()) <= moved  # float8 / packed uint8 move as they are stored
+    x, y = batch()
+    opt_ref = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    opt = torch.optim.AdamW(off.on_device, lr=1e-2)
+    with off.use("cpu", StreamConfig(prefetch=1)) as active:
+        for _ in range(2):
+            loss_of(ref, x, y).backward()
+            loss_of(active, x, y).backward()
+            got = dict(active.named_parameters())
+            for n, q in ref.named_parameters():
+                if q.requires_grad:
+                    torch.testing.assert_close(got[n].grad, q.grad, rtol=1e-5, atol=1e-6,
+                                               msg=n)
+            assert {n: got[n].dtype for n in stored} == stored
+            opt_ref.step()
+            opt_ref.zero_grad()
+            opt.step()
+            opt.zero_grad()
+
+
 def test_trainable_on_device_counts_against_the_budget(cpu_copy):
     from shuttle.errors import BudgetTooSmallError
 
