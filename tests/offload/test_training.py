@@ -259,6 +259,33 @@ def test_lora_training_over_quantized_blocks_streams_them_in_their_stored_form(
             opt.zero_grad()
 
 
+@pytest.mark.parametrize("prefetch", [1, 2, 3])
+def test_a_training_step_copies_no_block_it_does_not_use(cpu_copy, prefetch):
+    # Forward 0..n-1, then the backward n-1..0, then the next forward from 0: at each turn the
+    # ring already holds the blocks called next, so a step loads each streamed block once each
+    # way except the ring's d + 1 at the two turns (a cyclic prefetch at the turns loads d
+    # blocks the step does not call next, four times a step).
+    off = ModelOffloader.from_module(_lora_dit(False), blocks=PATHS, trainable="device")
+    x, y = batch()
+    with off.use("cpu", StreamConfig(prefetch=prefetch)) as model:
+        for step in range(3):
+            before = {p: s.loads for p, s in off.streamers.items()}
+            loss_of(model, x, y).backward()
+            model.zero_grad()
+            if step:  # the first step starts from the warm-up loads
+                for p, s in off.streamers.items():
+                    n = len(getattr(model, p))  # 5 and 3 blocks: a ring of up to all of them
+                    assert s.loads - before[p] == 2 * max(0, n - prefetch - 1), p
+        with torch.no_grad():  # inference: each block once a step, the last ones prefetching
+            model(x)  # the next step's first ones
+            before = {p: s.loads for p, s in off.streamers.items()}
+            model(x)
+            for p, s in off.streamers.items():
+                n = len(getattr(model, p))
+                assert s.loads - before[p] == (n if n > prefetch + 1 else 0), p
+                assert s._slot_of[0] is not None, p
+
+
 def test_trainable_on_device_counts_against_the_budget(cpu_copy):
     from shuttle.errors import BudgetTooSmallError
 

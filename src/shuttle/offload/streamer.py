@@ -6,9 +6,8 @@ prefetch depth (``k = d + 1``), the hook around block ``i``'s forward does:
 
 1. make sure block ``i`` is in a ring slot (a miss loads it now), make the compute stream wait
    for that slot's copy event, and point the block's parameters at the slot's views;
-2. queue the loads of the next ``d`` streamed blocks after ``i`` (cyclically: the last blocks
-   of a step prefetch the first ones of the next step) into the least recently loaded slots
-   that none of ``i``, ``i+1 .. i+d`` holds;
+2. queue the loads of the next ``d`` streamed blocks the step will call (see below) into the
+   least recently loaded slots that none of ``i`` and those ``d`` holds;
 3. run the forward, then record the slot's free event (also when the forward raises).
 
 Resident blocks get the hook too: they only prefetch, so the copy stream keeps working while
@@ -26,6 +25,14 @@ block's own backward follows at once, while its slot is protected. During the ba
 prefetch runs the other way (blocks ``i-1 .. i-d``), and a slot's free event is recorded at the
 next hook call rather than at the end of the recomputation, so that it also covers the kernels
 of the block's backward, queued between the two.
+
+**What comes after the last block** depends on the step. An inference forward is followed by
+the next step's forward: the last blocks prefetch the first ones (cyclic). A checkpointed
+training forward is followed by its backward, which recomputes the last blocks first: the
+ring already holds them, so the last blocks prefetch nothing new. A backward is followed by
+the next step's forward, which starts where the backward ends: block 0, then 1, 2, ... Each
+wrong guess at a turn costs ``d`` wasted copies on the critical path (the copies of a
+copy-bound forward), four turns a training step.
 
 A forward that records autograd outside checkpointing is not refused (its outputs are right),
 but every tensor it saves that lies in a slot is checked when the backward unpacks it
@@ -128,6 +135,18 @@ class SlotHook(ModuleHook):
             s.after(i)
 
 
+def _first(n: int, skip: int, *orders: Sequence[int]) -> tuple[int, ...]:
+    """The first ``n`` distinct entries of the concatenated ``orders`` other than ``skip``."""
+    out: list[int] = []
+    for order in orders:
+        for j in order:
+            if len(out) == n:
+                return tuple(out)
+            if j != skip and j not in out:
+                out.append(j)
+    return tuple(out)
+
+
 class BlockStreamer:
     """Moves one group's blocks through its pool's ring of slots as the blocks are called.
 
@@ -160,14 +179,21 @@ class BlockStreamer:
         self._cursor = 0
         depth = min(prefetch, len(self._ring) - 1, len(streamed) - 1) if streamed else 0
         assert not streamed or self._ring, "streamed blocks need at least one ring slot"
+        # The blocks to prefetch at block i: the next `depth` distinct streamed blocks of the
+        # call sequence that follows (module docs), for an inference forward (cyclic), a
+        # checkpointed training forward (then its backward, last block first) and a backward
+        # (then the next forward, first block first).
         self._ahead: list[tuple[int, ...]] = []
-        self._behind: list[tuple[int, ...]] = []  # the prefetch order of a backward
+        self._bounce: list[tuple[int, ...]] = []
+        self._behind: list[tuple[int, ...]] = []
         for i in range(n):
             nxt = bisect.bisect_right(streamed, i)
-            self._ahead.append(tuple(streamed[(nxt + d) % len(streamed)] for d in range(depth)))
-            prv = bisect.bisect_left(streamed, i) - 1
-            self._behind.append(tuple(streamed[(prv - d) % len(streamed)] for d in range(depth)))
+            prv = bisect.bisect_left(streamed, i)
+            self._ahead.append(_first(depth, i, streamed[nxt:], streamed[:nxt]))
+            self._bounce.append(_first(depth, i, streamed[nxt:], streamed[::-1]))
+            self._behind.append(_first(depth, i, streamed[:prv][::-1], streamed))
         self._protect = [frozenset((i, *a)) for i, a in enumerate(self._ahead)]
+        self._protect_bounce = [frozenset((i, *a)) for i, a in enumerate(self._bounce)]
         self._protect_back = [frozenset((i, *a)) for i, a in enumerate(self._behind)]
         self._streamed = streamed
         self._pending: list[int] = []  # slots freed at the next hook call (see before())
@@ -208,15 +234,19 @@ class BlockStreamer:
     def before(self, i: int) -> None:
         """Block ``i`` is about to run: its weights in place, the next ones on their way."""
         self._flush()
-        backward = in_backward()
-        protect = self._protect_back[i] if backward else self._protect[i]
+        if in_backward():
+            order, protect = self._behind[i], self._protect_back[i]
+        elif torch.is_grad_enabled() and outer_saved_hooks():  # its backward comes next
+            order, protect = self._bounce[i], self._protect_bounce[i]
+        else:
+            order, protect = self._ahead[i], self._protect[i]
         if not self._resident[i]:
             slot = self._slot_of[i]
             if slot is None:  # a miss: out-of-order call, or no prefetch
                 slot = self._load(i, protect)
             self.pool.wait_loaded(slot)
             self.units[i].bind(self.pool.views[slot])
-        for j in self._behind[i] if backward else self._ahead[i]:
+        for j in order:
             if self._slot_of[j] is None:
                 self._load(j, protect)
 
