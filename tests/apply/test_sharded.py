@@ -87,6 +87,81 @@ def test_each_shard_is_the_window_of_the_single_process_merge(world):
                     torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7, msg=msg)
 
 
+# Stochastic rounding into shards: float8 by default, bfloat16 when asked.
+DRAWN = {torch.float8_e4m3fn: None, torch.bfloat16: "stochastic"}
+
+
+def _as(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    for lin in model:
+        lin.weight = nn.Parameter(lin.weight.detach().to(dtype), requires_grad=False)
+    return model
+
+
+def _drawn_cases(rank, world):
+    """Per case, per weight: this rank's window and its shard's bytes after the merge."""
+    from shuttle.weights.dtensor import shard_window
+
+    out = []
+    for dims, spec in CASES[world]:
+        for dtype, rounding in DRAWN.items():
+            model = _model(torch.bfloat16)
+            _shard(model, _mesh(world, dims), _placements(spec))
+            _as(model, dtype)  # a DTensor converts shard by shard
+            shuttle.merge_lora(model, [(_adapter(), 0.7)], rounding=rounding)
+            shards = []
+            for i, lin in enumerate(model):
+                w = shard_window(lin.weight, str(i))
+                local = lin.weight.to_local()
+                shards.append((w.starts, w.stops, local.view(torch.uint8) if dtype.itemsize == 1
+                               else local.view(torch.int16)))
+            out.append((dims, spec, dtype, shards))
+    return out
+
+
+def _drawn_reference(dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per weight: the stochastic merge of the whole weight with the draws of its global
+    element indices, and the float32 value it rounds."""
+    from shuttle.apply.merge import apply_contributions
+    from shuttle.apply.plan import plan_merge
+    from shuttle.apply.rounding import merge_seed
+    from shuttle.kernels.rounding import GlobalDraws, round_float
+
+    model = _as(_model(torch.bfloat16), dtype)
+    plan = plan_merge(model, [(_adapter(), 0.7)])
+    out = []
+    for name, p in model.named_parameters():
+        if name not in plan.params:
+            continue
+        contribs = plan.params[name]
+        exact = apply_contributions(p.detach().float(), contribs)
+        if dtype.itemsize == 1:
+            exact = exact.clamp(-448.0, 448.0)
+        draws = GlobalDraws(merge_seed(name, None, contribs), (0, 0), tuple(p.shape))
+        out.append((round_float(exact, dtype, "stochastic", noise=draws.uniform(p.shape, "cpu")),
+                    exact))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_stochastic_merges_into_shards_give_the_same_bits_on_any_world_size(world):
+    refs = {dtype: _drawn_reference(dtype) for dtype in DRAWN}
+    for dtype, ref in refs.items():  # the reference is a stochastic rounding of the exact sum:
+        view = torch.uint8 if dtype.itemsize == 1 else torch.int16
+        for r, exact in ref:  # the nearest value, or its neighbour on the other side of exact
+            n = exact.to(dtype)
+            other = (r.float() - exact).sign() != (n.float() - exact).sign()
+            step = (r.view(view).int() - n.view(view).int()).abs()
+            assert bool(((step == 0) | ((step == 1) & other) | (n.float() == 0)).all())
+            assert bool((step == 1).any())  # not all nearest
+    for cases in run_ranks(_drawn_cases, world):
+        for dims, spec, dtype, shards in cases:
+            for (starts, stops, got), (want, _) in zip(shards, refs[dtype], strict=True):
+                window = want[starts[0]:stops[0], starts[1]:stops[1]]
+                bits = window.view(torch.uint8) if dtype.itemsize == 1 else window.view(
+                    torch.int16)
+                assert torch.equal(got, bits), f"mesh {dims}, placements {spec}, {dtype}"
+
+
 def _scoped_cases(rank, world):
     return [_merge_case(rank, world, (2,), spec, torch.bfloat16, True) for spec in ("S0", "S1")]
 

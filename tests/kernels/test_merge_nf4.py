@@ -5,12 +5,12 @@ On CPU the kernel runs under TRITON_INTERPRET=1 (set in conftest); on CUDA it is
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-from shuttle.kernels.launch import seed32, triton_available
+from shuttle.kernels.launch import triton_available
 from shuttle.kernels.merge_nf4 import merge_4bit, merge_4bit_reference
+from shuttle.kernels.rounding import hash_uniform
 from shuttle.weights import Bnb4bitWeight, represent
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -121,22 +121,6 @@ def test_zero_block_keeps_zero_absmax():
     assert torch.equal(_indices(got[0], 256), _indices(want[0], 256))
 
 
-def _hash_uniform(seed: int, idx: np.ndarray) -> np.ndarray:
-    """``tiles.hash_uniform`` in NumPy (uint32 products wrap as on the GPU): the kernel's draw
-    for each flat element index ``idx`` (int64)."""
-    def mix(x):
-        x ^= x >> 16
-        x *= 0x7FEB352D
-        x ^= x >> 15
-        x *= 0x846CA68B
-        x ^= x >> 16
-        return x
-
-    lo, hi = idx.astype(np.uint32), (idx >> 32).astype(np.uint32)
-    x = mix(lo ^ mix(hi ^ np.uint32(seed32(seed))))
-    return (x >> 8).astype(np.float64) / 16777216.0
-
-
 def _assert_stochastic_draws(got, exact, code, seed, blocksize):
     """``got`` ``(packed, absmax)`` is the stochastic encoding of ``exact`` (float64) with the
     draws ``hash_uniform(seed, flat index)``: absmax within 8 float32 ulps of the block maximum,
@@ -152,7 +136,7 @@ def _assert_stochastic_draws(got, exact, code, seed, blocksize):
     hi = (sorted_code < v[:, None]).sum(dim=1).clamp(1, 15)
     lo = hi - 1
     p = (v - sorted_code[lo]) / (sorted_code[hi] - sorted_code[lo])
-    u = torch.from_numpy(_hash_uniform(seed, np.arange(numel, dtype=np.int64))).to(p.device)
+    u = hash_uniform(seed, torch.arange(numel, device=p.device)).double()  # the kernel's
     idx = _indices(got[0], numel)
     assert bool(((idx == perm[hi]) | (idx == perm[lo])).all()), "not a neighbour of v"
     wrong = (idx == perm[hi]) != (u < p)

@@ -91,3 +91,58 @@ def test_round_float_nearest_and_wide_targets():
     x = torch.randn(64)
     assert torch.equal(round_float(x, torch.bfloat16), x.bfloat16())
     assert torch.equal(round_float(x, torch.float32, "stochastic"), x)
+
+
+# -- draws by element index ------------------------------------------------------------------
+
+hash_uniform_tile = None  # tiles.hash_uniform, bound when the kernel is built (interpreter)
+
+
+def _draw_kernel():
+    triton = pytest.importorskip("triton")
+    import triton.language as tl
+
+    from shuttle.kernels import tiles
+
+    globals()["hash_uniform_tile"] = tiles.hash_uniform
+
+    @triton.jit
+    def draw(idx_ptr, out_ptr, seed, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        mask = offs < n
+        idx = tl.load(idx_ptr + offs, mask=mask, other=0)
+        tl.store(out_ptr + offs, hash_uniform_tile(seed, idx), mask=mask)
+
+    return draw
+
+
+def test_hash_uniform_is_the_kernels_draw_bit_for_bit():
+    from shuttle.kernels.launch import seed32
+    from shuttle.kernels.rounding import hash_uniform
+
+    kernel = _draw_kernel()
+    idx = torch.tensor([0, 1, 2, 255, 2**31 - 1, 2**31, 2**32 + 7, 2**40 + 123456789],
+                       dtype=torch.int64)
+    for seed in (0, 5, 2**62 + 5):
+        out = torch.empty(idx.numel(), dtype=torch.float32)
+        kernel[(1,)](idx, out, seed32(seed), idx.numel(), BLOCK=8)
+        assert torch.equal(hash_uniform(seed, idx), out), seed
+
+
+def test_global_draws_of_a_window_are_the_whole_tensors_draws_there():
+    from shuttle.kernels.rounding import GlobalDraws, hash_uniform
+
+    whole = hash_uniform(11, torch.arange(7 * 5 * 3).reshape(7, 5, 3))
+    window = GlobalDraws(11, (2, 1, 0), (7, 5, 3)).uniform((4, 3, 3), "cpu")
+    assert torch.equal(window, whole[2:6, 1:4, 0:3])
+    assert float(whole.min()) >= 0.0 and float(whole.max()) < 1.0
+    assert abs(float(whole.mean()) - 0.5) < 0.1
+
+
+def test_stochastic_round_takes_its_draws_from_noise():
+    x = torch.full((64,), 1.0 + 2**-9, dtype=torch.float32)  # a quarter of a bf16 step above 1
+    low = torch.full((64,), 0.9)
+    high = torch.full((64,), 0.1)
+    assert torch.equal(stochastic_round(x, torch.bfloat16, noise=low), x.to(torch.bfloat16))
+    up = stochastic_round(x, torch.bfloat16, noise=high)
+    assert bool((up.float() > x).all())

@@ -45,9 +45,10 @@ from shuttle.kernels.merge_lowrank import (
     overflow_margin,
     replay_merges,
 )
+from shuttle.kernels.rounding import GlobalDraws, round_float
 from shuttle.patches import LowRank
 from shuttle.targets import KeyMapping, fused_modules
-from shuttle.weights import PLAIN_DTYPES, WeightRepresentation, represent
+from shuttle.weights import FP8_DTYPES, PLAIN_DTYPES, WeightRepresentation, represent
 from shuttle.weights.plain import is_plain_tensor
 
 __all__ = [
@@ -170,7 +171,7 @@ def merge_lora(
         plan = plan_params(params, loras, mapping, fused=fused_modules(model), widen=True,
                            strict=strict, memo=memo_of(model))
         # DTensor parameters: their local shards, and the windows of the updates they hold
-        local_plan, local = localize(plan, params, rounding=rounding)
+        local_plan, local = localize(plan, params, rounding=rounding, seed=seed)
         check_mergeable(local_plan, local)
         return plan, local_plan, local
 
@@ -231,7 +232,9 @@ def merge_plan(model: torch.nn.Module, plan: MergePlan, *, rounding: Rounding | 
         with torch.no_grad(), exact_cublas():
             replay_merges(recipe.launches)
             for name in plan.params:
-                if name not in fused:
+                if name in plan.draws:
+                    merge_drawn(params[name], name, plan.params[name], plan.draws[name])
+                elif name not in fused:
                     merge_param(params[name], name, plan.params[name], rounding, seed)
     else:
         flags = _merge_plan(model, plan, params, rounding, seed, show, rollback)
@@ -289,6 +292,9 @@ def _merge_plan(model: torch.nn.Module, plan: MergePlan, params: dict[str, torch
                     if rollback and not safe[name]:
                         backups[name] = copy_param(p)
                     bar.update()
+                    if name in plan.draws:
+                        merge_drawn(p, name, contribs, plan.draws[name], check=not safe[name])
+                        continue
                     fused = _fused_jobs(p, contribs) if nearest else None
                     if fused is None:
                         merge_param(p, name, contribs, rounding, seed, check=not safe[name],
@@ -413,6 +419,28 @@ def merge_param(p: torch.Tensor, name: str, contribs: list[Contribution],
             f"{p.dtype}); lower the strength."
         )
     p.data.copy_(w)
+
+
+def merge_drawn(p: torch.Tensor, name: str, contribs: list[Contribution], draws: GlobalDraws,
+                check: bool = True) -> None:
+    """:func:`merge_param` into the plain (float8 or 16-bit) local tensor ``p`` of a DTensor,
+    rounded stochastically with ``draws`` (by global element index: the same bits on any world
+    size). Float8 values beyond the format's finite range clamp to ``±finfo.max``.
+    """
+    w = apply_contributions(p.detach().to(compute_dtype(p.dtype, contribs), copy=True), contribs)
+    if check and not bool(torch.isfinite(w).all()):
+        raise NonFiniteAdapterError(
+            f"merging into {name!r} gives NaN or infinity; lower the strength.")
+    fp8 = p.dtype in FP8_DTYPES
+    if fp8:
+        fmax = torch.finfo(p.dtype).max
+        w = w.clamp_(-fmax, fmax)
+    out = round_float(w.float(), p.dtype, "stochastic", noise=draws.uniform(p.shape, p.device))
+    if check and not fp8 and not bool(torch.isfinite(out).all()):  # float16 overflow
+        raise NonFiniteAdapterError(
+            f"merging into {name!r} gives infinity (the update overflows {p.dtype}); lower the "
+            "strength.")
+    p.data.copy_(out)
 
 
 def compute_dtype(dtype: torch.dtype, contribs: list[Contribution]) -> torch.dtype:

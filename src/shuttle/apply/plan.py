@@ -30,6 +30,7 @@ from shuttle.errors import (
 )
 from shuttle.formats import LoRA, load_lora
 from shuttle.formats.source import Source
+from shuttle.kernels.rounding import GlobalDraws
 from shuttle.patches import DoRA, Patch, materialize
 from shuttle.targets import KeyMapping, ModelNames, Target, fused_modules, resolve
 from shuttle.targets.family import widenable
@@ -83,6 +84,8 @@ class MergePlan:
     (their entry in ``adapters`` has strength 1; each contribution carries its own).
     ``memo``: the model's :class:`~shuttle.apply.memo.MergeMemo` (placements and finite
     verdicts reused, ``max |t|`` of the checked adapter tensors), or a fresh one.
+    ``draws``: parameters (DTensor shards, :func:`~shuttle.apply.sharded.localize`) whose
+    stochastic rounding draws by global element index, with the global seed and window.
     """
 
     params: dict[str, list[Contribution]]
@@ -92,6 +95,7 @@ class MergePlan:
     widen: dict[str, torch.Size] = dataclasses.field(default_factory=dict)
     components: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
     memo: MergeMemo = dataclasses.field(default_factory=MergeMemo, repr=False, compare=False)
+    draws: dict[str, GlobalDraws] = dataclasses.field(default_factory=dict)
 
 
 def normalize_loras(loras: AdapterList) -> list[tuple[LoRA, float]]:

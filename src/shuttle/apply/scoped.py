@@ -142,7 +142,7 @@ def apply_lora(
             "mode='merge' (each rank merges its shards); dynamic adapters on tensor-parallel "
             "layers are not supported yet")
     plan, sharded = agreed(params, lambda: _plan_local(model, params, loras, mapping, mode,
-                                                       strict, rounding))
+                                                       strict, rounding, seed))
     merged, dynamic = plan, None
     notes = plan_notes(plan)
     report: MergeReport | AutoReport = MergeReport(list(plan.params), plan.unmatched,
@@ -184,13 +184,14 @@ def apply_lora(
 
 
 def _plan_local(model: torch.nn.Module, params: dict[str, torch.Tensor], loras: AdapterList,
-                mapping: KeyMapping | None, mode: str, strict: bool, rounding: Rounding | None
+                mapping: KeyMapping | None, mode: str, strict: bool, rounding: Rounding | None,
+                seed: int | None
                 ) -> tuple[MergePlan, tuple[MergePlan, dict[str, torch.Tensor]] | None]:
     """The plan, and for a model with DTensor parameters its local plan and tensors."""
     plan = plan_merge(model, loras, mapping, widen=mode == "merge", strict=strict)
     if not has_dtensors(params):
         return plan, None
-    return plan, localize(plan, params, rounding=rounding)
+    return plan, localize(plan, params, rounding=rounding, seed=seed)
 
 
 def _close(model: torch.nn.Module, scope: _Scope) -> None:

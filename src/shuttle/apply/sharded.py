@@ -12,9 +12,13 @@ the same sums). Replicated parameters merge whole on every rank. Rows and column
 sharded dimensions taken; ``Partial`` and strided placements, and sharded widenings, are
 refused.
 
-Stochastic rounding into a sharded weight would draw its random numbers by local element
-index, so the result would depend on the world size: sharded float8 / quantized weights merge
-with ``rounding="nearest"`` (or replicated); asked otherwise, the merge is refused.
+Stochastic rounding (the default into float8, or ``rounding="stochastic"``) into a DTensor's
+plain local tensor draws by global element index (:class:`~shuttle.kernels.rounding.GlobalDraws`)
+with the seed of the global contributions, so each shard gets the bits of the same window of
+an unsharded stochastic merge with those draws, on any world size and mesh. A quantized or
+scaled local tensor (NF4, scaled float8) encodes by blocks and scales that a shard boundary
+cuts: sharded, it merges with ``rounding="nearest"`` (or replicated); asked otherwise, the
+merge is refused.
 
 :func:`agreed` runs the validation of a distributed call and has every rank learn whether any
 rank failed (one all-reduce of a flag over the default process group) before the first write,
@@ -30,7 +34,9 @@ from typing import TypeVar
 import torch
 
 from shuttle.apply.plan import Contribution, MergePlan
+from shuttle.apply.rounding import merge_seeds, rounding_for
 from shuttle.errors import RankFailedError, UnsupportedPlacementError
+from shuttle.kernels.rounding import GlobalDraws
 from shuttle.patches.select_columns import select_columns
 from shuttle.patches.select_rows import select_rows
 from shuttle.weights.dtensor import is_dtensor, shard_window
@@ -47,9 +53,12 @@ def has_dtensors(params: Mapping[str, torch.Tensor]) -> bool:
 
 
 def localize(plan: MergePlan, params: Mapping[str, torch.Tensor], *,
-             rounding: str | None = None) -> tuple[MergePlan, dict[str, torch.Tensor]]:
+             rounding: str | None = None, seed: int | None = None
+             ) -> tuple[MergePlan, dict[str, torch.Tensor]]:
     """``plan`` and ``params`` with every DTensor parameter replaced by its local tensor and
-    its contributions by their windows (see the module docs); others unchanged.
+    its contributions by their windows (see the module docs); others unchanged. DTensors
+    rounded stochastically get :attr:`MergePlan.draws` (seeded by ``seed`` and the global
+    contributions).
 
     Raises:
         UnsupportedPlacementError: a placement or a layout without a window, a shard of any
@@ -60,6 +69,7 @@ def localize(plan: MergePlan, params: Mapping[str, torch.Tensor], *,
     if not has_dtensors(params):
         return plan, local
     out: dict[str, list[Contribution]] = {}
+    drawn: dict[str, tuple[int, ...]] = {}
     for name, contribs in plan.params.items():
         p = params[name]
         if not is_dtensor(p):
@@ -84,7 +94,14 @@ def localize(plan: MergePlan, params: Mapping[str, torch.Tensor], *,
                 "would depend on the world size; pass rounding='nearest', or replicate it")
         local[name] = tensor
         out[name] = [c for c in (_window(c, window, shape) for c in contribs) if c is not None]
-    return dataclasses.replace(plan, params={n: cs for n, cs in out.items() if cs}), local
+        if (is_plain_tensor(tensor) and tensor.dtype not in (torch.float32, torch.float64)
+                and rounding_for(rounding, tensor.dtype) == "stochastic"):  # type: ignore[arg-type]
+            drawn[name] = window.starts
+    seeds = merge_seeds([(n, plan.params[n]) for n in drawn], seed)  # the global contributions
+    draws = {n: GlobalDraws(s, starts, tuple(params[n].shape))
+             for (n, starts), s in zip(drawn.items(), seeds, strict=True)}
+    return dataclasses.replace(plan, params={n: cs for n, cs in out.items() if cs},
+                               draws=draws), local
 
 
 def _window(c: Contribution, window, shape: tuple[int, ...]) -> Contribution | None:
