@@ -16,6 +16,11 @@ is captured as its storage tensors: each declared tensor of its representation (
 scales, codes) is a layout entry of its own, and binding calls the representation's
 ``rebind``, so the parameter moves whole, in its stored form, never dequantized.
 
+A ``DTensor`` (tensor parallelism, ``distribute_tensor``) is captured as its local shard: the
+shard is the layout entry, and binding points the DTensor at its view (``_local_tensor``), so
+each rank pins and streams only what it holds; placements, mesh and global shape stay. The
+shard must be a plain tensor.
+
 Without CUDA, pinning is unavailable: arenas are plain memory and :attr:`HostStorage.pinned`
 is False.
 """
@@ -36,6 +41,7 @@ import torch
 
 from shuttle.errors import BlockLayoutError, HostBackingError, ShuttleError, UnsupportedLayerError
 from shuttle.weights import Fp8Weight, PlainWeight, WeightRepresentation, represent
+from shuttle.weights.dtensor import is_dtensor
 from shuttle.weights.plain import is_plain_tensor
 
 __all__ = ["HostBacking", "HostStorage", "HostUnit", "Layout"]
@@ -98,6 +104,7 @@ class _Binding(NamedTuple):
     # (its representation, tensors dropped) rebinds the parameter to all of its parts at once.
     rep: WeightRepresentation | None = None
     part: str | None = None
+    shard: bool = False  # a DTensor: its local tensor is the entry
 
 
 class HostUnit:
@@ -121,6 +128,9 @@ class HostUnit:
         for b in self.bindings:
             if b.rep is not None:
                 parts.setdefault((id(b.module), b.name), (b, {}))[1][b.part] = views[b.entry]
+            elif b.shard:  # the DTensor object (and its Parameter identity) stays
+                table = b.module._parameters if b.is_param else b.module._buffers
+                table[b.name]._local_tensor = views[b.entry]
             elif b.is_param:
                 b.module._parameters[b.name].data = views[b.entry]
             else:
@@ -191,6 +201,21 @@ def _check(t: torch.Tensor, where: str, adopt: bool) -> None:
                                "(e.g. load_state_dict(..., assign=True))")
 
 
+def _shard_of(t: torch.Tensor, where: str) -> torch.Tensor:
+    """The local tensor of DTensor ``t``.
+
+    Raises:
+        HostBackingError: the local tensor is not a plain tensor (a quantized shard).
+    """
+    local = t._local_tensor
+    if type(local) is not torch.Tensor:
+        raise HostBackingError(
+            f"{where} is a DTensor whose local shard is a {type(local).__name__}: the offloader "
+            "moves DTensors with plain local tensors; dequantize before sharding, or keep it "
+            "out of the offloaded blocks")
+    return local.detach()
+
+
 def _quantized(t: torch.Tensor, where: str) -> WeightRepresentation | None:
     """The representation of a quantized parameter (storage tensors, ``rebind``), or None for
     one captured as one tensor (plain, float8, or a tensor no representation claims, which
@@ -255,7 +280,7 @@ def _survey(model: torch.nn.Module, groups: dict[str, Sequence[torch.nn.Module]]
 
         def add(key: tuple, t: torch.Tensor, full: str, module: torch.nn.Module, path: str,
                 leaf: str, kind: bool, rep: WeightRepresentation | None = None,
-                part: str | None = None) -> None:
+                part: str | None = None, shard: bool = False) -> None:
             other = owner.setdefault(key, (name, full))
             if other[0] != name:
                 raise BlockLayoutError(
@@ -267,8 +292,8 @@ def _survey(model: torch.nn.Module, groups: dict[str, Sequence[torch.nn.Module]]
             if e is None:
                 e = entries[key] = len(specs)
                 specs.append((t.dtype, t.shape))
-                sources.append(_Binding(module, leaf, kind, e, rep, part))
-            bindings.append(_Binding(module, leaf, kind, e, rep, part))
+                sources.append(_Binding(module, leaf, kind, e, rep, part, shard))
+            bindings.append(_Binding(module, leaf, kind, e, rep, part, shard))
             sig.append((path, leaf, kind, e) if part is None else (path, leaf, kind, e, part))
 
         for path, module in _walk(root, stop):
@@ -282,6 +307,11 @@ def _survey(model: torch.nn.Module, groups: dict[str, Sequence[torch.nn.Module]]
                     if t is None or (kind and id(t) in skip):
                         continue
                     full = ".".join(p for p in (name, path, leaf) if p)
+                    if is_dtensor(t):
+                        local = _shard_of(t, full)
+                        _check(local, full, adopt)
+                        add(_alias_key(local), local, full, module, path, leaf, kind, shard=True)
+                        continue
                     rep = _quantized(t, full) if kind else None
                     if rep is not None:
                         for part, pt in _parts(t, rep).items():
@@ -457,4 +487,6 @@ def _read(b: _Binding) -> torch.Tensor:
     table = b.module._parameters if b.is_param else b.module._buffers
     if b.rep is not None:
         return _parts(table[b.name], b.rep)[b.part]
+    if b.shard:
+        return table[b.name]._local_tensor.detach()
     return table[b.name].detach()

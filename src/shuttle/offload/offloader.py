@@ -58,6 +58,7 @@ from shuttle.offload.slots import SlotPool
 from shuttle.offload.streamer import BlockStreamer
 from shuttle.offload.training import host_step
 from shuttle.targets import KeyMapping
+from shuttle.weights.dtensor import is_dtensor
 
 __all__ = ["CPU_COPY_ENV", "ModelOffloader", "ResidencyPlan", "StreamConfig"]
 
@@ -137,8 +138,12 @@ class ModelOffloader:
             BlockLayoutError: blocks of one group differ, or a tensor is tied across units.
             HostBackingError: a tensor that cannot be kept as ``host`` asks.
             OffloadError: an unknown ``host``, a ``layers`` that is not a bool or a sequence
-                of module classes, or ``layers`` that selects no module.
+                of module classes, ``layers`` that selects no module, a model under FSDP2,
+                or ``trainable="device"`` with trainable DTensor parameters.
             Nothing is changed when any of these is raised.
+
+        DTensor parameters (tensor parallelism) are captured as their local shards: each rank
+        pins and streams what it holds.
         """
         if host not in ("pinned", "adopt"):
             raise OffloadError(f"host={host!r}: expected 'pinned' (copies) or 'adopt' "
@@ -146,7 +151,14 @@ class ModelOffloader:
         if trainable not in ("host", "device"):
             raise OffloadError(f"trainable={trainable!r}: expected 'host' (captured and "
                                "streamed like the rest) or 'device' (kept on the device)")
+        _check_sharding(model)
         on_device = _trainable(model) if trainable == "device" else []
+        sharded = [n for n, p in model.named_parameters() if p.requires_grad and is_dtensor(p)]
+        if on_device and sharded:
+            raise OffloadError(
+                f"trainable='device' with trainable DTensor parameters ({sharded[:3]}): "
+                "moving a shard between devices is not supported; freeze them or train them "
+                "resident")
         paths = [blocks] if isinstance(blocks, str) else list(blocks)
         groups = {p: _block_list(model, p) for p in paths}
         if len(groups) != len(paths):
@@ -450,6 +462,26 @@ def _check_disjoint(groups: dict[str, list[torch.nn.Module]]) -> None:
                 if other != f"{path}.{i}":
                     raise BlockPathError(f"block {path}.{i} overlaps {other} (a module in both); "
                                          "list block paths that do not nest or share modules")
+
+
+def _check_sharding(model: torch.nn.Module) -> None:
+    """Refuse a model under FSDP2 (``fully_shard``): it owns its shards' storage (its
+    all-gathers read its own buffers), so re-pointing a parameter would not move what it reads.
+
+    Raises:
+        OffloadError: a module of ``model`` is an ``FSDPModule``.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without distributed
+        return
+    for name, m in model.named_modules():
+        if isinstance(m, FSDPModule):
+            raise OffloadError(
+                f"{name or 'the model'} is sharded by FSDP2 (fully_shard), which manages its "
+                "shards' storage itself: offload with fully_shard(..., "
+                "offload_policy=CPUOffloadPolicy()), or offload before sharding. Tensor-"
+                "parallel DTensors (parallelize_module) stream as their local shards.")
 
 
 def _trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:

@@ -26,6 +26,7 @@ import torch
 from shuttle.errors import PendingGradientError, StreamModeError
 from shuttle.offload.host_storage import HostStorage, HostUnit
 from shuttle.offload.slots import SlotPool
+from shuttle.weights.dtensor import is_dtensor
 
 __all__ = ["host_step", "trainable_units"]
 
@@ -58,7 +59,8 @@ def host_step(storage: HostStorage, resident: Sequence[tuple[SlotPool, int, Host
 
     Raises:
         StreamModeError: a trainable parameter lies in a unit that a merge-mode adapter
-            changes (its device weight is not its host weight); raised before anything moves.
+            changes (its device weight is not its host weight), or is a DTensor; raised before
+            anything moves.
         PendingGradientError: gradients are left on trainable parameters after the body
             (clear them inside it); the parameters are back on the device all the same.
     """
@@ -70,6 +72,13 @@ def host_step(storage: HostStorage, resident: Sequence[tuple[SlotPool, int, Host
             "the step would see merged weights: activate with mode='dynamic' to train "
             "beside an adapter, or freeze those parameters"
         )
+    sharded = [unit.name or "(the rest of the model)" for unit, params in units
+               if any(is_dtensor(p) for p in params)]
+    if sharded:
+        raise StreamModeError(
+            f"trainable DTensor parameters in {sharded[:4]}: optimizer_step() updates host "
+            "copies of whole tensors, not of shards; freeze them (requires_grad_(False)) or "
+            "train them resident")
     for unit, params in units:
         grads = [p.grad for p in params]
         for p in params:
