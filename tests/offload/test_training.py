@@ -164,6 +164,28 @@ def _lora_dit(accelerated: bool):
     return model
 
 
+def train_alike(ref, off, config, check=None):
+    """Two AdamW steps of ``ref`` (resident) and of ``off``'s model (``trainable="device"``)
+    under ``config``: every adapter gradient equal at each step; ``check(parameters)`` true."""
+    x, y = batch()
+    opt_ref = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    opt = torch.optim.AdamW(off.on_device, lr=1e-2)
+    with off.use("cpu", config) as active:
+        for _ in range(2):
+            loss_of(ref, x, y).backward()
+            loss_of(active, x, y).backward()
+            got = dict(active.named_parameters())
+            for n, q in ref.named_parameters():
+                if q.requires_grad:
+                    torch.testing.assert_close(got[n].grad, q.grad, rtol=1e-5, atol=1e-6,
+                                               msg=n)
+            assert check is None or check(got)
+            opt_ref.step()
+            opt_ref.zero_grad()
+            opt.step()  # on the device, as for any model: no optimizer_step() needed
+            opt.zero_grad()
+
+
 @pytest.mark.parametrize("mode", ["stream0", "stream2", "resident", "budget"])
 @pytest.mark.parametrize("accelerated", [False, True])
 def test_lora_factors_stay_on_the_device_while_the_frozen_blocks_stream(cpu_copy, mode,
@@ -179,22 +201,7 @@ def test_lora_factors_stay_on_the_device_while_the_frozen_blocks_stream(cpu_copy
     frozen_bytes = sum(p.numel() * p.element_size() for p in ref.parameters()) + sum(
         b.numel() * b.element_size() for b in ref.buffers())
     assert off.storage.weight_bytes < frozen_bytes  # the factors are not in host storage
-    x, y = batch()
-    opt_ref = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
-    opt = torch.optim.AdamW(off.on_device, lr=1e-2)
-    with off.use("cpu", RESIDENCY_MODES[mode]) as active:
-        for _ in range(2):
-            loss_of(ref, x, y).backward()
-            loss_of(active, x, y).backward()
-            got = dict(active.named_parameters())
-            for n, q in ref.named_parameters():
-                if q.requires_grad:
-                    torch.testing.assert_close(got[n].grad, q.grad, rtol=1e-5, atol=1e-6,
-                                               msg=n)
-            opt_ref.step()
-            opt_ref.zero_grad()
-            opt.step()  # on the device, as for any model: no optimizer_step() needed
-            opt.zero_grad()
+    train_alike(ref, off, RESIDENCY_MODES[mode])
     got = dict(off.model.named_parameters())
     for n, q in ref.named_parameters():
         torch.testing.assert_close(got[n], q, rtol=1e-5, atol=1e-6, msg=n)
@@ -240,23 +247,8 @@ def test_lora_training_over_quantized_blocks_streams_them_in_their_stored_form(
     off = ModelOffloader.from_module(model, blocks=PATHS, trainable="device")
     moved = {d for us in off.storage.groups.values() for u in us for d in u.layout.dtypes}
     assert set(stored.values()) <= moved  # float8 / packed uint8 move as they are stored
-    x, y = batch()
-    opt_ref = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
-    opt = torch.optim.AdamW(off.on_device, lr=1e-2)
-    with off.use("cpu", StreamConfig(prefetch=1)) as active:
-        for _ in range(2):
-            loss_of(ref, x, y).backward()
-            loss_of(active, x, y).backward()
-            got = dict(active.named_parameters())
-            for n, q in ref.named_parameters():
-                if q.requires_grad:
-                    torch.testing.assert_close(got[n].grad, q.grad, rtol=1e-5, atol=1e-6,
-                                               msg=n)
-            assert {n: got[n].dtype for n in stored} == stored
-            opt_ref.step()
-            opt_ref.zero_grad()
-            opt.step()
-            opt.zero_grad()
+    train_alike(ref, off, StreamConfig(prefetch=1),
+                check=lambda got: {n: got[n].dtype for n in stored} == stored)
 
 
 @pytest.mark.parametrize("prefetch", [1, 2, 3])
