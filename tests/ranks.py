@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -37,6 +38,11 @@ def _entry(rank: int, fn, world: int, port: int, out: str, args: tuple) -> None:
     except BaseException as e:  # noqa: BLE001 - carried to the parent
         result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
     Path(out, f"{rank}.pkl").write_bytes(pickle.dumps(result))
+    # Leave without the interpreter's teardown: destroying gloo's objects at exit can abort
+    # the process ("terminate called without an active exception") after its work is done.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn, world: int, *args: object) -> list[object]:
