@@ -18,13 +18,8 @@ on its own, and the output is not read back: over the base GEMM the extra traffi
 not to the wide output. For T > 64 on Hopper the same sum runs on the TMA kernel of
 :mod:`shuttle.kernels.lora_linear_tma`.
 
-Numerics: products of bf16/fp16 operands are exact in float32, so the kernel equals
-:func:`lora_linear_fused_reference` up to float32 summation order, which can move a rounded
-result by one ulp in rare cases. float32 factors keep float32 math (an IEEE float32 dot;
-activations are upcast inside the kernel).
-
-The reference is plain PyTorch; it is the fallback where Triton is missing, the tensors are on
-the CPU without ``TRITON_INTERPRET=1``, or autograd is recording (the kernel has no backward).
+Numerics and the fallback to :func:`lora_linear_fused_reference`: as for every LoRA linear kernel
+(:mod:`shuttle.kernels.lora_linear_common`).
 """
 
 from __future__ import annotations

@@ -6,6 +6,13 @@ The fused kernels' launch parameters, the row count up to which a call is decode
 kernel runs at all (else the PyTorch reference), the references' accumulation dtype, operand
 layout, whether a dot runs in IEEE float32, and the fit of a reduction step's staged tiles in
 shared memory.
+
+Numerics, for every kernel of the three: products of bf16/fp16 operands are exact in float32,
+so a kernel equals its PyTorch reference up to float32 summation order, which can move a
+rounded result by one ulp in rare cases. float32 factors keep float32 math (an IEEE float32
+dot; activations are upcast inside the kernel). The reference is plain PyTorch; it is the
+fallback where Triton is missing, the tensors are on the CPU without ``TRITON_INTERPRET=1``, or
+autograd is recording (the kernels have no backward).
 """
 
 from __future__ import annotations
