@@ -84,13 +84,15 @@ def _nf4_mlp(dense: nn.Module) -> nn.Module:
 
 
 def _step_fn(model: nn.Module, xs: list[torch.Tensor], dys: list) -> callable:
+    params = [p for p in model.parameters() if p.requires_grad]  # an optimizer's list
+
     def step(i: int) -> None:
         x = xs[i % len(xs)]
         out = model(x)
         outs = out if isinstance(out, tuple) else (out,)
         torch.autograd.backward(outs, dys[i % len(dys)])
         x.grad = None
-        for p in model.parameters():
+        for p in params:
             p.grad = None
     return step
 
@@ -170,10 +172,12 @@ def bench_model(rounds: int) -> dict:
     ids = [torch.randint(0, VOCAB, (1, TOKENS // 2), device=DEVICE) for _ in range(3)]
 
     def step_of(model):
+        params = [p for p in model.parameters() if p.requires_grad]
+
         def step(i):
             out = model(input_ids=ids[i % 3], labels=ids[i % 3])
             out.loss.backward()
-            for p in model.parameters():
+            for p in params:
                 p.grad = None
         return step
 

@@ -93,9 +93,17 @@ class AccelerateReport:
 
 # -- PEFT's LoRA layer, read without importing peft ------------------------------------------
 
+_PEFT_LORA_TYPES: dict[type, bool] = {}  # module class -> whether it is a PEFT LoRA layer
+
+
 def _is_peft_lora(module: torch.nn.Module) -> bool:
-    return all(hasattr(module, a) for a in ("base_layer", "lora_A", "lora_B", "scaling",
-                                              "lora_dropout", "active_adapters"))
+    kind = type(module)
+    known = _PEFT_LORA_TYPES.get(kind)
+    if known is None:
+        known = _PEFT_LORA_TYPES[kind] = all(
+            hasattr(module, a) for a in ("base_layer", "lora_A", "lora_B", "scaling",
+                                         "lora_dropout", "active_adapters"))
+    return known
 
 
 def _static_reason(module: torch.nn.Module) -> str | None:
@@ -141,11 +149,14 @@ class _Live:
     dropout: float
 
 
-def _live(module: torch.nn.Module, x: torch.Tensor, kwargs: dict) -> _Live | None:
+def _live(module: torch.nn.Module, x: Any, memo: _LinearHook | None = None) -> _Live | None:
     """The layer's state for this call when the fast path computes what PEFT would, else None.
     A plain frozen ``nn.Linear`` (a projection without an adapter) reads as one without factors.
+
+    ``memo``: the layer's hook, which keeps the adapter (name and factor modules) last found fit
+    by :func:`_adapter_reason`, so that a call checks the adapter's build only when it changed.
     """
-    if not isinstance(x, torch.Tensor) or kwargs or torch.is_autocast_enabled():
+    if not isinstance(x, torch.Tensor) or torch.is_autocast_enabled():
         return None
     if not _is_peft_lora(module):
         if not isinstance(module, torch.nn.Linear) or module._forward_hooks \
@@ -159,20 +170,26 @@ def _live(module: torch.nn.Module, x: torch.Tensor, kwargs: dict) -> _Live | Non
         return _Live(base, None, None, 0.0, 0.0) if base.takes(x) else None
     if module.disable_adapters or module.merged:
         return None
-    active = [n for n in module.active_adapters if n in module.lora_A]
-    if len(active) != 1 or _adapter_reason(module, active[0]) is not None:
+    lora_a = module.lora_A
+    active = [n for n in module.active_adapters if n in lora_a]
+    if len(active) != 1:
         return None
     name = active[0]
+    a, b, drop = lora_a[name], module.lora_B[name], module.lora_dropout[name]
+    fit = (name, id(a), id(b), id(drop))
+    if memo is None or memo.fit != fit:
+        if _adapter_reason(module, name) is not None:
+            return None
+        if memo is not None:
+            memo.fit = fit
     try:
         base = frozen_linear(module.base_layer)
     except UnsupportedBaseError:
         return None
     if not base.takes(x):
         return None
-    drop = module.lora_dropout[name]
     p = drop.p if isinstance(drop, torch.nn.Dropout) and drop.training else 0.0
-    return _Live(base, module.lora_A[name].weight, module.lora_B[name].weight,
-                 float(module.scaling[name]), float(p))
+    return _Live(base, a.weight, b.weight, float(module.scaling[name]), float(p))
 
 
 # -- hooks ---------------------------------------------------------------------------------
@@ -184,19 +201,28 @@ class _TrainHook(ModuleHook):
 class _LinearHook(_TrainHook):
     def __init__(self) -> None:
         self.group: _Group | None = None
+        self.fit: tuple | None = None  # see _live
 
     def forward(self, module: torch.nn.Module, inner: Callable[..., Any], *args: Any,
                 **kwargs: Any) -> Any:
-        live = _live(module, args[0], kwargs) if len(args) == 1 else None
-        if live is None:
+        if len(args) != 1 or kwargs:
             return inner(*args, **kwargs)
-        if self.group is not None and live.dropout == 0:
-            out = self.group.output(module, args[0])
+        x = args[0]
+        group = self.group
+        if group is not None:
+            out = group.claim(module, x)
+            if out is not None:
+                return out
+        live = _live(module, x, self)
+        if live is None:
+            return inner(x)
+        if group is not None and live.dropout == 0:
+            out = group.output(module, x, live)
             if out is not None:
                 return out
         if live.a is None:
-            return inner(*args)
-        return lora_linear(args[0], live.base, live.a, live.b, live.scale, live.dropout)
+            return inner(x)
+        return lora_linear(x, live.base, live.a, live.b, live.scale, live.dropout)
 
 
 class _Group:
@@ -212,25 +238,35 @@ class _Group:
     def __init__(self, name: str, members: list[torch.nn.Module]):
         self.name = name
         self.members = members
+        self.hooks: list[_LinearHook] = []  # the members' hooks, in their order
         self.on = True
         self._stash: tuple[torch.Tensor, dict[int, torch.Tensor]] | None = None
 
-    def output(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    def claim(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """The output computed for ``module`` by the member called first, if any is waiting."""
+        stash = self._stash
+        if stash is None:
+            return None
+        i = next(j for j, m in enumerate(self.members) if m is module)
+        if stash[0] is x and i in stash[1]:
+            out = stash[1].pop(i)
+            if not stash[1]:
+                self._stash = None
+            return out
+        log.info("shuttle.train: %s: projections see different inputs; computing them "
+                 "one by one from now on", self.name)
+        self.on, self._stash = False, None
+        return None
+
+    def output(self, module: torch.nn.Module, x: torch.Tensor, live: _Live
+               ) -> torch.Tensor | None:
+        """Every member's output for ``x`` (``live``: ``module``'s state); ``module``'s is
+        returned, the others' kept for their calls. None where the group cannot run."""
         if not self.on or torch.compiler.is_compiling():
             return None
         i = next(j for j, m in enumerate(self.members) if m is module)
-        stash = self._stash
-        if stash is not None:
-            if stash[0] is x and i in stash[1]:
-                out = stash[1].pop(i)
-                if not stash[1]:
-                    self._stash = None
-                return out
-            log.info("shuttle.train: %s: projections see different inputs; computing them "
-                     "one by one from now on", self.name)
-            self.on, self._stash = False, None
-            return None
-        lives = [_live(m, x, {}) for m in self.members]
+        lives = [live if j == i else _live(m, x, h)
+                 for j, (m, h) in enumerate(zip(self.members, self.hooks, strict=True))]
         if any(lv is None or lv.dropout for lv in lives):
             return None
         outs = lora_projections(x, *[(lv.base, lv.a, lv.b, lv.scale) for lv in lives])
@@ -242,22 +278,25 @@ class _Group:
 
 
 class _MLPHook(_TrainHook):
-    def __init__(self, names: tuple[str, str, str, str], act: str):
+    def __init__(self, names: tuple[str, str, str, str], act: str,
+                 memos: dict[int, _LinearHook]):
         self.names = names
         self.act = act
+        self.memos = memos  # id(projection) -> its hook (LoRA projections only)
 
     def forward(self, module: torch.nn.Module, inner: Callable[..., Any], *args: Any,
                 **kwargs: Any) -> Any:
         if len(args) != 1 or kwargs:
             return inner(*args, **kwargs)
         x = args[0]
-        lives = [_live(getattr(module, n), x, {}) for n in self.names[:2]]
-        if any(lv is None or lv.dropout for lv in lives):
-            return inner(*args, **kwargs)
-        d = _live(getattr(module, self.names[2]), x, {})  # its input has x's dtype and device
-        if d is None or d.dropout:
-            return inner(*args, **kwargs)
-        return lora_mlp(x, self.act, *[(lv.base, lv.a, lv.b, lv.scale) for lv in (*lives, d)])
+        lives = []
+        for n in self.names[:3]:  # down's input has x's dtype and device
+            m = getattr(module, n)
+            lv = _live(m, x, self.memos.get(id(m)))
+            if lv is None or lv.dropout:
+                return inner(*args, **kwargs)
+            lives.append(lv)
+        return lora_mlp(x, self.act, *[(lv.base, lv.a, lv.b, lv.scale) for lv in lives])
 
 
 def _one_input(module: torch.nn.Module, names: tuple[str, ...]) -> bool:
@@ -385,6 +424,7 @@ def accelerate(model: torch.nn.Module, *, mlp: bool = True, projections: bool = 
                             installed.append((m, hook))
                             linear_hooks[id(m)] = hook
                         linear_hooks[id(m)].group = shared
+                        shared.hooks.append(linear_hooks[id(m)])
                         report.patched[names[id(m)]] = "projections"
             form = GATED_MLPS.get(type(module).__name__) if mlp else None
             if form is None:
@@ -403,7 +443,8 @@ def accelerate(model: torch.nn.Module, *, mlp: bool = True, projections: bool = 
                        for p in parts[:3]):
                 report.skipped[name] = "a projection that is neither LoRA nor Linear"
                 continue
-            hook = _MLPHook(form, act)
+            hook = _MLPHook(form, act, {id(p): linear_hooks[id(p)] for p in parts[:3]
+                                        if id(p) in linear_hooks})
             add_hook(module, hook)
             installed.append((module, hook))
             report.patched[name] = "mlp"

@@ -63,7 +63,8 @@ class FrozenLinear:
 
     def with_data(self, data: torch.Tensor) -> FrozenLinear:
         """This layer over ``data`` (the saved tensor that stands for :attr:`data`)."""
-        return dataclasses.replace(self, data=data)
+        return FrozenLinear(self.kind, data, self.bias, self.out_features, self.in_features,
+                            self.quant_state)
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether a product with ``x`` can run here: ``x`` a float tensor on the weight's

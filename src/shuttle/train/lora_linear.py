@@ -7,14 +7,16 @@ the LoRA scale, ``d`` dropout (identity at p = 0, or outside training). With ``x
     u   = s * dy B                   (T, r)
     dA  = u^T xd                     (r, K)
     dB  = s * dy^T h                 (N, r)
-    dx  = dy W + mask * (u A)        (T, K)   (mask: dropout's, scaled by 1/(1-p))
+    dx  = mask * (u A) + dy W        (T, K)   (mask: dropout's, scaled by 1/(1-p))
 
 Saved for backward: ``xd`` (the input itself at p = 0; with dropout the dropped input, never
-both: the frozen base needs no activation) and ``h``, which is r/K the size of ``x``. Dropout's
-mask is not saved: it is drawn from a generator seeded per call (from the default CPU
-generator, so ``torch.manual_seed`` makes runs repeat) and drawn again in backward. Autograd
-on PEFT's module saves ``x`` and ``xd`` and runs eight kernels each way; here the forward is the
-base GEMM, one shrink and one ``addmm_``, the backward four skinny GEMMs besides ``dy W``.
+both: the frozen base needs no activation), ``h``, which is r/K the size of ``x``, and the
+factors in the compute dtype. Dropout's mask is not saved: it is drawn from a generator seeded
+per call (from the default CPU generator, so ``torch.manual_seed`` makes runs repeat) and drawn
+again in backward. Autograd on PEFT's module saves ``x`` and ``xd`` and runs eight kernels each
+way; here the forward is one cast of the factors (none when they are in the compute dtype),
+the shrink, the expand and the base GEMM accumulated into it, and the backward four skinny
+GEMMs and ``dy W`` accumulated into ``u A`` (:mod:`shuttle.train.products`).
 """
 
 from __future__ import annotations
@@ -24,12 +26,9 @@ from typing import Any
 import torch
 
 from shuttle.train.frozen import FrozenLinear
+from shuttle.train.products import adapter_then_base, compute_factors, grad_mm, scaled_mm
 
 __all__ = ["LoRALinearFunction", "lora_linear"]
-
-
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _mask(like: torch.Tensor, p: float, seed: int) -> torch.Tensor:
@@ -47,47 +46,37 @@ class LoRALinearFunction(torch.autograd.Function):
                 b: torch.Tensor, scale: float, dropout: float) -> torch.Tensor:
         dtype = x.dtype
         x2 = x.reshape(-1, x.shape[-1])
-        w = base.weight(dtype)
-        bias = base.bias
-        y = torch.addmm(_as(bias, dtype), x2, w.T) if bias is not None else x2 @ w.T
-        del w  # a dequantized weight is freed here
+        a_, (b_,) = compute_factors(dtype, [a], [b])
         xd = x2
         seed = None
         if dropout > 0:
             seed = int(torch.randint(0, 2 ** 62, (), dtype=torch.int64))
             xd = x2 * _mask(x2, dropout, seed)
-        a_, b_ = _as(a, dtype), _as(b, dtype)
         h = xd @ a_.T
-        y.addmm_(h, b_.T, alpha=scale)
+        y = adapter_then_base(x2, base, h, b_, scale)
         ctx.base, ctx.scale, ctx.dropout, ctx.seed = base, scale, dropout, seed
         ctx.param_dtypes = (a.dtype, b.dtype)
-        ctx.save_for_backward(xd, h, a, b, base.data)
+        ctx.save_for_backward(xd, h, a_, b_, base.data)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        xd, h, a, b, data = ctx.saved_tensors
-        dtype = dy.dtype
+        xd, h, a_, b_, data = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
-        a_, b_ = _as(a, dtype), _as(b, dtype)
-        u = dy2 @ b_
-        u.mul_(ctx.scale)
+        u = scaled_mm(dy2, b_, ctx.scale)
         grad_a = grad_b = dx = None
-        if ctx.needs_input_grad[2]:
-            grad_a = _as(u.T @ xd, ctx.param_dtypes[0])
-        if ctx.needs_input_grad[3]:
-            grad_b = dy2.T @ h
-            grad_b.mul_(ctx.scale)
-            grad_b = _as(grad_b, ctx.param_dtypes[1])
         if ctx.needs_input_grad[0]:
-            w = ctx.base.with_data(data).weight(dtype)
-            dx = dy2 @ w
-            del w
+            w = ctx.base.with_data(data).weight(dy.dtype)
             if ctx.seed is not None:
-                dx.add_((u @ a_).mul_(_mask(dx, ctx.dropout, ctx.seed)))
+                dx = (u @ a_).mul_(_mask(xd, ctx.dropout, ctx.seed)).addmm_(dy2, w)
             else:
-                dx.addmm_(u, a_)
+                dx = (u @ a_).addmm_(dy2, w)
+            del w
             dx = dx.view(*dy.shape[:-1], dx.shape[-1])
+        if ctx.needs_input_grad[2]:
+            grad_a = grad_mm(u.T, xd, 1.0, ctx.param_dtypes[0])
+        if ctx.needs_input_grad[3]:
+            grad_b = grad_mm(dy2.T, h, ctx.scale, ctx.param_dtypes[1])
         return dx, None, grad_a, grad_b, None, None, None
 
 

@@ -19,6 +19,8 @@ recomputed by the backward's activation pass, which reads ``e`` and ``g`` anyway
 MLP under autograd saves ``e``, ``act(e)`` and ``g``, so this saves no more than the base alone
 (``x`` for the adapters' gradients replaces ``act(e)``). A projection without an adapter passes
 ``a = b = None``; dropout is not taken here (the per-layer :mod:`shuttle.train.lora_linear` does).
+The gate's GEMM is queued first; up, down and ``dx`` start from the adapters' rank-sized
+products and take their base GEMMs into them (:mod:`shuttle.train.products`).
 """
 
 from __future__ import annotations
@@ -29,24 +31,10 @@ import torch
 
 from shuttle.kernels.gated import Activation, gated_backward, gated_forward
 from shuttle.train.frozen import FrozenLinear
+from shuttle.train.products import (adapter_then_base, base_product, compute_factors, grad_mm,
+                                    scaled_mm)
 
 __all__ = ["LoRAMLPFunction", "lora_mlp"]
-
-
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t if t.dtype == dtype else t.to(dtype)
-
-
-def _base(x2: torch.Tensor, base: FrozenLinear) -> torch.Tensor:
-    w = base.weight(x2.dtype)
-    if base.bias is not None:
-        return torch.addmm(_as(base.bias, x2.dtype), x2, w.T)
-    return x2 @ w.T
-
-
-def _cat(*ts: torch.Tensor | None) -> torch.Tensor | None:
-    ts = tuple(t for t in ts if t is not None)
-    return None if not ts else ts[0] if len(ts) == 1 else torch.cat(ts)
 
 
 class LoRAMLPFunction(torch.autograd.Function):
@@ -60,78 +48,92 @@ class LoRAMLPFunction(torch.autograd.Function):
                 ) -> torch.Tensor:
         dt = x.dtype
         x2 = x.reshape(-1, x.shape[-1])
-        e = _base(x2, gate)
-        g = _base(x2, up)
+        e = base_product(x2, gate)
         rg = 0 if ag is None else ag.shape[0]
-        a_in = _cat(*(None if a is None else _as(a, dt) for a in (ag, au)))
-        hx = None if a_in is None else x2 @ a_in.T  # (T, rg + ru): one read of x
+        stacked = [a for a in (ag, au) if a is not None]  # rows of one (rg + ru, K) matrix
+        others = [t for t in (bg, bu, ad, bd) if t is not None]
+        a_in = hx = None
+        cast: dict[int, torch.Tensor] = {}  # id(factor) -> the factor in the compute dtype
+        if stacked or others:
+            a_in, outs = compute_factors(dt, stacked, others)
+            cast = {id(t): c for t, c in zip(others, outs, strict=True)}
+        if a_in is not None:
+            hx = x2 @ a_in.T  # (T, rg + ru): one read of x
         if ag is not None:
-            e.addmm_(hx[:, :rg], _as(bg, dt).T, alpha=sg)
-        if au is not None:
-            g.addmm_(hx[:, rg:], _as(bu, dt).T, alpha=su)
+            e.addmm_(hx[:, :rg], cast[id(bg)].T, alpha=sg)
+        g = base_product(x2, up) if au is None else \
+            adapter_then_base(x2, up, hx[:, rg:], cast[id(bu)], su)
         h = gated_forward(e, g, act)
-        y = _base(h, down)
-        hd = None
-        if ad is not None:
-            hd = h @ _as(ad, dt).T
-            y.addmm_(hd, _as(bd, dt).T, alpha=sd)
+        hd = ad_ = bd_ = None
+        if ad is None:
+            y = base_product(h, down)
+        else:
+            ad_, bd_ = cast[id(ad)], cast[id(bd)]
+            hd = h @ ad_.T
+            y = adapter_then_base(h, down, hd, bd_, sd)
         del h
         ctx.act, ctx.bases, ctx.scales, ctx.rg = act, (gate, up, down), (sg, su, sd), rg
-        ctx.save_for_backward(x2, e, g, hx, hd, ag, bg, au, bu, ad, bd,
-                              gate.data, up.data, down.data)
+        ctx.param_dtypes = [None if t is None else t.dtype for t in (ag, bg, au, bu, ad, bd)]
+        ctx.save_for_backward(x2, e, g, hx, hd, a_in, cast.get(id(bg)), cast.get(id(bu)), ad_,
+                              bd_, gate.data, up.data, down.data)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        (x2, e, g, hx, hd, ag, bg, au, bu, ad, bd, wg_data, wu_data, wd_data) = ctx.saved_tensors
+        (x2, e, g, hx, hd, a_in, bg_, bu_, ad_, bd_, wg_data, wu_data, wd_data
+         ) = ctx.saved_tensors
         gate, up, down = ctx.bases
         sg, su, sd = ctx.scales
-        dt = dy.dtype
+        dtag, dtbg, dtau, dtbu, dtad, dtbd = ctx.param_dtypes
         need = ctx.needs_input_grad
         dy2 = dy.reshape(-1, dy.shape[-1])
 
-        wd = down.with_data(wd_data).weight(dt)
-        dh = dy2 @ wd
-        del wd
-        grad_ad = grad_bd = None
-        if ad is not None:
-            ud = dy2 @ _as(bd, dt)
-            ud.mul_(sd)
-            dh.addmm_(ud, _as(ad, dt))
+        wd = down.with_data(wd_data).weight(dy.dtype)
+        grad_ad = grad_bd = ud = None
+        if ad_ is None:
+            dh = dy2 @ wd
+        else:
+            ud = scaled_mm(dy2, bd_, sd)
+            dh = (ud @ ad_).addmm_(dy2, wd)
             if need[12]:
-                grad_bd = _as((dy2.T @ hd).mul_(sd), bd.dtype)
+                grad_bd = grad_mm(dy2.T, hd, sd, dtbd)
+        del wd
         # e and g are ours (saved by this function alone): overwritten with de and dg
         h, de, dg = gated_backward(dh, e, g, ctx.act, in_place=True)
-        if ad is not None and need[11]:
-            grad_ad = _as(ud.T @ h, ad.dtype)
+        if ud is not None and need[11]:
+            grad_ad = grad_mm(ud.T, h, 1.0, dtad)
         del h, dh
 
-        # gate and up: u = s * d B, dA = u^T x, dB = s * d^T (x A^T); d is de or dg
-        grads: dict[int, torch.Tensor] = {}  # argument position -> gradient
-        us = []
+        # gate and up: u = s * d B side by side, dA = u^T x, dB = s * d^T (x A^T)
         rg = ctx.rg
-        for a, b, s, d, cols, at in ((ag, bg, sg, de, slice(0, rg), 3),
-                                     (au, bu, su, dg, slice(rg, None), 7)):
-            if a is None:
-                continue
-            u = d @ _as(b, dt)
-            u.mul_(s)
-            us.append(u)
-            if need[at]:
-                grads[at] = _as(u.T @ x2, a.dtype)
-            if need[at + 1]:
-                grads[at + 1] = _as((d.T @ hx[:, cols]).mul_(s), b.dtype)
+        grads: dict[int, torch.Tensor] = {}  # argument position -> gradient
+        u_all = None
+        if a_in is not None:
+            u_all = dy.new_empty(x2.shape[0], a_in.shape[0])
+            if bg_ is not None:
+                scaled_mm(de, bg_, sg, out=u_all[:, :rg])
+                if need[4]:
+                    grads[4] = grad_mm(de.T, hx[:, :rg], sg, dtbg)
+            if bu_ is not None:
+                scaled_mm(dg, bu_, su, out=u_all[:, rg:])
+                if need[8]:
+                    grads[8] = grad_mm(dg.T, hx[:, rg:], su, dtbu)
+            wanted = [(at, dt_) for at, dt_, b in ((3, dtag, bg_), (7, dtau, bu_))
+                      if b is not None and need[at]]
+            if wanted:
+                one = len({dt_ for _, dt_ in wanted}) == 1
+                grad_a = grad_mm(u_all.T, x2, 1.0, wanted[0][1] if one else dy.dtype)
+                rows = {3: slice(0, rg), 7: slice(rg, None)}
+                for at, dt_ in wanted:
+                    grads[at] = grad_a[rows[at]].to(dt_)
         dx = None
         if need[0]:
-            wg = gate.with_data(wg_data).weight(dt)
-            dx = de @ wg
+            wg = gate.with_data(wg_data).weight(dy.dtype)
+            dx = de @ wg if u_all is None else (u_all @ a_in).addmm_(de, wg)
             del wg
-            wu = up.with_data(wu_data).weight(dt)
+            wu = up.with_data(wu_data).weight(dy.dtype)
             dx.addmm_(dg, wu)
             del wu
-            if us:
-                a_in = _cat(*(None if a is None else _as(a, dt) for a in (ag, au)))
-                dx.addmm_(torch.cat(us, dim=1) if len(us) > 1 else us[0], a_in)
             dx = dx.view(*dy.shape[:-1], dx.shape[-1])
         return (dx, None, None, grads.get(3), grads.get(4), None, None, grads.get(7),
                 grads.get(8), None, None, grad_ad, grad_bd, None)

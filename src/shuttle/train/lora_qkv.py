@@ -4,13 +4,16 @@ For projections ``i`` (q, k, v) of one ``x`` (T, K): ``y_i = x W_i^T + b_i + s_i
 The adapters' shrinks read ``x`` once (``hx = x [A_q; A_k; A_v]^T``, (T, sum r_i)), and ``x`` is
 saved once for all of them. Backward, for ``dy_i``:
 
-    u_i  = s_i * dy_i B_i               (T, r_i)
+    u_i  = s_i * dy_i B_i               (T, r_i), side by side in one (T, sum r_i) buffer
     dA   = [u_q u_k u_v]^T x            (sum r_i, K): one GEMM, split into dA_q, dA_k, dA_v
     dB_i = s_i * dy_i^T hx_i            (N_i, r_i)
-    dx   = sum_i dy_i W_i + [u_q u_k u_v] [A_q; A_k; A_v]
+    dx   = [u_q u_k u_v] [A_q; A_k; A_v] + sum_i dy_i W_i
 
-A projection without an adapter passes ``a = b = None``; an output whose gradient autograd does
-not supply (unused) counts as zero.
+Order of the products (:mod:`shuttle.train.products`): the first projection's base GEMM is
+queued before any adapter work, so the GPU starts on the block's largest product at once; the
+other outputs, and ``dx``, start from the adapters' rank-sized products and take the base
+GEMMs into them. A projection without an adapter passes ``a = b = None``; an output whose
+gradient autograd does not supply (unused) counts as zero.
 """
 
 from __future__ import annotations
@@ -20,14 +23,12 @@ from typing import Any
 import torch
 
 from shuttle.train.frozen import FrozenLinear
+from shuttle.train.products import (adapter_then_base, base_product, compute_factors, grad_mm,
+                                    scaled_mm)
 
 __all__ = ["LoRAProjectionsFunction", "lora_projections"]
 
 Projection = tuple[FrozenLinear, torch.Tensor | None, torch.Tensor | None, float]
-
-
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t if t.dtype == dtype else t.to(dtype)
 
 
 class LoRAProjectionsFunction(torch.autograd.Function):
@@ -41,84 +42,78 @@ class LoRAProjectionsFunction(torch.autograd.Function):
         dt = x.dtype
         x2 = x.reshape(-1, x.shape[-1])
         projs = [specs[4 * i:4 * i + 4] for i in range(n)]
-        with_lora = [i for i, (_, a, _, _) in enumerate(projs) if a is not None]
-        ranks = [projs[i][1].shape[0] for i in with_lora]
-        hx = None
-        if with_lora:
-            a_in = torch.cat([_as(projs[i][1], dt) for i in with_lora])
-            hx = x2 @ a_in.T  # (T, sum r): one read of x
+        lora = [i for i, (_, a, _, _) in enumerate(projs) if a is not None]
+        first = base_product(x2, projs[0][0])
+        a_all = hx = None
+        bs: list[torch.Tensor] = []
+        cols: dict[int, slice] = {}  # projection -> its columns of hx (and of u in backward)
+        if lora:
+            a_all, bs = compute_factors(dt, [projs[i][1] for i in lora],
+                                        [projs[i][2] for i in lora])
+            hx = x2 @ a_all.T  # (T, sum r): one read of x
+            start = 0
+            for i in lora:
+                cols[i] = slice(start, start + projs[i][1].shape[0])
+                start += projs[i][1].shape[0]
+        b_of = dict(zip(lora, bs))
         outs = []
-        start = 0
-        for base, a, b, s in projs:
-            w = base.weight(dt)
-            y = torch.addmm(_as(base.bias, dt), x2, w.T) if base.bias is not None \
-                else x2 @ w.T
-            del w
-            if a is not None:
-                r = a.shape[0]
-                y.addmm_(hx[:, start:start + r], _as(b, dt).T, alpha=s)
-                start += r
+        for i, (base, a, _, s) in enumerate(projs):
+            if a is None:
+                y = first if i == 0 else base_product(x2, base)
+            elif i == 0:
+                y = first.addmm_(hx[:, cols[i]], b_of[i].T, alpha=s)
+            else:
+                y = adapter_then_base(x2, base, hx[:, cols[i]], b_of[i], s)
             outs.append(y.view(*x.shape[:-1], y.shape[-1]))
         ctx.projs = [(base, s) for base, _, _, s in projs]
-        ctx.with_lora, ctx.ranks, ctx.n = with_lora, ranks, n
-        factors = [t for _, a, b, _ in projs for t in (a, b)]
-        ctx.save_for_backward(x2, hx, *factors, *(base.data for base, _, _, _ in projs))
+        ctx.lora, ctx.cols, ctx.n = lora, cols, n
+        ctx.param_dtypes = {i: (projs[i][1].dtype, projs[i][2].dtype) for i in lora}
+        ctx.save_for_backward(x2, hx, a_all, *bs, *(base.data for base, _, _, _ in projs))
         return tuple(outs)
 
     @staticmethod
     def backward(ctx: Any, *dys: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        n = ctx.n
+        n, lora, cols = ctx.n, ctx.lora, ctx.cols
         saved = ctx.saved_tensors
-        x2, hx = saved[0], saved[1]
-        factors = saved[2:2 + 2 * n]
-        datas = saved[2 + 2 * n:]
+        x2, hx, a_all = saved[:3]
+        b_of = dict(zip(lora, saved[3:3 + len(lora)]))
+        datas = saved[3 + len(lora):]
         need = ctx.needs_input_grad
-        dt = next(d for d in dys if d is not None).dtype
+        dy0 = next(d for d in dys if d is not None)
+        dy2 = [None if d is None else d.reshape(-1, d.shape[-1]) for d in dys]
         grads: list[torch.Tensor | None] = [None] * (4 * n)
-        dx = None
-        us, a_rows = [], []
-        start = 0
-        for i in range(n):
-            base, s = ctx.projs[i]
-            a, b = factors[2 * i], factors[2 * i + 1]
-            dy = dys[i]
-            r = 0 if a is None else a.shape[0]
-            if dy is None:  # an output nobody used: zero gradient
-                if a is not None:
-                    us.append(x2.new_zeros(x2.shape[0], r))
-                    a_rows.append(_as(a, dt))
-                    start += r
-                continue
-            dy2 = dy.reshape(-1, dy.shape[-1])
-            if need[0]:
-                w = base.with_data(datas[i]).weight(dt)
-                dx = dy2 @ w if dx is None else dx.addmm_(dy2, w)
-                del w
-            if a is not None:
-                u = dy2 @ _as(b, dt)
-                u.mul_(s)
-                us.append(u)
-                a_rows.append(_as(a, dt))
-                if need[2 + 4 * i + 2]:
-                    grads[4 * i + 2] = _as((dy2.T @ hx[:, start:start + r]).mul_(s), b.dtype)
-                start += r
-        if us:
-            u_all = torch.cat(us, dim=1) if len(us) > 1 else us[0]
-            if any(need[2 + 4 * i + 1] for i in ctx.with_lora):
-                grad_a = u_all.T @ x2  # (sum r, K): every adapter's dA in one GEMM
-                row = 0
-                for i, r in zip(ctx.with_lora, ctx.ranks, strict=True):
-                    grads[4 * i + 1] = _as(grad_a[row:row + r], factors[2 * i].dtype)
-                    row += r
-            if need[0]:
-                a_all = torch.cat(a_rows) if len(a_rows) > 1 else a_rows[0]
-                if dx is None:
-                    dx = u_all @ a_all
+        u_all = None
+        if lora:
+            u_all = dy0.new_empty(x2.shape[0], hx.shape[1])
+            for i in lora:
+                if dy2[i] is None:  # an output nobody used: zero gradient
+                    u_all[:, cols[i]].zero_()
                 else:
-                    dx.addmm_(u_all, a_all)
-        if dx is not None:
-            shape = next(d for d in dys if d is not None).shape[:-1]
-            dx = dx.view(*shape, dx.shape[-1])
+                    scaled_mm(dy2[i], b_of[i], ctx.projs[i][1], out=u_all[:, cols[i]])
+        dx = None
+        if need[0]:
+            if u_all is not None:
+                dx = u_all @ a_all
+            for i in range(n):
+                if dy2[i] is None:
+                    continue
+                base = ctx.projs[i][0]
+                w = base.with_data(datas[i]).weight(dy0.dtype)
+                dx = dy2[i] @ w if dx is None else dx.addmm_(dy2[i], w)
+                del w
+            dx = dx.view(*dy0.shape[:-1], dx.shape[-1])
+        if lora:
+            a_dtypes = {ctx.param_dtypes[i][0] for i in lora}
+            if any(need[2 + 4 * i + 1] for i in lora):
+                # every adapter's dA in one GEMM, (sum r, K), split by rows
+                grad_a = grad_mm(u_all.T, x2, 1.0, a_dtypes.pop() if len(a_dtypes) == 1
+                                 else dy0.dtype)
+                for i in lora:
+                    grads[4 * i + 1] = grad_a[cols[i]].to(ctx.param_dtypes[i][0])
+            for i in lora:
+                if dy2[i] is not None and need[2 + 4 * i + 2]:
+                    grads[4 * i + 2] = grad_mm(dy2[i].T, hx[:, cols[i]], ctx.projs[i][1],
+                                               ctx.param_dtypes[i][1])
         return (dx, None, *grads)
 
 

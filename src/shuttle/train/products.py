@@ -1,0 +1,108 @@
+"""The matrix products the LoRA training functions are made of, each in as few launches as it
+takes.
+
+A rank-16 product over 8192 tokens takes the GPU a few microseconds; launching it from Python
+takes longer. A LoRA layer's forward and backward are a dozen such products around one or two
+large GEMMs, so their launch count sets the host time of a training step, and the order of
+their bytes sets the GPU's:
+
+- :func:`compute_factors`: every adapter factor of a function in the compute dtype with one
+  launch (PEFT keeps float32 factors on a bf16 model), as views of one buffer.
+- :func:`scaled_mm`: ``alpha * a @ b`` in one launch, written into ``out`` where given (a
+  column window of a wider buffer included: the GEMM takes its row stride, so rank-sized
+  results of several adapters land side by side with no ``cat``).
+- :func:`grad_mm`: ``alpha * a @ b`` in a parameter's dtype. On CUDA a float32 gradient of
+  bf16/fp16 operands comes out of the GEMM (``out_dtype``): one launch and no bf16 rounding of
+  the gradient on the way; elsewhere a product and a cast.
+- :func:`adapter_then_base`: ``x W^T + b + s h B^T`` with the adapter's expand first and the
+  base GEMM accumulating into its result. The GEMM reads its ``C`` operand in the epilogue of a
+  compute-bound product at no measurable cost, where an ``addmm_`` of the expand after the GEMM
+  reads and writes the (T, N) output once more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from shuttle.train.frozen import FrozenLinear
+
+__all__ = ["adapter_then_base", "as_dtype", "base_product", "compute_factors", "grad_mm",
+           "scaled_mm"]
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype`` (``t`` itself when it is)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def compute_factors(dtype: torch.dtype, a_list: Sequence[torch.Tensor],
+                    b_list: Sequence[torch.Tensor]
+                    ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """``(cat(a_list) in dtype, [b in dtype for b in b_list])`` in one launch.
+
+    ``a_list``: ``(r_i, K)`` each (one K; may be empty: None comes back); ``b_list``: any
+    shapes. Factors already in ``dtype`` are used as they are (only the ``A`` rows are
+    concatenated); otherwise every factor is cast into one flat buffer by a single
+    ``torch.cat`` and handed back as views of it.
+    """
+    if all(t.dtype == dtype for t in (*a_list, *b_list)):
+        a_all = None if not a_list else a_list[0] if len(a_list) == 1 else torch.cat(a_list)
+        return a_all, list(b_list)
+    flat = [t.reshape(-1) for t in (*a_list, *b_list)]
+    buf = torch.empty(sum(f.numel() for f in flat), dtype=dtype, device=flat[0].device)
+    torch.cat(flat, out=buf)
+    views, at = [], 0
+    a_all = None
+    if a_list:
+        rows, k = sum(a.shape[0] for a in a_list), a_list[0].shape[1]
+        a_all, at = buf[:rows * k].view(rows, k), rows * k
+    for b in b_list:
+        views.append(buf[at:at + b.numel()].view(b.shape))
+        at += b.numel()
+    return a_all, views
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: float,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """``alpha * a @ b``, into ``out`` when given (which may be a column window of a wider
+    row-major buffer); one launch."""
+    if out is None:
+        if alpha == 1:
+            return a @ b
+        out = a.new_empty(a.shape[0], b.shape[1])
+    return torch.addmm(out, a, b, beta=0, alpha=alpha, out=out)
+
+
+def grad_mm(a: torch.Tensor, b: torch.Tensor, alpha: float, dtype: torch.dtype) -> torch.Tensor:
+    """``alpha * a @ b`` in ``dtype``: a parameter's gradient from compute-dtype operands."""
+    if a.is_cuda and dtype == torch.float32 and a.dtype in _HALF and b.dtype == a.dtype:
+        g = torch.mm(a, b, out_dtype=dtype)  # the float32 accumulator, unrounded
+        return g if alpha == 1 else g.mul_(alpha)
+    return as_dtype(scaled_mm(a, b, alpha), dtype)
+
+
+def base_product(x2: torch.Tensor, base: FrozenLinear) -> torch.Tensor:
+    """``x W^T + bias`` (T, N) in ``x``'s dtype."""
+    w = base.weight(x2.dtype)
+    if base.bias is not None:
+        return torch.addmm(as_dtype(base.bias, x2.dtype), x2, w.T)
+    return x2 @ w.T
+
+
+def adapter_then_base(x2: torch.Tensor, base: FrozenLinear, h: torch.Tensor, b: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """``x W^T + bias + scale * h B^T`` (T, N): the expand ``h B^T`` (with the bias) written
+    first, the base GEMM accumulated into it.
+
+    ``x2`` (T, K), ``h`` (T, r) and ``b`` (N, r), all in the compute dtype.
+    """
+    if base.bias is not None:
+        y = torch.addmm(as_dtype(base.bias, x2.dtype), h, b.T, alpha=scale)
+    else:
+        y = scaled_mm(h, b.T, scale)
+    w = base.weight(x2.dtype)
+    return y.addmm_(x2, w.T)
