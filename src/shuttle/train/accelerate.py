@@ -261,7 +261,8 @@ class _Group:
     def output(self, module: torch.nn.Module, x: torch.Tensor, live: _Live
                ) -> torch.Tensor | None:
         """Every member's output for ``x`` (``live``: ``module``'s state); ``module``'s is
-        returned, the others' kept for their calls. None where the group cannot run."""
+        returned, the others' kept for their calls. None where the group cannot run.
+        """
         if not self.on or torch.compiler.is_compiling():
             return None
         i = next(j for j, m in enumerate(self.members) if m is module)

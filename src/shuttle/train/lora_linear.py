@@ -14,8 +14,8 @@ both: the frozen base needs no activation), ``h``, which is r/K the size of ``x`
 factors in the compute dtype. Dropout's mask is not saved: it is drawn from a generator seeded
 per call (from the default CPU generator, so ``torch.manual_seed`` makes runs repeat) and drawn
 again in backward. Autograd on PEFT's module saves ``x`` and ``xd`` and runs eight kernels each
-way; here the forward is one cast of the factors (none when they are in the compute dtype),
-the shrink, the expand and the base GEMM accumulated into it, and the backward four skinny
+way; here the forward is the base GEMM, a cast of the factors (none when they are in the
+compute dtype), the shrink and the expand added into the output, and the backward four skinny
 GEMMs and ``dy W`` accumulated into ``u A`` (:mod:`shuttle.train.products`).
 """
 
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from shuttle.train.frozen import FrozenLinear
-from shuttle.train.products import adapter_then_base, compute_factors, grad_mm, scaled_mm
+from shuttle.train.products import base_product, compute_factors, grad_mm, scaled_mm
 
 __all__ = ["LoRALinearFunction", "lora_linear"]
 
@@ -46,6 +46,7 @@ class LoRALinearFunction(torch.autograd.Function):
                 b: torch.Tensor, scale: float, dropout: float) -> torch.Tensor:
         dtype = x.dtype
         x2 = x.reshape(-1, x.shape[-1])
+        y = base_product(x2, base)
         a_, (b_,) = compute_factors(dtype, [a], [b])
         xd = x2
         seed = None
@@ -53,7 +54,7 @@ class LoRALinearFunction(torch.autograd.Function):
             seed = int(torch.randint(0, 2 ** 62, (), dtype=torch.int64))
             xd = x2 * _mask(x2, dropout, seed)
         h = xd @ a_.T
-        y = adapter_then_base(x2, base, h, b_, scale)
+        y.addmm_(h, b_.T, alpha=scale)
         ctx.base, ctx.scale, ctx.dropout, ctx.seed = base, scale, dropout, seed
         ctx.param_dtypes = (a.dtype, b.dtype)
         ctx.save_for_backward(xd, h, a_, b_, base.data)

@@ -19,8 +19,9 @@ recomputed by the backward's activation pass, which reads ``e`` and ``g`` anyway
 MLP under autograd saves ``e``, ``act(e)`` and ``g``, so this saves no more than the base alone
 (``x`` for the adapters' gradients replaces ``act(e)``). A projection without an adapter passes
 ``a = b = None``; dropout is not taken here (the per-layer :mod:`shuttle.train.lora_linear` does).
-The gate's GEMM is queued first; up, down and ``dx`` start from the adapters' rank-sized
-products and take their base GEMMs into them (:mod:`shuttle.train.products`).
+Forward queues each base GEMM before the adapter work that adds into its output; backward
+starts ``dh`` and ``dx`` from the adapters' rank-sized products and accumulates the base GEMMs
+into them (:mod:`shuttle.train.products`).
 """
 
 from __future__ import annotations
@@ -31,8 +32,7 @@ import torch
 
 from shuttle.kernels.gated import Activation, gated_backward, gated_forward
 from shuttle.train.frozen import FrozenLinear
-from shuttle.train.products import (adapter_then_base, base_product, compute_factors, grad_mm,
-                                    scaled_mm)
+from shuttle.train.products import base_product, compute_factors, grad_mm, scaled_mm
 
 __all__ = ["LoRAMLPFunction", "lora_mlp"]
 
@@ -49,6 +49,7 @@ class LoRAMLPFunction(torch.autograd.Function):
         dt = x.dtype
         x2 = x.reshape(-1, x.shape[-1])
         e = base_product(x2, gate)
+        g = base_product(x2, up)
         rg = 0 if ag is None else ag.shape[0]
         stacked = [a for a in (ag, au) if a is not None]  # rows of one (rg + ru, K) matrix
         others = [t for t in (bg, bu, ad, bd) if t is not None]
@@ -61,16 +62,15 @@ class LoRAMLPFunction(torch.autograd.Function):
             hx = x2 @ a_in.T  # (T, rg + ru): one read of x
         if ag is not None:
             e.addmm_(hx[:, :rg], cast[id(bg)].T, alpha=sg)
-        g = base_product(x2, up) if au is None else \
-            adapter_then_base(x2, up, hx[:, rg:], cast[id(bu)], su)
+        if au is not None:
+            g.addmm_(hx[:, rg:], cast[id(bu)].T, alpha=su)
         h = gated_forward(e, g, act)
+        y = base_product(h, down)
         hd = ad_ = bd_ = None
-        if ad is None:
-            y = base_product(h, down)
-        else:
+        if ad is not None:
             ad_, bd_ = cast[id(ad)], cast[id(bd)]
             hd = h @ ad_.T
-            y = adapter_then_base(h, down, hd, bd_, sd)
+            y.addmm_(hd, bd_.T, alpha=sd)
         del h
         ctx.act, ctx.bases, ctx.scales, ctx.rg = act, (gate, up, down), (sg, su, sd), rg
         ctx.param_dtypes = [None if t is None else t.dtype for t in (ag, bg, au, bu, ad, bd)]

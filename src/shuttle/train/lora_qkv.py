@@ -9,10 +9,9 @@ saved once for all of them. Backward, for ``dy_i``:
     dB_i = s_i * dy_i^T hx_i            (N_i, r_i)
     dx   = [u_q u_k u_v] [A_q; A_k; A_v] + sum_i dy_i W_i
 
-Order of the products (:mod:`shuttle.train.products`): the first projection's base GEMM is
-queued before any adapter work, so the GPU starts on the block's largest product at once; the
-other outputs, and ``dx``, start from the adapters' rank-sized products and take the base
-GEMMs into them. A projection without an adapter passes ``a = b = None``; an output whose
+Order of the products (:mod:`shuttle.train.products`): forward, the base GEMMs first and the
+adapters' work after them; backward, ``u`` and ``dx = u A`` first, the base GEMMs accumulated
+into ``dx``. A projection without an adapter passes ``a = b = None``; an output whose
 gradient autograd does not supply (unused) counts as zero.
 """
 
@@ -23,8 +22,7 @@ from typing import Any
 import torch
 
 from shuttle.train.frozen import FrozenLinear
-from shuttle.train.products import (adapter_then_base, base_product, compute_factors, grad_mm,
-                                    scaled_mm)
+from shuttle.train.products import base_product, compute_factors, grad_mm, scaled_mm
 
 __all__ = ["LoRAProjectionsFunction", "lora_projections"]
 
@@ -43,7 +41,7 @@ class LoRAProjectionsFunction(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         projs = [specs[4 * i:4 * i + 4] for i in range(n)]
         lora = [i for i, (_, a, _, _) in enumerate(projs) if a is not None]
-        first = base_product(x2, projs[0][0])
+        ys = [base_product(x2, base) for base, _, _, _ in projs]
         a_all = hx = None
         bs: list[torch.Tensor] = []
         cols: dict[int, slice] = {}  # projection -> its columns of hx (and of u in backward)
@@ -52,31 +50,24 @@ class LoRAProjectionsFunction(torch.autograd.Function):
                                         [projs[i][2] for i in lora])
             hx = x2 @ a_all.T  # (T, sum r): one read of x
             start = 0
-            for i in lora:
-                cols[i] = slice(start, start + projs[i][1].shape[0])
-                start += projs[i][1].shape[0]
-        b_of = dict(zip(lora, bs))
-        outs = []
-        for i, (base, a, _, s) in enumerate(projs):
-            if a is None:
-                y = first if i == 0 else base_product(x2, base)
-            elif i == 0:
-                y = first.addmm_(hx[:, cols[i]], b_of[i].T, alpha=s)
-            else:
-                y = adapter_then_base(x2, base, hx[:, cols[i]], b_of[i], s)
-            outs.append(y.view(*x.shape[:-1], y.shape[-1]))
+            for i, b in zip(lora, bs, strict=True):
+                r = projs[i][1].shape[0]
+                cols[i] = slice(start, start + r)
+                ys[i].addmm_(hx[:, cols[i]], b.T, alpha=projs[i][3])
+                start += r
+        outs = tuple(y.view(*x.shape[:-1], y.shape[-1]) for y in ys)
         ctx.projs = [(base, s) for base, _, _, s in projs]
         ctx.lora, ctx.cols, ctx.n = lora, cols, n
         ctx.param_dtypes = {i: (projs[i][1].dtype, projs[i][2].dtype) for i in lora}
         ctx.save_for_backward(x2, hx, a_all, *bs, *(base.data for base, _, _, _ in projs))
-        return tuple(outs)
+        return outs
 
     @staticmethod
     def backward(ctx: Any, *dys: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         n, lora, cols = ctx.n, ctx.lora, ctx.cols
         saved = ctx.saved_tensors
         x2, hx, a_all = saved[:3]
-        b_of = dict(zip(lora, saved[3:3 + len(lora)]))
+        b_of = dict(zip(lora, saved[3:3 + len(lora)], strict=True))
         datas = saved[3 + len(lora):]
         need = ctx.needs_input_grad
         dy0 = next(d for d in dys if d is not None)

@@ -2,22 +2,25 @@
 takes.
 
 A rank-16 product over 8192 tokens takes the GPU a few microseconds; launching it from Python
-takes longer. A LoRA layer's forward and backward are a dozen such products around one or two
-large GEMMs, so their launch count sets the host time of a training step, and the order of
-their bytes sets the GPU's:
+takes longer (a cuBLAS call is a workspace memset and a kernel). A LoRA layer's forward and
+backward are a dozen such products around one or two large GEMMs, so their launch count sets
+the host time of a training step:
 
-- :func:`compute_factors`: every adapter factor of a function in the compute dtype with one
-  launch (PEFT keeps float32 factors on a bf16 model), as views of one buffer.
+- :func:`compute_factors`: every adapter factor of a function in the compute dtype (PEFT keeps
+  float32 factors on a bf16 model) in two launches whatever their number (one ``cat`` in their
+  own dtype, one cast), as views of one buffer.
 - :func:`scaled_mm`: ``alpha * a @ b`` in one launch, written into ``out`` where given (a
   column window of a wider buffer included: the GEMM takes its row stride, so rank-sized
   results of several adapters land side by side with no ``cat``).
 - :func:`grad_mm`: ``alpha * a @ b`` in a parameter's dtype. On CUDA a float32 gradient of
-  bf16/fp16 operands comes out of the GEMM (``out_dtype``): one launch and no bf16 rounding of
-  the gradient on the way; elsewhere a product and a cast.
-- :func:`adapter_then_base`: ``x W^T + b + s h B^T`` with the adapter's expand first and the
-  base GEMM accumulating into its result. The GEMM reads its ``C`` operand in the epilogue of a
-  compute-bound product at no measurable cost, where an ``addmm_`` of the expand after the GEMM
-  reads and writes the (T, N) output once more.
+  bf16/fp16 operands comes out of the GEMM (``out_dtype``, the scale as its ``alpha``): one
+  launch, and no bf16 rounding of the gradient on the way; elsewhere a product and a cast.
+
+The order the functions launch in: forward, the base GEMMs first (the host makes the
+adapters' launches while the GPU runs them; the expand then adds into the output with
+``addmm_``); backward, the adapters' ``u A`` first and ``dy W`` accumulated into it (the GEMM
+reads its ``C`` operand in the epilogue of a compute-bound product, where an ``addmm_`` of
+``u A`` after it would read and write the (T, K) gradient once more).
 """
 
 from __future__ import annotations
@@ -28,8 +31,7 @@ import torch
 
 from shuttle.train.frozen import FrozenLinear
 
-__all__ = ["adapter_then_base", "as_dtype", "base_product", "compute_factors", "grad_mm",
-           "scaled_mm"]
+__all__ = ["as_dtype", "base_product", "compute_factors", "grad_mm", "scaled_mm"]
 
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -53,8 +55,8 @@ def compute_factors(dtype: torch.dtype, a_list: Sequence[torch.Tensor],
         a_all = None if not a_list else a_list[0] if len(a_list) == 1 else torch.cat(a_list)
         return a_all, list(b_list)
     flat = [t.reshape(-1) for t in (*a_list, *b_list)]
-    buf = torch.empty(sum(f.numel() for f in flat), dtype=dtype, device=flat[0].device)
-    torch.cat(flat, out=buf)
+    # cat's kernel casts input by input into an output of another dtype: cat first, then cast
+    buf = (flat[0] if len(flat) == 1 else torch.cat(flat)).to(dtype)
     views, at = [], 0
     a_all = None
     if a_list:
@@ -69,7 +71,8 @@ def compute_factors(dtype: torch.dtype, a_list: Sequence[torch.Tensor],
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: float,
               out: torch.Tensor | None = None) -> torch.Tensor:
     """``alpha * a @ b``, into ``out`` when given (which may be a column window of a wider
-    row-major buffer); one launch."""
+    row-major buffer); one launch.
+    """
     if out is None:
         if alpha == 1:
             return a @ b
@@ -80,8 +83,11 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: float,
 def grad_mm(a: torch.Tensor, b: torch.Tensor, alpha: float, dtype: torch.dtype) -> torch.Tensor:
     """``alpha * a @ b`` in ``dtype``: a parameter's gradient from compute-dtype operands."""
     if a.is_cuda and dtype == torch.float32 and a.dtype in _HALF and b.dtype == a.dtype:
-        g = torch.mm(a, b, out_dtype=dtype)  # the float32 accumulator, unrounded
-        return g if alpha == 1 else g.mul_(alpha)
+        # the float32 accumulator, unrounded; beta = 0: the empty C is never read
+        if alpha == 1:
+            return torch.mm(a, b, out_dtype=dtype)
+        return torch.addmm(a.new_empty(a.shape[0], b.shape[1], dtype=dtype), a, b, beta=0,
+                           alpha=alpha, out_dtype=dtype)
     return as_dtype(scaled_mm(a, b, alpha), dtype)
 
 
@@ -91,18 +97,3 @@ def base_product(x2: torch.Tensor, base: FrozenLinear) -> torch.Tensor:
     if base.bias is not None:
         return torch.addmm(as_dtype(base.bias, x2.dtype), x2, w.T)
     return x2 @ w.T
-
-
-def adapter_then_base(x2: torch.Tensor, base: FrozenLinear, h: torch.Tensor, b: torch.Tensor,
-                      scale: float) -> torch.Tensor:
-    """``x W^T + bias + scale * h B^T`` (T, N): the expand ``h B^T`` (with the bias) written
-    first, the base GEMM accumulated into it.
-
-    ``x2`` (T, K), ``h`` (T, r) and ``b`` (N, r), all in the compute dtype.
-    """
-    if base.bias is not None:
-        y = torch.addmm(as_dtype(base.bias, x2.dtype), h, b.T, alpha=scale)
-    else:
-        y = scaled_mm(h, b.T, scale)
-    w = base.weight(x2.dtype)
-    return y.addmm_(x2, w.T)
