@@ -146,7 +146,12 @@ def bench_block(name: str, make, targets: list[str], nf4: bool, rounds: int) -> 
     peak = {k: _peak_gib(fn) for k, fn in variants.items()}
     times = harness.interleaved(variants, rounds=rounds)
     ms = {k: v["median_ms"] for k, v in times.items()}
+    # where a step's time goes: the GPU's kernels, and the host's Python and launches
+    gpu = {k: harness.gpu_ms(fn) for k, fn in variants.items()} if DEVICE == "cuda" else {}
+    host = {k: harness.host_ms(fn) for k, fn in variants.items()} if DEVICE == "cuda" else {}
     row = {"block": name, "nf4": nf4, "ms": ms, "peak_extra_gib": peak,
+           "gpu_ms": gpu, "host_ms": host,
+           "shuttle_vs_frozen_gpu": gpu["shuttle"] / gpu["frozen"] if gpu else float("nan"),
            "shuttle_vs_frozen": ms["shuttle"] / ms["frozen"],
            "peft_vs_frozen": ms["peft"] / ms["frozen"],
            "peft_vs_shuttle": ms["peft"] / ms["shuttle"],
@@ -198,17 +203,23 @@ def write(blocks: list[dict], model: dict | None) -> None:
         rows.append([b["block"] + (" (NF4 base)" if b["nf4"] else ""), f"{ms['frozen']:.2f}",
                      f"{ms['peft']:.2f}", f"**{ms['shuttle']:.2f}**",
                      f"{b['peft_vs_frozen']:.2f}x", f"**{b['shuttle_vs_frozen']:.2f}x**",
-                     f"{b['peft_vs_shuttle']:.2f}x", f"{pk['frozen']:.2f}", f"{pk['peft']:.2f}",
+                     f"{b['peft_vs_shuttle']:.2f}x", f"{b['shuttle_vs_frozen_gpu']:.2f}x",
+                     " / ".join(f"{b['host_ms'].get(k, float('nan')):.2f}"
+                                for k in ("frozen", "peft", "shuttle")),
+                     f"{pk['frozen']:.2f}", f"{pk['peft']:.2f}",
                      f"**{pk['shuttle']:.2f}**", f"{b['grad_rel_err_vs_peft']:.1e}"])
     table = harness.markdown_table(
         ["block", "frozen ms", "PEFT ms", "shuttle ms", "PEFT / frozen", "shuttle / frozen",
-         "PEFT / shuttle", "frozen peak GiB", "PEFT peak GiB", "shuttle peak GiB",
-         "grad rel. err vs PEFT"], rows)
+         "PEFT / shuttle", "shuttle / frozen, GPU work", "host ms (frozen / PEFT / shuttle)",
+         "frozen peak GiB", "PEFT peak GiB", "shuttle peak GiB", "grad rel. err vs PEFT"], rows)
     notes = ("bf16, 8192 tokens, hidden 4096, MLP 14336, rank 16, forward + backward with the "
              "input requiring grad; medians of interleaved rounds, inputs rotated. Peak: GiB "
              "allocated above the block's weights and inputs during one step. PEFT uses its "
              "defaults (float32 adapters on the bf16 base); the gradient error is "
-             "|g_shuttle - g_PEFT| / |g_PEFT| (largest over parameters and the input).")
+             "|g_shuttle - g_PEFT| / |g_PEFT| (largest over parameters and the input). "
+             "GPU work: the step's kernel time (profiled); host ms: the time the host takes to "
+             "issue one step (Python and launches, from a drained GPU). A step takes the "
+             "larger of the two, plus the first launch's latency.")
     if model is not None:
         ms, pk = model["ms"], model["peak_extra_gib"]
         notes += (f"\n\nWhole step of a 2-layer Llama of real width (vocab 32000, 4096 tokens): "

@@ -60,3 +60,28 @@ def test_saves_the_input_and_the_two_projections_only():
                   if t is not None and t.dim() == 2 and t.shape[0] == 64)
     # x (T, K), e and g (T, F), the rank-sized products; no (T, F) activation beyond e and g
     assert rows == [(64, 4), (64, 8), (64, K), (64, FF), (64, FF)]
+
+
+@pytest.mark.parametrize("on", [(1, 1, 1), (0, 1, 1), (1, 0, 0)], ids=["all", "up+down", "gate"])
+def test_float32_factors_on_a_bfloat16_input_get_float32_gradients(on):
+    """PEFT's default: float32 adapters on a bf16 model (the factors cast once, in one buffer)."""
+    layers = [linear(K, FF, torch.bfloat16, False), linear(K, FF, torch.bfloat16, True),
+              linear(FF, N, torch.bfloat16, False)]
+    facs = [factors(lyr.out_features, lyr.in_features, R, torch.float32) if o else (None, None)
+            for lyr, o in zip(layers, on, strict=True)]
+    scales = (0.5, 0.7, 0.9)
+    x = torch.randn(9, K, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(9, N, dtype=torch.bfloat16)
+    lora_mlp(x, "silu", *[(frozen_linear(lyr), a, b, s)
+                          for lyr, (a, b), s in zip(layers, facs, scales, strict=True)]
+             ).backward(dy)
+    x64 = wide(x)
+    f64 = [(wide(a), wide(b)) for a, b in facs]
+    e = lora_ref(x64, layers[0], *f64[0], scales[0])
+    g = lora_ref(x64, layers[1], *f64[1], scales[1])
+    lora_ref(F.silu(e) * g, layers[2], *f64[2], scales[2]).backward(dy.double())
+    assert rel_err(x.grad, x64.grad) < 3e-2
+    for (a, b), (a64, b64) in zip(facs, f64, strict=True):
+        if a is not None:
+            assert a.grad.dtype == b.grad.dtype == torch.float32
+            assert rel_err(a.grad, a64.grad) < 3e-2 and rel_err(b.grad, b64.grad) < 3e-2

@@ -51,3 +51,28 @@ def test_the_input_is_saved_once():
                                zip(layers, facs, strict=True)])
     saved = [t for t in ys[0].grad_fn.saved_tensors if t is not None and t.shape == (10, 24)]
     assert len(saved) == 1
+
+
+def test_float32_factors_on_a_bfloat16_input_get_float32_gradients():
+    """PEFT's default: float32 adapters on a bf16 model (the factors cast once, in one buffer)."""
+    outs, scales = (16, 8, 8), (0.5, 0.7, 0.9)
+    layers = [linear(24, n, torch.bfloat16, bias=i == 1) for i, n in enumerate(outs)]
+    facs = [factors(n, 24, r, torch.float32) if r else (None, None)
+            for n, r in zip(outs, (4, 0, 2), strict=True)]
+    x = torch.randn(7, 24, dtype=torch.bfloat16, requires_grad=True)
+    ys = lora_projections(x, *[(frozen_linear(lyr), a, b, s)
+                               for lyr, (a, b), s in zip(layers, facs, scales, strict=True)])
+    dys = [torch.randn_like(y) for y in ys]
+    torch.autograd.backward(ys, dys)
+    x64 = wide(x)
+    f64 = [(wide(a), wide(b)) for a, b in facs]
+    ys64 = [lora_ref(x64, lyr, a, b, s)
+            for lyr, (a, b), s in zip(layers, f64, scales, strict=True)]
+    torch.autograd.backward(ys64, [d.double() for d in dys])
+    assert all(y.dtype == torch.bfloat16 and rel_err(y, y64) < 2e-2
+               for y, y64 in zip(ys, ys64, strict=True))
+    assert rel_err(x.grad, x64.grad) < 2e-2
+    for (a, b), (a64, b64) in zip(facs, f64, strict=True):
+        if a is not None:
+            assert a.grad.dtype == b.grad.dtype == torch.float32
+            assert rel_err(a.grad, a64.grad) < 2e-2 and rel_err(b.grad, b64.grad) < 2e-2

@@ -44,30 +44,26 @@ class LoRAProjectionsFunction(torch.autograd.Function):
         ys = [base_product(x2, base) for base, _, _, _ in projs]
         a_all = hx = None
         bs: list[torch.Tensor] = []
-        cols: dict[int, slice] = {}  # projection -> its columns of hx (and of u in backward)
+        ranks = [projs[i][1].shape[0] for i in lora]  # the columns of hx (and of u) per adapter
         if lora:
             a_all, bs = compute_factors(dt, [projs[i][1] for i in lora],
                                         [projs[i][2] for i in lora])
             hx = x2 @ a_all.T  # (T, sum r): one read of x
-            start = 0
-            for i, b in zip(lora, bs, strict=True):
-                r = projs[i][1].shape[0]
-                cols[i] = slice(start, start + r)
-                ys[i].addmm_(hx[:, cols[i]], b.T, alpha=projs[i][3])
-                start += r
+            for i, b, h in zip(lora, bs, hx.split(ranks, dim=1), strict=True):
+                ys[i].addmm_(h, b.T, alpha=projs[i][3])
         outs = tuple(y.view(*x.shape[:-1], y.shape[-1]) for y in ys)
         ctx.projs = [(base, s) for base, _, _, s in projs]
-        ctx.lora, ctx.cols, ctx.n = lora, cols, n
+        ctx.lora, ctx.ranks, ctx.n = lora, ranks, n
         ctx.param_dtypes = {i: (projs[i][1].dtype, projs[i][2].dtype) for i in lora}
         ctx.save_for_backward(x2, hx, a_all, *bs, *(base.data for base, _, _, _ in projs))
         return outs
 
     @staticmethod
     def backward(ctx: Any, *dys: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        n, lora, cols = ctx.n, ctx.lora, ctx.cols
+        n, lora, ranks = ctx.n, ctx.lora, ctx.ranks
         saved = ctx.saved_tensors
         x2, hx, a_all = saved[:3]
-        b_of = dict(zip(lora, saved[3:3 + len(lora)], strict=True))
+        bs = saved[3:3 + len(lora)]
         datas = saved[3 + len(lora):]
         need = ctx.needs_input_grad
         dy0 = next(d for d in dys if d is not None)
@@ -76,11 +72,11 @@ class LoRAProjectionsFunction(torch.autograd.Function):
         u_all = None
         if lora:
             u_all = dy0.new_empty(x2.shape[0], hx.shape[1])
-            for i in lora:
+            for i, b, u in zip(lora, bs, u_all.split(ranks, dim=1), strict=True):
                 if dy2[i] is None:  # an output nobody used: zero gradient
-                    u_all[:, cols[i]].zero_()
+                    u.zero_()
                 else:
-                    scaled_mm(dy2[i], b_of[i], ctx.projs[i][1], out=u_all[:, cols[i]])
+                    scaled_mm(dy2[i], b, ctx.projs[i][1], out=u)
         dx = None
         if need[0]:
             if u_all is not None:
@@ -88,8 +84,7 @@ class LoRAProjectionsFunction(torch.autograd.Function):
             for i in range(n):
                 if dy2[i] is None:
                     continue
-                base = ctx.projs[i][0]
-                w = base.with_data(datas[i]).weight(dy0.dtype)
+                w = ctx.projs[i][0].with_data(datas[i]).weight(dy0.dtype)
                 dx = dy2[i] @ w if dx is None else dx.addmm_(dy2[i], w)
                 del w
             dx = dx.view(*dy0.shape[:-1], dx.shape[-1])
@@ -99,11 +94,11 @@ class LoRAProjectionsFunction(torch.autograd.Function):
                 # every adapter's dA in one GEMM, (sum r, K), split by rows
                 grad_a = grad_mm(u_all.T, x2, 1.0, a_dtypes.pop() if len(a_dtypes) == 1
                                  else dy0.dtype)
-                for i in lora:
-                    grads[4 * i + 1] = grad_a[cols[i]].to(ctx.param_dtypes[i][0])
-            for i in lora:
+                for i, g in zip(lora, grad_a.split(ranks), strict=True):
+                    grads[4 * i + 1] = g.to(ctx.param_dtypes[i][0])
+            for i, h in zip(lora, hx.split(ranks, dim=1), strict=True):
                 if dy2[i] is not None and need[2 + 4 * i + 2]:
-                    grads[4 * i + 2] = grad_mm(dy2[i].T, hx[:, cols[i]], ctx.projs[i][1],
+                    grads[4 * i + 2] = grad_mm(dy2[i].T, h, ctx.projs[i][1],
                                                ctx.param_dtypes[i][1])
         return (dx, None, *grads)
 

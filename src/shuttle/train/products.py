@@ -93,7 +93,5 @@ def grad_mm(a: torch.Tensor, b: torch.Tensor, alpha: float, dtype: torch.dtype) 
 
 def base_product(x2: torch.Tensor, base: FrozenLinear) -> torch.Tensor:
     """``x W^T + bias`` (T, N) in ``x``'s dtype."""
-    w = base.weight(x2.dtype)
-    if base.bias is not None:
-        return torch.addmm(as_dtype(base.bias, x2.dtype), x2, w.T)
-    return x2 @ w.T
+    bias = None if base.bias is None else as_dtype(base.bias, x2.dtype)
+    return torch.nn.functional.linear(x2, base.weight(x2.dtype), bias)
