@@ -7,7 +7,7 @@ the LoRA scale, ``d`` dropout (identity at p = 0, or outside training). With ``x
     u   = s * dy B                   (T, r)
     dA  = u^T xd                     (r, K)
     dB  = s * dy^T h                 (N, r)
-    dx  = mask * (u A) + dy W        (T, K)   (mask: dropout's, scaled by 1/(1-p))
+    dx  = dy W + mask * (u A)        (T, K)   (mask: dropout's, scaled by 1/(1-p))
 
 Saved for backward: ``xd`` (the input itself at p = 0; with dropout the dropped input, never
 both: the frozen base needs no activation), ``h``, which is r/K the size of ``x``, and the
@@ -16,7 +16,7 @@ per call (from the default CPU generator, so ``torch.manual_seed`` makes runs re
 again in backward. Autograd on PEFT's module saves ``x`` and ``xd`` and runs eight kernels each
 way; here the forward is the base GEMM, a cast of the factors (none when they are in the
 compute dtype), the shrink and the expand added into the output, and the backward four skinny
-GEMMs and ``dy W`` accumulated into ``u A`` (:mod:`shuttle.train.products`).
+GEMMs after ``dy W`` (:mod:`shuttle.train.products`).
 """
 
 from __future__ import annotations
@@ -64,15 +64,17 @@ class LoRALinearFunction(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         xd, h, a_, b_, data = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
-        u = scaled_mm(dy2, b_, ctx.scale)
         grad_a = grad_b = dx = None
         if ctx.needs_input_grad[0]:
             w = ctx.base.with_data(data).weight(dy.dtype)
-            if ctx.seed is not None:
-                dx = (u @ a_).mul_(_mask(xd, ctx.dropout, ctx.seed)).addmm_(dy2, w)
-            else:
-                dx = (u @ a_).addmm_(dy2, w)
+            dx = dy2 @ w  # the large GEMM queued first
             del w
+        u = scaled_mm(dy2, b_, ctx.scale)
+        if dx is not None:
+            if ctx.seed is not None:
+                dx.add_((u @ a_).mul_(_mask(xd, ctx.dropout, ctx.seed)))
+            else:
+                dx.addmm_(u, a_)
             dx = dx.view(*dy.shape[:-1], dx.shape[-1])
         if ctx.needs_input_grad[2]:
             grad_a = grad_mm(u.T, xd, 1.0, ctx.param_dtypes[0])

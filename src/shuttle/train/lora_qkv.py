@@ -9,10 +9,9 @@ saved once for all of them. Backward, for ``dy_i``:
     dB_i = s_i * dy_i^T hx_i            (N_i, r_i)
     dx   = [u_q u_k u_v] [A_q; A_k; A_v] + sum_i dy_i W_i
 
-Order of the products (:mod:`shuttle.train.products`): forward, the base GEMMs first and the
-adapters' work after them; backward, ``u`` and ``dx = u A`` first, the base GEMMs accumulated
-into ``dx``. A projection without an adapter passes ``a = b = None``; an output whose
-gradient autograd does not supply (unused) counts as zero.
+Order of the products (:mod:`shuttle.train.products`): the base GEMMs first both ways, the
+adapters' rank-sized work after them. A projection without an adapter passes ``a = b = None``;
+an output whose gradient autograd does not supply (unused) counts as zero.
 """
 
 from __future__ import annotations
@@ -69,6 +68,14 @@ class LoRAProjectionsFunction(torch.autograd.Function):
         dy0 = next(d for d in dys if d is not None)
         dy2 = [None if d is None else d.reshape(-1, d.shape[-1]) for d in dys]
         grads: list[torch.Tensor | None] = [None] * (4 * n)
+        dx = None
+        if need[0]:
+            for i in range(n):
+                if dy2[i] is None:
+                    continue
+                w = ctx.projs[i][0].with_data(datas[i]).weight(dy0.dtype)
+                dx = dy2[i] @ w if dx is None else dx.addmm_(dy2[i], w)
+                del w
         u_all = None
         if lora:
             u_all = dy0.new_empty(x2.shape[0], hx.shape[1])
@@ -77,16 +84,9 @@ class LoRAProjectionsFunction(torch.autograd.Function):
                     u.zero_()
                 else:
                     scaled_mm(dy2[i], b, ctx.projs[i][1], out=u)
-        dx = None
-        if need[0]:
-            if u_all is not None:
-                dx = u_all @ a_all
-            for i in range(n):
-                if dy2[i] is None:
-                    continue
-                w = ctx.projs[i][0].with_data(datas[i]).weight(dy0.dtype)
-                dx = dy2[i] @ w if dx is None else dx.addmm_(dy2[i], w)
-                del w
+            if dx is not None:
+                dx.addmm_(u_all, a_all)
+        if dx is not None:
             dx = dx.view(*dy0.shape[:-1], dx.shape[-1])
         if lora:
             a_dtypes = {ctx.param_dtypes[i][0] for i in lora}

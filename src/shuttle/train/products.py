@@ -16,11 +16,14 @@ the host time of a training step:
   bf16/fp16 operands comes out of the GEMM (``out_dtype``, the scale as its ``alpha``): one
   launch, and no bf16 rounding of the gradient on the way; elsewhere a product and a cast.
 
-The order the functions launch in: forward, the base GEMMs first (the host makes the
-adapters' launches while the GPU runs them; the expand then adds into the output with
-``addmm_``); backward, the adapters' ``u A`` first and ``dy W`` accumulated into it (the GEMM
-reads its ``C`` operand in the epilogue of a compute-bound product, where an ``addmm_`` of
-``u A`` after it would read and write the (T, K) gradient once more).
+The order the functions launch in. The attention projections' functions queue the base
+GEMMs before the rank-sized work both ways: the GPU runs them while the host makes the
+adapters' launches, and a step's last launches are small ones that the GPU finishes soon after
+the host's last call (their expands add into the outputs with ``addmm_``). The gated MLP, whose
+GEMMs outlast any launch sequence, starts its backward's ``dh`` and ``dx`` from the adapters'
+``u A`` and accumulates ``dy W`` into them: a GEMM reads its ``C`` operand in the epilogue of a
+compute-bound product for free, where an ``addmm_`` of ``u A`` after it would read and write
+the (T, F) gradient once more.
 """
 
 from __future__ import annotations
