@@ -40,8 +40,9 @@ class Net(nn.Module):
         return x
 
 
-def _tensor_parallel(world: int) -> Net:
-    """Net with each block's ``up`` column-parallel and ``down`` row-parallel."""
+def _tensor_parallel(world: int, device: str = "cpu") -> Net:
+    """Net with each block's ``up`` column-parallel and ``down`` row-parallel, its shards on
+    ``device`` (the mesh's device type)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -50,21 +51,21 @@ def _tensor_parallel(world: int) -> Net:
     )
 
     torch.manual_seed(0)
-    model = Net()
-    mesh = init_device_mesh("cpu", (world,))
+    model = Net().to(device)
+    mesh = init_device_mesh(device, (world,))
     for b in model.blocks:
         parallelize_module(b, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
     return model.requires_grad_(False)
 
 
-def _offload_case(rank, world):
+def _offload_case(rank, world, device="cpu"):
     from shuttle.offload import CPU_COPY_ENV, ModelOffloader, StreamConfig
     from shuttle.weights.dtensor import is_dtensor
 
     os.environ[CPU_COPY_ENV] = "1"  # activations on the CPU copy through slots, as on CUDA
-    x = torch.randn(3, WIDTH, generator=torch.Generator().manual_seed(1))
-    want = _tensor_parallel(world)(x).clone()  # clone(): see tests/apply/test_sharded.py
-    model = _tensor_parallel(world)
+    x = torch.randn(3, WIDTH, generator=torch.Generator().manual_seed(1)).to(device)
+    want = _tensor_parallel(world, device)(x).clone()  # clone(): see tests/apply/test_sharded.py
+    model = _tensor_parallel(world, device)
     weight = model.blocks[0].up.weight
     off = ModelOffloader.from_module(model, blocks="blocks")
     local = sum(t.numel() * t.element_size()
@@ -79,7 +80,7 @@ def _offload_case(rank, world):
     same, moved = [], []
     for cfg in (None, StreamConfig(prefetch=0), StreamConfig(prefetch=1),
                 StreamConfig(prefetch=1, resident=1)):
-        with off.use("cpu", cfg) as active:
+        with off.use(device, cfg) as active:
             for _ in range(2):
                 same.append(torch.equal(active(x).clone(), want))
             moved.append(storage(active.blocks[-1].up.weight) not in host)  # in a slot
@@ -88,8 +89,10 @@ def _offload_case(rank, world):
             tuple(weight.to_local().shape))
 
 
-def test_tensor_parallel_shards_stream_and_give_the_resident_outputs():
-    for same, moved, in_arenas, local_only, kept, shard in run_ranks(_offload_case, 2):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_tensor_parallel_shards_stream_and_give_the_resident_outputs(device):
+    # on CUDA: two gloo ranks share the GPU (gloo reduces CUDA tensors); each streams its shards
+    for same, moved, in_arenas, local_only, kept, shard in run_ranks(_offload_case, 2, device):
         assert all(same)  # whole, streamed without and with prefetch, with a resident block
         assert all(moved) and in_arenas  # the shards really move between host and slots
         assert local_only  # host storage holds this rank's shards, not the global weights
