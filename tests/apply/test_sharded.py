@@ -355,3 +355,64 @@ def test_load_checkpoint_into_sharded_models_writes_each_shard_in_place(tmp_path
     for cases in run_ranks(_load_cases, world, str(path)):
         for equal, same_objects, refused in cases:  # FSDP2, then tensor parallel
             assert equal and same_objects and refused
+
+
+def _read_bytes_case(rank, world, path):
+    """Bytes this rank reads from the file loading a tensor-parallel and an FSDP2 model (no
+    adapters), against the bytes of its row windows; and the loaded values."""
+    from safetensors.torch import load_file
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from shuttle.formats.safetensors_file import SafetensorsFile
+    from shuttle.weights.dtensor import shard_window
+
+    read = []
+    original = SafetensorsFile._read_copy
+
+    def counting(self, begin, end, raw=None):
+        read.append(end - begin)
+        return original(self, begin, end, raw)
+
+    SafetensorsFile._read_copy = counting
+    want = load_file(path)
+    out = []
+    for style in ("tp", "fsdp2"):
+        model = nn.Sequential(nn.Linear(8, 13), nn.ReLU(), nn.Linear(13, 6)).to(torch.bfloat16)
+        mesh = _mesh(world, (world,))
+        if style == "fsdp2":
+            fully_shard(model, mesh=mesh)
+        else:
+            parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        read.clear()
+        shuttle.load_checkpoint(model, path)
+        expect = 0
+        for name, p in model.named_parameters():
+            w = shard_window(p, name)
+            row = p.element_size() * (p[0].numel() if p.dim() > 1 else 1)
+            whole = w.covers(0, p.shape[0])
+            expect += p.numel() * p.element_size() if whole else (w.stops[0] - w.starts[0]) * row
+        equal = all(torch.equal(p.full_tensor(), want[n]) for n, p in model.named_parameters())
+        out.append((sum(read), expect, equal))
+    SafetensorsFile._read_copy = original
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_rank_reads_only_the_rows_of_its_shards(tmp_path, world):
+    """Row-sharded tensors that no adapter changes are read by rows: a rank's reads are its
+    shards' bytes (column-sharded and replicated tensors whole), not the checkpoint's."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    full = nn.Sequential(nn.Linear(8, 13), nn.ReLU(), nn.Linear(13, 6)).to(torch.bfloat16)
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in full.state_dict().items()}, str(path))
+    total = sum(v.numel() * v.element_size() for v in full.state_dict().values())
+    for cases in run_ranks(_read_bytes_case, world, str(path)):
+        for got, expect, equal in cases:  # tensor parallel, then FSDP2
+            assert equal and got == expect and got < total

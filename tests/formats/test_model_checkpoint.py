@@ -58,3 +58,22 @@ def test_bad_sources(tmp_path):
     index.write_text("{not json")
     with pytest.raises(CorruptFileError, match="JSON"):
         open_checkpoint(index)
+
+
+def test_a_lazy_tensor_reads_a_row_range_alone(tmp_path):
+    """``load_rows``: the rows' bytes only (a rank's row shard), equal to the slice; a range
+    outside the tensor is a typed error."""
+    from shuttle.errors import ShuttleError
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"w": torch.randn(13, 5, 3, generator=g).to(torch.bfloat16),
+               "v": torch.randn(7, generator=g), "s": torch.tensor(1.5)}
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    ckpt = open_checkpoint(tmp_path / "m.safetensors")
+    for key, (a, b) in {"w": (3, 9), "v": (6, 7)}.items():
+        rows = ckpt.tensors[key].load_rows(a, b)
+        assert torch.equal(rows, tensors[key][a:b])
+    assert ckpt.tensors["w"].load_rows(4, 4).shape == (0, 5, 3)
+    for key, (a, b) in {"w": (9, 14), "v": (3, 2), "s": (0, 1)}.items():
+        with pytest.raises(ShuttleError, match="row range"):
+            ckpt.tensors[key].load_rows(a, b)

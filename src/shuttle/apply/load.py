@@ -5,7 +5,8 @@ parameter in float32 and rounded once to its final dtype, and only then put in t
 is the one place a dense payload can land in a model built on the ``meta`` device (sharded or
 not yet allocated): ``.set_weight`` supplies a parameter the checkpoint does not have, ``.diff``
 and low-rank updates change one it does. Host memory stays at about the largest tensor (plus the
-adapters' tensors), never the state dict.
+adapters' tensors), never the state dict. Into a sharded model (DTensor parameters) a rank
+reads a row-sharded tensor that no adapter changes by its rows alone.
 
 Everything that can fail because of the input is checked from file headers before the first
 tensor is written: files, strengths, shapes, duplicate targets, parameters nobody supplies, and
@@ -189,11 +190,18 @@ def load_checkpoint(
             slot = slots[name]
             contribs = plan.params.get(name, [])
             ref, dev = ckpt.tensors[key], _device(slot, target)
+            final = _final_dtype(slot, ckpt, key, dtype)
+            rows = _shard_rows(slot, ref, contribs)
+            if rows is not None:  # a shard nothing merges into: its rows alone are read
+                t = ref.load_rows(*rows).to(dev)
+                _install(slot, _land(t, final, name, [], rounding, seed), row0=rows[0])
+                loaded.append(key)
+                bar.update()
+                continue
             if staged is not None and isinstance(ref, LazyTensor) and dev == staged.device:
                 t = staged.read(ref)  # pinned and double-buffered: no pageable copy
             else:
                 t = _read(ref, bool(contribs)).to(dev)
-            final = _final_dtype(slot, ckpt, key, dtype)
             _install(slot, _land(t, final, name, contribs, rounding, seed))
             loaded.append(key)
             bar.update()
@@ -333,16 +341,34 @@ def _final_dtype(slot: _Slot, ckpt: Checkpoint, key: str | None,
     return dtype if dtype is not None and have.is_floating_point else have
 
 
-def _install(slot: _Slot, t: torch.Tensor) -> None:
+def _shard_rows(slot: _Slot, ref: Tensorish, contribs: list[Contribution]
+                ) -> tuple[int, int] | None:
+    """The rows of the checkpoint tensor that this rank's shard of ``slot`` holds, where reading
+    those rows alone is enough (a DTensor nothing merges into, read from a file, that is not
+    replicated along its rows); else None (the whole tensor is read: merges are planned
+    against it).
+    """
+    if contribs or not isinstance(ref, LazyTensor) or not is_dtensor(slot.tensor):
+        return None
+    shape = tuple(slot.tensor.shape)
+    window = shard_window(slot.tensor, slot.names[0])
+    if not shape or window.covers(0, shape[0]):
+        return None
+    return window.starts[0], window.stops[0]
+
+
+def _install(slot: _Slot, t: torch.Tensor, row0: int = 0) -> None:
     """Put ``t`` in the model under every name of ``slot``: for a DTensor, this rank's window
-    of ``t``, copied into its local shard in place (the whole tensor is then dropped, so a
-    rank holds at most one whole tensor at a time).
+    of ``t`` (which holds the tensor's rows from ``row0`` on), copied into its local shard in
+    place (the whole tensor is then dropped, so a rank holds at most one whole tensor at a
+    time).
     """
     old = slot.tensor
     if is_dtensor(old):
         window = shard_window(old, slot.names[0])
-        part = t[tuple(slice(a, b) for a, b in zip(window.starts, window.stops, strict=True))]
-        old.to_local().copy_(part)
+        cut = [slice(a, b) for a, b in zip(window.starts, window.stops, strict=True)]
+        cut[0] = slice(cut[0].start - row0, cut[0].stop - row0)
+        old.to_local().copy_(t[tuple(cut)])
         return
     if (not old.is_meta and old.dtype == t.dtype and old.device == t.device
             and old.shape == t.shape):

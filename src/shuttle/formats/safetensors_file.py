@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from shuttle.errors import AdapterFileError, CorruptFileError, FileChangedError
+from shuttle.errors import AdapterFileError, CorruptFileError, FileChangedError, ShuttleError
 from shuttle.formats.safetensors_header import DTYPES, parse_header
 
 __all__ = ["DTYPES", "LazyTensor", "SafetensorsFile"]
@@ -65,6 +65,12 @@ class LazyTensor:
     @property
     def nbytes(self) -> int:
         return self.shape.numel() * self.dtype.itemsize
+
+    def load_rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of the tensor (along its first dimension) in memory of their
+        own, reading only their bytes (a rank's shard of a row-sharded weight).
+        """
+        return self._file.read_rows(self.key, start, stop)
 
     def load_into(self, out: torch.Tensor) -> torch.Tensor:
         """Read the tensor into the CPU ``uint8`` buffer ``out``; returns its typed view."""
@@ -194,6 +200,23 @@ class SafetensorsFile:
         if (self.data_start + begin) % flat.new_empty((), dtype=dtype).element_size():
             flat = flat.clone()  # unaligned offset: a dtype view needs an aligned start
         return flat.view(dtype).reshape(shape)
+
+    def read_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of tensor ``key`` (its first dimension), read into memory of
+        their own: the bytes of those rows only (a row-major tensor keeps them together).
+
+        Raises:
+            ShuttleError: ``[start, stop)`` is not a row range of the tensor (or it is 0-d).
+        """
+        dtype, shape, begin, end = self._entries[key]
+        if len(shape) == 0 or not 0 <= start <= stop <= shape[0]:
+            raise ShuttleError(f"{self.path}: rows [{start}, {stop}) of {key!r} (shape "
+                               f"{tuple(shape)}) are not a row range of it")
+        row = (end - begin) // shape[0] if shape[0] else 0
+        part = (stop - start,) + tuple(shape[1:])
+        if row == 0 or stop == start:
+            return torch.empty(part, dtype=dtype)
+        return self._read_copy(begin + start * row, begin + stop * row).view(dtype).reshape(part)
 
     def _map(self) -> mmap.mmap:
         try:
