@@ -1,8 +1,8 @@
 """The matrix products the LoRA training functions are made of, each in as few launches as it
 takes.
 
-A rank-16 product over 8192 tokens takes the GPU a few microseconds; launching it from Python
-takes longer (a cuBLAS call is a workspace memset and a kernel). A LoRA layer's forward and
+A rank-16 product is a small kernel, and launching it from Python costs the host about as much
+time as it costs the GPU (a cuBLAS call is a workspace memset and a kernel). A LoRA layer's forward and
 backward are a dozen such products around one or two large GEMMs, so their launch count sets
 the host time of a training step:
 
