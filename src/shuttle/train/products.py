@@ -2,9 +2,9 @@
 takes.
 
 A rank-16 product is a small kernel, and launching it from Python costs the host about as much
-time as it costs the GPU (a cuBLAS call is a workspace memset and a kernel). A LoRA layer's forward and
-backward are a dozen such products around one or two large GEMMs, so their launch count sets
-the host time of a training step:
+time as it costs the GPU (a cuBLAS call is a workspace memset and a kernel). A LoRA layer's
+forward and backward are a dozen such products around one or two large GEMMs, so their launch
+count sets the host time of a training step:
 
 - :func:`compute_factors`: every adapter factor of a function in the compute dtype (PEFT keeps
   float32 factors on a bf16 model) in two launches whatever their number (one ``cat`` in their
