@@ -71,6 +71,9 @@ def main() -> None:
     if rank == 0:
         print(f"merged {len(report.applied)} weights into row and column shards on "
               f"{dist.get_world_size()} ranks: equal to the single-process merge")
+    # Every rank done with its collectives before any tears the group down: a rank that leaves
+    # first closes connections a peer's gloo threads may still read (they abort the process).
+    dist.barrier()
     dist.destroy_process_group()
 
 
