@@ -194,15 +194,12 @@ def load_checkpoint(
             rows = _shard_rows(slot, ref, contribs)
             if rows is not None:  # a shard nothing merges into: its rows alone are read
                 t = ref.load_rows(*rows).to(dev)
-                _install(slot, _land(t, final, name, [], rounding, seed), row0=rows[0])
-                loaded.append(key)
-                bar.update()
-                continue
-            if staged is not None and isinstance(ref, LazyTensor) and dev == staged.device:
+            elif staged is not None and isinstance(ref, LazyTensor) and dev == staged.device:
                 t = staged.read(ref)  # pinned and double-buffered: no pageable copy
             else:
                 t = _read(ref, bool(contribs)).to(dev)
-            _install(slot, _land(t, final, name, contribs, rounding, seed))
+            _install(slot, _land(t, final, name, contribs, rounding, seed),
+                     row0=0 if rows is None else rows[0])
             loaded.append(key)
             bar.update()
         for name in supplied:
