@@ -1,5 +1,6 @@
-"""train.products: the factors cast in two launches whatever their number, scaled products
-written into column windows, float32 gradients from bf16 operands, base products."""
+"""train.products: the factors cast in one launch whatever their number, scaled products
+written into column windows, float32 gradients from bf16 operands, base products and adapted
+products (the base GEMM accumulated into the expand)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,18 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shuttle.train import frozen_linear
-from shuttle.train.products import base_product, compute_factors, grad_mm, scaled_mm
+from shuttle.train.products import (
+    adapted_product,
+    base_product,
+    compute_factors,
+    grad_mm,
+    scaled_mm,
+)
 from tests.train import linear
 
 _NO_KERNEL = ("aten.view", "aten.reshape", "aten._reshape_alias", "aten.slice", "aten.t.",
               "aten.transpose", "aten.split", "aten.detach", "aten.as_strided", "aten.alias",
-              "aten.empty", "aten.new_empty", "aten._unsafe_view", "aten.expand")
+              "aten.empty", "aten.new_empty", "aten._unsafe_view", "aten.expand", "aten.permute")
 
 
 class _Launches(TorchDispatchMode):
@@ -38,16 +45,38 @@ def _factors(dtype):
     return a_list, b_list
 
 
-def test_factors_of_another_dtype_are_cast_in_two_launches_into_one_buffer():
-    a_list, b_list = _factors(torch.float32)
-    with _Launches() as launches:
-        a_all, bs = compute_factors(torch.bfloat16, a_list, b_list)
-    assert sum(launches.ops.values()) == 2, launches.ops  # one cat, one cast
+def _check_cast(a_list, b_list, a_all, bs):
     assert torch.equal(a_all, torch.cat(a_list).to(torch.bfloat16))
     for b, got in zip(b_list, bs, strict=True):
         assert got.dtype == torch.bfloat16 and torch.equal(got, b.to(torch.bfloat16))
-    ptr = a_all.untyped_storage().data_ptr()
-    assert all(b.untyped_storage().data_ptr() == ptr for b in bs)
+
+
+def test_factors_of_another_dtype_are_cast_in_one_launch():
+    a_list, b_list = _factors(torch.float32)
+    with _Launches() as launches:
+        a_all, bs = compute_factors(torch.bfloat16, a_list, b_list)
+    assert dict(launches.ops) == {"aten._foreach_copy_.default": 1}, launches.ops
+    _check_cast(a_list, b_list, a_all, bs)
+    assert a_all.is_contiguous() and a_all.shape == (9, 24)  # the A rows: one matrix
+    one, (b0,) = compute_factors(torch.bfloat16, a_list[:1], b_list[:1])
+    _check_cast(a_list[:1], b_list[:1], one, [b0])
+
+
+@pytest.mark.gpu
+def test_factors_of_another_dtype_are_cast_by_one_kernel_on_cuda():
+    from torch.profiler import ProfilerActivity, profile
+
+    a_list, b_list = _factors(torch.float32)
+    a_list, b_list = [a.cuda() for a in a_list], [b.cuda() for b in b_list]
+    compute_factors(torch.bfloat16, a_list, b_list)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        a_all, bs = compute_factors(torch.bfloat16, a_list, b_list)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1, kernels
+    _check_cast([a.cpu() for a in a_list], [b.cpu() for b in b_list], a_all.cpu(),
+                [b.cpu() for b in bs])
 
 
 def test_factors_in_the_compute_dtype_are_used_as_they_are():
@@ -90,3 +119,18 @@ def test_the_base_product_is_the_linear_layer():
         layer = linear(12, 7, torch.float64, bias=bias)
         x = torch.randn(5, 12, dtype=torch.float64)
         torch.testing.assert_close(base_product(x, frozen_linear(layer)), layer(x))
+
+
+def test_an_adapted_product_adds_the_base_gemm_into_the_expand():
+    g = torch.Generator().manual_seed(3)
+    for bias in (False, True):
+        layer = linear(12, 7, torch.float64, bias=bias)
+        x = torch.randn(5, 12, generator=g, dtype=torch.float64)
+        h = torch.randn(5, 3, generator=g, dtype=torch.float64)
+        b = torch.randn(7, 3, generator=g, dtype=torch.float64)
+        with _Launches() as launches:
+            got = adapted_product(x, frozen_linear(layer), h, b, 0.25)
+        torch.testing.assert_close(got, layer(x) + 0.25 * h @ b.T)
+        # two GEMMs, the base one last and in place: no separate add of the expand
+        ops = [op.split(".")[1] for op in launches.ops]
+        assert ops == ["addmm", "addmm_"] and sum(launches.ops.values()) == 2, launches.ops

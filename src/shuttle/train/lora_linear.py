@@ -14,9 +14,9 @@ both: the frozen base needs no activation), ``h``, which is r/K the size of ``x`
 factors in the compute dtype. Dropout's mask is not saved: it is drawn from a generator seeded
 per call (from the default CPU generator, so ``torch.manual_seed`` makes runs repeat) and drawn
 again in backward. Autograd on PEFT's module saves ``x`` and ``xd`` and runs eight kernels each
-way; here the forward is the base GEMM, a cast of the factors (none when they are in the
-compute dtype), the shrink and the expand added into the output, and the backward four skinny
-GEMMs after ``dy W`` (:mod:`shuttle.train.products`).
+way; here the forward is a cast of the factors (none when they are in the compute dtype), the
+shrink, the expand, and the base GEMM added into it, and the backward four skinny GEMMs before
+``dy W`` (:mod:`shuttle.train.products`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,14 @@ from typing import Any
 import torch
 
 from shuttle.train.frozen import FrozenLinear
-from shuttle.train.products import base_product, compute_factors, grad_mm, scaled_mm
+from shuttle.train.products import (
+    adapted_product,
+    as_rows,
+    compute_factors,
+    grad_mm,
+    like_rows,
+    scaled_mm,
+)
 
 __all__ = ["LoRALinearFunction", "lora_linear"]
 
@@ -45,8 +52,7 @@ class LoRALinearFunction(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, base: FrozenLinear, a: torch.Tensor,
                 b: torch.Tensor, scale: float, dropout: float) -> torch.Tensor:
         dtype = x.dtype
-        x2 = x.reshape(-1, x.shape[-1])
-        y = base_product(x2, base)
+        x2 = as_rows(x)
         a_, (b_,) = compute_factors(dtype, [a], [b])
         xd = x2
         seed = None
@@ -54,32 +60,29 @@ class LoRALinearFunction(torch.autograd.Function):
             seed = int(torch.randint(0, 2 ** 62, (), dtype=torch.int64))
             xd = x2 * _mask(x2, dropout, seed)
         h = xd @ a_.T
-        y.addmm_(h, b_.T, alpha=scale)
+        y = adapted_product(x2, base, h, b_, scale)  # the base GEMM last
         ctx.base, ctx.scale, ctx.dropout, ctx.seed = base, scale, dropout, seed
         ctx.param_dtypes = (a.dtype, b.dtype)
         ctx.save_for_backward(xd, h, a_, b_, base.data)
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return like_rows(y, x)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         xd, h, a_, b_, data = ctx.saved_tensors
-        dy2 = dy.reshape(-1, dy.shape[-1])
+        dy2 = as_rows(dy)
         grad_a = grad_b = dx = None
-        if ctx.needs_input_grad[0]:
-            w = ctx.base.with_data(data).weight(dy.dtype)
-            dx = dy2 @ w  # the large GEMM queued first
-            del w
         u = scaled_mm(dy2, b_, ctx.scale)
-        if dx is not None:
-            if ctx.seed is not None:
-                dx.add_((u @ a_).mul_(_mask(xd, ctx.dropout, ctx.seed)))
-            else:
-                dx.addmm_(u, a_)
-            dx = dx.view(*dy.shape[:-1], dx.shape[-1])
         if ctx.needs_input_grad[2]:
             grad_a = grad_mm(u.T, xd, 1.0, ctx.param_dtypes[0])
         if ctx.needs_input_grad[3]:
             grad_b = grad_mm(dy2.T, h, ctx.scale, ctx.param_dtypes[1])
+        if ctx.needs_input_grad[0]:  # dx = mask * (u A) + dy W: the large GEMM last
+            dx = u @ a_
+            if ctx.seed is not None:
+                dx.mul_(_mask(xd, ctx.dropout, ctx.seed))
+            w = ctx.base.with_data(data).weight(dy.dtype)
+            dx = like_rows(dx.addmm_(dy2, w), dy)
+            del w
         return dx, None, grad_a, grad_b, None, None, None
 
 

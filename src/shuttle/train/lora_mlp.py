@@ -19,9 +19,8 @@ recomputed by the backward's activation pass, which reads ``e`` and ``g`` anyway
 MLP under autograd saves ``e``, ``act(e)`` and ``g``, so this saves no more than the base alone
 (``x`` for the adapters' gradients replaces ``act(e)``). A projection without an adapter passes
 ``a = b = None``; dropout is not taken here (the per-layer :mod:`shuttle.train.lora_linear` does).
-Forward queues each base GEMM before the adapter work that adds into its output; backward
-starts ``dh`` and ``dx`` from the adapters' rank-sized products and accumulates the base GEMMs
-into them (:mod:`shuttle.train.products`).
+Both ways, each output starts from the adapters' rank-sized products and the base GEMM is
+accumulated into it (:mod:`shuttle.train.products`).
 """
 
 from __future__ import annotations
@@ -32,7 +31,15 @@ import torch
 
 from shuttle.kernels.gated import Activation, gated_backward, gated_forward
 from shuttle.train.frozen import FrozenLinear
-from shuttle.train.products import base_product, compute_factors, grad_mm, scaled_mm
+from shuttle.train.products import (
+    adapted_product,
+    as_rows,
+    base_product,
+    compute_factors,
+    grad_mm,
+    like_rows,
+    scaled_mm,
+)
 
 __all__ = ["LoRAMLPFunction", "lora_mlp"]
 
@@ -47,9 +54,7 @@ class LoRAMLPFunction(torch.autograd.Function):
                 down: FrozenLinear, ad: torch.Tensor | None, bd: torch.Tensor | None, sd: float
                 ) -> torch.Tensor:
         dt = x.dtype
-        x2 = x.reshape(-1, x.shape[-1])
-        e = base_product(x2, gate)
-        g = base_product(x2, up)
+        x2 = as_rows(x)
         rg = 0 if ag is None else ag.shape[0]
         stacked = [a for a in (ag, au) if a is not None]  # rows of one (rg + ru, K) matrix
         others = [t for t in (bg, bu, ad, bd) if t is not None]
@@ -60,23 +65,24 @@ class LoRAMLPFunction(torch.autograd.Function):
             cast = {id(t): c for t, c in zip(others, outs, strict=True)}
         if a_in is not None:
             hx = x2 @ a_in.T  # (T, rg + ru): one read of x
-        if ag is not None:
-            e.addmm_(hx[:, :rg], cast[id(bg)].T, alpha=sg)
-        if au is not None:
-            g.addmm_(hx[:, rg:], cast[id(bu)].T, alpha=su)
+        e = base_product(x2, gate) if ag is None else \
+            adapted_product(x2, gate, hx[:, :rg], cast[id(bg)], sg)
+        g = base_product(x2, up) if au is None else \
+            adapted_product(x2, up, hx[:, rg:], cast[id(bu)], su)
         h = gated_forward(e, g, act)
-        y = base_product(h, down)
         hd = ad_ = bd_ = None
-        if ad is not None:
+        if ad is None:
+            y = base_product(h, down)
+        else:
             ad_, bd_ = cast[id(ad)], cast[id(bd)]
             hd = h @ ad_.T
-            y.addmm_(hd, bd_.T, alpha=sd)
+            y = adapted_product(h, down, hd, bd_, sd)
         del h
         ctx.act, ctx.bases, ctx.scales, ctx.rg = act, (gate, up, down), (sg, su, sd), rg
         ctx.param_dtypes = [None if t is None else t.dtype for t in (ag, bg, au, bu, ad, bd)]
         ctx.save_for_backward(x2, e, g, hx, hd, a_in, cast.get(id(bg)), cast.get(id(bu)), ad_,
                               bd_, gate.data, up.data, down.data)
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return like_rows(y, x)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -86,7 +92,7 @@ class LoRAMLPFunction(torch.autograd.Function):
         sg, su, sd = ctx.scales
         dtag, dtbg, dtau, dtbu, dtad, dtbd = ctx.param_dtypes
         need = ctx.needs_input_grad
-        dy2 = dy.reshape(-1, dy.shape[-1])
+        dy2 = as_rows(dy)
 
         wd = down.with_data(wd_data).weight(dy.dtype)
         grad_ad = grad_bd = ud = None
@@ -134,7 +140,7 @@ class LoRAMLPFunction(torch.autograd.Function):
             wu = up.with_data(wu_data).weight(dy.dtype)
             dx.addmm_(dg, wu)
             del wu
-            dx = dx.view(*dy.shape[:-1], dx.shape[-1])
+            dx = like_rows(dx, dy)
         return (dx, None, None, grads.get(3), grads.get(4), None, None, grads.get(7),
                 grads.get(8), None, None, grad_ad, grad_bd, None)
 

@@ -9,9 +9,9 @@ saved once for all of them. Backward, for ``dy_i``:
     dB_i = s_i * dy_i^T hx_i            (N_i, r_i)
     dx   = [u_q u_k u_v] [A_q; A_k; A_v] + sum_i dy_i W_i
 
-Order of the products (:mod:`shuttle.train.products`): the base GEMMs first both ways, the
-adapters' rank-sized work after them. A projection without an adapter passes ``a = b = None``;
-an output whose gradient autograd does not supply (unused) counts as zero.
+Order of the products (:mod:`shuttle.train.products`): the adapters' rank-sized work first both
+ways, the base GEMMs accumulated into its outputs last. A projection without an adapter passes
+``a = b = None``; an output whose gradient autograd does not supply (unused) counts as zero.
 """
 
 from __future__ import annotations
@@ -21,7 +21,18 @@ from typing import Any
 import torch
 
 from shuttle.train.frozen import FrozenLinear
-from shuttle.train.products import base_product, compute_factors, grad_mm, scaled_mm
+from shuttle.train.products import (
+    add_base,
+    as_dtype,
+    as_rows,
+    base_product,
+    compute_factors,
+    expand,
+    grad_mm,
+    like_rows,
+    scaled_mm,
+    split_columns,
+)
 
 __all__ = ["LoRAProjectionsFunction", "lora_projections"]
 
@@ -37,20 +48,24 @@ class LoRAProjectionsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, n: int, *specs: Any) -> tuple[torch.Tensor, ...]:
         dt = x.dtype
-        x2 = x.reshape(-1, x.shape[-1])
+        x2 = as_rows(x)
         projs = [specs[4 * i:4 * i + 4] for i in range(n)]
-        lora = [i for i, (_, a, _, _) in enumerate(projs) if a is not None]
-        ys = [base_product(x2, base) for base, _, _, _ in projs]
+        lora = [i for i in range(n) if projs[i][1] is not None]
+        ranks = [projs[i][1].shape[0] for i in lora]  # the columns of hx (and of u) per adapter
+        ys: list[torch.Tensor | None] = [None] * n
         a_all = hx = None
         bs: list[torch.Tensor] = []
-        ranks = [projs[i][1].shape[0] for i in lora]  # the columns of hx (and of u) per adapter
         if lora:
             a_all, bs = compute_factors(dt, [projs[i][1] for i in lora],
                                         [projs[i][2] for i in lora])
             hx = x2 @ a_all.T  # (T, sum r): one read of x
-            for i, b, h in zip(lora, bs, hx.split(ranks, dim=1), strict=True):
-                ys[i].addmm_(h, b.T, alpha=projs[i][3])
-        outs = tuple(y.view(*x.shape[:-1], y.shape[-1]) for y in ys)
+            hs = split_columns(hx, ranks)
+            for i, b, h in zip(lora, bs, hs, strict=True):
+                ys[i] = expand(h, b, projs[i][3], projs[i][0].bias)
+        for i, (base, _, _, _) in enumerate(projs):  # the large GEMMs last
+            y = ys[i]
+            ys[i] = base_product(x2, base) if y is None else add_base(y, x2, base)
+        outs = tuple(like_rows(y, x) for y in ys)
         ctx.projs = [(base, s) for base, _, _, s in projs]
         ctx.lora, ctx.ranks, ctx.n = lora, ranks, n
         ctx.param_dtypes = {i: (projs[i][1].dtype, projs[i][2].dtype) for i in lora}
@@ -66,40 +81,42 @@ class LoRAProjectionsFunction(torch.autograd.Function):
         datas = saved[3 + len(lora):]
         need = ctx.needs_input_grad
         dy0 = next(d for d in dys if d is not None)
-        dy2 = [None if d is None else d.reshape(-1, d.shape[-1]) for d in dys]
+        dy2 = [None if d is None else as_rows(d) for d in dys]
         grads: list[torch.Tensor | None] = [None] * (4 * n)
+        u_all = None
+        if lora:
+            # the rank-sized products first: u side by side, dA in one GEMM, dB per adapter
+            u_all = dy0.new_empty(x2.shape[0], hx.shape[1])
+            us = split_columns(u_all, ranks)
+            for i, b, u in zip(lora, bs, us, strict=True):
+                if dy2[i] is None:  # an output nobody used: zero gradient
+                    u.zero_()
+                else:
+                    scaled_mm(dy2[i], b, ctx.projs[i][1], out=u)
+            if any(need[3 + 4 * i] for i in lora):
+                a_dtypes = {ctx.param_dtypes[i][0] for i in lora}
+                grad_a = grad_mm(u_all.T, x2, 1.0, a_dtypes.pop() if len(a_dtypes) == 1
+                                 else dy0.dtype)
+                gs = (grad_a,) if len(lora) == 1 else grad_a.split_with_sizes(ranks)
+                for i, g in zip(lora, gs, strict=True):
+                    grads[4 * i + 1] = as_dtype(g, ctx.param_dtypes[i][0])
+            hs = split_columns(hx, ranks)
+            for i, h in zip(lora, hs, strict=True):
+                if dy2[i] is not None and need[4 + 4 * i]:
+                    grads[4 * i + 2] = grad_mm(dy2[i].T, h, ctx.projs[i][1],
+                                               ctx.param_dtypes[i][1])
         dx = None
-        if need[0]:
+        if need[0]:  # dx = u [A_q; A_k; A_v] + sum_i dy_i W_i: the large GEMMs last
+            if u_all is not None:
+                dx = u_all @ a_all
             for i in range(n):
                 if dy2[i] is None:
                     continue
                 w = ctx.projs[i][0].with_data(datas[i]).weight(dy0.dtype)
                 dx = dy2[i] @ w if dx is None else dx.addmm_(dy2[i], w)
                 del w
-        u_all = None
-        if lora:
-            u_all = dy0.new_empty(x2.shape[0], hx.shape[1])
-            for i, b, u in zip(lora, bs, u_all.split(ranks, dim=1), strict=True):
-                if dy2[i] is None:  # an output nobody used: zero gradient
-                    u.zero_()
-                else:
-                    scaled_mm(dy2[i], b, ctx.projs[i][1], out=u)
             if dx is not None:
-                dx.addmm_(u_all, a_all)
-        if dx is not None:
-            dx = dx.view(*dy0.shape[:-1], dx.shape[-1])
-        if lora:
-            a_dtypes = {ctx.param_dtypes[i][0] for i in lora}
-            if any(need[2 + 4 * i + 1] for i in lora):
-                # every adapter's dA in one GEMM, (sum r, K), split by rows
-                grad_a = grad_mm(u_all.T, x2, 1.0, a_dtypes.pop() if len(a_dtypes) == 1
-                                 else dy0.dtype)
-                for i, g in zip(lora, grad_a.split(ranks), strict=True):
-                    grads[4 * i + 1] = g.to(ctx.param_dtypes[i][0])
-            for i, h in zip(lora, hx.split(ranks, dim=1), strict=True):
-                if dy2[i] is not None and need[2 + 4 * i + 2]:
-                    grads[4 * i + 2] = grad_mm(dy2[i].T, h, ctx.projs[i][1],
-                                               ctx.param_dtypes[i][1])
+                dx = like_rows(dx, dy0)
         return (dx, None, *grads)
 
 

@@ -7,23 +7,25 @@ forward and backward are a dozen such products around one or two large GEMMs, so
 count sets the host time of a training step:
 
 - :func:`compute_factors`: every adapter factor of a function in the compute dtype (PEFT keeps
-  float32 factors on a bf16 model) in two launches whatever their number (one ``cat`` in their
-  own dtype, one cast), as views of one buffer.
+  float32 factors on a bf16 model) in one launch whatever their number (a multi-tensor copy),
+  the ``A`` factors as row blocks of one matrix.
 - :func:`scaled_mm`: ``alpha * a @ b`` in one launch, written into ``out`` where given (a
   column window of a wider buffer included: the GEMM takes its row stride, so rank-sized
   results of several adapters land side by side with no ``cat``).
+- :func:`adapted_product`: ``x W^T + bias + scale * h B^T`` for a rank-sized ``h``: the
+  expand written first (:func:`expand`), the base GEMM accumulated into it (:func:`add_base`).
 - :func:`grad_mm`: ``alpha * a @ b`` in a parameter's dtype. On CUDA a float32 gradient of
   bf16/fp16 operands comes out of the GEMM (``out_dtype``, the scale as its ``alpha``): one
   launch, and no bf16 rounding of the gradient on the way; elsewhere a product and a cast.
 
-The order the functions launch in. The attention projections' functions queue the base
-GEMMs before the rank-sized work both ways: the GPU runs them while the host makes the
-adapters' launches, and a step's last launches are small ones that the GPU finishes soon after
-the host's last call (their expands add into the outputs with ``addmm_``). The gated MLP, whose
-GEMMs outlast any launch sequence, starts its backward's ``dh`` and ``dx`` from the adapters'
-``u A`` and accumulates ``dy W`` into them: a GEMM reads its ``C`` operand in the epilogue of a
-compute-bound product for free, where an ``addmm_`` of ``u A`` after it would read and write
-the (T, F) gradient once more.
+The order the functions launch in. Every function starts from the adapters' rank-sized products
+and accumulates its large GEMMs into them (:func:`adapted_product` forward, ``dx = u A`` then
+``dx += dy W`` backward), for two reasons. A GEMM reads its ``C`` operand in the epilogue of a
+compute-bound product at almost no cost, where an ``addmm_`` of the expand after it reads and
+writes the whole (T, N) output once more. And a function's last launches are then its large
+GEMMs: the GPU is busy with them while the host runs the next layer's hooks and launches (or
+autograd's engine between forward and backward), so the host's launches of small kernels hide
+behind them instead of leaving the GPU idle.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ import torch
 
 from shuttle.train.frozen import FrozenLinear
 
-__all__ = ["as_dtype", "base_product", "compute_factors", "grad_mm", "scaled_mm"]
+__all__ = ["adapted_product", "add_base", "as_dtype", "as_rows", "base_product", "compute_factors",
+           "expand", "grad_mm", "like_rows", "scaled_mm", "split_columns"]
 
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -44,6 +47,21 @@ def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (..., K) as a (T, K) matrix (``t`` itself when it is one)."""
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+
+
+def like_rows(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``y`` (T, N) with the leading dimensions of ``t`` (..., K): (..., N)."""
+    return y if t.dim() == 2 else y.view(*t.shape[:-1], y.shape[-1])
+
+
+def split_columns(t: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
+    """``t``'s column windows of ``sizes`` (``(t,)`` for one)."""
+    return (t,) if len(sizes) == 1 else t.split_with_sizes(sizes, dim=1)
+
+
 def compute_factors(dtype: torch.dtype, a_list: Sequence[torch.Tensor],
                     b_list: Sequence[torch.Tensor]
                     ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
@@ -51,24 +69,26 @@ def compute_factors(dtype: torch.dtype, a_list: Sequence[torch.Tensor],
 
     ``a_list``: ``(r_i, K)`` each (one K; may be empty: None comes back); ``b_list``: any
     shapes. Factors already in ``dtype`` are used as they are (only the ``A`` rows are
-    concatenated); otherwise every factor is cast into one flat buffer by a single
-    ``torch.cat`` and handed back as views of it.
+    concatenated); otherwise every factor is cast by a single ``torch._foreach_copy_`` (one
+    multi-tensor kernel on CUDA) into the rows of one ``A`` buffer and one tensor per ``B``.
     """
     if all(t.dtype == dtype for t in (*a_list, *b_list)):
         a_all = None if not a_list else a_list[0] if len(a_list) == 1 else torch.cat(a_list)
         return a_all, list(b_list)
-    flat = [t.reshape(-1) for t in (*a_list, *b_list)]
-    # cat's kernel casts input by input into an output of another dtype: cat first, then cast
-    buf = (flat[0] if len(flat) == 1 else torch.cat(flat)).to(dtype)
-    views, at = [], 0
     a_all = None
+    dst: list[torch.Tensor] = []
     if a_list:
-        rows, k = sum(a.shape[0] for a in a_list), a_list[0].shape[1]
-        a_all, at = buf[:rows * k].view(rows, k), rows * k
-    for b in b_list:
-        views.append(buf[at:at + b.numel()].view(b.shape))
-        at += b.numel()
-    return a_all, views
+        a0 = a_list[0]
+        if len(a_list) == 1:
+            a_all = torch.empty(a0.shape, dtype=dtype, device=a0.device)
+            dst.append(a_all)
+        else:
+            ranks = [a.shape[0] for a in a_list]
+            a_all = torch.empty(sum(ranks), a0.shape[1], dtype=dtype, device=a0.device)
+            dst.extend(a_all.split_with_sizes(ranks))
+    bs = [torch.empty(b.shape, dtype=dtype, device=b.device) for b in b_list]
+    torch._foreach_copy_([*dst, *bs], [*a_list, *b_list])
+    return a_all, bs
 
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: float,
@@ -92,6 +112,27 @@ def grad_mm(a: torch.Tensor, b: torch.Tensor, alpha: float, dtype: torch.dtype) 
         return torch.addmm(a.new_empty(a.shape[0], b.shape[1], dtype=dtype), a, b, beta=0,
                            alpha=alpha, out_dtype=dtype)
     return as_dtype(scaled_mm(a, b, alpha), dtype)
+
+
+def expand(h: torch.Tensor, b: torch.Tensor, scale: float,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``scale * h B^T + bias`` (T, N) for ``h`` (T, r), ``b`` (N, r); one launch."""
+    if bias is None:
+        return scaled_mm(h, b.T, scale)
+    return torch.addmm(as_dtype(bias, h.dtype), h, b.T, alpha=scale)
+
+
+def add_base(out: torch.Tensor, x2: torch.Tensor, base: FrozenLinear) -> torch.Tensor:
+    """``out += x W^T`` (the base weight in ``x``'s dtype), in place; ``out`` returned."""
+    return out.addmm_(x2, base.weight(x2.dtype).T)
+
+
+def adapted_product(x2: torch.Tensor, base: FrozenLinear, h: torch.Tensor, b: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """``x W^T + bias + scale * h B^T`` (T, N) in ``x``'s dtype; ``h`` (T, r), ``b`` (N, r):
+    the expand first, the base GEMM adding into it through its ``C`` operand.
+    """
+    return add_base(expand(h, b, scale, base.bias), x2, base)
 
 
 def base_product(x2: torch.Tensor, base: FrozenLinear) -> torch.Tensor:
