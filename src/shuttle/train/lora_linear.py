@@ -15,8 +15,9 @@ factors in the compute dtype. Dropout's mask is not saved: it is drawn from a ge
 per call (from the default CPU generator, so ``torch.manual_seed`` makes runs repeat) and drawn
 again in backward. Autograd on PEFT's module saves ``x`` and ``xd`` and runs eight kernels each
 way; here the forward is a cast of the factors (none when they are in the compute dtype), the
-shrink, the expand, and the base GEMM added into it, and the backward four skinny GEMMs before
-``dy W`` (:mod:`shuttle.train.products`).
+shrink, the expand, and the base GEMM added into it; the backward ``u``, ``dx = u A`` with
+``dy W`` added into it, then ``dA`` and ``dB`` while that GEMM runs
+(:mod:`shuttle.train.products`).
 """
 
 from __future__ import annotations
@@ -72,17 +73,17 @@ class LoRALinearFunction(torch.autograd.Function):
         dy2 = as_rows(dy)
         grad_a = grad_b = dx = None
         u = scaled_mm(dy2, b_, ctx.scale)
-        if ctx.needs_input_grad[2]:
-            grad_a = grad_mm(u.T, xd, 1.0, ctx.param_dtypes[0])
-        if ctx.needs_input_grad[3]:
-            grad_b = grad_mm(dy2.T, h, ctx.scale, ctx.param_dtypes[1])
-        if ctx.needs_input_grad[0]:  # dx = mask * (u A) + dy W: the large GEMM last
+        if ctx.needs_input_grad[0]:  # dx = mask * (u A) + dy W, the GEMM queued before dA, dB
             dx = u @ a_
             if ctx.seed is not None:
                 dx.mul_(_mask(xd, ctx.dropout, ctx.seed))
             w = ctx.base.with_data(data).weight(dy.dtype)
             dx = like_rows(dx.addmm_(dy2, w), dy)
             del w
+        if ctx.needs_input_grad[2]:
+            grad_a = grad_mm(u.T, xd, 1.0, ctx.param_dtypes[0])
+        if ctx.needs_input_grad[3]:
+            grad_b = grad_mm(dy2.T, h, ctx.scale, ctx.param_dtypes[1])
         return dx, None, grad_a, grad_b, None, None, None
 
 

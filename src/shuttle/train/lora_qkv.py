@@ -9,9 +9,12 @@ saved once for all of them. Backward, for ``dy_i``:
     dB_i = s_i * dy_i^T hx_i            (N_i, r_i)
     dx   = [u_q u_k u_v] [A_q; A_k; A_v] + sum_i dy_i W_i
 
-Order of the products (:mod:`shuttle.train.products`): the adapters' rank-sized work first both
-ways, the base GEMMs accumulated into its outputs last. A projection without an adapter passes
-``a = b = None``; an output whose gradient autograd does not supply (unused) counts as zero.
+Order of the products (:mod:`shuttle.train.products`). Forward: the first projection's base
+GEMM, then the adapters' shrink and the other projections' expands with their base GEMMs
+accumulated into them, the first one's expand last. Backward: ``u``, then ``dx = u A`` and the
+first ``dy_i W_i`` into it, the adapters' gradients, the other ``dy_i W_i`` last. A projection
+without an adapter passes ``a = b = None``; an output whose gradient autograd does not supply
+(unused) counts as zero.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 
 import torch
 
+from shuttle.kernels.lora_grad import lora_grad_b, lora_grad_u
 from shuttle.train.frozen import FrozenLinear
 from shuttle.train.products import (
     add_base,
@@ -52,7 +56,9 @@ class LoRAProjectionsFunction(torch.autograd.Function):
         projs = [specs[4 * i:4 * i + 4] for i in range(n)]
         lora = [i for i in range(n) if projs[i][1] is not None]
         ranks = [projs[i][1].shape[0] for i in lora]  # the columns of hx (and of u) per adapter
-        ys: list[torch.Tensor | None] = [None] * n
+        # the first projection's GEMM before anything else: the GPU starts on a large product
+        # at once, whatever the host still has to launch (its expand is added after)
+        ys: list[torch.Tensor | None] = [base_product(x2, projs[0][0])] + [None] * (n - 1)
         a_all = hx = None
         bs: list[torch.Tensor] = []
         if lora:
@@ -61,10 +67,13 @@ class LoRAProjectionsFunction(torch.autograd.Function):
             hx = x2 @ a_all.T  # (T, sum r): one read of x
             hs = split_columns(hx, ranks)
             for i, b, h in zip(lora, bs, hs, strict=True):
-                ys[i] = expand(h, b, projs[i][3], projs[i][0].bias)
-        for i, (base, _, _, _) in enumerate(projs):  # the large GEMMs last
+                if i:
+                    ys[i] = expand(h, b, projs[i][3], projs[i][0].bias)
+        for i in range(1, n):
             y = ys[i]
-            ys[i] = base_product(x2, base) if y is None else add_base(y, x2, base)
+            ys[i] = base_product(x2, projs[i][0]) if y is None else add_base(y, x2, projs[i][0])
+        if lora and lora[0] == 0:
+            ys[0].addmm_(hs[0], bs[0].T, alpha=projs[0][3])
         outs = tuple(like_rows(y, x) for y in ys)
         ctx.projs = [(base, s) for base, _, _, s in projs]
         ctx.lora, ctx.ranks, ctx.n = lora, ranks, n
@@ -81,42 +90,57 @@ class LoRAProjectionsFunction(torch.autograd.Function):
         datas = saved[3 + len(lora):]
         need = ctx.needs_input_grad
         dy0 = next(d for d in dys if d is not None)
+        dt = dy0.dtype
         dy2 = [None if d is None else as_rows(d) for d in dys]
         grads: list[torch.Tensor | None] = [None] * (4 * n)
         u_all = None
-        if lora:
-            # the rank-sized products first: u side by side, dA in one GEMM, dB per adapter
+        lora_dys = [dy2[i] for i in lora]
+        every = all(d is not None for d in lora_dys)
+        scales = [ctx.projs[i][1] for i in lora]
+        if lora:  # u side by side: one (T, sum r) buffer
             u_all = dy0.new_empty(x2.shape[0], hx.shape[1])
-            us = split_columns(u_all, ranks)
-            for i, b, u in zip(lora, bs, us, strict=True):
-                if dy2[i] is None:  # an output nobody used: zero gradient
-                    u.zero_()
-                else:
-                    scaled_mm(dy2[i], b, ctx.projs[i][1], out=u)
+            if every:
+                lora_grad_u(lora_dys, bs, scales, u_all)  # one launch for all of them
+            else:
+                for i, b, u in zip(lora, bs, split_columns(u_all, ranks), strict=True):
+                    if dy2[i] is None:  # an output nobody used: zero gradient
+                        u.zero_()
+                    else:
+                        scaled_mm(dy2[i], b, ctx.projs[i][1], out=u)
+        # dx = u [A_q; A_k; A_v] + sum_i dy_i W_i: the first GEMM as soon as u is there, the
+        # adapters' other products while it runs, the remaining GEMMs last
+        rest = [i for i in range(n) if dy2[i] is not None]
+        dx = None
+        if need[0]:
+            if u_all is not None:
+                dx = u_all @ a_all
+            i = rest.pop(0)
+            w = ctx.projs[i][0].with_data(datas[i]).weight(dt)
+            dx = dy2[i] @ w if dx is None else dx.addmm_(dy2[i], w)
+            del w
+        if lora:
             if any(need[3 + 4 * i] for i in lora):
                 a_dtypes = {ctx.param_dtypes[i][0] for i in lora}
-                grad_a = grad_mm(u_all.T, x2, 1.0, a_dtypes.pop() if len(a_dtypes) == 1
-                                 else dy0.dtype)
+                grad_a = grad_mm(u_all.T, x2, 1.0, a_dtypes.pop() if len(a_dtypes) == 1 else dt)
                 gs = (grad_a,) if len(lora) == 1 else grad_a.split_with_sizes(ranks)
                 for i, g in zip(lora, gs, strict=True):
                     grads[4 * i + 1] = as_dtype(g, ctx.param_dtypes[i][0])
-            hs = split_columns(hx, ranks)
-            for i, h in zip(lora, hs, strict=True):
-                if dy2[i] is not None and need[4 + 4 * i]:
-                    grads[4 * i + 2] = grad_mm(dy2[i].T, h, ctx.projs[i][1],
-                                               ctx.param_dtypes[i][1])
-        dx = None
-        if need[0]:  # dx = u [A_q; A_k; A_v] + sum_i dy_i W_i: the large GEMMs last
-            if u_all is not None:
-                dx = u_all @ a_all
-            for i in range(n):
-                if dy2[i] is None:
-                    continue
-                w = ctx.projs[i][0].with_data(datas[i]).weight(dy0.dtype)
-                dx = dy2[i] @ w if dx is None else dx.addmm_(dy2[i], w)
+            b_dtypes = {ctx.param_dtypes[i][1] for i in lora}
+            if every and all(need[4 + 4 * i] for i in lora) and len(b_dtypes) == 1:
+                gbs = lora_grad_b(lora_dys, hx, scales, ranks, b_dtypes.pop())  # one launch
+                for i, g in zip(lora, gbs, strict=True):
+                    grads[4 * i + 2] = g
+            else:
+                for i, h in zip(lora, split_columns(hx, ranks), strict=True):
+                    if dy2[i] is not None and need[4 + 4 * i]:
+                        grads[4 * i + 2] = grad_mm(dy2[i].T, h, ctx.projs[i][1],
+                                                   ctx.param_dtypes[i][1])
+        if dx is not None:
+            for i in rest:
+                w = ctx.projs[i][0].with_data(datas[i]).weight(dt)
+                dx.addmm_(dy2[i], w)
                 del w
-            if dx is not None:
-                dx = like_rows(dx, dy0)
+            dx = like_rows(dx, dy0)
         return (dx, None, *grads)
 
 

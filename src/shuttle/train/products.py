@@ -80,13 +80,13 @@ def compute_factors(dtype: torch.dtype, a_list: Sequence[torch.Tensor],
     if a_list:
         a0 = a_list[0]
         if len(a_list) == 1:
-            a_all = torch.empty(a0.shape, dtype=dtype, device=a0.device)
+            a_all = a0.new_empty(a0.shape, dtype=dtype)
             dst.append(a_all)
         else:
             ranks = [a.shape[0] for a in a_list]
-            a_all = torch.empty(sum(ranks), a0.shape[1], dtype=dtype, device=a0.device)
+            a_all = a0.new_empty(sum(ranks), a0.shape[1], dtype=dtype)
             dst.extend(a_all.split_with_sizes(ranks))
-    bs = [torch.empty(b.shape, dtype=dtype, device=b.device) for b in b_list]
+    bs = [b.new_empty(b.shape, dtype=dtype) for b in b_list]
     torch._foreach_copy_([*dst, *bs], [*a_list, *b_list])
     return a_all, bs
 
