@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from shuttle.kernels.lora_grad import lora_grad_b, lora_grad_u
 from shuttle.train.frozen import FrozenLinear
 from shuttle.train.products import (
     add_base,
@@ -94,19 +93,13 @@ class LoRAProjectionsFunction(torch.autograd.Function):
         dy2 = [None if d is None else as_rows(d) for d in dys]
         grads: list[torch.Tensor | None] = [None] * (4 * n)
         u_all = None
-        lora_dys = [dy2[i] for i in lora]
-        every = all(d is not None for d in lora_dys)
-        scales = [ctx.projs[i][1] for i in lora]
         if lora:  # u side by side: one (T, sum r) buffer
             u_all = dy0.new_empty(x2.shape[0], hx.shape[1])
-            if every:
-                lora_grad_u(lora_dys, bs, scales, u_all)  # one launch for all of them
-            else:
-                for i, b, u in zip(lora, bs, split_columns(u_all, ranks), strict=True):
-                    if dy2[i] is None:  # an output nobody used: zero gradient
-                        u.zero_()
-                    else:
-                        scaled_mm(dy2[i], b, ctx.projs[i][1], out=u)
+            for i, b, u in zip(lora, bs, split_columns(u_all, ranks), strict=True):
+                if dy2[i] is None:  # an output nobody used: zero gradient
+                    u.zero_()
+                else:
+                    scaled_mm(dy2[i], b, ctx.projs[i][1], out=u)
         # dx = u [A_q; A_k; A_v] + sum_i dy_i W_i: the first GEMM as soon as u is there, the
         # adapters' other products while it runs, the remaining GEMMs last
         rest = [i for i in range(n) if dy2[i] is not None]
@@ -125,16 +118,10 @@ class LoRAProjectionsFunction(torch.autograd.Function):
                 gs = (grad_a,) if len(lora) == 1 else grad_a.split_with_sizes(ranks)
                 for i, g in zip(lora, gs, strict=True):
                     grads[4 * i + 1] = as_dtype(g, ctx.param_dtypes[i][0])
-            b_dtypes = {ctx.param_dtypes[i][1] for i in lora}
-            if every and all(need[4 + 4 * i] for i in lora) and len(b_dtypes) == 1:
-                gbs = lora_grad_b(lora_dys, hx, scales, ranks, b_dtypes.pop())  # one launch
-                for i, g in zip(lora, gbs, strict=True):
-                    grads[4 * i + 2] = g
-            else:
-                for i, h in zip(lora, split_columns(hx, ranks), strict=True):
-                    if dy2[i] is not None and need[4 + 4 * i]:
-                        grads[4 * i + 2] = grad_mm(dy2[i].T, h, ctx.projs[i][1],
-                                                   ctx.param_dtypes[i][1])
+            for i, h in zip(lora, split_columns(hx, ranks), strict=True):
+                if dy2[i] is not None and need[4 + 4 * i]:
+                    grads[4 * i + 2] = grad_mm(dy2[i].T, h, ctx.projs[i][1],
+                                               ctx.param_dtypes[i][1])
         if dx is not None:
             for i in rest:
                 w = ctx.projs[i][0].with_data(datas[i]).weight(dt)

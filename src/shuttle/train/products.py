@@ -18,14 +18,16 @@ count sets the host time of a training step:
   bf16/fp16 operands comes out of the GEMM (``out_dtype``, the scale as its ``alpha``): one
   launch, and no bf16 rounding of the gradient on the way; elsewhere a product and a cast.
 
-The order the functions launch in. Every function starts from the adapters' rank-sized products
-and accumulates its large GEMMs into them (:func:`adapted_product` forward, ``dx = u A`` then
-``dx += dy W`` backward), for two reasons. A GEMM reads its ``C`` operand in the epilogue of a
-compute-bound product at almost no cost, where an ``addmm_`` of the expand after it reads and
-writes the whole (T, N) output once more. And a function's last launches are then its large
-GEMMs: the GPU is busy with them while the host runs the next layer's hooks and launches (or
-autograd's engine between forward and backward), so the host's launches of small kernels hide
-behind them instead of leaving the GPU idle.
+The order the functions launch in. A step's host time is close to its GPU time, so the GPU
+idles wherever the host is launching small kernels with no large GEMM queued ahead of them;
+and a GEMM reads its ``C`` operand in the epilogue of a compute-bound product at almost no
+cost, where an ``addmm_`` of an expand after it reads and writes the whole (T, N) output once
+more. So each output starts from its adapter's expand and the base GEMM accumulates into it
+(:func:`adapted_product`; backward ``dx = u A``, then ``dx += dy W``), except where a large
+GEMM must be queued first: the attention projections' forward, often the first work of a
+step, queues the first projection's base GEMM before anything else (its expand is added after,
+with ``addmm_``), and every backward queues its first ``dy W`` as soon as ``u`` exists, with the
+adapters' gradients launched while it runs.
 """
 
 from __future__ import annotations
