@@ -11,7 +11,9 @@ with the inputs rotated:
 Blocks: the SwiGLU MLP (gate 4096->14336, up, down) and the q/k/v/o projections (GQA:
 4096->4096, 1024, 1024; o 4096->4096; attention itself left out). The MLP again over an NF4
 base (bitsandbytes Linear4bit): PEFT + bitsandbytes against shuttle. Peak memory is the
-largest allocation above what the block's weights and inputs hold before the step. Then a
+largest allocation above what the block's weights and inputs hold before the step. The
+q/k/v/o block once more with every variant captured in CUDA graphs
+(``torch.cuda.make_graphed_callables``: the host's launches taken out of the step). Then a
 whole model step: a 2-layer Llama of real width (vocab 32000, 4096 tokens), loss.backward().
 
 Writes docs/benchmarks/training.{json,md}.
@@ -109,7 +111,13 @@ def _peak_gib(fn) -> float:
     return (torch.cuda.max_memory_allocated() - before) / 2**30
 
 
-def bench_block(name: str, make, targets: list[str], nf4: bool, rounds: int) -> dict:
+def _graphed(model: nn.Module, x: torch.Tensor) -> nn.Module:
+    """``model`` with its forward and backward captured in CUDA graphs (one launch each)."""
+    return torch.cuda.make_graphed_callables(model, (x.detach().clone().requires_grad_(),))
+
+
+def bench_block(name: str, make, targets: list[str], nf4: bool, rounds: int,
+                graphed: bool = False) -> dict:
     torch.manual_seed(0)
     dense = make().to(DEVICE, torch.bfloat16).requires_grad_(False)
     for p in dense.parameters():
@@ -125,6 +133,8 @@ def bench_block(name: str, make, targets: list[str], nf4: bool, rounds: int) -> 
           for _ in range(3)]
     with torch.no_grad():
         out = dense(xs[0])
+    if graphed:  # every variant captured alike: the host's launches out of the step
+        frozen, lora, fast = (_graphed(m, xs[0]) for m in (frozen, lora, fast))
     outs = out if isinstance(out, tuple) else (out,)
     dys = [[torch.randn_like(o) for o in outs] for _ in range(3)]
     variants = {"frozen": _step_fn(frozen, xs, dys), "peft": _step_fn(lora, xs, dys),
@@ -149,7 +159,7 @@ def bench_block(name: str, make, targets: list[str], nf4: bool, rounds: int) -> 
     # where a step's time goes: the GPU's kernels, and the host's Python and launches
     gpu = {k: harness.gpu_ms(fn) for k, fn in variants.items()} if DEVICE == "cuda" else {}
     host = {k: harness.host_ms(fn) for k, fn in variants.items()} if DEVICE == "cuda" else {}
-    row = {"block": name, "nf4": nf4, "ms": ms, "peak_extra_gib": peak,
+    row = {"block": name, "nf4": nf4, "graphed": graphed, "ms": ms, "peak_extra_gib": peak,
            "gpu_ms": gpu, "host_ms": host,
            "shuttle_vs_frozen_gpu": gpu["shuttle"] / gpu["frozen"] if gpu else float("nan"),
            "shuttle_vs_frozen": ms["shuttle"] / ms["frozen"],
@@ -200,7 +210,9 @@ def write(blocks: list[dict], model: dict | None) -> None:
     rows = []
     for b in blocks:
         ms, pk = b["ms"], b["peak_extra_gib"]
-        rows.append([b["block"] + (" (NF4 base)" if b["nf4"] else ""), f"{ms['frozen']:.2f}",
+        label = b["block"] + (" (NF4 base)" if b["nf4"] else "") + (
+            ", CUDA graphs" if b.get("graphed") else "")
+        rows.append([label, f"{ms['frozen']:.2f}",
                      f"{ms['peft']:.2f}", f"**{ms['shuttle']:.2f}**",
                      f"{b['peft_vs_frozen']:.2f}x", f"**{b['shuttle_vs_frozen']:.2f}x**",
                      f"{b['peft_vs_shuttle']:.2f}x", f"{b['shuttle_vs_frozen_gpu']:.2f}x",
@@ -219,7 +231,9 @@ def write(blocks: list[dict], model: dict | None) -> None:
              "|g_shuttle - g_PEFT| / |g_PEFT| (largest over parameters and the input). "
              "GPU work: the step's kernel time (profiled); host ms: the time the host takes to "
              "issue one step (Python and launches, from a drained GPU). A step takes the "
-             "larger of the two, plus the first launch's latency.")
+             "larger of the two, plus the first launch's latency. CUDA graphs: each variant "
+             "captured by torch.cuda.make_graphed_callables (forward and backward one graph "
+             "launch each, the input copied into the graph's own).")
     if model is not None:
         ms, pk = model["ms"], model["peak_extra_gib"]
         notes += (f"\n\nWhole step of a 2-layer Llama of real width (vocab 32000, 4096 tokens): "
@@ -237,13 +251,15 @@ def main() -> None:
     harness.spin_up()
     mlp_t = ["gate_proj", "up_proj", "down_proj"]
     blocks = []
-    for name, make, targets, nf4 in [
-            ("SwiGLU MLP", SwiGLU, mlp_t, False),
-            ("q, k, v, o projections", Projections, ["q_proj", "k_proj", "v_proj", "o_proj"],
-             False),
-            ("SwiGLU MLP", SwiGLU, mlp_t, True)]:
+    qkvo = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    cases = [("SwiGLU MLP", SwiGLU, mlp_t, False, False),
+             ("q, k, v, o projections", Projections, qkvo, False, False)]
+    if DEVICE == "cuda":
+        cases.append(("q, k, v, o projections", Projections, qkvo, False, True))
+    cases.append(("SwiGLU MLP", SwiGLU, mlp_t, True, False))
+    for name, make, targets, nf4, graphed in cases:
         try:
-            blocks.append(bench_block(name, make, targets, nf4, rounds))
+            blocks.append(bench_block(name, make, targets, nf4, rounds, graphed))
         except ImportError as e:  # bitsandbytes missing: recorded, not hidden
             print(f"{name} nf4={nf4}: skipped ({e})", flush=True)
         write(blocks, None)
