@@ -161,6 +161,30 @@ def test_changed_adapter_state_falls_back_to_peft_at_call_time(calls):
     assert sum(calls.values()) == 0
 
 
+def test_a_factor_module_replaced_after_a_call_is_checked_again(calls):
+    """The hooks remember the adapter they found fit; one put in its place (here a lora_B with
+    a bias, which the fast path does not compute) is checked again and keeps PEFT's path."""
+    peft_model = _llama()
+    fast = copy.deepcopy(peft_model)
+    accelerate(fast)
+    ids = torch.randint(0, 64, (1, 6))
+    with torch.no_grad():
+        fast(input_ids=ids)  # every hook has found its adapter fit once
+        bias = torch.randn(32, dtype=torch.float64)
+        for model in (peft_model, fast):
+            layer = model.base_model.model.model.layers[0].self_attn.o_proj
+            old = layer.lora_B["default"]
+            new = torch.nn.Linear(old.in_features, old.out_features, bias=True).double()
+            new.weight.copy_(old.weight)
+            new.bias.copy_(bias)
+            del old
+            layer.lora_B["default"] = new
+        before = calls["lora_linear"]
+        got, want = fast(input_ids=ids).logits, peft_model(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert calls["lora_linear"] == before + 1  # layer 1's o_proj only
+
+
 class _Cross(torch.nn.Module):
     """k and v read another tensor than q (cross-attention)."""
 

@@ -93,17 +93,9 @@ class AccelerateReport:
 
 # -- PEFT's LoRA layer, read without importing peft ------------------------------------------
 
-_PEFT_LORA_TYPES: dict[type, bool] = {}  # module class -> whether it is a PEFT LoRA layer
-
-
 def _is_peft_lora(module: torch.nn.Module) -> bool:
-    kind = type(module)
-    known = _PEFT_LORA_TYPES.get(kind)
-    if known is None:
-        known = _PEFT_LORA_TYPES[kind] = all(
-            hasattr(module, a) for a in ("base_layer", "lora_A", "lora_B", "scaling",
-                                         "lora_dropout", "active_adapters"))
-    return known
+    return all(hasattr(module, a) for a in ("base_layer", "lora_A", "lora_B", "scaling",
+                                              "lora_dropout", "active_adapters"))
 
 
 def _static_reason(module: torch.nn.Module) -> str | None:
@@ -153,12 +145,13 @@ def _live(module: torch.nn.Module, x: Any, memo: _LinearHook | None = None) -> _
     """The layer's state for this call when the fast path computes what PEFT would, else None.
     A plain frozen ``nn.Linear`` (a projection without an adapter) reads as one without factors.
 
-    ``memo``: the layer's hook, which keeps the adapter (name and factor modules) last found fit
-    by :func:`_adapter_reason`, so that a call checks the adapter's build only when it changed.
+    ``memo``: the layer's hook, which knows whether the layer is a PEFT LoRA layer (decided when
+    it was installed) and keeps the adapter (name and factor modules, held) last found fit by
+    :func:`_adapter_reason`, so that a call checks the adapter's build only when it changed.
     """
     if not isinstance(x, torch.Tensor) or torch.is_autocast_enabled():
         return None
-    if not _is_peft_lora(module):
+    if not (memo.lora if memo is not None else _is_peft_lora(module)):
         if not isinstance(module, torch.nn.Linear) or module._forward_hooks \
                 or module._forward_pre_hooks \
                 or any(not isinstance(h, _TrainHook) for h in hooks_of(module)):
@@ -176,7 +169,7 @@ def _live(module: torch.nn.Module, x: Any, memo: _LinearHook | None = None) -> _
         return None
     name = active[0]
     a, b, drop = lora_a[name], module.lora_B[name], module.lora_dropout[name]
-    fit = (name, id(a), id(b), id(drop))
+    fit = (name, a, b, drop)  # the modules themselves: an id could be reused by a new one
     if memo is None or memo.fit != fit:
         if _adapter_reason(module, name) is not None:
             return None
@@ -199,7 +192,8 @@ class _TrainHook(ModuleHook):
 
 
 class _LinearHook(_TrainHook):
-    def __init__(self) -> None:
+    def __init__(self, lora: bool) -> None:
+        self.lora = lora  # a PEFT LoRA layer (else a frozen Linear beside LoRA siblings)
         self.group: _Group | None = None
         self.fit: tuple | None = None  # see _live
 
@@ -247,7 +241,7 @@ class _Group:
         stash = self._stash
         if stash is None:
             return None
-        i = next(j for j, m in enumerate(self.members) if m is module)
+        i = self._position(module)
         if stash[0] is x and i in stash[1]:
             out = stash[1].pop(i)
             if not stash[1]:
@@ -265,7 +259,7 @@ class _Group:
         """
         if not self.on or torch.compiler.is_compiling():
             return None
-        i = next(j for j, m in enumerate(self.members) if m is module)
+        i = self._position(module)
         lives = [live if j == i else _live(m, x, h)
                  for j, (m, h) in enumerate(zip(self.members, self.hooks, strict=True))]
         if any(lv is None or lv.dropout for lv in lives):
@@ -276,6 +270,9 @@ class _Group:
 
     def clear(self) -> None:
         self._stash = None
+
+    def _position(self, module: torch.nn.Module) -> int:
+        return next(j for j, m in enumerate(self.members) if m is module)
 
 
 class _MLPHook(_TrainHook):
@@ -397,7 +394,7 @@ def accelerate(model: torch.nn.Module, *, mlp: bool = True, projections: bool = 
             if why is not None:
                 report.skipped[name] = why
                 continue
-            hook = _LinearHook()
+            hook = _LinearHook(lora=True)
             add_hook(module, hook)
             installed.append((module, hook))
             linear_hooks[id(module)] = hook
@@ -420,7 +417,7 @@ def accelerate(model: torch.nn.Module, *, mlp: bool = True, projections: bool = 
                     shared = _Group(f"{name}.{{{','.join(group)}}}", members)
                     for m in members:
                         if id(m) not in linear_hooks:  # a frozen Linear beside the LoRA ones
-                            hook = _LinearHook()
+                            hook = _LinearHook(lora=False)
                             add_hook(m, hook)
                             installed.append((m, hook))
                             linear_hooks[id(m)] = hook
