@@ -64,7 +64,7 @@ def test_saves_the_input_and_the_two_projections_only():
 
 @pytest.mark.parametrize("on", [(1, 1, 1), (0, 1, 1), (1, 0, 0)], ids=["all", "up+down", "gate"])
 def test_float32_factors_on_a_bfloat16_input_get_float32_gradients(on):
-    """PEFT's default: float32 adapters on a bf16 model (the factors cast once, in one buffer)."""
+    """PEFT's default: float32 adapters on a bf16 model (factors cast in one launch a call)."""
     layers = [linear(K, FF, torch.bfloat16, False), linear(K, FF, torch.bfloat16, True),
               linear(FF, N, torch.bfloat16, False)]
     facs = [factors(lyr.out_features, lyr.in_features, R, torch.float32) if o else (None, None)

@@ -17,7 +17,7 @@ TOL = {torch.float64: 1e-13, torch.bfloat16: 2e-2}
 @pytest.mark.parametrize("used", [(1, 1, 1), (1, 1, 0)])
 def test_matches_autograd_on_the_unfused_projections(dtype, on, used):
     outs, scales = (16, 8, 8), (0.5, 0.7, 0.9)
-    layers = [linear(24, n, dtype, bias=i == 0) for i, n in enumerate(outs)]
+    layers = [linear(24, n, dtype, bias=i != 1) for i, n in enumerate(outs)]  # first and last
     facs = [factors(n, 24, 4, dtype) if o else (None, None) for n, o in zip(outs, on, strict=True)]
     x = torch.randn(2, 5, 24, dtype=dtype, requires_grad=True)
     ys = lora_projections(x, *[(frozen_linear(lyr), a, b, s)
@@ -54,7 +54,7 @@ def test_the_input_is_saved_once():
 
 
 def test_float32_factors_on_a_bfloat16_input_get_float32_gradients():
-    """PEFT's default: float32 adapters on a bf16 model (the factors cast once, in one buffer)."""
+    """PEFT's default: float32 adapters on a bf16 model (factors cast in one launch a call)."""
     outs, scales = (16, 8, 8), (0.5, 0.7, 0.9)
     layers = [linear(24, n, torch.bfloat16, bias=i == 1) for i, n in enumerate(outs)]
     facs = [factors(n, 24, r, torch.float32) if r else (None, None)
