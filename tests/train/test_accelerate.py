@@ -5,9 +5,11 @@ exact restore, gradient checkpointing, torch.compile, and the refusals."""
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
+from torch.cuda._sanitizer import CUDASanitizerErrors
 
 import shuttle
 from shuttle.errors import MergedWeightError, ShuttleError
@@ -354,7 +356,17 @@ class _Block(torch.nn.Module):
         return h + self.mlp(h), k, v
 
 
+# torch's stream sanitizer records the kernels of a CUDA graph capture as if they ran then, on
+# the capture stream, and never sees a replay: the first replay's copy into the graph's static
+# input reads to it as a race with the capture (a capture of plain torch ops reports the same).
+# Strict, so the marker goes once the sanitizer understands graphs.
+_CSAN_GRAPH_CAPTURE = pytest.mark.xfail(
+    os.environ.get("TORCH_CUDA_SANITIZER") == "1", raises=CUDASanitizerErrors, strict=True,
+    reason="torch CUDA sanitizer does not model CUDA graph capture and replay")
+
+
 @pytest.mark.gpu
+@_CSAN_GRAPH_CAPTURE
 def test_gpu_an_accelerated_block_replays_exactly_from_cuda_graphs(calls):
     """torch.cuda.make_graphed_callables over an accelerated PEFT block (every fused path):
     graph replays give the eager step's gradients bit for bit, without running Python."""

@@ -92,6 +92,8 @@ def frozen_linear(layer: torch.nn.Module) -> FrozenLinear:
     if bias is not None and bias.requires_grad:
         raise UnsupportedBaseError("the base bias is trainable")
     n, k = layer.out_features, layer.in_features
+    if type(w) in (torch.Tensor, torch.nn.Parameter) and w.dtype in COMPUTE_DTYPES:
+        return FrozenLinear("plain", w.detach(), bias, n, k)  # the common case, checked first
     state = getattr(w, "quant_state", None)
     if state is not None:
         if not getattr(w, "bnb_quantized", True):
