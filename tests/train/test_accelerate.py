@@ -9,7 +9,6 @@ import os
 
 import pytest
 import torch
-from torch.cuda._sanitizer import CUDASanitizerErrors
 
 import shuttle
 from shuttle.errors import MergedWeightError, ShuttleError
@@ -359,9 +358,10 @@ class _Block(torch.nn.Module):
 # torch's stream sanitizer records the kernels of a CUDA graph capture as if they ran then, on
 # the capture stream, and never sees a replay: the first replay's copy into the graph's static
 # input reads to it as a race with the capture (a capture of plain torch ops reports the same).
-# Strict, so the marker goes once the sanitizer understands graphs.
+# Strict, so the marker goes once the sanitizer understands graphs. (Its module is not imported
+# here for the error class: importing it registers the sanitizer's CUDA trace hooks.)
 _CSAN_GRAPH_CAPTURE = pytest.mark.xfail(
-    os.environ.get("TORCH_CUDA_SANITIZER") == "1", raises=CUDASanitizerErrors, strict=True,
+    os.environ.get("TORCH_CUDA_SANITIZER") == "1", strict=True,
     reason="torch CUDA sanitizer does not model CUDA graph capture and replay")
 
 
