@@ -1,6 +1,12 @@
-"""Multi-process tests on the CPU: ``run_ranks(fn, world)`` runs ``fn(rank, world, *args)`` in
-``world`` processes joined by a gloo process group (a free local port), each under a timeout,
-and returns what each rank's ``fn`` returned (or re-raises the first rank's failure)."""
+"""Multi-process tests: ``run_ranks(fn, world)`` runs ``fn(rank, world, *args)`` in ``world``
+processes joined by a process group (a free local port), each under a timeout, and returns what
+each rank's ``fn`` returned, its tensors moved to the CPU (or re-raises the first rank's
+failure).
+
+The group is gloo on the CPU by default; ``backend="nccl"`` gives each rank its own GPU (rank
+``i`` on ``cuda:i``). A rank's function places its tensors on :func:`rank_device` and builds
+its meshes on that device's type, so one function serves both; :func:`backends` parametrizes a
+test over gloo and, where the machine has ``world`` GPUs, NCCL."""
 
 from __future__ import annotations
 
@@ -13,9 +19,53 @@ import time
 import traceback
 from pathlib import Path
 
+import pytest
+import torch
 import torch.multiprocessing as mp
 
 TIMEOUT_S = 120
+
+
+def nccl_marks(world: int) -> list:
+    """What a test on ``world`` NCCL ranks is marked with: ``gpu``, and skipped without
+    ``world`` GPUs."""
+    enough = torch.cuda.is_available() and torch.cuda.device_count() >= world
+    return [pytest.mark.gpu,
+            pytest.mark.skipif(not enough, reason=f"needs {world} GPUs for NCCL")]
+
+
+def backends(world: int) -> list:
+    """``["gloo", "nccl"]`` as pytest parameters of a ``backend`` argument (NCCL:
+    :func:`nccl_marks`)."""
+    return ["gloo", pytest.param("nccl", marks=nccl_marks(world))]
+
+
+def worlds_and_backends(*worlds: int) -> list:
+    """Parameters of ``("world", "backend")``: each world size on gloo and on NCCL."""
+    return [p for w in worlds
+            for p in (pytest.param(w, "gloo"), pytest.param(w, "nccl", marks=nccl_marks(w)))]
+
+
+def rank_device() -> torch.device:
+    """Where this rank's tensors live: its GPU under NCCL, else the CPU."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _to_cpu(value: object) -> object:
+    """``value`` with every tensor in it (tuples, lists, dicts) on the CPU, for the parent."""
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+        return type(value)(*(_to_cpu(v) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    return value
 
 
 def _free_port() -> int:
@@ -24,15 +74,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, fn, world: int, port: int, out: str, args: tuple) -> None:
+def _entry(rank: int, fn, world: int, port: int, out: str, args: tuple, backend: str) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     result: object
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world)
         try:
-            result = ("ok", fn(rank, world, *args))
+            result = ("ok", _to_cpu(fn(rank, world, *args)))
         finally:
             dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - carried to the parent
@@ -45,14 +97,15 @@ def _entry(rank: int, fn, world: int, port: int, out: str, args: tuple) -> None:
     os._exit(0)
 
 
-def run_ranks(fn, world: int, *args: object) -> list[object]:
-    """``[fn(rank, world, *args) for each rank]``, run in ``world`` gloo processes.
+def run_ranks(fn, world: int, *args: object, backend: str = "gloo") -> list[object]:
+    """``[fn(rank, world, *args) for each rank]``, run in ``world`` processes joined by
+    ``backend`` (``"gloo"`` or ``"nccl"``).
 
     Raises:
         AssertionError: a rank raised (its traceback in the message) or the run timed out.
     """
     with tempfile.TemporaryDirectory() as out:
-        ctx = mp.start_processes(_entry, args=(fn, world, _free_port(), out, args),
+        ctx = mp.start_processes(_entry, args=(fn, world, _free_port(), out, args, backend),
                                  nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + TIMEOUT_S
         while not ctx.join(timeout=1):

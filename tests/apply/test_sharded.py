@@ -1,7 +1,9 @@
-"""Merges into DTensor parameters on 2 and 4 gloo ranks: every shard equals the same window
-of a single-process merge (even and uneven shards, rows, columns, 2-D meshes), scoped merges
-restore each shard bit for bit, and bad input (a failing rank, Partial placements, DTensor
-factors) changes nothing on any rank."""
+"""Merges into DTensor parameters on 2 and 4 ranks (gloo on the CPU; NCCL, one GPU a rank, where
+the machine has the GPUs): every shard equals the same window of a single-process merge (even
+and uneven shards, rows, columns, 2-D meshes), scoped merges restore each shard bit for bit,
+and bad input (a failing rank, Partial placements, DTensor factors) changes nothing on any
+rank; dynamic LoRA on tensor-parallel layers and checkpoint loads into FSDP2 and
+tensor-parallel models equal the single-device results."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from torch import nn
 
 import shuttle
 from tests import lowrank_state
-from tests.ranks import run_ranks
+from tests.ranks import backends, rank_device, run_ranks, worlds_and_backends
 
 pytest.importorskip("torch.distributed.tensor")
 
@@ -20,7 +22,7 @@ SHAPES = {"0": (13, 8), "1": (6, 13)}  # 13 rows: uneven on 2 and 4 ranks
 
 def _model(dtype: torch.dtype) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 13), nn.Linear(13, 6)).to(dtype)
+    return nn.Sequential(nn.Linear(8, 13), nn.Linear(13, 6)).to(rank_device(), dtype)
 
 
 def _adapter() -> dict[str, torch.Tensor]:
@@ -38,7 +40,7 @@ def _shard(model: nn.Module, mesh, placements) -> None:
 def _mesh(world: int, dims: tuple[int, ...]):
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh("cpu", dims)
+    return init_device_mesh(rank_device().type, dims)
 
 
 def _placements(spec: str):
@@ -73,11 +75,11 @@ def _merge_cases(rank, world):
             for dims, spec in CASES[world] for dtype in DTYPES]
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_each_shard_is_the_window_of_the_single_process_merge(world):
+@pytest.mark.parametrize(("world", "backend"), worlds_and_backends(2, 4))
+def test_each_shard_is_the_window_of_the_single_process_merge(world, backend):
     # bf16: bit for bit. float32: the same sums, but CPU BLAS picks other kernels for a shard
     # of one or a few rows, which may round the last bit differently.
-    for cases in run_ranks(_merge_cases, world):
+    for cases in run_ranks(_merge_cases, world, backend=backend):
         for dims, spec, dtype, (got, want) in cases:
             for g, w in zip(got, want, strict=True):
                 msg = f"mesh {dims}, placements {spec}, {dtype}"
@@ -142,8 +144,8 @@ def _drawn_reference(dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tenso
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_stochastic_merges_into_shards_give_the_same_bits_on_any_world_size(world):
+@pytest.mark.parametrize(("world", "backend"), worlds_and_backends(2, 4))
+def test_stochastic_merges_into_shards_give_the_same_bits_on_any_world_size(world, backend):
     refs = {dtype: _drawn_reference(dtype) for dtype in DRAWN}
     for dtype, ref in refs.items():  # the reference is a stochastic rounding of the exact sum:
         view = torch.uint8 if dtype.itemsize == 1 else torch.int16
@@ -153,7 +155,7 @@ def test_stochastic_merges_into_shards_give_the_same_bits_on_any_world_size(worl
             step = (r.view(view).int() - n.view(view).int()).abs()
             assert bool(((step == 0) | ((step == 1) & other) | (n.float() == 0)).all())
             assert bool((step == 1).any())  # not all nearest
-    for cases in run_ranks(_drawn_cases, world):
+    for cases in run_ranks(_drawn_cases, world, backend=backend):
         for dims, spec, dtype, shards in cases:
             for (starts, stops, got), (want, _) in zip(shards, refs[dtype], strict=True):
                 window = want[starts[0]:stops[0], starts[1]:stops[1]]
@@ -166,8 +168,9 @@ def _scoped_cases(rank, world):
     return [_merge_case(rank, world, (2,), spec, torch.bfloat16, True) for spec in ("S0", "S1")]
 
 
-def test_scoped_merge_restores_every_shard_bit_for_bit():
-    for cases in run_ranks(_scoped_cases, 2):
+@pytest.mark.parametrize("backend", backends(2))
+def test_scoped_merge_restores_every_shard_bit_for_bit(backend):
+    for cases in run_ranks(_scoped_cases, 2, backend=backend):
         for inside, want, after, before in cases:
             for i, w, a, b in zip(inside, want, after, before, strict=True):
                 assert torch.equal(i, w) and torch.equal(a, b)
@@ -191,8 +194,9 @@ def _failing_rank_case(rank, world):
     return raised, all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
 
 
-def test_a_failing_rank_leaves_every_shard_unchanged():
-    results = run_ranks(_failing_rank_case, 2)
+@pytest.mark.parametrize("backend", backends(2))
+def test_a_failing_rank_leaves_every_shard_unchanged(backend):
+    results = run_ranks(_failing_rank_case, 2, backend=backend)
     assert results == [("RankFailedError", True), ("ShapeMismatchError", True)]
 
 
@@ -224,8 +228,9 @@ def _bad_placement_cases(rank, world):
     return [_bad_placement_case(rank, world, what) for what in ("partial", "factors")]
 
 
-def test_unsupported_placements_are_refused_on_every_rank_before_any_change():
-    for cases in run_ranks(_bad_placement_cases, 2):
+@pytest.mark.parametrize("backend", backends(2))
+def test_unsupported_placements_are_refused_on_every_rank_before_any_change(backend):
+    for cases in run_ranks(_bad_placement_cases, 2, backend=backend):
         for (text, unchanged), message in zip(cases, ("Partial", "DTensor"), strict=True):
             assert message in text and unchanged
 
@@ -256,10 +261,11 @@ def _tp_case(rank, world, dtype):
 
     def make():
         torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 6)).to(dtype)
+        return nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 6)).to(rank_device(),
+                                                                               dtype)
 
     sd = lowrank_state({"0": (12, 8), "2": (6, 12)}, rank=4, scale=0.5, seed=2)
-    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(3)).to(dtype)
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(3)).to(rank_device(), dtype)
     ref = make()
     handle_ref = shuttle.attach_lora(ref, [(sd, 0.7)])
     tp = make()
@@ -288,9 +294,9 @@ def _tp_cases(rank, world):
     return [(dtype, _tp_case(rank, world, dtype)) for dtype in DTYPES]
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_dynamic_lora_on_tensor_parallel_layers_equals_the_single_device_result(world):
-    for cases in run_ranks(_tp_cases, world):
+@pytest.mark.parametrize(("world", "backend"), worlds_and_backends(2, 4))
+def test_dynamic_lora_on_tensor_parallel_layers_equals_the_single_device_result(world, backend):
+    for cases in run_ranks(_tp_cases, world, backend=backend):
         for dtype, (outs, refused) in cases:
             tol = ({"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else
                    {"rtol": 2e-2, "atol": 2e-2})
@@ -310,7 +316,8 @@ def _load_case(rank, world, path, style):
 
     def make():
         torch.manual_seed(5)  # other weights than the checkpoint's
-        return nn.Sequential(nn.Linear(8, 13), nn.ReLU(), nn.Linear(13, 6)).to(torch.bfloat16)
+        return nn.Sequential(nn.Linear(8, 13), nn.ReLU(), nn.Linear(13, 6)).to(rank_device(),
+                                                                               torch.bfloat16)
 
     sd = lowrank_state({"0": (13, 8), "2": (6, 13)}, rank=4, scale=0.3, seed=2)
     ref = make()
@@ -344,15 +351,15 @@ def _load_cases(rank, world, path):
     return [_load_case(rank, world, path, style) for style in ("fsdp2", "tp")]
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_load_checkpoint_into_sharded_models_writes_each_shard_in_place(tmp_path, world):
+@pytest.mark.parametrize(("world", "backend"), worlds_and_backends(2, 4))
+def test_load_checkpoint_into_sharded_models_writes_each_shard_in_place(tmp_path, world, backend):
     from safetensors.torch import save_file
 
     torch.manual_seed(0)
     full = nn.Sequential(nn.Linear(8, 13), nn.ReLU(), nn.Linear(13, 6)).to(torch.bfloat16)
     path = tmp_path / "model.safetensors"
     save_file({k: v.contiguous() for k, v in full.state_dict().items()}, str(path))
-    for cases in run_ranks(_load_cases, world, str(path)):
+    for cases in run_ranks(_load_cases, world, str(path), backend=backend):
         for equal, same_objects, refused in cases:  # FSDP2, then tensor parallel
             assert equal and same_objects and refused
 
@@ -382,7 +389,8 @@ def _read_bytes_case(rank, world, path):
     want = load_file(path)
     out = []
     for style in ("tp", "fsdp2"):
-        model = nn.Sequential(nn.Linear(8, 13), nn.ReLU(), nn.Linear(13, 6)).to(torch.bfloat16)
+        model = nn.Sequential(nn.Linear(8, 13), nn.ReLU(), nn.Linear(13, 6)).to(rank_device(),
+                                                                                torch.bfloat16)
         mesh = _mesh(world, (world,))
         if style == "fsdp2":
             fully_shard(model, mesh=mesh)
@@ -396,14 +404,15 @@ def _read_bytes_case(rank, world, path):
             row = p.element_size() * (p[0].numel() if p.dim() > 1 else 1)
             whole = w.covers(0, p.shape[0])
             expect += p.numel() * p.element_size() if whole else (w.stops[0] - w.starts[0]) * row
-        equal = all(torch.equal(p.full_tensor(), want[n]) for n, p in model.named_parameters())
+        equal = all(torch.equal(p.full_tensor().cpu(), want[n])
+                    for n, p in model.named_parameters())
         out.append((sum(read), expect, equal))
     SafetensorsFile._read_copy = original
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_a_rank_reads_only_the_rows_of_its_shards(tmp_path, world):
+@pytest.mark.parametrize(("world", "backend"), worlds_and_backends(2, 4))
+def test_a_rank_reads_only_the_rows_of_its_shards(tmp_path, world, backend):
     """Row-sharded tensors that no adapter changes are read by rows: a rank's reads are its
     shards' bytes (column-sharded and replicated tensors whole), not the checkpoint's."""
     from safetensors.torch import save_file
@@ -413,6 +422,6 @@ def test_a_rank_reads_only_the_rows_of_its_shards(tmp_path, world):
     path = tmp_path / "model.safetensors"
     save_file({k: v.contiguous() for k, v in full.state_dict().items()}, str(path))
     total = sum(v.numel() * v.element_size() for v in full.state_dict().values())
-    for cases in run_ranks(_read_bytes_case, world, str(path)):
+    for cases in run_ranks(_read_bytes_case, world, str(path), backend=backend):
         for got, expect, equal in cases:  # tensor parallel, then FSDP2
             assert equal and got == expect and got < total

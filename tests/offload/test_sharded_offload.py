@@ -1,4 +1,4 @@
-"""Offloading tensor-parallel DTensor weights on 2 gloo ranks: each rank pins and streams its
+"""Offloading tensor-parallel DTensor weights on 2 ranks: each rank pins and streams its
 local shards, the outputs equal the resident sharded model's bit for bit at every residency,
 and what the offloader cannot move (FSDP2's own storage, trainable shards) is refused."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.ranks import run_ranks
+from tests.ranks import nccl_marks, run_ranks
 
 pytest.importorskip("torch.distributed.tensor")
 
@@ -89,10 +89,14 @@ def _offload_case(rank, world, device="cpu"):
             tuple(weight.to_local().shape))
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_tensor_parallel_shards_stream_and_give_the_resident_outputs(device):
-    # on CUDA: two gloo ranks share the GPU (gloo reduces CUDA tensors); each streams its shards
-    for same, moved, in_arenas, local_only, kept, shard in run_ranks(_offload_case, 2, device):
+@pytest.mark.parametrize(("device", "backend"), [
+    ("cpu", "gloo"), pytest.param("cuda", "gloo", marks=pytest.mark.gpu),
+    pytest.param("cuda", "nccl", marks=nccl_marks(2))])
+def test_tensor_parallel_shards_stream_and_give_the_resident_outputs(device, backend):
+    # on CUDA under gloo two ranks share the GPU (gloo reduces CUDA tensors); under NCCL each
+    # rank has its own; each streams its shards
+    for same, moved, in_arenas, local_only, kept, shard in run_ranks(_offload_case, 2, device,
+                                                                      backend=backend):
         assert all(same)  # whole, streamed without and with prefetch, with a resident block
         assert all(moved) and in_arenas  # the shards really move between host and slots
         assert local_only  # host storage holds this rank's shards, not the global weights
