@@ -5,8 +5,9 @@ failure).
 
 The group is gloo on the CPU by default; ``backend="nccl"`` gives each rank its own GPU (rank
 ``i`` on ``cuda:i``). A rank's function places its tensors on :func:`rank_device` and builds
-its meshes on that device's type, so one function serves both; :func:`backends` parametrizes a
-test over gloo and, where the machine has ``world`` GPUs, NCCL."""
+its meshes on that device's type, so one function serves both; :func:`backends` and
+:func:`worlds_and_backends` parametrize a test over gloo and, where the machine has ``world``
+GPUs, NCCL."""
 
 from __future__ import annotations
 
@@ -80,9 +81,11 @@ def _entry(rank: int, fn, world: int, port: int, out: str, args: tuple, backend:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     result: object
     try:
-        if backend == "nccl":
+        kwargs = {}
+        if backend == "nccl":  # rank i on cuda:i, bound at init (barriers know the device)
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world)
+            kwargs["device_id"] = torch.device("cuda", rank)
+        dist.init_process_group(backend, rank=rank, world_size=world, **kwargs)
         try:
             result = ("ok", _to_cpu(fn(rank, world, *args)))
         finally:
