@@ -186,6 +186,48 @@ def test_a_factor_module_replaced_after_a_call_is_checked_again(calls):
     assert calls["lora_linear"] == before + 1  # layer 1's o_proj only
 
 
+def _replace_reusing_the_id(parent: torch.nn.Module, name: str, cls: type, *args) -> bool:
+    """Put a new ``cls(*args)`` at ``parent.name`` at the very address (the ``id``) of the
+    module it replaces, freed first; whether one landed there."""
+    import gc
+
+    old_id = id(getattr(parent, name))
+    placeholder = torch.nn.Identity()
+    setattr(parent, name, placeholder)
+    gc.collect()  # a hooked module's bound forward is a reference cycle
+    kept = []  # objects that did not land there stay alive: their addresses stay taken
+    for _ in range(10_000):
+        m = cls.__new__(cls)  # the bare object first: nothing else allocated before it
+        if id(m) == old_id:
+            m.__init__(*args)
+            setattr(parent, name, m)
+            return True
+        kept.append(m)
+    return False
+
+
+def test_a_projection_replaced_after_accelerate_is_read_from_itself(calls):
+    """The fused MLP reads each projection's state through the hook on that projection: a
+    plain Linear put where a LoRA projection was (here at its very address) is taken as the
+    plain Linear it is, never as the LoRA layer whose hook was remembered."""
+    peft_model = _llama()
+    fast = copy.deepcopy(peft_model)
+    accelerate(fast)
+    ids = torch.randint(0, 64, (1, 6))
+    with torch.no_grad():
+        fast(input_ids=ids)
+        for model in (peft_model, fast):
+            mlp = model.base_model.model.model.layers[0].mlp
+            weight = mlp.up_proj.base_layer.weight
+            assert _replace_reusing_the_id(mlp, "up_proj", torch.nn.Linear, weight.shape[1],
+                                           weight.shape[0], False)
+            mlp.up_proj.weight = weight  # the same frozen base, without its adapter
+        before = calls["lora_mlp"]
+        got, want = fast(input_ids=ids).logits, peft_model(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert calls["lora_mlp"] == before + 2  # both layers' MLPs still fused
+
+
 class _Cross(torch.nn.Module):
     """k and v read another tensor than q (cross-attention)."""
 

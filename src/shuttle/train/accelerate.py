@@ -275,12 +275,17 @@ class _Group:
         return next(j for j, m in enumerate(self.members) if m is module)
 
 
+def _linear_hook(module: torch.nn.Module) -> _LinearHook | None:
+    """The :class:`_LinearHook` installed on ``module``, if any: read from the module itself,
+    so a projection replaced after :func:`accelerate` is never taken for the one it replaced.
+    """
+    return next((h for h in hooks_of(module) if isinstance(h, _LinearHook)), None)
+
+
 class _MLPHook(_TrainHook):
-    def __init__(self, names: tuple[str, str, str, str], act: str,
-                 memos: dict[int, _LinearHook]):
+    def __init__(self, names: tuple[str, str, str, str], act: str):
         self.names = names
         self.act = act
-        self.memos = memos  # id(projection) -> its hook (LoRA projections only)
 
     def forward(self, module: torch.nn.Module, inner: Callable[..., Any], *args: Any,
                 **kwargs: Any) -> Any:
@@ -290,7 +295,7 @@ class _MLPHook(_TrainHook):
         lives = []
         for n in self.names[:3]:  # down's input has x's dtype and device
             m = getattr(module, n)
-            lv = _live(m, x, self.memos.get(id(m)))
+            lv = _live(m, x, _linear_hook(m))
             if lv is None or lv.dropout:
                 return inner(*args, **kwargs)
             lives.append(lv)
@@ -441,8 +446,7 @@ def accelerate(model: torch.nn.Module, *, mlp: bool = True, projections: bool = 
                        for p in parts[:3]):
                 report.skipped[name] = "a projection that is neither LoRA nor Linear"
                 continue
-            hook = _MLPHook(form, act, {id(p): linear_hooks[id(p)] for p in parts[:3]
-                                        if id(p) in linear_hooks})
+            hook = _MLPHook(form, act)
             add_hook(module, hook)
             installed.append((module, hook))
             report.patched[name] = "mlp"

@@ -26,8 +26,10 @@ more. So each output starts from its adapter's expand and the base GEMM accumula
 (:func:`adapted_product`; backward ``dx = u A``, then ``dx += dy W``), except where a large
 GEMM must be queued first: the attention projections' forward, often the first work of a
 step, queues the first projection's base GEMM before anything else (its expand is added after,
-with ``addmm_``), and every backward queues its first ``dy W`` as soon as ``u`` exists, with the
-adapters' gradients launched while it runs.
+with ``addmm_``), and the backward of a layer or of the projections queues its first ``dy W``
+as soon as ``u`` exists, with the adapters' gradients launched while it runs (the gated MLP's
+backward does so for its down projection; its gate and up GEMMs come after the activation's
+backward, far longer than any launch sequence, so their order there does not matter).
 """
 
 from __future__ import annotations
