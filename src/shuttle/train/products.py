@@ -28,8 +28,8 @@ GEMM must be queued first: the attention projections' forward, often the first w
 step, queues the first projection's base GEMM before anything else (its expand is added after,
 with ``addmm_``), and the backward of a layer or of the projections queues its first ``dy W``
 as soon as ``u`` exists, with the adapters' gradients launched while it runs (the gated MLP's
-backward does so for its down projection; its gate and up GEMMs come after the activation's
-backward, far longer than any launch sequence, so their order there does not matter).
+backward does so for its down projection, whose GEMM covers the launches after it; its gate
+and up GEMMs come last, after the adapters' gradients).
 """
 
 from __future__ import annotations
