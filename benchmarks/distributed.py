@@ -23,12 +23,9 @@ import argparse
 import copy
 import math
 import os
-import random
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -44,36 +41,26 @@ import shuttle  # noqa: E402
 Variant = tuple[Callable[[int], object], bool]  # (call of round i, whether every rank runs it)
 
 
-def _ms(fn: Callable[[int], object], i: int, device: torch.device) -> float:
-    if device.type == "cuda":
-        return harness.time_once(fn, i)
-    t0 = time.perf_counter()
-    fn(i)
-    return (time.perf_counter() - t0) * 1e3
-
-
 def interleaved(variants: dict[str, Variant], rounds: int, warmup: int,
                 device: torch.device) -> dict[str, dict[str, float]]:
-    """Median ms per variant (rank 0's record): one-GPU variants run on rank 0 alone, sharded
-    ones on every rank, timed as the slowest rank."""
+    """:func:`harness.interleaved` over the ranks: one-GPU variants run on rank 0 alone (the
+    others wait at the barrier), sharded ones on every rank, timed as the slowest rank."""
     rank = dist.get_rank()
-    samples: dict[str, list[float]] = {k: [] for k in variants}
-    for r in range(warmup + rounds):
-        names = list(variants)
-        random.Random(r).shuffle(names)  # the same order on every rank
-        for name in names:
-            fn, everyone = variants[name]
-            dist.barrier()
-            ms = _ms(fn, r, device) if everyone or rank == 0 else 0.0
-            if everyone:
-                t = torch.tensor([ms], device=device)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                ms = t.item()
-            dist.barrier()
-            if r >= warmup:
-                samples[name].append(ms)
-    return {k: {"median_ms": statistics.median(v), "min_ms": min(v), "max_ms": max(v),
-                "rounds": len(v)} for k, v in samples.items()}
+
+    def timer(name: str, fn: Callable[[int], object], i: int) -> float:
+        everyone = variants[name][1]
+        dist.barrier()
+        ms = harness.time_once(fn, i) if everyone or rank == 0 else 0.0
+        if everyone:
+            t = torch.tensor([ms], device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            ms = t.item()
+        dist.barrier()
+        return ms
+
+    # harness.interleaved orders each round by a seed of its own: the same order on every rank
+    return harness.interleaved({k: fn for k, (fn, _) in variants.items()}, rounds=rounds,
+                               warmup=warmup, timer=timer)
 
 
 # -- tensor-parallel LoRA MLP ----------------------------------------------------------------

@@ -103,11 +103,14 @@ def host_ms(fn: Callable[[int], object], n: int = 20) -> float:
 
 
 def interleaved(variants: dict[str, Callable[[int], object]], rounds: int = 20,
-                warmup: int = 3, between: Callable[[str, int], object] | None = None
+                warmup: int = 3, between: Callable[[str, int], object] | None = None,
+                timer: Callable[[str, Callable[[int], object], int], float] | None = None
                 ) -> dict[str, dict[str, float]]:
     """Time each variant ``rounds`` times, interleaved; return median/min/max ms per variant.
 
     ``between(name, i)``, if given, runs untimed after each call (e.g. to undo a merge).
+    ``timer(name, fn, i)``, if given, times one call in ms instead of :func:`time_once` (the
+    distributed benchmark's, which runs a variant on one rank or on all).
     """
     samples: dict[str, list[float]] = {k: [] for k in variants}
     for r in range(warmup + rounds):
@@ -120,7 +123,7 @@ def interleaved(variants: dict[str, Callable[[int], object]], rounds: int = 20,
         random.Random(r).shuffle(names)
         for name in names:
             fn = variants[name]
-            ms = time_once(fn, r)
+            ms = time_once(fn, r) if timer is None else timer(name, fn, r)
             if between is not None:
                 between(name, r)
             if r >= warmup:
