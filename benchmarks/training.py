@@ -2,7 +2,11 @@
 
 Llama-3.1-8B shapes, bf16, 8192 tokens, rank 16, every projection adapted, forward + backward
 with the input requiring grad (as inside a model), CUDA events, medians of interleaved rounds
-with the inputs rotated:
+with the inputs rotated. Each variant is timed two ways: one step from a drained GPU (its
+latency: the host's launch time shows wherever it exceeds the GPU's queue), and a loop of
+``LOOP`` steps issued back to back with one sync at the end, per step (a training loop's
+throughput: no step waits for the previous one to finish, so the host issues the next step's
+work while the GPU runs this one's):
 
     frozen     the same block without LoRA (the floor the adapter's work is measured against)
     peft       PEFT's LoRA layers (get_peft_model defaults: float32 adapters on the bf16 base)
@@ -34,6 +38,7 @@ import harness  # noqa: E402
 from shuttle.train import accelerate  # noqa: E402
 
 HIDDEN, MLP, KV, TOKENS, RANK, VOCAB = 4096, 14336, 1024, 8192, 16, 32000
+LOOP = 8  # steps per timed loop
 DEVICE = "cuda"
 if os.environ.get("SHUTTLE_BENCH_SMOKE"):  # tiny shapes on the CPU: the script runs through
     HIDDEN, MLP, KV, TOKENS, RANK, VOCAB, DEVICE = 64, 128, 32, 64, 4, 128, "cpu"
@@ -99,6 +104,14 @@ def _step_fn(model: nn.Module, xs: list[torch.Tensor], dys: list) -> callable:
     return step
 
 
+def _looped(step: callable) -> callable:
+    """``LOOP`` calls of ``step`` back to back (inputs rotated as in single steps)."""
+    def loop(i: int) -> None:
+        for j in range(LOOP):
+            step(i * LOOP + j)
+    return loop
+
+
 def _peak_gib(fn) -> float:
     if DEVICE == "cpu":
         fn(0)
@@ -156,13 +169,18 @@ def bench_block(name: str, make, targets: list[str], nf4: bool, rounds: int,
     peak = {k: _peak_gib(fn) for k, fn in variants.items()}
     times = harness.interleaved(variants, rounds=rounds)
     ms = {k: v["median_ms"] for k, v in times.items()}
+    loops = harness.interleaved({k: _looped(fn) for k, fn in variants.items()}, rounds=rounds)
+    loop_ms = {k: v["median_ms"] / LOOP for k, v in loops.items()}
     # where a step's time goes: the GPU's kernels, and the host's Python and launches
     gpu = {k: harness.gpu_ms(fn) for k, fn in variants.items()} if DEVICE == "cuda" else {}
     host = {k: harness.host_ms(fn) for k, fn in variants.items()} if DEVICE == "cuda" else {}
-    row = {"block": name, "nf4": nf4, "graphed": graphed, "ms": ms, "peak_extra_gib": peak,
+    row = {"block": name, "nf4": nf4, "graphed": graphed, "ms": ms, "loop_ms": loop_ms,
+           "peak_extra_gib": peak,
            "gpu_ms": gpu, "host_ms": host,
            "shuttle_vs_frozen_gpu": gpu["shuttle"] / gpu["frozen"] if gpu else float("nan"),
            "shuttle_vs_frozen": ms["shuttle"] / ms["frozen"],
+           "shuttle_vs_frozen_loop": loop_ms["shuttle"] / loop_ms["frozen"],
+           "peft_vs_shuttle_loop": loop_ms["peft"] / loop_ms["shuttle"],
            "peft_vs_frozen": ms["peft"] / ms["frozen"],
            "peft_vs_shuttle": ms["peft"] / ms["shuttle"],
            "grad_rel_err_vs_peft": err, "patched": sorted(set(report.patched.values()))}
@@ -200,7 +218,11 @@ def bench_model(rounds: int) -> dict:
     peak = {k: _peak_gib(fn) for k, fn in variants.items()}
     times = harness.interleaved(variants, rounds=rounds)
     ms = {k: v["median_ms"] for k, v in times.items()}
-    row = {"ms": ms, "peak_extra_gib": peak, "peft_vs_shuttle": ms["peft"] / ms["shuttle"],
+    loops = harness.interleaved({k: _looped(fn) for k, fn in variants.items()}, rounds=rounds)
+    loop_ms = {k: v["median_ms"] / LOOP for k, v in loops.items()}
+    row = {"ms": ms, "loop_ms": loop_ms, "peak_extra_gib": peak,
+           "peft_vs_shuttle": ms["peft"] / ms["shuttle"],
+           "peft_vs_shuttle_loop": loop_ms["peft"] / loop_ms["shuttle"],
            "patched": report.summary()}
     print(row, flush=True)
     return row
@@ -221,19 +243,28 @@ def write(blocks: list[dict], model: dict | None) -> None:
         ms = b["ms"]
         label = b["block"] + (" (NF4 base)" if b["nf4"] else "") + (
             ", CUDA graphs" if b.get("graphed") else "")
+        lp = b["loop_ms"]
         rows.append([label, f"{ms['frozen']:.2f}",
                      f"{ms['peft']:.2f}", f"**{ms['shuttle']:.2f}**",
                      f"{b['peft_vs_frozen']:.2f}x", f"**{b['shuttle_vs_frozen']:.2f}x**",
-                     f"{b['peft_vs_shuttle']:.2f}x", f"{b['shuttle_vs_frozen_gpu']:.2f}x",
+                     f"{b['peft_vs_shuttle']:.2f}x",
+                     " / ".join(f"{lp[k]:.2f}" for k in ("frozen", "peft", "shuttle")),
+                     f"**{b['shuttle_vs_frozen_loop']:.2f}x**", f"{b['peft_vs_shuttle_loop']:.2f}x",
+                     f"{b['shuttle_vs_frozen_gpu']:.2f}x",
                      " / ".join(f"{b['host_ms'].get(k, float('nan')):.2f}"
                                 for k in ("frozen", "peft", "shuttle")),
                      *peaks(b), f"{b['grad_rel_err_vs_peft']:.1e}"])
     table = harness.markdown_table(
         ["block", "frozen ms", "PEFT ms", "shuttle ms", "PEFT / frozen", "shuttle / frozen",
-         "PEFT / shuttle", "shuttle / frozen, GPU work", "host ms (frozen / PEFT / shuttle)",
+         "PEFT / shuttle", f"loop of {LOOP}, ms per step (frozen / PEFT / shuttle)",
+         "shuttle / frozen, loop", "PEFT / shuttle, loop", "shuttle / frozen, GPU work",
+         "host ms (frozen / PEFT / shuttle)",
          "frozen peak GiB", "PEFT peak GiB", "shuttle peak GiB", "grad rel. err vs PEFT"], rows)
     notes = ("bf16, 8192 tokens, hidden 4096, MLP 14336, rank 16, forward + backward with the "
-             "input requiring grad; medians of interleaved rounds, inputs rotated. Peak: GiB "
+             "input requiring grad; medians of interleaved rounds, inputs rotated. The first "
+             f"columns time one step from a drained GPU; \"loop\" times {LOOP} steps issued "
+             "back to back with one sync at the end, per step (a training loop's throughput). "
+             "Peak: GiB "
              "allocated above the block's weights and inputs during one step. PEFT uses its "
              "defaults (float32 adapters on the bf16 base); the gradient error is "
              "|g_shuttle - g_PEFT| / |g_PEFT| (largest over parameters and the input). "
@@ -247,8 +278,10 @@ def write(blocks: list[dict], model: dict | None) -> None:
         ms, pk = model["ms"], model["peak_extra_gib"]
         notes += (f"\n\nWhole step of a 2-layer Llama of real width (vocab 32000, 4096 tokens): "
                   f"PEFT {ms['peft']:.1f} ms, shuttle {ms['shuttle']:.1f} ms "
-                  f"({model['peft_vs_shuttle']:.2f}x); peak extra {pk['peft']:.2f} vs "
-                  f"{pk['shuttle']:.2f} GiB.")
+                  f"({model['peft_vs_shuttle']:.2f}x); in a loop of {LOOP} steps "
+                  f"{model['loop_ms']['peft']:.1f} against {model['loop_ms']['shuttle']:.1f} ms "
+                  f"per step ({model['peft_vs_shuttle_loop']:.2f}x); peak extra "
+                  f"{pk['peft']:.2f} vs {pk['shuttle']:.2f} GiB.")
     harness.write_results("training", {"blocks": blocks, "model": model}, table,
                           "LoRA training (benchmarks/training.py)", notes)
     print(table)
