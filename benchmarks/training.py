@@ -38,7 +38,7 @@ import harness  # noqa: E402
 from shuttle.train import accelerate  # noqa: E402
 
 HIDDEN, MLP, KV, TOKENS, RANK, VOCAB = 4096, 14336, 1024, 8192, 16, 32000
-LOOP = 8  # steps per timed loop
+LOOP = 32  # steps per timed loop: enough that the first step's wait for the host is amortized
 DEVICE = "cuda"
 if os.environ.get("SHUTTLE_BENCH_SMOKE"):  # tiny shapes on the CPU: the script runs through
     HIDDEN, MLP, KV, TOKENS, RANK, VOCAB, DEVICE = 64, 128, 32, 64, 4, 128, "cpu"
