@@ -21,6 +21,7 @@ from torch import nn
 import shuttle
 from shuttle.errors import UnknownKeyError, UnsupportedFormatError
 from shuttle.formats.peft import PeftConfig
+from tests import assert_bits_equal, close
 
 peft = pytest.importorskip("peft")
 
@@ -60,6 +61,11 @@ def _peft_file(tmp_path, **config) -> tuple[nn.Module, nn.Module]:
 
 
 IDS = torch.tensor([[1, 4, 9], [0, 2, 2]])
+# A float32 LoRA merge agrees with PEFT's to float32 rounding, not bit for bit: PEFT rounds
+# B @ A, then adds it to W; shuttle's CPU path is addmm_ into W, and whether the BLAS folds W
+# into the product's accumulation (one rounding) depends on the CPU's kernel (on an AVX-512
+# host MKL does, and the two differ by an ulp).
+_LORA_MERGE = {"rtol": 1e-6, "atol": 1e-6}
 CASES = {"modules_to_save": {"modules_to_save": ["head", "emb"]},
          "bias=all": {"bias": "all"},
          "bias=lora_only": {"modules_to_save": ["head"], "bias": "lora_only"},
@@ -76,7 +82,10 @@ def test_merge_equals_peft_merge_and_unload(tmp_path, case):
     assert all(".original_module." in k or ".modules_to_save." in k for k in lora.skipped)
     got = dict(merged.named_parameters())
     for name, p in want.named_parameters():
-        assert torch.equal(got[name], p), f"{name}: off by {float((got[name] - p).abs().max())}"
+        if name == "lin.weight":  # the LoRA merge: float32 rounding, see _LORA_MERGE
+            close(got[name], p, **_LORA_MERGE)
+        else:  # the tensors saved whole land as PEFT's copies, bit for bit
+            assert_bits_equal(got[name], p.detach(), name)
     changed = {n for n, p in base.named_parameters() if not torch.equal(p, got[n])}
     assert changed == set(report.applied)  # every saved tensor landed, nothing else moved
 
@@ -121,7 +130,7 @@ def test_dynamic_equals_merge_and_restores(tmp_path):
         # the LoRA on lin runs beside its weight (another rounding than the merged weight)
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
         with shuttle.apply_lora(model, [(lora, 1.0)], mode="merge"):
-            assert torch.equal(model(IDS), want(IDS))
+            close(model(IDS), want(IDS))  # the merged weight within an ulp, through 3 layers
     after = model.state_dict()
     assert all(torch.equal(after[n], t) for n, t in before.items())  # scoped: exact restore
 

@@ -338,6 +338,29 @@ def test_gpu_bfloat16_model_trains_like_peft(family, calls):
         assert abs(a - b) < 2e-2 * abs(b)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_gpu_inductor_compiled_model_gives_the_same_gradients(checkpointing, calls):
+    """torch.compile with its default backend (Inductor's Triton code on CUDA), as Trainer's
+    ``torch_compile=True`` runs it, with and without gradient checkpointing: the fused paths
+    traced into the graph, gradients equal to eager PEFT's."""
+    peft_model = _llama(torch.float32).cuda()
+    fast = copy.deepcopy(peft_model)
+    accelerate(fast)
+    if checkpointing:
+        for m in (peft_model, fast):
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            m.enable_input_require_grads()
+    peft_model.train(), fast.train()
+    compiled = torch.compile(fast)
+    ids = torch.randint(0, 64, (2, 16), device="cuda")
+    torch._dynamo.reset()
+    _step(peft_model, ids), _step(compiled, ids)
+    assert calls["lora_mlp"] > 0 and calls["lora_projections"] > 0  # traced, not bypassed
+    want, got = _grads(peft_model), _grads(fast)
+    assert max(rel_err(got[n], want[n]) for n in want) < 1e-4
+
+
 def test_a_flux_shaped_dit_trains_as_with_peft_alone():
     diffusers = pytest.importorskip("diffusers")
     torch.manual_seed(0)
