@@ -342,8 +342,9 @@ def test_gpu_bfloat16_model_trains_like_peft(family, calls):
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_gpu_inductor_compiled_model_gives_the_same_gradients(checkpointing, calls):
     """torch.compile with its default backend (Inductor's Triton code on CUDA), as Trainer's
-    ``torch_compile=True`` runs it, with and without gradient checkpointing: the fused paths
-    traced into the graph, gradients equal to eager PEFT's."""
+    ``torch_compile=True`` runs it, with and without gradient checkpointing: the functions
+    traced into the graph (the MLP's and the per-layer one: a q/k/v group steps aside while
+    compiling), gradients equal to eager PEFT's."""
     peft_model = _llama(torch.float32).cuda()
     fast = copy.deepcopy(peft_model)
     accelerate(fast)
@@ -356,7 +357,7 @@ def test_gpu_inductor_compiled_model_gives_the_same_gradients(checkpointing, cal
     ids = torch.randint(0, 64, (2, 16), device="cuda")
     torch._dynamo.reset()
     _step(peft_model, ids), _step(compiled, ids)
-    assert calls["lora_mlp"] > 0 and calls["lora_projections"] > 0  # traced, not bypassed
+    assert calls["lora_mlp"] > 0 and calls["lora_linear"] > 0  # traced, not bypassed
     want, got = _grads(peft_model), _grads(fast)
     assert max(rel_err(got[n], want[n]) for n in want) < 1e-4
 
