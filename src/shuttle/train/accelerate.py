@@ -226,7 +226,8 @@ class _Group:
     Made only where the calling code passes one variable to every member (:func:`_one_input`),
     so a forward and its recomputation under activation checkpointing take the same path. It
     turns itself off for good when a computed output goes unclaimed (the members saw different
-    tensors after all).
+    tensors after all). Under ``torch.compile`` Dynamo traces the stash and the identity check
+    as it traces any Python state: the group runs inside the graph.
     """
 
     def __init__(self, name: str, members: list[torch.nn.Module]):
@@ -257,7 +258,7 @@ class _Group:
         """Every member's output for ``x`` (``live``: ``module``'s state); ``module``'s is
         returned, the others' kept for their calls. None where the group cannot run.
         """
-        if not self.on or torch.compiler.is_compiling():
+        if not self.on:
             return None
         i = self._position(module)
         lives = [live if j == i else _live(m, x, h)

@@ -100,6 +100,12 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: float,
     """``alpha * a @ b``, into ``out`` when given (which may be a column window of a wider
     row-major buffer); one launch.
     """
+    if torch.compiler.is_compiling():
+        # Dynamo traces no ``out=`` into a column window (the function would leave the graph):
+        # a new product, copied into the window (a copy Inductor fuses)
+        res = a @ b if alpha == 1 else torch.addmm(a.new_empty(a.shape[0], b.shape[1]), a, b,
+                                                   beta=0, alpha=alpha)
+        return res if out is None else out.copy_(res)
     if out is None:
         if alpha == 1:
             return a @ b
