@@ -82,7 +82,9 @@ def add_hook(module: torch.nn.Module, hook: ModuleHook, outermost: bool = False)
             chain = self.__dict__[_HOOKS]
             for h in chain:
                 args, kwargs = h.pre_forward(self, args, kwargs)
-            call: Callable[..., Any] = cls_forward.__get__(self)
+            # a partial, not cls_forward.__get__(self): Dynamo before torch 2.13 cannot trace
+            # a function's __get__ and would break the graph at every hooked module
+            call: Callable[..., Any] = functools.partial(cls_forward, self)
             for h in reversed(chain):
                 call = functools.partial(h.forward, self, call)
             out = call(*args, **kwargs)
