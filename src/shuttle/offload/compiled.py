@@ -30,9 +30,9 @@ class _CompiledForward(ModuleHook):
 
     def forward(self, module: torch.nn.Module, inner: Callable[..., Any], *args: Any,
                 **kwargs: Any) -> Any:
-        # Replacing `inner` is only right when it is the class forward itself, i.e. no hook
-        # was added inside this one.
-        assert getattr(inner, "__func__", None) is self.fn, \
+        # Replacing `inner` is only right when it is the class forward itself (bound to the
+        # module by shuttle.hooks as a partial), i.e. no hook was added inside this one.
+        assert getattr(inner, "func", None) is self.fn, \
             "the compile hook must be the innermost hook of its block"
         return self.compiled(module, *args, **kwargs)
 
