@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from shuttle.hooks import HookGroup, ModuleHook
+from shuttle.hooks import HookGroup, ModuleHook, hooks_of
 
 __all__ = ["BlockCompiler"]
 
@@ -24,15 +24,14 @@ CompileBackend = str | Callable[..., Any]
 
 
 class _CompiledForward(ModuleHook):
-    def __init__(self, fn: Callable[..., Any], compiled: Callable[..., Any]):
-        self.fn = fn  # the class forward that `inner` would run
-        self.compiled = compiled
+    def __init__(self, compiled: Callable[..., Any]):
+        self.compiled = compiled  # the block class's forward, compiled
 
     def forward(self, module: torch.nn.Module, inner: Callable[..., Any], *args: Any,
                 **kwargs: Any) -> Any:
-        # Replacing `inner` is only right when it is the class forward itself (bound to the
-        # module by shuttle.hooks as a partial), i.e. no hook was added inside this one.
-        assert getattr(inner, "func", None) is self.fn, \
+        # Replacing `inner` is only right when it is the class forward itself: no hook was
+        # added inside this one (the last hook of a module is its innermost).
+        assert hooks_of(module)[-1] is self, \
             "the compile hook must be the innermost hook of its block"
         return self.compiled(module, *args, **kwargs)
 
@@ -56,7 +55,7 @@ class BlockCompiler:
             hook = self._compiled.get(cls)
             if hook is None:
                 compiled = torch.compile(cls.forward, backend=self.backend, dynamic=False)
-                hook = self._compiled[cls] = _CompiledForward(cls.forward, compiled)
+                hook = self._compiled[cls] = _CompiledForward(compiled)
             self._hooks.add(block, hook)
 
     def detach(self) -> None:
