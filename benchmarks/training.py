@@ -104,12 +104,20 @@ def _step_fn(model: nn.Module, xs: list[torch.Tensor], dys: list) -> callable:
     return step
 
 
-def _looped(step: callable) -> callable:
-    """``LOOP`` calls of ``step`` back to back (inputs rotated as in single steps)."""
-    def loop(i: int) -> None:
-        for j in range(LOOP):
-            step(i * LOOP + j)
-    return loop
+def _timed(variants: dict[str, callable], rounds: int
+           ) -> tuple[dict[str, float], dict[str, float]]:
+    """Median ms per variant: one step from a drained GPU, and per step of ``LOOP`` steps
+    issued back to back (inputs rotated as in single steps); each an interleaved run."""
+    def looped(step: callable) -> callable:
+        def loop(i: int) -> None:
+            for j in range(LOOP):
+                step(i * LOOP + j)
+        return loop
+
+    one = harness.interleaved(variants, rounds=rounds)
+    loops = harness.interleaved({k: looped(fn) for k, fn in variants.items()}, rounds=rounds)
+    return ({k: v["median_ms"] for k, v in one.items()},
+            {k: v["median_ms"] / LOOP for k, v in loops.items()})
 
 
 def _peak_gib(fn) -> float:
@@ -167,10 +175,7 @@ def bench_block(name: str, make, targets: list[str], nf4: bool, rounds: int,
     err = max(((grads["shuttle"][n] - g).norm() / g.norm()).item()
               for n, g in grads["peft"].items())
     peak = {k: _peak_gib(fn) for k, fn in variants.items()}
-    times = harness.interleaved(variants, rounds=rounds)
-    ms = {k: v["median_ms"] for k, v in times.items()}
-    loops = harness.interleaved({k: _looped(fn) for k, fn in variants.items()}, rounds=rounds)
-    loop_ms = {k: v["median_ms"] / LOOP for k, v in loops.items()}
+    ms, loop_ms = _timed(variants, rounds)
     # where a step's time goes: the GPU's kernels, and the host's Python and launches
     gpu = {k: harness.gpu_ms(fn) for k, fn in variants.items()} if DEVICE == "cuda" else {}
     host = {k: harness.host_ms(fn) for k, fn in variants.items()} if DEVICE == "cuda" else {}
@@ -216,10 +221,7 @@ def bench_model(rounds: int) -> dict:
 
     variants = {"peft": step_of(lora), "shuttle": step_of(fast)}
     peak = {k: _peak_gib(fn) for k, fn in variants.items()}
-    times = harness.interleaved(variants, rounds=rounds)
-    ms = {k: v["median_ms"] for k, v in times.items()}
-    loops = harness.interleaved({k: _looped(fn) for k, fn in variants.items()}, rounds=rounds)
-    loop_ms = {k: v["median_ms"] / LOOP for k, v in loops.items()}
+    ms, loop_ms = _timed(variants, rounds)
     row = {"ms": ms, "loop_ms": loop_ms, "peak_extra_gib": peak,
            "peft_vs_shuttle": ms["peft"] / ms["shuttle"],
            "peft_vs_shuttle_loop": loop_ms["peft"] / loop_ms["shuttle"],
