@@ -309,6 +309,34 @@ def test_compiling_an_accelerated_model_breaks_no_graph_in_shuttle():
     assert not ours, ours
 
 
+def test_compiled_products_read_no_uninitialized_memory():
+    """No traced ``addmm`` takes a freshly allocated (uninitialized) C, even with beta = 0:
+    Inductor on CUDA may rewrite an addmm feeding pointwise ops into ``beta * C + a @ b``,
+    and 0 * NaN is NaN (NaN gradients on the H200 when one did)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(gm, _inputs):
+        graphs.append(gm)
+        return gm
+
+    fast = _llama(torch.float32)
+    accelerate(fast)
+    ids = torch.randint(0, 64, (2, 10))
+    torch._dynamo.reset()
+    compiled = torch.compile(fast, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    compiled(input_ids=ids, labels=ids).loss.backward()
+    aten = torch.ops.aten
+    empties = {aten.empty.memory_format, aten.new_empty.default, aten.empty_strided.default,
+               aten.empty_like.default}
+    addmms = [n for gm in graphs for n in gm.graph.nodes
+              if n.op == "call_function" and n.target in (aten.addmm.default, aten.addmm.dtype)]
+    assert addmms, "the backend saw no addmm: the check below would pass vacuously"
+    fed_empty = [n.name for n in addmms if getattr(n.args[0], "target", None) in empties]
+    assert not fed_empty, fed_empty
+
+
 def test_a_trainable_weight_merged_by_an_open_scope_is_refused():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8))
     sd = {"0.lora_A.weight": torch.randn(2, 8), "0.lora_B.weight": torch.randn(8, 2)}

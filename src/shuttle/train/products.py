@@ -102,9 +102,11 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: float,
     """
     if torch.compiler.is_compiling():
         # Dynamo traces no ``out=`` into a column window (the function would leave the graph):
-        # a new product, copied into the window (a copy Inductor fuses)
-        res = a @ b if alpha == 1 else torch.addmm(a.new_empty(a.shape[0], b.shape[1]), a, b,
-                                                   beta=0, alpha=alpha)
+        # a new product, scaled and copied into the window (pointwise work Inductor fuses). No
+        # ``addmm`` of an empty C with beta = 0 here: on CUDA, Inductor may rewrite an addmm
+        # whose users are pointwise into ``beta * C + mm``, and 0 * NaN of uninitialized memory
+        # is NaN
+        res = a @ b if alpha == 1 else (a @ b) * alpha
         return res if out is None else out.copy_(res)
     if out is None:
         if alpha == 1:
@@ -116,9 +118,12 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: float,
 def grad_mm(a: torch.Tensor, b: torch.Tensor, alpha: float, dtype: torch.dtype) -> torch.Tensor:
     """``alpha * a @ b`` in ``dtype``: a parameter's gradient from compute-dtype operands."""
     if a.is_cuda and dtype == torch.float32 and a.dtype in _HALF and b.dtype == a.dtype:
-        # the float32 accumulator, unrounded; beta = 0: the empty C is never read
+        # the float32 accumulator, unrounded; beta = 0: the empty C is never read (traced, the
+        # scale is a pointwise product: see scaled_mm)
         if alpha == 1:
             return torch.mm(a, b, out_dtype=dtype)
+        if torch.compiler.is_compiling():
+            return torch.mm(a, b, out_dtype=dtype) * alpha
         return torch.addmm(a.new_empty(a.shape[0], b.shape[1], dtype=dtype), a, b, beta=0,
                            alpha=alpha, out_dtype=dtype)
     return as_dtype(scaled_mm(a, b, alpha), dtype)
