@@ -105,7 +105,8 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: float,
         # a new product, scaled and copied into the window (pointwise work Inductor fuses). No
         # ``addmm`` of an empty C with beta = 0 here: on CUDA, Inductor may rewrite an addmm
         # whose users are pointwise into ``beta * C + mm``, and 0 * NaN of uninitialized memory
-        # is NaN
+        # is NaN. In half precision the product is rounded before the scale (one rounding more
+        # than eager's alpha inside the GEMM; none for a power-of-two scale)
         res = a @ b if alpha == 1 else (a @ b) * alpha
         return res if out is None else out.copy_(res)
     if out is None:
