@@ -254,6 +254,27 @@ def test_projections_not_called_on_one_variable_are_not_grouped(calls):
     assert calls["lora_linear"] == 3 and calls["lora_projections"] == 0
 
 
+def test_projections_at_the_wrapped_root_are_grouped_once_and_wrappers_not_reported():
+    """q/k/v held by the model PEFT wraps: PeftModel and LoraModel forward attribute reads to
+    it, so they seem to hold the projections too; only the module that owns them is a group,
+    and the report names no wrapper."""
+
+    class Root(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(8, 8) for _ in range(3))
+
+        def forward(self, x):
+            return self.q_proj(x) + self.k_proj(x) + self.v_proj(x)
+
+    config = peft.LoraConfig(r=2, target_modules=["q_proj", "k_proj", "v_proj"],
+                             init_lora_weights=False)
+    model = peft.get_peft_model(Root().double(), config)
+    report = accelerate(model)
+    assert not report.skipped, report.skipped
+    assert sorted(report.patched.values()) == ["projections"] * 3
+
+
 def test_a_group_whose_members_see_different_tensors_turns_itself_off():
     from shuttle.train.accelerate import _LinearHook
 

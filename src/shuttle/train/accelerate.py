@@ -408,7 +408,9 @@ def accelerate(model: torch.nn.Module, *, mlp: bool = True, projections: bool = 
         for name, module in model.named_modules():
             if projections:
                 for group in PROJECTION_GROUPS:
-                    members = [getattr(module, g, None) for g in group]
+                    # its own children only: getattr would also find a wrapped model's
+                    # projections through a wrapper's attribute forwarding (PeftModel's)
+                    members = [module._modules.get(g) for g in group]
                     hooked = [m for m in members if m is not None and id(m) in linear_hooks]
                     if len(hooked) < 2 or any(m is None for m in members):
                         continue
@@ -433,7 +435,7 @@ def accelerate(model: torch.nn.Module, *, mlp: bool = True, projections: bool = 
             form = GATED_MLPS.get(type(module).__name__) if mlp else None
             if form is None:
                 continue
-            parts = [getattr(module, n, None) for n in form]
+            parts = [*(module._modules.get(n) for n in form[:3]), getattr(module, form[3], None)]
             if any(p is None for p in parts):
                 continue
             if not any(id(p) in linear_hooks for p in parts[:3]):
