@@ -1,0 +1,86 @@
+"""shuttle.train.accelerate over causal LMs of many transformers architectures, built from their
+real config classes (tiny sizes): every Linear adapted by PEFT, one step, the loss and every
+gradient those of PEFT's own forward, and the fused paths each architecture's layout allows
+(a fused MLP where its class is a known gated MLP, a q/k/v group where the projections are
+separate; Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` take the per-layer path).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from shuttle.train import accelerate
+from tests.train import rel_err
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+ALL = {"lora_linear", "mlp", "projections"}
+NO_MLP = {"lora_linear", "projections"}
+MOE = dict(num_experts_per_tok=1)
+
+# architecture -> (extra config, the paths accelerate takes)
+CASES = {
+    "Qwen2": ({}, ALL),
+    "Qwen3": ({"head_dim": 8}, ALL),
+    "Mistral": ({}, ALL),
+    "Gemma2": ({"head_dim": 8}, ALL),
+    "Gemma3Text": ({"head_dim": 8}, ALL),
+    "Olmo2": ({}, ALL),
+    "Cohere": ({}, ALL),
+    "Granite": ({}, ALL),
+    "SmolLM3": ({}, ALL),
+    "Phi3": ({}, {"lora_linear"}),
+    "Starcoder2": ({}, NO_MLP),
+    "Phi": ({}, NO_MLP),
+    "Mixtral": ({"num_local_experts": 2, **MOE}, NO_MLP),
+    "Qwen2Moe": ({"num_experts": 2, "moe_intermediate_size": 16,
+                  "shared_expert_intermediate_size": 16, **MOE}, ALL),
+}
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "dense", "gate_proj", "up_proj",
+           "down_proj", "gate_up_proj", "fc1", "fc2", "c_fc", "c_proj")
+
+
+def _model(arch: str, extra: dict, dtype: torch.dtype) -> torch.nn.Module:
+    config_cls = getattr(transformers, f"{arch}Config", None)
+    model_cls = getattr(transformers, f"{arch.removesuffix('Text')}ForCausalLM", None)
+    if config_cls is None or model_cls is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {arch}")
+    torch.manual_seed(0)
+    config = config_cls(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                        pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra)
+    return model_cls(config).to(dtype)
+
+
+@pytest.mark.parametrize("arch", list(CASES))
+def test_an_architecture_trains_as_with_peft_alone(arch):
+    extra, paths = CASES[arch]
+    # MoE experts run grouped GEMMs, which take no float64
+    dtype = torch.float32 if "num_experts_per_tok" in extra else torch.float64
+    model = _model(arch, extra, dtype)
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+             if isinstance(m, torch.nn.Linear)}
+    config = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                             target_modules=[t for t in TARGETS if t in names])
+    ref = peft.get_peft_model(model, config)
+    fast = copy.deepcopy(ref)
+    report = accelerate(fast)
+    assert not report.skipped, report.skipped
+    assert set(report.patched.values()) == paths
+    lora_layers = {n for n, m in fast.named_modules() if hasattr(m, "lora_A")}
+    assert lora_layers and lora_layers <= set(report.patched)  # every one on a fast path
+    ids = torch.randint(0, 64, (2, 10))
+    losses = []
+    for m in (ref, fast):
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+    want = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
+    got = {n: p.grad for n, p in fast.named_parameters() if p.requires_grad}
+    tol = 1e-12 if dtype == torch.float64 else 1e-4
+    torch.testing.assert_close(losses[1], losses[0], rtol=tol, atol=tol)
+    assert max(rel_err(got[n], want[n]) for n in want) < tol
