@@ -84,3 +84,28 @@ def test_an_architecture_trains_as_with_peft_alone(arch):
     tol = 1e-12 if dtype == torch.float64 else 1e-4
     torch.testing.assert_close(losses[1], losses[0], rtol=tol, atol=tol)
     assert max(rel_err(got[n], want[n]) for n in want) < tol
+
+
+def test_adapted_moe_experts_keep_peft_path_and_are_reported():
+    """PEFT's ``target_parameters`` adapts a MoE block's stacked expert tensors (a ParamWrapper,
+    not a Linear layer): those stay on PEFT's path, named in the report with the reason, and
+    the model's gradients are still PEFT's."""
+    model = _model("Mixtral", {"num_local_experts": 2, **MOE}, torch.float32)
+    config = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                             target_parameters=["mlp.experts.gate_up_proj",
+                                                "mlp.experts.down_proj"])
+    ref = peft.get_peft_model(model, config)
+    fast = copy.deepcopy(ref)
+    report = accelerate(fast)
+    experts = {n for n in report.skipped if n.endswith("mlp.experts")}
+    assert len(experts) == 2
+    assert all("Linear" in report.skipped[n] for n in experts)
+    assert set(report.patched.values()) == NO_MLP
+    ids = torch.randint(0, 64, (2, 10))
+    for m in (ref, fast):
+        m(input_ids=ids, labels=ids).loss.backward()
+    want = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
+    got = {n: p.grad for n, p in fast.named_parameters() if p.requires_grad}
+    assert any("experts" in n for n in want)
+    assert max(rel_err(got[n], want[n]) for n in want) < 1e-4
