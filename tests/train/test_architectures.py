@@ -9,6 +9,7 @@ MLP, a q/k/v group where the projections are called on one variable; Phi-3's fus
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -164,13 +165,19 @@ def _diffusers_cases():
 DIFFUSERS_CASES = _diffusers_cases()
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
 @pytest.mark.parametrize("name", list(DIFFUSERS_CASES))
-def test_a_diffusers_model_trains_as_with_peft_alone(name):
+def test_a_diffusers_model_trains_as_with_peft_alone(name, checkpointing):
+    """With diffusers' gradient checkpointing too: the recomputed forward takes the paths the
+    first one took."""
     diffusers = pytest.importorskip("diffusers")
     build, paths = DIFFUSERS_CASES[name]
     torch.manual_seed(0)
     model, inputs = build(diffusers)
     model = model.to(torch.float64)
+    if checkpointing:
+        model.enable_gradient_checkpointing()
+        model.train()
     targets = sorted({n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
                       and any(k in n for k in ("attn", "ff", "proj", "to_"))})
     ref = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=targets,
@@ -181,6 +188,10 @@ def test_a_diffusers_model_trains_as_with_peft_alone(name):
     assert set(report.patched.values()) == paths
     lora_layers = {n for n, m in fast.named_modules() if hasattr(m, "lora_A")}
     assert lora_layers and lora_layers <= set(report.patched)
+    checkpointed = re.compile(r"(^|\.)(transformer_blocks|blocks|down_blocks|up_blocks)\.")
+    first = fast.get_submodule(min(n for n in lora_layers if checkpointed.search(n)))
+    runs = []
+    first.register_forward_hook(lambda *_: runs.append(1))
     losses = []
     for m in (ref, fast):
         out = m(**inputs).sample
@@ -188,6 +199,7 @@ def test_a_diffusers_model_trains_as_with_peft_alone(name):
         loss.backward()
         losses.append(loss.detach())
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-12, atol=1e-12)
+    assert len(runs) == (2 if checkpointing else 1)  # recomputed in backward when checkpointed
     want = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
     got = {n: p.grad for n, p in fast.named_parameters() if p.requires_grad}
     assert max(rel_err(got[n], want[n]) for n in want) < 1e-12
