@@ -289,16 +289,20 @@ def test_a_group_whose_members_see_different_tensors_turns_itself_off():
     assert not group.on
 
 
-def test_gradient_checkpointing_gives_the_same_gradients():
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_gives_the_same_gradients(reentrant, calls):
+    """Both of torch's checkpoint modes (PEFT's prepare_model_for_kbit_training asks for the
+    reentrant one): the fused functions run in the forward and again in the recomputation."""
     peft_model = _llama()
     fast = copy.deepcopy(peft_model)
     accelerate(fast)
     for m in (peft_model, fast):
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
         m.enable_input_require_grads()
         m.train()
     ids = torch.randint(0, 64, (2, 10))
     _step(peft_model, ids), _step(fast, ids)
+    assert calls["lora_projections"] == calls["lora_mlp"] == 4  # 2 layers, each run twice
     want, got = _grads(peft_model), _grads(fast)
     assert max(rel_err(got[n], want[n]) for n in want) < 1e-12
 
