@@ -530,3 +530,27 @@ def test_gpu_an_accelerated_block_replays_exactly_from_cuda_graphs(calls):
         for got, want in zip(grads(graphed, i), eager[i], strict=True):
             assert torch.equal(got, want)
     assert calls == before  # replays: no Python ran
+
+
+def test_hf_trainer_with_gradient_checkpointing_trains_as_peft(calls, tmp_path):
+    """transformers.Trainer as users run it (its own gradient checkpointing, AdamW, scheduler,
+    data loader): the logged losses of four steps those of the PEFT model alone."""
+    pytest.importorskip("accelerate")
+    torch.manual_seed(0)
+    rows = [torch.randint(0, 64, (16,)) for _ in range(8)]
+    dataset = [{"input_ids": r, "labels": r.clone()} for r in rows]
+    losses = {}
+    for key in ("peft", "fast"):
+        model = _llama(torch.float32)
+        if key == "fast":
+            accelerate(model)
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / key), per_device_train_batch_size=2, max_steps=4,
+            learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
+            gradient_checkpointing=True, seed=0, data_seed=0, disable_tqdm=True)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset)
+        trainer.train()
+        losses[key] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses["fast"]) == 4
+    assert calls["lora_projections"] > 0 and calls["lora_mlp"] > 0
+    assert losses["fast"] == pytest.approx(losses["peft"], rel=1e-5)
