@@ -554,3 +554,24 @@ def test_hf_trainer_with_gradient_checkpointing_trains_as_peft(calls, tmp_path):
     assert len(losses["fast"]) == 4
     assert calls["lora_projections"] > 0 and calls["lora_mlp"] > 0
     assert losses["fast"] == pytest.approx(losses["peft"], rel=1e-5)
+
+
+def test_switching_the_trained_adapter_between_steps(calls):
+    """Two adapters, the trained one switched with ``set_adapter`` between steps: each step
+    takes the fast paths with the active adapter's factors and scale, gradients PEFT's."""
+    peft_model = _llama()
+    peft_model.add_adapter("b", peft.LoraConfig(r=2, lora_alpha=3, target_modules=TARGETS,
+                                                init_lora_weights=False))
+    fast = copy.deepcopy(peft_model)
+    accelerate(fast)
+    ids = torch.randint(0, 64, (2, 10))
+    for name in ("default", "b", "default"):
+        for m in (peft_model, fast):
+            m.set_adapter(name)
+            m.zero_grad(set_to_none=True)
+        before = calls["lora_projections"]
+        _step(peft_model, ids), _step(fast, ids)
+        assert calls["lora_projections"] == before + 2
+        want, got = _grads(peft_model), _grads(fast)
+        assert want and all(f".{name}." in n for n in want)
+        assert max(rel_err(got[n], want[n]) for n in want) < 1e-12
