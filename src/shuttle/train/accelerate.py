@@ -435,6 +435,8 @@ def accelerate(model: torch.nn.Module, *, mlp: bool = True, projections: bool = 
             form = GATED_MLPS.get(type(module).__name__) if mlp else None
             if form is None:
                 continue
+            # the projections among its own children (as for the q/k/v groups); the activation
+            # may be a plain function attribute rather than a module
             parts = [*(module._modules.get(n) for n in form[:3]), getattr(module, form[3], None)]
             if any(p is None for p in parts):
                 continue

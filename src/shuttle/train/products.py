@@ -120,11 +120,10 @@ def grad_mm(a: torch.Tensor, b: torch.Tensor, alpha: float, dtype: torch.dtype) 
     """``alpha * a @ b`` in ``dtype``: a parameter's gradient from compute-dtype operands."""
     if a.is_cuda and dtype == torch.float32 and a.dtype in _HALF and b.dtype == a.dtype:
         # the float32 accumulator, unrounded; beta = 0: the empty C is never read (traced, the
-        # scale is a pointwise product: see scaled_mm)
-        if alpha == 1:
-            return torch.mm(a, b, out_dtype=dtype)
-        if torch.compiler.is_compiling():
-            return torch.mm(a, b, out_dtype=dtype) * alpha
+        # scale is a pointwise product instead: see scaled_mm)
+        if alpha == 1 or torch.compiler.is_compiling():
+            prod = torch.mm(a, b, out_dtype=dtype)
+            return prod if alpha == 1 else prod * alpha
         return torch.addmm(a.new_empty(a.shape[0], b.shape[1], dtype=dtype), a, b, beta=0,
                            alpha=alpha, out_dtype=dtype)
     return as_dtype(scaled_mm(a, b, alpha), dtype)
