@@ -38,35 +38,48 @@ class _Launches(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _factors(dtype):
+def _factors(dtype, k=24):
+    """Three adapters' factors; ``k``: the input width (8192: each A past one multi-tensor
+    chunk's quarter, the cast goes by ``cat``)."""
     g = torch.Generator().manual_seed(0)
-    a_list = [torch.randn(r, 24, generator=g, dtype=dtype) for r in (4, 2, 3)]
+    a_list = [torch.randn(r, k, generator=g, dtype=dtype) for r in (4, 2, 3)]
     b_list = [torch.randn(n, r, generator=g, dtype=dtype) for n, r in ((16, 4), (8, 2), (8, 3))]
     return a_list, b_list
 
 
 def _check_cast(a_list, b_list, a_all, bs):
     assert torch.equal(a_all, torch.cat(a_list).to(torch.bfloat16))
+    assert a_all.is_contiguous() and a_all.shape == (sum(a.shape[0] for a in a_list),
+                                                      a_list[0].shape[1])
     for b, got in zip(b_list, bs, strict=True):
-        assert got.dtype == torch.bfloat16 and torch.equal(got, b.to(torch.bfloat16))
+        assert got.dtype == torch.bfloat16 and got.shape == b.shape
+        assert torch.equal(got, b.to(torch.bfloat16))
 
 
-def test_factors_of_another_dtype_are_cast_in_one_launch():
-    a_list, b_list = _factors(torch.float32)
+@pytest.mark.parametrize("k, launches_expected", [
+    (24, {"aten._foreach_copy_.default": 1}),
+    (8192, {"aten.cat.default": 1, "aten._to_copy.default": 1}),
+])
+def test_factors_of_another_dtype_are_cast_in_one_or_two_launches(k, launches_expected):
+    a_list, b_list = _factors(torch.float32, k)
     with _Launches() as launches:
         a_all, bs = compute_factors(torch.bfloat16, a_list, b_list)
-    assert dict(launches.ops) == {"aten._foreach_copy_.default": 1}, launches.ops
+    assert dict(launches.ops) == launches_expected, launches.ops
     _check_cast(a_list, b_list, a_all, bs)
-    assert a_all.is_contiguous() and a_all.shape == (9, 24)  # the A rows: one matrix
     one, (b0,) = compute_factors(torch.bfloat16, a_list[:1], b_list[:1])
     _check_cast(a_list[:1], b_list[:1], one, [b0])
+    none, only_b = compute_factors(torch.bfloat16, [], b_list)
+    assert none is None
+    for b, got in zip(b_list, only_b, strict=True):
+        assert torch.equal(got, b.to(torch.bfloat16))
 
 
 @pytest.mark.gpu
-def test_factors_of_another_dtype_are_cast_by_one_kernel_on_cuda():
+@pytest.mark.parametrize("k, kernels_expected", [(24, 1), (8192, 2)])
+def test_factors_of_another_dtype_are_cast_by_one_or_two_kernels_on_cuda(k, kernels_expected):
     from torch.profiler import ProfilerActivity, profile
 
-    a_list, b_list = _factors(torch.float32)
+    a_list, b_list = _factors(torch.float32, k)
     a_list, b_list = [a.cuda() for a in a_list], [b.cuda() for b in b_list]
     compute_factors(torch.bfloat16, a_list, b_list)
     torch.cuda.synchronize()
@@ -74,7 +87,7 @@ def test_factors_of_another_dtype_are_cast_by_one_kernel_on_cuda():
         a_all, bs = compute_factors(torch.bfloat16, a_list, b_list)
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    assert len(kernels) == 1, kernels
+    assert len(kernels) == kernels_expected, kernels
     _check_cast([a.cpu() for a in a_list], [b.cpu() for b in b_list], a_all.cpu(),
                 [b.cpu() for b in bs])
 

@@ -9,12 +9,12 @@ saved once for all of them. Backward, for ``dy_i``:
     dB_i = s_i * dy_i^T hx_i            (N_i, r_i)
     dx   = [u_q u_k u_v] [A_q; A_k; A_v] + sum_i dy_i W_i
 
-Order of the products (:mod:`shuttle.train.products`). Forward: the first projection's base
-GEMM, then the adapters' shrink and the other projections' expands with their base GEMMs
-accumulated into them, the first one's expand last. Backward: ``u``, then ``dx = u A`` and the
-first ``dy_i W_i`` into it, the adapters' gradients, the other ``dy_i W_i`` last. A projection
-without an adapter passes ``a = b = None``; an output whose gradient autograd does not supply
-(unused) counts as zero.
+Order of the products (:mod:`shuttle.train.products`). Forward: the narrowest projection's
+base GEMM (k's, say), then the adapters' shrink and the other projections' expands with their
+base GEMMs accumulated into them, the narrowest one's expand last. Backward: ``u``, then
+``dx = u A`` and the first ``dy_i W_i`` into it, the adapters' gradients, the other ``dy_i W_i``
+last. A projection without an adapter passes ``a = b = None``; an output whose gradient
+autograd does not supply (unused) counts as zero.
 """
 
 from __future__ import annotations
@@ -55,24 +55,34 @@ class LoRAProjectionsFunction(torch.autograd.Function):
         projs = [specs[4 * i:4 * i + 4] for i in range(n)]
         lora = [i for i in range(n) if projs[i][1] is not None]
         ranks = [projs[i][1].shape[0] for i in lora]  # the columns of hx (and of u) per adapter
-        # the first projection's GEMM before anything else: the GPU starts on a large product
-        # at once, whatever the host still has to launch (its expand is added after)
-        ys: list[torch.Tensor | None] = [base_product(x2, projs[0][0])] + [None] * (n - 1)
+        # one base GEMM before anything else, so that the GPU starts on a large product at once
+        # whatever the host still has to launch; its expand is added after it (an ``addmm_``,
+        # which reads and writes the output once more), so it is the narrowest projection's
+        first = 0  # (a loop: Dynamo traces no min with a key)
+        for i in range(1, n):
+            if projs[i][0].out_features < projs[first][0].out_features:
+                first = i
+        ys: list[torch.Tensor | None] = [None] * n
+        ys[first] = base_product(x2, projs[first][0])
         a_all = hx = None
         bs: list[torch.Tensor] = []
+        hs: tuple[torch.Tensor, ...] = ()
         if lora:
             a_all, bs = compute_factors(dt, [projs[i][1] for i in lora],
                                         [projs[i][2] for i in lora])
             hx = x2 @ a_all.T  # (T, sum r): one read of x
             hs = split_columns(hx, ranks)
             for i, b, h in zip(lora, bs, hs, strict=True):
-                if i:
+                if i != first:
                     ys[i] = expand(h, b, projs[i][3], projs[i][0].bias)
-        for i in range(1, n):
-            y = ys[i]
-            ys[i] = base_product(x2, projs[i][0]) if y is None else add_base(y, x2, projs[i][0])
-        if lora and lora[0] == 0:
-            ys[0].addmm_(hs[0], bs[0].T, alpha=projs[0][3])
+        for i in range(n):
+            if i != first:
+                y = ys[i]
+                ys[i] = base_product(x2, projs[i][0]) if y is None else \
+                    add_base(y, x2, projs[i][0])
+        if first in lora:
+            j = lora.index(first)
+            ys[first].addmm_(hs[j], bs[j].T, alpha=projs[first][3])
         outs = tuple(like_rows(y, x) for y in ys)
         ctx.projs = [(base, s) for base, _, _, s in projs]
         ctx.lora, ctx.ranks, ctx.n = lora, ranks, n

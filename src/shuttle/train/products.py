@@ -7,8 +7,8 @@ forward and backward are a dozen such products around one or two large GEMMs, so
 count sets the host time of a training step:
 
 - :func:`compute_factors`: every adapter factor of a function in the compute dtype (PEFT keeps
-  float32 factors on a bf16 model) in one launch whatever their number (a multi-tensor copy),
-  the ``A`` factors as row blocks of one matrix.
+  float32 factors on a bf16 model) in one or two launches whatever their number, the ``A``
+  factors as row blocks of one matrix.
 - :func:`scaled_mm`: ``alpha * a @ b`` in one launch, written into ``out`` where given (a
   column window of a wider buffer included: the GEMM takes its row stride, so rank-sized
   results of several adapters land side by side with no ``cat``).
@@ -44,6 +44,7 @@ __all__ = ["adapted_product", "add_base", "as_dtype", "as_rows", "base_product",
            "expand", "grad_mm", "like_rows", "scaled_mm", "split_columns"]
 
 _HALF = (torch.bfloat16, torch.float16)
+_FOREACH_CHUNK = 65536  # elements per thread block of CUDA's multi-tensor kernels
 
 
 def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -69,16 +70,31 @@ def split_columns(t: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]
 def compute_factors(dtype: torch.dtype, a_list: Sequence[torch.Tensor],
                     b_list: Sequence[torch.Tensor]
                     ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
-    """``(cat(a_list) in dtype, [b in dtype for b in b_list])`` in one launch.
+    """``(cat(a_list) in dtype, [b in dtype for b in b_list])`` in one or two launches.
 
     ``a_list``: ``(r_i, K)`` each (one K; may be empty: None comes back); ``b_list``: any
     shapes. Factors already in ``dtype`` are used as they are (only the ``A`` rows are
-    concatenated); otherwise every factor is cast by a single ``torch._foreach_copy_`` (one
-    multi-tensor kernel on CUDA) into the rows of one ``A`` buffer and one tensor per ``B``.
+    concatenated). Otherwise small factors are cast by a single ``torch._foreach_copy_`` (one
+    multi-tensor kernel on CUDA) into the rows of one ``A`` buffer and one tensor per ``B``;
+    large ones by one ``cat`` of them all, flattened, and one cast of the result, of which the
+    ``A`` rows and the ``B`` factors are views. The multi-tensor kernel gives each
+    :data:`_FOREACH_CHUNK`-element chunk of a tensor one thread block, so factors of a wide
+    layer (a rank-16 ``A`` of a 4096-wide one is one whole chunk) run on a handful of SMs:
+    several times the two well-spread kernels' time.
     """
     if all(t.dtype == dtype for t in (*a_list, *b_list)):
         a_all = None if not a_list else a_list[0] if len(a_list) == 1 else torch.cat(a_list)
         return a_all, list(b_list)
+    factors = [*a_list, *b_list]
+    sizes = [t.numel() for t in factors]
+    if max(sizes) > _FOREACH_CHUNK // 4:
+        flat = torch.cat([t.reshape(-1) for t in factors]).to(dtype)
+        parts = flat.split_with_sizes(sizes)
+        n_a = len(a_list)
+        a_all = None
+        if a_list:
+            a_all = flat[:sum(sizes[:n_a])].view(-1, a_list[0].shape[1])
+        return a_all, [p.view(b.shape) for p, b in zip(parts[n_a:], b_list, strict=True)]
     a_all = None
     dst: list[torch.Tensor] = []
     if a_list:
