@@ -78,31 +78,32 @@ def test_float32_factors_on_a_bfloat16_input_get_float32_gradients():
             assert rel_err(a.grad, a64.grad) < 2e-2 and rel_err(b.grad, b64.grad) < 2e-2
 
 
-def test_the_narrowest_projections_gemm_is_queued_first():
-    """The forward's first launch is a base GEMM (the GPU starts on it while the host launches
-    the adapters' small products), the narrowest projection's: the one whose expand, added after
-    it, rereads the least output."""
+@pytest.mark.parametrize("outs, first", [((16, 8, 12), [(10, 8), (10, 12)]),
+                                         ((16, 16, 16), [(10, 16)])])
+def test_the_narrower_projections_gemms_are_queued_first(outs, first):
+    """The forward's first launches are base GEMMs (the GPU runs them while the host launches
+    the adapters' small products): those of the projections narrower than the widest, whose
+    expands, added after them, reread the least output (the first projection's where all are
+    equally wide)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    class FirstProduct(TorchDispatchMode):
+    class Products(TorchDispatchMode):
         def __init__(self):
             super().__init__()
-            self.first = None
+            self.shapes = []
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            if self.first is None and func.name().startswith(("aten::mm", "aten::addmm",
-                                                              "aten::linear")):
-                self.first = tuple(out.shape)
+            if func.name().startswith(("aten::mm", "aten::addmm", "aten::linear")):
+                self.shapes.append(tuple(out.shape))
             return out
 
-    outs = (16, 8, 12)
     layers = [linear(24, n) for n in outs]
     facs = [factors(n, 24) for n in outs]
     x = torch.randn(10, 24, dtype=torch.float64)
-    with FirstProduct() as mode:
+    with Products() as mode:
         ys = lora_projections(x, *[(frozen_linear(lyr), a, b, 0.5)
                                    for lyr, (a, b) in zip(layers, facs, strict=True)])
-    assert mode.first == (10, 8)
+    assert mode.shapes[:len(first)] == first, mode.shapes
     for y, lyr, (a, b) in zip(ys, layers, facs, strict=True):
         torch.testing.assert_close(y, lora_ref(x, lyr, a, b, 0.5))

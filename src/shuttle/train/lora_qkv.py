@@ -9,9 +9,10 @@ saved once for all of them. Backward, for ``dy_i``:
     dB_i = s_i * dy_i^T hx_i            (N_i, r_i)
     dx   = [u_q u_k u_v] [A_q; A_k; A_v] + sum_i dy_i W_i
 
-Order of the products (:mod:`shuttle.train.products`). Forward: the narrowest projection's
-base GEMM (k's, say), then the adapters' shrink and the other projections' expands with their
-base GEMMs accumulated into them, the narrowest one's expand last. Backward: ``u``, then
+Order of the products (:mod:`shuttle.train.products`). Forward: the base GEMMs of the
+projections narrower than the widest (GQA's k and v; the first one where all are equally wide),
+then the adapters' shrink and the other projections' expands with their base GEMMs accumulated
+into them, the early ones' expands added last. Backward: ``u``, then
 ``dx = u A`` and the first ``dy_i W_i`` into it, the adapters' gradients, the other ``dy_i W_i``
 last. A projection without an adapter passes ``a = b = None``; an output whose gradient
 autograd does not supply (unused) counts as zero.
@@ -55,15 +56,15 @@ class LoRAProjectionsFunction(torch.autograd.Function):
         projs = [specs[4 * i:4 * i + 4] for i in range(n)]
         lora = [i for i in range(n) if projs[i][1] is not None]
         ranks = [projs[i][1].shape[0] for i in lora]  # the columns of hx (and of u) per adapter
-        # one base GEMM before anything else, so that the GPU starts on a large product at once
-        # whatever the host still has to launch; its expand is added after it (an ``addmm_``,
-        # which reads and writes the output once more), so it is the narrowest projection's
-        first = 0  # (a loop: Dynamo traces no min with a key)
-        for i in range(1, n):
-            if projs[i][0].out_features < projs[first][0].out_features:
-                first = i
+        # base GEMMs before anything else, so that the GPU starts on large products at once
+        # whatever the host still has to launch; their expands are added after them (an
+        # ``addmm_`` rereads and rewrites the output), so they are the projections narrower than
+        # the widest (GQA's k and v), or the first of equally wide ones
+        widths = [projs[i][0].out_features for i in range(n)]
+        early = [i for i in range(n) if widths[i] < max(widths)] or [0]
         ys: list[torch.Tensor | None] = [None] * n
-        ys[first] = base_product(x2, projs[first][0])
+        for i in early:
+            ys[i] = base_product(x2, projs[i][0])
         a_all = hx = None
         bs: list[torch.Tensor] = []
         hs: tuple[torch.Tensor, ...] = ()
@@ -73,16 +74,16 @@ class LoRAProjectionsFunction(torch.autograd.Function):
             hx = x2 @ a_all.T  # (T, sum r): one read of x
             hs = split_columns(hx, ranks)
             for i, b, h in zip(lora, bs, hs, strict=True):
-                if i != first:
+                if i not in early:
                     ys[i] = expand(h, b, projs[i][3], projs[i][0].bias)
         for i in range(n):
-            if i != first:
+            if i not in early:
                 y = ys[i]
                 ys[i] = base_product(x2, projs[i][0]) if y is None else \
                     add_base(y, x2, projs[i][0])
-        if first in lora:
-            j = lora.index(first)
-            ys[first].addmm_(hs[j], bs[j].T, alpha=projs[first][3])
+        for i, b, h in zip(lora, bs, hs, strict=True):
+            if i in early:
+                ys[i].addmm_(h, b.T, alpha=projs[i][3])
         outs = tuple(like_rows(y, x) for y in ys)
         ctx.projs = [(base, s) for base, _, _, s in projs]
         ctx.lora, ctx.ranks, ctx.n = lora, ranks, n

@@ -25,8 +25,8 @@ cost, where an ``addmm_`` of an expand after it reads and writes the whole (T, N
 more. So each output starts from its adapter's expand and the base GEMM accumulates into it
 (:func:`adapted_product`; backward ``dx = u A``, then ``dx += dy W``), except where a large
 GEMM must be queued first: the attention projections' forward, often the first work of a
-step, queues the first projection's base GEMM before anything else (its expand is added after,
-with ``addmm_``), and the backward of a layer or of the projections queues its first ``dy W``
+step, queues the base GEMMs of its narrower projections (GQA's k and v) before anything else
+(their expands are added after, with ``addmm_``), and the backward of a layer or of the projections queues its first ``dy W``
 as soon as ``u`` exists, with the adapters' gradients launched while it runs (the gated MLP's
 backward does so for its down projection, whose GEMM covers the launches after it; its gate
 and up GEMMs come last, after the adapters' gradients).
