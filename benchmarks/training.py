@@ -18,7 +18,8 @@ base (bitsandbytes Linear4bit): PEFT + bitsandbytes against shuttle. Peak memory
 largest allocation above what the block's weights and inputs hold before the step. The
 q/k/v/o block once more with every variant captured in CUDA graphs
 (``torch.cuda.make_graphed_callables``: the host's launches taken out of the step). Then a
-whole model step: a 2-layer Llama of real width (vocab 32000, 4096 tokens), loss.backward().
+whole model step: a 2-layer Llama of real width (vocab 32000, 4096 tokens), loss.backward(),
+frozen / PEFT / shuttle.
 
 Writes docs/benchmarks/training.{json,md}.
 """
@@ -196,6 +197,10 @@ def bench_block(name: str, make, targets: list[str], nf4: bool, rounds: int,
 
 
 def bench_model(rounds: int) -> dict:
+    """A whole training step of a 2-layer Llama of real width: the frozen model, PEFT, and
+    shuttle. Every variant is fed the input embeddings as a leaf that requires grad, so the
+    frozen model runs the same backward through every layer (its step is the floor the
+    adapters' cost is measured against)."""
     import transformers
 
     torch.manual_seed(0)
@@ -203,26 +208,37 @@ def bench_model(rounds: int) -> dict:
                                    num_hidden_layers=2, num_attention_heads=32,
                                    num_key_value_heads=8, max_position_embeddings=8192)
     base = transformers.LlamaForCausalLM(cfg).to(DEVICE, torch.bfloat16)
+    frozen = copy.deepcopy(base).requires_grad_(False)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     lora = _peft(base, targets)
     fast = copy.deepcopy(lora)
     report = accelerate(fast)
     ids = [torch.randint(0, VOCAB, (1, TOKENS // 2), device=DEVICE) for _ in range(3)]
+    with torch.no_grad():
+        embeds = [frozen.get_input_embeddings()(i).requires_grad_() for i in ids]
 
     def step_of(model):
         params = [p for p in model.parameters() if p.requires_grad]
 
         def step(i):
-            out = model(input_ids=ids[i % 3], labels=ids[i % 3])
+            e = embeds[i % 3]
+            out = model(inputs_embeds=e, labels=ids[i % 3])
             out.loss.backward()
+            e.grad = None
             for p in params:
                 p.grad = None
         return step
 
-    variants = {"peft": step_of(lora), "shuttle": step_of(fast)}
+    variants = {"frozen": step_of(frozen), "peft": step_of(lora), "shuttle": step_of(fast)}
     peak = {k: _peak_gib(fn) for k, fn in variants.items()}
     ms, loop_ms = _timed(variants, rounds)
-    row = {"ms": ms, "loop_ms": loop_ms, "peak_extra_gib": peak,
+    gpu = {k: harness.gpu_ms(fn) for k, fn in variants.items()} if DEVICE == "cuda" else {}
+    host = {k: harness.host_ms(fn) for k, fn in variants.items()} if DEVICE == "cuda" else {}
+    row = {"ms": ms, "loop_ms": loop_ms, "peak_extra_gib": peak, "gpu_ms": gpu, "host_ms": host,
+           "shuttle_vs_frozen": ms["shuttle"] / ms["frozen"],
+           "shuttle_vs_frozen_loop": loop_ms["shuttle"] / loop_ms["frozen"],
+           "peft_vs_frozen": ms["peft"] / ms["frozen"],
+           "peft_vs_frozen_loop": loop_ms["peft"] / loop_ms["frozen"],
            "peft_vs_shuttle": ms["peft"] / ms["shuttle"],
            "peft_vs_shuttle_loop": loop_ms["peft"] / loop_ms["shuttle"],
            "patched": report.summary()}
@@ -277,13 +293,23 @@ def write(blocks: list[dict], model: dict | None) -> None:
              "launch each, the input copied into the graph's own; their peak is not "
              "measured: a graph's memory is allocated in its own pool when it is captured).")
     if model is not None:
-        ms, pk = model["ms"], model["peak_extra_gib"]
-        notes += (f"\n\nWhole step of a 2-layer Llama of real width (vocab 32000, 4096 tokens): "
-                  f"PEFT {ms['peft']:.1f} ms, shuttle {ms['shuttle']:.1f} ms "
-                  f"({model['peft_vs_shuttle']:.2f}x); in a loop of {LOOP} steps "
-                  f"{model['loop_ms']['peft']:.1f} against {model['loop_ms']['shuttle']:.1f} ms "
-                  f"per step ({model['peft_vs_shuttle_loop']:.2f}x); peak extra "
-                  f"{pk['peft']:.2f} vs {pk['shuttle']:.2f} GiB.")
+        ms, lp, pk = model["ms"], model["loop_ms"], model["peak_extra_gib"]
+        gpu, host = model.get("gpu_ms", {}), model.get("host_ms", {})
+        work = ""
+        if gpu and host:
+            work = (" GPU work / host ms per step: " + ", ".join(
+                f"{k} {gpu[k]:.1f} / {host[k]:.1f}" for k in ("frozen", "peft", "shuttle"))
+                + ".")
+        notes += (f"\n\nWhole step of a 2-layer Llama of real width (vocab 32000, 4096 tokens, "
+                  f"every projection adapted, the input embeddings a leaf requiring grad): "
+                  f"frozen {ms['frozen']:.1f} ms, PEFT {ms['peft']:.1f} ms "
+                  f"({model['peft_vs_frozen']:.2f}x the frozen step), shuttle "
+                  f"{ms['shuttle']:.1f} ms ({model['shuttle_vs_frozen']:.2f}x; "
+                  f"{model['peft_vs_shuttle']:.2f}x faster than PEFT); in a loop of {LOOP} "
+                  f"steps, per step: {lp['frozen']:.1f} / {lp['peft']:.1f} / "
+                  f"{lp['shuttle']:.1f} ms ({model['shuttle_vs_frozen_loop']:.2f}x the frozen "
+                  f"step; {model['peft_vs_shuttle_loop']:.2f}x faster than PEFT); peak extra "
+                  f"{pk['frozen']:.2f} / {pk['peft']:.2f} / {pk['shuttle']:.2f} GiB.{work}")
     harness.write_results("training", {"blocks": blocks, "model": model}, table,
                           "LoRA training (benchmarks/training.py)", notes)
     print(table)
