@@ -26,7 +26,7 @@ import inspect
 import logging
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -130,9 +130,8 @@ def _adapter_reason(module: torch.nn.Module, name: str) -> str | None:
     return None
 
 
-@dataclasses.dataclass(frozen=True)
-class _Live:
-    """One LoRA layer as a call sees it."""
+class _Live(NamedTuple):
+    """One LoRA layer as a call sees it (a tuple: made on every call of every layer)."""
 
     base: FrozenLinear
     a: torch.Tensor | None
@@ -148,6 +147,8 @@ def _live(module: torch.nn.Module, x: Any, memo: _LinearHook | None = None) -> _
     ``memo``: the layer's hook, which knows whether the layer is a PEFT LoRA layer (decided when
     it was installed) and keeps the adapter (name and factor modules, held) last found fit by
     :func:`_adapter_reason`, so that a call checks the adapter's build only when it changed.
+    The submodules are read from ``_modules`` (what ``nn.Module.__getattr__`` falls back to,
+    without the failed attribute lookup before it): this runs for every layer at every call.
     """
     if not isinstance(x, torch.Tensor) or torch.is_autocast_enabled():
         return None
@@ -163,12 +164,14 @@ def _live(module: torch.nn.Module, x: Any, memo: _LinearHook | None = None) -> _
         return _Live(base, None, None, 0.0, 0.0) if base.takes(x) else None
     if module.disable_adapters or module.merged:
         return None
-    lora_a = module.lora_A
-    active = [n for n in module.active_adapters if n in lora_a]
+    mods = module._modules
+    lora_a = mods["lora_A"]
+    active = [n for n in module.active_adapters if n in lora_a._modules]
     if len(active) != 1:
         return None
     name = active[0]
-    a, b, drop = lora_a[name], module.lora_B[name], module.lora_dropout[name]
+    a, b, drop = lora_a._modules[name], mods["lora_B"]._modules[name], \
+        mods["lora_dropout"]._modules[name]
     fit = (name, a, b, drop)  # the modules themselves: an id could be reused by a new one
     if memo is None or memo.fit != fit:
         if _adapter_reason(module, name) is not None:
@@ -176,12 +179,12 @@ def _live(module: torch.nn.Module, x: Any, memo: _LinearHook | None = None) -> _
         if memo is not None:
             memo.fit = fit
     try:
-        base = frozen_linear(module.base_layer)
+        base = frozen_linear(mods["base_layer"])
     except UnsupportedBaseError:
         return None
     if not base.takes(x):
         return None
-    p = drop.p if isinstance(drop, torch.nn.Dropout) and drop.training else 0.0
+    p = drop.p if drop.training and isinstance(drop, torch.nn.Dropout) else 0.0
     return _Live(base, a.weight, b.weight, float(module.scaling[name]), float(p))
 
 

@@ -84,11 +84,16 @@ def frozen_linear(layer: torch.nn.Module) -> FrozenLinear:
     if not isinstance(layer, torch.nn.Linear):
         raise UnsupportedBaseError(f"a {type(layer).__name__} base layer (only nn.Linear and "
                                    "bitsandbytes Linear4bit have the fast path)")
-    w = layer.weight
+    params = layer._parameters  # what attribute access falls back to (read at every call)
+    w = params.get("weight")
+    if w is None:  # a parametrized weight: a property
+        w = layer.weight
     if w.requires_grad:
         raise UnsupportedBaseError("the base weight is trainable (requires_grad): the fast "
                                    "path treats it as frozen")
-    bias = layer.bias
+    bias = params.get("bias")
+    if bias is None and "bias" not in params:
+        bias = layer.bias
     if bias is not None and bias.requires_grad:
         raise UnsupportedBaseError("the base bias is trainable")
     n, k = layer.out_features, layer.in_features

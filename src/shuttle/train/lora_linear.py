@@ -34,6 +34,7 @@ from shuttle.train.products import (
     grad_mm,
     like_rows,
     scaled_mm,
+    shrink,
 )
 
 __all__ = ["LoRALinearFunction", "lora_linear"]
@@ -60,7 +61,7 @@ class LoRALinearFunction(torch.autograd.Function):
         if dropout > 0:
             seed = int(torch.randint(0, 2 ** 62, (), dtype=torch.int64))
             xd = x2 * _mask(x2, dropout, seed)
-        h = xd @ a_.T
+        h = shrink(xd, a_)
         y = adapted_product(x2, base, h, b_, scale)  # the base GEMM last
         ctx.base, ctx.scale, ctx.dropout, ctx.seed = base, scale, dropout, seed
         ctx.param_dtypes = (a.dtype, b.dtype)

@@ -39,6 +39,7 @@ from shuttle.train.products import (
     grad_mm,
     like_rows,
     scaled_mm,
+    shrink,
 )
 
 __all__ = ["LoRAMLPFunction", "lora_mlp"]
@@ -64,7 +65,7 @@ class LoRAMLPFunction(torch.autograd.Function):
             a_in, outs = compute_factors(dt, stacked, others)
             cast = {id(t): c for t, c in zip(others, outs, strict=True)}
         if a_in is not None:
-            hx = x2 @ a_in.T  # (T, rg + ru): one read of x
+            hx = shrink(x2, a_in)  # (T, rg + ru): one read of x
         e = base_product(x2, gate) if ag is None else \
             adapted_product(x2, gate, hx[:, :rg], cast[id(bg)], sg)
         g = base_product(x2, up) if au is None else \
@@ -75,7 +76,7 @@ class LoRAMLPFunction(torch.autograd.Function):
             y = base_product(h, down)
         else:
             ad_, bd_ = cast[id(ad)], cast[id(bd)]
-            hd = h @ ad_.T
+            hd = shrink(h, ad_)
             y = adapted_product(h, down, hd, bd_, sd)
         del h
         ctx.act, ctx.bases, ctx.scales, ctx.rg = act, (gate, up, down), (sg, su, sd), rg

@@ -35,6 +35,7 @@ from shuttle.train.products import (
     grad_mm,
     like_rows,
     scaled_mm,
+    shrink,
     split_columns,
 )
 
@@ -71,7 +72,7 @@ class LoRAProjectionsFunction(torch.autograd.Function):
         if lora:
             a_all, bs = compute_factors(dt, [projs[i][1] for i in lora],
                                         [projs[i][2] for i in lora])
-            hx = x2 @ a_all.T  # (T, sum r): one read of x
+            hx = shrink(x2, a_all)  # (T, sum r): one read of x
             hs = split_columns(hx, ranks)
             for i, b, h in zip(lora, bs, hs, strict=True):
                 if i not in early:

@@ -26,10 +26,10 @@ more. So each output starts from its adapter's expand and the base GEMM accumula
 (:func:`adapted_product`; backward ``dx = u A``, then ``dx += dy W``), except where a large
 GEMM must be queued first: the attention projections' forward, often the first work of a
 step, queues the base GEMMs of its narrower projections (GQA's k and v) before anything else
-(their expands are added after, with ``addmm_``), and the backward of a layer or of the projections queues its first ``dy W``
-as soon as ``u`` exists, with the adapters' gradients launched while it runs (the gated MLP's
-backward does so for its down projection, whose GEMM covers the launches after it; its gate
-and up GEMMs come last, after the adapters' gradients).
+(their expands are added after, with ``addmm_``), and the backward of a layer or of the
+projections queues its first ``dy W`` as soon as ``u`` exists, with the adapters' gradients
+launched while it runs (the gated MLP's backward does so for its down projection, whose GEMM
+covers the launches after it; its gate and up GEMMs come last, after the adapters' gradients).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import torch
 from shuttle.train.frozen import FrozenLinear
 
 __all__ = ["adapted_product", "add_base", "as_dtype", "as_rows", "base_product", "compute_factors",
-           "expand", "grad_mm", "like_rows", "scaled_mm", "split_columns"]
+           "expand", "grad_mm", "like_rows", "scaled_mm", "shrink", "split_columns"]
 
 _HALF = (torch.bfloat16, torch.float16)
 _FOREACH_CHUNK = 65536  # elements per thread block of CUDA's multi-tensor kernels
@@ -143,6 +143,13 @@ def grad_mm(a: torch.Tensor, b: torch.Tensor, alpha: float, dtype: torch.dtype) 
         return torch.addmm(a.new_empty(a.shape[0], b.shape[1], dtype=dtype), a, b, beta=0,
                            alpha=alpha, out_dtype=dtype)
     return as_dtype(scaled_mm(a, b, alpha), dtype)
+
+
+def shrink(x2: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """``x A^T`` (T, r) for ``x`` (T, K), ``a`` (r, K): one launch, the transpose taken inside
+    the op (no Python-level view: this runs for every adapter at every call).
+    """
+    return torch.nn.functional.linear(x2, a)
 
 
 def expand(h: torch.Tensor, b: torch.Tensor, scale: float,
