@@ -12,10 +12,10 @@ saved once for all of them. Backward, for ``dy_i``:
 Order of the products (:mod:`shuttle.train.products`). Forward: the base GEMMs of the
 projections narrower than the widest (GQA's k and v; the first one where all are equally wide),
 then the adapters' shrink and the other projections' expands with their base GEMMs accumulated
-into them, the early ones' expands added last. Backward: ``u``, then
-``dx = u A`` and the first ``dy_i W_i`` into it, the adapters' gradients, the other ``dy_i W_i``
-last. A projection without an adapter passes ``a = b = None``; an output whose gradient
-autograd does not supply (unused) counts as zero.
+into them, the early ones' expands added last. Backward: ``u``, then ``dx = u A`` and the
+first ``dy_i W_i`` into it, the adapters' gradients, the other ``dy_i W_i`` last. A projection
+without an adapter passes ``a = b = None``; an output whose gradient autograd does not supply
+(unused) counts as zero.
 """
 
 from __future__ import annotations

@@ -86,15 +86,12 @@ def compute_factors(dtype: torch.dtype, a_list: Sequence[torch.Tensor],
         a_all = None if not a_list else a_list[0] if len(a_list) == 1 else torch.cat(a_list)
         return a_all, list(b_list)
     factors = [*a_list, *b_list]
-    sizes = [t.numel() for t in factors]
-    if max(sizes) > _FOREACH_CHUNK // 4:
+    if max(t.numel() for t in factors) > _FOREACH_CHUNK // 4:
         flat = torch.cat([t.reshape(-1) for t in factors]).to(dtype)
-        parts = flat.split_with_sizes(sizes)
-        n_a = len(a_list)
-        a_all = None
-        if a_list:
-            a_all = flat[:sum(sizes[:n_a])].view(-1, a_list[0].shape[1])
-        return a_all, [p.view(b.shape) for p, b in zip(parts[n_a:], b_list, strict=True)]
+        a_size = sum(a.numel() for a in a_list)  # the A rows first, then each B
+        a_flat, *b_flat = flat.split_with_sizes([a_size, *(b.numel() for b in b_list)])
+        a_all = a_flat.view(-1, a_list[0].shape[1]) if a_list else None
+        return a_all, [f.view(b.shape) for f, b in zip(b_flat, b_list, strict=True)]
     a_all = None
     dst: list[torch.Tensor] = []
     if a_list:
