@@ -37,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from shuttle.train.frozen import FrozenLinear
 
@@ -74,38 +75,32 @@ def compute_factors(dtype: torch.dtype, a_list: Sequence[torch.Tensor],
 
     ``a_list``: ``(r_i, K)`` each (one K; may be empty: None comes back); ``b_list``: any
     shapes. Factors already in ``dtype`` are used as they are (only the ``A`` rows are
-    concatenated). Otherwise small factors are cast by a single ``torch._foreach_copy_`` (one
-    multi-tensor kernel on CUDA) into the rows of one ``A`` buffer and one tensor per ``B``;
-    large ones by one ``cat`` of them all, flattened, and one cast of the result, of which the
-    ``A`` rows and the ``B`` factors are views. The multi-tensor kernel gives each
-    :data:`_FOREACH_CHUNK`-element chunk of a tensor one thread block, so factors of a wide
-    layer (a rank-16 ``A`` of a 4096-wide one is one whole chunk) run on a handful of SMs:
-    several times the two well-spread kernels' time.
+    concatenated). Otherwise every factor lands in one flat buffer, the ``A`` rows first, and
+    comes back as a view of it: small factors copied in by a single ``torch._foreach_copy_``
+    (one multi-tensor kernel on CUDA), large ones by one flattening ``cat`` and one cast. The
+    multi-tensor kernel gives each :data:`_FOREACH_CHUNK`-element chunk of a tensor one thread
+    block, so factors of a wide layer (a rank-16 ``A`` of a 4096-wide one is one whole chunk)
+    would run on a handful of SMs: several times the two well-spread kernels' time. The views
+    are made by ``unflatten_dense_tensors`` in one call (this runs at every call of every
+    layer).
     """
     if all(t.dtype == dtype for t in (*a_list, *b_list)):
         a_all = None if not a_list else a_list[0] if len(a_list) == 1 else torch.cat(a_list)
         return a_all, list(b_list)
     factors = [*a_list, *b_list]
     if max(t.numel() for t in factors) > _FOREACH_CHUNK // 4:
-        flat = torch.cat([t.reshape(-1) for t in factors]).to(dtype)
-        a_size = sum(a.numel() for a in a_list)  # the A rows first, then each B
-        a_flat, *b_flat = flat.split_with_sizes([a_size, *(b.numel() for b in b_list)])
-        a_all = a_flat.view(-1, a_list[0].shape[1]) if a_list else None
-        return a_all, [f.view(b.shape) for f, b in zip(b_flat, b_list, strict=True)]
-    a_all = None
-    dst: list[torch.Tensor] = []
-    if a_list:
-        a0 = a_list[0]
-        if len(a_list) == 1:
-            a_all = a0.new_empty(a0.shape, dtype=dtype)
-            dst.append(a_all)
-        else:
-            ranks = [a.shape[0] for a in a_list]
-            a_all = a0.new_empty(sum(ranks), a0.shape[1], dtype=dtype)
-            dst.extend(a_all.split_with_sizes(ranks))
-    bs = [b.new_empty(b.shape, dtype=dtype) for b in b_list]
-    torch._foreach_copy_([*dst, *bs], [*a_list, *b_list])
-    return a_all, bs
+        flat = _flatten_dense_tensors(factors).to(dtype)
+        views = _unflatten_dense_tensors(flat, factors)
+    else:
+        flat = factors[0].new_empty(sum(t.numel() for t in factors), dtype=dtype)
+        views = _unflatten_dense_tensors(flat, factors)
+        torch._foreach_copy_(views, factors)
+    n_a = len(a_list)
+    if n_a <= 1:
+        a_all = views[0] if n_a else None
+    else:  # the A rows, adjacent in flat
+        a_all = flat[:sum(a.numel() for a in a_list)].view(-1, a_list[0].shape[1])
+    return a_all, list(views[n_a:])
 
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: float,
