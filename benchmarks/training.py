@@ -17,7 +17,9 @@ Blocks: the SwiGLU MLP (gate 4096->14336, up, down) and the q/k/v/o projections 
 base (bitsandbytes Linear4bit): PEFT + bitsandbytes against shuttle. Peak memory is the
 largest allocation above what the block's weights and inputs hold before the step. The
 q/k/v/o block once more with every variant captured in CUDA graphs
-(``torch.cuda.make_graphed_callables``: the host's launches taken out of the step). Then a
+(``torch.cuda.make_graphed_callables``: the host's launches taken out of the step), and
+eager with every variant's backward on the calling thread (autograd's own device thread
+otherwise takes the backward over, and wakes the caller when it is done). Then a
 whole model step: a 2-layer Llama of real width (vocab 32000, 4096 tokens), loss.backward(),
 frozen / PEFT / shuttle.
 
@@ -91,14 +93,21 @@ def _nf4_mlp(dense: nn.Module) -> nn.Module:
     return q.to(DEVICE)
 
 
-def _step_fn(model: nn.Module, xs: list[torch.Tensor], dys: list) -> callable:
+def _step_fn(model: nn.Module, xs: list[torch.Tensor], dys: list,
+             calling_thread: bool = False) -> callable:
+    """One training step of ``model``; ``calling_thread``: autograd runs the backward on the
+    calling thread rather than handing it to its CUDA device thread and back."""
     params = [p for p in model.parameters() if p.requires_grad]  # an optimizer's list
 
     def step(i: int) -> None:
         x = xs[i % len(xs)]
         out = model(x)
         outs = out if isinstance(out, tuple) else (out,)
-        torch.autograd.backward(outs, dys[i % len(dys)])
+        if calling_thread:
+            with torch.autograd.set_multithreading_enabled(False):
+                torch.autograd.backward(outs, dys[i % len(dys)])
+        else:
+            torch.autograd.backward(outs, dys[i % len(dys)])
         x.grad = None
         for p in params:
             p.grad = None
@@ -139,7 +148,7 @@ def _graphed(model: nn.Module, x: torch.Tensor) -> nn.Module:
 
 
 def bench_block(name: str, make, targets: list[str], nf4: bool, rounds: int,
-                graphed: bool = False) -> dict:
+                graphed: bool = False, calling_thread: bool = False) -> dict:
     torch.manual_seed(0)
     dense = make().to(DEVICE, torch.bfloat16).requires_grad_(False)
     for p in dense.parameters():
@@ -159,8 +168,8 @@ def bench_block(name: str, make, targets: list[str], nf4: bool, rounds: int,
         frozen, lora, fast = (_graphed(m, xs[0]) for m in (frozen, lora, fast))
     outs = out if isinstance(out, tuple) else (out,)
     dys = [[torch.randn_like(o) for o in outs] for _ in range(3)]
-    variants = {"frozen": _step_fn(frozen, xs, dys), "peft": _step_fn(lora, xs, dys),
-                "shuttle": _step_fn(fast, xs, dys)}
+    variants = {k: _step_fn(m, xs, dys, calling_thread)
+                for k, m in (("frozen", frozen), ("peft", lora), ("shuttle", fast))}
     # the same numbers: shuttle's gradients against PEFT's
     grads = {}
     for key in ("peft", "shuttle"):
@@ -180,7 +189,8 @@ def bench_block(name: str, make, targets: list[str], nf4: bool, rounds: int,
     # where a step's time goes: the GPU's kernels, and the host's Python and launches
     gpu = {k: harness.gpu_ms(fn) for k, fn in variants.items()} if DEVICE == "cuda" else {}
     host = {k: harness.host_ms(fn) for k, fn in variants.items()} if DEVICE == "cuda" else {}
-    row = {"block": name, "nf4": nf4, "graphed": graphed, "ms": ms, "loop_ms": loop_ms,
+    row = {"block": name, "nf4": nf4, "graphed": graphed, "calling_thread": calling_thread,
+           "ms": ms, "loop_ms": loop_ms,
            "peak_extra_gib": peak,
            "gpu_ms": gpu, "host_ms": host,
            "shuttle_vs_frozen_gpu": gpu["shuttle"] / gpu["frozen"] if gpu else float("nan"),
@@ -260,7 +270,8 @@ def write(blocks: list[dict], model: dict | None) -> None:
     for b in blocks:
         ms = b["ms"]
         label = b["block"] + (" (NF4 base)" if b["nf4"] else "") + (
-            ", CUDA graphs" if b.get("graphed") else "")
+            ", CUDA graphs" if b.get("graphed") else "") + (
+            ", backward on the calling thread" if b.get("calling_thread") else "")
         lp = b["loop_ms"]
         rows.append([label, f"{ms['frozen']:.2f}",
                      f"{ms['peft']:.2f}", f"**{ms['shuttle']:.2f}**",
@@ -291,7 +302,10 @@ def write(blocks: list[dict], model: dict | None) -> None:
              "larger of the two, plus the first launch's latency. CUDA graphs: each variant "
              "captured by torch.cuda.make_graphed_callables (forward and backward one graph "
              "launch each, the input copied into the graph's own; their peak is not "
-             "measured: a graph's memory is allocated in its own pool when it is captured).")
+             "measured: a graph's memory is allocated in its own pool when it is captured). "
+             "Backward on the calling thread: every variant's backward run under "
+             "torch.autograd.set_multithreading_enabled(False) (by default autograd hands a "
+             "CUDA backward to its device thread and wakes the caller when it is done).")
     if model is not None:
         ms, lp, pk = model["ms"], model["loop_ms"], model["peak_extra_gib"]
         gpu, host = model.get("gpu_ms", {}), model.get("host_ms", {})
@@ -322,14 +336,15 @@ def main() -> None:
     mlp_t = ["gate_proj", "up_proj", "down_proj"]
     blocks = []
     qkvo = ["q_proj", "k_proj", "v_proj", "o_proj"]
-    cases = [("SwiGLU MLP", SwiGLU, mlp_t, False, False),
-             ("q, k, v, o projections", Projections, qkvo, False, False)]
+    cases = [("SwiGLU MLP", SwiGLU, mlp_t, False, False, False),
+             ("q, k, v, o projections", Projections, qkvo, False, False, False),
+             ("q, k, v, o projections", Projections, qkvo, False, False, True)]
     if DEVICE == "cuda":
-        cases.append(("q, k, v, o projections", Projections, qkvo, False, True))
-    cases.append(("SwiGLU MLP", SwiGLU, mlp_t, True, False))
-    for name, make, targets, nf4, graphed in cases:
+        cases.append(("q, k, v, o projections", Projections, qkvo, False, True, False))
+    cases.append(("SwiGLU MLP", SwiGLU, mlp_t, True, False, False))
+    for name, make, targets, nf4, graphed, calling_thread in cases:
         try:
-            blocks.append(bench_block(name, make, targets, nf4, rounds, graphed))
+            blocks.append(bench_block(name, make, targets, nf4, rounds, graphed, calling_thread))
         except ImportError as e:  # bitsandbytes missing: recorded, not hidden
             print(f"{name} nf4={nf4}: skipped ({e})", flush=True)
         write(blocks, None)
