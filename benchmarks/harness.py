@@ -76,6 +76,9 @@ def spin_up(seconds: float = 1.0) -> None:
         torch.cuda.synchronize()
 
 
+_PROFILER_OVERHEAD = ("Activity Buffer",)
+
+
 def gpu_ms(fn: Callable[[int], object], n: int = 5) -> float:
     """Milliseconds of GPU kernel time per call of ``fn`` (profiled; host time excluded)."""
     from torch.profiler import ProfilerActivity, profile
@@ -86,7 +89,10 @@ def gpu_ms(fn: Callable[[int], object], n: int = 5) -> float:
         for i in range(n):
             fn(i)
         torch.cuda.synchronize()
-    total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    # CUPTI's own bookkeeping ("Activity Buffer Request", once per session, tens to a hundred
+    # microseconds) is reported with device time too: not the step's work
+    total_us = sum(e.self_device_time_total for e in prof.key_averages()
+                   if not e.key.startswith(_PROFILER_OVERHEAD))
     return total_us / 1e3 / n
 
 
