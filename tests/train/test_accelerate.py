@@ -487,6 +487,18 @@ class _Block(torch.nn.Module):
         return h + self.mlp(h), k, v
 
 
+def _accelerated_block() -> torch.nn.Module:
+    """A PEFT LoRA model of :class:`_Block` on CUDA in bf16, accelerated on every fused path."""
+    torch.manual_seed(0)
+    block = _Block().to("cuda", torch.bfloat16).requires_grad_(False)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = peft.get_peft_model(block, peft.LoraConfig(r=8, target_modules=targets,
+                                                       init_lora_weights=False))
+    report = accelerate(model)
+    assert set(report.patched.values()) == {"projections", "lora_linear", "mlp"}
+    return model
+
+
 # torch's stream sanitizer records the kernels of a CUDA graph capture as if they ran then, on
 # the capture stream, and never sees a replay: the first replay's copy into the graph's static
 # input reads to it as a race with the capture (a capture of plain torch ops reports the same).
@@ -502,13 +514,7 @@ _CSAN_GRAPH_CAPTURE = pytest.mark.xfail(
 def test_gpu_an_accelerated_block_replays_exactly_from_cuda_graphs(calls):
     """torch.cuda.make_graphed_callables over an accelerated PEFT block (every fused path):
     graph replays give the eager step's gradients bit for bit, without running Python."""
-    torch.manual_seed(0)
-    block = _Block().to("cuda", torch.bfloat16).requires_grad_(False)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    model = peft.get_peft_model(block, peft.LoraConfig(r=8, target_modules=targets,
-                                                       init_lora_weights=False))
-    report = accelerate(model)
-    assert set(report.patched.values()) == {"projections", "lora_linear", "mlp"}
+    model = _accelerated_block()
     xs = [torch.randn(256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
           for _ in range(2)]
     dys = [[torch.randn(256, n, device="cuda", dtype=torch.bfloat16) for n in (64, 32, 32)]
@@ -530,6 +536,31 @@ def test_gpu_an_accelerated_block_replays_exactly_from_cuda_graphs(calls):
         for got, want in zip(grads(graphed, i), eager[i], strict=True):
             assert torch.equal(got, want)
     assert calls == before  # replays: no Python ran
+
+
+@pytest.mark.gpu
+def test_gpu_the_backward_on_the_calling_thread_gives_the_same_gradients(calls):
+    """docs/training.md's remedy for host-bound steps: an accelerated block's backward run under
+    ``torch.autograd.set_multithreading_enabled(False)`` (on the calling thread, not autograd's
+    CUDA device thread) gives the default's gradients bit for bit, every fused path taken."""
+    model = _accelerated_block()
+    x = torch.randn(256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dys = [torch.randn(256, n, device="cuda", dtype=torch.bfloat16) for n in (64, 32, 32)]
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def grads(threaded):
+        with torch.autograd.set_multithreading_enabled(threaded):
+            torch.autograd.backward(model(x), dys)
+        out = [x.grad.clone()] + [p.grad.clone() for p in params]
+        x.grad = None
+        for p in params:
+            p.grad = None
+        return out
+
+    default = grads(True)
+    assert calls["lora_projections"] == 1 and calls["lora_mlp"] == 1
+    for got, want in zip(grads(False), default, strict=True):
+        assert torch.equal(got, want)
 
 
 def test_hf_trainer_with_gradient_checkpointing_trains_as_peft(calls, tmp_path):
