@@ -499,6 +499,27 @@ def _accelerated_block() -> torch.nn.Module:
     return model
 
 
+def _block_inputs(n: int) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    """``n`` inputs of :func:`_accelerated_block` (requiring grad) and its outputs' gradients."""
+    xs = [torch.randn(256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+          for _ in range(n)]
+    dys = [[torch.randn(256, k, device="cuda", dtype=torch.bfloat16) for k in (64, 32, 32)]
+           for _ in range(n)]
+    return xs, dys
+
+
+def _block_grads(module, model, x, dys) -> list[torch.Tensor]:
+    """One backward of ``module`` (``model`` itself or a capture of it) at ``x``: the input's
+    and ``model``'s trainable parameters' gradients, taken (and reset to None)."""
+    torch.autograd.backward(module(x), dys)
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = [x.grad.clone()] + [p.grad.clone() for p in params]
+    x.grad = None
+    for p in params:
+        p.grad = None
+    return out
+
+
 # torch's stream sanitizer records the kernels of a CUDA graph capture as if they ran then, on
 # the capture stream, and never sees a replay: the first replay's copy into the graph's static
 # input reads to it as a race with the capture (a capture of plain torch ops reports the same).
@@ -515,25 +536,12 @@ def test_gpu_an_accelerated_block_replays_exactly_from_cuda_graphs(calls):
     """torch.cuda.make_graphed_callables over an accelerated PEFT block (every fused path):
     graph replays give the eager step's gradients bit for bit, without running Python."""
     model = _accelerated_block()
-    xs = [torch.randn(256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-          for _ in range(2)]
-    dys = [[torch.randn(256, n, device="cuda", dtype=torch.bfloat16) for n in (64, 32, 32)]
-           for _ in range(2)]
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def grads(module, i):
-        torch.autograd.backward(module(xs[i]), dys[i])
-        out = [xs[i].grad.clone()] + [p.grad.clone() for p in params]
-        xs[i].grad = None
-        for p in params:
-            p.grad = None
-        return out
-
-    eager = [grads(model, i) for i in range(2)]
+    xs, dys = _block_inputs(2)
+    eager = [_block_grads(model, model, xs[i], dys[i]) for i in range(2)]
     graphed = torch.cuda.make_graphed_callables(model, (xs[0].detach().clone().requires_grad_(),))
     before = dict(calls)
     for i in range(2):
-        for got, want in zip(grads(graphed, i), eager[i], strict=True):
+        for got, want in zip(_block_grads(graphed, model, xs[i], dys[i]), eager[i], strict=True):
             assert torch.equal(got, want)
     assert calls == before  # replays: no Python ran
 
@@ -544,22 +552,12 @@ def test_gpu_the_backward_on_the_calling_thread_gives_the_same_gradients(calls):
     ``torch.autograd.set_multithreading_enabled(False)`` (on the calling thread, not autograd's
     CUDA device thread) gives the default's gradients bit for bit, every fused path taken."""
     model = _accelerated_block()
-    x = torch.randn(256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dys = [torch.randn(256, n, device="cuda", dtype=torch.bfloat16) for n in (64, 32, 32)]
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def grads(threaded):
-        with torch.autograd.set_multithreading_enabled(threaded):
-            torch.autograd.backward(model(x), dys)
-        out = [x.grad.clone()] + [p.grad.clone() for p in params]
-        x.grad = None
-        for p in params:
-            p.grad = None
-        return out
-
-    default = grads(True)
+    (x,), (dys,) = _block_inputs(1)
+    default = _block_grads(model, model, x, dys)
     assert calls["lora_projections"] == 1 and calls["lora_mlp"] == 1
-    for got, want in zip(grads(False), default, strict=True):
+    with torch.autograd.set_multithreading_enabled(False):
+        calling_thread = _block_grads(model, model, x, dys)
+    for got, want in zip(calling_thread, default, strict=True):
         assert torch.equal(got, want)
 
 
