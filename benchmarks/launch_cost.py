@@ -7,8 +7,8 @@ a short block (the q/k/v/o projections alone) is bound by the host. Two parts, o
 - the host time to issue one call of each product the training functions are made of, at the
   q/k/v/o block's shapes (T 8192, K 4096, N 1024 or 4096, rank 16, three adapters 48): the
   median over ``CALLS`` calls, the GPU drained before each batch of ``BATCH`` (so no call waits
-  for a full launch queue), and the same call on the CPU with 16-element tensors for what
-  Python and the dispatcher cost without a launch;
+  for a full launch queue), and the same call on 16-element CPU tensors (the call without
+  CUDA: Python, the dispatcher and a tiny CPU kernel);
 - per step of the q/k/v/o block (``benchmarks/training.py``'s, rank 16 on every projection):
   the kernels it launches and the aten operators it calls (torch.profiler, over ``STEPS``
   steps), and its host time with autograd's backward on its CUDA device thread (the default)
@@ -33,7 +33,7 @@ import harness  # noqa: E402
 import training  # noqa: E402
 from shuttle.train import accelerate  # noqa: E402
 
-CALLS, BATCH, STEPS = 400, 20, 10
+CALLS, BATCH, STEPS, ROUNDS = 400, 20, 10, 4
 T, K, N, R = training.TOKENS, training.HIDDEN, training.KV, training.RANK
 DEVICE = training.DEVICE
 
@@ -112,7 +112,7 @@ def block_steps() -> dict[str, dict]:
         fields = ("kernels", "top_level_aten_ops", "host_ms", "host_ms_calling_thread")
         return {key: dict.fromkeys(fields, float("nan")) for key in steps}
     rows: dict[str, dict] = {key: {} for key in steps}
-    for _ in range(3):  # host times first, interleaved: no profiler has run in this process
+    for _ in range(ROUNDS):  # host times first, interleaved: no profiler ran in this process
         for key, (step, calling) in steps.items():
             for name, fn in (("host_ms", step), ("host_ms_calling_thread", calling)):
                 rows[key].setdefault(name, []).append(harness.host_ms(fn, n=40))
@@ -120,6 +120,7 @@ def block_steps() -> dict[str, dict]:
     for key, (step, _) in steps.items():
         row = rows[key]
         for name in ("host_ms", "host_ms_calling_thread"):
+            row[name + "_rounds"] = row[name]
             row[name] = statistics.median(row[name])
         torch.cuda.synchronize()
         with profile(activities=acts) as prof:
@@ -137,6 +138,14 @@ def block_steps() -> dict[str, dict]:
     return rows
 
 
+def _spread(row: dict, name: str) -> str:
+    """``median (min-max over the rounds)`` of a host time."""
+    rounds = row.get(name + "_rounds")
+    if not rounds:
+        return f"{row[name]:.2f}"
+    return f"{row[name]:.2f} ({min(rounds):.2f}-{max(rounds):.2f})"
+
+
 def main() -> None:
     harness.spin_up()
     launch = {}
@@ -152,14 +161,16 @@ def main() -> None:
     table += "\n\n" + harness.markdown_table(
         ["q/k/v/o step", "kernels", "aten operators", "host ms (default)",
          "host ms (backward on the calling thread)"],
-        [[k, f"{v['kernels']:.0f}", f"{v['top_level_aten_ops']:.0f}", f"{v['host_ms']:.2f}",
-          f"{v['host_ms_calling_thread']:.2f}"] for k, v in steps.items()])
+        [[k, f"{v['kernels']:.0f}", f"{v['top_level_aten_ops']:.0f}", _spread(v, "host_ms"),
+          _spread(v, "host_ms_calling_thread")] for k, v in steps.items()])
     notes = (f"Host time to issue one call: median over {CALLS} calls in batches of {BATCH}, "
              "the GPU drained before each batch; the CPU column is the same call on 16-element "
-             "CPU tensors (Python and the dispatcher, no launch). Steps: the q/k/v/o block of "
+             "CPU tensors (the call without CUDA: Python, the dispatcher and a tiny CPU "
+             "kernel). Steps: the q/k/v/o block of "
              f"benchmarks/training.py (bf16, T {T}, rank {R}); kernels (cuBLAS memsets "
              "included) and top-level aten operators per step from torch.profiler over "
-             f"{STEPS} steps; host ms: one step issued from a drained GPU (median of 40).")
+             f"{STEPS} steps; host ms: one step issued from a drained GPU, the median of 40 in "
+             f"each of {ROUNDS} interleaved rounds: the median round (the slowest and fastest).")
     harness.write_results("launch_cost", {"launch_us": launch, "steps": steps}, table,
                           "Host cost of a launch (benchmarks/launch_cost.py)", notes)
     print(table)
