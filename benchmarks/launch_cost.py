@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 import training  # noqa: E402
 from shuttle.train import accelerate  # noqa: E402
+from shuttle.train.products import scaled_mm  # noqa: E402
 
 CALLS, BATCH, STEPS, ROUNDS = 400, 20, 10, 4
 T, K, N, R = training.TOKENS, training.HIDDEN, training.KV, training.RANK
@@ -52,14 +53,9 @@ def issue_us(fn, calls: int = CALLS) -> float:
     return statistics.median(per_call)
 
 
-def _scaled(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
-    """``alpha * a @ b`` into a new tensor, as ``shuttle.train.products.scaled_mm`` issues it."""
-    out = a.new_empty(a.shape[0], b.shape[1])
-    return torch.addmm(out, a, b, beta=0, alpha=alpha, out=out)
-
-
 def products(device: str, small: bool) -> dict[str, callable]:
-    """The training functions' products (``small``: 16-element tensors, the host cost alone)."""
+    """The training functions' products, as they issue them (``small``: 4 x 4 operands, for
+    the same calls on the CPU)."""
     t, k, n, r = (4, 4, 4, 4) if small else (T, K, N, R)
     bf = dict(device=device, dtype=torch.bfloat16)
     x, w = torch.randn(t, k, **bf), torch.randn(n, k, **bf)
@@ -75,7 +71,7 @@ def products(device: str, small: bool) -> dict[str, callable]:
         "factor cast float32 -> bf16 (r, K)": lambda: fp32.to(torch.bfloat16),
         "base GEMM F.linear(x, W)": lambda: torch.nn.functional.linear(x, w),
         "shrink F.linear(x, A) of 3 adapters": lambda: torch.nn.functional.linear(x, a3),
-        "expand addmm(out=new, beta=0, alpha=s)": lambda: _scaled(h, b.T, 2.0),
+        "expand addmm(out=new, beta=0, alpha=s)": lambda: scaled_mm(h, b.T, 2.0),
         "expand into the output y.addmm_(h, B^T)": lambda: y.addmm_(h, b.T, alpha=2.0),
         "dx = u A (mm)": lambda: u3 @ a3,
     }
@@ -170,7 +166,7 @@ def main() -> None:
              f"benchmarks/training.py (bf16, T {T}, rank {R}); kernels (cuBLAS memsets "
              "included) and top-level aten operators per step from torch.profiler over "
              f"{STEPS} steps; host ms: one step issued from a drained GPU, the median of 40 in "
-             f"each of {ROUNDS} interleaved rounds: the median round (the slowest and fastest).")
+             f"each of {ROUNDS} interleaved rounds: the median round (the fastest and slowest).")
     harness.write_results("launch_cost", {"launch_us": launch, "steps": steps}, table,
                           "Host cost of a launch (benchmarks/launch_cost.py)", notes)
     print(table)
