@@ -85,19 +85,12 @@ def block_steps() -> dict[str, dict]:
     """Kernels, aten operators and host time per step of the q/k/v/o block."""
     from torch.profiler import ProfilerActivity, profile
 
-    torch.manual_seed(0)
-    dense = training.Projections().to(DEVICE, torch.bfloat16).requires_grad_(False)
-    for p in dense.parameters():
-        p.data.normal_(0, 0.02)
+    dense = training.dense_block(training.Projections)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
     lora = training._peft(copy.deepcopy(dense), targets)
     fast = copy.deepcopy(lora)
     accelerate(fast)
-    xs = [torch.randn(T, K, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
-          for _ in range(3)]
-    with torch.no_grad():
-        outs = dense(xs[0])
-    dys = [[torch.randn_like(o) for o in outs] for _ in range(3)]
+    xs, dys = training.block_inputs(dense)
     steps = {key: (training._step_fn(model, xs, dys),
                    training._step_fn(model, xs, dys, calling_thread=True))
              for key, model in (("frozen", dense), ("peft", lora), ("shuttle", fast))}

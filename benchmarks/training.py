@@ -147,12 +147,29 @@ def _graphed(model: nn.Module, x: torch.Tensor) -> nn.Module:
     return torch.cuda.make_graphed_callables(model, (x.detach().clone().requires_grad_(),))
 
 
-def bench_block(name: str, make, targets: list[str], nf4: bool, rounds: int,
-                graphed: bool = False, calling_thread: bool = False) -> dict:
+def dense_block(make) -> nn.Module:
+    """``make()`` in bf16 on the device, frozen, its weights drawn N(0, 0.02) after seed 0."""
     torch.manual_seed(0)
     dense = make().to(DEVICE, torch.bfloat16).requires_grad_(False)
     for p in dense.parameters():
         p.data.normal_(0, 0.02)
+    return dense
+
+
+def block_inputs(dense: nn.Module) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    """Three inputs of a block (requiring grad, as inside a model) and three sets of gradients
+    of its outputs, to rotate through."""
+    xs = [torch.randn(TOKENS, HIDDEN, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+          for _ in range(3)]
+    with torch.no_grad():
+        out = dense(xs[0])
+    outs = out if isinstance(out, tuple) else (out,)
+    return xs, [[torch.randn_like(o) for o in outs] for _ in range(3)]
+
+
+def bench_block(name: str, make, targets: list[str], nf4: bool, rounds: int,
+                graphed: bool = False, calling_thread: bool = False) -> dict:
+    dense = dense_block(make)
     frozen = _nf4_mlp(dense) if nf4 else dense
     lora = _peft(copy.deepcopy(frozen) if not nf4 else _nf4_mlp(dense), targets)
     fast = copy.deepcopy(lora) if not nf4 else _peft(_nf4_mlp(dense), targets)
@@ -160,14 +177,9 @@ def bench_block(name: str, make, targets: list[str], nf4: bool, rounds: int,
         fast.load_state_dict({k: v for k, v in lora.state_dict().items() if "lora_" in k},
                              strict=False)
     report = accelerate(fast)
-    xs = [torch.randn(TOKENS, HIDDEN, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
-          for _ in range(3)]
-    with torch.no_grad():
-        out = dense(xs[0])
+    xs, dys = block_inputs(dense)
     if graphed:  # every variant captured alike: the host's launches out of the step
         frozen, lora, fast = (_graphed(m, xs[0]) for m in (frozen, lora, fast))
-    outs = out if isinstance(out, tuple) else (out,)
-    dys = [[torch.randn_like(o) for o in outs] for _ in range(3)]
     variants = {k: _step_fn(m, xs, dys, calling_thread)
                 for k, m in (("frozen", frozen), ("peft", lora), ("shuttle", fast))}
     # the same numbers: shuttle's gradients against PEFT's
