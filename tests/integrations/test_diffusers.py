@@ -132,3 +132,25 @@ def test_a_missing_diffusers_names_the_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "diffusers", None)  # makes `import diffusers` fail
     with pytest.raises(MissingDependencyError, match="pip install diffusers"):
         shuttle_diffusers.offload(object(), max_host_bytes=1)
+
+
+def test_the_plan_is_chosen_once_when_the_budget_is_given(plain, monkeypatch):
+    # The handle plans each component at offload time and passes that plan to every
+    # activation: calls never plan again (accelerate's device map, computed once).
+    from shuttle.offload import ModelOffloader
+
+    ref, latents, _ = plain
+    calls = []
+    plan_for = ModelOffloader.plan_for
+    monkeypatch.setattr(ModelOffloader, "plan_for",
+                        lambda self, stream: calls.append(stream) or plan_for(self, stream))
+    pipe = copy.deepcopy(ref)
+    handle = shuttle_diffusers.offload(pipe, max_host_bytes=2**22, vram_budget=400_000,
+                                       device="cpu", prefetch=1)
+    planned = {n: o for n, o in handle.offloaders.items()}
+    assert len(calls) == len(planned)
+    assert torch.equal(run_flux(pipe), latents)
+    assert torch.equal(run_flux(pipe), latents)
+    assert len(calls) == len(planned)
+    assert planned["transformer"].plan.device_bytes <= 400_000
+    handle.remove()

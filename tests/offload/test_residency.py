@@ -83,3 +83,40 @@ def test_a_plan_over_the_budget_is_refused(cpu_copy):
 def test_a_policy_needs_a_plan_method():
     with pytest.raises(OffloadError, match="plan\\(storage, config\\)"):
         StreamConfig(policy=object())
+
+
+def test_a_plan_chosen_once_is_used_as_given(cpu_copy):
+    ref, off = pair()
+    x = tokens()
+    plan = off.plan_for(StreamConfig(prefetch=1, policy=KeepLast(2)))
+    with torch.no_grad():
+        want = ref(x)
+        with off.use("cpu", plan=plan) as model:
+            assert off.plan is plan
+            assert device_bytes_held(off) == plan.device_bytes
+            assert torch.equal(model(x), want)
+        with off.use("cpu", StreamConfig(compile=False), plan=plan):
+            assert off.plan is plan  # a stream without a residency of its own may come along
+
+
+@pytest.mark.parametrize("stream", [StreamConfig(vram_budget=10**9), StreamConfig(resident=1),
+                                    StreamConfig(policy=KeepLast(1))])
+def test_a_plan_with_a_stream_that_plans_too_is_refused(cpu_copy, stream):
+    _, off = pair()
+    plan = off.plan_for(StreamConfig(resident=1))
+    with pytest.raises(OffloadError, match="plan was chosen"), off.use("cpu", stream,
+                                                                      plan=plan):
+        pass
+    assert not off.active
+
+
+def test_a_plan_made_for_another_model_is_refused(cpu_copy):
+    ref, off = pair()
+    plan = off.plan_for(StreamConfig(resident=1))
+    other = dataclasses.replace(plan, resident={"blocks": (9,), "single": ()})
+    with pytest.raises(OffloadError, match="resident positions"), off.use("cpu", plan=other):
+        pass
+    assert not off.active
+    x = tokens()
+    with torch.no_grad():
+        assert torch.equal(off.model(x), ref(x))

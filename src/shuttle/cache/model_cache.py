@@ -26,7 +26,7 @@ from shuttle.errors import (
     CacheError,
     ModelInUseError,
 )
-from shuttle.offload import ModelOffloader, StreamConfig
+from shuttle.offload import ModelOffloader, ResidencyPlan, StreamConfig
 from shuttle.offload.adapters import check_mode, former_mode
 from shuttle.targets import KeyMapping
 
@@ -60,8 +60,8 @@ class ModelCache(ResourceCache):
     def use(self, model: ModelSpec | Spec | Hashable, device: str | torch.device = "cuda",
             loras: Sequence[tuple[LoRASpec | Spec | Hashable, float]] = (),
             mode: Mode = "merge", stream: StreamConfig | None = None, *,
-            quality: Quality | None = None, mapping: KeyMapping | None = None,
-            auto_threshold: float = DEFAULT_THRESHOLD,
+            plan: ResidencyPlan | None = None, quality: Quality | None = None,
+            mapping: KeyMapping | None = None, auto_threshold: float = DEFAULT_THRESHOLD,
             lora_mode: Mode | None = None) -> Iterator[torch.nn.Module]:
         """Lease, build if missing, and activate a model for the ``with`` block.
 
@@ -75,6 +75,9 @@ class ModelCache(ResourceCache):
                 :meth:`ModelOffloader.activate <shuttle.offload.ModelOffloader.activate>` (and
                 :func:`~shuttle.apply_lora`).
             stream: block streaming for this activation (None: the whole model on the device).
+            plan: the residency chosen already by the model's
+                :meth:`~shuttle.offload.ModelOffloader.plan_for` (where the budget was given);
+                ``stream`` then gives only ``compile``.
             lora_mode: the former name of ``mode`` (a ``FutureWarning``).
 
         Yields:
@@ -105,7 +108,7 @@ class ModelCache(ResourceCache):
                                      "ModelOffloader; use() needs a ModelSpec (or a spec "
                                      "building an offloader)")
                 active = stack.enter_context(off.use(
-                    device, stream, loras=adapters, mode=mode, quality=quality,
+                    device, stream, plan=plan, loras=adapters, mode=mode, quality=quality,
                     mapping=mapping, auto_threshold=auto_threshold))
                 _log_residency(key, off)
                 yield active

@@ -30,7 +30,7 @@ from shuttle.errors import BudgetTooSmallError, CacheError, DeviceUnavailableErr
 from shuttle.formats import LoRA
 from shuttle.hooks import ModuleHook, add_hook, hooks_of, remove_hook
 from shuttle.integrations.routing import route_lora
-from shuttle.offload import ModelOffloader, StreamConfig, plan_residency
+from shuttle.offload import ModelOffloader, ResidencyPlan, StreamConfig
 from shuttle.offload.adapters import check_mode
 from shuttle.offload.host_storage import HostBacking, HostStorage
 
@@ -94,8 +94,12 @@ class _Component:
     wrapped: list[str] = field(default_factory=list)  # entry methods set on the instance
     attrs: list[str] = field(default_factory=list)  # instance attributes set by the handle
     own_class: type | None = None  # the module's class, while the handle gives it another
-    stream: StreamConfig | None = None
-    need: int = 0  # device weight bytes while active
+    plan: ResidencyPlan | None = None  # chosen once, at capture, from the handle's budget
+
+    @property
+    def need(self) -> int:
+        """Device weight bytes while active."""
+        return self.plan.device_bytes if self.plan is not None else 0
 
 
 @dataclass
@@ -283,10 +287,9 @@ class OffloadHandle:
         off = self._leases.enter_context(self._cache.lease(spec))
         self._components[name], self._offloaders[name] = c, off
         budget = self._vram_budget
-        if paths:
-            c.stream = StreamConfig(prefetch=prefetch, vram_budget=budget)
-        c.need = plan_residency(off.storage, c.stream).device_bytes  # raises if too small
-        if c.stream is None and budget is not None and c.need > budget:
+        stream = StreamConfig(prefetch=prefetch, vram_budget=budget) if paths else None
+        c.plan = off.plan_for(stream)  # raises if too small
+        if stream is None and budget is not None and c.need > budget:
             raise BudgetTooSmallError(
                 f"vram_budget={budget} bytes cannot hold {name!r} moved whole ({c.need} bytes):"
                 f" raise it, or stream {name!r} by giving its block lists in blocks=")
@@ -331,7 +334,7 @@ class OffloadHandle:
         with stack:
             pairs = self._loras.get(name, [])
             stack.enter_context(self._cache.use(
-                c.spec, self.device, loras=pairs, stream=c.stream,
+                c.spec, self.device, loras=pairs, plan=c.plan,
                 mode=self._mode))
             self._active[name] = _Active(stack.pop_all(), self._config(name))
 

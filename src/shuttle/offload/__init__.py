@@ -9,6 +9,7 @@ from shuttle.offload.residency import (
     ResidencyPolicy,
     SpreadResidency,
     StreamConfig,
+    check_plan,
     plan_cost,
     plan_residency,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "SlotPool",
     "SpreadResidency",
     "StreamConfig",
+    "check_plan",
     "plan_cost",
     "plan_residency",
 ]

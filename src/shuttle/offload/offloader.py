@@ -53,7 +53,7 @@ from shuttle.offload.adapters import ActivationAdapters, check_mode, former_mode
 from shuttle.offload.compiled import BlockCompiler
 from shuttle.offload.host_storage import HostBacking, HostStorage, HostUnit
 from shuttle.offload.layer_streamer import LayerStreamer
-from shuttle.offload.residency import ResidencyPlan, StreamConfig, plan_residency
+from shuttle.offload.residency import ResidencyPlan, StreamConfig, check_plan, plan_residency
 from shuttle.offload.slots import SlotPool
 from shuttle.offload.streamer import BlockStreamer
 from shuttle.offload.training import host_step
@@ -198,8 +198,37 @@ class ModelOffloader:
         """The current activation's adapters (``report``, ``mode``); None without any."""
         return self._active.adapters if self._active else None
 
+    def plan_for(self, stream: StreamConfig | None) -> ResidencyPlan:
+        """The residency ``stream`` asks for on this model: what an activation keeps on the
+        device, chosen once here from ``stream``'s budget (less the bytes of the parameters
+        kept on the device with ``trainable="device"``, which take that memory for the whole
+        activation). Pass it to :meth:`activate` / :meth:`use` as ``plan=``.
+
+        Args:
+            stream: the streaming asked for (None: everything resident).
+
+        Returns:
+            The plan of ``stream``'s policy, checked against this model's storage.
+
+        Raises:
+            BudgetTooSmallError: ``stream.vram_budget`` cannot hold the trainable parameters
+                kept on the device, or the rest of the model plus one slot per block group.
+            OffloadError: a custom policy's plan does not fit the model or the budget.
+        """
+        if stream is None or stream.vram_budget is None or not self.on_device:
+            return plan_residency(self.storage, stream)
+        kept = sum(p.numel() * p.element_size() for p in self.on_device)
+        if kept >= stream.vram_budget:
+            raise BudgetTooSmallError(
+                f"vram_budget={stream.vram_budget} bytes cannot hold the {kept} bytes of "
+                "trainable parameters kept on the device (trainable='device'), let alone the "
+                "model; raise the budget")
+        return plan_residency(self.storage,
+                              dataclasses.replace(stream, vram_budget=stream.vram_budget - kept))
+
     def activate(self, device: str | torch.device = "cuda",
-                 stream: StreamConfig | None = None, *, loras: AdapterList = (),
+                 stream: StreamConfig | None = None, *, plan: ResidencyPlan | None = None,
+                 loras: AdapterList = (),
                  mode: Mode = "merge", quality: Quality | None = None,
                  mapping: KeyMapping | None = None,
                  auto_threshold: float = DEFAULT_THRESHOLD,
@@ -209,6 +238,9 @@ class ModelOffloader:
         Args:
             device: where to compute. ``"cpu"`` is a pass-through.
             stream: stream blocks as configured; None puts the whole model on the device.
+            plan: the residency chosen already (by :meth:`plan_for`, where the budget was
+                given): used as it is, after a check that it fits this model. ``stream`` then
+                only gives ``compile``; its ``prefetch`` is the plan's.
             loras: ``[(lora, strength), ...]`` applied for this activation only; strengths of
                 exactly 0 are dropped before anything is built.
             mode: ``"merge"``: folded into each weight right after its copy lands (float32
@@ -227,7 +259,9 @@ class ModelOffloader:
         Raises:
             AlreadyActiveError: an activation is in progress (call ``deactivate`` first).
             BudgetTooSmallError: ``stream.vram_budget`` is too small; nothing was changed.
-            OffloadError: an unknown ``mode`` or ``quality``.
+            OffloadError: an unknown ``mode`` or ``quality``; a ``plan`` with a ``stream`` that
+                asks for a residency too (``vram_budget``, ``resident`` or ``policy``: the
+                plan was chosen from one already), or a plan that does not fit this model.
             InvalidStrengthError: ``auto_threshold`` is not a finite number >= 0.
             StreamModeError: ``stream.compile`` on an offloader without block lists.
             Everything :func:`~shuttle.merge_lora` raises for bad adapters (and
@@ -256,7 +290,12 @@ class ModelOffloader:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         through = device.type == "cpu" and os.environ.get(CPU_COPY_ENV) != "1"
-        plan = None if through else plan_residency(self.storage, self._budgeted(stream))
+        if plan is not None:
+            _check_given_plan(plan, stream, self.storage)
+        if through:
+            plan = None
+        elif plan is None:
+            plan = self.plan_for(stream)
         adapters = ActivationAdapters(self.model, self.storage, pairs, mode, device,
                                       quality, mapping, auto_threshold) if pairs else None
         active = _Activation(device, plan, adapters)
@@ -292,12 +331,13 @@ class ModelOffloader:
 
     @contextlib.contextmanager
     def use(self, device: str | torch.device = "cuda", stream: StreamConfig | None = None, *,
-            loras: AdapterList = (), mode: Mode = "merge",
+            plan: ResidencyPlan | None = None, loras: AdapterList = (), mode: Mode = "merge",
             quality: Quality | None = None, mapping: KeyMapping | None = None,
             auto_threshold: float = DEFAULT_THRESHOLD, lora_mode: Mode | None = None
             ) -> Iterator[torch.nn.Module]:
         """``activate`` for the ``with`` block, ``deactivate`` after it (also on error)."""
-        model = self.activate(device, stream, loras=loras, mode=former_mode(mode, lora_mode),
+        model = self.activate(device, stream, plan=plan, loras=loras,
+                              mode=former_mode(mode, lora_mode),
                               quality=quality, mapping=mapping, auto_threshold=auto_threshold)
         try:
             yield model
@@ -402,20 +442,6 @@ class ModelOffloader:
             streamer.attach()
             streamer.warm()
 
-    def _budgeted(self, stream: StreamConfig | None) -> StreamConfig | None:
-        """``stream`` with its VRAM budget less the bytes of the parameters kept on the
-        device (they take that memory for the whole activation).
-        """
-        if stream is None or stream.vram_budget is None or not self.on_device:
-            return stream
-        kept = sum(p.numel() * p.element_size() for p in self.on_device)
-        if kept >= stream.vram_budget:
-            raise BudgetTooSmallError(
-                f"vram_budget={stream.vram_budget} bytes cannot hold the {kept} bytes of "
-                "trainable parameters kept on the device (trainable='device'), let alone the "
-                "model; raise the budget")
-        return dataclasses.replace(stream, vram_budget=stream.vram_budget - kept)
-
     def _teardown(self, active: _Activation) -> None:
         if active.compiler is not None:
             active.compiler.detach()
@@ -435,6 +461,20 @@ class ModelOffloader:
         active.streamers.clear()
         active.placed.clear()
         active.layer_streamer = active.compiler = None
+
+
+def _check_given_plan(plan: ResidencyPlan, stream: StreamConfig | None,
+                      storage: HostStorage) -> None:
+    """Refuse a plan given with a stream that asks for a residency of its own, or one made
+    for another model.
+    """
+    if stream is not None and (stream.vram_budget is not None or stream.resident is not None
+                               or stream.policy is not None):
+        raise OffloadError(
+            "activate(plan=..., stream=StreamConfig(vram_budget/resident/policy=...)): the "
+            "plan was chosen from a residency already; give the plan alone (with "
+            "StreamConfig(compile=...) if needed), or the stream alone")
+    check_plan(plan, storage)
 
 
 def _block_list(model: torch.nn.Module, path: str) -> list[torch.nn.Module]:

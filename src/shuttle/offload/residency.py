@@ -20,7 +20,7 @@ from shuttle.errors import BudgetTooSmallError, OffloadError
 from shuttle.offload.host_storage import HostStorage
 
 __all__ = ["ResidencyPlan", "ResidencyPolicy", "SpreadResidency", "StreamConfig",
-           "plan_cost", "plan_residency"]
+           "check_plan", "plan_cost", "plan_residency"]
 
 
 @dataclass(frozen=True)
@@ -146,13 +146,19 @@ def plan_residency(storage: HostStorage, config: StreamConfig | None) -> Residen
     policy = config.policy or SpreadResidency()
     plan = policy.plan(storage, config)
     if not isinstance(policy, SpreadResidency):
-        _check_plan(plan, storage, config, policy)
+        check_plan(plan, storage, config.vram_budget, type(policy).__name__)
     return plan
 
 
-def _check_plan(plan: ResidencyPlan, storage: HostStorage, config: StreamConfig,
-                policy: ResidencyPolicy) -> None:
-    who = type(policy).__name__
+def check_plan(plan: ResidencyPlan, storage: HostStorage, vram_budget: int | None = None,
+               who: str = "activate(plan=...)") -> None:
+    """Raise unless ``plan`` fits ``storage`` (and ``vram_budget``, when given).
+
+    Raises:
+        OffloadError: the plan names blocks or layers the storage lacks, leaves a group or the
+            layers with streamed units but no ring slot, misstates its device bytes, or
+            exceeds the budget.
+    """
     if set(plan.resident) != set(storage.groups) or set(plan.ring) != set(storage.groups):
         raise OffloadError(f"{who}: its plan covers groups {sorted(plan.resident)} / "
                            f"{sorted(plan.ring)}, the model has {sorted(storage.groups)}")
@@ -171,9 +177,9 @@ def _check_plan(plan: ResidencyPlan, storage: HostStorage, config: StreamConfig,
     if plan.device_bytes != cost:
         raise OffloadError(f"{who}: its plan says {plan.device_bytes} device bytes, its "
                            f"blocks and slots take {cost} (plan_cost)")
-    if config.vram_budget is not None and cost > config.vram_budget:
+    if vram_budget is not None and cost > vram_budget:
         raise OffloadError(f"{who}: its plan takes {cost} device bytes, over vram_budget="
-                           f"{config.vram_budget}")
+                           f"{vram_budget}")
 
 
 class SpreadResidency:
