@@ -302,6 +302,12 @@ def _sharded_case(rank, world, spec):
     undone = shuttle.unmerge_lora(model, loras)
     errors = {n: float((w.to_local().double() - b.double()[_window(w, n)]).abs().max())
               for n, w, b in zip(("0.weight", "2.weight"), weights, before, strict=True)}
+    report = shuttle.merge_lora(model, loras, keep=True)
+    other = _placements("S1" if spec == "S0" else "S0")
+    model[0].weight = nn.Parameter(model[0].weight.redistribute(placements=other),
+                                   requires_grad=False)
+    with pytest.raises(ShapeMismatchError, match="'0.weight' was resharded"):
+        shuttle.unmerge_lora(model, report)
     return order, unchanged, exact, before, kept, errors, undone.error_bound
 
 
@@ -324,3 +330,26 @@ def test_unmerge_on_dtensor_shards(backend):
             assert exact and all(torch.equal(k, b) for k, b in zip(kept, before, strict=True))
             assert sorted(bounds) == ["0.weight", "2.weight"]
             assert all(0 < errors[n] <= bounds[n] < 0.05 for n in bounds), (errors, bounds)
+
+
+def test_a_kept_merge_is_undone_after_the_storage_moved():
+    # model.to(device) and pinning replace each parameter's .data: the same object, the same
+    # values, nothing written, so the copy goes back where the parameter is now
+    model = _model(torch.bfloat16)
+    before = _state(model)
+    report = shuttle.merge_lora(model, [(_lora(1), 1.0)], keep=True)
+    for p in model.parameters():
+        p.data = p.data.clone()
+    assert shuttle.unmerge_lora(model, report).exact
+    _assert_state(model, before)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_kept_merge_is_undone_after_moving_the_model_to_the_gpu():
+    model = _model(torch.bfloat16)
+    before = _state(model)
+    report = shuttle.merge_lora(model, [(_lora(1), 1.0)], keep=True)
+    model.to("cuda")
+    assert shuttle.unmerge_lora(model, report).exact
+    _assert_state(model.cpu(), before)
