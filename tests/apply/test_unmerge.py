@@ -353,3 +353,16 @@ def test_a_kept_merge_is_undone_after_moving_the_model_to_the_gpu():
     model.to("cuda")
     assert shuttle.unmerge_lora(model, report).exact
     _assert_state(model.cpu(), before)
+
+
+def test_a_kept_merge_inside_an_open_scoped_merge_is_refused():
+    # the block's exit would discard it, and its copies (holding the block's merge) would then
+    # bring the block's merge back for good
+    model = _model(torch.bfloat16)
+    before = _state(model)
+    with shuttle.apply_lora(model, [(_lora(2), 1.0)]):
+        inside = _state(model)
+        with pytest.raises(ScopeOrderError, match="open apply_lora.*Merge after the block"):
+            shuttle.merge_lora(model, [(_lora(1), 1.0)], keep=True)
+        _assert_state(model, inside)
+    _assert_state(model, before)

@@ -36,7 +36,7 @@ from shuttle.apply.recipe import MergeRecipe, find_recipe, remember_recipe
 from shuttle.apply.rounding import Rounding, check_rounding, merge_seed, merge_seeds, round_to
 from shuttle.apply.sharded import agreed, localize
 from shuttle.apply.widen import narrow, widen_layers
-from shuttle.errors import NonFiniteAdapterError, WideningError
+from shuttle.errors import NonFiniteAdapterError, ScopeOrderError, WideningError
 from shuttle.kernels import triton_available
 from shuttle.kernels.merge_lowrank import (
     RANK_STEPS,
@@ -154,7 +154,9 @@ def merge_lora(
         UnmergeableWeightError: a quantized weight whose encoding cannot be redone (GGUF,
             torchao int4 tile-packed): use ``mode="dynamic"``.
         WideningError: an adapter widens a layer that cannot be widened (see
-            :mod:`shuttle.apply.widen`).
+            :mod:`shuttle.apply.widen`), or widens one with ``keep=``.
+        ScopeOrderError: ``keep=`` on a parameter an open ``apply_lora(mode="merge")`` block
+            holds merged.
         UnmatchedKeysError: with ``strict``, an adapter key reaches no parameter.
         All of these are raised before any weight changes.
 
@@ -183,6 +185,8 @@ def merge_lora(
         # DTensor parameters: their local shards, and the windows of the updates they hold
         local_plan, local = localize(plan, params, rounding=rounding, seed=seed)
         check_mergeable(local_plan, local)
+        if keep_to is not None:
+            _check_keep(model, plan)
         return plan, local_plan, local
 
     # every rank of a sharded model validates before any rank writes (apply.sharded)
@@ -205,16 +209,36 @@ def merge_lora(
                        stamp)
 
 
-def _keep(plan: MergePlan, params: dict[str, torch.Tensor], device: torch.device | None
-          ) -> dict[str, torch.Tensor | WeightRepresentation] | None:
-    """Copies of the parameters ``plan`` overwrites, on ``device`` (None: no copies)."""
-    if device is None:
-        return None
+def _check_keep(model: torch.nn.Module, plan: MergePlan) -> None:
+    """Refuse a kept merge whose copies could not undo it.
+
+    Raises:
+        WideningError: the plan widens a layer (its original is no plain copy).
+        ScopeOrderError: an open ``apply_lora(mode="merge")`` block holds a planned parameter:
+            its exit would discard this merge, and the copy (holding the block's merge) would
+            then write the block's merge back for good.
+    """
+    from shuttle.apply.scoped import merged_parameters  # scoped imports this module
+
     if plan.widen:
         raise WideningError(
             f"keep= with an adapter that widens {sorted(plan.widen)[:3]}: the original layer "
             "cannot be kept as a plain copy; use apply_lora(mode='merge') for a merge that "
             "gives the original layer back")
+    held = [n for n in merged_parameters(model) if n in plan.params]
+    if held:
+        raise ScopeOrderError(
+            f"merge_lora(..., keep=...) of {held[:3]}, which an open apply_lora(mode='merge') "
+            "block holds merged: the block's exit discards this merge, and undoing it from its "
+            "copies would then bring the block's merge back. Merge after the block, or "
+            "without keep= (the block's exit undoes it). Nothing was changed.")
+
+
+def _keep(plan: MergePlan, params: dict[str, torch.Tensor], device: torch.device | None
+          ) -> dict[str, torch.Tensor | WeightRepresentation] | None:
+    """Copies of the parameters ``plan`` overwrites, on ``device`` (None: no copies)."""
+    if device is None:
+        return None
     return {name: copy_param(params[name], device) for name in plan.params}
 
 
