@@ -78,8 +78,9 @@ def unmerge_lora(
     Args:
         model: the model (or pipeline) the merge changed.
         merged: the merge's report, when it was made with ``keep=``: its kept parameters are
-            written back exactly. Or the adapters and strengths that were merged: their update
-            is subtracted (``merge_lora`` at the negated strengths), within the
+            written back exactly (a report built by hand, without the merge's stamp, is
+            checked for shapes only). Or the adapters and strengths that were merged: their
+            update is subtracted (``merge_lora`` at the negated strengths), within the
             :attr:`UnmergeReport.error_bound` of the original; in any order.
         mapping, rounding, seed, strict: for a subtraction, as for ``merge_lora``.
         force: write the kept copies back even where a later kept merge is still in force or
