@@ -100,7 +100,8 @@ def unmerge_lora(
             first; or ``force``), an open ``apply_lora(mode="merge")`` block holds one, or the
             merge was undone already.
         ParameterChangedError: a kept parameter was replaced by another object or written
-            since the merge (an in-place edit, a merge without ``keep=``); or ``force``.
+            since the merge (an in-place edit, a merge without ``keep=``); ``force`` writes
+            anyway.
         RankFailedError: on a sharded model, another rank's check failed.
         Everything :func:`~shuttle.merge_lora` raises, for a subtraction.
         Nothing is written when any of these is raised.
