@@ -31,6 +31,7 @@ __all__ = [
     "NonFiniteAdapterError",
     "OffloadError",
     "OutputIsInputError",
+    "ParameterChangedError",
     "ResourceLeasedError",
     "ResourceNotRegisteredError",
     "ResourceTooLargeError",
@@ -140,9 +141,26 @@ class UnmatchedKeysError(ShuttleError, LookupError):
 
 
 class ScopeOrderError(ShuttleError, RuntimeError):
-    """A scoped merge (``apply_lora``) exited while a later one on the same model was still
-    open; the weights keep its merge until the later scope exits, which restores both.
+    """Merges undone out of order. A scoped merge (``apply_lora``) exited while a later one on
+    the same model was still open: the weights keep its merge until the later scope exits,
+    which restores both. Or ``unmerge_lora`` was asked to write back a kept merge while a later
+    kept merge (or an open ``apply_lora`` block) still holds one of its parameters, or a second
+    time: nothing was written.
     """
+
+
+class ParameterChangedError(ShuttleError, RuntimeError):
+    """A parameter that a kept merge (``merge_lora(..., keep=...)``) wrote was replaced or
+    written since, so writing the kept copy back would silently discard that change;
+    ``unmerge_lora`` wrote nothing.
+
+    Attributes:
+        changed: parameter name -> what changed.
+    """
+
+    def __init__(self, message: str, changed: dict[str, str] | None = None):
+        super().__init__(message)
+        self.changed = dict(changed or {})
 
 
 class UnsupportedLayerError(ShuttleError, TypeError):

@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 from tqdm.auto import tqdm
 
+from shuttle.apply.kept import KeptStamp, keep_device, mark_written, seal, stamp_before
 from shuttle.apply.memo import MergeMemo, memo_of
 from shuttle.apply.notes import Note, plan_notes
 from shuttle.apply.pipeline import Pipeline, as_model
@@ -35,7 +36,7 @@ from shuttle.apply.recipe import MergeRecipe, find_recipe, remember_recipe
 from shuttle.apply.rounding import Rounding, check_rounding, merge_seed, merge_seeds, round_to
 from shuttle.apply.sharded import agreed, localize
 from shuttle.apply.widen import narrow, widen_layers
-from shuttle.errors import NonFiniteAdapterError, WideningError
+from shuttle.errors import NonFiniteAdapterError, ScopeOrderError, WideningError
 from shuttle.kernels import triton_available
 from shuttle.kernels.merge_lowrank import (
     RANK_STEPS,
@@ -82,8 +83,9 @@ class MergeReport:
         skipped: adapter keys that were not turned into patches -> why (from ``load_lora``).
         notes: where the update differs on purpose from a peer tool's (:class:`Note`; a kohya
             Flux split-qkv save, scaled per split as trained, is 3x or 4x diffusers' update).
-        kept: with ``merge_lora(..., keep=...)``, what the merge overwrote, by parameter name:
-            :func:`~shuttle.unmerge_lora` puts it back bit for bit. None otherwise.
+        kept: with ``merge_lora(..., keep=...)``, what the merge overwrote, by parameter name
+            (for a DTensor parameter, this rank's shard): :func:`~shuttle.unmerge_lora` puts
+            it back bit for bit. None otherwise.
     """
 
     applied: list[str]
@@ -92,6 +94,8 @@ class MergeReport:
     notes: list[Note] = dataclasses.field(default_factory=list)
     kept: dict[str, torch.Tensor | WeightRepresentation] | None = dataclasses.field(
         default=None, repr=False)
+    # what the kept merge left each parameter as, for unmerge_lora's checks (apply.kept)
+    _stamp: KeptStamp | None = dataclasses.field(default=None, repr=False, compare=False)
 
 
 def merge_lora(
@@ -128,16 +132,21 @@ def merge_lora(
             merge in which no key lands at all is logged as a warning and warned
             (:class:`UserWarning`).
         keep: keep a copy of every parameter the merge overwrites in the report
-            (``MergeReport.kept``), on the CPU for True or on the device given, so that
-            :func:`~shuttle.unmerge_lora` can undo the merge exactly. It costs the memory of
-            those parameters, for as long as the report is kept. (Undoing without it subtracts
-            the update, within a rounding or two of the original.)
+            (``MergeReport.kept``), on the CPU for True or on the device given (``"cuda"``, a
+            ``torch.device``), so that :func:`~shuttle.unmerge_lora` can undo the merge
+            exactly. It costs the memory of those parameters, for as long as the report is
+            kept. Kept merges of one parameter are undone in reverse order. On DTensor
+            parameters each rank keeps its own shards. (Undoing without it subtracts the
+            update, within a rounding or two of the original.)
 
     Returns:
         A :class:`MergeReport`.
 
     Raises:
         InvalidStrengthError: a strength is NaN, infinite or not a number.
+        InvalidOptionError: ``keep`` is not a bool, a device name or a ``torch.device`` (the
+            message lists the choices), or is the meta device.
+        DeviceUnavailableError: ``keep`` names a device this machine lacks.
         ShapeMismatchError: an update does not fit its parameter.
         DuplicateTargetError: two keys of one adapter reach the same parameter.
         NonFiniteAdapterError: an adapter tensor holds NaN or infinity.
@@ -145,7 +154,9 @@ def merge_lora(
         UnmergeableWeightError: a quantized weight whose encoding cannot be redone (GGUF,
             torchao int4 tile-packed): use ``mode="dynamic"``.
         WideningError: an adapter widens a layer that cannot be widened (see
-            :mod:`shuttle.apply.widen`).
+            :mod:`shuttle.apply.widen`), or widens one with ``keep=``.
+        ScopeOrderError: ``keep=`` on a parameter an open ``apply_lora(mode="merge")`` block
+            holds merged.
         UnmatchedKeysError: with ``strict``, an adapter key reaches no parameter.
         All of these are raised before any weight changes.
 
@@ -164,6 +175,7 @@ def merge_lora(
     layers get their original weights back.
     """
     rounding = check_rounding(rounding)
+    keep_to = keep_device(keep)
     model = as_model(model)
     params = dict(model.named_parameters())
 
@@ -173,11 +185,14 @@ def merge_lora(
         # DTensor parameters: their local shards, and the windows of the updates they hold
         local_plan, local = localize(plan, params, rounding=rounding, seed=seed)
         check_mergeable(local_plan, local)
+        if keep_to is not None:
+            _check_keep(model, plan)
         return plan, local_plan, local
 
     # every rank of a sharded model validates before any rank writes (apply.sharded)
     plan, local_plan, local = agreed(params, validate)
-    kept = _keep(local_plan, local, keep)
+    kept = _keep(local_plan, local, keep_to)
+    stamp = stamp_before(params, local_plan.params) if kept is not None else None
     widened = widen_layers(model, plan, params)  # checks every layer first
     try:
         merge_plan(model, local_plan, rounding=rounding, seed=seed, progress=progress,
@@ -185,20 +200,45 @@ def merge_lora(
     except BaseException:  # a widened layer that failed goes back to its original weight
         narrow(widened)
         raise
-    return MergeReport(list(plan.params), plan.unmatched, plan.skipped, plan_notes(plan), kept)
+    # the writes went through .data and kernels: bump the version counters, so that an undo
+    # of an earlier kept merge sees this one (apply.kept)
+    mark_written(params[n] for n in local_plan.params)
+    if stamp is not None:
+        seal(stamp, params)
+    return MergeReport(list(plan.params), plan.unmatched, plan.skipped, plan_notes(plan), kept,
+                       stamp)
 
 
-def _keep(plan: MergePlan, params: dict[str, torch.Tensor], keep: bool | str | torch.device
-          ) -> dict[str, torch.Tensor | WeightRepresentation] | None:
-    """Copies of the parameters ``plan`` overwrites, on ``keep``'s device (True: the CPU)."""
-    if keep is False:
-        return None
+def _check_keep(model: torch.nn.Module, plan: MergePlan) -> None:
+    """Refuse a kept merge whose copies could not undo it.
+
+    Raises:
+        WideningError: the plan widens a layer (its original is no plain copy).
+        ScopeOrderError: an open ``apply_lora(mode="merge")`` block holds a planned parameter:
+            its exit would discard this merge, and the copy (holding the block's merge) would
+            then write the block's merge back for good.
+    """
+    from shuttle.apply.scoped import merged_parameters  # scoped imports this module
+
     if plan.widen:
         raise WideningError(
             f"keep= with an adapter that widens {sorted(plan.widen)[:3]}: the original layer "
             "cannot be kept as a plain copy; use apply_lora(mode='merge') for a merge that "
             "gives the original layer back")
-    device = torch.device("cpu" if keep is True else keep)
+    held = [n for n in merged_parameters(model) if n in plan.params]
+    if held:
+        raise ScopeOrderError(
+            f"merge_lora(..., keep=...) of {held[:3]}, which an open apply_lora(mode='merge') "
+            "block holds merged: the block's exit discards this merge, and undoing it from its "
+            "copies would then bring the block's merge back. Merge after the block, or "
+            "without keep= (the block's exit undoes it). Nothing was changed.")
+
+
+def _keep(plan: MergePlan, params: dict[str, torch.Tensor], device: torch.device | None
+          ) -> dict[str, torch.Tensor | WeightRepresentation] | None:
+    """Copies of the parameters ``plan`` overwrites, on ``device`` (None: no copies)."""
+    if device is None:
+        return None
     return {name: copy_param(params[name], device) for name in plan.params}
 
 
