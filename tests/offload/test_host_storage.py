@@ -190,3 +190,46 @@ def test_arenas_to_pin_are_whole_aligned_pages(nbytes):
     pages.fill_(7)  # writable, all of it
     assert int(pages[-1]) == 7
     assert _arena(nbytes, pin=False).numel() == nbytes
+
+
+def _saved(model, tmp_path):
+    """``model`` saved as safetensors (tied tensors once), opened by its header."""
+    from safetensors.torch import save_model
+
+    from shuttle.formats.safetensors_file import SafetensorsFile
+
+    save_model(model, str(tmp_path / "model.safetensors"))
+    return SafetensorsFile(tmp_path / "model.safetensors")
+
+
+@pytest.mark.parametrize("host", ["pinned", "adopt"])
+@pytest.mark.parametrize("stream", [None, StreamConfig(prefetch=1, resident=1)])
+def test_a_meta_model_is_filled_straight_from_its_file(cpu_copy, tmp_path, host, stream):
+    ref = TinyDiT()
+    file = _saved(ref, tmp_path)
+    assert "embed.weight" not in file or "head.weight" not in file  # tied: once
+    with torch.device("meta"):
+        model = TinyDiT()
+    off = ModelOffloader.from_module(model, blocks=["blocks", "single"], host=host,
+                                     sources={k: file.tensor_ref(k) for k in file})
+    assert model.head.weight is model.embed.weight
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    assert off.storage.weight_bytes == sum(
+        t.nbytes for t in {id(t): t for t in [*ref.parameters(), *ref.buffers()]}.values())
+    x = torch.randint(0, 64, (2, 9))
+    with torch.no_grad(), off.use("cpu", stream) as m:
+        assert torch.equal(m(x), ref(x))
+
+
+def test_a_meta_tensor_without_a_file_or_with_another_dtype_is_refused(tmp_path):
+    file = _saved(TinyDiT(), tmp_path)
+    sources = {k: file.tensor_ref(k) for k in file}
+    with torch.device("meta"):
+        model = TinyDiT()
+    missing = {k: v for k, v in sources.items() if k != "blocks.1.up.weight"}
+    with pytest.raises(HostBackingError, match=r"blocks\.1\.up\.weight is on the meta device"):
+        HostStorage(model, groups(model), sources=missing)
+    with torch.device("meta"):
+        half = TinyDiT(dtype=torch.bfloat16)
+    with pytest.raises(HostBackingError, match="build the model with the checkpoint's"):
+        HostStorage(half, groups(half), sources=sources)

@@ -32,7 +32,7 @@ import math
 import mmap
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
@@ -40,6 +40,7 @@ from typing import Literal, NamedTuple
 import torch
 
 from shuttle.errors import BlockLayoutError, HostBackingError, ShuttleError, UnsupportedLayerError
+from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.weights import Fp8Weight, PlainWeight, WeightRepresentation, represent
 from shuttle.weights.dtensor import is_dtensor
 from shuttle.weights.plain import is_plain_tensor
@@ -121,10 +122,14 @@ class HostUnit:
     def bind(self, views: Sequence[torch.Tensor]) -> None:
         """Point the unit's parameters (``.data``; identity kept) and buffers at ``views``.
 
+        A parameter on the ``meta`` device (a model filled from its files) has no data to
+        re-point: it is replaced, once, by a parameter of ``views`` (tied names share it).
+
         A quantized parameter is rebound through its representation: its data and every side
         tensor (``quant_state``, scales) point at their views together.
         """
         parts: dict[tuple[int, str], tuple[_Binding, dict[str, torch.Tensor]]] = {}
+        real: dict[int, torch.nn.Parameter] = {}  # a meta parameter -> the one replacing it
         for b in self.bindings:
             if b.rep is not None:
                 parts.setdefault((id(b.module), b.name), (b, {}))[1][b.part] = views[b.entry]
@@ -132,7 +137,13 @@ class HostUnit:
                 table = b.module._parameters if b.is_param else b.module._buffers
                 table[b.name]._local_tensor = views[b.entry]
             elif b.is_param:
-                b.module._parameters[b.name].data = views[b.entry]
+                p = b.module._parameters[b.name]
+                if p.is_meta:  # no data to re-point: replaced once (tied names share it)
+                    if id(p) not in real:
+                        real[id(p)] = torch.nn.Parameter(views[b.entry], p.requires_grad)
+                    b.module._parameters[b.name] = real[id(p)]
+                else:
+                    p.data = views[b.entry]
             else:
                 b.module._buffers[b.name] = views[b.entry]
         for b, tensors in parts.values():
@@ -161,6 +172,7 @@ class _UnitSurvey(NamedTuple):
     bindings: list[_Binding]
     signature: tuple  # what must match across the blocks of one group
     sources: list[_Binding]  # per entry, where to read the tensor from
+    files: list[LazyTensor | None]  # per entry, its bytes in a checkpoint file (read from there)
 
 
 def _walk(root: torch.nn.Module, stop: set[int]):
@@ -179,26 +191,32 @@ def _walk(root: torch.nn.Module, stop: set[int]):
 
 
 def _alias_key(t: torch.Tensor) -> tuple:
-    # Two registrations of one tensor (tied weights) share storage, offset, shape and stride.
+    # Two registrations of one tensor (tied weights) share storage, offset, shape and stride;
+    # meta tensors have no storage, and tied ones are one object.
+    if t.device.type == "meta":
+        return (t.device, id(t))
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
             t.stride(), t.dtype)
 
 
-def _check(t: torch.Tensor, where: str, adopt: bool) -> None:
+def _check(t: torch.Tensor, where: str, adopt: bool, sourced: bool = False) -> None:
     if type(t.detach()) is not torch.Tensor:
         raise HostBackingError(
             f"{where} is a {type(t.detach()).__name__}, a tensor subclass that no weight "
             "representation claims: register one (with rebind(); "
             "shuttle.weights.register_representation), dequantize it or keep it out of the model"
         )
+    if sourced:  # read from its file: where the module's tensor lies does not matter
+        return
     if adopt and t.device.type != "cpu":
         raise HostBackingError(
             f"{where} is on {t.device}; host='adopt' keeps CPU tensors as they are: move the "
             "model to the CPU first, or use host='pinned' (copies)"
         )
     if t.device.type == "meta":
-        raise HostBackingError(f"{where} is on the meta device; load real weights first "
-                               "(e.g. load_state_dict(..., assign=True))")
+        raise HostBackingError(f"{where} is on the meta device and no checkpoint file supplies "
+                               "it: load real weights first (load_state_dict(..., assign="
+                               "True)), or give its file in sources=")
 
 
 def _shard_of(t: torch.Tensor, where: str) -> torch.Tensor:
@@ -263,11 +281,15 @@ def _parts(t: torch.Tensor, rep: WeightRepresentation) -> dict[str, torch.Tensor
 
 
 def _survey(model: torch.nn.Module, groups: dict[str, Sequence[torch.nn.Module]],
-            adopt: bool, layers: dict[str, torch.nn.Module], skip: frozenset[int] = frozenset()
+            adopt: bool, layers: dict[str, torch.nn.Module], skip: frozenset[int] = frozenset(),
+            files: Mapping[str, LazyTensor] | None = None,
             ) -> tuple[_UnitSurvey, dict[str, list[_UnitSurvey]], list[_UnitSurvey]]:
     """Check every tensor and lay out every unit, leaving out the parameters whose ids are in
-    ``skip``; changes nothing.
+    ``skip``; a tensor whose qualified name (any of its names, when tied) is in ``files`` is
+    read from there. Changes nothing.
     """
+    files = files or {}
+    named = _names(model)  # alias key -> every qualified name of the tensor
     block_ids = {id(b) for blocks in groups.values() for b in blocks}
     layer_ids = {id(m) for m in layers.values()}
     owner: dict[tuple, tuple[str, str]] = {}  # alias key -> (unit, full name)
@@ -277,6 +299,7 @@ def _survey(model: torch.nn.Module, groups: dict[str, Sequence[torch.nn.Module]]
         entries: dict[tuple, int] = {}
         specs: list[tuple[torch.dtype, torch.Size]] = []
         bindings, sources, sig = [], [], []
+        read: list[LazyTensor | None] = []
 
         def add(key: tuple, t: torch.Tensor, full: str, module: torch.nn.Module, path: str,
                 leaf: str, kind: bool, rep: WeightRepresentation | None = None,
@@ -293,6 +316,7 @@ def _survey(model: torch.nn.Module, groups: dict[str, Sequence[torch.nn.Module]]
                 e = entries[key] = len(specs)
                 specs.append((t.dtype, t.shape))
                 sources.append(_Binding(module, leaf, kind, e, rep, part, shard))
+                read.append(_file_of(t, key, named, files))
             bindings.append(_Binding(module, leaf, kind, e, rep, part, shard))
             sig.append((path, leaf, kind, e) if part is None else (path, leaf, kind, e, part))
 
@@ -318,9 +342,11 @@ def _survey(model: torch.nn.Module, groups: dict[str, Sequence[torch.nn.Module]]
                             _check(pt, f"{full} ({part})", adopt)
                             add(_alias_key(pt), pt, full, module, path, leaf, True, rep, part)
                         continue
-                    _check(t, full, adopt)
-                    add(_alias_key(t), t, full, module, path, leaf, kind)
-        return _UnitSurvey(name, Layout.of(specs), bindings, (tuple(specs), tuple(sig)), sources)
+                    key = _alias_key(t)
+                    _check(t, full, adopt, any(n in files for n in named.get(key, ())))
+                    add(key, t, full, module, path, leaf, kind)
+        return _UnitSurvey(name, Layout.of(specs), bindings, (tuple(specs), tuple(sig)), sources,
+                           read)
 
     rest = unit("", model, block_ids)
     layer_units = [unit(path, m, set(), layer=True) for path, m in layers.items()]
@@ -336,6 +362,37 @@ def _survey(model: torch.nn.Module, groups: dict[str, Sequence[torch.nn.Module]]
                 )
         surveyed[gname] = units
     return rest, surveyed, layer_units
+
+
+def _names(model: torch.nn.Module) -> dict[tuple, list[str]]:
+    """Alias key -> the qualified names of one plain tensor (several when tied)."""
+    out: dict[tuple, list[str]] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for table in (module._parameters, module._buffers):
+            for leaf, t in table.items():
+                if t is not None and is_plain_tensor(t):
+                    out.setdefault(_alias_key(t), []).append(f"{prefix}.{leaf}" if prefix
+                                                             else leaf)
+    return out
+
+
+def _file_of(t: torch.Tensor, key: tuple, named: dict[tuple, list[str]],
+             files: Mapping[str, LazyTensor]) -> LazyTensor | None:
+    """The checkpoint tensor that supplies ``t`` (under any of its names), checked to match.
+
+    Raises:
+        HostBackingError: the file's tensor has another dtype or shape.
+    """
+    for name in named.get(key, ()):
+        src = files.get(name)
+        if src is not None:
+            if src.dtype != t.dtype or tuple(src.shape) != tuple(t.shape):
+                raise HostBackingError(
+                    f"{name}: the checkpoint's {src.key!r} is {src.dtype} "
+                    f"{tuple(src.shape)}, the model's tensor {t.dtype} {tuple(t.shape)}; build "
+                    "the model with the checkpoint's config and dtype")
+            return src
+    return None
 
 
 def _first_difference(a: tuple, b: tuple) -> str:
@@ -405,17 +462,25 @@ class HostStorage:
             unit each (layer mode); their buffers stay in the rest. Must be leaf modules.
         skip: parameters left out of every unit (not captured, never re-pointed): the
             trainable parameters an offloader keeps on the device.
+        sources: qualified tensor name (any of a tied tensor's names) -> its tensor in a
+            checkpoint file (:meth:`SafetensorsFile.tensor_ref
+            <shuttle.formats.safetensors_file.SafetensorsFile.tensor_ref>`): read from there
+            instead of from the module, so a model built on the ``meta`` device is filled
+            straight from its files (``"pinned"``: read once into the arena; ``"adopt"``: a
+            private map of the file, no copy). Its dtype and shape must be the tensor's.
 
     Raises:
-        HostBackingError: a tensor that cannot be kept as asked; nothing was changed.
+        HostBackingError: a tensor that cannot be kept as asked (on ``meta`` with no source,
+            or a source of another dtype or shape); nothing was changed.
         BlockLayoutError: blocks of one group differ, or a tensor spans two units.
     """
 
     def __init__(self, model: torch.nn.Module, groups: dict[str, Sequence[torch.nn.Module]],
                  host: HostBacking = "pinned", layers: dict[str, torch.nn.Module] | None = None,
-                 skip: Sequence[torch.nn.Parameter] = ()):
+                 skip: Sequence[torch.nn.Parameter] = (),
+                 sources: Mapping[str, LazyTensor] | None = None):
         rest, surveyed, layer_units = _survey(model, groups, host == "adopt", layers or {},
-                                              frozenset(id(p) for p in skip))
+                                              frozenset(id(p) for p in skip), sources)
         self.host: HostBacking = host
         self.host_bytes = 0  # bytes this storage allocated on the host
         self.pinned_bytes = 0  # of which page-locked
@@ -473,14 +538,22 @@ class HostStorage:
         arena = pages[:s.layout.nbytes]
         views = s.layout.views(arena)
         with torch.no_grad():
-            for b in s.sources:
-                views[b.entry].copy_(_read(b))
+            for b, src in zip(s.sources, s.files, strict=True):
+                if src is None:
+                    views[b.entry].copy_(_read(b))
+                else:  # straight from the file into the arena: one read, no other copy
+                    off = s.layout.offsets[b.entry]
+                    src.load_into(arena[off:off + src.nbytes])
         pinned = pin and pages.numel() > 0 and _register(pages, self._registered)
         return arena, pages.numel(), pinned
 
     def _adopt(self, s: _UnitSurvey) -> HostUnit:
-        host = [_read(b) if b.is_param else b.module._buffers[b.name] for b in s.sources]
-        return HostUnit(s.name, s.layout, s.bindings, host, None)
+        host = [src.load() if src is not None else _read(b) if b.is_param
+                else b.module._buffers[b.name] for b, src in zip(s.sources, s.files, strict=True)]
+        unit = HostUnit(s.name, s.layout, s.bindings, host, None)
+        if any(src is not None for src in s.files):
+            unit.bind_host()  # the file's pages (a private map), not the module's tensors
+        return unit
 
 
 def _read(b: _Binding) -> torch.Tensor:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -49,6 +49,7 @@ from shuttle.errors import (
     OffloadError,
     StreamModeError,
 )
+from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.offload.adapters import ActivationAdapters, check_mode, former_mode
 from shuttle.offload.compiled import BlockCompiler
 from shuttle.offload.host_storage import HostBacking, HostStorage, HostUnit
@@ -109,7 +110,8 @@ class ModelOffloader:
     def from_module(cls, model: torch.nn.Module, blocks: str | Sequence[str] = (),
                     host: HostBacking = "pinned",
                     layers: bool | Sequence[type[torch.nn.Module]] = False,
-                    trainable: Literal["host", "device"] = "host") -> ModelOffloader:
+                    trainable: Literal["host", "device"] = "host",
+                    sources: Mapping[str, LazyTensor] | None = None) -> ModelOffloader:
         """Capture ``model``'s parameters and buffers into host storage.
 
         Args:
@@ -131,6 +133,9 @@ class ModelOffloader:
                 after it), so that a LoRA's factors stay resident while the frozen blocks
                 stream, forward and backward, and the optimizer runs on the device as for any
                 model (its state on the device too); the VRAM budget counts them.
+            sources: qualified tensor name -> its tensor in a safetensors checkpoint
+                (``SafetensorsFile.tensor_ref``): captured straight from the file, so the
+                model may be built on the ``meta`` device (see :class:`HostStorage`).
 
         Raises:
             BlockPathError: a path names nothing, or not a non-empty block list, or two paths
@@ -165,7 +170,7 @@ class ModelOffloader:
             raise BlockPathError(f"blocks={paths}: a path is listed twice")
         _check_disjoint(groups)
         chosen = _layer_list(model, groups, layers, {id(p) for p in on_device})
-        storage = HostStorage(model, groups, host, chosen, skip=on_device)
+        storage = HostStorage(model, groups, host, chosen, skip=on_device, sources=sources)
         return cls(model, groups, storage, chosen, on_device)
 
     @property
