@@ -425,3 +425,100 @@ def test_a_rank_reads_only_the_rows_of_its_shards(tmp_path, world, backend):
     for cases in run_ranks(_read_bytes_case, world, str(path), backend=backend):
         for got, expect, equal in cases:  # tensor parallel, then FSDP2
             assert equal and got == expect and got < total
+
+
+# -- split q/k/v onto a row-sharded fused qkv --------------------------------------------------
+
+DIM = 5  # qkv: 15 rows, 8 + 7 on 2 ranks: rank 0 holds q and k's first 3 rows, rank 1 the rest
+
+
+class _Attn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(DIM, 3 * DIM, bias=False)
+        self.proj = nn.Linear(DIM, DIM, bias=False)
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.attn = _Attn()
+        self.to(rank_device(), torch.bfloat16)
+
+
+def _split_qkv() -> dict[str, torch.Tensor]:
+    """q, k and v's own factors (ranks 1, 2, 3), which land on rows 0-5, 5-10, 10-15 of qkv."""
+    g = torch.Generator().manual_seed(7)
+    sd = {}
+    for i, leaf in enumerate(("to_q", "to_k", "to_v")):
+        sd.update({f"attn.{leaf}.lora_A.weight": torch.randn(i + 1, DIM, generator=g) * 0.3,
+                   f"attn.{leaf}.lora_B.weight": torch.randn(DIM, i + 1, generator=g) * 0.3})
+    return sd
+
+
+def _split_qkv_case(rank, world):
+    import shuttle.apply.sharded as sharded
+    from shuttle.errors import NonFiniteAdapterError, RankFailedError
+
+    ref = _Block()
+    report = shuttle.merge_lora(ref, [(_split_qkv(), 0.7)])
+    assert report.applied == ["attn.qkv.weight"] and not report.unmatched
+    want = ref.attn.qkv.weight.detach()
+
+    def sharded_block():
+        block = _Block()
+        mesh = _mesh(world, (world,))
+        block.attn.qkv.weight = nn.Parameter(distribute_tensor(
+            block.attn.qkv.weight.detach(), mesh, _placements("S0")), requires_grad=False)
+        return block
+
+    from torch.distributed.tensor import distribute_tensor
+
+    out = {}
+    block = sharded_block()
+    before = block.attn.qkv.weight.to_local().clone()
+    with shuttle.apply_lora(block, [(_split_qkv(), 0.7)], mode="merge"):
+        out["scoped"] = block.attn.qkv.weight.to_local().clone()
+    out["restored"] = torch.equal(block.attn.qkv.weight.to_local(), before)
+    shuttle.merge_lora(block, [(_split_qkv(), 0.7)])
+    out["merged"] = block.attn.qkv.weight.to_local().clone()
+    out["want"] = want[(0, 8)[rank]:(8, 15)[rank]]  # torch.chunk's rows: 0-8 and 8-15
+
+    # one rank fails, the other does not: no rank's shard changes
+    failures = []
+    for how in ("nan", "raise"):
+        block = sharded_block()
+        before = block.attn.qkv.weight.to_local().clone()
+        sd = _split_qkv()
+        original = sharded.select_rows
+        if rank == 1 and how == "nan":  # v's rows, held by rank 1 only, in its own copy
+            sd["attn.to_v.lora_B.weight"][2, 0] = float("nan")
+        if rank == 1 and how == "raise":  # cutting k's rows to this rank's window fails
+            def failing(*args, **kwargs):
+                raise RuntimeError("planted failure")
+            sharded.select_rows = failing
+        try:
+            shuttle.merge_lora(block, [(sd, 0.7)])
+            raised = None
+        except (NonFiniteAdapterError, RankFailedError, RuntimeError) as e:
+            raised = type(e).__name__
+        finally:
+            sharded.select_rows = original
+        failures.append((how, raised, torch.equal(block.attn.qkv.weight.to_local(), before)))
+    out["failures"] = failures
+    return out
+
+
+def test_split_qkv_onto_a_row_sharded_fused_weight():
+    """Each rank's shard of a fused qkv takes exactly its rows of q, k and v's updates (k's cut
+    by the shard boundary), scoped merges restore it, and a failure on one rank changes no
+    rank's shard."""
+    results = run_ranks(_split_qkv_case, 2)
+    for rank, out in enumerate(results):
+        assert out["merged"].shape[0] == (8, 7)[rank]
+        assert torch.equal(out["merged"], out["want"]), f"rank {rank}"
+        assert torch.equal(out["scoped"], out["want"]) and out["restored"], f"rank {rank}"
+    assert [out["failures"] for out in results] == [
+        [("nan", "RankFailedError", True), ("raise", "RankFailedError", True)],
+        [("nan", "NonFiniteAdapterError", True), ("raise", "RuntimeError", True)]]
