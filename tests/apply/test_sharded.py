@@ -305,6 +305,67 @@ def test_dynamic_lora_on_tensor_parallel_layers_equals_the_single_device_result(
             assert refused
 
 
+def _dynamic_styles_case(rank, world):
+    """Outputs against the single-device model's: attach_lora on an FSDP2 model (whose forward
+    sees the gathered, plain weights), apply_lora(mode="dynamic") on a tensor-parallel one, and
+    split q/k/v factors on a column-parallel fused qkv; and whether mode="auto" is refused."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from shuttle.errors import UnsupportedPlacementError
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 6)).to(rank_device())
+
+    mesh = _mesh(world, (world,))
+    sd = lowrank_state({"0": (12, 8), "2": (6, 12)}, rank=4, scale=0.5, seed=2)
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(3)).to(rank_device())
+    ref = make()
+    base = ref(x)
+    handle_ref = shuttle.attach_lora(ref, [(sd, 0.7)])
+    outs = []
+    fsdp = make()
+    fully_shard(fsdp, mesh=mesh)
+    handle = shuttle.attach_lora(fsdp, [(sd, 0.7)])
+    outs.append((fsdp(x), ref(x)))
+    handle.set_strength(0, -0.4)
+    handle_ref.set_strength(0, -0.4)
+    outs.append((fsdp(x), ref(x)))
+    handle.detach()
+    outs.append((fsdp(x), base))
+    handle_ref.set_strength(0, 0.7)
+    tp = make()
+    parallelize_module(tp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    with shuttle.apply_lora(tp, [(sd, 0.7)], mode="dynamic"):
+        outs.append((tp(x).clone(), ref(x)))
+    outs.append((tp(x).clone(), base))
+    try:
+        with shuttle.apply_lora(tp, [(sd, 0.7)], mode="auto"):
+            pass
+        refused = False
+    except UnsupportedPlacementError:
+        refused = True
+    block, block_ref = _Block().float(), _Block().float()
+    parallelize_module(block.attn, mesh, {"qkv": ColwiseParallel(use_local_output=False)})
+    shuttle.attach_lora(block, [(_split_qkv(), 0.7)])
+    shuttle.attach_lora(block_ref, [(_split_qkv(), 0.7)])
+    xq = x[:, :DIM]
+    outs.append((block.attn.qkv(xq).full_tensor(), block_ref.attn.qkv(xq)))
+    return [(a.detach(), b.detach()) for a, b in outs], refused
+
+
+def test_dynamic_lora_on_fsdp2_and_tensor_parallel_models():
+    for outs, refused in run_ranks(_dynamic_styles_case, 2):
+        for got, want in outs:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert refused
+
+
 def _load_case(rank, world, path, style):
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
