@@ -359,8 +359,9 @@ def _dynamic_styles_case(rank, world):
     return [(a.detach(), b.detach()) for a, b in outs], refused
 
 
-def test_dynamic_lora_on_fsdp2_and_tensor_parallel_models():
-    for outs, refused in run_ranks(_dynamic_styles_case, 2):
+@pytest.mark.parametrize("backend", backends(2))
+def test_dynamic_lora_on_fsdp2_and_tensor_parallel_models(backend):
+    for outs, refused in run_ranks(_dynamic_styles_case, 2, backend=backend):
         for got, want in outs:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert refused
@@ -571,11 +572,12 @@ def _split_qkv_case(rank, world):
     return out
 
 
-def test_split_qkv_onto_a_row_sharded_fused_weight():
+@pytest.mark.parametrize("backend", backends(2))
+def test_split_qkv_onto_a_row_sharded_fused_weight(backend):
     """Each rank's shard of a fused qkv takes exactly its rows of q, k and v's updates (k's cut
     by the shard boundary), scoped merges restore it, and a failure on one rank changes no
     rank's shard."""
-    results = run_ranks(_split_qkv_case, 2)
+    results = run_ranks(_split_qkv_case, 2, backend=backend)
     for rank, out in enumerate(results):
         assert out["merged"].shape[0] == (8, 7)[rank]
         assert torch.equal(out["merged"], out["want"]), f"rank {rank}"

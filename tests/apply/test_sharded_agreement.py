@@ -15,7 +15,7 @@ import shuttle
 from shuttle.apply.plan import plan_merge
 from shuttle.apply.sharded import merge_fingerprint
 from tests import lowrank_state
-from tests.ranks import rank_device, run_ranks
+from tests.ranks import backends, rank_device, run_ranks
 
 pytest.importorskip("torch.distributed.tensor")
 
@@ -115,14 +115,15 @@ def _mismatch_cases(rank, world, path):
     return out
 
 
-def test_ranks_given_different_merges_all_refuse_and_change_nothing(tmp_path):
+@pytest.mark.parametrize("backend", backends(2))
+def test_ranks_given_different_merges_all_refuse_and_change_nothing(tmp_path, backend):
     from safetensors.torch import save_file
 
     path = tmp_path / "model.safetensors"
     save_file({k: v.contiguous() for k, v in _model().state_dict().items()}, str(path))
     cases = ("strength", "adapter", "seed", "scoped", "load")
     want = [(c, "RankMismatchError", True) for c in cases] + [("same", None, True)]
-    assert run_ranks(_mismatch_cases, 2, str(path)) == [want, want]
+    assert run_ranks(_mismatch_cases, 2, str(path), backend=backend) == [want, want]
 
 
 # -- stochastic rounding into an encoded shard --------------------------------------------------
@@ -160,7 +161,8 @@ def _encoded_cases(rank, world):
     return out
 
 
-def test_stochastic_rounding_into_a_sharded_encoded_weight_is_refused():
+@pytest.mark.parametrize("backend", backends(2))
+def test_stochastic_rounding_into_a_sharded_encoded_weight_is_refused(backend):
     want = [(None, True, True), ("stochastic", True, True),
             ("nearest", "UnmergeableWeightError", True)]
-    assert run_ranks(_encoded_cases, 2) == [want, want]
+    assert run_ranks(_encoded_cases, 2, backend=backend) == [want, want]
