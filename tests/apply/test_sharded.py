@@ -1,9 +1,10 @@
 """Merges into DTensor parameters on 2 and 4 ranks (gloo on the CPU; NCCL, one GPU a rank, where
 the machine has the GPUs): every shard equals the same window of a single-process merge (even
-and uneven shards, rows, columns, 2-D meshes), scoped merges restore each shard bit for bit,
-and bad input (a failing rank, Partial placements, DTensor factors) changes nothing on any
-rank; dynamic LoRA on tensor-parallel layers and checkpoint loads into FSDP2 and
-tensor-parallel models equal the single-device results."""
+and uneven shards, rows, columns, 2-D meshes, split q/k/v on a fused qkv), scoped merges
+restore each shard bit for bit, and bad input (a failing rank, Partial placements, DTensor
+factors) changes nothing on any rank; dynamic LoRA on tensor-parallel and FSDP2 layers and
+checkpoint loads into FSDP2 and tensor-parallel models equal the single-device results.
+Ranks given different merges: test_sharded_agreement.py."""
 
 from __future__ import annotations
 
