@@ -327,4 +327,11 @@ class RankFailedError(ShuttleError, RuntimeError):
     """
 
 
-__all__ += ["RankFailedError", "UnsupportedPlacementError"]
+class RankMismatchError(ShuttleError, RuntimeError):
+    """The ranks of a distributed call were given different work (other adapters, strengths,
+    rounding, seed or mapping), which would leave shards of different merges; every rank
+    raises it and none changed a weight.
+    """
+
+
+__all__ += ["RankFailedError", "RankMismatchError", "UnsupportedPlacementError"]

@@ -1,9 +1,10 @@
 """Merges into DTensor parameters on 2 and 4 ranks (gloo on the CPU; NCCL, one GPU a rank, where
 the machine has the GPUs): every shard equals the same window of a single-process merge (even
-and uneven shards, rows, columns, 2-D meshes), scoped merges restore each shard bit for bit,
-and bad input (a failing rank, Partial placements, DTensor factors) changes nothing on any
-rank; dynamic LoRA on tensor-parallel layers and checkpoint loads into FSDP2 and
-tensor-parallel models equal the single-device results."""
+and uneven shards, rows, columns, 2-D meshes, split q/k/v on a fused qkv), scoped merges
+restore each shard bit for bit, and bad input (a failing rank, Partial placements, DTensor
+factors) changes nothing on any rank; dynamic LoRA on tensor-parallel and FSDP2 layers and
+checkpoint loads into FSDP2 and tensor-parallel models equal the single-device results.
+Ranks given different merges: test_sharded_agreement.py."""
 
 from __future__ import annotations
 
@@ -305,6 +306,68 @@ def test_dynamic_lora_on_tensor_parallel_layers_equals_the_single_device_result(
             assert refused
 
 
+def _dynamic_styles_case(rank, world):
+    """Outputs against the single-device model's: attach_lora on an FSDP2 model (whose forward
+    sees the gathered, plain weights), apply_lora(mode="dynamic") on a tensor-parallel one, and
+    split q/k/v factors on a column-parallel fused qkv; and whether mode="auto" is refused."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from shuttle.errors import UnsupportedPlacementError
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 6)).to(rank_device())
+
+    mesh = _mesh(world, (world,))
+    sd = lowrank_state({"0": (12, 8), "2": (6, 12)}, rank=4, scale=0.5, seed=2)
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(3)).to(rank_device())
+    ref = make()
+    base = ref(x)
+    handle_ref = shuttle.attach_lora(ref, [(sd, 0.7)])
+    outs = []
+    fsdp = make()
+    fully_shard(fsdp, mesh=mesh)
+    handle = shuttle.attach_lora(fsdp, [(sd, 0.7)])
+    outs.append((fsdp(x), ref(x)))
+    handle.set_strength(0, -0.4)
+    handle_ref.set_strength(0, -0.4)
+    outs.append((fsdp(x), ref(x)))
+    handle.detach()
+    outs.append((fsdp(x), base))
+    handle_ref.set_strength(0, 0.7)
+    tp = make()
+    parallelize_module(tp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    with shuttle.apply_lora(tp, [(sd, 0.7)], mode="dynamic"):
+        outs.append((tp(x).clone(), ref(x)))
+    outs.append((tp(x).clone(), base))
+    try:
+        with shuttle.apply_lora(tp, [(sd, 0.7)], mode="auto"):
+            pass
+        refused = False
+    except UnsupportedPlacementError:
+        refused = True
+    block, block_ref = _Block().float(), _Block().float()
+    parallelize_module(block.attn, mesh, {"qkv": ColwiseParallel(use_local_output=False)})
+    shuttle.attach_lora(block, [(_split_qkv(), 0.7)])
+    shuttle.attach_lora(block_ref, [(_split_qkv(), 0.7)])
+    xq = x[:, :DIM]
+    outs.append((block.attn.qkv(xq).full_tensor(), block_ref.attn.qkv(xq)))
+    return [(a.detach(), b.detach()) for a, b in outs], refused
+
+
+@pytest.mark.parametrize("backend", backends(2))
+def test_dynamic_lora_on_fsdp2_and_tensor_parallel_models(backend):
+    for outs, refused in run_ranks(_dynamic_styles_case, 2, backend=backend):
+        for got, want in outs:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert refused
+
+
 def _load_case(rank, world, path, style):
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -425,3 +488,101 @@ def test_a_rank_reads_only_the_rows_of_its_shards(tmp_path, world, backend):
     for cases in run_ranks(_read_bytes_case, world, str(path), backend=backend):
         for got, expect, equal in cases:  # tensor parallel, then FSDP2
             assert equal and got == expect and got < total
+
+
+# -- split q/k/v onto a row-sharded fused qkv --------------------------------------------------
+
+DIM = 5  # qkv: 15 rows, 8 + 7 on 2 ranks: rank 0 holds q and k's first 3 rows, rank 1 the rest
+
+
+class _Attn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(DIM, 3 * DIM, bias=False)
+        self.proj = nn.Linear(DIM, DIM, bias=False)
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.attn = _Attn()
+        self.to(rank_device(), torch.bfloat16)
+
+
+def _split_qkv() -> dict[str, torch.Tensor]:
+    """q, k and v's own factors (ranks 1, 2, 3), which land on rows 0-5, 5-10, 10-15 of qkv."""
+    g = torch.Generator().manual_seed(7)
+    sd = {}
+    for i, leaf in enumerate(("to_q", "to_k", "to_v")):
+        sd.update({f"attn.{leaf}.lora_A.weight": torch.randn(i + 1, DIM, generator=g) * 0.3,
+                   f"attn.{leaf}.lora_B.weight": torch.randn(DIM, i + 1, generator=g) * 0.3})
+    return sd
+
+
+def _split_qkv_case(rank, world):
+    import shuttle.apply.sharded as sharded
+    from shuttle.errors import NonFiniteAdapterError, RankFailedError
+
+    ref = _Block()
+    report = shuttle.merge_lora(ref, [(_split_qkv(), 0.7)])
+    assert report.applied == ["attn.qkv.weight"] and not report.unmatched
+    want = ref.attn.qkv.weight.detach()
+
+    def sharded_block():
+        block = _Block()
+        mesh = _mesh(world, (world,))
+        block.attn.qkv.weight = nn.Parameter(distribute_tensor(
+            block.attn.qkv.weight.detach(), mesh, _placements("S0")), requires_grad=False)
+        return block
+
+    from torch.distributed.tensor import distribute_tensor
+
+    out = {}
+    block = sharded_block()
+    before = block.attn.qkv.weight.to_local().clone()
+    with shuttle.apply_lora(block, [(_split_qkv(), 0.7)], mode="merge"):
+        out["scoped"] = block.attn.qkv.weight.to_local().clone()
+    out["restored"] = torch.equal(block.attn.qkv.weight.to_local(), before)
+    shuttle.merge_lora(block, [(_split_qkv(), 0.7)])
+    out["merged"] = block.attn.qkv.weight.to_local().clone()
+    out["want"] = want[(0, 8)[rank]:(8, 15)[rank]]  # torch.chunk's rows: 0-8 and 8-15
+
+    # one rank fails, the other does not: no rank's shard changes
+    failures = []
+    for how in ("nan", "raise"):
+        block = sharded_block()
+        before = block.attn.qkv.weight.to_local().clone()
+        sd = _split_qkv()
+        original = sharded.select_rows
+        if rank == 1 and how == "nan":  # v's rows, held by rank 1 only, in its own copy
+            sd["attn.to_v.lora_B.weight"][2, 0] = float("nan")
+        if rank == 1 and how == "raise":  # cutting k's rows to this rank's window fails
+            def failing(*args, **kwargs):
+                raise RuntimeError("planted failure")
+            sharded.select_rows = failing
+        try:
+            shuttle.merge_lora(block, [(sd, 0.7)])
+            raised = None
+        except (NonFiniteAdapterError, RankFailedError, RuntimeError) as e:
+            raised = type(e).__name__
+        finally:
+            sharded.select_rows = original
+        failures.append((how, raised, torch.equal(block.attn.qkv.weight.to_local(), before)))
+    out["failures"] = failures
+    return out
+
+
+@pytest.mark.parametrize("backend", backends(2))
+def test_split_qkv_onto_a_row_sharded_fused_weight(backend):
+    """Each rank's shard of a fused qkv takes exactly its rows of q, k and v's updates (k's cut
+    by the shard boundary), scoped merges restore it, and a failure on one rank changes no
+    rank's shard."""
+    results = run_ranks(_split_qkv_case, 2, backend=backend)
+    for rank, out in enumerate(results):
+        assert out["merged"].shape[0] == (8, 7)[rank]
+        assert torch.equal(out["merged"], out["want"]), f"rank {rank}"
+        assert torch.equal(out["scoped"], out["want"]) and out["restored"], f"rank {rank}"
+    assert [out["failures"] for out in results] == [
+        [("nan", "RankFailedError", True), ("raise", "RankFailedError", True)],
+        [("nan", "NonFiniteAdapterError", True), ("raise", "RuntimeError", True)]]

@@ -311,7 +311,8 @@ class LoRAHook(ModuleHook):
 
     def forward(self, module: torch.nn.Module, inner: Callable[..., Any], *args: Any,
                 **kwargs: Any) -> Any:
-        if self.sharded:
+        # FSDP2 swaps its gathered, plain weights in for the forward: those take the plain path
+        if self.sharded and is_dtensor(module.weight):
             out = inner(*args, **kwargs)
             return self._sharded(module, args[0], out) if self.slots else out
         overrides = self._overrides(module)

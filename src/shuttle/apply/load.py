@@ -35,7 +35,7 @@ from shuttle.apply.plan import (
     plan_params,
 )
 from shuttle.apply.rounding import Rounding, check_rounding, round_to
-from shuttle.apply.sharded import agreed
+from shuttle.apply.sharded import agreed, merge_fingerprint
 from shuttle.errors import (
     DuplicateTargetError,
     MissingParameterError,
@@ -171,11 +171,13 @@ def load_checkpoint(
                            "checkpoint's dtypes")
     target = torch.device(device) if device is not None else None
     slots, alias = _slots(model)
-    # A sharded model: every rank validates before any rank writes (apply.sharded).
+    # A sharded model: every rank validates, and agrees on the adapters' merge, before any
+    # rank writes (apply.sharded).
     ckpt, source, unexpected, specs, plan, supplied, missing, dense_unmatched = agreed(
         {n: s.tensor for n, s in slots.items()},
         lambda: _validate(files, slots, alias, loras, mapping, dtype, target, strict,
-                          strict_adapters))
+                          strict_adapters),
+        lambda r: merge_fingerprint(r[4], rounding, seed))
 
     # The checkpoint's own order, file by file: reads go through each file front to back.
     # The checkpoint's own order, file by file: reads go through each file front to back.

@@ -34,7 +34,7 @@ from shuttle.apply.plan import (
 )
 from shuttle.apply.recipe import MergeRecipe, find_recipe, remember_recipe
 from shuttle.apply.rounding import Rounding, check_rounding, merge_seed, merge_seeds, round_to
-from shuttle.apply.sharded import agreed, localize
+from shuttle.apply.sharded import agreed, localize, merge_fingerprint
 from shuttle.apply.widen import narrow, widen_layers
 from shuttle.errors import NonFiniteAdapterError, ScopeOrderError, WideningError
 from shuttle.kernels import triton_available
@@ -189,8 +189,10 @@ def merge_lora(
             _check_keep(model, plan)
         return plan, local_plan, local
 
-    # every rank of a sharded model validates before any rank writes (apply.sharded)
-    plan, local_plan, local = agreed(params, validate)
+    # every rank of a sharded model validates, and agrees on the merge, before any rank
+    # writes (apply.sharded)
+    plan, local_plan, local = agreed(params, validate,
+                                     lambda r: merge_fingerprint(r[0], rounding, seed))
     kept = _keep(local_plan, local, keep_to)
     stamp = stamp_before(params, local_plan.params) if kept is not None else None
     widened = widen_layers(model, plan, params)  # checks every layer first

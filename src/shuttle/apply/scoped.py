@@ -30,7 +30,7 @@ from shuttle.apply.plan import (
     plan_merge,
 )
 from shuttle.apply.rounding import Rounding, check_rounding
-from shuttle.apply.sharded import agreed, has_dtensors, localize
+from shuttle.apply.sharded import agreed, has_dtensors, localize, merge_fingerprint
 from shuttle.apply.widen import narrow, widen_layers
 from shuttle.errors import InvalidOptionError, ScopeOrderError, UnsupportedPlacementError
 from shuttle.targets import KeyMapping
@@ -139,10 +139,11 @@ def apply_lora(
     if mode != "merge" and has_dtensors(params):
         raise UnsupportedPlacementError(
             f"apply_lora(mode={mode!r}) on a model with DTensor parameters: sharded models take "
-            "mode='merge' (each rank merges its shards); dynamic adapters on tensor-parallel "
-            "layers are not supported yet")
+            "mode='merge' (each rank merges its shards), or mode='dynamic' for low-rank "
+            "adapters on tensor-parallel Linear layers")
     plan, sharded = agreed(params, lambda: _plan_local(model, params, loras, mapping, mode,
-                                                       strict, rounding, seed))
+                                                       strict, rounding, seed),
+                           lambda r: merge_fingerprint(r[0], rounding, seed))
     merged, dynamic = plan, None
     notes = plan_notes(plan)
     report: MergeReport | AutoReport = MergeReport(list(plan.params), plan.unmatched,

@@ -20,29 +20,38 @@ scaled local tensor (NF4, scaled float8) encodes by blocks and scales that a sha
 cuts: sharded, it merges with ``rounding="nearest"`` (or replicated); asked otherwise, the
 merge is refused.
 
-:func:`agreed` runs the validation of a distributed call and has every rank learn whether any
-rank failed (one all-reduce of a flag over the default process group) before the first write,
-so that no rank is left with a half-patched shard because another failed.
+:func:`agreed` runs the validation of a distributed call and has every rank learn, before the
+first write, whether any rank failed and whether all ranks are about to do the same work: one
+all-gather over the default process group of each rank's failure flag and its fingerprint of
+the work (:func:`merge_fingerprint`: a digest of the global plan -- every contribution's
+parameter, strength, rows, patch kind and fields and its tensors' bytes -- with the rounding
+and seed). A failed rank raises its own error, the others :class:`RankFailedError`; ranks
+that agree on nothing failing but hold different fingerprints (another adapter, strength,
+rounding, seed or key mapping on some rank, which would leave shards of different merges) all
+raise :class:`RankMismatchError`. Either way no rank is left with a half-patched shard.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+import hashlib
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from typing import TypeVar
 
 import torch
 
 from shuttle.apply.plan import Contribution, MergePlan
 from shuttle.apply.rounding import merge_seeds, rounding_for
-from shuttle.errors import RankFailedError, UnsupportedPlacementError
+from shuttle.errors import RankFailedError, RankMismatchError, UnsupportedPlacementError
 from shuttle.kernels.rounding import GlobalDraws
+from shuttle.patches import Patch, TensorRef, materialize
 from shuttle.patches.select_columns import select_columns
 from shuttle.patches.select_rows import select_rows
 from shuttle.weights.dtensor import is_dtensor, shard_window
 from shuttle.weights.plain import is_plain_tensor
 
-__all__ = ["agreed", "has_dtensors", "localize"]
+__all__ = ["agreed", "has_dtensors", "localize", "merge_fingerprint"]
 
 T = TypeVar("T")
 
@@ -90,8 +99,10 @@ def localize(plan: MergePlan, params: Mapping[str, torch.Tensor], *,
                 "(Shard(1)) shards only")
         if sharded and not is_plain_tensor(tensor) and rounding not in ("nearest",):
             raise UnsupportedPlacementError(
-                f"parameter {name!r} is a sharded {tensor.dtype} weight: stochastic rounding "
-                "would depend on the world size; pass rounding='nearest', or replicate it")
+                f"parameter {name!r} is a sharded {type(tensor).__qualname__} weight (an "
+                "encoding by blocks or scales that the shard boundary cuts): stochastic rounding "
+                "(its default) would depend on the world size; pass rounding='nearest', or "
+                "replicate it")
         local[name] = tensor
         out[name] = [c for c in (_window(c, window, shape) for c in contribs) if c is not None]
         if (is_plain_tensor(tensor) and tensor.dtype not in (torch.float32, torch.float64)
@@ -120,14 +131,24 @@ def _window(c: Contribution, window, shape: tuple[int, ...]) -> Contribution | N
     return dataclasses.replace(c, patch=patch, rows=rows)
 
 
-def agreed(params: Mapping[str, torch.Tensor], validate: Callable[[], T]) -> T:
-    """``validate()``, with every rank learning whether any rank's validation failed before
-    any of them goes on to write (only where ``params`` holds DTensors and a process group is
-    initialized; otherwise just ``validate()``).
+def agreed(params: Mapping[str, torch.Tensor], validate: Callable[[], T],
+           fingerprint: Callable[[T], bytes] | None = None) -> T:
+    """``validate()``, with every rank learning, before any of them goes on to write, whether
+    any rank's validation failed and whether every rank's ``fingerprint`` of its result is the
+    same (only where ``params`` holds DTensors and a process group is initialized; otherwise
+    just ``validate()``, and no fingerprint is taken).
+
+    Args:
+        params: the model's parameters (their DTensors name the device of the collective).
+        validate: everything the call checks before its first write.
+        fingerprint: a digest of the work ``validate``'s result describes
+            (:func:`merge_fingerprint` of its plan); None: the ranks' work is not compared.
 
     Raises:
         RankFailedError: another rank failed (this one passed); its own error is raised there.
-        Whatever ``validate`` raised on this rank.
+        RankMismatchError: no rank failed, but the ranks' fingerprints differ (raised on
+            every rank).
+        Whatever ``validate`` (or ``fingerprint``) raised on this rank.
     """
     import torch.distributed as dist
 
@@ -135,19 +156,165 @@ def agreed(params: Mapping[str, torch.Tensor], validate: Callable[[], T]) -> T:
         return validate()
     error: BaseException | None = None
     result = None
+    digest = bytes(_DIGEST_BYTES)
     try:
         result = validate()
+        if fingerprint is not None:
+            digest = fingerprint(result)
     except Exception as e:  # noqa: BLE001 - re-raised below, after the agreement
         error = e
     device = next(p.device_mesh.device_type for p in params.values() if is_dtensor(p))
-    flag = torch.tensor([1.0 if error is not None else 0.0],
-                        device="cpu" if device == "cpu" else torch.device(device,
-                                                                          torch.cuda.current_device()))
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    device = torch.device("cpu") if device == "cpu" else torch.device(
+        device, torch.cuda.current_device())
+    # one row a rank: [failed, the digest as signed 64-bit words]
+    words = [int.from_bytes(digest[i:i + 8], "little", signed=True)
+             for i in range(0, _DIGEST_BYTES, 8)]
+    mine = torch.tensor([int(error is not None), *words], dtype=torch.int64, device=device)
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, mine)
+    table = [tuple(row) for row in torch.stack(rows).cpu().tolist()]
     if error is not None:
         raise error
-    if flag.item() > 0:
+    rank = dist.get_rank()
+    failed = [r for r, row in enumerate(table) if row[0]]
+    if failed:
         raise RankFailedError(
-            f"rank {dist.get_rank()}: another rank's validation failed (its error names the "
+            f"rank {rank}: the validation of rank(s) {failed} failed (their error names the "
             "cause); no rank changed a weight")
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for r, row in enumerate(table):
+        groups.setdefault(row[1:], []).append(r)
+    if len(groups) > 1:
+        raise RankMismatchError(
+            f"rank {rank}: the ranks were asked for different merges (ranks "
+            f"{' vs '.join(str(g) for g in groups.values())}: other adapters, strengths, "
+            "rounding, seed or key mapping), which would leave shards of different merges; "
+            "make the same call with the same adapters on every rank. No rank changed a weight")
     return result  # type: ignore[return-value]
+
+
+# -- the fingerprint of a merge --------------------------------------------------------------
+
+_DIGEST_BYTES = 16
+_CHUNK_BYTES = 64 << 20  # device tensors are copied to the host for hashing in chunks this big
+# id(tensor) -> (weak ref, version, digest): a tensor's bytes are hashed once while it is not
+# modified in place (its version counter), so repeated merges of the same adapter do not
+# hash it again; an entry leaves with its tensor (the weak ref's callback)
+_DIGESTS: dict[int, tuple[weakref.ref, int, bytes]] = {}
+
+
+def merge_fingerprint(plan: MergePlan, rounding: str | None = None,
+                      seed: int | None = None) -> bytes:
+    """A 16-byte digest of the merge ``plan`` describes, equal on two processes (up to a
+    blake2b collision) only when they would write the same values.
+
+    It covers, per planned parameter (by name), each contribution in order: its strength, its
+    rows, its patch's kind and non-tensor fields (scale, alpha, layout, ...), and each of its
+    tensors' shape, dtype and a blake2b digest of its bytes (two adapters with the same keys
+    and shapes but other values differ); and the widened shapes, ``rounding`` and ``seed``.
+    Key names and the key mapping count through where they land. A tensor's digest is kept
+    while the tensor lives unmodified, so fingerprinting the same adapter again reads nothing;
+    lazy tensors (a checkpoint load's plan) are read to hash them.
+
+    Args:
+        plan: a global (not localized) merge plan.
+        rounding, seed: the merge's arguments.
+
+    Returns:
+        The digest.
+    """
+    h = hashlib.blake2b(repr((rounding, seed, sorted((n, tuple(s)) for n, s in
+                                                    plan.widen.items()))).encode(),
+                        digest_size=_DIGEST_BYTES)
+    digests = _digests([t for cs in plan.params.values() for c in cs
+                        for t in _patch_tensors(c.patch)])
+    for name in sorted(plan.params):
+        h.update(repr(name).encode())
+        for c in plan.params[name]:
+            h.update(repr((float(c.strength), c.rows)).encode())
+            _hash_patch(h, c.patch, digests)
+    return h.digest()
+
+
+def _is_tensor(v: object) -> bool:
+    return isinstance(v, torch.Tensor) or (not isinstance(v, Patch) and isinstance(v, TensorRef))
+
+
+def _patch_tensors(patch: Patch) -> Iterator[object]:
+    """Every tensor (or lazy tensor) of ``patch``'s fields, inner patches' included."""
+    for f in dataclasses.fields(patch):
+        v = getattr(patch, f.name)
+        if isinstance(v, Patch):
+            yield from _patch_tensors(v)
+        elif _is_tensor(v):
+            yield v
+
+
+def _hash_patch(h, patch: Patch, digests: dict[int, bytes]) -> None:
+    h.update(type(patch).__qualname__.encode())
+    for f in dataclasses.fields(patch):
+        v = getattr(patch, f.name)
+        if isinstance(v, Patch):
+            h.update(f.name.encode())
+            _hash_patch(h, v, digests)
+        elif _is_tensor(v):
+            h.update(repr((f.name, tuple(v.shape), str(v.dtype))).encode())  # type: ignore[attr-defined]
+            h.update(digests[id(v)])
+        else:
+            h.update(repr((f.name, v)).encode())
+
+
+def _digests(tensors: list[object]) -> dict[int, bytes]:
+    """Id -> blake2b digest of the bytes of each tensor (a lazy one read first), in logical
+    (contiguous) order. A device's tensors go to the host in chunks of about
+    ``_CHUNK_BYTES``, one transfer a chunk rather than one a tensor.
+    """
+    out: dict[int, bytes] = {}
+    pending: dict[torch.device, list[tuple[object, torch.Tensor]]] = {}
+    seen: set[int] = set()
+    for t in tensors:
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        known = _DIGESTS.get(id(t)) if isinstance(t, torch.Tensor) else None
+        if known is not None and known[0]() is t and known[1] == _version(t):
+            out[id(t)] = known[2]
+            continue
+        real = t if isinstance(t, torch.Tensor) else materialize(t)  # type: ignore[arg-type]
+        flat = real.detach().contiguous().reshape(-1).view(torch.uint8)
+        pending.setdefault(flat.device, []).append((t, flat))
+    for device, group in pending.items():
+        chunks: list[list[tuple[object, torch.Tensor]]] = [[]]
+        size = 0
+        for item in group:
+            if size >= _CHUNK_BYTES or device.type == "cpu":
+                chunks.append([])
+                size = 0
+            chunks[-1].append(item)
+            size += item[1].numel()
+        for chunk in filter(None, chunks):
+            host = torch.cat([f for _, f in chunk]).cpu() if device.type != "cpu" else None
+            offset = 0
+            for t, flat in chunk:
+                data = flat if host is None else host[offset:offset + flat.numel()]
+                offset += flat.numel()
+                digest = hashlib.blake2b(data.numpy(), digest_size=_DIGEST_BYTES).digest()
+                out[id(t)] = digest
+                _remember(t, digest)
+    return out
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor keeps no version counter
+        return None
+
+
+def _remember(t: object, digest: bytes) -> None:
+    """Keep ``t``'s digest while it lives unmodified (real tensors with a version only)."""
+    if not isinstance(t, torch.Tensor) or (version := _version(t)) is None:
+        return
+    key = id(t)
+    _DIGESTS[key] = (weakref.ref(t, lambda _, key=key: _DIGESTS.pop(key, None)), version,
+                     digest)
