@@ -10,7 +10,12 @@ import torch
 from torch import nn
 
 import shuttle
-from shuttle.errors import AdapterIndexError, InvalidStrengthError, ShapeMismatchError
+from shuttle.errors import (
+    AdapterIndexError,
+    InvalidOptionError,
+    InvalidStrengthError,
+    ShapeMismatchError,
+)
 from shuttle.hooks import hooks_of
 
 
@@ -769,10 +774,15 @@ def test_an_adapter_attached_at_zero_keeps_its_name_and_comes_back(quality, kind
     h.set_adapters({"b": 0.5})
     assert h.active == {"b": 0.5} and same(m(x), b_only)
     h.detach()
-    with shuttle.apply_lora(m, [(a, 0), (b, 0.5)], mode="dynamic", quality=quality) as h:
-        assert h.names == ["adapter0", "adapter1"] and same(m(x), b_only)
-        h.set_adapters(["adapter0", "adapter1"], [0.3, 0.5])
+    with shuttle.apply_lora(m, [(a, 0), (b, 0.5)], mode="dynamic", quality=quality,
+                            names=["a", "b"]) as h:
+        assert h.names == ["a", "b"] and same(m(x), b_only)
+        h.set_adapters(["a", "b"], [0.3, 0.5])
         assert same(m(x), both)
+    with pytest.raises(InvalidOptionError, match="names are for the handle of mode='dynamic'"), \
+            shuttle.apply_lora(m, [(a, 0.3)], mode="merge", names=["a"]):
+        pass
+    assert torch.equal(m(x), alone())
 
 
 def _named_pair(names=("a", "b")):
