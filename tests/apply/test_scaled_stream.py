@@ -163,13 +163,19 @@ def test_as_a_decorator_each_call_starts_from_its_callers_scale():
 def test_an_async_stream_keeps_its_scale_to_itself(adapted):
     forward, at = adapted
 
+    closed, loop_errors = [], []
+
     async def stream():
-        with shuttle.lora_scale(0.0):
-            for _ in range(3):
-                await asyncio.sleep(0)  # a step that waits on the loop
-                yield forward()
+        try:
+            with shuttle.lora_scale(0.0):
+                for _ in range(3):
+                    await asyncio.sleep(0)  # a step that waits on the loop
+                    yield forward()
+        finally:
+            closed.append(request_scale_value())
 
     async def main():
+        asyncio.get_running_loop().set_exception_handler(lambda _, c: loop_errors.append(c))
         got, other = [], []
         gen = shuttle.scaled_stream(stream())
         paused = asyncio.Event()
@@ -186,12 +192,19 @@ def test_an_async_stream_keeps_its_scale_to_itself(adapted):
         got.append(await anext(gen))
         await gen.aclose()  # left mid-stream: the scope closes in the stream's context
         other.append(forward())
+        dropped = shuttle.scaled_stream(stream())
+        got.append(await anext(dropped))
+        del dropped  # the loop's finalizer closes it: in the stream's context too
+        gc.collect()
+        for _ in range(4):
+            await asyncio.sleep(0)
+        other.append(forward())
         return got, other
 
     got, other = asyncio.run(main())
-    assert all(torch.equal(y, at[0.0]) for y in got) and len(got) == 2
-    assert all(torch.equal(y, at[1.0]) for y in other) and len(other) == 3
-    assert _shared() == 1.0
+    assert all(torch.equal(y, at[0.0]) for y in got) and len(got) == 3
+    assert all(torch.equal(y, at[1.0]) for y in other) and len(other) == 4
+    assert closed == [1.0, 1.0] and loop_errors == [] and _shared() == 1.0
 
 
 def test_an_async_stream_passes_sends_throws_and_cancellation_through():

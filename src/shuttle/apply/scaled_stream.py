@@ -5,9 +5,10 @@ of their own), so a :func:`~shuttle.lora_scale` scope opened inside one has two 
 
 - while the generator is paused at a ``yield`` inside the scope, its caller, and every other
   request the caller's thread or task runs meanwhile, see the generator's scale;
-- a generator stepped from different contexts (a thread pool that iterates a response, as
-  Starlette's ``StreamingResponse`` does with a plain generator) loses its scale after the first
-  step, and closing the scope raises ``ValueError`` (its token belongs to another context).
+- a generator stepped in a fresh copy of the context each time (Starlette's
+  ``StreamingResponse`` steps a plain generator through anyio's thread pool so) loses its scale
+  after the first step, and closing the scope raises ``ValueError`` (its token belongs to
+  another context).
 
 :func:`scaled_stream` runs every step of the generator (``next``, ``send``, ``throw``,
 ``close``; for an async generator each step of ``asend``, ``athrow``, ``aclose``) with
