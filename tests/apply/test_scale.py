@@ -218,3 +218,37 @@ def test_the_shared_scale_is_the_latest_open_scope_whatever_order_scopes_close_i
         a.stop()
         b.stop()
     assert shared() == 1.0
+
+
+def test_another_threads_forward_between_computing_and_using_the_scales(monkeypatch):
+    """Thread B runs a whole forward at its own scale at the moment thread A's layer has
+    computed A's scale vector and not yet used it: A still adds its own scale's update (the
+    layer's cache of the vector is one object per key, never a key read apart from its
+    vector)."""
+    import shuttle.apply.dynamic_layer as dynamic_layer
+
+    m, handle, x = _adapted("linear", "lossless")
+    want = {}
+    for s in (0.5, 2.0):
+        with torch.no_grad(), shuttle.lora_scale(s):
+            want[s] = m(x)
+    b = _Request()
+    b.enter(2.0)
+    main, ran = threading.get_ident(), []
+    shared = dynamic_layer.shared_request_scale
+
+    def shared_then_b(device):  # called while A computes its vectors
+        if threading.get_ident() == main and not ran:
+            ran.append(b.do(lambda: torch.equal(m(x).detach(), want[2.0])))
+        return shared(device)
+
+    monkeypatch.setattr(dynamic_layer, "shared_request_scale", shared_then_b)
+    try:
+        handle.set_strength(0, 1.0)  # stale: A recomputes
+        with torch.no_grad(), shuttle.lora_scale(0.5):
+            got = m(x)
+    finally:
+        b.stop()
+    assert ran == [True], "the other thread's forward did not run in between"
+    assert torch.equal(got, want[0.5])
+    handle.detach()
