@@ -749,14 +749,28 @@ def _loha_sd(prefix, out_f, in_f, g):
             f"{prefix}.hada_w2_b": torch.randn(2, in_f, generator=g) * 0.1}
 
 
+def _second_adapter(kind, g):
+    """An adapter on ``0.weight`` (48, 32): low-rank (the Linear tiers), LoHa (the weight
+    residual), or a kind whose patch at strength 0 is not the identity (PEFT DoRA renormalizes
+    W, set_weight gives 0 * value): at 0 each must be off all the same."""
+    if kind == "lowrank":
+        return _lora_sd("0", 48, 32, 6, g, dtype=torch.float32)
+    if kind == "loha":
+        return _loha_sd("lycoris_0", 48, 32, g)
+    if kind == "dora":
+        return {"base_model.model.0.lora_A.weight": torch.randn(2, 32, generator=g) * 0.1,
+                "base_model.model.0.lora_B.weight": torch.randn(48, 2, generator=g) * 0.1,
+                "base_model.model.0.lora_magnitude_vector": torch.rand(48, generator=g) + 0.5}
+    return {"0.set_weight": torch.randn(48, 32, generator=g) * 0.1}
+
+
 @pytest.mark.parametrize("quality", ["exact", "lossless"])
-@pytest.mark.parametrize("kind", ["lowrank", "loha"])  # Linear tiers, the weight residual
+@pytest.mark.parametrize("kind", ["lowrank", "loha", "dora", "set"])
 def test_an_adapter_attached_at_zero_keeps_its_name_and_comes_back(quality, kind):
     m = _linear_model(torch.float32)
     g = torch.Generator().manual_seed(23)
     a = _lora_sd("0", 48, 32, 4, g, dtype=torch.float32)
-    b = _lora_sd("0", 48, 32, 6, g, dtype=torch.float32) if kind == "lowrank" else \
-        _loha_sd("lycoris_0", 48, 32, g)
+    b = _second_adapter(kind, g)
     x = torch.randn(5, 32, generator=g)
     same = torch.equal if quality == "exact" else torch.allclose
 
@@ -773,6 +787,8 @@ def test_an_adapter_attached_at_zero_keeps_its_name_and_comes_back(quality, kind
     assert same(m(x), both)
     h.set_adapters({"b": 0.5})
     assert h.active == {"b": 0.5} and same(m(x), b_only)
+    h.set_strength("b", 0)  # set back to 0: off again, whatever the patch does at 0
+    assert h.active == {} and torch.equal(m(x), alone())
     h.detach()
     with shuttle.apply_lora(m, [(a, 0), (b, 0.5)], mode="dynamic", quality=quality,
                             names=["a", "b"]) as h:

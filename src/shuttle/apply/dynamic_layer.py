@@ -256,9 +256,16 @@ class LoRAHook(ModuleHook):
         self._strength_tensor(device)
 
     def refresh(self, module: torch.nn.Module) -> None:
-        """Recompute the float32 weight residuals from the current strengths."""
+        """Recompute the float32 weight residuals from the current strengths.
+
+        An adapter at strength 0 is off, as in a merge (which drops it): its patches are
+        skipped, whatever their kind does at 0 (a DoRA still renormalizes W, a set gives 0).
+        """
         self.residuals = {}
         for leaf, cs in self.dense.items():
+            cs = [c for c in cs if self._strengths[c.adapter] != 0]
+            if not cs:
+                continue
             p = getattr(module, leaf)
             w = p.detach().float()
             out = apply_contributions(w.clone(), cs, self._strengths)
