@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import queue
 import threading
 
@@ -252,3 +253,19 @@ def test_another_threads_forward_between_computing_and_using_the_scales(monkeypa
     assert ran == [True], "the other thread's forward did not run in between"
     assert torch.equal(got, want[0.5])
     handle.detach()
+
+
+def test_a_scope_closed_in_another_context_still_leaves_the_shared_scale():
+    """An unwrapped generator opened in one context and closed in another (what
+    shuttle.scaled_stream prevents): Python refuses to reset the context variable there, and
+    the scope still leaves the shared scale of compiled code."""
+    def stream():
+        with shuttle.lora_scale(0.5):
+            yield
+
+    gen = stream()
+    contextvars.copy_context().run(next, gen)
+    assert float(shared_request_scale(torch.device("cpu"))) == 0.5
+    with pytest.raises(ValueError, match="different Context"):
+        gen.close()
+    assert float(shared_request_scale(torch.device("cpu"))) == 1.0

@@ -160,8 +160,10 @@ def lora_scale(scale: float) -> Iterator[None]:
     try:
         yield
     finally:
-        _scale.reset(token)
-        _update_shared(lambda: _open.pop(scope))
+        try:
+            _scale.reset(token)  # ValueError when closed in another context than it opened
+        finally:
+            _update_shared(lambda: _open.pop(scope))
 
 
 def _update_shared(change: Callable[[], object]) -> None:
