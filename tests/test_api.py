@@ -8,8 +8,8 @@ import shuttle
 DOCUMENTED = {
     "load_lora", "LoRA", "save_lora", "FORMATS", "register_format", "PATCH_KINDS",
     "register_patch", "resolve", "Resolution", "merge_lora", "MergeReport", "apply_lora",
-    "attach_lora", "DynamicAdapters", "lora_scale", "load_checkpoint", "LoadReport",
-    "unmerge_lora", "UnmergeReport", "AdapterReport", "AutoReport",
+    "attach_lora", "DynamicAdapters", "lora_scale", "scaled_stream", "load_checkpoint",
+    "LoadReport", "unmerge_lora", "UnmergeReport", "AdapterReport", "AutoReport",
     "replacement_parameters", "merge_files", "FileMergeReport", "extract_lora", "ExtractReport",
     "errors", "ModelOffloader", "StreamConfig",
     "ResourceCache", "ModelCache", "ModelSpec", "LoRASpec", "ObjectSpec", "LRUEvictionPolicy",

@@ -19,6 +19,7 @@ from shuttle.apply import (
     lora_scale,
     merge_lora,
     replacement_parameters,
+    scaled_stream,
     unmerge_lora,
 )
 from shuttle.apply.merge_files import FileMergeReport, merge_files
@@ -72,6 +73,7 @@ __all__ = [
     "replacement_parameters",
     "resolve",
     "save_lora",
+    "scaled_stream",
     "unmerge_lora",
     "upcast_on_use",
 ]

@@ -10,7 +10,12 @@ import torch
 from torch import nn
 
 import shuttle
-from shuttle.errors import AdapterIndexError, InvalidStrengthError, ShapeMismatchError
+from shuttle.errors import (
+    AdapterIndexError,
+    InvalidOptionError,
+    InvalidStrengthError,
+    ShapeMismatchError,
+)
 from shuttle.hooks import hooks_of
 
 
@@ -735,3 +740,109 @@ def test_a_followed_scale_vector_is_rewritten_in_place_by_strength_and_scale_cha
         assert torch.allclose(vec, base * 0.125)
     assert torch.allclose(vec, base * 0.5)
     handle.detach()
+
+
+def _loha_sd(prefix, out_f, in_f, g):
+    return {f"{prefix}.hada_w1_a": torch.randn(out_f, 2, generator=g) * 0.1,
+            f"{prefix}.hada_w1_b": torch.randn(2, in_f, generator=g) * 0.1,
+            f"{prefix}.hada_w2_a": torch.randn(out_f, 2, generator=g) * 0.1,
+            f"{prefix}.hada_w2_b": torch.randn(2, in_f, generator=g) * 0.1}
+
+
+def _second_adapter(kind, g):
+    """An adapter on ``0.weight`` (48, 32): low-rank (the Linear tiers), LoHa (the weight
+    residual), or a kind whose patch at strength 0 is not the identity (PEFT DoRA renormalizes
+    W, set_weight gives 0 * value): at 0 each must be off all the same."""
+    if kind == "lowrank":
+        return _lora_sd("0", 48, 32, 6, g, dtype=torch.float32)
+    if kind == "loha":
+        return _loha_sd("lycoris_0", 48, 32, g)
+    if kind == "dora":
+        return {"base_model.model.0.lora_A.weight": torch.randn(2, 32, generator=g) * 0.1,
+                "base_model.model.0.lora_B.weight": torch.randn(48, 2, generator=g) * 0.1,
+                "base_model.model.0.lora_magnitude_vector": torch.rand(48, generator=g) + 0.5}
+    return {"0.set_weight": torch.randn(48, 32, generator=g) * 0.1}
+
+
+@pytest.mark.parametrize("quality", ["exact", "lossless"])
+@pytest.mark.parametrize("kind", ["lowrank", "loha", "dora", "set"])
+def test_an_adapter_attached_at_zero_keeps_its_name_and_comes_back(quality, kind):
+    m = _linear_model(torch.float32)
+    g = torch.Generator().manual_seed(23)
+    a = _lora_sd("0", 48, 32, 4, g, dtype=torch.float32)
+    b = _second_adapter(kind, g)
+    x = torch.randn(5, 32, generator=g)
+    same = torch.equal if quality == "exact" else torch.allclose
+
+    def alone(*loras):
+        with torch.no_grad(), shuttle.apply_lora(m, list(loras), mode="dynamic",
+                                                 quality=quality):
+            return m(x)
+
+    a_only, both, b_only = alone((a, 0.3)), alone((a, 0.3), (b, 0.5)), alone((b, 0.5))
+    h = shuttle.attach_lora(m, [(a, 0.3), (b, 0.0)], quality=quality, names=["a", "b"])
+    assert h.names == ["a", "b"] and h.strengths == [0.3, 0.0] and h.active == {"a": 0.3}
+    assert same(m(x), a_only)
+    h.set_strength("b", 0.5)
+    assert same(m(x), both)
+    h.set_adapters({"b": 0.5})
+    assert h.active == {"b": 0.5} and same(m(x), b_only)
+    h.set_strength("b", 0)  # set back to 0: off again, whatever the patch does at 0
+    assert h.active == {} and torch.equal(m(x), alone())
+    h.detach()
+    with shuttle.apply_lora(m, [(a, 0), (b, 0.5)], mode="dynamic", quality=quality,
+                            names=["a", "b"]) as h:
+        assert h.names == ["a", "b"] and same(m(x), b_only)
+        h.set_adapters(["a", "b"], [0.3, 0.5])
+        assert same(m(x), both)
+    with pytest.raises(InvalidOptionError, match="names are for the handle of mode='dynamic'"), \
+            shuttle.apply_lora(m, [(a, 0.3)], mode="merge", names=["a"]):
+        pass
+    assert torch.equal(m(x), alone())
+
+
+def _named_pair(names=("a", "b")):
+    m = _linear_model(torch.float32)
+    g = torch.Generator().manual_seed(24)
+    a, b = (_lora_sd("0", 48, 32, r, g, dtype=torch.float32) for r in (4, 6))
+    return m, shuttle.attach_lora(m, [(a, 0.3), (b, 0.5)], names=names)
+
+
+def test_set_adapters_takes_diffusers_spellings():
+    m, h = _named_pair(("style", "detail"))
+    for args, want in [((["style", "detail"], [0.7, 0.2]), [0.7, 0.2]),  # a weight per name
+                       (("detail", 0.4), [0.0, 0.4]),                     # one name, one weight
+                       ((["style", "detail"], 0.6), [0.6, 0.6]),          # one for every name
+                       ((["detail"],), [0.0, 1.0]),                       # no weights: 1 each
+                       (((1, "style"), (0.9, 0.1)), [0.1, 0.9]),          # indices, tuples
+                       ((0,), [1.0, 0.0]),
+                       (("style",), [1.0, 0.0]),                          # one name alone
+                       (({"style": 0.25},), [0.25, 0.0])]:
+        h.set_adapters(*args)
+        assert h.strengths == want, args
+    h.detach()
+
+
+@pytest.mark.parametrize(("args", "error", "match"), [
+    (({"a": 0.7, "b": float("nan")},), InvalidStrengthError, "strength of 'b' is nan"),
+    ((["a", "b"], [0.7, float("inf")]), InvalidStrengthError, "strength of 'b'"),
+    ((["a", "b"], [0.7]), InvalidStrengthError, "2 name.* and 1 weight"),
+    ((["a"], [0.7, 0.2]), InvalidStrengthError, "1 name.* and 2 weight"),
+    ((["a", "c"], [0.7, 0.2]), AdapterIndexError, r"'c'.*\['a', 'b'\]"),
+    ((["a", 0], [0.7, 0.2]), AdapterIndexError, "named twice"),
+    (({"a": 0.7}, [0.2]), InvalidStrengthError, "mapping carries its strengths"),
+    ((["a"], "0.7"), InvalidStrengthError, "real number"),
+    (({"a", "b"}, 0.7), AdapterIndexError, "a list of names"),
+])
+def test_set_adapters_checks_every_name_and_strength_before_changing_one(args, error, match):
+    m, h = _named_pair()
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(25))
+    with torch.no_grad():
+        before = m(x)
+    with pytest.raises(error, match=match):
+        h.set_adapters(*args)
+    assert h.strengths == [0.3, 0.5]
+    assert torch.equal(h.strength_tensor(x.device), torch.tensor([0.3, 0.5]))
+    with torch.no_grad():
+        assert torch.equal(m(x), before)
+    h.detach()

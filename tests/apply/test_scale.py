@@ -4,6 +4,9 @@ shared tensor and follows changes without recompiling (tests/apply/test_dynamic.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
+import queue
 import threading
 
 import pytest
@@ -11,7 +14,8 @@ import torch
 from torch import nn
 
 import shuttle
-from shuttle.apply.scale import request_scale, request_scale_value
+from shuttle.apply.scale import request_scale, request_scale_value, shared_request_scale
+from tests import lowrank_state
 
 
 def _model_and_outputs(quality: str):
@@ -95,3 +99,173 @@ def test_eager_tensors_are_per_value_and_never_written():
         assert float(quarter) == 0.25
     assert float(one) == 1.0 and float(quarter) == 0.25  # a queued read keeps its value
     assert request_scale(dev) is one
+
+
+class _Request:
+    """A thread that runs one request step by step, each step when the test says: the test
+    orders the threads' steps exactly (no timing), and each step's result comes back."""
+
+    def __init__(self):
+        self._steps: queue.Queue = queue.Queue()
+        self._results: queue.Queue = queue.Queue()
+        self._open: list[contextlib.AbstractContextManager] = []
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while (step := self._steps.get()) is not None:
+            try:
+                self._results.put((True, step()))
+            except BaseException as e:  # handed to the test's thread
+                self._results.put((False, e))
+
+    def do(self, step):
+        self._steps.put(step)
+        ok, value = self._results.get(timeout=30)
+        if not ok:
+            raise value
+        return value
+
+    def enter(self, scale: float) -> None:
+        """Open a ``lora_scale(scale)`` scope in the thread (nested in any still open)."""
+        scope = shuttle.lora_scale(scale)
+        self.do(scope.__enter__)
+        self._open.append(scope)
+
+    def exit(self) -> None:
+        """Close the thread's innermost open scope."""
+        scope = self._open.pop()
+        self.do(lambda: scope.__exit__(None, None, None))
+
+    def stop(self):
+        while self._open:  # a failed test's scopes too: they close where they opened
+            self.exit()
+        self._steps.put(None)
+        self._thread.join(30)
+
+
+def _adapted(kind: str, quality: str):
+    """A model with one adapter on one layer: low-rank on a Linear (the tiers), low-rank on a
+    Conv2d (its own residual), or LoHa on a Linear (the float32 weight residual); its input."""
+    g = torch.Generator().manual_seed(3)
+    torch.manual_seed(0)
+    if kind == "conv":
+        m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1))
+        sd = {"0.lora_down.weight": torch.randn(2, 3, 3, 3, generator=g),
+              "0.lora_up.weight": torch.randn(8, 2, 1, 1, generator=g)}
+        x = torch.randn(2, 3, 5, 5, generator=g)
+    else:
+        m = nn.Sequential(nn.Linear(16, 24))
+        sd = lowrank_state({"0": (24, 16)}, generator=g, scale=0.5) if kind == "linear" else {
+            "lycoris_0.hada_w1_a": torch.randn(24, 2, generator=g),
+            "lycoris_0.hada_w1_b": torch.randn(2, 16, generator=g),
+            "lycoris_0.hada_w2_a": torch.randn(24, 2, generator=g),
+            "lycoris_0.hada_w2_b": torch.randn(2, 16, generator=g)}
+        x = torch.randn(3, 16, generator=g)
+    return m, shuttle.attach_lora(m, [(sd, 1.0)], quality=quality), x
+
+
+@pytest.mark.parametrize("quality", ["exact", "lossless", "fused"])
+@pytest.mark.parametrize("kind", ["linear", "conv", "loha"])
+def test_each_thread_recomputes_with_its_own_scale(kind, quality):
+    """Two requests inside different scales at once, the layer's cached scales made stale
+    (a strength set) between them: each forward computes its scale afresh and must read its own
+    thread's, not the one another thread entered last (what compiled code reads)."""
+    m, handle, x = _adapted(kind, quality)
+    want = {}
+    for s in (0.5, 2.0, 1.0):
+        with shuttle.lora_scale(s):
+            want[s] = m(x).detach()
+    assert not torch.equal(want[0.5], want[2.0])
+    a, b = _Request(), _Request()
+    try:
+        a.enter(0.5)
+        b.enter(2.0)  # entered last: the process-wide value is now 2
+        handle.set_strength(0, 1.0)  # same strength, new generation: cached scales are stale
+        assert torch.equal(a.do(lambda: m(x).detach()), want[0.5])
+        assert torch.equal(m(x), want[1.0])  # this thread opened no scope
+        a.enter(0.5)  # a nested scope of a: the process-wide value is now 0.5
+        handle.set_strength(0, 1.0)
+        assert torch.equal(b.do(lambda: m(x).detach()), want[2.0])
+        assert torch.equal(a.do(lambda: m(x).detach()), want[0.5])
+    finally:
+        a.stop()
+        b.stop()
+    handle.detach()
+
+
+def test_the_shared_scale_is_the_latest_open_scope_whatever_order_scopes_close_in():
+    """The shared tensor (what compiled code and CUDA graphs read, see
+    test_dynamic.py::test_compiled_model_does_not_recompile_on_strength_scale_or_swap) holds
+    the scale of the most recently opened scope still open: requests' scopes close in any
+    order, and once all have closed it is 1 again."""
+    def shared() -> float:
+        return float(shared_request_scale(torch.device("cpu")))
+
+    a, b = _Request(), _Request()
+    try:
+        a.enter(0.5)
+        b.enter(2.0)
+        assert shared() == 2.0
+        a.exit()  # the first opened closes first: b's scope is still open
+        assert shared() == 2.0
+        b.exit()
+        assert shared() == 1.0
+        a.enter(0.5)
+        b.enter(2.0)
+        b.exit()
+        assert shared() == 0.5
+    finally:
+        a.stop()
+        b.stop()
+    assert shared() == 1.0
+
+
+def test_another_threads_forward_between_computing_and_using_the_scales(monkeypatch):
+    """Thread B runs a whole forward at its own scale at the moment thread A's layer has
+    computed A's scale vector and not yet used it: A still adds its own scale's update (the
+    layer's cache of the vector is one object per key, never a key read apart from its
+    vector)."""
+    import shuttle.apply.dynamic_layer as dynamic_layer
+
+    m, handle, x = _adapted("linear", "lossless")
+    want = {}
+    for s in (0.5, 2.0):
+        with torch.no_grad(), shuttle.lora_scale(s):
+            want[s] = m(x)
+    b = _Request()
+    b.enter(2.0)
+    main, ran = threading.get_ident(), []
+    shared = dynamic_layer.shared_request_scale
+
+    def shared_then_b(device):  # called while A computes its vectors
+        if threading.get_ident() == main and not ran:
+            ran.append(b.do(lambda: torch.equal(m(x).detach(), want[2.0])))
+        return shared(device)
+
+    monkeypatch.setattr(dynamic_layer, "shared_request_scale", shared_then_b)
+    try:
+        handle.set_strength(0, 1.0)  # stale: A recomputes
+        with torch.no_grad(), shuttle.lora_scale(0.5):
+            got = m(x)
+    finally:
+        b.stop()
+    assert ran == [True], "the other thread's forward did not run in between"
+    assert torch.equal(got, want[0.5])
+    handle.detach()
+
+
+def test_a_scope_closed_in_another_context_still_leaves_the_shared_scale():
+    """An unwrapped generator opened in one context and closed in another (what
+    shuttle.scaled_stream prevents): Python refuses to reset the context variable there, and
+    the scope still leaves the shared scale of compiled code."""
+    def stream():
+        with shuttle.lora_scale(0.5):
+            yield
+
+    gen = stream()
+    contextvars.copy_context().run(next, gen)
+    assert float(shared_request_scale(torch.device("cpu"))) == 0.5
+    with pytest.raises(ValueError, match="different Context"):
+        gen.close()
+    assert float(shared_request_scale(torch.device("cpu"))) == 1.0

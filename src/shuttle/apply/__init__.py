@@ -14,6 +14,7 @@ from shuttle.apply.plan import MergePlan, plan_merge
 from shuttle.apply.report import AdapterReport
 from shuttle.apply.rounding import round_to, stochastic_round
 from shuttle.apply.scale import lora_scale
+from shuttle.apply.scaled_stream import scaled_stream
 from shuttle.apply.scoped import apply_lora
 from shuttle.apply.unmerge import UnmergeReport, unmerge_lora
 
@@ -38,6 +39,7 @@ __all__ = [
     "plan_merge",
     "replacement_parameters",
     "round_to",
+    "scaled_stream",
     "stochastic_round",
     "UnmergeReport",
     "unmerge_lora",

@@ -95,20 +95,68 @@ class DynamicAdapters:
         """Name -> strength of every adapter at a non-zero strength."""
         return {n: s for n, s in zip(self.names, self.strengths, strict=True) if s != 0}
 
-    def set_adapters(self, strengths: Mapping[str | int, float]) -> None:
-        """Set the named (or indexed) adapters' strengths and every other adapter's to 0, as
-        diffusers' ``set_adapters``: ``h.set_adapters({"style": 0.8, "detail": 0.3})``.
+    def set_adapters(self, names: Mapping[str | int, float] | Sequence[str | int] | str | int,
+                     weights: float | Sequence[float] | None = None) -> None:
+        """Set the named (or indexed) adapters' strengths, every other adapter's to 0.
 
-        Everything is checked before the first strength changes.
+        As diffusers' ``set_adapters``, in both of its spellings::
+
+            h.set_adapters({"style": 0.8, "detail": 0.3})
+            h.set_adapters(["style", "detail"], [0.8, 0.3])
+            h.set_adapters("style", 0.8)            # one adapter, the others off
+            h.set_adapters(["style", "detail"])     # each at 1.0, as diffusers
+            h.set_adapters(["style", "detail"], 0.5)  # the same weight for each
+
+        Everything is checked before the first strength changes; an adapter set to 0 keeps its
+        name and place, and comes back at the next non-zero strength.
+
+        Args:
+            names: a mapping name (or index) -> strength; or names (indices) with ``weights``.
+            weights: with a list of names, a strength per name, or one for all (default 1.0).
+                Per-block weights (diffusers' dicts) are not taken: one strength per adapter.
 
         Raises:
-            AdapterIndexError: a name or index the handle does not hold.
-            InvalidStrengthError: a strength is not a real number within float32's range.
+            AdapterIndexError: a name or index the handle does not hold, or one adapter named
+                twice.
+            InvalidStrengthError: a strength is not a real number within float32's range, the
+                weights are not one per name, or a mapping comes with ``weights``.
         """
-        wanted = {self._check_index(k, "set_adapters"): check_strength(
-            s, f"set_adapters strength of {k!r}") for k, s in strengths.items()}
-        for i in range(len(self.loras)):
-            self.set_strength(i, wanted.get(i, 0.0))
+        self._set_strengths(self._wanted(names, weights, "set_adapters"), others=0.0)
+
+    def _wanted(self, names: Mapping[str | int, float] | Sequence[str | int] | str | int,
+                weights: float | Sequence[float] | None, method: str) -> dict[int, float]:
+        """Index -> checked strength from ``set_adapters``' arguments (nothing changes)."""
+        if isinstance(names, Mapping):
+            if weights is not None:
+                raise InvalidStrengthError(
+                    f"{method}({names!r}, {weights!r}): a mapping carries its strengths; pass "
+                    "either {name: strength} or names and weights")
+            pairs = list(names.items())
+        else:
+            keys = [names] if isinstance(names, str | numbers.Integral) else names
+            if not isinstance(keys, Sequence):
+                raise AdapterIndexError(
+                    f"{method}({names!r}, ...): pass a name, a list of names (or indices), or "
+                    "a mapping {name: strength}")
+            if weights is None:
+                weights = [1.0] * len(keys)
+            elif isinstance(weights, str) or not isinstance(weights, Sequence):
+                weights = [weights] * len(keys)  # one for all (checked as each one below)
+            if len(weights) != len(keys):
+                raise InvalidStrengthError(
+                    f"{method}: {len(keys)} name(s) {list(keys)!r} and {len(weights)} "
+                    f"weight(s) {list(weights)!r}; pass one weight per name, or one float for "
+                    "all")
+            pairs = list(zip(keys, weights, strict=True))
+        wanted: dict[int, float] = {}
+        for key, weight in pairs:
+            i = self._check_index(key, method)
+            if i in wanted:
+                raise AdapterIndexError(
+                    f"{method}: adapter {i} ({self.names[i]!r}) is named twice (as {key!r}); "
+                    "give each adapter once")
+            wanted[i] = check_strength(weight, f"{method} strength of {key!r}")
+        return wanted
 
     @property
     def applied(self) -> list[str]:
@@ -147,14 +195,23 @@ class DynamicAdapters:
             AdapterIndexError: no adapter ``index`` (or of that name).
         """
         index = self._check_index(index, "set_strength")
-        strength = check_strength(strength, f"set_strength({index}, strength)")
-        self.strengths[index] = strength
-        for t in self._strength_t.values():
-            t[index] = strength
+        self._set_strengths({index: check_strength(strength,
+                                                   f"set_strength({index}, strength)")})
+
+    def _set_strengths(self, wanted: dict[int, float], others: float | None = None) -> None:
+        """Write checked strengths (adapter index -> strength; every other adapter's to
+        ``others`` unless None), then recompute the weight residuals of the adapters changed.
+        """
+        if others is not None:
+            wanted = {i: wanted.get(i, others) for i in range(len(self.loras))}
+        for index, strength in wanted.items():
+            self.strengths[index] = strength
+            for t in self._strength_t.values():
+                t[index] = strength
         bump_generation()
         modules = dict(self.model.named_modules())
         for name, hook in self.hooks.items():
-            if any(c.adapter == index for cs in hook.dense.values() for c in cs):
+            if any(c.adapter in wanted for cs in hook.dense.values() for c in cs):
                 hook.refresh(modules[name])
 
     def _check_index(self, index: int | str, method: str) -> int:
@@ -169,8 +226,7 @@ class DynamicAdapters:
                 or not -n <= index < n:
             raise AdapterIndexError(
                 f"{method}({index!r}, ...): this handle holds {n} adapter(s), at indices "
-                f"0..{n - 1} in the order attach_lora got them (adapters at strength 0 are "
-                "dropped, so they take no index); pass one of those."
+                f"0..{n - 1} in the order attach_lora got them; pass one of those."
             )
         return int(index) % n
 
@@ -300,12 +356,15 @@ def attach_lora(
 
     Args:
         model: the model; its weights are never written.
-        loras: ``[(lora, strength), ...]``; zero strengths are dropped.
+        loras: ``[(lora, strength), ...]``. An adapter at strength 0 is attached too (read,
+            validated and held on the device, its update computed at 0) so that
+            ``set_strength``/``set_adapters`` can bring it back; leave it out of the list to
+            skip it.
         quality: ``"exact"``, ``"lossless"`` or ``"fused"`` (default: :func:`default_quality`).
         mapping: as for :func:`~shuttle.merge_lora`.
         max_rank: pad low-rank Linear slots to this rank so :meth:`DynamicAdapters.swap` can
             bring in adapters up to it without recompiling.
-        names: a name per adapter of non-zero strength, in order, for the handle's methods
+        names: a name per adapter, in order, for the handle's methods
             (default: each file's stem, ``adapter<i>`` for one in memory; repeats get ``_2``).
 
     Raises:
@@ -316,10 +375,34 @@ def attach_lora(
     quality = quality or default_quality(model)
     if quality not in QUALITIES:
         raise InvalidOptionError(f"quality={quality!r}: expected one of {', '.join(QUALITIES)}")
-    handle = attach_plan(model, plan_merge(model, loras, mapping), quality, max_rank,
+    # An adapter at strength 0 is planned (resolved, validated, loaded) as any other, then
+    # attached at 0, so that a later strength brings it back under its name and index.
+    zeros = _zero_strengths(loras)
+    plan = plan_merge(model, [(item[0], 1.0) if i in zeros else item
+                              for i, item in enumerate(loras)] if zeros else loras, mapping)
+    for i in zeros:
+        plan.adapters[i] = (plan.adapters[i][0], 0.0)
+    handle = attach_plan(model, plan, quality, max_rank,
                          list(names) if names is not None else None)
     handle._mapping = mapping
     return handle
+
+
+def _zero_strengths(loras: AdapterList) -> set[int]:
+    """Indices of the ``(lora, strength)`` pairs whose strength is a valid 0 (anything else,
+    valid or not, is :func:`~shuttle.apply.plan.plan_merge`'s to take or refuse).
+    """
+    if isinstance(loras, LoRA):
+        return set()
+    zeros = set()
+    for i, item in enumerate(loras):
+        if isinstance(item, tuple) and len(item) == 2 and not isinstance(item[1], Mapping):
+            try:
+                if check_strength(item[1]) == 0:
+                    zeros.add(i)
+            except InvalidStrengthError:
+                pass
+    return zeros
 
 
 def default_names(loras: Sequence[LoRA]) -> list[str]:
@@ -365,8 +448,7 @@ def attach_plan(model: torch.nn.Module, plan: MergePlan, quality: Quality,
     if names is not None and (len(names) != len(loras) or len(set(names)) != len(names)
                               or not all(isinstance(n, str) for n in names)):
         raise AdapterIndexError(
-            f"names={names!r}: give one distinct string per adapter of non-zero strength "
-            f"({len(loras)} here)")
+            f"names={names!r}: give one distinct string per adapter ({len(loras)} here)")
     handle = DynamicAdapters(model, loras, strengths, quality, report, names)
     handle._max_rank = max_rank
     modules = dict(model.named_modules())

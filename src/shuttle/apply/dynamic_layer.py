@@ -192,6 +192,7 @@ class LoRAHook(ModuleHook):
         self.residuals: dict[str, torch.Tensor] = {}
         self._graph_scale: torch.Tensor | None = None  # what a captured CUDA graph reads
         self._graph_key: tuple[int, float] | None = None
+        self._cached: tuple[tuple[int, float], torch.Tensor] | None = None  # eager: (key, s)
         self.refresh(module)
         # Create the shared scale tensors now: created inside a compiled forward, they would
         # change a guarded dict and cost a recompile on the next call.
@@ -255,9 +256,16 @@ class LoRAHook(ModuleHook):
         self._strength_tensor(device)
 
     def refresh(self, module: torch.nn.Module) -> None:
-        """Recompute the float32 weight residuals from the current strengths."""
+        """Recompute the float32 weight residuals from the current strengths.
+
+        An adapter at strength 0 is off, as in a merge (which drops it): its patches are
+        skipped, whatever their kind does at 0 (a DoRA still renormalizes W, a set gives 0).
+        """
         self.residuals = {}
         for leaf, cs in self.dense.items():
+            cs = [c for c in cs if self._strengths[c.adapter] != 0]
+            if not cs:
+                continue
             p = getattr(module, leaf)
             w = p.detach().float()
             out = apply_contributions(w.clone(), cs, self._strengths)
@@ -283,13 +291,16 @@ class LoRAHook(ModuleHook):
             follow(self)
             return g
         key = (generation(), request_scale_value())  # strengths, and this context's scale
-        if self._cache_key != key:
-            self._cached = self._product(device, request_scale(device))
-            self._cache_key = key
+        # (key, vector) read and written as one object: another thread may replace it at any
+        # moment, with its own scale's vector.
+        cached = self._cached
+        if self._cache_key != key or cached is None or cached[0] != key:
+            cached = (key, self._product(device, request_scale(device)))
+            self._cached, self._cache_key = cached, key
             if not following(self):  # a new object: no captured graph reads the old one
                 self._graph_scale = self._product(device, shared_request_scale(device))
                 self._graph_key = graph_key()
-        return self._cached
+        return cached[1]
 
     def refresh_graph_scale(self) -> None:
         """Rewrite the captured vector in place from the current strengths and shared scale."""

@@ -9,9 +9,10 @@ under one scale reads that scale whatever another thread sets later.
 Code traced by ``torch.compile`` or captured into a CUDA graph cannot look a value up per call.
 It reads one tensor per device that :func:`lora_scale` updates in place, so a compiled model or
 a captured graph follows a new scale without recompiling or re-capturing. That tensor holds the
-scale most recently set by any thread: under ``torch.compile`` or CUDA graphs the request scale
-is process-wide. Give concurrent requests of compiled models their own strengths (or models)
-instead.
+scale of the most recently opened scope still open, in any thread, task or generator (1 once
+none is): under ``torch.compile`` or CUDA graphs the request scale is process-wide, and
+:func:`~shuttle.scaled_stream` does not change that. Give concurrent requests of compiled models
+their own strengths (or models) instead.
 
 A CUDA graph replays without Python, so a layer captured in one cannot recompute its combined
 scales (``alpha/r * strength * request``) per replay without kernels of its own in the graph.
@@ -26,7 +27,7 @@ import contextlib
 import contextvars
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
@@ -41,7 +42,8 @@ _scale: contextvars.ContextVar[float] = contextvars.ContextVar("shuttle_lora_sca
 _lock = threading.Lock()
 _by_value: dict[tuple[torch.device, float], torch.Tensor] = {}  # eager: never written
 _shared: dict[torch.device, torch.Tensor] = {}  # compiled and captured code: written in place
-_shared_value = 1.0
+_shared_value = 1.0  # the scale of the most recently opened scope still open
+_open: dict[object, float] = {}  # open lora_scale scopes, in the order opened -> scale
 _generation = 0
 
 
@@ -142,26 +144,41 @@ def lora_scale(scale: float) -> Iterator[None]:
     only (compiled models and CUDA graphs: process-wide, see the module docs), without
     touching models.
 
+    The scale belongs to the :mod:`contextvars` context that enters the block. A generator
+    shares its caller's context, so a scope opened inside a generator (a streamed response)
+    stays in force for its caller while the generator is paused at a ``yield``: wrap such a
+    generator with :func:`~shuttle.scaled_stream` to keep the scale to the generator's own
+    steps.
+
     Raises:
         InvalidStrengthError: ``scale`` is not a finite number.
     """
     scale = float(check_strength(scale, f"lora_scale({scale!r})"))
     token = _scale.set(scale)
-    previous = _set_shared(scale)
+    scope = object()
+    _update_shared(lambda: _open.__setitem__(scope, scale))
     try:
         yield
     finally:
-        _scale.reset(token)
-        _set_shared(previous)
+        try:
+            _scale.reset(token)  # ValueError when closed in another context than it opened
+        finally:
+            _update_shared(lambda: _open.pop(scope))
 
 
-def _set_shared(value: float) -> float:
-    """Write ``value`` into the shared tensors; return the value they held."""
+def _update_shared(change: Callable[[], object]) -> None:
+    """Open or close a scope (``change`` edits ``_open``), then write the scale of the most
+    recently opened scope still open (1 when none is) into the shared tensors.
+
+    Scopes of different threads, tasks or generators close in any order: restoring the value
+    seen on entry would leave a closed scope's scale behind (A opens 0.5, B opens 2, A closes,
+    B closes: 0.5 with no scope open).
+    """
     global _shared_value
     with _lock:
-        previous, _shared_value = _shared_value, value
+        change()
+        previous, _shared_value = _shared_value, next(reversed(_open.values()), 1.0)
         for t in _shared.values():
-            t.fill_(value)
-    if value != previous:
+            t.fill_(_shared_value)
+    if _shared_value != previous:
         _refresh_followers()
-    return previous

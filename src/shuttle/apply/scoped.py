@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Literal
 
 import torch
@@ -78,6 +78,7 @@ def apply_lora(
     quality: Quality | None = None,
     auto_threshold: float = DEFAULT_THRESHOLD,
     strict: bool = False,
+    names: Sequence[str] | None = None,
 ) -> Iterator[MergeReport | DynamicAdapters | AutoReport]:
     """Apply adapters for the duration of a ``with`` block.
 
@@ -105,6 +106,7 @@ def apply_lora(
         strict: every adapter key must reach a parameter, else
             :class:`~shuttle.errors.UnmatchedKeysError` before the block runs (in dynamic
             mode the hooks just attached are detached first; no weight is ever written there).
+        names: with ``mode="dynamic"``, the adapters' names, as for :func:`~shuttle.attach_lora`.
 
     Yields:
         The :class:`~shuttle.MergeReport` (merge), the :class:`~shuttle.DynamicAdapters`
@@ -118,9 +120,13 @@ def apply_lora(
     """
     if mode not in MODES:
         raise InvalidOptionError(f"mode={mode!r}: apply_lora supports {', '.join(MODES)}")
+    if names is not None and mode != "dynamic":
+        raise InvalidOptionError(
+            f"names= with mode={mode!r}: names are for the handle of mode='dynamic' (or "
+            "attach_lora); leave names out")
     model = as_model(model)
     if mode == "dynamic":
-        handle = attach_lora(model, loras, quality=quality, mapping=mapping)
+        handle = attach_lora(model, loras, quality=quality, mapping=mapping, names=names)
         if strict and handle.unmatched:
             handle.detach()
             check_landed(MergePlan({}, dict(handle.unmatched), {}), strict=True)
