@@ -65,3 +65,12 @@ def test_demo_passes(capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["ok"] is True
     assert len(result["rows"]) == 6
+
+
+def test_python_dash_m_shuttle_runs_the_command_line():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "shuttle", "--version"], capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.strip() == f"shuttle {shuttle.__version__}"
