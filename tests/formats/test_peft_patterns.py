@@ -102,7 +102,12 @@ class TinyLM(nn.Module):
         self.model.layers = nn.ModuleList(Layer() for _ in range(12))
 
 
-def test_a_peft_adapter_with_regex_patterns_gets_peft_ranks_and_scales(tmp_path):
+@pytest.mark.parametrize("targets", [
+    ["q_proj", "k_proj", "v_proj", "up_proj"],
+    # a string: PEFT's re.fullmatch on the full module name; the file's keys then name them
+    r"model\.layers\.\d+\.(self_attn\.[qkv]_proj|mlp\.up_proj)",
+])
+def test_a_peft_adapter_with_regex_patterns_gets_peft_ranks_and_scales(tmp_path, targets):
     """PEFT saves an adapter with these keys and loads it back; shuttle gives every layer the
     rank and scale PEFT's load gives it (``layer.r``, ``layer.scaling``), so it picked the same
     key for each. Where several keys match, the first in the saved file wins (PEFT writes the
@@ -113,21 +118,19 @@ def test_a_peft_adapter_with_regex_patterns_gets_peft_ranks_and_scales(tmp_path)
     torch.manual_seed(0)
     cfg = peft.LoraConfig(
         r=2, lora_alpha=2, init_lora_weights=False,
-        target_modules=["q_proj", "k_proj", "v_proj", "up_proj"],
+        target_modules=targets,
         rank_pattern={r"layers\.\d+\.self_attn\.q_proj": 4, r"layers\.1[01]\.mlp\..*": 3},
         alpha_pattern={r"(q|k)_proj": 5.0, r"layers\.(1|10)\..*_proj": 7.0,
                        r"\d\.self_attn\.v_proj": 9.0})
     peft.get_peft_model(TinyLM(), cfg).save_pretrained(tmp_path / "ad")
     model = peft.PeftModel.from_pretrained(TinyLM(), tmp_path / "ad")
     lora = load_lora(tmp_path / "ad")
-    seen = 0
-    for name, layer in model.named_modules():
-        if isinstance(layer, peft.tuners.lora.LoraLayer):
-            (patch,) = lora.modules[name]
-            assert (patch.rank, patch.scale) == (layer.r["default"], layer.scaling["default"]), \
-                name
-            seen += 1
-    assert seen == 48
+    adapted = {name: layer for name, layer in model.named_modules()
+               if isinstance(layer, peft.tuners.lora.LoraLayer)}
+    assert len(adapted) == 48 and set(lora.modules) == set(adapted)
+    for name, layer in adapted.items():
+        (patch,) = lora.modules[name]
+        assert (patch.rank, patch.scale) == (layer.r["default"], layer.scaling["default"]), name
     assert {p.rank for _, p in lora.patches()} == {2, 3, 4}
     assert {p.scale for _, p in lora.patches()} >= {5 / 2, 5 / 4, 7 / 2, 9 / 2, 1.0}
 
