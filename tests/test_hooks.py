@@ -138,3 +138,18 @@ def test_a_deep_copy_of_a_hooked_module_runs_its_own_weights_and_hooks():
     remove_hook(twin)
     assert "forward" not in twin.__dict__ and torch.equal(twin(x), torch.ones(4, 2))
     assert hooks_of(lin)
+
+
+@pytest.mark.parametrize("name", ["running_mean", "num_batches_tracked"])
+def test_substituted_refuses_a_buffer_and_leaves_the_module(name):
+    from shuttle.hooks import substituted
+
+    bn = torch.nn.BatchNorm1d(3)
+    params, buffers = dict(bn._parameters), dict(bn._buffers)
+    keys = list(bn.state_dict())
+    with pytest.raises(ShuttleError, match=f"\\['{name}'\\] of BatchNorm1d are buffers"), \
+            substituted(bn, {"weight": torch.ones(3), name: torch.zeros(3)}):
+        pass
+    assert dict(bn._parameters) == params and dict(bn._buffers) == buffers
+    assert all(bn._parameters[k] is v for k, v in params.items())
+    assert list(bn.state_dict()) == keys

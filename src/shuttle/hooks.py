@@ -149,9 +149,16 @@ def substituted(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) ->
     parameter object itself is neither replaced nor written.
 
     Raises:
-        ShuttleError: a name that is not one of ``module``'s own parameters.
+        ShuttleError: a name that is not one of ``module``'s own parameters (a buffer, a
+            child's parameter, an unknown name); nothing was swapped.
     """
     table = module._parameters
+    buffers = [n for n in tensors if n not in table and n in module._buffers]
+    if buffers:
+        raise ShuttleError(
+            f"{buffers} of {type(module).__name__} are buffers, not parameters; substituted "
+            "swaps parameters only (a buffer's entry would become a second tensor of that "
+            "name). Pass parameter names, or assign the buffer itself.")
     missing = [n for n in tensors if n not in table]
     if missing:
         raise ShuttleError(f"{type(module).__name__} has no parameter(s) {missing} of its own "

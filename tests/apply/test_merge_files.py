@@ -380,3 +380,60 @@ def test_files_of_an_earlier_output_are_reported(tmp_path, caplog):
     caplog.clear()
     merge_files(base, [], tmp_path / "fresh.safetensors")
     assert "earlier output" not in caplog.text
+
+
+# -- the inputs' index, temporary names ----------------------------------------------------------
+
+@pytest.mark.parametrize("given_as", ["index", "folder", "shards"])
+def test_the_inputs_index_is_never_overwritten(tmp_path, caplog, given_as):
+    """A sharded base merged into its own folder under another shard count: no shard name
+    collides, only ``model.safetensors.index.json``, the inputs' own index (also when the base
+    is given by its shards, which that index names)."""
+    from shuttle.errors import OutputIsInputError
+
+    sharded = merge_files(_base(tmp_path, torch.float32), [], tmp_path / "ckpt",
+                          max_shard_bytes=4096)
+    assert len(sharded.files) > 2  # the output below has 2 shards: other names
+    before = {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()}
+    base = {"index": sharded.index, "folder": tmp_path / "ckpt",
+            "shards": [str(p) for p in sharded.files]}[given_as]
+    with pytest.raises(OutputIsInputError, match=r"model\.safetensors\.index\.json' would "
+                                                 "overwrite the input"):
+        merge_files(base, [], tmp_path / "ckpt", max_shard_bytes=16384)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()} == before
+    # one output file beside them replaces nothing, and the inputs are not called stale
+    caplog.clear()
+    merge_files(base, [], tmp_path / "ckpt" / "model.safetensors")
+    assert "earlier output" not in caplog.text
+
+
+def test_temporaries_carry_the_prefix_stale_ones_are_found_by(tmp_path, monkeypatch):
+    """While a sharded merge writes, its files (shards, then the index) exist only under
+    ``.shuttle-partial.`` names; an error removes them."""
+    from shuttle.formats import safetensors_writer
+    from shuttle.formats.safetensors_writer import TEMP_PREFIX
+
+    base = _base(tmp_path, torch.float32)
+    out = tmp_path / "out"
+    seen: list[list[str]] = []
+    real = safetensors_writer.SafetensorsWriter.write
+
+    def write(self, name, tensor):
+        seen.append(sorted(p.name for p in out.iterdir()))
+        return real(self, name, tensor)
+
+    monkeypatch.setattr(safetensors_writer.SafetensorsWriter, "write", write)
+    real_replace = merge_files_mod.os.replace
+
+    def replace(src, dst):
+        seen.append(sorted(p.name for p in out.iterdir()))
+        raise OSError("disk full")
+
+    monkeypatch.setattr(merge_files_mod.os, "replace", replace)
+    with pytest.raises(OSError, match="disk full"):
+        merge_files(base, [], out, max_shard_bytes=4096)
+    monkeypatch.setattr(merge_files_mod.os, "replace", real_replace)
+    assert seen and all(names and all(n.startswith(TEMP_PREFIX) for n in names)
+                        for names in seen), seen
+    assert any(n.endswith(".json") for n in seen[-1])  # the index's temporary too
+    assert list(out.iterdir()) == []

@@ -281,6 +281,25 @@ def test_mapping_places_keys_no_rule_knows(tmp_path, capsys):
         assert torch.equal(got[k].view(torch.int16), v.view(torch.int16)), k
 
 
+def test_mapping_rows_past_the_tensor_exit_2_saying_so(tmp_path, capsys):
+    """Layer 2 has 8 rows: rows 4:12 are past them, not an overlap with 0:4."""
+    _, base, _ = _files(tmp_path)
+    g = torch.Generator().manual_seed(2)
+    lora = tmp_path / "odd.safetensors"
+    save_file({f"{k}.lora_down.weight": torch.randn(2, 32, generator=g) for k in ("lo", "hi")} |
+              {"lo.lora_up.weight": torch.randn(4, 2, generator=g),
+               "hi.lora_up.weight": torch.randn(8, 2, generator=g)}, str(lora))
+    mapping = tmp_path / "mapping.json"
+    mapping.write_text(json.dumps({"lo": ["2", [0, 4]], "hi": ["2", [2, 10]]}))
+    out = tmp_path / "merged.safetensors"
+    assert main(["merge", "--base", str(base), "--lora", str(lora), "-o", str(out),
+                 "--mapping", str(mapping), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "'hi' is sent to rows 2:10 of '2.weight': past the tensor's 8 rows" in err, err
+    assert not out.exists()
+
+
 @pytest.mark.parametrize(("text", "why"), [
     ("[1, 2]", "expected a JSON object"), ("{nope", "is not JSON"),
     ('{"a": 3}', "the value of 'a'"), ('{"a": ["p", [0]]}', "the value of 'a'"),

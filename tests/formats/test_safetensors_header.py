@@ -99,6 +99,12 @@ CASES = {
     "wrong-span": (file({"a": {**f32(0, 2), "shape": [3]}}), "offsets span"),
     "past-the-end": (file({"a": f32(0, 2)}, 4), "the data section has 4"),
     "header-length-0": (struct.pack("<Q", 0) + bytes(8), "not valid JSON"),
+    # the shape limits: the most dimensions read, a product past 2**64 bytes
+    "dims-64": (file({"a": {"dtype": "F32", "shape": [1] * 63 + [2], "data_offsets": [0, 8]}}),
+                None),
+    "shape-past-2**64-bytes": (file({"a": {"dtype": "F32", "shape": [2**31, 2**31, 2],
+                                           "data_offsets": [0, 0]}}, 0),
+                               "beyond what torch can index"),
 }
 # Read by safetensors, refused by shuttle: one tensor given twice, identically (safetensors
 # keeps one), and a dtype torch has no type for.
@@ -106,6 +112,12 @@ STRICTER = {
     "tensor-twice-identical": (file(b"{" + A + b"," + A + b"}"), "'a' more than once"),
     "dtype-u16": (file({"a": {"dtype": "U16", "shape": [4], "data_offsets": [0, 8]}}),
                   "unknown dtype 'U16'"),
+    # no element, but torch cannot index the dims (safetensors' product stays 0)
+    "shape-0-2**40-2**40": (file({"a": {"dtype": "F32", "shape": [0, 2**40, 2**40],
+                                        "data_offsets": [0, 0]}}, 0),
+                            "beyond what torch can index"),
+    "dims-65": (file({"a": {"dtype": "F32", "shape": [1] * 65, "data_offsets": [0, 4]}}, 4),
+                "has 65 dimensions; shuttle reads at most 64"),
 }
 
 
@@ -172,3 +184,21 @@ def test_files_safetensors_writes_are_read(tmp_path):
     assert f.metadata == {"k": "v"}
     for k, t in tensors.items():
         assert torch.equal(f.read(k), t)
+
+
+@pytest.mark.parametrize("name", ["shape-0-2**40-2**40", "dims-65"])
+def test_a_shape_only_torch_refuses_is_not_blamed_on_safetensors(tmp_path, name):
+    path = tmp_path / "f.safetensors"
+    path.write_bytes(STRICTER[name][0])
+    with pytest.raises(CorruptFileError, match="safetensors library reads its header, but "
+                                               "torch cannot hold the tensor"):
+        SafetensorsFile(path)
+
+
+def test_the_most_dimensions_read_give_the_tensor(tmp_path):
+    import torch
+
+    path = tmp_path / "f.safetensors"
+    path.write_bytes(CASES["dims-64"][0])
+    t = SafetensorsFile(path).read("a")
+    assert t.shape == (1,) * 63 + (2,) and torch.equal(t.flatten(), torch.zeros(2))

@@ -519,3 +519,31 @@ def test_a_new_patch_kind_is_written_once_its_spelling_is_registered(tmp_path):
     finally:
         PATCH_KINDS.pop("test-halved-diff", None)
         writer.SPELLINGS.pop("test-halved-diff", None)
+
+
+def test_a_models_own_paths_keep_a_component_like_head(tmp_path):
+    """A model-level diffusers file (``save_lora_adapter``: a flat config, keys relative to the
+    model) whose paths start with ``transformer.`` (GPT-2's ``transformer.h``) is no pipeline
+    file: its keys are written as they are. A pipeline file of the same keys loses the prefix.
+    """
+    from safetensors.torch import save_file
+
+    from shuttle.formats.writer import pipeline_components
+
+    sd = {"transformer.h.0.attn.lora_A.weight": torch.randn(2, 4),
+          "transformer.h.0.attn.lora_B.weight": torch.randn(4, 2)}
+    flat = json.dumps({"r": 2, "lora_alpha": 4})
+    per_component = json.dumps({"transformer.r": 2, "transformer.lora_alpha": 4})
+    for name, meta in (("model", flat), ("pipeline", per_component)):
+        save_file(sd, tmp_path / f"{name}.safetensors", metadata={"lora_adapter_metadata": meta})
+    model_file = load_lora(tmp_path / "model.safetensors")
+    assert model_file.format == "peft" and pipeline_components(model_file) == {}
+    save_lora(model_file, tmp_path / "model", to="peft")
+    config = json.loads((tmp_path / "model" / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["transformer.h.0.attn"]
+
+    pipeline_file = load_lora(tmp_path / "pipeline.safetensors")
+    assert pipeline_components(pipeline_file) == {"transformer": 1}
+    save_lora(pipeline_file, tmp_path / "pipeline", to="peft")
+    config = json.loads((tmp_path / "pipeline" / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["h.0.attn"]

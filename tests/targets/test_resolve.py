@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
 
 import shuttle
-from shuttle.errors import DuplicateTargetError
+from shuttle.errors import DuplicateTargetError, ShapeMismatchError
 from shuttle.formats import LoRA
 from shuttle.patches import Diff, LowRank
 from shuttle.targets import ModelNames, resolve
@@ -445,3 +447,20 @@ def test_layers_peft_wrapped_take_the_update_in_their_base_layer():
     assert [(n.kind, n.keys) for n in report.notes] == [("peft-wrapped", ("q",))]
     with peft.disable_adapter():  # PEFT's own adapter off: shuttle's update alone
         torch.testing.assert_close(peft.base_model.model.q(x), x @ want_q.T + model.q.bias)
+
+
+@pytest.mark.parametrize(("rows", "why"), [
+    ((6, 14), "rows 6:14 of 'attn.fused.weight': past the tensor's 12 rows"),
+    ((12, 16), "rows 12:16 of 'attn.fused.weight': past the tensor's 12 rows"),
+    ((8, 4), "rows 8:4 of 'attn.fused.weight': an empty or reversed range"),
+    ((-2, 4), "rows -2:4 of 'attn.fused.weight': an empty or reversed range"),
+])
+def test_mapping_rows_past_the_tensor_say_so(rows, why):
+    """Not "overlapping rows": a range past the end also overlaps a neighbour's or the whole
+    tensor's, and the duplicate check would name the wrong mistake."""
+    model = tree({"attn.fused": lin(4, 12)})
+    lora = lora_of({"a": (8, 4), "b": (max(rows[1] - rows[0], 1), 4), "whole": (12, 4)})
+    for mapping in ({"a": ("attn.fused", (0, 8)), "b": ("attn.fused", rows)},
+                    {"whole": "attn.fused", "b": ("attn.fused", rows)}):
+        with pytest.raises(ShapeMismatchError, match=re.escape(why)):
+            resolve(lora, model, mapping=mapping)

@@ -5,8 +5,10 @@ input error (missing file, bad strength, shape, duplicate target, dtype or round
 before a byte is written. Then each base tensor is read, merged exactly as
 :func:`~shuttle.merge_lora` merges a parameter (the contributions applied in float32, rounded
 once, here to the output dtype) and streamed into its shard; memory holds one tensor at a time.
-Shards are written under temporary names next to the output and renamed only when all are
-complete, so a failure (a non-finite result, a full disk, Ctrl-C) never replaces a good output.
+Shards are written under temporary names next to the output (``.shuttle-partial.<name>...``, as
+every temporary file shuttle writes, so ``remove_stale_temps`` finds one a killed run left) and
+renamed only when all are complete, so a failure (a non-finite result, a full disk, Ctrl-C)
+never replaces a good output.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import json
 import logging
 import math
 import os
-import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -40,9 +41,10 @@ from shuttle.errors import (
     ShuttleError,
     UnmatchedKeysError,
 )
+from shuttle.formats.json_text import load_json
 from shuttle.formats.model_checkpoint import Checkpoint, open_checkpoint, refuse_overwrite
 from shuttle.formats.safetensors_file import LazyTensor
-from shuttle.formats.safetensors_writer import SafetensorsWriter
+from shuttle.formats.safetensors_writer import SafetensorsWriter, create_temp
 from shuttle.targets import KeyMapping
 from shuttle.version import __version__
 
@@ -171,11 +173,11 @@ def merge_files(
               for n, t in tensors.items()}
     shards = _shards(tensors, dtypes, max_shard_bytes)
     paths, index = _output_paths(Path(out), len(shards))
-    refuse_overwrite([*paths, *([index] if index else [])], [*ckpt.files, *_adapter_files(loras)])
+    inputs = [*ckpt.files, *_index_naming(index, ckpt.files), *_adapter_files(loras)]
+    refuse_overwrite([*paths, *([index] if index else [])], inputs)
     metadata = _metadata(ckpt.metadata, plan, out_dtype, rounding, seed)
 
     paths[0].parent.mkdir(parents=True, exist_ok=True)
-    token = uuid.uuid4().hex[:8]
     temps: list[Path] = []
     weight_map: dict[str, str] = {}
     total = sum(_nbytes(tensors[n].shape, dtypes[n]) for n in tensors)
@@ -183,7 +185,7 @@ def merge_files(
                disable=None if progress is None else not progress)
     try:
         for names, path in zip(shards, paths, strict=True):
-            temps.append(path.with_name(f".{path.name}.{token}.tmp"))
+            temps.append(create_temp(path))  # .shuttle-partial.<name>...: remove_stale_temps
             entries = {n: (dtypes[n], tensors[n].shape) for n in names}
             with SafetensorsWriter(temps[-1], entries, metadata) as writer:
                 for name in writer.order:
@@ -193,7 +195,7 @@ def merge_files(
                     weight_map[name] = path.name
                     bar.update(_nbytes(value.shape, value.dtype))
         if index is not None:
-            temps.append(index.with_name(f".{index.name}.{token}.tmp"))
+            temps.append(create_temp(index))
             ordered = {n: weight_map[n] for n in tensors}  # checkpoint order, not write order
             temps[-1].write_text(json.dumps(
                 {"metadata": {"total_size": total}, "weight_map": ordered}, indent=2) + "\n")
@@ -206,7 +208,7 @@ def merge_files(
         raise
     finally:
         bar.close()
-    _warn_stale(paths, index)
+    _warn_stale(paths, index, inputs)
     applied = [n for n in tensors if n in plan.params]
     return FileMergeReport(paths, index, applied, plan.unmatched, plan.skipped, total, metadata,
                            plan_notes(plan))
@@ -243,6 +245,20 @@ def _adapter_files(loras: AdapterList) -> list[Path]:
              for p in (e if isinstance(e, (list, tuple)) else [e])
              if isinstance(p, (str, os.PathLike))]
     return [f for p in paths for f in (sorted(p.iterdir()) if p.is_dir() else [p])]
+
+
+def _index_naming(index: Path | None, files: Sequence[Path]) -> list[Path]:
+    """``[index]`` when that file exists and names one of the input ``files`` (the base was
+    given as its shards): it is the inputs' own index, which the output's would replace.
+    """
+    if index is None or not index.is_file():
+        return []
+    try:
+        named = {(index.parent / v).resolve()
+                 for v in load_json(index.read_bytes())["weight_map"].values()}
+    except (ValueError, OSError, LookupError, TypeError, AttributeError):
+        return []  # no index of a checkpoint: not one of the inputs
+    return [index] if named & {Path(f).resolve() for f in files} else []
 
 
 def _nbytes(shape: torch.Size, dtype: torch.dtype) -> int:
@@ -386,14 +402,18 @@ def _check_range(value: torch.Tensor, w: torch.Tensor, out: torch.Tensor, name: 
     )
 
 
-def _warn_stale(paths: list[Path], index: Path | None) -> None:
-    """Warn about files of an earlier merge to the same name that this one did not replace."""
+def _warn_stale(paths: list[Path], index: Path | None, inputs: list[Path]) -> None:
+    """Warn about files of an earlier merge to the same name that this one did not replace
+    (never the inputs: the user would be told to delete them).
+    """
     first = paths[0]
     stem = first.name.removesuffix(".safetensors").rsplit("-00001-of-", 1)[0]
+    read = {p.resolve() for p in inputs}
     stale = sorted(p.name for p in first.parent.glob(f"{stem}-*-of-*.safetensors")
-                   if p not in paths)
+                   if p not in paths and p.resolve() not in read)
     old_index = first.parent / f"{stem}.safetensors.index.json"
-    if index is None and old_index.exists():
+    if index is None and old_index.exists() and old_index.resolve() not in read \
+            and not _index_naming(old_index, inputs):
         stale.insert(0, old_index.name)  # first: loaders that find an index follow it
     if stale:
         log.warning("%s holds %d file(s) of an earlier output that this merge did not replace "

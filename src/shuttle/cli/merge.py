@@ -7,13 +7,13 @@ error: exit status 2, nothing written. ``--strict`` makes any unmatched key one.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 from pathlib import Path
 
 from shuttle.apply.merge_files import OUTPUT_DTYPES, merge_files
 from shuttle.cli.args import dtype_arg
 from shuttle.cli.table import format_bytes
+from shuttle.formats.json_text import load_json
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -66,10 +66,10 @@ def parse_mapping(path: str) -> dict[str, str | tuple[str, tuple[int, int]]]:
         argparse.ArgumentTypeError: the file is missing, not JSON, or not such an object.
     """
     try:
-        data = json.loads(Path(path).read_text())
+        data = load_json(Path(path).read_bytes())
     except OSError as e:
         raise argparse.ArgumentTypeError(f"cannot read {path!r}: {e.strerror or e}") from None
-    except ValueError as e:
+    except ValueError as e:  # not JSON, not UTF-8, or nested too deep
         raise argparse.ArgumentTypeError(f"{path!r} is not JSON: {e}") from None
     if not isinstance(data, dict):
         raise argparse.ArgumentTypeError(

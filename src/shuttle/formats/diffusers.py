@@ -6,12 +6,12 @@ diffusers keeps in the safetensors header.
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
 from shuttle.errors import CorruptFileError
+from shuttle.formats.json_text import load_json
 from shuttle.formats.registry import register_format
 
 __all__ = ["METADATA_KEY", "configs_from_metadata"]
@@ -68,9 +68,9 @@ def configs_from_metadata(
     if raw is None:
         return None, {}
     try:
-        cfg = json.loads(raw)
+        cfg = load_json(raw)
         problem = None if isinstance(cfg, dict) else f"it holds a {type(cfg).__name__}"
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # not JSON, or nested too deep
         problem = f"invalid JSON: {e}"
     if problem is not None:
         raise CorruptFileError(

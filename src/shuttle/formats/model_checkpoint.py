@@ -10,7 +10,6 @@ together); or an in-memory state dict. Only headers are read: each tensor is a
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -23,6 +22,7 @@ from shuttle.errors import (
     CorruptFileError,
     OutputIsInputError,
 )
+from shuttle.formats.json_text import load_json
 from shuttle.formats.safetensors_file import SafetensorsFile
 from shuttle.formats.source import tensor_dict
 from shuttle.patches.patch import Tensorish
@@ -150,8 +150,8 @@ def _open_index(path: Path) -> tuple[dict[str, Tensorish], dict[str, str], list[
     if not path.is_file():
         raise AdapterFileError(f"{path}: no such file")
     try:
-        index = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        index = load_json(path.read_bytes())
+    except ValueError as e:  # not JSON, not UTF-8, or nested too deep
         raise CorruptFileError(f"{path}: not valid JSON ({e}); fix or download it again") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):

@@ -11,11 +11,11 @@ LoRA layer's own). Only the config tells them apart from a model checkpoint's ke
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
 from shuttle.errors import AdapterFormatError, UnsupportedFormatError
+from shuttle.formats.peft_patterns import compile_key
 from shuttle.formats.registry import register_format
 
 __all__ = ["PeftConfig"]
@@ -42,8 +42,8 @@ class PeftConfig:
         alpha: ``lora_alpha`` (LoRA) or ``alpha`` (LoHa/LoKr).
         use_rslora: scale is alpha / sqrt(r) instead of alpha / r.
         rank_pattern, alpha_pattern: per-module overrides; keys are regexes matched against the
-            module name as ``(.*\\.)?(key)$`` (PEFT's ``get_pattern_key``), the subset that
-            PEFT and diffusers write: see :func:`_compile`.
+            module name as ``(.*\\.)?(key)$`` (PEFT's ``get_pattern_key``), in linear time:
+            see :mod:`shuttle.formats.peft_patterns` for what is accepted.
         fan_in_fan_out: the layers store weights transposed (GPT-2 ``Conv1D``).
         modules_to_save: module names whose trained copies the file holds whole; a module
             matches as PEFT matches it, when its name (or a module above it) ends with one.
@@ -98,7 +98,7 @@ class PeftConfig:
         except (TypeError, ValueError) as e:
             raise AdapterFormatError(f"{where}: invalid field ({e}); fix the config file") from None
         for pat in (*cfg.rank_pattern, *cfg.alpha_pattern):
-            _compile(pat, where)  # refuse what cannot be matched safely, at load
+            compile_key(pat, where)  # refuse what cannot be matched safely, at load
         if d.get("target_parameters"):
             # ParamWrapper keys name the module, not the parameter (nested wrappers spell the
             # others as <module>.base_layer...), and the per-expert layout of the factors
@@ -147,7 +147,7 @@ class PeftConfig:
     def _pattern(self, table: dict[str, Any], module: str) -> Any:
         name = module.removeprefix("base_model.model.")
         for pat, value in table.items():
-            if _matches(_compile(pat), name):
+            if compile_key(pat).matches(name):
                 return value
         return None
 
@@ -209,91 +209,3 @@ def _alpha(value: Any, field: str, where: str) -> float:
 
 
 _FLOAT32_MAX = 3.4028234663852886e38
-
-# A pattern as alternatives, each (anchored at the start, [(atom, quantifier)]): an atom is a
-# character, or None for ``.``; a quantifier is "", "*", "+" or "?".
-_Alternative = tuple[bool, tuple[tuple[str | None, str], ...]]
-_SPECIAL = set("\\^$.|?*+()[]{}")
-
-
-@functools.lru_cache(maxsize=1024)
-def _compile(pat: str, where: str = "adapter_config.json") -> tuple[_Alternative, ...] | str:
-    """Parse a rank/alpha pattern into what :func:`_matches` runs in linear time.
-
-    PEFT runs ``re.match(rf"(.*\\.)?({pat})$", name)``; a backtracking engine takes
-    exponential time on patterns such as ``(a|aa)+b``, and the patterns come from the file. PEFT
-    and diffusers write plain module names (``down_blocks.0.attentions.0``), ``^``-anchored
-    ones and simple wildcards; this subset is matched exactly as ``re`` matches it: characters,
-    ``.``, ``\\`` escapes of punctuation, ``*``/``+``/``?`` after one of those, a leading ``^``
-    and a trailing ``$`` in each ``|`` alternative. A plain name (no special character) is
-    returned as it is and compared as a dotted suffix.
-
-    Raises:
-        AdapterFormatError: anything else (groups, classes, counted repeats, ...).
-    """
-    if not set(pat) & _SPECIAL:
-        return pat
-    alternatives = []
-    for alt in pat.split("|"):
-        anchored = alt.startswith("^")
-        body = alt[1:] if anchored else alt
-        atoms: list[tuple[str | None, str]] = []
-        i = 0
-        while i < len(body):
-            c = body[i]
-            if c == "\\" and i + 1 < len(body) and not body[i + 1].isalnum():
-                atoms.append((body[i + 1], ""))
-                i += 2
-            elif c == "$" and i == len(body) - 1:
-                i += 1
-            elif c in "*+?" and atoms and not atoms[-1][1]:
-                atoms[-1] = (atoms[-1][0], c)
-                i += 1
-            elif c == "." or c not in _SPECIAL:
-                atoms.append((None if c == "." else c, ""))
-                i += 1
-            else:
-                raise AdapterFormatError(
-                    f"{where}: rank_pattern/alpha_pattern key {pat!r} uses {c!r} at {i}, beyond "
-                    "the patterns shuttle matches (module names, '.', '.*', '*', '+', '?', a "
-                    "leading '^', '|'); rewrite the key as module names joined by '|'"
-                )
-        alternatives.append((anchored, tuple(atoms)))
-    return tuple(alternatives)
-
-
-def _matches(compiled: tuple[_Alternative, ...] | str, name: str) -> bool:
-    """``re.match(rf"(.*\\.)?({pat})$", name)`` for a pattern parsed by :func:`_compile`.
-
-    O(len(name) * len(pattern)) steps: a Thompson NFA (a set of states), no backtracking.
-    """
-    if isinstance(compiled, str):
-        return name == compiled or name.endswith("." + compiled)
-    for anchored, atoms in compiled:
-        n = len(atoms)
-
-        def closure(states: set[int], atoms=atoms, n=n) -> set[int]:
-            out, todo = set(states), list(states)
-            while todo:  # "*" and "?" may match nothing: skip to the next atom
-                j = todo.pop()
-                if j < n and atoms[j][1] in ("*", "?") and j + 1 not in out:
-                    out.add(j + 1)
-                    todo.append(j + 1)
-            return out
-
-        states: set[int] = set()
-        for pos, ch in enumerate(name):
-            if pos == 0 or (not anchored and name[pos - 1] == "."):
-                states = closure(states | {0})  # (.*\\.)? ends here: the pattern may start
-            step: set[int] = set()
-            for j in states:
-                if j < n and (atoms[j][0] == ch or (atoms[j][0] is None and ch != "\n")):
-                    step |= {j, j + 1} if atoms[j][1] in ("*", "+") else {j + 1}
-            states = closure(step)
-            if not states and (anchored or "." not in name[pos:]):
-                break
-        if not name or (not anchored and name[-1] == "."):
-            states = closure(states | {0})  # the pattern may also match the empty end
-        if n in states:
-            return True
-    return False

@@ -21,6 +21,7 @@ is a tensor name given twice with identical entries (safetensors keeps one).
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -111,9 +112,12 @@ def parse_header(raw: bytes, data_size: int, path: Path) -> tuple[dict[str, str]
     Raises:
         CorruptFileError: the header is refused (the message says why, in safetensors' terms).
     """
-    def corrupt(what: str) -> CorruptFileError:
-        return CorruptFileError(f"{path}: {what}. The file is truncated or corrupt (the "
-                                "safetensors library refuses it too); download or export it again.")
+    def corrupt(what: str, theirs: bool = True) -> CorruptFileError:
+        # theirs: the safetensors library refuses it too; else only torch cannot hold it
+        why = ("the safetensors library refuses it too" if theirs else
+               "the safetensors library reads its header, but torch cannot hold the tensor")
+        return CorruptFileError(f"{path}: {what}. The file is truncated or corrupt ({why}); "
+                                "download or export it again.")
 
     try:
         text = raw.decode("utf-8")  # strict: json.loads(bytes) would let encoded surrogates pass
@@ -178,12 +182,17 @@ def _entry(key: str, entry: object, data_size: int, corrupt) -> Entry:
                       f"{data_size}")
     if len(shape) > _MAX_DIMS:
         raise corrupt(f"tensor {key!r} has {len(shape)} dimensions; shuttle reads at most "
-                      f"{_MAX_DIMS}")
+                      f"{_MAX_DIMS}", theirs=False)
     count, extent = 1, 1  # extent: the dims without zeros, which torch must still index
     for d in shape:
         count, extent = count * d, extent * max(d, 1)
         if extent >= 2**63:
-            raise corrupt(f"tensor {key!r} has a shape {shape} beyond what torch can index")
+            # safetensors multiplies the dims in order, then by the item size, and refuses a
+            # product past 2**64 - 1 (a zero dim first keeps it 0)
+            products = [math.prod(shape[:j + 1]) for j in range(len(shape))]
+            theirs = max(products) >= 2**64 or products[-1] * dtype.itemsize >= 2**64
+            raise corrupt(f"tensor {key!r} has a shape {shape} beyond what torch can index",
+                          theirs=theirs)
     if count * dtype.itemsize != end - begin:
         raise corrupt(f"tensor {key!r} of shape {shape} and dtype {name} needs "
                       f"{count * dtype.itemsize} bytes but its offsets span {end - begin}")

@@ -8,7 +8,6 @@ state dict.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch
 
 from shuttle.errors import AdapterFileError, AdapterFormatError, CorruptFileError
 from shuttle.formats.diffusers import configs_from_metadata
+from shuttle.formats.json_text import load_json
 from shuttle.formats.safetensors_file import SafetensorsFile
 from shuttle.patches.patch import Tensorish
 
@@ -137,8 +137,8 @@ def _open_peft_dir(path: Path) -> AdapterSource:
     cfg_path = path / "adapter_config.json"
     if cfg_path.is_file():
         try:
-            src.config = json.loads(cfg_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            src.config = load_json(cfg_path.read_bytes())
+        except ValueError as e:  # not JSON, not UTF-8, or nested too deep
             raise CorruptFileError(f"{cfg_path}: not valid JSON ({e}); fix or re-save it") from None
     src.name = str(path)
     return src

@@ -8,6 +8,7 @@ anything is written.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable, Mapping
@@ -36,10 +37,63 @@ from shuttle.patches import (
 )
 from shuttle.patches.lowrank import split_blocks
 
-__all__ = ["SPELLINGS", "TARGETS", "register_spelling", "save_lora"]
+__all__ = ["PIPELINE_COMPONENTS", "SPELLINGS", "TARGETS", "pipeline_components",
+           "register_spelling", "save_lora"]
 
 Target = Literal["peft", "kohya", "comfy"]
 TARGETS: tuple[str, ...] = ("peft", "kohya", "comfy")
+
+# The pipeline components diffusers prefixes LoRA keys with (``_lora_loadable_modules`` of its
+# pipelines); a file's own per-component configs name more.
+PIPELINE_COMPONENTS = ("transformer", "transformer_2", "transformer_ref", "unet", "text_encoder",
+                       "text_encoder_2", "text_encoder_3", "connectors", "text_conditioner")
+
+
+def pipeline_components(lora: LoRA) -> dict[str, int]:
+    """Pipeline component -> how many module keys of ``lora`` lie under ``<component>.``.
+
+    A diffusers pipeline file (``save_lora_weights``) prefixes each key with the component it
+    adapts (``transformer.``, ``text_encoder.``, ...); keys under no such prefix count under
+    ``""``. Files of one model (PEFT, a model's ``save_lora_adapter`` with its flat config,
+    kohya, ...) have module paths that may start with such a word (GPT-2's ``transformer.h``),
+    so for them the result is ``{}``; a diffusers model file with a flat config reads as
+    ``peft``, one without any config cannot be told from a pipeline file.
+    """
+    if lora.format != "diffusers":
+        return {}
+    known = {*PIPELINE_COMPONENTS, *lora.component_configs}
+    counts: dict[str, int] = {}
+    for module in lora.modules:
+        head, dot, _ = module.partition(".")
+        component = head if dot and head in known else ""
+        counts[component] = counts.get(component, 0) + 1
+    return {} if set(counts) == {""} else counts
+
+
+def _one_component(lora: LoRA, component: str | None) -> tuple[LoRA, str]:
+    """The modules one PEFT directory holds, and the ``<component>.`` prefix they lose: a PEFT
+    adapter adapts one model, whose module paths do not start with a pipeline's component.
+    """
+    found = pipeline_components(lora)
+    listing = ", ".join(f"{c or '(no component)'} ({n} modules)" for c, n in sorted(found.items()))
+    if component is None:
+        if not found:
+            return lora, ""
+        if len(found) > 1:
+            raise UnsupportedFormatError(
+                f"the adapter holds modules of several pipeline components: {listing}; a PEFT "
+                "adapter adapts one model. Name the one to write: --component NAME "
+                "(save_lora(..., component=NAME)), once per component.")
+        component = next(iter(found))
+    elif component not in found or not component:
+        raise UnsupportedFormatError(
+            f"component={component!r}: the adapter has " +
+            (f"modules of {listing}; name one of those" if found else
+             "no pipeline components (its keys are one model's); leave component out"))
+    prefix = f"{component}."
+    return dataclasses.replace(
+        lora, modules={m: ps for m, ps in lora.modules.items() if m.startswith(prefix)}), prefix
+
 
 # Component prefixes and the kohya prefix each becomes.
 _KOHYA_OF_PREFIX = {
@@ -187,8 +241,9 @@ def _ia3(name: str, p: IA3, to: str, t: dict[str, torch.Tensor]) -> dict[str, to
 
 
 def _peft_names(lora: LoRA, mapping: Mapping[str, str] | None,
-                model: torch.nn.Module | None) -> dict[str, str]:
-    """Module key -> the module path PEFT keys need. kohya keys spell paths with ``_`` for
+                model: torch.nn.Module | None, component: str = "") -> dict[str, str]:
+    """Module key -> the module path PEFT keys need: the key less its pipeline ``component``
+    prefix, unless ``mapping`` or ``model`` name it. kohya keys spell paths with ``_`` for
     ``.`` (``lora_unet_down_blocks_0`` is ``down_blocks.0`` or ``down.blocks_0``): only a
     mapping, or the model the keys resolve against, names the modules.
     """
@@ -199,7 +254,8 @@ def _peft_names(lora: LoRA, mapping: Mapping[str, str] | None,
         for t in resolve(lora, model).targets:
             if t.rows is None and t.param.endswith((".weight", ".bias")):
                 names.setdefault(t.module_key, t.param.rpartition(".")[0])
-    return {module: names.get(module, module) for module in lora.modules}
+    return {module: names.get(module, module.removeprefix(component))
+            for module in lora.modules}
 
 
 def _check_path(module: str, path: str) -> None:
@@ -277,7 +333,7 @@ def _exact(module: str) -> str:
 
 def save_lora(lora: LoRA, path: str | os.PathLike[str], to: Target = "comfy", *,
               model: torch.nn.Module | None = None,
-              mapping: Mapping[str, str] | None = None) -> Path:
+              mapping: Mapping[str, str] | None = None, component: str | None = None) -> Path:
     """Write ``lora`` in the spelling of ``to``.
 
     Args:
@@ -288,6 +344,10 @@ def save_lora(lora: LoRA, path: str | os.PathLike[str], to: Target = "comfy", *,
         model: for ``peft`` only: the model the adapter is for; each module key is written
             under the module path it resolves to (needed for kohya names).
         mapping: for ``peft`` only: module key -> module path, before ``model``'s.
+        component: for ``peft`` only: of a diffusers pipeline file (keys ``transformer.``,
+            ``text_encoder.``, ... :func:`pipeline_components`), the component to write; its
+            prefix is dropped, as PEFT names modules inside the one model it adapts. Needed
+            when the file holds several components; one alone is taken without it.
 
     Files are written to a temporary name beside ``path`` (``.shuttle-partial.*``) and
     renamed, with the mode of any new file (0666 less the umask).
@@ -296,9 +356,10 @@ def save_lora(lora: LoRA, path: str | os.PathLike[str], to: Target = "comfy", *,
         The path of the written weight file.
 
     Raises:
-        UnsupportedFormatError: a patch has no spelling in ``to``, or (``peft``) a module has a
-            kohya name that neither ``model`` nor ``mapping`` turns into a path; nothing is
-            written.
+        UnsupportedFormatError: a patch has no spelling in ``to``; or (``peft``) a module has a
+            kohya name that neither ``model`` nor ``mapping`` turns into a path, the file holds
+            several pipeline components and ``component`` names none of them, or
+            ``component`` is given for a file without components; nothing is written.
         AdapterFileError: ``path`` is a directory or not ``*.safetensors`` (``kohya``/``comfy``),
             or a file (``peft``).
         ValueError: ``to`` is not one of :data:`TARGETS`.
@@ -309,7 +370,8 @@ def save_lora(lora: LoRA, path: str | os.PathLike[str], to: Target = "comfy", *,
             raise AdapterFileError(
                 f"{path}: is a file; --to peft writes a directory (adapter_model.safetensors + "
                 "adapter_config.json). Name a directory instead.")
-        tensors, config = _peft_tensors(lora, _peft_names(lora, mapping, model))
+        lora, prefix = _one_component(lora, component)
+        tensors, config = _peft_tensors(lora, _peft_names(lora, mapping, model, prefix))
         path.mkdir(parents=True, exist_ok=True)
         out = path / "adapter_model.safetensors"
         _save(tensors, out, lora)
@@ -322,6 +384,10 @@ def save_lora(lora: LoRA, path: str | os.PathLike[str], to: Target = "comfy", *,
         namer = lambda m: m.removeprefix("base_model.model.")  # noqa: E731
     else:
         raise ValueError(f"to={to!r}: expected one of {TARGETS}")
+    if component is not None:
+        raise UnsupportedFormatError(
+            f"component={component!r} is for to='peft' (one model's adapter); a {to} file "
+            "keeps every component under its own prefix. Leave component out.")
     if path.is_dir():
         raise AdapterFileError(
             f"{path}: is a directory; --to {to} writes one file. Name a .safetensors file, "

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from shuttle.errors import DuplicateTargetError
+from shuttle.errors import DuplicateTargetError, ShapeMismatchError
 from shuttle.formats import LoRA
 from shuttle.formats.kohya import KOHYA_PREFIXES
 from shuttle.patches import Patch, select_rows
@@ -95,6 +95,8 @@ def resolve(
         A :class:`Resolution`. Shapes are not checked here (merging does, before any write).
 
     Raises:
+        ShapeMismatchError: a row range (from ``mapping``) is empty or runs past its
+            parameter's rows.
         DuplicateTargetError: two module keys of ``lora`` reach the same parameter rows.
     """
     names = model if isinstance(model, ModelNames) else (
@@ -125,6 +127,7 @@ def resolve(
                 if place.source_rows is not None:
                     patch = select_rows(patch, *place.source_rows)
                 targets.append(Target(param, module, patch, place.rows))
+    _check_rows(targets, names)
     _check_duplicates(targets)
     return Resolution(targets, unmatched)
 
@@ -322,6 +325,25 @@ def _onto_live_fused(places: dict[str, list[_Place]], names: ModelNames,
 
 def _out_rows(lora: LoRA, module: str) -> int | None:
     return next((p.out_rows for p in lora.modules[module] if p.param == "weight"), None)
+
+
+def _check_rows(targets: list[Target], names: ModelNames) -> None:
+    """Each row range lies within its parameter: checked before overlaps, which a range past
+    the end would otherwise be reported as.
+    """
+    for t in targets:
+        if t.rows is None:
+            continue
+        (start, end), shape = t.rows, names.shapes[t.param]
+        rows = shape[0] if len(shape) else 0
+        if not 0 <= start < end <= rows:
+            where = (f"past the tensor's {rows} rows" if 0 <= start < end else
+                     "an empty or reversed range (start must be >= 0 and below end)")
+            raise ShapeMismatchError(
+                f"adapter key {t.module_key!r} is sent to rows {start}:{end} of {t.param!r}: "
+                f"{where}. Fix the row range that sends it there (mapping={{key: (path, "
+                f"(start, end))}}); the rows of {t.param!r} are 0:{rows}."
+            )
 
 
 def _check_duplicates(targets: list[Target]) -> None:
