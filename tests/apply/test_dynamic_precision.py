@@ -269,3 +269,21 @@ def test_lossless_on_fp16_factors_on_a_bf16_layer_stays_within_its_documented_bo
             with torch.no_grad(), shuttle.apply_lora(m, loras, mode="dynamic", quality=q):
                 errs[q] = _error(m.lin(x), ref)
         assert errs["lossless"] <= bound * errs["exact"], (seed, errs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quality", ["exact", "lossless", "fused"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [6, 200], ids=["decode", "prefill"])
+def test_gpu_fp16_factors_on_a_wider_linear_at_large_inputs(quality, dtype, tokens):
+    """On CUDA every tier takes its GPU path: the decode kernels (lossless's one-launch update
+    and fused's lora_decode_linear at 6 tokens), cuBLAS and the fused Triton kernels."""
+    g = torch.Generator().manual_seed(8)
+    m = _linear(dtype)
+    sd = _kohya("lin", 24, 32, 4, g, torch.float16)
+    x = (torch.randn(tokens, 32, generator=g) * BIG).to(dtype)
+    ref = _float64_output(m, sd, 0.8, lambda w: w.lin(x.double()))
+    m.cuda()
+    with torch.no_grad(), shuttle.apply_lora(m, [(sd, 0.8)], mode="dynamic", quality=quality):
+        got = m.lin(x.cuda()).cpu()
+    assert _error(got, ref) < TOL[dtype]
