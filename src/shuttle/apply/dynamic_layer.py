@@ -132,9 +132,8 @@ def _chain_dtype(*dtypes: torch.dtype, exact: bool = True) -> torch.dtype:
 
     With ``exact=False`` (the lossless and fused tiers) fp16 factors on a bf16 layer run in
     bf16: bf16 holds fp16's whole range, so nothing overflows; the factors lose 3 mantissa bits
-    once, at attach. Float32 factors
-    would cost more than twice the update's time: float32 GEMMs over x cast up, and an output
-    added out of place (docs/dynamic.md, "Dtypes").
+    once, at attach. Float32 factors would cost more than twice the update's time: float32
+    GEMMs over x cast up, and an output added out of place (docs/dynamic.md, "Dtypes").
     """
     out = first = dtypes[0]
     for d in dtypes[1:]:
@@ -397,11 +396,13 @@ class LoRAHook(ModuleHook):
         _, a, b, mesh = self._dt
         scale = DTensor.from_local(self._scale_vector(self.down.device), mesh,
                                    [Replicate()] * mesh.ndim, run_check=False)
-        cd = _chain_dtype(x.dtype, a.dtype)  # x is never narrowed to the factors' dtype
-        if cd != a.dtype:  # x wider than the stored factors
-            a, b = a.to(cd), b.to(cd)
-        h = F.linear(x.to(cd), a)
-        h = (h.float() * scale).to(b.dtype)
+        if x.dtype != a.dtype:  # x is never narrowed to the stored factors' dtype
+            cd = _chain_dtype(x.dtype, a.dtype)
+            if cd != a.dtype:
+                a, b = a.to(cd), b.to(cd)
+            x = x.to(cd)
+        h = F.linear(x, a)
+        h = (h * scale).to(b.dtype)  # a 16-bit h times the float32 scale: computed in float32
         return out + F.linear(h, b).to(out.dtype)
 
     def _exact(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -436,10 +437,12 @@ class LoRAHook(ModuleHook):
                             self.down, self.up, scale)
             return out
         down, up = self.down, self.up
-        cd = _chain_dtype(x.dtype, down.dtype)  # the stored factors are never narrower than x
-        if cd != down.dtype:  # x wider than the layer's dtype (a quantized layer's input)
-            down, up = down.to(cd), up.to(cd)
-        h = F.linear(x.to(cd), down)
+        if x.dtype != down.dtype:  # x is never narrowed to the stored factors' dtype
+            cd = _chain_dtype(x.dtype, down.dtype)
+            if cd != down.dtype:  # x wider than the layer's dtype (a quantized layer's input)
+                down, up = down.to(cd), up.to(cd)
+            x = x.to(cd)
+        h = F.linear(x, down)
         # h * scale computed in float32 and rounded once, in place (one kernel: type promotion
         # computes a bf16 * fp32 product in fp32).
         h = h.mul_(scale)
