@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import shuttle
-from shuttle.errors import MergedWeightError, ShuttleError
+from shuttle.errors import MergedWeightError, ShuttleError, UnsupportedModelError
 from shuttle.hooks import hooks_of
 from shuttle.train import accelerate, restore
 from tests.train import rel_err
@@ -604,3 +604,11 @@ def test_switching_the_trained_adapter_between_steps(calls):
         want, got = _grads(peft_model), _grads(fast)
         assert want and all(f".{name}." in n for n in want)
         assert max(rel_err(got[n], want[n]) for n in want) < 1e-12
+
+
+@pytest.mark.parametrize("model", [None, {"q_proj": None}], ids=["None", "dict"])
+@pytest.mark.parametrize("call", [accelerate, restore], ids=["accelerate", "restore"])
+def test_what_is_not_a_module_is_refused_by_name(call, model):
+    with pytest.raises(UnsupportedModelError, match=rf"{call.__name__}\(model\): model is a "
+                                                    r"\w+, not an nn.Module; pass the PEFT"):
+        call(model)

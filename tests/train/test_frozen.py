@@ -1,5 +1,6 @@
-"""frozen_linear: what a base layer reads as (plain, float8, a parametrized weight), and the
-typed refusals of what the fast path cannot treat as a frozen Linear."""
+"""frozen_linear: what a base layer reads as (plain, float8, a parametrized weight), the
+typed refusals of what the fast path cannot treat as a frozen Linear, and of an ``nn.Linear``
+passed to the training functions in its place."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from torch.nn.utils import parametrize
 
 from shuttle.errors import UnsupportedBaseError
-from shuttle.train import frozen_linear
+from shuttle.train import frozen_linear, lora_linear, lora_mlp, lora_projections
 from tests.train import linear
 
 
@@ -66,3 +67,20 @@ def _with(layer: torch.nn.Linear, bias_grad: bool = False,
         layer.weight = torch.nn.Parameter(torch.ones(layer.weight.shape, dtype=dtype),
                                           requires_grad=False)
     return layer
+
+
+@pytest.mark.parametrize("call", ["lora_linear", "lora_mlp", "lora_projections"])
+def test_an_nn_linear_given_as_the_base_is_refused_naming_frozen_linear(call):
+    x = torch.randn(3, 6, dtype=torch.float64)
+    a, b = torch.randn(2, 6, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+    raw, frozen = linear(6, 6), frozen_linear(linear(6, 6))
+    calls = {"lora_linear": lambda: lora_linear(x, raw, a, b, 1.0),
+             # the raw layer in the last place: every base is checked, not only the first
+             "lora_mlp": lambda: lora_mlp(x, "silu", (frozen, a, b, 1.0), (frozen, None, None,
+                                                                            1.0),
+                                          (raw, None, None, 1.0)),
+             "lora_projections": lambda: lora_projections(x, (frozen, a, b, 1.0),
+                                                          (raw, None, None, 1.0))}
+    with pytest.raises(UnsupportedBaseError, match=rf"{call}: .* Linear, not a FrozenLinear; "
+                                                   r"pass shuttle.train.frozen_linear\(layer\)"):
+        calls[call]()

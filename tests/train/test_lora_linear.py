@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shuttle.errors import TrainingError
 from shuttle.train import frozen_linear, lora_linear
 from tests.train import factors, linear, lora_ref, rel_err, wide
 
@@ -42,6 +43,24 @@ def test_float32_factors_on_a_bfloat16_base_get_float32_gradients():
     assert rel_err(a.grad, a64.grad) < 2e-2 and rel_err(x.grad, x64.grad) < 2e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp16_factors_on_a_wider_input_never_narrow_it(dtype):
+    """Inputs beyond fp16's range (3e5) with fp16 factors: the factors are cast to the input's
+    dtype, never the input to theirs (right before this test too: pinned)."""
+    layer = linear(24, 16, dtype)
+    a, b = factors(16, 24, 4, torch.float16)
+    x = (torch.randn(6, 24) * 3e5).to(dtype).requires_grad_()
+    y = lora_linear(x, frozen_linear(layer), a, b, 0.5)
+    y.sum().backward()
+    x64, a64, b64 = wide(x), wide(a), wide(b)
+    lora_ref(x64, layer, a64, b64, 0.5).sum().backward()
+    tol = 2e-6 if dtype == torch.float32 else 2e-2
+    assert y.dtype == dtype and a.grad.dtype == torch.float16
+    assert torch.isfinite(y).all() and torch.isfinite(x.grad).all()
+    assert rel_err(y, lora_ref(x64, layer, a64, b64, 0.5)) < tol
+    assert rel_err(x.grad, x64.grad) < tol
+
+
 def test_dropout_gradients_are_exact_and_the_mask_is_redrawn_not_saved():
     layer = linear(12, 8)
     a, b = factors(8, 12, 3)
@@ -68,7 +87,7 @@ def test_a_weight_changed_in_place_after_forward_raises_instead_of_a_wrong_gradi
     y = lora_linear(x, frozen_linear(layer), a, b, 1.0)
     with torch.no_grad():
         layer.weight.mul_(2)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+    with pytest.raises(TrainingError, match=r"\(8, 12\) was changed in place"):
         y.sum().backward()
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from shuttle.errors import TrainingError
 from shuttle.train import frozen_linear, lora_mlp
 from tests.train import factors, linear, lora_ref, rel_err, wide
 
@@ -85,3 +86,17 @@ def test_float32_factors_on_a_bfloat16_input_get_float32_gradients(on):
         if a is not None:
             assert a.grad.dtype == b.grad.dtype == torch.float32
             assert rel_err(a.grad, a64.grad) < 3e-2 and rel_err(b.grad, b64.grad) < 3e-2
+
+
+@pytest.mark.parametrize("changed", [0, 1, 2], ids=["gate", "up", "down"])
+def test_a_weight_changed_in_place_after_forward_raises_instead_of_a_wrong_gradient(changed):
+    layers = [linear(K, FF, bias=False), linear(K, FF), linear(FF, N, bias=False)]
+    x = torch.randn(3, K, dtype=torch.float64, requires_grad=True)
+    y = lora_mlp(x, "silu", *[(frozen_linear(lyr), *factors(lyr.out_features,
+                                                            lyr.in_features), 1.0)
+                              for lyr in layers])
+    with torch.no_grad():
+        layers[changed].weight.mul_(2)
+    shape = tuple(layers[changed].weight.shape)
+    with pytest.raises(TrainingError, match=rf"\({shape[0]}, {shape[1]}\) was changed in place"):
+        y.sum().backward()

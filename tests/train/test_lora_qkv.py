@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shuttle.errors import TrainingError
 from shuttle.train import frozen_linear, lora_projections
 from tests.train import factors, linear, lora_ref, rel_err, wide
 
@@ -107,3 +108,19 @@ def test_the_narrower_projections_gemms_are_queued_first(outs, first):
     assert mode.shapes[:len(first)] == first, mode.shapes
     for y, lyr, (a, b) in zip(ys, layers, facs, strict=True):
         torch.testing.assert_close(y, lora_ref(x, lyr, a, b, 0.5))
+
+
+@pytest.mark.parametrize("changed", [0, 1, 2], ids=["q", "k", "v"])
+@pytest.mark.parametrize("on", [(1, 1, 1), (1, 0, 0)], ids=["all", "q-only"])
+def test_a_weight_changed_in_place_after_forward_raises_instead_of_a_wrong_gradient(changed,
+                                                                                     on):
+    outs = (16, 8, 12)
+    layers = [linear(24, n) for n in outs]
+    facs = [factors(n, 24) if o else (None, None) for n, o in zip(outs, on, strict=True)]
+    x = torch.randn(3, 24, dtype=torch.float64, requires_grad=True)
+    ys = lora_projections(x, *[(frozen_linear(lyr), a, b, 1.0)
+                               for lyr, (a, b) in zip(layers, facs, strict=True)])
+    with torch.no_grad():
+        layers[changed].weight.mul_(2)
+    with pytest.raises(TrainingError, match=rf"\({outs[changed]}, 24\) was changed in place"):
+        sum(y.sum() for y in ys).backward()

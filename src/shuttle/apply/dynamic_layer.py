@@ -4,10 +4,19 @@ Low-rank patches on a Linear run in one of three tiers (x: (..., K), down_i: (r_
 up_i: (N, r_i), s_i = strength_i * alpha_i / r_i * request scale):
 
     exact     out = base(x); per adapter d = x @ down_i.T @ up_i.T, then d * (alpha/r), d * m,
-              d * request (each skipped when it is 1: x * 1.0 is exact), out = out + d.
-              Bit-identical to that reference chain; scales are Python floats.
+              d * request (each skipped when it is 1: x * 1.0 is exact), d rounded to out's
+              dtype once, out = out + d. The chain runs in torch.promote_types of x's dtype
+              and the factors' (cast to it): bf16 x with bf16 factors stays the bf16 chain
+              PEFT computes; an fp16 file on a float32 or bf16 layer runs in float32 (never
+              x cast to fp16: past 65504 that is inf). Bit-identical to that reference chain;
+              scales are Python floats.
     lossless  h = x @ down.T over all adapters' ranks concatenated (R = sum r_i), h *= s
               per rank column (float32), then out.addmm_(h, up.T) onto the base output.
+              The factors are stored at attach in the layer's compute dtype promoted by the
+              file's (a float32 file: float32 GEMMs; a bf16 file on an fp16 layer: float32),
+              except that an fp16 file on a bf16 layer is rounded to bf16, which holds fp16's
+              range (float32 GEMMs would more than double the update's cost). x is never cast
+              to a narrower dtype, here or in the fused and tensor-parallel forwards.
               On CUDA with at most 64 tokens (decode) one kernel does all of it in float32
               (shuttle.kernels.lora_decode): launches, not bytes, are the cost there.
     fused     S = (x @ down.T) * s in float32 (one kernel), then one kernel whose float32
@@ -16,9 +25,13 @@ up_i: (N, r_i), s_i = strength_i * alpha_i / r_i * request scale):
               the bias in one kernel (lora_decode_linear).
 
 Low-rank patches on Conv and Embedding layers go through the patch's own residual (its conv or
-lookup). Every other patch kind (LoHa, LoKr, diffs, norms, set, (IA)3, DoRA) and every other
-module is applied as a float32 weight residual ``R = patch(W) - W`` computed once per attach (and
-again when a strength changes): the forward uses ``W + request * R``.
+lookup), in the dtype the tier would use on a Linear (exact: the promotion of the input's, or an
+Embedding weight's, dtype and the factors'; lossless: the same, but an fp16 file on a bf16 layer
+in bf16), scaled there and rounded to the output's dtype once. Every other patch kind (LoHa,
+LoKr, diffs, norms, set, (IA)3, DoRA) and every other module is applied as a float32 weight
+residual ``R = patch(W) - W`` computed once per attach (and again when a strength changes): the
+forward uses ``W + request * R``, rounded to the weight's dtype once, so the activations meet
+only a weight of the layer's own dtype whatever the file's.
 """
 
 from __future__ import annotations
@@ -109,6 +122,24 @@ def layer_kind(module: torch.nn.Module) -> LayerKind:
         if kind is not None:
             return kind
     return _OTHER
+
+
+def _chain_dtype(*dtypes: torch.dtype, exact: bool = True) -> torch.dtype:
+    """The dtype a low-rank update multiplies activations and factors in: the promotion of the
+    activations' (or layer's) dtype, given first, and the factors' dtypes. Neither is narrowed:
+    bf16 with bf16 stays bf16, fp16 with float32 is float32, fp16 with bf16 is float32 (an
+    fp16 file on a bf16 layer: activations cast to fp16 would overflow past 65504).
+
+    With ``exact=False`` (the lossless and fused tiers) fp16 factors on a bf16 layer run in
+    bf16: bf16 holds fp16's whole range, so nothing overflows; the factors lose 3 mantissa bits
+    once, at attach. Float32 factors would cost more than twice the update's time: float32
+    GEMMs over x cast up, and an output added out of place (docs/dynamic.md, "Dtypes").
+    """
+    out = first = dtypes[0]
+    for d in dtypes[1:]:
+        if exact or not (first == torch.bfloat16 and d == torch.float16):
+            out = torch.promote_types(out, d)
+    return out
 
 
 def _plain_forward(module: torch.nn.Module, base: type[torch.nn.Module]) -> bool:
@@ -210,10 +241,13 @@ class LoRAHook(ModuleHook):
         w = module.weight
         spec = logical_spec(w)  # a quantized weight: its logical shape and compute dtype
         dtypes = {t.dtype for s in self.slots for t in (s.patch.up, s.patch.down)}
-        # A float32 adapter keeps float32 GEMMs; other factors run in the weight's dtype, a
-        # float8 weight's being bfloat16 (it computes cast up, see weights.upcast_on_use).
+        # The factors are kept in the layer's compute dtype (a float8 weight's is bfloat16: it
+        # computes cast up, see weights.upcast_on_use) promoted by the file's: a float32
+        # adapter keeps float32 GEMMs, an fp16 one on a float32 layer is widened; an fp16 one
+        # on a bf16 layer is rounded to bf16 (see _chain_dtype), a bf16 one on an fp16 layer
+        # kept in float32 (fp16 cannot hold bf16's range).
         wdtype = torch.bfloat16 if spec.dtype in FP8_DTYPES else spec.dtype
-        fdtype = torch.float32 if torch.float32 in dtypes else wdtype
+        fdtype = _chain_dtype(wdtype, *sorted(dtypes, key=str), exact=False)
         widths = [max(s.patch.rank, pad_rank or 0) for s in self.slots]
         total = sum(widths)
         self.down = torch.zeros(total, spec.shape[1], dtype=fdtype, device=w.device)
@@ -374,17 +408,23 @@ class LoRAHook(ModuleHook):
         _, a, b, mesh = self._dt
         scale = DTensor.from_local(self._scale_vector(self.down.device), mesh,
                                    [Replicate()] * mesh.ndim, run_check=False)
-        xf = x if x.dtype == a.dtype else x.to(a.dtype)
-        h = F.linear(xf, a)
-        h = (h.float() * scale).to(b.dtype)
+        if x.dtype != a.dtype:  # x is never narrowed to the stored factors' dtype
+            cd = _chain_dtype(x.dtype, a.dtype)
+            if cd != a.dtype:
+                a, b = a.to(cd), b.to(cd)
+            x = x.to(cd)
+        h = F.linear(x, a)
+        h = (h * scale).to(b.dtype)  # a 16-bit h times the float32 scale: computed in float32
         return out + F.linear(h, b).to(out.dtype)
 
     def _exact(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         req = request_scale_value()
         for slot in self.slots:
             up, down = slot.patch.factors()
-            xf = x if down.dtype == x.dtype else x.to(down.dtype)
-            d = xf @ down.T @ up.T
+            # The chain's dtype is never narrower than x's: an fp16 file on a float32 or bf16
+            # layer runs in float32 (x cast to fp16 would overflow past 65504 and lose bits).
+            cd = _chain_dtype(x.dtype, down.dtype, up.dtype)
+            d = x.to(cd) @ down.to(cd).T @ up.to(cd).T
             if slot.patch.effective_scale != 1:
                 d = d * slot.patch.effective_scale
             if self._strengths[slot.adapter] != 1:
@@ -408,15 +448,20 @@ class LoRAHook(ModuleHook):
             lora_decode_add(out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]),
                             self.down, self.up, scale)
             return out
-        xf = x if self.down.dtype == x.dtype else x.to(self.down.dtype)
-        h = F.linear(xf, self.down)
-        # h * scale computed in float32 and rounded once; in place (one kernel) when h already
-        # has the up factor's dtype (type promotion computes a bf16 * fp32 product in fp32).
-        h = h.mul_(scale) if h.dtype == self.up.dtype else (h.float() * scale).to(self.up.dtype)
-        if self.up.dtype != out.dtype or not out.is_contiguous() or not self.in_place:
-            return out + F.linear(h, self.up).to(out.dtype)
+        down, up = self.down, self.up
+        if x.dtype != down.dtype:  # x is never narrowed to the stored factors' dtype
+            cd = _chain_dtype(x.dtype, down.dtype)
+            if cd != down.dtype:  # x wider than the layer's dtype (a quantized layer's input)
+                down, up = down.to(cd), up.to(cd)
+            x = x.to(cd)
+        h = F.linear(x, down)
+        # h * scale computed in float32 and rounded once, in place (one kernel: type promotion
+        # computes a bf16 * fp32 product in fp32).
+        h = h.mul_(scale)
+        if up.dtype != out.dtype or not out.is_contiguous() or not self.in_place:
+            return out + F.linear(h, up).to(out.dtype)
         out2d = out.view(-1, out.shape[-1])
-        out2d.addmm_(h.reshape(-1, h.shape[-1]), self.up.T)
+        out2d.addmm_(h.reshape(-1, h.shape[-1]), up.T)
         return out
 
     def _fused_ok(self, module: torch.nn.Module, x: torch.Tensor | None) -> bool:
@@ -459,11 +504,14 @@ class LoRAHook(ModuleHook):
         """Conv / Embedding low-rank residuals through the patch's own op."""
         exact = self.quality == "exact"
         req = request_scale_value() if exact else request_scale(out.device)
+        # an Embedding's input holds indices: its chain starts from the weight's dtype
+        layer = x.dtype if x.is_floating_point() else module.weight.dtype
         for slot in self.slots:
-            r = slot.patch.residual(x, module).to(out.dtype)
+            dtype = _chain_dtype(layer, *(t.dtype for _, t in slot.patch.tensors()), exact=exact)
+            r = slot.patch.residual(x, module, dtype)
             m = self._strengths[slot.adapter] if exact else \
                 self._strength_tensor(out.device)[slot.adapter]
-            out = out + r * (m * req)
+            out = out + (r * (m * req)).to(out.dtype)  # scaled in the chain's dtype, rounded once
         return out
 
     # -- swapping --------------------------------------------------------------------------

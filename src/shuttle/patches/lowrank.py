@@ -149,31 +149,44 @@ class LowRank(Patch):
                    alpha=alpha)
         return weight
 
-    def residual(self, x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+    def residual(self, x: torch.Tensor, layer: torch.nn.Module,
+                 dtype: torch.dtype | None = None) -> torch.Tensor:
         """``scale * up(down(x))`` computed through the layer's own op, before strength.
 
         Supports Linear (and transposed Conv1D-style), Conv1d/2d/3d and Embedding layers.
+
+        Args:
+            x: the layer's input (an Embedding's: indices).
+            layer: the layer.
+            dtype: the dtype the chain runs in and returns (activations and factors are cast
+                to it). Default: the promotion of ``x``'s dtype (an Embedding's weight's) and
+                the factors' dtypes, so neither is narrowed: an fp16 file on a float32 or bf16
+                layer runs in float32.
         """
-        up, down = (materialize(t) for t in (self.up, self.down))
+        tensors = [materialize(t) for t in (self.up, self.down, self.mid) if t is not None]
+        if dtype is None:
+            dtype = x.dtype if x.is_floating_point() else layer.weight.dtype
+            for t in tensors:
+                dtype = torch.promote_types(dtype, t.dtype)
+        up, down, *mid = (t.to(dtype) for t in tensors)
         s = self.effective_scale
         if isinstance(layer, torch.nn.Embedding):
             # delta^T = down^T up^T: (vocab, r) @ (r, dim)
             h = F.embedding(x, down.T, layer.padding_idx)
             return (h @ up.T) * s
+        x = x.to(dtype)
         if isinstance(layer, torch.nn.modules.conv._ConvNd):
             spatial = layer.weight.dim() - 2
             conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[spatial]
             if self.mid is None:
                 k = down.reshape(down.shape[0], layer.in_channels, *layer.kernel_size)
-                h = conv(x, k.to(x.dtype), None, layer.stride, layer.padding, layer.dilation)
+                h = conv(x, k, None, layer.stride, layer.padding, layer.dilation)
             else:
                 d = down.reshape(down.shape[0], layer.in_channels, *([1] * spatial))
-                h = conv(x, d.to(x.dtype))
-                h = conv(h, materialize(self.mid).to(x.dtype), None, layer.stride,
-                         layer.padding, layer.dilation)
+                h = conv(conv(x, d), mid[0], None, layer.stride, layer.padding, layer.dilation)
             u = up.reshape(up.shape[0], up.shape[1], *([1] * spatial))
-            return conv(h, u.to(x.dtype)) * s
-        return F.linear(F.linear(x, down.flatten(1).to(x.dtype)), up.flatten(1).to(x.dtype)) * s
+            return conv(h, u) * s
+        return F.linear(F.linear(x, down.flatten(1)), up.flatten(1)) * s
 
 
 def split_blocks(up: torch.Tensor, rank: int) -> list[tuple[int, int]]:

@@ -30,7 +30,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from shuttle.errors import MergedWeightError, ShuttleError, UnsupportedBaseError
+from shuttle.errors import (
+    MergedWeightError,
+    ShuttleError,
+    UnsupportedBaseError,
+    UnsupportedModelError,
+)
 from shuttle.hooks import ModuleHook, add_hook, hooks_of, remove_hook
 from shuttle.kernels.gated import ACTIVATIONS, gated_forward_reference
 from shuttle.train.frozen import FrozenLinear, frozen_linear
@@ -351,6 +356,14 @@ def _activation(act: torch.nn.Module) -> str | None:
 
 # -- accelerate / restore --------------------------------------------------------------------
 
+def _check_model(model: object, where: str) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise UnsupportedModelError(
+            f"{where}(model): model is a {type(model).__name__}, not an nn.Module; pass the "
+            "PEFT LoRA model (peft.get_peft_model(...)) or any nn.Module holding PEFT LoRA "
+            "layers (a diffusers pipeline's denoiser: pipe.transformer or pipe.unet)")
+
+
 def _check_not_merged(model: torch.nn.Module) -> None:
     from shuttle.apply.scoped import merged_parameters
 
@@ -378,9 +391,11 @@ def accelerate(model: torch.nn.Module, *, mlp: bool = True, projections: bool = 
         What was patched and why the rest was not.
 
     Raises:
+        UnsupportedModelError: ``model`` is not an ``nn.Module``.
         MergedWeightError: a trainable weight is merged with an adapter right now.
         ShuttleError: the model is accelerated already (call :func:`restore` first).
     """
+    _check_model(model, "accelerate")
     if any(isinstance(h, _TrainHook) for m in model.modules() for h in hooks_of(m)):
         raise ShuttleError("the model is accelerated already; shuttle.train.restore(model) "
                            "first")
@@ -468,7 +483,12 @@ def accelerate(model: torch.nn.Module, *, mlp: bool = True, projections: bool = 
 
 
 def restore(model: torch.nn.Module) -> int:
-    """Remove every hook :func:`accelerate` installed on ``model``; returns how many."""
+    """Remove every hook :func:`accelerate` installed on ``model``; returns how many.
+
+    Raises:
+        UnsupportedModelError: ``model`` is not an ``nn.Module``.
+    """
+    _check_model(model, "restore")
     n = 0
     for module in model.modules():
         for hook in hooks_of(module):

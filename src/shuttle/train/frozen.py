@@ -12,7 +12,11 @@ A backward reads the weight its forward used: the functions save ``data`` (the s
 detached) with ``save_for_backward`` and rebuild the view with :meth:`FrozenLinear.with_data`,
 never reading the module's attribute again. A layer whose parameter is rebound in between (an
 offloaded block streamed again) is then still differentiated against the right weight, and one
-whose storage was overwritten raises autograd's in-place error rather than a wrong gradient.
+whose storage was overwritten in place raises :class:`~shuttle.errors.TrainingError` rather
+than give a wrong gradient: each function records the weights' version counters
+(:func:`versions`) and its backward compares them (:func:`check_unchanged`) before it reads
+anything (autograd's own check of the saved tensors stays behind it, and is what a compiled
+graph keeps).
 """
 
 from __future__ import annotations
@@ -22,11 +26,12 @@ from typing import Any
 
 import torch
 
-from shuttle.errors import UnsupportedBaseError
+from shuttle.errors import TrainingError, UnsupportedBaseError
 from shuttle.kernels.upcast import upcast
 from shuttle.weights.fp8 import FP8_DTYPES
 
-__all__ = ["COMPUTE_DTYPES", "FrozenLinear", "frozen_linear"]
+__all__ = ["COMPUTE_DTYPES", "FrozenLinear", "check_frozen", "check_unchanged", "frozen_linear",
+           "versions"]
 
 COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
@@ -116,3 +121,49 @@ def frozen_linear(layer: torch.nn.Module) -> FrozenLinear:
     if w.dtype not in COMPUTE_DTYPES:
         raise UnsupportedBaseError(f"a {w.dtype} weight")
     return FrozenLinear("plain", w.detach(), bias, n, k)
+
+
+def check_frozen(where: str, *bases: object) -> None:
+    """Raise unless every one of ``bases`` is a :class:`FrozenLinear` (what the training
+    functions take as a base layer).
+
+    Raises:
+        UnsupportedBaseError: a base that is not one (an ``nn.Linear`` passed as it is); the
+            message names ``where`` and the fix, :func:`frozen_linear`.
+    """
+    for base in bases:
+        if not isinstance(base, FrozenLinear):
+            raise UnsupportedBaseError(
+                f"{where}: a base layer is a {type(base).__name__}, not a FrozenLinear; pass "
+                "shuttle.train.frozen_linear(layer) for each frozen nn.Linear (it reads the "
+                "layer's weight and bias once, and checks that they are frozen)")
+
+
+def versions(bases: tuple[FrozenLinear, ...]) -> tuple[int, ...] | None:
+    """The version counters of ``bases``' stored weights, for :func:`check_unchanged` (None
+    while Dynamo traces: a traced graph keeps autograd's own check of the saved tensors).
+    """
+    if torch.compiler.is_compiling():
+        return None
+    return tuple(b.data._version for b in bases)
+
+
+def check_unchanged(where: str, bases: tuple[FrozenLinear, ...],
+                    before: tuple[int, ...] | None) -> None:
+    """Raise if a weight of ``bases`` was written in place since :func:`versions` gave
+    ``before`` (in the forward whose backward calls this).
+
+    Raises:
+        TrainingError: one was (a gradient taken now would be taken against the new values).
+    """
+    if before is None or torch.compiler.is_compiling():
+        return
+    for b, v in zip(bases, before, strict=True):
+        if b.data._version != v:
+            raise TrainingError(
+                f"{where}: the frozen base weight of shape ({b.out_features}, "
+                f"{b.in_features}) was changed in place between the forward and its backward "
+                "(an optimizer step, a merge or a load into it), so the gradients would be "
+                "taken against the new values. Run backward before changing base weights, or "
+                "give the layer a new tensor (layer.weight = nn.Parameter(new, "
+                "requires_grad=False)) instead of writing into the one in use.")

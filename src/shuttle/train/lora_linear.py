@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from shuttle.train.frozen import FrozenLinear
+from shuttle.train.frozen import FrozenLinear, check_frozen, check_unchanged, versions
 from shuttle.train.products import (
     adapted_product,
     as_rows,
@@ -65,11 +65,13 @@ class LoRALinearFunction(torch.autograd.Function):
         y = adapted_product(x2, base, h, b_, scale)  # the base GEMM last
         ctx.base, ctx.scale, ctx.dropout, ctx.seed = base, scale, dropout, seed
         ctx.param_dtypes = (a.dtype, b.dtype)
+        ctx.versions = versions((base,))
         ctx.save_for_backward(xd, h, a_, b_, base.data)
         return like_rows(y, x)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        check_unchanged("lora_linear", (ctx.base,), ctx.versions)
         xd, h, a_, b_, data = ctx.saved_tensors
         dy2 = as_rows(dy)
         grad_a = grad_b = dx = None
@@ -99,5 +101,10 @@ def lora_linear(x: torch.Tensor, base: FrozenLinear, a: torch.Tensor, b: torch.T
             dtype (gradients come back in it; products run in ``x``'s dtype).
         scale: the LoRA scale (``alpha / r``, or PEFT's ``scaling``).
         dropout: LoRA dropout probability on the adapter's input (0 outside training).
+
+    Raises:
+        UnsupportedBaseError: ``base`` is not a FrozenLinear (an ``nn.Linear`` as it is).
+        TrainingError: in backward, the base weight was changed in place since the forward.
     """
+    check_frozen("lora_linear", base)
     return LoRALinearFunction.apply(x, base, a, b, scale, dropout)

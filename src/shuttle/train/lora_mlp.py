@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from shuttle.kernels.gated import Activation, gated_backward, gated_forward
-from shuttle.train.frozen import FrozenLinear
+from shuttle.train.frozen import FrozenLinear, check_frozen, check_unchanged, versions
 from shuttle.train.products import (
     adapted_product,
     as_rows,
@@ -80,6 +80,7 @@ class LoRAMLPFunction(torch.autograd.Function):
             y = adapted_product(h, down, hd, bd_, sd)
         del h
         ctx.act, ctx.bases, ctx.scales, ctx.rg = act, (gate, up, down), (sg, su, sd), rg
+        ctx.versions = versions(ctx.bases)
         ctx.param_dtypes = [None if t is None else t.dtype for t in (ag, bg, au, bu, ad, bd)]
         ctx.save_for_backward(x2, e, g, hx, hd, a_in, cast.get(id(bg)), cast.get(id(bu)), ad_,
                               bd_, gate.data, up.data, down.data)
@@ -87,6 +88,7 @@ class LoRAMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        check_unchanged("lora_mlp", ctx.bases, ctx.versions)
         (x2, e, g, hx, hd, a_in, bg_, bu_, ad_, bd_, wg_data, wu_data, wd_data
          ) = ctx.saved_tensors
         gate, up, down = ctx.bases
@@ -155,5 +157,10 @@ def lora_mlp(x: torch.Tensor, act: Activation,
     for a projection without an adapter), with the hand-derived backward.
 
     ``act``: ``"silu"`` (SwiGLU), ``"gelu_tanh"`` or ``"gelu"`` (GeGLU).
+
+    Raises:
+        UnsupportedBaseError: a base is not a FrozenLinear (an ``nn.Linear`` as it is).
+        TrainingError: in backward, a base weight was changed in place since the forward.
     """
+    check_frozen("lora_mlp", gate[0], up[0], down[0])
     return LoRAMLPFunction.apply(x, act, *gate, *up, *down)

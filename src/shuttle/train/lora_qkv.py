@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from shuttle.train.frozen import FrozenLinear
+from shuttle.train.frozen import FrozenLinear, check_frozen, check_unchanged, versions
 from shuttle.train.products import (
     add_base,
     as_dtype,
@@ -87,6 +87,7 @@ class LoRAProjectionsFunction(torch.autograd.Function):
                 ys[i].addmm_(h, b.T, alpha=projs[i][3])
         outs = tuple(like_rows(y, x) for y in ys)
         ctx.projs = [(base, s) for base, _, _, s in projs]
+        ctx.versions = versions(tuple(base for base, _ in ctx.projs))
         ctx.lora, ctx.ranks, ctx.n = lora, ranks, n
         ctx.param_dtypes = {i: (projs[i][1].dtype, projs[i][2].dtype) for i in lora}
         ctx.save_for_backward(x2, hx, a_all, *bs, *(base.data for base, _, _, _ in projs))
@@ -95,6 +96,7 @@ class LoRAProjectionsFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *dys: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         n, lora, ranks = ctx.n, ctx.lora, ctx.ranks
+        check_unchanged("lora_projections", tuple(base for base, _ in ctx.projs), ctx.versions)
         saved = ctx.saved_tensors
         x2, hx, a_all = saved[:3]
         bs = saved[3:3 + len(lora)]
@@ -147,6 +149,11 @@ def lora_projections(x: torch.Tensor, *projections: Projection) -> tuple[torch.T
     """``x W_i^T + b_i + s_i x A_i^T B_i^T`` for each ``(base, A, B, scale)`` in
     ``projections`` (A and B None without an adapter), with one read of ``x`` for the adapters'
     shrinks and one saved copy of it, and the hand-derived backward.
+
+    Raises:
+        UnsupportedBaseError: a base is not a FrozenLinear (an ``nn.Linear`` as it is).
+        TrainingError: in backward, a base weight was changed in place since the forward.
     """
+    check_frozen("lora_projections", *(p[0] for p in projections))
     specs = [t for p in projections for t in p]
     return LoRAProjectionsFunction.apply(x, len(projections), *specs)
