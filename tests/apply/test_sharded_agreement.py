@@ -166,3 +166,49 @@ def test_stochastic_rounding_into_a_sharded_encoded_weight_is_refused(backend):
     want = [(None, True, True), ("stochastic", True, True),
             ("nearest", "UnmergeableWeightError", True)]
     assert run_ranks(_encoded_cases, 2, backend=backend) == [want, want]
+
+
+# -- an overflow on one rank's shard ------------------------------------------------------------
+
+def _overflow_cases(rank, world):
+    """A float16 merge whose update overflows only the rows rank 1 holds: per call, the error
+    each rank raised and whether its shards are unchanged."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from shuttle.errors import NonFiniteAdapterError, RankFailedError
+
+    def sharded() -> nn.Module:
+        model = _model().to(torch.float16)
+        mesh = init_device_mesh(rank_device().type, (world,))
+        with torch.no_grad():
+            model[0].weight[7:] = 65504.0  # float16's largest: rank 1's rows 7..12
+        for lin in model:
+            lin.weight = nn.Parameter(distribute_tensor(lin.weight.detach(), mesh, [Shard(0)]),
+                                      requires_grad=False)
+        return model
+
+    def scoped(m):
+        with shuttle.apply_lora(m, [(_adapter(), 200.0)], mode="merge"):
+            pass
+
+    out = []
+    for case, call in (("merge", lambda m: shuttle.merge_lora(m, [(_adapter(), 200.0)])),
+                       ("scoped", scoped)):
+        model = sharded()
+        before = [lin.weight.to_local().clone() for lin in model]
+        try:
+            call(model)
+            raised = None
+        except (NonFiniteAdapterError, RankFailedError) as e:
+            raised = type(e).__name__
+        out.append((case, raised, all(torch.equal(lin.weight.to_local(), b)
+                                      for lin, b in zip(model, before, strict=True))))
+    return out
+
+
+@pytest.mark.parametrize("backend", backends(2))
+def test_an_overflow_on_one_ranks_shard_leaves_every_rank_unchanged(backend):
+    ok = [(c, "RankFailedError", True) for c in ("merge", "scoped")]
+    failed = [(c, "NonFiniteAdapterError", True) for c in ("merge", "scoped")]
+    assert run_ranks(_overflow_cases, 2, backend=backend) == [ok, failed]

@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import logging
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -34,7 +34,7 @@ from shuttle.apply.plan import (
 )
 from shuttle.apply.recipe import MergeRecipe, find_recipe, remember_recipe
 from shuttle.apply.rounding import Rounding, check_rounding, merge_seed, merge_seeds, round_to
-from shuttle.apply.sharded import agreed, localize, merge_fingerprint
+from shuttle.apply.sharded import agreed, localize, merge_fingerprint, outcome_agreement
 from shuttle.apply.widen import narrow, widen_layers
 from shuttle.errors import NonFiniteAdapterError, ScopeOrderError, WideningError
 from shuttle.kernels import triton_available
@@ -263,7 +263,10 @@ def merge_plan(model: torch.nn.Module, plan: MergePlan, *, rounding: Rounding | 
     check_mergeable(plan, params)
     show = progress if progress is not None else len(plan.params) >= _PROGRESS_MIN_PARAMS
     nearest = rounding in (None, "nearest")
-    recipe = find_recipe(memo_of(model), plan, params) if nearest else None
+    # Sharded over ranks: the ranks agree after the phase that can overflow (below), which a
+    # replayed recipe has no place for.
+    agree = outcome_agreement(model)
+    recipe = find_recipe(memo_of(model), plan, params) if nearest and agree is None else None
     if recipe is not None and recipe.flags:  # an overflow possible: merged in phases instead
         recipe = None
     if recipe is not None:  # the same merge as before: its launches again (see apply.recipe)
@@ -279,7 +282,7 @@ def merge_plan(model: torch.nn.Module, plan: MergePlan, *, rounding: Rounding | 
                 elif name not in fused:
                     merge_param(params[name], name, plan.params[name], rounding, seed)
     else:
-        flags = _merge_plan(model, plan, params, rounding, seed, show, rollback)
+        flags = _merge_plan(model, plan, params, rounding, seed, show, rollback, agree)
     if any(bool(f) for f in flags.values()):  # not reached: _merge_plan checks its flags
         raise _overflowed(plan, params, flags)
 
@@ -303,14 +306,19 @@ _RESTORED = (" Nothing was changed: the parameters this call merged before it wa
 
 def _merge_plan(model: torch.nn.Module, plan: MergePlan, params: dict[str, torch.Tensor],
                 rounding: Rounding | None, seed: int | None,
-                show: bool, rollback: bool = True) -> dict[torch.device, torch.Tensor]:
+                show: bool, rollback: bool = True,
+                agree: Callable[[BaseException | None], None] | None = None
+                ) -> dict[torch.device, torch.Tensor]:
     """:func:`merge_plan`'s work where no recipe repeats it; returns the overflow flags, and
     remembers the launches as a recipe where they can be repeated (:mod:`shuttle.apply.recipe`).
 
     Parameters whose merge could overflow (:func:`_cannot_fail` false) are merged first, each
     copied just before its write (with ``rollback``); their overflow flags are read once
     after them, and any failure among them restores the copies. The rest cannot fail by
-    overflow: they are merged after, without a finiteness check and without a copy.
+    overflow: they are merged after, without a finiteness check and without a copy. On a
+    sharded model, ``agree`` (every rank calls it once, with its outcome of that first phase)
+    has the ranks learn whether any of them failed: then every rank restores its copies, so
+    an overflow on one rank's shard leaves no rank merged.
     """
     # Per device, one overflow flag that the fused kernel sets and this reads once after
     # the risky parameters (the kernel path cannot stop before a write without a host sync per
@@ -325,35 +333,44 @@ def _merge_plan(model: torch.nn.Module, plan: MergePlan, params: dict[str, torch
     seeds = _encoded_seeds(plan, params, rounding, seed)
     risky = [n for n in plan.params if not safe[n]]
     backups: dict[str, torch.Tensor | WeightRepresentation] = {}
+
+    def merge_one(name: str) -> None:
+        p, contribs = params[name], plan.params[name]
+        if rollback and not safe[name]:
+            backups[name] = copy_param(p)
+        bar.update()
+        if name in plan.draws:
+            merge_drawn(p, name, contribs, plan.draws[name], check=not safe[name])
+            return
+        fused = _fused_jobs(p, contribs) if nearest else None
+        if fused is None:
+            merge_param(p, name, contribs, rounding, seed, check=not safe[name],
+                        encoded_seed=seeds.get(name))
+            return
+        overflow = overflow_flag(p, contribs, flags, plan.memo)
+        if overflow is not None:
+            fused = [job._replace(overflow=overflow) for job in fused]
+        fused_names.append(name)
+        for job in fused:
+            if job.w is not p or not _plain_factors(job, contribs):
+                merges.stop_recording()  # a view or a copy: see apply.recipe
+            merges.add(job)
+
     with torch.no_grad(), exact_cublas(), \
             tqdm(total=len(plan.params), desc="merging", unit="param", disable=not show) as bar:
         try:
-            for names in (risky, [n for n in plan.params if safe[n]]):
-                for name in names:
-                    p, contribs = params[name], plan.params[name]
-                    if rollback and not safe[name]:
-                        backups[name] = copy_param(p)
-                    bar.update()
-                    if name in plan.draws:
-                        merge_drawn(p, name, contribs, plan.draws[name], check=not safe[name])
-                        continue
-                    fused = _fused_jobs(p, contribs) if nearest else None
-                    if fused is None:
-                        merge_param(p, name, contribs, rounding, seed, check=not safe[name],
-                                    encoded_seed=seeds.get(name))
-                        continue
-                    overflow = overflow_flag(p, contribs, flags, plan.memo)
-                    if overflow is not None:
-                        fused = [job._replace(overflow=overflow) for job in fused]
-                    fused_names.append(name)
-                    for job in fused:
-                        if job.w is not p or not _plain_factors(job, contribs):
-                            merges.stop_recording()  # a view or a copy: see apply.recipe
-                        merges.add(job)
-                if names is risky and flags:  # one sync, before any parameter without a copy
-                    merges.flush()
-                    if any(bool(f) for f in flags.values()):
-                        raise _overflowed(plan, params, flags)
+            failed: BaseException | None = None
+            try:
+                for name in risky:
+                    merge_one(name)
+            except Exception as e:  # noqa: BLE001 - raised below, once the ranks agree
+                if agree is None:
+                    raise
+                failed = e
+            _end_risky_phase(plan, params, flags, merges, agree, failed)
+            for name in plan.params:
+                if safe[name]:
+                    merge_one(name)
         except BaseException as e:
             merges.flush()  # launches queued before the failure complete, then are undone
             for name, saved in backups.items():
@@ -366,6 +383,28 @@ def _merge_plan(model: torch.nn.Module, plan: MergePlan, params: dict[str, torch
         recipe = MergeRecipe(plan, params, fused_names, merges.launches, flags)
         remember_recipe(memo_of(model), recipe, plan.adapters)
     return flags
+
+
+def _end_risky_phase(plan: MergePlan, params: dict[str, torch.Tensor],
+                     flags: dict[torch.device, torch.Tensor], merges: LowRankMerges,
+                     agree: Callable[[BaseException | None], None] | None,
+                     error: BaseException | None) -> None:
+    """After the parameters that may overflow (``error``: what one of them raised): one sync
+    for their flags (before any parameter without a copy), then, sharded, the ranks' agreement
+    on the outcome.
+
+    Raises:
+        NonFiniteAdapterError: a merge of this rank overflowed (or ``error``).
+        RankFailedError: another rank's did (sharded).
+    """
+    if error is None and flags:
+        merges.flush()
+        if any(bool(f) for f in flags.values()):
+            error = _overflowed(plan, params, flags)
+    if agree is not None:
+        agree(error)  # raises error here, RankFailedError on the ranks where nothing failed
+    if error is not None:
+        raise error
 
 
 def _encoded_seeds(plan: MergePlan, params: dict[str, torch.Tensor], rounding: Rounding | None,

@@ -51,7 +51,7 @@ from shuttle.patches.select_rows import select_rows
 from shuttle.weights.dtensor import is_dtensor, shard_window
 from shuttle.weights.plain import is_plain_tensor
 
-__all__ = ["agreed", "has_dtensors", "localize", "merge_fingerprint"]
+__all__ = ["agreed", "has_dtensors", "localize", "merge_fingerprint", "outcome_agreement"]
 
 T = TypeVar("T")
 
@@ -129,6 +129,31 @@ def _window(c: Contribution, window, shape: tuple[int, ...]) -> Contribution | N
     if len(shape) > 1 and not window.covers(1, shape[1]):
         patch = select_columns(patch, window.starts[1], window.stops[1], shape[1])
     return dataclasses.replace(c, patch=patch, rows=rows)
+
+
+def outcome_agreement(model: torch.nn.Module) -> Callable[[BaseException | None], None] | None:
+    """For a merge into ``model``'s DTensor parameters under a process group: a function every
+    rank calls once with its outcome of a phase of writes (the exception it raised, or None).
+    It returns only when no rank failed; otherwise it raises that exception on its own rank
+    and :class:`RankFailedError` on the others, so each rank undoes its writes. None elsewhere
+    (nothing to agree on).
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    params = dict(model.named_parameters())
+    if not has_dtensors(params):
+        return None
+
+    def agree(error: BaseException | None) -> None:
+        def outcome() -> None:
+            if error is not None:
+                raise error
+
+        agreed(params, outcome)
+
+    return agree
 
 
 def agreed(params: Mapping[str, torch.Tensor], validate: Callable[[], T],
