@@ -33,6 +33,7 @@ __all__ = ["DTYPES", "LazyTensor", "SafetensorsFile"]
 
 _MAX_HEADER = 100 * 2**20  # the safetensors format's own limit
 _READ_PIECE = 16 * 2**20  # smallest piece a large read is split into
+_CONVERT_PIECE = 16 * 2**20  # largest piece LazyTensor.load_converted reads at once
 _READERS = max(1, min(8, os.cpu_count() or 1))
 
 
@@ -75,6 +76,26 @@ class LazyTensor:
     def load_into(self, out: torch.Tensor) -> torch.Tensor:
         """Read the tensor into the CPU ``uint8`` buffer ``out``; returns its typed view."""
         return self._file.read_into(self.key, out)
+
+    def load_converted(self, out: torch.Tensor) -> torch.Tensor:
+        """Read the tensor into ``out`` (a CPU tensor of its shape, any dtype), converted to
+        ``out``'s dtype as ``copy_`` converts; returns ``out``.
+
+        The tensor is read a piece of rows (its first dimension) at a time, each piece into
+        memory of its own of at most 16 MiB (or one row, when a row is larger): the tensor never
+        exists whole in its stored dtype beside ``out``.
+        """
+        if tuple(out.shape) != tuple(self.shape):
+            raise ValueError(f"load_converted: out is {tuple(out.shape)}, {self.key!r} is "
+                             f"{tuple(self.shape)}")
+        if out.dim() == 0 or out.numel() == 0:
+            return out.copy_(self.load(copy=True))
+        rows = out.shape[0]
+        step = max(1, _CONVERT_PIECE // max(1, self.nbytes // rows))
+        for start in range(0, rows, step):
+            stop = min(start + step, rows)
+            out[start:stop].copy_(self.load_rows(start, stop))
+        return out
 
     def __repr__(self) -> str:
         return f"LazyTensor({self.key!r}, {tuple(self.shape)}, {self.dtype})"
