@@ -126,7 +126,8 @@ class HostUnit:
         """Point the unit's parameters (``.data``; identity kept) and buffers at ``views``.
 
         A parameter on the ``meta`` device (a model filled from its files) has no data to
-        re-point: it is replaced, once, by a parameter of ``views`` (tied names share it).
+        re-point: it is replaced, once, by a parameter of ``views`` (tied names share it); so
+        is a real one bound to ``meta`` views (such a model given back empty).
 
         A quantized parameter is rebound through its representation: its data and every side
         tensor (``quant_state``, scales) point at their views together.
@@ -141,7 +142,7 @@ class HostUnit:
                 table[b.name]._local_tensor = views[b.entry]
             elif b.is_param:
                 p = b.module._parameters[b.name]
-                if p.is_meta:  # no data to re-point: replaced once (tied names share it)
+                if p.is_meta != views[b.entry].is_meta:  # replaced once (tied names share it)
                     if id(p) not in real:
                         real[id(p)] = torch.nn.Parameter(views[b.entry], p.requires_grad)
                     b.module._parameters[b.name] = real[id(p)]
