@@ -10,6 +10,7 @@ outputs are compared after its tensors are copied into aligned memory.
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -164,10 +165,38 @@ def test_a_folder_without_a_pipeline_or_weights_is_refused(saved, tmp_path):
         shuttle_diffusers.from_pretrained(tmp_path, device="cpu")
 
 
-def test_a_missing_device_is_refused_before_anything_is_read(saved, monkeypatch):
-    folders, _, _ = saved
-    calls = reads(monkeypatch)
+def test_a_missing_device_is_refused_before_the_files_are_looked_at(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(DeviceUnavailableError):
-        shuttle_diffusers.from_pretrained(folders["single"], device="cuda")
-    assert calls == []
+        shuttle_diffusers.from_pretrained(tmp_path / "nowhere", device="cuda")
+
+
+def test_variant_files_beside_the_weights_are_not_read(saved, tmp_path, monkeypatch):
+    folders, latents, _ = saved
+    shutil.copytree(folders["single"], tmp_path, dirs_exist_ok=True)
+    vae = tmp_path / "vae"
+    (vae / "diffusion_pytorch_model.fp16.safetensors").write_bytes(b"not read")
+    (vae / "diffusion_pytorch_model.safetensors.index.fp16.json").write_text("not read")
+    pipe, handle = shuttle_diffusers.from_pretrained(tmp_path, device="cpu")
+    assert torch.equal(run_flux(pipe), latents)
+    handle.remove()
+
+
+def test_attention_blocks_saved_under_their_old_names_load(saved, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folders, _, pixels = saved
+    shutil.copytree(folders["single"], tmp_path, dirs_exist_ok=True)
+    path = tmp_path / "vae" / "diffusion_pytorch_model.safetensors"
+    old = {"to_q": "query", "to_k": "key", "to_v": "value", "to_out.0": "proj_attn"}
+    tensors = load_file(path)
+    renamed = {}
+    for k, v in tensors.items():
+        for new, before in old.items():
+            k = k.replace(f".attentions.0.{new}.", f".attentions.0.{before}.")
+        renamed[k] = v
+    assert "decoder.mid_block.attentions.0.query.weight" in renamed
+    save_file(renamed, path, metadata={"format": "pt"})
+    pipe, handle = shuttle_diffusers.from_pretrained(tmp_path, device="cpu")
+    assert torch.equal(run_flux(pipe, "pt"), pixels)
+    handle.remove()

@@ -192,8 +192,7 @@ def empty_model(folder: Path, model_cls: type | None, torch_dtype: torch.dtype |
     dtype = torch_dtype or _config_dtype(config) or read_dtype(tensors)
     key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
     with meta_parameters():
-        model = cls._from_config(config, **{key: dtype})
-    model.tie_weights()
+        model = cls._from_config(config, **{key: dtype})  # tied as its config says
     model.eval()
     prefix = getattr(model, "base_model_prefix", "")
     ignore = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
