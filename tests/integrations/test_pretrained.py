@@ -14,6 +14,7 @@ import torch
 
 from shuttle.errors import AdapterFileError
 from shuttle.integrations.pretrained import meta_parameters
+from tests.integrations import host_peak
 from tests.integrations.models import run_flux, tiny_flux, tiny_llama
 
 pytest.importorskip("transformers")
@@ -132,16 +133,8 @@ def test_hub_errors_are_typed(monkeypatch):
         shuttle_transformers.from_pretrained("owner/repo", device="cpu")
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_peak_host_memory_of_a_load_is_the_weights_once(tmp_path):
-    import ctypes
-    import gc
-
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -156,19 +149,12 @@ def test_peak_host_memory_of_a_load_is_the_weights_once(tmp_path):
     save_file({k: torch.randn(v.shape) for k, v in shapes.items()},  # ~72 MB
               tmp_path / "model.safetensors", metadata={"format": "pt"})
     config.save_pretrained(tmp_path)
-    # Memory freed so far goes back to the system, then the peak restarts from what is
-    # resident now: the peak of the load alone, which reused no freed pages.
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    base = _status("VmRSS:")
-    model, handle = shuttle_transformers.from_pretrained(tmp_path, device="cpu")
-    peak = _status("VmHWM:")
+    with host_peak() as peak:
+        model, handle = shuttle_transformers.from_pretrained(tmp_path, device="cpu")
     storage = handle.offloaders["model"].storage
     assert storage.weight_bytes >= sum(math.prod(v.shape) * 4 for v in shapes.values())
     assert storage.host_bytes <= 1.01 * storage.weight_bytes
     # The arenas once and a little more (Python objects, headers): no second copy.
-    assert peak - base <= 1.05 * storage.weight_bytes + 8 * 2**20, (peak - base,
-                                                                     storage.weight_bytes)
+    assert peak["bytes"] <= 1.05 * storage.weight_bytes + 8 * 2**20, (peak,
+                                                                       storage.weight_bytes)
     handle.remove()
