@@ -14,7 +14,7 @@ import torch
 
 from shuttle.errors import AdapterFileError
 from shuttle.integrations.pretrained import meta_parameters
-from tests.integrations import host_peak
+from tests.integrations import fake_hub, host_peak
 from tests.integrations.models import run_flux, tiny_flux, tiny_llama
 
 pytest.importorskip("transformers")
@@ -42,28 +42,6 @@ def test_meta_parameters_restores_registration_after_an_error():
     with pytest.raises(RuntimeError, match="boom"), meta_parameters():
         raise RuntimeError("boom")
     assert not torch.nn.Linear(2, 2).weight.is_meta
-
-
-def fake_hub(monkeypatch, repo, fetched):
-    """``huggingface_hub.snapshot_download`` serving ``repo`` (a folder) as ``owner/repo``:
-    it copies the files its patterns select into one snapshot folder, as the Hub's cache does,
-    and records them in ``fetched``."""
-    import huggingface_hub
-    from huggingface_hub.utils import filter_repo_objects
-
-    snapshot = repo.parent / "snapshot"
-
-    def snapshot_download(repo_id, *, revision=None, allow_patterns=None, ignore_patterns=None):
-        assert repo_id == "owner/repo" and revision == "v1"
-        files = [str(p.relative_to(repo)) for p in repo.rglob("*") if p.is_file()]
-        for f in filter_repo_objects(files, allow_patterns=allow_patterns,
-                                     ignore_patterns=ignore_patterns):
-            (snapshot / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(repo / f, snapshot / f)
-            fetched.add(f)
-        return str(snapshot)
-
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
 
 
 def test_a_hub_pipeline_fetches_only_its_components_safetensors(tmp_path, monkeypatch,

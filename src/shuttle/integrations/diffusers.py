@@ -25,11 +25,13 @@ from shuttle.integrations.blocks import find_block_lists
 from shuttle.integrations.handle import OffloadHandle, cache_for, check_device
 from shuttle.integrations.pretrained import (
     NO_CEILING,
+    file_tensors,
     folder_tensors,
     local_folder,
     match_sources,
     meta_parameters,
 )
+from shuttle.integrations.single_file import RowPieces, place_original
 from shuttle.integrations.transformers import empty_model
 from shuttle.offload.host_storage import HostBacking
 from shuttle.optional import import_optional
@@ -111,6 +113,7 @@ def from_pretrained(path_or_repo: str | os.PathLike[str], pipeline_cls: type | N
                     device: str | torch.device = "cuda", prefetch: int = 2,
                     blocks: Mapping[str, Sequence[str]] | None = None,
                     host: HostBacking = "pinned", revision: str | None = None,
+                    weights: Mapping[str, str | os.PathLike[str]] | None = None,
                     **components: Any) -> tuple[Any, OffloadHandle]:
     """Build a diffusers pipeline straight from its files and offload it.
 
@@ -132,6 +135,11 @@ def from_pretrained(path_or_repo: str | os.PathLike[str], pipeline_cls: type | N
             :func:`offload`; with neither ``max_host_bytes`` nor ``cache``, a cache without a
             ceiling.
         revision: the Hub revision of a repo id.
+        weights: component name -> a safetensors file to read its weights from instead of its
+            folder (which then gives only its config): an original single-file checkpoint
+            (``flux1-dev.safetensors``, ComfyUI's ``model.diffusion_model.`` keys), placed by
+            shuttle's family tables (:mod:`~shuttle.integrations.single_file`), or a file in
+            the model's own names.
         components: components to use as given instead of reading them (``scheduler=...``,
             or a module already loaded: it is offloaded from its own tensors).
 
@@ -161,8 +169,14 @@ def from_pretrained(path_or_repo: str | os.PathLike[str], pipeline_cls: type | N
     index = json.loads(index_file.read_text())
     parts = {n: v for n, v in index.items() if not n.startswith("_") and isinstance(v, list)
              and len(v) == 2 and v[0] is not None}
-    folder = local_folder(path_or_repo, revision, [f"{n}/*" for n in parts],
+    weights = dict(weights or {})
+    folder = local_folder(path_or_repo, revision,
+                          [f"{n}/config.json" if n in weights else f"{n}/*" for n in parts],
                           ["*.*.safetensors", "*.safetensors.index.*.json"])  # variants
+    unknown = sorted(set(weights) - set(parts))
+    if unknown:
+        raise OffloadError(f"weights= names {unknown}, which {folder}/model_index.json lacks; "
+                           f"its components are {sorted(parts)}")
     if pipeline_cls is None:
         pipeline_cls = getattr(diffusers, str(index.get("_class_name")), None)
         if pipeline_cls is None:
@@ -175,9 +189,11 @@ def from_pretrained(path_or_repo: str | os.PathLike[str], pipeline_cls: type | N
         if name in components or cls is None:
             continue  # given, or not a module: the pipeline loads it
         if issubclass(cls, diffusers.ModelMixin):
-            modules[name], sources[name] = _empty_model(cls, folder / name, torch_dtype)
+            modules[name], sources[name] = _empty_model(cls, folder / name, torch_dtype,
+                                                        weights.get(name))
         else:
-            modules[name], sources[name] = empty_model(folder / name, cls, torch_dtype)
+            modules[name], sources[name] = empty_model(folder / name, cls, torch_dtype,
+                                                       weights.get(name))
     pipe = pipeline_cls.from_pretrained(folder, **modules, **components)
     if max_host_bytes is None and cache is None:
         max_host_bytes = NO_CEILING
@@ -202,11 +218,13 @@ def _component_class(library: str, class_name: str) -> type | None:
     return cls if isinstance(cls, type) and issubclass(cls, torch.nn.Module) else None
 
 
-def _empty_model(cls: type, folder: Path, torch_dtype: torch.dtype | None
-                 ) -> tuple[torch.nn.Module, dict[str, LazyTensor]]:
+def _empty_model(cls: type, folder: Path, torch_dtype: torch.dtype | None,
+                 file: str | os.PathLike[str] | None = None
+                 ) -> tuple[torch.nn.Module, dict[str, LazyTensor | RowPieces]]:
     """A diffusers model of ``folder``'s config on ``meta``, and its file tensors: built as
     diffusers' ``from_pretrained`` builds it (under ``torch_dtype`` as the default dtype, its
-    float32 modules, old attention key names renamed).
+    float32 modules, old attention key names renamed); from ``file`` instead of the folder's
+    weights when given, original names placed by the family tables.
     """
     if not (folder / "config.json").is_file():
         raise AdapterFileError(f"{folder}: no config.json; pass a folder written by "
@@ -221,10 +239,13 @@ def _empty_model(cls: type, folder: Path, torch_dtype: torch.dtype | None
         torch.set_default_dtype(before)
     model.register_to_config(_name_or_path=str(folder))
     model.eval()
-    tensors = folder_tensors(folder)
-    fix = getattr(model, "_fix_state_dict_keys_on_load", None)
-    if fix is not None:  # VAE attention blocks saved under their old names
-        fix(tensors)
+    if file is None:
+        tensors = folder_tensors(folder)
+        fix = getattr(model, "_fix_state_dict_keys_on_load", None)
+        if fix is not None:  # VAE attention blocks saved under their old names
+            fix(tensors)
+    else:
+        tensors = place_original(model, file_tensors(file), str(file))
     keep = (cls._keep_in_fp32_modules or []) if torch_dtype is not None else []
     keep = [keep] if isinstance(keep, str) else keep
     return model, match_sources(

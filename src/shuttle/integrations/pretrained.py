@@ -39,8 +39,8 @@ from shuttle.formats.model_checkpoint import open_checkpoint
 from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.optional import import_optional
 
-__all__ = ["NO_CEILING", "folder_tensors", "local_folder", "match_sources", "meta_parameters",
-           "read_dtype"]
+__all__ = ["NO_CEILING", "file_tensors", "folder_tensors", "local_folder", "match_sources",
+           "meta_parameters", "read_dtype"]
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +103,16 @@ def folder_tensors(folder: Path) -> dict[str, LazyTensor]:
             + (f" (only {', '.join(others)}); convert them to safetensors first" if others
                else "; pass a folder written by save_pretrained"))
     return dict(open_checkpoint(indexes[0] if indexes else files[0]).tensors)  # type: ignore
+
+
+def file_tensors(file: str | os.PathLike[str]) -> dict[str, LazyTensor]:
+    """The tensors of one safetensors file (a component's weights given as a file), by key.
+
+    Raises:
+        AdapterFileError: no such file, or not a ``.safetensors`` file.
+        CorruptFileError: its header is inconsistent.
+    """
+    return dict(open_checkpoint(file).tensors)  # type: ignore[arg-type]
 
 
 def read_dtype(tensors: Mapping[str, LazyTensor]) -> torch.dtype:

@@ -27,6 +27,7 @@ from shuttle.integrations.blocks import find_block_lists
 from shuttle.integrations.handle import OffloadHandle, cache_for, check_device
 from shuttle.integrations.pretrained import (
     NO_CEILING,
+    file_tensors,
     folder_tensors,
     local_folder,
     match_sources,
@@ -169,9 +170,10 @@ def from_pretrained(path_or_repo: str | os.PathLike[str], model_cls: type | None
     return model, handle
 
 
-def empty_model(folder: Path, model_cls: type | None, torch_dtype: torch.dtype | None
-                ) -> tuple[Any, dict[str, LazyTensor]]:
-    """A transformers model of ``folder``'s config on ``meta``, and its file tensors.
+def empty_model(folder: Path, model_cls: type | None, torch_dtype: torch.dtype | None,
+                file: str | os.PathLike[str] | None = None) -> tuple[Any, dict[str, LazyTensor]]:
+    """A transformers model of ``folder``'s config on ``meta``, and its file tensors (those of
+    the folder's weights, or of ``file``).
 
     As transformers' ``from_pretrained`` builds it: the dtype (see :func:`from_pretrained`),
     float32 modules, tied weights, the generation config, ``eval()`` mode; checkpoint keys
@@ -188,7 +190,7 @@ def empty_model(folder: Path, model_cls: type | None, torch_dtype: torch.dtype |
                                "transformers model's save_pretrained")
     config = transformers.AutoConfig.from_pretrained(folder)
     cls = _model_class(transformers, config, model_cls, folder)
-    tensors = folder_tensors(folder)
+    tensors = folder_tensors(folder) if file is None else file_tensors(file)
     dtype = torch_dtype or _config_dtype(config) or read_dtype(tensors)
     key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
     with meta_parameters():
@@ -203,7 +205,7 @@ def empty_model(folder: Path, model_cls: type | None, torch_dtype: torch.dtype |
               if dtype in (torch.float16, torch.bfloat16) else ())]
     patterns = [re.compile(p.replace("*", ".*")) for p in fp32]  # as transformers matches them
     sources = match_sources(
-        model, tensors, str(folder), ignore=ignore,
+        model, tensors, str(folder if file is None else file), ignore=ignore,
         names=lambda k: (k, f"{prefix}.{k}", k.removeprefix(f"{prefix}.")) if prefix else (k,),
         float32=lambda n: any(p.search(n) for p in patterns))
     if (folder / "generation_config.json").is_file() and model.can_generate():
