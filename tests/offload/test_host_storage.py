@@ -271,7 +271,7 @@ def test_a_file_of_another_floating_dtype_is_converted_while_read(cpu_copy, tmp_
 
 
 def _recorded(read_rows, calls):
-    def wrapper(self, key, start, stop):
+    def wrapper(self, key, start, stop, out=None):
         calls.append((key, start, stop))
-        return read_rows(self, key, start, stop)
+        return read_rows(self, key, start, stop, out)
     return wrapper
