@@ -27,6 +27,9 @@ class WithBuffers(torch.nn.Module):
         self.register_buffer("inv_freq", 1.0 / 10 ** torch.arange(0, 4, 2).float(),
                              persistent=False)
         self.scale = torch.nn.Parameter(torch.ones(3), requires_grad=False)
+        tagged = torch.nn.Parameter(torch.ones(2))
+        tagged.tag = "kept"
+        self.tagged = tagged
 
 
 def test_meta_parameters_puts_parameters_on_meta_and_keeps_buffers_real():
@@ -34,6 +37,7 @@ def test_meta_parameters_puts_parameters_on_meta_and_keeps_buffers_real():
         m = WithBuffers()
     assert all(p.is_meta for p in m.parameters())
     assert type(m.linear.weight) is torch.nn.Parameter and not m.scale.requires_grad
+    assert m.tagged.tag == "kept" and m.tagged.requires_grad
     assert torch.equal(m.inv_freq, torch.tensor([1.0, 0.01]))
     assert not any(p.is_meta for p in WithBuffers().parameters())  # only inside the block
 

@@ -68,8 +68,12 @@ def meta_parameters() -> Iterator[None]:
         original(module, name, param)
         if param is not None and not param.is_meta:
             p = module._parameters[name]
-            kwargs = {**p.__dict__, "requires_grad": p.requires_grad}
-            module._parameters[name] = type(p)(p.to("meta"), **kwargs)
+            if type(p) is torch.nn.Parameter:
+                meta = torch.nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+                meta.__dict__.update(p.__dict__)  # attributes set on it stay
+            else:  # a subclass's fields are its constructor's keywords (as accelerate builds)
+                meta = type(p)(p.to("meta"), **{**p.__dict__, "requires_grad": p.requires_grad})
+            module._parameters[name] = meta
 
     torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
     try:

@@ -117,8 +117,9 @@ def place_original(model: torch.nn.Module, tensors: Mapping[str, LazyTensor], wh
     _check_used(pieces, where)
     for name, ps in pieces.items():
         if name in placed:
-            raise CheckpointMismatchError(f"{where}: {name!r} is both {name!r} and parts of "
-                                          f"{sorted({p.src.key for p in ps})} in the file")
+            raise CheckpointMismatchError(f"{where}: {name!r} is in the file under its own "
+                                          "name and also as parts of "
+                                          f"{sorted({p.src.key for p in ps})}; keep one")
         (p, *more) = ps
         whole = (not more and name in expected
                  and tuple(p.src.shape) == tuple(expected[name].shape)
