@@ -17,6 +17,7 @@ __all__ = [
     "BudgetTooSmallError",
     "CacheError",
     "CheckpointError",
+    "CheckpointMismatchError",
     "CorruptFileError",
     "DuplicateResourceKeyError",
     "DuplicateTargetError",
@@ -88,6 +89,12 @@ class UnsupportedFormatError(AdapterFormatError):
 class CheckpointError(ShuttleError, ValueError):
     """Two checkpoints cannot be turned into an adapter as asked (a parameter only in the base
     with ``strict``, a changed integer tensor, no parameter that differs, names that collide).
+    """
+
+
+class CheckpointMismatchError(ShuttleError, ValueError):
+    """A model's checkpoint files do not fit the model built from its config: tensors the model
+    has no place for (beyond those its library ignores), or of another shape.
     """
 
 

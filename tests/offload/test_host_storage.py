@@ -230,6 +230,48 @@ def test_a_meta_tensor_without_a_file_or_with_another_dtype_is_refused(tmp_path)
     with pytest.raises(HostBackingError, match=r"blocks\.1\.up\.weight is on the meta device"):
         HostStorage(model, groups(model), sources=missing)
     with torch.device("meta"):
-        half = TinyDiT(dtype=torch.bfloat16)
-    with pytest.raises(HostBackingError, match="build the model with the checkpoint's"):
-        HostStorage(half, groups(half), sources=sources)
+        model = TinyDiT()
+    model.norm.weight.data = torch.empty(32, dtype=torch.float8_e4m3fn, device="meta")
+    with pytest.raises(HostBackingError, match="norm.weight.*build the model with the checkp"):
+        HostStorage(model, groups(model), sources=sources)  # float8 needs scales: no cast
+    with torch.device("meta"):
+        model = TinyDiT()
+    model.blocks[0].up.weight.data = torch.empty(2, 32, device="meta")
+    with pytest.raises(HostBackingError, match=r"blocks\.0\.up\.weight.*\(128, 32\)"):
+        HostStorage(model, groups(model), sources=sources)
+
+
+@pytest.mark.parametrize("host", ["pinned", "adopt"])
+def test_a_file_of_another_floating_dtype_is_converted_while_read(cpu_copy, tmp_path, host,
+                                                                    monkeypatch):
+    import shuttle.formats.safetensors_file as sf
+
+    ref = TinyDiT()
+    file = _saved(ref, tmp_path)  # float32
+    monkeypatch.setattr(sf, "_CONVERT_PIECE", 300)  # several pieces per tensor
+    reads = []
+    monkeypatch.setattr(sf.SafetensorsFile, "read_rows", _recorded(sf.SafetensorsFile.read_rows,
+                                                                   reads))
+    with torch.device("meta"):
+        model = TinyDiT(dtype=torch.bfloat16)
+    off = ModelOffloader.from_module(model, blocks=["blocks", "single"], host=host,
+                                     sources={k: file.tensor_ref(k) for k in file})
+    expected = {k: v.to(torch.bfloat16) for k, v in ref.state_dict().items()}
+    assert {k: v.dtype for k, v in model.state_dict().items()} == {
+        k: torch.bfloat16 for k in expected}
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())
+    # embed.weight is 64 x 32 float32 (8 KiB): read 2 rows (256 B) at a time, never whole
+    embed = [(a, b) for key, a, b in reads if key == "embed.weight"]
+    assert embed == [(i, i + 2) for i in range(0, 64, 2)]
+    x = torch.randint(0, 64, (2, 9))
+    half = TinyDiT(dtype=torch.bfloat16)
+    half.load_state_dict(ref.state_dict())
+    with torch.no_grad(), off.use("cpu", StreamConfig(prefetch=1)) as m:
+        assert torch.equal(m(x), half(x))
+
+
+def _recorded(read_rows, calls):
+    def wrapper(self, key, start, stop, out=None):
+        calls.append((key, start, stop))
+        return read_rows(self, key, start, stop, out)
+    return wrapper

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from shuttle.errors import CacheError
 from shuttle.formats import LoRA, load_lora
+from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.formats.source import Source
 from shuttle.offload import ModelOffloader
 from shuttle.offload.host_storage import HostBacking
@@ -107,6 +108,9 @@ class ModelSpec:
         estimated_bytes: host bytes to reserve before building (None: reserve nothing).
         blocks: dotted paths of block lists that may stream (see ``ModelOffloader``).
         host: ``"pinned"`` (page-locked copies) or ``"adopt"`` (keep the CPU tensors).
+        sources: qualified tensor name -> its tensor in a safetensors file: the factory's
+            model may be built on the ``meta`` device and is filled from there (see
+            :class:`~shuttle.offload.HostStorage`).
 
     The built value is the offloader. Its bytes are the host bytes it allocated
     (``storage.host_bytes``) with ``"pinned"``, and the weight bytes it keeps alive with
@@ -118,6 +122,7 @@ class ModelSpec:
     estimated_bytes: int | None = None
     blocks: tuple[str, ...] = ()
     host: HostBacking = "pinned"
+    sources: Mapping[str, LazyTensor] | None = dataclasses.field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.blocks, str):
@@ -148,7 +153,8 @@ class ModelSpec:
         # One step: from_module copies unit by unit but reports no progress of its own yet.
         with tqdm(total=weights, unit="B", unit_scale=True, desc=f"pinning {self.key}",
                   disable=True if weights < PROGRESS_MIN_BYTES else None) as bar:
-            off = ModelOffloader.from_module(model, blocks=self.blocks, host=self.host)
+            off = ModelOffloader.from_module(model, blocks=self.blocks, host=self.host,
+                                             sources=self.sources)
             bar.update(weights)
         logger.info("built model %r: %d weight bytes, %d host bytes (%s, %d pinned) in %.2f s",
                     self.key, off.storage.weight_bytes, off.storage.host_bytes, self.host,

@@ -33,6 +33,7 @@ __all__ = ["DTYPES", "LazyTensor", "SafetensorsFile"]
 
 _MAX_HEADER = 100 * 2**20  # the safetensors format's own limit
 _READ_PIECE = 16 * 2**20  # smallest piece a large read is split into
+_CONVERT_PIECE = 16 * 2**20  # largest piece LazyTensor.load_converted reads at once
 _READERS = max(1, min(8, os.cpu_count() or 1))
 
 
@@ -66,15 +67,39 @@ class LazyTensor:
     def nbytes(self) -> int:
         return self.shape.numel() * self.dtype.itemsize
 
-    def load_rows(self, start: int, stop: int) -> torch.Tensor:
+    def load_rows(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``[start, stop)`` of the tensor (along its first dimension) in memory of their
-        own, reading only their bytes (a rank's shard of a row-sharded weight).
+        own, or read into the CPU ``uint8`` buffer ``out``, reading only their bytes (a rank's
+        shard of a row-sharded weight, a fused weight's part).
         """
-        return self._file.read_rows(self.key, start, stop)
+        return self._file.read_rows(self.key, start, stop, out)
 
     def load_into(self, out: torch.Tensor) -> torch.Tensor:
         """Read the tensor into the CPU ``uint8`` buffer ``out``; returns its typed view."""
         return self._file.read_into(self.key, out)
+
+    def load_converted(self, out: torch.Tensor, rows: tuple[int, int] | None = None
+                       ) -> torch.Tensor:
+        """Read the tensor (or its rows ``[start, stop)`` along the first dimension) into
+        ``out`` (a CPU tensor of that shape, any dtype), converted to ``out``'s dtype as
+        ``copy_`` converts; returns ``out``.
+
+        The rows are read a piece at a time, each piece into memory of its own of at most
+        16 MiB (or one row, when a row is larger): the tensor never exists whole in its stored
+        dtype beside ``out``.
+        """
+        start, stop = rows if rows is not None else (0, self.shape[0] if self.shape else 0)
+        want = (stop - start, *self.shape[1:]) if rows is not None else tuple(self.shape)
+        if tuple(out.shape) != want:
+            raise ValueError(f"load_converted: out is {tuple(out.shape)}, {want} expected "
+                             f"for {self.key!r}")
+        if out.dim() == 0 or out.numel() == 0:
+            return out.copy_(self.load(copy=True)) if rows is None else out
+        step = max(1, _CONVERT_PIECE // max(1, self.nbytes // self.shape[0]))
+        for a in range(start, stop, step):
+            b = min(a + step, stop)
+            out[a - start:b - start].copy_(self.load_rows(a, b))
+        return out
 
     def __repr__(self) -> str:
         return f"LazyTensor({self.key!r}, {tuple(self.shape)}, {self.dtype})"
@@ -201,9 +226,12 @@ class SafetensorsFile:
             flat = flat.clone()  # unaligned offset: a dtype view needs an aligned start
         return flat.view(dtype).reshape(shape)
 
-    def read_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+    def read_rows(self, key: str, start: int, stop: int,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``[start, stop)`` of tensor ``key`` (its first dimension), read into memory of
-        their own: the bytes of those rows only (a row-major tensor keeps them together).
+        their own, or into ``out`` (a CPU ``uint8`` buffer of at least their size; the typed
+        view of it is returned): the bytes of those rows only (a row-major tensor keeps them
+        together).
 
         Raises:
             ShuttleError: ``[start, stop)`` is not a row range of the tensor (or it is 0-d).
@@ -214,9 +242,17 @@ class SafetensorsFile:
                                f"{tuple(shape)}) are not a row range of it")
         row = (end - begin) // shape[0] if shape[0] else 0
         part = (stop - start,) + tuple(shape[1:])
+        n = (stop - start) * row
+        if out is not None and (out.dtype != torch.uint8 or out.device.type != "cpu"
+                                or out.numel() < n):
+            raise ValueError(f"read_rows: out must be a CPU uint8 buffer of at least {n} "
+                             f"bytes, got {out.dtype} {tuple(out.shape)}")
         if row == 0 or stop == start:
-            return torch.empty(part, dtype=dtype)
-        return self._read_copy(begin + start * row, begin + stop * row).view(dtype).reshape(part)
+            empty = torch.empty(0, dtype=torch.uint8) if out is None else out[:0]
+            return empty.view(dtype).reshape(part)
+        raw = self._read_copy(begin + start * row, begin + stop * row,
+                              None if out is None else out[:n])
+        return raw.view(dtype).reshape(part)
 
     def _map(self) -> mmap.mmap:
         try:

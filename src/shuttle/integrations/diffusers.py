@@ -9,20 +9,34 @@ other components move whole.
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from shuttle.cache import ModelCache
-from shuttle.errors import OffloadError
+from shuttle.errors import AdapterFileError, OffloadError
+from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.integrations.blocks import find_block_lists
-from shuttle.integrations.handle import OffloadHandle, cache_for
+from shuttle.integrations.handle import OffloadHandle, cache_for, check_device
+from shuttle.integrations.pretrained import (
+    NO_CEILING,
+    file_tensors,
+    folder_tensors,
+    local_folder,
+    match_sources,
+    meta_parameters,
+)
+from shuttle.integrations.single_file import RowPieces, place_original
+from shuttle.integrations.transformers import empty_model
 from shuttle.offload.host_storage import HostBacking
 from shuttle.optional import import_optional
 
-__all__ = ["DENOISERS", "ENTRY_METHODS", "offload"]
+__all__ = ["DENOISERS", "ENTRY_METHODS", "from_pretrained", "offload"]
 
 # Component names whose block lists stream by default (prefixes: ``transformer_2`` too).
 DENOISERS = ("transformer", "unet")
@@ -46,7 +60,8 @@ class _ExecutionDevice:
 def offload(pipe: Any, max_host_bytes: int | None = None, *, cache: ModelCache | None = None,
             vram_budget: int | None = None, device: str | torch.device = "cuda",
             prefetch: int = 2, blocks: Mapping[str, Sequence[str]] | None = None,
-            host: HostBacking = "pinned") -> OffloadHandle:
+            host: HostBacking = "pinned",
+            sources: Mapping[str, Mapping[str, LazyTensor]] | None = None) -> OffloadHandle:
     """Put every ``nn.Module`` component of ``pipe`` under one shuttle cache.
 
     Args:
@@ -62,6 +77,8 @@ def offload(pipe: Any, max_host_bytes: int | None = None, *, cache: ModelCache |
         blocks: component name -> block-list paths to stream, replacing the automatic choice
             for the names given (``[]``: move that component whole).
         host: ``"pinned"`` (page-locked copies) or ``"adopt"`` (keep the CPU tensors).
+        sources: component name -> (qualified tensor name -> its tensor in a safetensors
+            file), for components built on ``meta`` (see :func:`from_pretrained`).
 
     Returns:
         The handle: ``set_loras``, ``deactivate``, ``remove`` (exact detach).
@@ -87,4 +104,150 @@ def offload(pipe: Any, max_host_bytes: int | None = None, *, cache: ModelCache |
     return OffloadHandle(modules, paths, cache=cache, device=device, prefetch=prefetch,
                          vram_budget=vram_budget, host=host, methods=methods,
                          attrs={"_hf_hook": _ExecutionDevice(torch.device(device))},
-                         key_prefix=f"{type(pipe).__name__}@{id(pipe):x}")
+                         key_prefix=f"{type(pipe).__name__}@{id(pipe):x}", sources=sources)
+
+
+def from_pretrained(path_or_repo: str | os.PathLike[str], pipeline_cls: type | None = None, *,
+                    torch_dtype: torch.dtype | None = None, vram_budget: int | None = None,
+                    max_host_bytes: int | None = None, cache: ModelCache | None = None,
+                    device: str | torch.device = "cuda", prefetch: int = 2,
+                    blocks: Mapping[str, Sequence[str]] | None = None,
+                    host: HostBacking = "pinned", revision: str | None = None,
+                    weights: Mapping[str, str | os.PathLike[str]] | None = None,
+                    **components: Any) -> tuple[Any, OffloadHandle]:
+    """Build a diffusers pipeline straight from its files and offload it.
+
+    Every ``nn.Module`` component named in ``model_index.json`` is built on ``meta`` from its
+    config (buffers real), and its weights are read once from its folder's safetensors (one
+    file, or an index and its shards) into shuttle's host storage: no full CPU copy of the
+    pipeline is made. Tokenizers, schedulers and the like load as diffusers loads them.
+
+    Args:
+        path_or_repo: a folder written by ``save_pretrained``, or a Hub repo id (fetched with
+            ``huggingface_hub``: ``model_index.json`` and the components' folders, safetensors
+            weights only).
+        pipeline_cls: the pipeline class; None: ``model_index.json``'s ``_class_name``.
+        torch_dtype: the dtype of the floating-point weights (files of another floating dtype
+            are converted while read). None: as ``DiffusionPipeline.from_pretrained``, float32
+            for diffusers models and the config's dtype for transformers models. Modules
+            their library keeps in float32 (``_keep_in_fp32_modules``) stay float32.
+        vram_budget, max_host_bytes, cache, device, prefetch, blocks, host: as for
+            :func:`offload`; with neither ``max_host_bytes`` nor ``cache``, a cache without a
+            ceiling.
+        revision: the Hub revision of a repo id.
+        weights: component name -> a safetensors file to read its weights from instead of its
+            folder (which then gives only its config): an original single-file checkpoint
+            (``flux1-dev.safetensors``, ComfyUI's ``model.diffusion_model.`` keys), placed by
+            shuttle's family tables (:mod:`~shuttle.integrations.single_file`), or a file in
+            the model's own names.
+        components: components to use as given instead of reading them (``scheduler=...``,
+            or a module already loaded: it is offloaded from its own tensors).
+
+    Returns:
+        ``(pipe, handle)``: ``pipe(...)`` works unchanged; :meth:`OffloadHandle.remove` leaves
+        the components built here on ``meta``.
+
+    Raises:
+        MissingDependencyError: diffusers or transformers (or huggingface_hub, for a repo id)
+            is missing.
+        AdapterFileError: no such folder or repo, no ``model_index.json``, or a component
+            without config or safetensors weights.
+        CheckpointMismatchError: file tensors a component lacks (beyond those its library
+            ignores) or of another shape.
+        MissingParameterError: a parameter that no file of its component holds.
+        OffloadError: a pipeline or component class the installed diffusers lacks.
+        Whatever :func:`offload` raises (budgets, devices).
+    """
+    diffusers = import_optional("diffusers", "shuttle.integrations.diffusers",
+                                "pip install diffusers")
+    check_device(device)
+    folder = local_folder(path_or_repo, revision, ["model_index.json"])
+    index_file = folder / "model_index.json"
+    if not index_file.is_file():
+        raise AdapterFileError(f"{folder}: no model_index.json; pass a folder written by a "
+                               "diffusers pipeline's save_pretrained")
+    index = json.loads(index_file.read_text())
+    parts = {n: v for n, v in index.items() if not n.startswith("_") and isinstance(v, list)
+             and len(v) == 2 and v[0] is not None}
+    weights = dict(weights or {})
+    folder = local_folder(path_or_repo, revision,
+                          [f"{n}/config.json" if n in weights else f"{n}/*" for n in parts],
+                          ["*.*.safetensors", "*.safetensors.index.*.json"])  # variants
+    unknown = sorted(set(weights) - set(parts))
+    if unknown:
+        raise OffloadError(f"weights= names {unknown}, which {folder}/model_index.json lacks; "
+                           f"its components are {sorted(parts)}")
+    if pipeline_cls is None:
+        pipeline_cls = getattr(diffusers, str(index.get("_class_name")), None)
+        if pipeline_cls is None:
+            raise OffloadError(f"{folder}: diffusers {diffusers.__version__} has no pipeline "
+                               f"{index.get('_class_name')!r}; upgrade it or pass pipeline_cls=")
+    modules: dict[str, torch.nn.Module] = {}
+    sources: dict[str, dict[str, LazyTensor]] = {}
+    for name, (library, class_name) in parts.items():
+        cls = _component_class(library, class_name)
+        if name in components or cls is None:
+            continue  # given, or not a module: the pipeline loads it
+        if issubclass(cls, diffusers.ModelMixin):
+            modules[name], sources[name] = _empty_model(cls, folder / name, torch_dtype,
+                                                        weights.get(name))
+        else:
+            modules[name], sources[name] = empty_model(folder / name, cls, torch_dtype,
+                                                       weights.get(name))
+    pipe = pipeline_cls.from_pretrained(folder, **modules, **components)
+    if max_host_bytes is None and cache is None:
+        max_host_bytes = NO_CEILING
+    handle = offload(pipe, max_host_bytes, cache=cache, vram_budget=vram_budget, device=device,
+                     prefetch=prefetch, blocks=blocks, host=host, sources=sources)
+    return pipe, handle
+
+
+def _component_class(library: str, class_name: str) -> type | None:
+    """The class of a ``nn.Module`` component (None for tokenizers, schedulers, ...).
+
+    Raises:
+        OffloadError: a module class the installed library lacks.
+    """
+    if library not in ("diffusers", "transformers"):
+        return None  # a custom pipeline's own module: diffusers loads it
+    lib = import_optional(library, "shuttle.integrations.diffusers", f"pip install {library}")
+    cls = getattr(lib, class_name, None)
+    if cls is None:
+        raise OffloadError(f"{library} {lib.__version__} has no {class_name!r} (named in "
+                           f"model_index.json); upgrade {library}")
+    return cls if isinstance(cls, type) and issubclass(cls, torch.nn.Module) else None
+
+
+def _empty_model(cls: type, folder: Path, torch_dtype: torch.dtype | None,
+                 file: str | os.PathLike[str] | None = None
+                 ) -> tuple[torch.nn.Module, dict[str, LazyTensor | RowPieces]]:
+    """A diffusers model of ``folder``'s config on ``meta``, and its file tensors: built as
+    diffusers' ``from_pretrained`` builds it (under ``torch_dtype`` as the default dtype, its
+    float32 modules, old attention key names renamed); from ``file`` instead of the folder's
+    weights when given, original names placed by the family tables.
+    """
+    if not (folder / "config.json").is_file():
+        raise AdapterFileError(f"{folder}: no config.json; pass a folder written by "
+                               "save_pretrained")
+    config = cls.load_config(folder)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch_dtype or torch.float32)
+    try:
+        with meta_parameters():
+            model = cls.from_config(config)
+    finally:
+        torch.set_default_dtype(before)
+    model.register_to_config(_name_or_path=str(folder))
+    model.eval()
+    if file is None:
+        tensors = folder_tensors(folder)
+        fix = getattr(model, "_fix_state_dict_keys_on_load", None)
+        if fix is not None:  # VAE attention blocks saved under their old names
+            fix(tensors)
+    else:
+        tensors = place_original(model, file_tensors(file), str(file))
+    keep = (cls._keep_in_fp32_modules or []) if torch_dtype is not None else []
+    keep = [keep] if isinstance(keep, str) else keep
+    return model, match_sources(
+        model, tensors, str(folder), ignore=cls._keys_to_ignore_on_load_unexpected or (),
+        float32=lambda n: any(m in n.split(".") for m in keep))

@@ -28,6 +28,7 @@ from shuttle.apply.scoped import Mode
 from shuttle.cache import LoRASpec, ModelCache, ModelSpec
 from shuttle.errors import BudgetTooSmallError, CacheError, DeviceUnavailableError, OffloadError
 from shuttle.formats import LoRA
+from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.hooks import ModuleHook, add_hook, hooks_of, remove_hook
 from shuttle.integrations.routing import route_lora
 from shuttle.offload import ModelOffloader, ResidencyPlan, StreamConfig
@@ -138,6 +139,9 @@ class OffloadHandle:
             class that adds no state (e.g. one whose ``device`` reports the compute device);
             its own class comes back at :meth:`remove`.
         key_prefix: prefix of the cache keys (``f"{key_prefix}.{name}"``).
+        sources: name -> (qualified tensor name -> its tensor in a safetensors file): that
+            module may be built on the ``meta`` device and is filled from its files at capture
+            (see :class:`~shuttle.offload.HostStorage`); :meth:`remove` leaves it on ``meta``.
 
     Attributes:
         device: the compute device.
@@ -159,8 +163,10 @@ class OffloadHandle:
                  device: str | torch.device, prefetch: int = 2, vram_budget: int | None = None,
                  host: HostBacking = "pinned", methods: Mapping[str, Sequence[str]] | None = None,
                  attrs: Mapping[str, Any] | None = None,
-                 classes: Mapping[str, type] | None = None, key_prefix: str = "offloaded"):
+                 classes: Mapping[str, type] | None = None, key_prefix: str = "offloaded",
+                 sources: Mapping[str, Mapping[str, LazyTensor]] | None = None):
         methods, attrs, classes = methods or {}, attrs or {}, classes or {}
+        sources = sources or {}
         self.device = check_device(device)  # at offload time, not at the first call
         StreamConfig(prefetch=prefetch, vram_budget=vram_budget)  # validates both
         self.unmatched: dict[str, str] = {}
@@ -178,7 +184,7 @@ class OffloadHandle:
         try:
             for name, module in modules.items():
                 self._capture(name, module, tuple(blocks.get(name, ())), host, key_prefix,
-                              prefetch)
+                              prefetch, sources.get(name))
             for name, c in self._components.items():
                 self._install(c, methods.get(name, ()), attrs, classes.get(name))
         except BaseException:
@@ -276,12 +282,14 @@ class OffloadHandle:
 
     # -- internals -------------------------------------------------------------------------
     def _capture(self, name: str, module: torch.nn.Module, paths: tuple[str, ...],
-                 host: HostBacking, key_prefix: str, prefetch: int) -> None:
+                 host: HostBacking, key_prefix: str, prefetch: int,
+                 sources: Mapping[str, LazyTensor] | None = None) -> None:
         devices = {(id(m), n, p): t.device for m in module.modules()
                    for p, table in ((True, m._parameters), (False, m._buffers))
                    for n, t in table.items() if t is not None}
         spec = ModelSpec(f"{key_prefix}.{name}", factory=lambda: module,
-                         estimated_bytes=_weight_bytes(module), blocks=paths, host=host)
+                         estimated_bytes=_weight_bytes(module), blocks=paths, host=host,
+                         sources=sources)
         c = _Component(name, module, spec, devices)
         # Leased until remove(): nothing could rebuild the module after an eviction.
         off = self._leases.enter_context(self._cache.lease(spec))

@@ -12,19 +12,36 @@ indices, the inputs it moves), as it does for a model that lives on ``device``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from shuttle.cache import ModelCache
-from shuttle.errors import OffloadError
+from shuttle.errors import AdapterFileError, OffloadError
+from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.integrations.blocks import find_block_lists
-from shuttle.integrations.handle import OffloadHandle, cache_for
+from shuttle.integrations.handle import OffloadHandle, cache_for, check_device
+from shuttle.integrations.pretrained import (
+    NO_CEILING,
+    file_tensors,
+    folder_tensors,
+    local_folder,
+    match_sources,
+    meta_parameters,
+    read_dtype,
+)
 from shuttle.offload.host_storage import HostBacking
 from shuttle.optional import import_optional
 
-__all__ = ["offload"]
+__all__ = ["empty_model", "from_pretrained", "offload"]
+
+# What from_pretrained fetches of a Hub repo: the config and the safetensors weights.
+_MODEL_FILES = ["config.json", "generation_config.json", "model.safetensors",
+                "model.safetensors.index.json", "model-*-of-*.safetensors"]
 
 _EXECUTION_DEVICE = "_shuttle_execution_device"
 _DEVICE_CLASSES: dict[type, type] = {}
@@ -52,7 +69,8 @@ def _reporting_device(cls: type) -> type:
 def offload(model: Any, max_host_bytes: int | None = None, *, cache: ModelCache | None = None,
             vram_budget: int | None = None, device: str | torch.device = "cuda",
             prefetch: int = 2, blocks: Sequence[str] | None = None,
-            host: HostBacking = "pinned") -> OffloadHandle:
+            host: HostBacking = "pinned",
+            sources: Mapping[str, LazyTensor] | None = None) -> OffloadHandle:
     """Keep ``model`` in host memory and stream its layers on every forward.
 
     Args:
@@ -67,6 +85,8 @@ def offload(model: Any, max_host_bytes: int | None = None, *, cache: ModelCache 
         blocks: block-list paths to stream (default: the uniform layer lists holding most of
             the weights, e.g. ``model.layers`` or ``transformer.h``; ``[]``: move it whole).
         host: ``"pinned"`` (page-locked copies) or ``"adopt"`` (keep the CPU tensors).
+        sources: qualified tensor name -> its tensor in a safetensors file, for a model built
+            on ``meta`` (see :func:`from_pretrained`, which passes them).
 
     Returns:
         The handle (its one module is named ``"model"``): ``set_loras``, ``deactivate``,
@@ -92,4 +112,126 @@ def offload(model: Any, max_host_bytes: int | None = None, *, cache: ModelCache 
                          prefetch=prefetch, vram_budget=vram_budget, host=host,
                          attrs={_EXECUTION_DEVICE: device},
                          classes={"model": _reporting_device(type(model))},
-                         key_prefix=f"{type(model).__name__}@{id(model):x}")
+                         key_prefix=f"{type(model).__name__}@{id(model):x}",
+                         sources={"model": sources} if sources is not None else None)
+
+
+
+def from_pretrained(path_or_repo: str | os.PathLike[str], model_cls: type | None = None, *,
+                    torch_dtype: torch.dtype | None = None, vram_budget: int | None = None,
+                    max_host_bytes: int | None = None, cache: ModelCache | None = None,
+                    device: str | torch.device = "cuda", prefetch: int = 2,
+                    blocks: Sequence[str] | None = None, host: HostBacking = "pinned",
+                    revision: str | None = None) -> tuple[Any, OffloadHandle]:
+    """Build a transformers model straight from its files and offload it.
+
+    The model is built on ``meta`` from its ``config.json`` (buffers real, see
+    :func:`~shuttle.integrations.pretrained.meta_parameters`), its weights tied as its config
+    says, and every weight is read once from the safetensors files (one file, or an index
+    and its shards) into shuttle's host storage: no full CPU copy of the model is made.
+
+    Args:
+        path_or_repo: a folder written by ``save_pretrained``, or a Hub repo id (fetched
+            with ``huggingface_hub``: the config and safetensors weights only).
+        model_cls: the class to build (``LlamaForCausalLM``, or an auto class such as
+            ``AutoModelForCausalLM``); None: the config's ``architectures[0]``.
+        torch_dtype: the dtype of the floating-point weights (files of another floating dtype
+            are converted while read); None: the config's dtype, else the files', as
+            transformers' ``dtype="auto"``. Modules transformers keeps in float32 for this
+            dtype (``_keep_in_fp32_modules``) stay float32.
+        vram_budget, max_host_bytes, cache, device, prefetch, blocks, host: as for
+            :func:`offload`; with neither ``max_host_bytes`` nor ``cache``, a cache without a
+            ceiling.
+        revision: the Hub revision of a repo id.
+
+    Returns:
+        ``(model, handle)``: ``model(...)`` and ``model.generate(...)`` work as for a model
+        loaded with ``from_pretrained``; :meth:`OffloadHandle.remove` leaves it on ``meta``.
+
+    Raises:
+        MissingDependencyError: transformers (or huggingface_hub, for a repo id) is missing.
+        AdapterFileError: no such folder or repo, no config, or no safetensors weights.
+        CheckpointMismatchError: file tensors the model lacks (beyond those transformers
+            ignores for it) or of another shape.
+        MissingParameterError: a parameter that no file holds (tied ones are found under
+            either name).
+        OffloadError: no ``model_cls`` and no architecture in the config.
+        Whatever :func:`offload` raises (budgets, devices).
+    """
+    import_optional("transformers", "shuttle.integrations.transformers",
+                    "pip install transformers")
+    check_device(device)
+    folder = local_folder(path_or_repo, revision, _MODEL_FILES)
+    model, sources = empty_model(folder, model_cls, torch_dtype)
+    if max_host_bytes is None and cache is None:
+        max_host_bytes = NO_CEILING
+    handle = offload(model, max_host_bytes, cache=cache, vram_budget=vram_budget, device=device,
+                     prefetch=prefetch, blocks=blocks, host=host, sources=sources)
+    return model, handle
+
+
+def empty_model(folder: Path, model_cls: type | None, torch_dtype: torch.dtype | None,
+                file: str | os.PathLike[str] | None = None) -> tuple[Any, dict[str, LazyTensor]]:
+    """A transformers model of ``folder``'s config on ``meta``, and its file tensors (those of
+    the folder's weights, or of ``file``).
+
+    As transformers' ``from_pretrained`` builds it: the dtype (see :func:`from_pretrained`),
+    float32 modules, tied weights, the generation config, ``eval()`` mode; checkpoint keys
+    with or without the base model's prefix (a ``LlamaModel``'s files for a
+    ``LlamaForCausalLM``).
+
+    Raises:
+        See :func:`from_pretrained`.
+    """
+    transformers = import_optional("transformers", "shuttle.integrations.transformers",
+                                   "pip install transformers")
+    if not (folder / "config.json").is_file():
+        raise AdapterFileError(f"{folder}: no config.json; pass a folder written by a "
+                               "transformers model's save_pretrained")
+    config = transformers.AutoConfig.from_pretrained(folder)
+    cls = _model_class(transformers, config, model_cls, folder)
+    tensors = folder_tensors(folder) if file is None else file_tensors(file)
+    dtype = torch_dtype or _config_dtype(config) or read_dtype(tensors)
+    key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    with meta_parameters():
+        model = cls._from_config(config, **{key: dtype})  # tied as its config says
+    model.eval()
+    prefix = getattr(model, "base_model_prefix", "")
+    ignore = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+    ignore |= {r"rotary_emb\.inv_freq", r"(^|\.)position_ids$"}  # buffers that used to be saved
+    fp32 = [*(getattr(model, "_keep_in_fp32_modules", None) or ()
+              if dtype == torch.float16 else ()),
+            *(getattr(model, "_keep_in_fp32_modules_strict", None) or ()
+              if dtype in (torch.float16, torch.bfloat16) else ())]
+    patterns = [re.compile(p.replace("*", ".*")) for p in fp32]  # as transformers matches them
+    sources = match_sources(
+        model, tensors, str(folder if file is None else file), ignore=ignore,
+        names=lambda k: (k, f"{prefix}.{k}", k.removeprefix(f"{prefix}.")) if prefix else (k,),
+        float32=lambda n: any(p.search(n) for p in patterns))
+    if (folder / "generation_config.json").is_file() and model.can_generate():
+        model.generation_config = transformers.GenerationConfig.from_pretrained(folder)
+    model.config.name_or_path = str(folder)
+    return model, sources
+
+
+def _model_class(transformers: Any, config: Any, model_cls: type | None, folder: Path) -> type:
+    if model_cls is None:
+        names = getattr(config, "architectures", None) or []
+        model_cls = getattr(transformers, names[0], None) if names else None
+        if model_cls is None:
+            raise OffloadError(f"{folder}: its config names no architecture transformers has "
+                               f"({names}); pass model_cls= (e.g. AutoModelForCausalLM)")
+    if not issubclass(model_cls, transformers.PreTrainedModel):  # an auto class
+        try:
+            model_cls = model_cls._model_mapping[type(config)]
+        except (AttributeError, KeyError):
+            raise OffloadError(f"model_cls={model_cls.__name__} builds no model of "
+                               f"{type(config).__name__}; pass the model's class") from None
+    return model_cls
+
+
+def _config_dtype(config: Any) -> torch.dtype | None:
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else None

@@ -53,6 +53,9 @@ _ALIGN = 16  # bytes; keeps every view aligned for vectorized loads on the devic
 _PAGE = 4096
 _HUGE = 2 * 2**20  # a transparent huge page
 _CAPTURE_WORKERS = 4  # arenas filled at once (measured: 4 threads ~1.6x one; 8 no better)
+# Floating-point dtypes a checkpoint tensor is converted between while read (``copy_``
+# rounds to nearest even, as ``load_state_dict`` and ``Tensor.to`` do).
+_CASTABLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
 
 def _round_up(n: int, m: int) -> int:
@@ -123,7 +126,8 @@ class HostUnit:
         """Point the unit's parameters (``.data``; identity kept) and buffers at ``views``.
 
         A parameter on the ``meta`` device (a model filled from its files) has no data to
-        re-point: it is replaced, once, by a parameter of ``views`` (tied names share it).
+        re-point: it is replaced, once, by a parameter of ``views`` (tied names share it); so
+        is a real one bound to ``meta`` views (such a model given back empty).
 
         A quantized parameter is rebound through its representation: its data and every side
         tensor (``quant_state``, scales) point at their views together.
@@ -138,7 +142,7 @@ class HostUnit:
                 table[b.name]._local_tensor = views[b.entry]
             elif b.is_param:
                 p = b.module._parameters[b.name]
-                if p.is_meta:  # no data to re-point: replaced once (tied names share it)
+                if p.is_meta != views[b.entry].is_meta:  # replaced once (tied names share it)
                     if id(p) not in real:
                         real[id(p)] = torch.nn.Parameter(views[b.entry], p.requires_grad)
                     b.module._parameters[b.name] = real[id(p)]
@@ -378,19 +382,23 @@ def _names(model: torch.nn.Module) -> dict[tuple, list[str]]:
 
 def _file_of(t: torch.Tensor, key: tuple, named: dict[tuple, list[str]],
              files: Mapping[str, LazyTensor]) -> LazyTensor | None:
-    """The checkpoint tensor that supplies ``t`` (under any of its names), checked to match.
+    """The checkpoint tensor that supplies ``t`` (under any of its names), checked to match:
+    the same shape, and the same dtype or two of :data:`_CASTABLE` (converted while read).
 
     Raises:
-        HostBackingError: the file's tensor has another dtype or shape.
+        HostBackingError: the file's tensor has another shape, or a dtype that is not converted
+            (integers, float8: their values would need more than a cast).
     """
     for name in named.get(key, ()):
         src = files.get(name)
         if src is not None:
-            if src.dtype != t.dtype or tuple(src.shape) != tuple(t.shape):
+            castable = src.dtype == t.dtype or {src.dtype, t.dtype} <= _CASTABLE
+            if not castable or tuple(src.shape) != tuple(t.shape):
                 raise HostBackingError(
                     f"{name}: the checkpoint's {src.key!r} is {src.dtype} "
                     f"{tuple(src.shape)}, the model's tensor {t.dtype} {tuple(t.shape)}; build "
-                    "the model with the checkpoint's config and dtype")
+                    "the model with the checkpoint's config and dtype (floating-point tensors "
+                    f"convert between {sorted(str(d) for d in _CASTABLE)} while read)")
             return src
     return None
 
@@ -467,11 +475,14 @@ class HostStorage:
             <shuttle.formats.safetensors_file.SafetensorsFile.tensor_ref>`): read from there
             instead of from the module, so a model built on the ``meta`` device is filled
             straight from its files (``"pinned"``: read once into the arena; ``"adopt"``: a
-            private map of the file, no copy). Its dtype and shape must be the tensor's.
+            private map of the file, no copy). Its shape must be the tensor's, and its
+            dtype too unless both are floating point (float16, bfloat16, float32, float64):
+            then it is converted while read, through pieces of at most 16 MiB (``"adopt"``
+            then holds a converted copy instead of a map).
 
     Raises:
         HostBackingError: a tensor that cannot be kept as asked (on ``meta`` with no source,
-            or a source of another dtype or shape); nothing was changed.
+            or a source of another shape or of a dtype not converted); nothing was changed.
         BlockLayoutError: blocks of one group differ, or a tensor spans two units.
     """
 
@@ -541,6 +552,8 @@ class HostStorage:
             for b, src in zip(s.sources, s.files, strict=True):
                 if src is None:
                     views[b.entry].copy_(_read(b))
+                elif src.dtype != s.layout.dtypes[b.entry]:  # converted piece by piece
+                    src.load_converted(views[b.entry])
                 else:  # straight from the file into the arena: one read, no other copy
                     off = s.layout.offsets[b.entry]
                     src.load_into(arena[off:off + src.nbytes])
@@ -548,12 +561,22 @@ class HostStorage:
         return arena, pages.numel(), pinned
 
     def _adopt(self, s: _UnitSurvey) -> HostUnit:
-        host = [src.load() if src is not None else _read(b) if b.is_param
+        host = [_adopted(src, s.layout, b) if src is not None else _read(b) if b.is_param
                 else b.module._buffers[b.name] for b, src in zip(s.sources, s.files, strict=True)]
         unit = HostUnit(s.name, s.layout, s.bindings, host, None)
         if any(src is not None for src in s.files):
             unit.bind_host()  # the file's pages (a private map), not the module's tensors
         return unit
+
+
+def _adopted(src: LazyTensor, layout: Layout, b: _Binding) -> torch.Tensor:
+    """A file's tensor kept as it lies (a private map), or converted into memory of its own
+    when the model's dtype differs.
+    """
+    dtype = layout.dtypes[b.entry]
+    if src.dtype == dtype:
+        return src.load()
+    return src.load_converted(torch.empty(layout.shapes[b.entry], dtype=dtype))
 
 
 def _read(b: _Binding) -> torch.Tensor:

@@ -1,0 +1,202 @@
+"""``shuttle.integrations.diffusers.from_pretrained``: a tiny FluxPipeline saved with
+``save_pretrained`` and built back straight from its files.
+
+The pipeline saved is the reference: its own outputs, bit for bit (CPU copy mode keeps every
+bit). diffusers' own ``from_pretrained`` is the reference for dtypes; its weights are views of
+the mapped files at unaligned addresses, on which the CPU GEMM rounds differently, so its
+outputs are compared after its tensors are copied into aligned memory.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from shuttle.errors import AdapterFileError, DeviceUnavailableError
+from shuttle.formats.safetensors_file import SafetensorsFile
+from shuttle.integrations import diffusers as shuttle_diffusers
+from tests.integrations.models import run_flux, tiny_flux
+
+pytest.importorskip("diffusers")
+
+MODULES = ("transformer", "text_encoder", "text_encoder_2", "vae")
+
+
+@pytest.fixture(autouse=True)
+def _cpu_copy(cpu_copy):
+    """Every test here activates on the CPU through the copy path."""
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """(folders by layout: one file per component / sharded, the saved pipeline's latents and
+    pixels)."""
+    root = tmp_path_factory.mktemp("flux")
+    pipe = tiny_flux()
+    pipe.save_pretrained(root / "single")
+    pipe.save_pretrained(root / "sharded", max_shard_size="20KB")
+    assert len(list((root / "sharded" / "transformer").glob("*.safetensors"))) > 2
+    return {"single": root / "single", "sharded": root / "sharded"}, run_flux(pipe), \
+        run_flux(pipe, "pt")
+
+
+def reads(monkeypatch) -> list[tuple[str, int, int]]:
+    """(file, begin, end) of every byte range read from a safetensors file from now on."""
+    calls: list[tuple[str, int, int]] = []
+    original = SafetensorsFile._read_copy
+
+    def recorded(self, begin, end, raw=None):
+        calls.append((str(self.path), begin, end))
+        return original(self, begin, end, raw)
+
+    monkeypatch.setattr(SafetensorsFile, "_read_copy", recorded)
+    return calls
+
+
+def file_bytes(folder) -> int:
+    """Bytes of the tensors in every safetensors file of the pipeline folder."""
+    return sum(f.tensor_ref(k).nbytes for p in folder.glob("*/*.safetensors")
+               for f in [SafetensorsFile(p)] for k in f)
+
+
+@pytest.mark.parametrize("layout", ["single", "sharded"])
+@pytest.mark.parametrize("vram_budget", [None, 400_000])
+def test_outputs_equal_the_saved_pipeline_and_every_byte_is_read_once(saved, layout,
+                                                                      vram_budget, monkeypatch):
+    folders, latents, pixels = saved
+    calls = reads(monkeypatch)
+    pipe, handle = shuttle_diffusers.from_pretrained(folders[layout], device="cpu",
+                                                     vram_budget=vram_budget, prefetch=1)
+    assert type(pipe).__name__ == "FluxPipeline"
+    # One read of each tensor's bytes, nothing read twice, no component left on meta.
+    assert sum(end - begin for _, begin, end in calls) == file_bytes(folders[layout])
+    assert len(calls) == len(set(calls))
+    for name in MODULES:
+        module = getattr(pipe, name)
+        assert not any(t.is_meta for t in [*module.parameters(), *module.buffers()]), name
+    storages = [o.storage for o in handle.offloaders.values()]
+    assert sorted(handle.offloaders) == sorted(MODULES)
+    # Arenas of exactly the weights (16-byte alignment between tensors): no other host copy.
+    assert sum(s.host_bytes for s in storages) <= 1.01 * file_bytes(folders[layout])
+    assert list(handle.offloaders["transformer"].blocks) == ["transformer_blocks",
+                                                             "single_transformer_blocks"]
+    assert torch.equal(run_flux(pipe), latents)
+    assert torch.equal(run_flux(pipe, "pt"), pixels)
+    handle.remove()
+    assert all(p.is_meta for p in pipe.transformer.parameters())  # given back empty
+
+
+def aligned(pipe):
+    """``pipe`` with every tensor of its modules copied into memory of its own (aligned)."""
+    with torch.no_grad():
+        for name in MODULES:
+            for t in [*getattr(pipe, name).parameters(), *getattr(pipe, name).buffers()]:
+                t.data = t.data.clone()
+    return pipe
+
+
+def dtypes(pipe) -> dict[str, torch.dtype]:
+    return {f"{n}.{k}": t.dtype for n in MODULES
+            for k, t in [*getattr(pipe, n).named_parameters(),
+                         *getattr(pipe, n).named_buffers()]}
+
+
+@pytest.mark.parametrize(("stored", "asked"), [(torch.float32, torch.bfloat16),
+                                               (torch.bfloat16, None),
+                                               (torch.bfloat16, torch.float32)])
+def test_torch_dtype_converts_while_reading_as_diffusers_loads(tmp_path, stored, asked):
+    from diffusers import DiffusionPipeline
+
+    tiny_flux().to(stored).save_pretrained(tmp_path)
+    ref = aligned(DiffusionPipeline.from_pretrained(tmp_path, dtype=asked))
+    pipe, handle = shuttle_diffusers.from_pretrained(tmp_path, torch_dtype=asked, device="cpu")
+    assert dtypes(pipe) == dtypes(ref)
+    if asked is None:  # diffusers models float32, transformers models as their config says
+        assert pipe.transformer.dtype == torch.float32
+        assert pipe.text_encoder_2.dtype == torch.bfloat16
+        # (a pipeline of mixed dtypes: diffusers' own cannot run it either)
+    else:
+        assert torch.equal(run_flux(pipe, "pt"), run_flux(ref, "pt"))
+    handle.remove()
+
+
+def test_modules_diffusers_keeps_in_float32_stay_float32(tmp_path, monkeypatch):
+    from diffusers import DiffusionPipeline, FluxTransformer2DModel
+
+    tiny_flux().save_pretrained(tmp_path)
+    monkeypatch.setattr(FluxTransformer2DModel, "_keep_in_fp32_modules", ["norm_out", "proj_out"])
+    ref = DiffusionPipeline.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    pipe, handle = shuttle_diffusers.from_pretrained(tmp_path, torch_dtype=torch.bfloat16,
+                                                     device="cpu")
+    assert pipe.transformer.proj_out.weight.dtype == torch.float32
+    assert pipe.transformer.x_embedder.weight.dtype == torch.bfloat16
+    assert dtypes(pipe) == dtypes(ref)
+    handle.remove()
+
+
+def test_components_given_are_used_as_given(saved):
+    folders, latents, _ = saved
+    own = tiny_flux()
+    scheduler = type(own.scheduler).from_config(own.scheduler.config)
+    pipe, handle = shuttle_diffusers.from_pretrained(folders["single"], device="cpu",
+                                                     vae=own.vae, scheduler=scheduler)
+    assert pipe.vae is own.vae and pipe.scheduler is scheduler
+    assert torch.equal(run_flux(pipe), latents)
+    handle.remove()
+    assert not any(p.is_meta for p in own.vae.parameters())  # its own tensors, back in place
+
+
+def test_a_folder_without_a_pipeline_or_weights_is_refused(saved, tmp_path):
+    folders, _, _ = saved
+    with pytest.raises(AdapterFileError, match="no model_index.json"):
+        shuttle_diffusers.from_pretrained(folders["single"] / "transformer", device="cpu")
+    with pytest.raises(AdapterFileError, match="no such folder"):
+        shuttle_diffusers.from_pretrained(tmp_path / "nowhere", device="cpu")
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "model_index.json").write_text(json.dumps(
+        {"_class_name": "FluxPipeline", "transformer": ["diffusers", "FluxTransformer2DModel"]}))
+    src = folders["single"] / "transformer"
+    (tmp_path / "transformer" / "config.json").write_text((src / "config.json").read_text())
+    (tmp_path / "transformer" / "diffusion_pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(AdapterFileError, match=r"only diffusion_pytorch_model\.bin"):
+        shuttle_diffusers.from_pretrained(tmp_path, device="cpu")
+
+
+def test_a_missing_device_is_refused_before_the_files_are_looked_at(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(DeviceUnavailableError):
+        shuttle_diffusers.from_pretrained(tmp_path / "nowhere", device="cuda")
+
+
+def test_variant_files_beside_the_weights_are_not_read(saved, tmp_path, monkeypatch):
+    folders, latents, _ = saved
+    shutil.copytree(folders["single"], tmp_path, dirs_exist_ok=True)
+    vae = tmp_path / "vae"
+    (vae / "diffusion_pytorch_model.fp16.safetensors").write_bytes(b"not read")
+    (vae / "diffusion_pytorch_model.safetensors.index.fp16.json").write_text("not read")
+    pipe, handle = shuttle_diffusers.from_pretrained(tmp_path, device="cpu")
+    assert torch.equal(run_flux(pipe), latents)
+    handle.remove()
+
+
+def test_attention_blocks_saved_under_their_old_names_load(saved, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folders, _, pixels = saved
+    shutil.copytree(folders["single"], tmp_path, dirs_exist_ok=True)
+    path = tmp_path / "vae" / "diffusion_pytorch_model.safetensors"
+    old = {"to_q": "query", "to_k": "key", "to_v": "value", "to_out.0": "proj_attn"}
+    tensors = load_file(path)
+    renamed = {}
+    for k, v in tensors.items():
+        for new, before in old.items():
+            k = k.replace(f".attentions.0.{new}.", f".attentions.0.{before}.")
+        renamed[k] = v
+    assert "decoder.mid_block.attentions.0.query.weight" in renamed
+    save_file(renamed, path, metadata={"format": "pt"})
+    pipe, handle = shuttle_diffusers.from_pretrained(tmp_path, device="cpu")
+    assert torch.equal(run_flux(pipe, "pt"), pixels)
+    handle.remove()

@@ -1,0 +1,183 @@
+"""``shuttle.integrations.transformers.from_pretrained``: a tiny Llama saved with
+``save_pretrained`` and built back straight from its files, against the model saved (CPU copy
+mode keeps every bit: logits and greedy tokens compared exactly).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shuttle.errors import (
+    AdapterFileError,
+    CheckpointMismatchError,
+    HostBackingError,
+    MissingParameterError,
+    OffloadError,
+)
+from shuttle.integrations import transformers as shuttle_transformers
+from tests.integrations.models import tiny_llama
+
+pytest.importorskip("transformers")
+
+IDS = torch.tensor([[3, 14, 15, 9, 26], [1, 2, 3, 4, 5]])
+
+
+@pytest.fixture(autouse=True)
+def _cpu_copy(cpu_copy):
+    """Every test here activates on the CPU through the copy path."""
+
+
+def logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+def generate(model) -> torch.Tensor:
+    return model.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=6,
+                          do_sample=False, pad_token_id=0)
+
+
+def tied_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=True)).eval()
+
+
+def save(model, folder, **kwargs):
+    model.save_pretrained(folder, **kwargs)
+    return folder
+
+
+@pytest.mark.parametrize("shard", [None, "20KB"])
+@pytest.mark.parametrize("vram_budget", [None, 130_000])
+def test_logits_and_generate_equal_the_saved_model(tmp_path, shard, vram_budget):
+    ref = tiny_llama()
+    folder = save(ref, tmp_path, **({"max_shard_size": shard} if shard else {}))
+    assert (tmp_path / "model.safetensors.index.json").is_file() == bool(shard)
+    model, handle = shuttle_transformers.from_pretrained(folder, device="cpu", prefetch=1,
+                                                         vram_budget=vram_budget)
+    assert type(model).__name__ == "LlamaForCausalLM" and not model.training
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    # inv_freq is no weight of the file: computed when the model was built, as it was saved
+    assert torch.equal(model.model.rotary_emb.inv_freq, ref.model.rotary_emb.inv_freq)
+    assert torch.equal(logits(model), logits(ref))
+    assert torch.equal(generate(model), generate(ref))
+    assert list(handle.offloaders["model"].blocks) == ["model.layers"]
+    handle.remove()
+    assert all(p.is_meta for p in model.parameters())
+
+
+def test_tied_weights_are_read_once_and_stay_tied(tmp_path):
+    from safetensors import safe_open
+
+    ref = tied_llama()
+    save(ref, tmp_path)
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        keys = list(f.keys())
+    assert "lm_head.weight" not in keys  # saved once, under the embedding's name
+    model, handle = shuttle_transformers.from_pretrained(tmp_path, device="cpu")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    storage = handle.offloaders["model"].storage
+    unique = {id(t): t for t in [*ref.parameters(), *ref.buffers()]}  # the tie once
+    assert storage.weight_bytes == sum(t.nbytes for t in unique.values())
+    assert torch.equal(logits(model), logits(ref))
+    handle.remove()
+
+
+def test_a_base_model_checkpoint_loads_into_the_model_with_a_head(tmp_path):
+    ref = tied_llama()
+    save(ref.model, tmp_path)  # a LlamaModel: keys without the "model." prefix
+    model, handle = shuttle_transformers.from_pretrained(tmp_path, device="cpu",
+                                                         model_cls=type(ref))
+    assert torch.equal(logits(model), logits(ref))
+    handle.remove()
+
+
+def test_an_auto_class_and_torch_dtype(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    ref = tiny_llama()
+    save(ref, tmp_path)  # float32
+    model, handle = shuttle_transformers.from_pretrained(
+        tmp_path, AutoModelForCausalLM, torch_dtype=torch.bfloat16, device="cpu")
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        for t in [*plain.parameters(), *plain.buffers()]:
+            t.data = t.data.clone()  # aligned memory, as shuttle's arenas
+    assert {k: v.dtype for k, v in model.state_dict().items()} == {
+        k: v.dtype for k, v in plain.state_dict().items()}
+    assert model.dtype == torch.bfloat16
+    assert torch.equal(logits(model), logits(plain))
+    handle.remove()
+
+
+def test_modules_transformers_keeps_in_float32_stay_float32(tmp_path):
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+    T5EncoderModel(T5Config(vocab_size=16, d_model=32, d_kv=8, d_ff=37, num_layers=2,
+                            num_heads=4)).save_pretrained(tmp_path)
+    model, handle = shuttle_transformers.from_pretrained(tmp_path, torch_dtype=torch.float16,
+                                                         device="cpu")
+    plain = T5EncoderModel.from_pretrained(tmp_path, dtype=torch.float16)
+    expected = {k: v.dtype for k, v in plain.state_dict().items()}
+    assert expected["encoder.block.0.layer.1.DenseReluDense.wo.weight"] == torch.float32
+    assert {k: v.dtype for k, v in model.state_dict().items()} == expected
+    handle.remove()
+
+
+def _rewritten(folder, drop=(), add=None, reshape=None):
+    """Rewrite ``folder``'s model.safetensors without ``drop``, with ``add``, ``reshape``d."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    for k in drop:
+        del tensors[k]
+    tensors.update(add or {})
+    for k, shape in (reshape or {}).items():
+        tensors[k] = torch.zeros(shape)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def test_tensors_the_files_or_the_model_lack_are_typed_errors(tmp_path):
+    save(tiny_llama(), tmp_path)
+    _rewritten(tmp_path, drop=["model.layers.1.mlp.up_proj.weight"])
+    with pytest.raises(MissingParameterError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        shuttle_transformers.from_pretrained(tmp_path, device="cpu")
+    save(tiny_llama(), tmp_path)
+    _rewritten(tmp_path, add={"model.layers.9.extra.weight": torch.zeros(2)})
+    with pytest.raises(CheckpointMismatchError, match=r"lacks.*model\.layers\.9\.extra\.weight"):
+        shuttle_transformers.from_pretrained(tmp_path, device="cpu")
+    save(tiny_llama(), tmp_path)
+    _rewritten(tmp_path, reshape={"model.norm.weight": (16,)})
+    with pytest.raises(CheckpointMismatchError, match=r"model\.norm\.weight \(file \(16,\), "
+                                                      r"model \(32,\)\)"):
+        shuttle_transformers.from_pretrained(tmp_path, device="cpu")
+    save(tiny_llama(), tmp_path)  # keys transformers ignores: rotary buffers saved by old code
+    _rewritten(tmp_path, add={"model.layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(4)})
+    model, handle = shuttle_transformers.from_pretrained(tmp_path, device="cpu")
+    handle.remove()
+    save(tiny_llama(), tmp_path)  # an integer tensor for a float weight: no conversion
+    _rewritten(tmp_path, add={"model.norm.weight": torch.zeros(32, dtype=torch.int32)})
+    with pytest.raises(HostBackingError, match=r"model\.norm\.weight"):
+        shuttle_transformers.from_pretrained(tmp_path, device="cpu")
+
+
+def test_a_folder_without_config_or_architecture_is_refused(tmp_path):
+    import json
+
+    save(tiny_llama(), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["architectures"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(OffloadError, match="pass model_cls="):
+        shuttle_transformers.from_pretrained(tmp_path, device="cpu")
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(AdapterFileError, match="no config.json"):
+        shuttle_transformers.from_pretrained(tmp_path, device="cpu")
