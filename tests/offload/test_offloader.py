@@ -229,9 +229,10 @@ def test_nested_block_lists_raise():
 def test_other_bad_inputs_raise_before_any_change():
     model = TinyDiT()
     before = snapshot(model)
+    tied = TinyDiT()
+    tied.single[0].up.weight = tied.blocks[0].up.weight  # one tensor in two units
     with pytest.raises(BlockLayoutError):
-        ModelOffloader.from_module(torch.nn.Sequential(torch.nn.Linear(2, 2),
-                                                       torch.nn.Linear(2, 3)), blocks="")
+        ModelOffloader.from_module(tied, blocks=PATHS)
     with pytest.raises(OffloadError, match="host="):
         ModelOffloader.from_module(model, blocks=PATHS, host="mmap")
     with pytest.raises(HostBackingError, match="adopt"):
