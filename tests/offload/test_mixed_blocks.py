@@ -8,6 +8,7 @@ width. Both stream as one group per list and give the resident model's outputs b
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -152,8 +153,10 @@ def test_ring_only_keeps_nothing_resident_and_fits_the_deepest_prefetch(cpu_copy
     budget = rest + 2 * block[0] + block[0] // 2  # two slots fit, three do not
     plan = off.plan_for(StreamConfig(prefetch=4, vram_budget=budget, policy=RingOnlyResidency()))
     assert plan.resident == {"block": ()} and plan.ring == {"block": 2} and plan.prefetch == 1
-    spread = off.plan_for(StreamConfig(prefetch=4, vram_budget=10**6))
-    assert spread.resident["block"]  # the default policy would keep blocks resident
+    roomy = StreamConfig(prefetch=1, vram_budget=10**6)
+    assert off.plan_for(roomy).resident["block"]  # the default policy keeps blocks resident
+    plan_roomy = off.plan_for(dataclasses.replace(roomy, policy=RingOnlyResidency()))
+    assert plan_roomy.resident == {"block": ()} and plan_roomy.ring == {"block": 2}
     x = torch.randint(0, 64, (2, 7))
     with torch.no_grad(), off.use("cpu", plan=plan) as m:
         assert torch.equal(m(x), ref(x))
