@@ -1,5 +1,6 @@
 """Find the block lists worth streaming in a model: lists of like blocks holding a large share
-of it."""
+of it.
+"""
 
 from __future__ import annotations
 
