@@ -417,12 +417,13 @@ class OffloadHandle:
     def _enter(self, name: str) -> None:
         active = self._active.get(name)
         c = self._components[name]
-        if active is not None and active.plan == c.plan:
+        if active is not None and active.plan != c.plan:
+            self._deactivate(name, "planned again with its measured activations")
+            active = None
+        self._make_room(c)  # on every call: others may have come since its activation
+        if active is not None:
             self._active[name] = self._active.pop(name)  # most recently used now
             return
-        if active is not None:
-            self._deactivate(name, "planned again with its measured activations")
-        self._make_room(c)
         stack = contextlib.ExitStack()
         with stack:
             pairs = self._loras.get(name, [])
@@ -433,14 +434,15 @@ class OffloadHandle:
 
     def _make_room(self, c: _Component) -> None:
         budget = self._vram_budget
-        # Its weights and its reserve; a module not measured yet runs alone.
+        # Its weights and its reserve beside the others' weights (their activations are gone
+        # once their calls returned); a module not measured yet runs alone.
         want = c.need + (c.reserve if c.reserve is not None else budget or 0)
-        used = self._weights_held()
+        used = sum(a.need for n, a in self._active.items() if n != c.name)
         for other in list(self._active):
             if budget is not None and used + want <= budget:
                 break
-            if self._running.get(other):
-                continue  # its call is still on the stack (it called this module)
+            if other == c.name or self._running.get(other):
+                continue  # itself, or a call still on the stack (it called this module)
             used -= self._active[other].need
             self._deactivate(other, f"make room for {c.name!r}" if budget is not None
                              else f"{c.name!r} is called (vram_budget=None: one at a time)")
