@@ -83,14 +83,20 @@ def test_the_first_call_runs_ring_only_and_alone_then_the_reserve_shrinks_the_pl
         pipe.transformer.transformer_blocks[0].register_forward_pre_hook(
             lambda m, a: first.append((handle.offloaders["transformer"].plan, active(handle))))
         assert torch.equal(run_flux(pipe), latents)
-        plan, alone = first[0]  # the first call: nothing resident, nothing else on the device
-        assert not any(plan.resident.values()) and all(plan.ring.values())
-        assert alone == {"transformer"}
+        plan, alone = first[0]  # the first call at the floor: nothing resident, one slot a
+        assert not any(plan.resident.values()) and set(plan.ring.values()) == {1}  # list,
+        assert plan.prefetch == 0 and alone == {"transformer"}  # nothing else on the device
+        assert handle.reserves["transformer"] == reserve and handle.reserves["vae"] is None
         assert [s for n, s in meter.calls if n == "transformer"] == [True, False]  # sampled once
         plan = first[1][0]  # the second call: planned with the measured activations
         assert plan.device_bytes <= budget - reserve
         assert handle.offloaders["transformer"].plan == plan
         resident[reserve] = sum(map(len, plan.resident.values()))
+        decoding = []  # the VAE's first decode comes while the transformer is active: alone
+        pipe.vae.decoder.register_forward_pre_hook(lambda m, a: decoding.append(active(handle)))
+        assert active(handle) == {"transformer"}
+        run_flux(pipe, "pt")
+        assert decoding[-1] == {"vae"}
         handle.remove()
     assert resident[0] == 5 and resident[160_000] < 5  # the reserve took resident blocks
 
@@ -144,8 +150,9 @@ def test_others_stay_beside_the_running_module_as_far_as_their_weights_fit(plain
     budget = 10**6  # holds every module's weights, all resident: 673_472 bytes
     for reserve, beside in ((0, True), (400_000, False)):
         pipe = copy.deepcopy(ref)
-        # CLIP's own reserve is large too, but only its weights count while T5 runs.
-        meter = FakeMeter({"text_encoder": 300_000, "text_encoder_2": reserve})
+        # CLIP's own reserve fits beside the transformer, not beside it and T5 as well: only
+        # its weights count while T5 runs.
+        meter = FakeMeter({"text_encoder": 350_000, "text_encoder_2": reserve})
         handle = offload(pipe, budget, meter)
         during = []  # what is on the device during each T5 call
         pipe.text_encoder_2.encoder.block[0].register_forward_pre_hook(
@@ -225,3 +232,54 @@ def test_the_device_meter_reads_nothing_off_cuda():
     with DeviceMeter().measure("x", torch.device("cpu"), lambda: 0, True) as reading:
         torch.ones(1000)
     assert (reading.peak, reading.margin) == (0, 0)
+
+
+def test_the_device_meter_is_exact_when_a_call_sets_the_peak_else_sampled(monkeypatch):
+    # The allocator's statistics are faked (the CPU has none): modules that "allocate" move
+    # the current and peak figures as a CUDA call would.
+    from torch import nn
+
+    from shuttle.integrations import activations
+
+    state = {"current": 1000, "peak": 5000}
+    monkeypatch.setattr(activations, "_allocated", lambda device, which: state[which])
+
+    class Alloc(nn.Module):
+        def __init__(self, n: int):
+            super().__init__()
+            self.n = n
+
+        def forward(self, x):
+            state["current"] += self.n
+            state["peak"] = max(state["peak"], state["current"])
+            return x
+
+    class Between(nn.Module):  # allocates outside any submodule, then frees in one
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = Alloc(100), Alloc(-800)
+
+        def forward(self, x):
+            x = self.a(x)
+            state["current"] += 700  # a functional op: seen before b's forward only
+            return self.b(x)
+
+    hooks = (dict(torch.nn.modules.module._global_forward_hooks),
+             dict(torch.nn.modules.module._global_forward_pre_hooks))
+    cuda, meter, weights = torch.device("cuda"), DeviceMeter(), lambda: 1000
+    small = nn.Sequential(Alloc(300), Alloc(-200), Between(), Alloc(500), Alloc(-600))
+    with meter.measure("m", cuda, weights, sample=True) as reading:
+        small(torch.ones(1))
+    # Below the process peak: the largest sample (1900 allocated before b's forward, 1000 of
+    # them weights).
+    assert (reading.peak, reading.margin) == (900, activations.MARGIN_MIN)
+    with meter.measure("m", cuda, weights, sample=False) as reading:
+        small(torch.ones(1))
+    assert reading.peak == 0  # neither sampled nor a new peak: nothing learned
+    big = nn.Sequential(Alloc(10**9), Alloc(-10**9))
+    with meter.measure("m", cuda, weights, sample=False) as reading:
+        big(torch.ones(1))
+    assert reading.peak == 10**9  # a new process peak: exact, without sampling
+    assert reading.margin == int(activations.MARGIN_SHARE * 10**9)
+    assert (dict(torch.nn.modules.module._global_forward_hooks),
+            dict(torch.nn.modules.module._global_forward_pre_hooks)) == hooks  # removed

@@ -223,6 +223,14 @@ class OffloadHandle:
         return dict(self._offloaders)
 
     @property
+    def reserves(self) -> dict[str, int | None]:
+        """Device bytes kept for each module's activations (its largest measured peak plus a
+        margin, capped by what its floor leaves); None until a call has measured it, and for
+        every module when the handle has no ``vram_budget``.
+        """
+        return {n: c.reserve for n, c in self._components.items()}
+
+    @property
     def reports(self) -> dict[str, MergeReport]:
         """The adapter report of each module active with adapters now, by name."""
         return {n: off.adapters.report for n, off in self._offloaders.items()
@@ -322,9 +330,10 @@ class OffloadHandle:
         off = self._leases.enter_context(self._cache.lease(spec))
         self._components[name], self._offloaders[name] = c, off
         budget = self._vram_budget
-        # The first call's plan: its activations are not known yet, so nothing is resident.
-        stream = (StreamConfig(prefetch=prefetch, vram_budget=budget, policy=RingOnlyResidency())
-                  if paths else None)
+        # The first call's plan: its activations are not known yet, so it runs at the floor:
+        # nothing resident, one slot per list (with a budget; without one, nothing is measured).
+        stream = (StreamConfig(prefetch=prefetch if budget is None else 0, vram_budget=budget,
+                               policy=RingOnlyResidency()) if paths else None)
         c.plan = off.plan_for(stream)  # raises below the weights' floor
         c.paths = paths
         c.floor = floor_bytes(off.storage) if paths else c.need
