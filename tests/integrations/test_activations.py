@@ -69,36 +69,40 @@ def active(handle) -> set[str]:
     return {n for n, o in handle.offloaders.items() if o.active}
 
 
-def test_the_first_call_runs_ring_only_and_alone_then_the_reserve_shrinks_the_plan(plain):
+def record(module: torch.nn.Module, what) -> list:
+    """The values of ``what()`` at each call of ``module`` (a forward pre-hook)."""
+    seen: list = []
+    module.register_forward_pre_hook(lambda m, a: seen.append(what()))
+    return seen
+
+
+@pytest.mark.parametrize(("reserve", "kept"), [(0, 5), (160_000, 1)])
+def test_the_first_call_runs_at_the_floor_and_alone_then_the_reserve_shrinks_the_plan(
+        plain, reserve, kept):
     ref, latents, _ = plain
-    resident = {}
-    for reserve in (0, 160_000):
-        pipe = copy.deepcopy(ref)
-        meter = FakeMeter({"transformer": reserve})
-        off = shuttle_diffusers.offload(pipe, max_host_bytes=2**22, device="cpu")
-        budget = sizes(off.offloaders["transformer"])[1]  # everything resident, no reserve
-        off.remove()
-        handle = offload(pipe, budget, meter)
-        first = []
-        pipe.transformer.transformer_blocks[0].register_forward_pre_hook(
-            lambda m, a: first.append((handle.offloaders["transformer"].plan, active(handle))))
-        assert torch.equal(run_flux(pipe), latents)
-        plan, alone = first[0]  # the first call at the floor: nothing resident, one slot a
-        assert not any(plan.resident.values()) and set(plan.ring.values()) == {1}  # list,
-        assert plan.prefetch == 0 and alone == {"transformer"}  # nothing else on the device
-        assert handle.reserves["transformer"] == reserve and handle.reserves["vae"] is None
-        assert [s for n, s in meter.calls if n == "transformer"] == [True, False]  # sampled once
-        plan = first[1][0]  # the second call: planned with the measured activations
-        assert plan.device_bytes <= budget - reserve
-        assert handle.offloaders["transformer"].plan == plan
-        resident[reserve] = sum(map(len, plan.resident.values()))
-        decoding = []  # the VAE's first decode comes while the transformer is active: alone
-        pipe.vae.decoder.register_forward_pre_hook(lambda m, a: decoding.append(active(handle)))
-        assert active(handle) == {"transformer"}
-        run_flux(pipe, "pt")
-        assert decoding[-1] == {"vae"}
-        handle.remove()
-    assert resident[0] == 5 and resident[160_000] < 5  # the reserve took resident blocks
+    pipe = copy.deepcopy(ref)
+    meter = FakeMeter({"transformer": reserve})
+    off = shuttle_diffusers.offload(pipe, max_host_bytes=2**22, device="cpu")
+    budget = sizes(off.offloaders["transformer"])[1]  # everything resident, no reserve
+    off.remove()
+    handle = offload(pipe, budget, meter)
+    calls = record(pipe.transformer.transformer_blocks[0],
+                   lambda: (handle.offloaders["transformer"].plan, active(handle)))
+    assert torch.equal(run_flux(pipe), latents)
+    plan, alone = calls[0]  # the first call at the floor: nothing resident, one slot a list,
+    assert not any(plan.resident.values()) and set(plan.ring.values()) == {1}
+    assert plan.prefetch == 0 and alone == {"transformer"}  # nothing else on the device
+    assert handle.reserves["transformer"] == reserve and handle.reserves["vae"] is None
+    assert [s for n, s in meter.calls if n == "transformer"] == [True, False]  # sampled once
+    plan = calls[1][0]  # the second call: planned with the measured activations
+    assert plan.device_bytes <= budget - reserve
+    assert handle.offloaders["transformer"].plan == plan
+    assert sum(map(len, plan.resident.values())) == kept  # the reserve took resident blocks
+    decoding = record(pipe.vae.decoder, lambda: active(handle))
+    assert active(handle) == {"transformer"}
+    run_flux(pipe, "pt")
+    assert decoding[-1] == {"vae"}  # the VAE's first decode, not measured yet: alone
+    handle.remove()
 
 
 def test_activations_over_what_the_floor_leaves_raise_naming_the_floor(plain):
@@ -145,62 +149,65 @@ def test_a_call_that_outgrows_its_reserve_plans_again_and_only_then(plain, monke
     handle.remove()
 
 
-def test_others_stay_beside_the_running_module_as_far_as_their_weights_fit(plain):
+@pytest.mark.parametrize(("reserve", "beside"), [(0, True), (400_000, False)])
+def test_others_stay_beside_the_running_module_as_far_as_their_weights_fit(
+        plain, reserve, beside):
     ref, _, _ = plain
     budget = 10**6  # holds every module's weights, all resident: 673_472 bytes
-    for reserve, beside in ((0, True), (400_000, False)):
-        pipe = copy.deepcopy(ref)
-        # CLIP's own reserve fits beside the transformer, not beside it and T5 as well: only
-        # its weights count while T5 runs.
-        meter = FakeMeter({"text_encoder": 350_000, "text_encoder_2": reserve})
-        handle = offload(pipe, budget, meter)
-        during = []  # what is on the device during each T5 call
-        pipe.text_encoder_2.encoder.block[0].register_forward_pre_hook(
-            lambda m, a: during.append(active(handle)))
-        for _ in range(3):
-            run_flux(pipe)
-        assert during[0] == {"text_encoder_2"}  # its first call, not measured yet: alone
-        assert all("text_encoder" in d for d in during[1:])
-        # The transformer stays beside it only when T5's reserve leaves the room, also in the
-        # third pass, where T5 is still active when it is called.
-        assert [("transformer" in d) for d in during[1:]] == [beside, beside]
-        handle.remove()
+    pipe = copy.deepcopy(ref)
+    # CLIP's own reserve fits beside the transformer, not beside it and T5 as well: only its
+    # weights count while T5 runs.
+    meter = FakeMeter({"text_encoder": 350_000, "text_encoder_2": reserve})
+    handle = offload(pipe, budget, meter)
+    during = record(pipe.text_encoder_2.encoder.block[0], lambda: active(handle))
+    for _ in range(3):
+        run_flux(pipe)
+    assert during[0] == {"text_encoder_2"}  # its first call, not measured yet: alone
+    assert all("text_encoder" in d for d in during[1:])
+    # The transformer stays beside it only when T5's reserve leaves the room, also in the
+    # third pass, where T5 is still active when it is called.
+    assert [("transformer" in d) for d in during[1:]] == [beside, beside]
+    handle.remove()
 
 
-def test_text_encoders_stream_when_the_budget_asks(plain):
+@pytest.mark.parametrize(("room", "streams"), [(40_000, True), (600_000, False)])
+def test_text_encoders_stream_when_the_budget_asks(plain, room, streams):
     ref, latents, _ = plain
     budget = 600_000
-    for room, streams in ((40_000, True), (budget, False)):
-        pipe = copy.deepcopy(ref)
-        handle = offload(pipe, budget, FakeMeter({"text_encoder_2": budget - room}))
-        seen = []
-        pipe.text_encoder_2.encoder.block[1].register_forward_pre_hook(
-            lambda m, a: seen.append(handle.offloaders["text_encoder_2"].plan))
-        assert torch.equal(run_flux(pipe), latents)
-        assert torch.equal(run_flux(pipe), latents)
-        plan = seen[-1]  # the second call's, planned with its activations
-        assert plan.device_bytes <= room
-        assert (plan.ring == {"encoder.block": 1} and plan.resident == {"encoder.block": ()}
-                if streams else plan.resident == {"encoder.block": (0, 1)})
-        handle.remove()
+    pipe = copy.deepcopy(ref)
+    handle = offload(pipe, budget, FakeMeter({"text_encoder_2": budget - room}))
+    plans = record(pipe.text_encoder_2.encoder.block[1],
+                   lambda: handle.offloaders["text_encoder_2"].plan)
+    assert torch.equal(run_flux(pipe), latents)
+    assert torch.equal(run_flux(pipe), latents)
+    plan = plans[-1]  # the second call's, planned with its activations
+    assert plan.device_bytes <= room
+    assert (plan.ring == {"encoder.block": 1} and plan.resident == {"encoder.block": ()}
+            if streams else plan.resident == {"encoder.block": (0, 1)})
+    handle.remove()
 
 
-def test_the_vae_decodes_tiled_only_when_its_activations_do_not_fit(plain):
+@pytest.mark.parametrize(("untiled", "tiled"), [(600_000, True), (1000, False)])
+def test_the_vae_decodes_tiled_only_when_its_activations_do_not_fit(plain, untiled, tiled):
     ref, _, pixels = plain
     budget = 600_000
-    for big, tiled in ((budget, True), (1000, False)):
-        pipe = copy.deepcopy(ref)
-        vae = pipe.vae
-        seen = []
-        meter = FakeMeter({"vae": lambda: seen.append(vae.use_tiling) or
-                           (1000 if vae.use_tiling else big)})
-        handle = offload(pipe, budget, meter)
-        for _ in range(2):
-            assert torch.equal(run_flux(pipe, "pt"), pixels)  # 16 px: one tile either way
-        assert seen == [False, tiled]  # the first decode as the user set it, then tiled
-        assert vae.use_tiling is tiled and vae.use_slicing is tiled
-        handle.remove()
-        assert vae.use_tiling is False and vae.use_slicing is False  # the user's settings back
+    pipe = copy.deepcopy(ref)
+    vae = pipe.vae
+    seen = []
+    meter = FakeMeter({"vae": lambda: seen.append(vae.use_tiling) or
+                       (1000 if vae.use_tiling else untiled)})
+    handle = offload(pipe, budget, meter)
+    for _ in range(2):
+        assert torch.equal(run_flux(pipe, "pt"), pixels)  # 16 px: one tile either way
+    assert seen == [False, tiled]  # the first decode as the user set it, then tiled
+    assert vae.use_tiling is tiled and vae.use_slicing is tiled
+    handle.remove()
+    assert vae.use_tiling is False and vae.use_slicing is False  # the user's settings back
+
+
+def test_a_vae_too_large_even_tiled_raises(plain):
+    ref, _, _ = plain
+    budget = 600_000
     pipe = copy.deepcopy(ref)
     handle = offload(pipe, budget, FakeMeter({"vae": budget}))
     run_flux(pipe, "pt")
