@@ -126,7 +126,7 @@ def offload(pipe: Any, max_host_bytes: int | None = None, *, cache: ModelCache |
              if n.startswith(DENOISERS) or (vram_budget is not None and not methods[n])}
     paths.update(blocks or {})
     shrink = {n: _Tiling(m) for n, m in modules.items()
-              if callable(getattr(m, "enable_tiling", None))}
+              if methods[n] and callable(getattr(m, "enable_tiling", None))}
     return OffloadHandle(modules, paths, cache=cache, device=device, prefetch=prefetch,
                          vram_budget=vram_budget, host=host, methods=methods,
                          attrs={"_hf_hook": _ExecutionDevice(torch.device(device))},
