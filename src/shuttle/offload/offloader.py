@@ -403,7 +403,7 @@ class ModelOffloader:
     def _place(self, active: _Activation, stream: StreamConfig | None) -> None:
         plan, device = active.plan, active.device
         assert plan is not None
-        copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        copy_stream = _copy_stream(device) if device.type == "cuda" else None
         fold = active.adapters.fold if active.adapters and active.adapters.merges else None
         rest = self.storage.rest
         if rest.layout.offsets:
@@ -485,6 +485,23 @@ class ModelOffloader:
         active.streamers.clear()
         active.placed.clear()
         active.layer_streamer = active.compiler = None
+
+
+_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream for copies to ``device``, one per device for every activation.
+
+    A fresh stream per activation would cost device memory outside any plan: cuBLAS keeps a
+    workspace (tens of MB, from the caching allocator, for the process's life) for every stream
+    a matmul ran on, and merge-mode adapters run matmuls on the copy stream. Activations that
+    share it are ordered by their slots' events as before; their copies queue on one engine.
+    """
+    stream = _COPY_STREAMS.get(device)
+    if stream is None:
+        stream = _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
 
 
 def _check_given_plan(plan: ResidencyPlan, stream: StreamConfig | None,
