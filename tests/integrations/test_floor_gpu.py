@@ -41,8 +41,9 @@ def deterministic_attention():
 
     gc.collect()
     torch.cuda.empty_cache()
+    # The budgets below count everything allocated (cuBLAS workspaces of earlier tests too).
     leftover = torch.cuda.memory_allocated()
-    assert leftover < 64 * 2**20, f"{leftover} bytes left on the GPU by earlier tests"
+    assert leftover < 256 * 2**20, f"{leftover} bytes left on the GPU by earlier tests"
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):
         yield
 
