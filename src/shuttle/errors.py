@@ -195,8 +195,8 @@ class BlockPathError(OffloadError, LookupError):
 
 
 class BlockLayoutError(OffloadError):
-    """Blocks of one group differ in their tensors (names, shapes, dtypes, ties), or a tensor
-    is shared between a streamed block and another part of the model.
+    """A tensor is shared between a streamed block and another part of the model (the rest,
+    or another block).
     """
 
 
@@ -207,7 +207,9 @@ class HostBackingError(OffloadError):
 
 
 class BudgetTooSmallError(OffloadError):
-    """A VRAM budget cannot hold the non-block weights plus one slot per block group."""
+    """A VRAM budget is below the floor: the non-block weights plus one slot of each block
+    group's largest block, plus the activations (the message names the floor in bytes).
+    """
 
 
 class ActivationError(ShuttleError, RuntimeError):

@@ -40,3 +40,29 @@ def test_flux_double_and_single_blocks():
 
     assert find_block_lists(tiny_flux().transformer) == ["transformer_blocks",
                                                          "single_transformer_blocks"]
+
+
+def test_a_t5_encoder_block_list_whose_first_block_differs():
+    from tests.integrations.models import tiny_flux
+
+    t5 = tiny_flux().text_encoder_2
+    blocks = t5.encoder.block
+    assert len({tuple(n for n, _ in b.named_parameters()) for b in blocks}) == 2  # not uniform
+    assert find_block_lists(t5) == ["encoder.block"]
+
+
+def test_lists_of_unlike_classes_or_sizes_are_searched_inside():
+    class Wide(nn.Module):
+        def __init__(self, width: int):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(2))
+
+    class Other(Wide):
+        pass
+
+    model = nn.Module()
+    model.classes = nn.ModuleList([Wide(16), Other(16)])  # two classes: not one list
+    model.sizes = nn.ModuleList([Wide(8), Wide(24)])  # one class, 9x the bytes
+    model.close = nn.ModuleList([Wide(16), Wide(18)])  # one class, within 2x: one list
+    assert find_block_lists(model, min_share=0.01) == [
+        "classes.0.layers", "classes.1.layers", "sizes.0.layers", "sizes.1.layers", "close"]

@@ -69,3 +69,70 @@ def fail_on_call(n, fn):
         return fn(*args, **kwargs)
 
     return wrapper
+
+
+class BiasedBlock(Block):
+    """A T5-like block: the first of its list holds a relative-position table and computes
+    the bias that every later block reuses (so the first block's tensors differ)."""
+
+    def __init__(self, dim: int, hidden: int, first: bool = False):
+        super().__init__(dim, hidden)
+        self.rel = nn.Embedding(9, dim) if first else None
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.rel is not None:
+            bias = self.rel(torch.arange(x.shape[-2], device=x.device) % 9)  # [S, dim]
+        assert bias is not None
+        return super().forward(x + bias), bias
+
+
+class TinyT5(nn.Module):
+    """An encoder whose block list is not uniform: block 0 holds the relative bias table."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, n_blocks: int = 5,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.block = nn.ModuleList(BiasedBlock(dim, 4 * dim, first=i == 0)
+                                   for i in range(n_blocks))
+        self.norm = nn.LayerNorm(dim)
+        self.to(dtype)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x, bias = self.embed(tokens), None
+        for b in self.block:
+            x, bias = b(x, bias)
+        return self.norm(x)
+
+
+class Stage(nn.Module):
+    """One UNet-like stage: a width change, a norm, a nonlinearity."""
+
+    def __init__(self, width_in: int, width_out: int):
+        super().__init__()
+        self.proj = nn.Linear(width_in, width_out)
+        self.norm = nn.LayerNorm(width_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(self.norm(self.proj(x)))
+
+
+class TinyUNet(nn.Module):
+    """Down and up stages of different widths (one block list each), with skip connections."""
+
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.stem = nn.Linear(dim, 16)
+        self.down = nn.ModuleList([Stage(16, 32), Stage(32, 64), Stage(64, 64)])
+        self.up = nn.ModuleList([Stage(64, 64), Stage(64, 32), Stage(32, 16)])
+        self.out = nn.Linear(16, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, skips = self.stem(x), []
+        for stage in self.down:
+            h = stage(h)
+            skips.append(h)
+        for stage in self.up:
+            h = stage(h + skips.pop())
+        return self.out(h)

@@ -83,3 +83,20 @@ def test_compile_with_training_gives_the_eager_gradients(cpu_copy):
         got = dict(m.named_parameters())
         for n, q in ref.named_parameters():
             torch.testing.assert_close(got[n].grad, q.grad, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_a_list_whose_blocks_differ_compiles_and_matches_eager(cpu_copy):
+    from tests.offload.models import TinyT5
+
+    model = TinyT5()
+    ref = copy.deepcopy(model)
+    off = ModelOffloader.from_module(model, blocks="block")
+    counter = CompileCounter()
+    x = torch.randint(0, 64, (2, 9))
+    with torch.no_grad(), off.use("cpu", StreamConfig(prefetch=1, compile=counter)) as m:
+        for _ in range(3):
+            assert torch.equal(m(x), ref(x))
+        # The first block (its table, no bias given) and the others: two graphs, whatever
+        # slot of the shared ring their weights sit in.
+        assert counter.frame_count == 2
+        assert off.streamers["block"].loads > 5

@@ -131,16 +131,17 @@ def test_tie_across_units_raises_before_any_change():
     assert_unchanged(model, before)
 
 
-def test_blocks_of_different_layouts_in_one_group_raise():
+def test_blocks_that_differ_share_a_group_each_with_its_own_layout():
     model = TinyDiT()
-    before = snapshot(model)
-    with pytest.raises(BlockLayoutError, match="separate block paths"):
-        HostStorage(model, {"mixed": [*model.blocks, *model.single]})
-    model.blocks[3].register_buffer("extra", torch.zeros(2))
-    with pytest.raises(BlockLayoutError, match="blocks.3"):
-        HostStorage(model, groups(model))
-    before["blocks.3.extra"] = (model.blocks[3].extra.data_ptr(), torch.zeros(2))
-    assert_unchanged(model, before)
+    model.blocks[0].register_buffer("bias", torch.rand(3, 4))  # like T5's first block
+    values = {k: v.clone() for k, v in model.state_dict().items()}
+    storage = HostStorage(model, {"mixed": [*model.blocks, *model.single]})
+    units = storage.groups["mixed"]
+    assert [u.name for u in units] == [f"mixed.{i}" for i in range(8)]
+    assert units[0].layout != units[1].layout == units[4].layout != units[5].layout
+    assert units[0].layout.nbytes > units[1].layout.nbytes > units[5].layout.nbytes
+    assert all(torch.equal(v, values[k]) for k, v in model.state_dict().items())
+    assert inside(model.blocks[0].bias, units[0].arena)
 
 
 class FakeCudart:

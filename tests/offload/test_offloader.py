@@ -229,9 +229,10 @@ def test_nested_block_lists_raise():
 def test_other_bad_inputs_raise_before_any_change():
     model = TinyDiT()
     before = snapshot(model)
+    tied = TinyDiT()
+    tied.single[0].up.weight = tied.blocks[0].up.weight  # one tensor in two units
     with pytest.raises(BlockLayoutError):
-        ModelOffloader.from_module(torch.nn.Sequential(torch.nn.Linear(2, 2),
-                                                       torch.nn.Linear(2, 3)), blocks="")
+        ModelOffloader.from_module(tied, blocks=PATHS)
     with pytest.raises(OffloadError, match="host="):
         ModelOffloader.from_module(model, blocks=PATHS, host="mmap")
     with pytest.raises(HostBackingError, match="adopt"):
@@ -244,3 +245,25 @@ def test_other_bad_inputs_raise_before_any_change():
 
 def test_exports():
     assert shuttle.ModelOffloader is ModelOffloader and shuttle.StreamConfig is StreamConfig
+
+
+@pytest.mark.gpu
+def test_every_activation_copies_on_one_stream_and_merges_leave_no_memory_behind():
+    # cuBLAS keeps a workspace for every stream a matmul ran on; merges run on the copy
+    # stream, so a new copy stream per activation would leave one more workspace each time.
+    from tests.integrations.models import random_lora
+
+    _, off = pair()
+    lora = random_lora({"blocks.1.attn": (32, 32), "blocks.3.up": (128, 32)}, rank=4,
+                       scale=0.3, seed=1)
+    x = tokens().cuda()
+    streams, held = set(), []
+    for _ in range(4):
+        with off.use("cuda", StreamConfig(prefetch=1), loras=[(lora, 0.8)],
+                     mode="merge") as model, torch.no_grad():
+            model(x)
+            streams.update(id(p._stream) for p in off._active.pools)
+        torch.cuda.synchronize()
+        held.append(torch.cuda.memory_allocated())
+    assert len(streams) == 1
+    assert held[1:] == held[:1] * 3, f"device bytes held after each activation: {held}"

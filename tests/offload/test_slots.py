@@ -48,12 +48,11 @@ def streamer_of(n, resident, prefetch):
     blocks, storage, ref = storage_of(n)
     units = storage.groups[""]
     streamed = n - len(resident)
-    pool = Recorder(units[0].layout, len(resident) + min(prefetch + 1, streamed),
-                    torch.device("cpu"))
+    kept = SlotPool(units[0].layout, len(resident), torch.device("cpu"))  # the offloader's
     for slot, pos in enumerate(resident):
-        pool.load(slot, units[pos])
-        units[pos].bind(pool.views[slot])
-    pool.log.clear()
+        kept.load(slot, units[pos])
+        units[pos].bind(kept.views[slot])
+    pool = Recorder(units[0].layout, min(prefetch + 1, streamed), torch.device("cpu"))
     s = BlockStreamer(blocks, units, pool, resident, prefetch)
     return blocks, s, pool, ref
 
@@ -82,8 +81,8 @@ def test_sequential_steps_load_each_streamed_block_once_per_step(resident, prefe
     assert deltas[1:] == [n - len(resident)] * 2
     s.detach()
     assert all(hooks_of(b) == [] for b in blocks)
-    loads = [e for e in pool.log if e[0] == "load"]
-    assert all(slot >= len(resident) for _, slot, _ in loads)
+    loaded = {unit for e, _, unit in pool.log if e == "load"}
+    assert loaded == {f".{i}" for i in range(n) if i not in resident}  # the ring: streamed only
 
 
 def test_ring_never_evicts_the_running_block_or_its_prefetches():

@@ -8,6 +8,16 @@ it on the device when it is called; it stays active across calls (a denoiser cal
 step keeps its resident blocks) until another module needs the device room, the adapters
 change, or :meth:`OffloadHandle.deactivate`/:meth:`OffloadHandle.remove` is called.
 
+With a ``vram_budget`` the budget bounds weights and activations together: each module's
+weights are planned within the budget less the activations measured on its calls
+(:mod:`shuttle.integrations.activations`). A module's first call runs at its floor (every block
+streamed, none resident) with the other modules off the device; the call is measured and the
+module planned again through ``plan_for``, and again whenever a later call outgrows its
+reserve. A module whose activations do not fit beside its floor gets a shrinker's help when it
+has one (tiled VAE decoding), else :class:`~shuttle.errors.BudgetTooSmallError` names its floor.
+While a module runs, the others stay on the device only as far as their weights fit beside its
+weights and reserve.
+
 Uses are single-threaded: one call into the offloaded modules at a time.
 """
 
@@ -30,10 +40,12 @@ from shuttle.errors import BudgetTooSmallError, CacheError, DeviceUnavailableErr
 from shuttle.formats import LoRA
 from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.hooks import ModuleHook, add_hook, hooks_of, remove_hook
+from shuttle.integrations.activations import ActivationMeter, CallShrinker, DeviceMeter, Reading
 from shuttle.integrations.routing import route_lora
-from shuttle.offload import ModelOffloader, ResidencyPlan, StreamConfig
+from shuttle.offload import ModelOffloader, ResidencyPlan, RingOnlyResidency, StreamConfig
 from shuttle.offload.adapters import check_mode
 from shuttle.offload.host_storage import HostBacking, HostStorage
+from shuttle.offload.residency import floor_bytes
 
 __all__ = ["OffloadHandle", "cache_for", "check_device"]
 
@@ -95,7 +107,12 @@ class _Component:
     wrapped: list[str] = field(default_factory=list)  # entry methods set on the instance
     attrs: list[str] = field(default_factory=list)  # instance attributes set by the handle
     own_class: type | None = None  # the module's class, while the handle gives it another
-    plan: ResidencyPlan | None = None  # chosen once, at capture, from the handle's budget
+    plan: ResidencyPlan | None = None  # chosen at capture, again as activations are measured
+    paths: tuple[str, ...] = ()  # its block lists (empty: moved whole)
+    floor: int = 0  # device weight bytes at its floor (nothing resident, one slot per list)
+    reserve: int | None = None  # device bytes kept for its activations (None: not measured)
+    shrink: CallShrinker | None = None
+    shrunk: bool = False
 
     @property
     def need(self) -> int:
@@ -107,6 +124,8 @@ class _Component:
 class _Active:
     stack: contextlib.ExitStack  # holds the ModelCache.use() of the activation
     config: tuple  # (adapter keys and strengths, mode) it was activated with
+    plan: ResidencyPlan | None  # the plan it was activated with
+    need: int  # its device weight bytes
 
 
 class _Activate(ModuleHook):
@@ -130,8 +149,9 @@ class OffloadHandle:
         cache: the cache that holds them (and their adapters).
         device: where they compute.
         prefetch: blocks loaded ahead while streaming.
-        vram_budget: device bytes for weights of everything active at once (None: one module
-            active at a time, streamed ones with ``prefetch`` and no resident blocks).
+        vram_budget: device bytes for everything active at once, weights and the running
+            module's activations (measured, see the module docs). None: one module active at a
+            time, streamed ones with ``prefetch`` and no resident blocks, nothing measured.
         host: ``"pinned"`` or ``"adopt"`` (see :class:`~shuttle.ModelSpec`).
         methods: name -> entry methods besides ``forward`` that activate the module.
         attrs: instance attributes set on every module while offloaded (removed at the end).
@@ -139,6 +159,11 @@ class OffloadHandle:
             class that adds no state (e.g. one whose ``device`` reports the compute device);
             its own class comes back at :meth:`remove`.
         key_prefix: prefix of the cache keys (``f"{key_prefix}.{name}"``).
+        shrink: name -> a :class:`~shuttle.integrations.activations.CallShrinker`, enabled
+            when that module's activations do not fit the budget beside its weights.
+        meter: measures each call's activations (default:
+            :class:`~shuttle.integrations.activations.DeviceMeter`, CUDA's allocator
+            statistics; tests pass one that reports given numbers).
         sources: name -> (qualified tensor name -> its tensor in a safetensors file): that
             module may be built on the ``meta`` device and is filled from its files at capture
             (see :class:`~shuttle.offload.HostStorage`); :meth:`remove` leaves it on ``meta``.
@@ -152,7 +177,9 @@ class OffloadHandle:
             attribute in ``attrs`` or a
             method in ``methods`` is already set on an instance (another offloading library).
         BudgetTooSmallError: ``vram_budget`` cannot hold a module moved whole, or a streamed
-            module's non-block weights plus one slot per block list.
+            module's non-block weights plus one slot of each block list's largest block (a
+            call whose measured activations do not fit beside a module's floor raises it too,
+            after the call, naming the floor: weights plus activations).
         ResourceTooLargeError: the modules do not fit in the cache's budget.
         Whatever ``ModelOffloader.from_module`` raises (``BlockPathError``, ...).
         On any error every module is as it was before the call.
@@ -164,6 +191,8 @@ class OffloadHandle:
                  host: HostBacking = "pinned", methods: Mapping[str, Sequence[str]] | None = None,
                  attrs: Mapping[str, Any] | None = None,
                  classes: Mapping[str, type] | None = None, key_prefix: str = "offloaded",
+                 shrink: Mapping[str, CallShrinker] | None = None,
+                 meter: ActivationMeter | None = None,
                  sources: Mapping[str, Mapping[str, LazyTensor]] | None = None):
         methods, attrs, classes = methods or {}, attrs or {}, classes or {}
         sources = sources or {}
@@ -172,6 +201,8 @@ class OffloadHandle:
         self.unmatched: dict[str, str] = {}
         self._cache = cache
         self._vram_budget = vram_budget
+        self._prefetch = prefetch
+        self._meter: ActivationMeter = meter if meter is not None else DeviceMeter()
         self._components: dict[str, _Component] = {}
         self._offloaders: dict[str, ModelOffloader] = {}
         self._leases = contextlib.ExitStack()
@@ -185,6 +216,7 @@ class OffloadHandle:
             for name, module in modules.items():
                 self._capture(name, module, tuple(blocks.get(name, ())), host, key_prefix,
                               prefetch, sources.get(name))
+                self._components[name].shrink = (shrink or {}).get(name)
             for name, c in self._components.items():
                 self._install(c, methods.get(name, ()), attrs, classes.get(name))
         except BaseException:
@@ -195,6 +227,14 @@ class OffloadHandle:
     def offloaders(self) -> dict[str, ModelOffloader]:
         """Each module's offloader by name (``plan``, ``adapters.report`` while active)."""
         return dict(self._offloaders)
+
+    @property
+    def reserves(self) -> dict[str, int | None]:
+        """Device bytes kept for each module's activations (its largest measured peak plus a
+        margin, capped by what its floor leaves); None until a call has measured it, and for
+        every module when the handle has no ``vram_budget``.
+        """
+        return {n: c.reserve for n, c in self._components.items()}
 
     @property
     def reports(self) -> dict[str, MergeReport]:
@@ -265,6 +305,9 @@ class OffloadHandle:
         """
         self.deactivate()
         for c in self._components.values():
+            if c.shrunk and c.shrink is not None:
+                c.shrink.restore()
+                c.shrunk = False
             if c.hook is not None:
                 remove_hook(c.module, c.hook)
             for attr in c.wrapped + c.attrs:
@@ -295,8 +338,13 @@ class OffloadHandle:
         off = self._leases.enter_context(self._cache.lease(spec))
         self._components[name], self._offloaders[name] = c, off
         budget = self._vram_budget
-        stream = StreamConfig(prefetch=prefetch, vram_budget=budget) if paths else None
-        c.plan = off.plan_for(stream)  # raises if too small
+        # The first call's plan: its activations are not known yet, so it runs at the floor:
+        # nothing resident, one slot per list (with a budget; without one, nothing is measured).
+        stream = (StreamConfig(prefetch=prefetch if budget is None else 0, vram_budget=budget,
+                               policy=RingOnlyResidency()) if paths else None)
+        c.plan = off.plan_for(stream)  # raises below the weights' floor
+        c.paths = paths
+        c.floor = floor_bytes(off.storage) if paths else c.need
         if stream is None and budget is not None and c.need > budget:
             raise BudgetTooSmallError(
                 f"vram_budget={budget} bytes cannot hold {name!r} moved whole ({c.need} bytes):"
@@ -321,11 +369,63 @@ class OffloadHandle:
 
     def _call(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         self._enter(name)
+        c = self._components[name]
         self._running[name] = self._running.get(name, 0) + 1
         try:
-            return fn(*args, **kwargs)
+            if self._vram_budget is None:  # nothing to plan against: nothing measured
+                return fn(*args, **kwargs)
+            with self._meter.measure(name, self.device, self._weights_held,
+                                     c.reserve is None) as reading:
+                out = fn(*args, **kwargs)
         finally:
             self._running[name] -= 1
+        self._learn(c, reading)
+        return out
+
+    def _weights_held(self) -> int:
+        """Device weight bytes of every active module."""
+        return sum(a.need for a in self._active.values())
+
+    def _learn(self, c: _Component, reading: Reading) -> None:
+        """Plan ``c`` again when ``reading`` is its first or outgrows its reserve.
+
+        Raises:
+            BudgetTooSmallError: the measured activations do not fit beside ``c``'s floor (and
+                no shrinker is left to try).
+        """
+        if c.reserve is not None and reading.peak <= c.reserve:
+            return
+        budget = self._vram_budget
+        assert budget is not None
+        room = budget - c.floor  # what the floor leaves for activations
+        if reading.peak > room:
+            if c.shrink is not None and not c.shrunk:
+                c.shrink.enable()
+                c.shrunk, c.reserve = True, None  # measured afresh on its next call
+                logger.info("%s: %d bytes of activations do not fit beside its %d weight bytes "
+                            "in vram_budget=%d: its calls are shrunk (e.g. tiled decoding)",
+                            c.name, reading.peak, c.floor, budget)
+                return
+            floor = c.floor + reading.peak
+            weights = ("its non-block weights and one slot of each block list's largest block"
+                       if c.paths else "moved whole")
+            raise BudgetTooSmallError(
+                f"vram_budget={budget} bytes is below the floor of {c.name!r}, {floor} bytes: "
+                f"{c.floor} bytes of weights ({weights}) + {reading.peak} bytes of activations "
+                f"measured on its last call{' (shrunk)' if c.shrunk else ''}, which went over "
+                f"the budget. Give a budget of at least {floor} bytes, or make its calls "
+                "smaller (a smaller image or batch, fewer tokens)"
+                + ("" if c.paths else f", or stream {c.name!r}: give its block lists in blocks="))
+        # The margin is capped by the room: the measured peak itself fits there.
+        c.reserve = min(reading.reserve, room)
+        if c.paths:
+            c.plan = self._offloaders[c.name].plan_for(StreamConfig(
+                prefetch=self._prefetch, vram_budget=budget, activation_bytes=c.reserve))
+        active = self._active.get(c.name)
+        logger.info("%s: %d bytes of activations measured, %d reserved; %d weight bytes "
+                    "planned", c.name, reading.peak, c.reserve, c.need)
+        if active is not None and active.plan != c.plan and not self._running.get(c.name):
+            self._deactivate(c.name, "planned again with its measured activations")
 
     def _config(self, name: str) -> tuple:
         pairs = tuple((spec.key, w) for spec, w in self._loras.get(name, ()))
@@ -333,34 +433,40 @@ class OffloadHandle:
 
     def _enter(self, name: str) -> None:
         active = self._active.get(name)
+        c = self._components[name]
+        if active is not None and active.plan != c.plan:
+            self._deactivate(name, "planned again with its measured activations")
+            active = None
+        self._make_room(c)  # on every call: others may have come since its activation
         if active is not None:
             self._active[name] = self._active.pop(name)  # most recently used now
             return
-        c = self._components[name]
-        self._make_room(c)
         stack = contextlib.ExitStack()
         with stack:
             pairs = self._loras.get(name, [])
             stack.enter_context(self._cache.use(
                 c.spec, self.device, loras=pairs, plan=c.plan,
                 mode=self._mode))
-            self._active[name] = _Active(stack.pop_all(), self._config(name))
+            self._active[name] = _Active(stack.pop_all(), self._config(name), c.plan, c.need)
 
     def _make_room(self, c: _Component) -> None:
         budget = self._vram_budget
-        used = sum(self._components[n].need for n in self._active)
+        # Its weights and its reserve beside the others' weights (their activations are gone
+        # once their calls returned); a module not measured yet runs alone.
+        want = c.need + (c.reserve if c.reserve is not None else budget or 0)
+        used = sum(a.need for n, a in self._active.items() if n != c.name)
         for other in list(self._active):
-            if budget is not None and used + c.need <= budget:
+            if budget is not None and used + want <= budget:
                 break
-            if self._running.get(other):
-                continue  # its call is still on the stack (it called this module)
-            used -= self._components[other].need
+            if other == c.name or self._running.get(other):
+                continue  # itself, or a call still on the stack (it called this module)
+            used -= self._active[other].need
             self._deactivate(other, f"make room for {c.name!r}" if budget is not None
                              else f"{c.name!r} is called (vram_budget=None: one at a time)")
 
     def _deactivate(self, name: str, why: str) -> None:
-        logger.info("deactivating %s (%d device bytes): %s", name,
-                    self._components[name].need, why)
+        logger.info("deactivating %s (%d device bytes): %s", name, self._active[name].need,
+                    why)
         self._active.pop(name).stack.close()
 
     def _drop_specs(self, keep: dict[int, tuple[LoRA, dict[str, LoRASpec]]]) -> None:

@@ -23,6 +23,7 @@ import torch
 from shuttle.cache import ModelCache
 from shuttle.errors import AdapterFileError, OffloadError
 from shuttle.formats.safetensors_file import LazyTensor
+from shuttle.integrations.activations import ActivationMeter
 from shuttle.integrations.blocks import find_block_lists
 from shuttle.integrations.handle import OffloadHandle, cache_for, check_device
 from shuttle.integrations.pretrained import (
@@ -69,7 +70,7 @@ def _reporting_device(cls: type) -> type:
 def offload(model: Any, max_host_bytes: int | None = None, *, cache: ModelCache | None = None,
             vram_budget: int | None = None, device: str | torch.device = "cuda",
             prefetch: int = 2, blocks: Sequence[str] | None = None,
-            host: HostBacking = "pinned",
+            host: HostBacking = "pinned", meter: ActivationMeter | None = None,
             sources: Mapping[str, LazyTensor] | None = None) -> OffloadHandle:
     """Keep ``model`` in host memory and stream its layers on every forward.
 
@@ -78,13 +79,17 @@ def offload(model: Any, max_host_bytes: int | None = None, *, cache: ModelCache 
         max_host_bytes: host byte budget of a new cache for the model and its adapters.
         cache: a :class:`~shuttle.ModelCache` to share instead (exclusive with
             ``max_host_bytes``).
-        vram_budget: device bytes for weights; as many layers as fit stay resident. None: all
-            layers stream, ``prefetch`` ahead.
+        vram_budget: device bytes for the weights and the activations of each call (measured:
+            the first call runs with every layer streamed, later ones keep as many layers
+            resident as fit beside the activations). None: all layers stream, ``prefetch``
+            ahead.
         device: where the model computes.
         prefetch: layers loaded ahead of the one computing.
         blocks: block-list paths to stream (default: the uniform layer lists holding most of
             the weights, e.g. ``model.layers`` or ``transformer.h``; ``[]``: move it whole).
         host: ``"pinned"`` (page-locked copies) or ``"adopt"`` (keep the CPU tensors).
+        meter: measures each call's activations (default: CUDA's allocator statistics; see
+            :mod:`shuttle.integrations.activations`).
         sources: qualified tensor name -> its tensor in a safetensors file, for a model built
             on ``meta`` (see :func:`from_pretrained`, which passes them).
 
@@ -112,7 +117,7 @@ def offload(model: Any, max_host_bytes: int | None = None, *, cache: ModelCache 
                          prefetch=prefetch, vram_budget=vram_budget, host=host,
                          attrs={_EXECUTION_DEVICE: device},
                          classes={"model": _reporting_device(type(model))},
-                         key_prefix=f"{type(model).__name__}@{id(model):x}",
+                         key_prefix=f"{type(model).__name__}@{id(model):x}", meter=meter,
                          sources={"model": sources} if sources is not None else None)
 
 

@@ -7,9 +7,11 @@ from shuttle.offload.offloader import CPU_COPY_ENV, ModelOffloader
 from shuttle.offload.residency import (
     ResidencyPlan,
     ResidencyPolicy,
+    RingOnlyResidency,
     SpreadResidency,
     StreamConfig,
     check_plan,
+    floor_bytes,
     plan_cost,
     plan_residency,
 )
@@ -27,10 +29,12 @@ __all__ = [
     "ModelOffloader",
     "ResidencyPlan",
     "ResidencyPolicy",
+    "RingOnlyResidency",
     "SlotPool",
     "SpreadResidency",
     "StreamConfig",
     "check_plan",
+    "floor_bytes",
     "plan_cost",
     "plan_residency",
 ]

@@ -6,7 +6,11 @@ streaming hook loads and binds the block's weights eagerly, then this hook calls
 block of a class: dynamo treats the module's parameters as graph inputs
 (``inline_inbuilt_nn_modules``), so a block whose parameters were re-pointed at another slot,
 or another block of the same class and shapes, reuses the graph instead of recompiling.
-``dynamic=False``: block groups of different widths each compile once, with static shapes.
+``dynamic=False``: block groups of different widths each compile once, with static shapes,
+and so do the differing blocks of one group (T5's first block, with its relative attention
+table, gets a graph of its own; a UNet stage list one per width). Dynamo keeps at most
+``torch._dynamo.config.recompile_limit`` graphs per class: blocks of one class in more shapes
+than that run the rest eagerly (dynamo warns).
 """
 
 from __future__ import annotations

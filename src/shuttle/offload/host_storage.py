@@ -66,8 +66,8 @@ def _round_up(n: int, m: int) -> int:
 class Layout:
     """Where each unique tensor of a unit lies in its flat ``uint8`` buffer.
 
-    The same layout describes the host arena and every device slot of a block group, so one
-    ``copy_`` moves a whole block.
+    The same layout describes the host arena and the front of the device slot the unit is
+    loaded into, so one ``copy_`` moves a whole block.
     """
 
     offsets: tuple[int, ...]
@@ -174,7 +174,6 @@ class _UnitSurvey(NamedTuple):
     name: str
     layout: Layout
     bindings: list[_Binding]
-    signature: tuple  # what must match across the blocks of one group
     sources: list[_Binding]  # per entry, where to read the tensor from
     files: list[LazyTensor | None]  # per entry, its bytes in a checkpoint file (read from there)
 
@@ -302,7 +301,7 @@ def _survey(model: torch.nn.Module, groups: dict[str, Sequence[torch.nn.Module]]
              ) -> _UnitSurvey:
         entries: dict[tuple, int] = {}
         specs: list[tuple[torch.dtype, torch.Size]] = []
-        bindings, sources, sig = [], [], []
+        bindings, sources = [], []
         read: list[LazyTensor | None] = []
 
         def add(key: tuple, t: torch.Tensor, full: str, module: torch.nn.Module, path: str,
@@ -322,7 +321,6 @@ def _survey(model: torch.nn.Module, groups: dict[str, Sequence[torch.nn.Module]]
                 sources.append(_Binding(module, leaf, kind, e, rep, part, shard))
                 read.append(_file_of(t, key, named, files))
             bindings.append(_Binding(module, leaf, kind, e, rep, part, shard))
-            sig.append((path, leaf, kind, e) if part is None else (path, leaf, kind, e, part))
 
         for path, module in _walk(root, stop):
             # A layer unit holds its module's own parameters; its buffers (and everything of
@@ -349,22 +347,15 @@ def _survey(model: torch.nn.Module, groups: dict[str, Sequence[torch.nn.Module]]
                     key = _alias_key(t)
                     _check(t, full, adopt, any(n in files for n in named.get(key, ())))
                     add(key, t, full, module, path, leaf, kind)
-        return _UnitSurvey(name, Layout.of(specs), bindings, (tuple(specs), tuple(sig)), sources,
-                           read)
+        return _UnitSurvey(name, Layout.of(specs), bindings, sources, read)
 
     rest = unit("", model, block_ids)
     layer_units = [unit(path, m, set(), layer=True) for path, m in layers.items()]
-    surveyed: dict[str, list[_UnitSurvey]] = {}
-    for gname, blocks in groups.items():
-        units = [unit(f"{gname}.{i}", b, set()) for i, b in enumerate(blocks)]
-        for u in units[1:]:
-            if u.signature != units[0].signature:
-                raise BlockLayoutError(
-                    f"block {u.name} differs from {units[0].name} in its parameters or buffers "
-                    f"({_first_difference(units[0].signature, u.signature)}); blocks of one group "
-                    "share one slot layout: list differing blocks under separate block paths"
-                )
-        surveyed[gname] = units
+    # Blocks of one group may differ (T5's first block holds the relative attention bias, a
+    # UNet's stages differ in width): each keeps its own layout, and the group's ring is sized
+    # by its largest streamed block.
+    surveyed = {g: [unit(f"{g}.{i}", b, set()) for i, b in enumerate(blocks)]
+                for g, blocks in groups.items()}
     return rest, surveyed, layer_units
 
 
@@ -401,18 +392,6 @@ def _file_of(t: torch.Tensor, key: tuple, named: dict[tuple, list[str]],
                     f"convert between {sorted(str(d) for d in _CASTABLE)} while read)")
             return src
     return None
-
-
-def _first_difference(a: tuple, b: tuple) -> str:
-    specs_a, sig_a = a
-    specs_b, sig_b = b
-    for x, y in zip(sig_a, sig_b, strict=False):
-        if x != y:
-            return f"{'.'.join(p for p in x[:2] if p)} vs {'.'.join(p for p in y[:2] if p)}"
-    for x, y in zip(specs_a, specs_b, strict=False):
-        if x != y:
-            return f"a tensor is {x[0]} {tuple(x[1])} vs {y[0]} {tuple(y[1])}"
-    return f"{len(sig_a)} vs {len(sig_b)} tensors"
 
 
 def _arena(nbytes: int, pin: bool) -> torch.Tensor:
@@ -483,7 +462,10 @@ class HostStorage:
     Raises:
         HostBackingError: a tensor that cannot be kept as asked (on ``meta`` with no source,
             or a source of another shape or of a dtype not converted); nothing was changed.
-        BlockLayoutError: blocks of one group differ, or a tensor spans two units.
+        BlockLayoutError: a tensor spans two units (tied between a block and the rest, or
+            between two blocks).
+
+    Blocks of one group may differ in their tensors: each unit has its own :class:`Layout`.
     """
 
     def __init__(self, model: torch.nn.Module, groups: dict[str, Sequence[torch.nn.Module]],

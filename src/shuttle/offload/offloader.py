@@ -52,7 +52,7 @@ from shuttle.errors import (
 from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.offload.adapters import ActivationAdapters, check_mode, former_mode
 from shuttle.offload.compiled import BlockCompiler
-from shuttle.offload.host_storage import HostBacking, HostStorage, HostUnit
+from shuttle.offload.host_storage import HostBacking, HostStorage, HostUnit, Layout
 from shuttle.offload.layer_streamer import LayerStreamer
 from shuttle.offload.residency import ResidencyPlan, StreamConfig, check_plan, plan_residency
 from shuttle.offload.slots import SlotPool
@@ -117,7 +117,10 @@ class ModelOffloader:
         Args:
             model: the model; its parameters keep their identity (``.data`` is re-pointed).
             blocks: dotted paths of ``nn.ModuleList``/``nn.Sequential`` whose entries may
-                stream; each path is its own group (its blocks must share one layout).
+                stream; each path is its own group. Its blocks may differ (T5's first block
+                holds the relative attention bias, a UNet's stages differ in width): they
+                stream through one ring of slots sized by the largest streamed block, and a
+                resident block takes its own size.
             host: ``"pinned"`` (page-locked copies, at most one arena per block; pageable
                 originals freed as copied) or ``"adopt"`` (keep the CPU tensors, zero-copy).
             layers: layer mode, for models without block lists (or for what lies outside
@@ -140,7 +143,8 @@ class ModelOffloader:
         Raises:
             BlockPathError: a path names nothing, or not a non-empty block list, or two paths
                 overlap.
-            BlockLayoutError: blocks of one group differ, or a tensor is tied across units.
+            BlockLayoutError: a tensor is tied across units (a block and the rest, or two
+                blocks).
             HostBackingError: a tensor that cannot be kept as ``host`` asks.
             OffloadError: an unknown ``host``, a ``layers`` that is not a bool or a sequence
                 of module classes, ``layers`` that selects no module, a model under FSDP2,
@@ -217,7 +221,9 @@ class ModelOffloader:
 
         Raises:
             BudgetTooSmallError: ``stream.vram_budget`` cannot hold the trainable parameters
-                kept on the device, or the rest of the model plus one slot per block group.
+                kept on the device, or is below the model's floor (the rest of the model plus
+                one slot of each group's largest block, plus ``stream.activation_bytes``); the
+                message names the floor in bytes.
             OffloadError: a custom policy's plan does not fit the model or the budget.
         """
         if stream is None or stream.vram_budget is None or not self.on_device:
@@ -397,33 +403,46 @@ class ModelOffloader:
     def _place(self, active: _Activation, stream: StreamConfig | None) -> None:
         plan, device = active.plan, active.device
         assert plan is not None
-        copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        copy_stream = _copy_stream(device) if device.type == "cuda" else None
         fold = active.adapters.fold if active.adapters and active.adapters.merges else None
         rest = self.storage.rest
         if rest.layout.offsets:
-            pool = SlotPool(rest.layout, 1, device, copy_stream, fold)
-            active.pools.append(pool)
-            pool.load(0, rest)
-            pool.wait_loaded(0)
-            rest.bind(pool.views[0])
-            active.placed.append((pool, 0, rest))
+            self._place_resident(active, [rest], copy_stream, fold)
         for g, units in self.storage.groups.items():
             resident = plan.resident[g]
-            pool = SlotPool(units[0].layout, len(resident) + plan.ring[g], device, copy_stream,
-                            fold)
-            active.pools.append(pool)
-            for slot, pos in enumerate(resident):
-                pool.load(slot, units[pos])
-                pool.wait_loaded(slot)
-                units[pos].bind(pool.views[slot])
-                active.placed.append((pool, slot, units[pos]))
-            if plan.ring[g]:
+            self._place_resident(active, [units[pos] for pos in resident], copy_stream, fold)
+            kept = set(resident)
+            streamed = [u.layout for i, u in enumerate(units) if i not in kept]
+            if plan.ring[g] and streamed:
+                # One ring per group; blocks that differ share slots sized by the largest.
+                pool = (SlotPool(streamed[0], plan.ring[g], device, copy_stream, fold)
+                        if all(lay == streamed[0] for lay in streamed) else
+                        SlotPool.for_layouts(streamed, plan.ring[g], device, copy_stream, fold))
+                active.pools.append(pool)
                 streamer = BlockStreamer(self.blocks[g], units, pool, resident, plan.prefetch)
                 active.streamers[g] = streamer
                 streamer.attach()
                 streamer.warm()
         if self.storage.layers:
             self._place_layers(active, copy_stream, fold)
+
+    def _place_resident(self, active: _Activation, units: list[HostUnit],
+                        copy_stream: torch.cuda.Stream | None,
+                        fold: Callable[..., None] | None) -> None:
+        """Load ``units`` for the whole activation, each into a slot of exactly its layout
+        (one pool per distinct layout), and bind them there.
+        """
+        by_layout: dict[Layout, list[HostUnit]] = {}
+        for unit in units:
+            by_layout.setdefault(unit.layout, []).append(unit)
+        for layout, same in by_layout.items():
+            pool = SlotPool(layout, len(same), active.device, copy_stream, fold)
+            active.pools.append(pool)
+            for slot, unit in enumerate(same):
+                pool.load(slot, unit)
+                pool.wait_loaded(slot)
+                unit.bind(pool.views[slot])
+                active.placed.append((pool, slot, unit))
 
     def _place_layers(self, active: _Activation, copy_stream: torch.cuda.Stream | None,
                       fold: Callable[..., None] | None) -> None:
@@ -466,6 +485,23 @@ class ModelOffloader:
         active.streamers.clear()
         active.placed.clear()
         active.layer_streamer = active.compiler = None
+
+
+_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream for copies to ``device``, one per device for every activation.
+
+    A fresh stream per activation would cost device memory outside any plan: cuBLAS keeps a
+    workspace (tens of MB, from the caching allocator, for the process's life) for every stream
+    a matmul ran on, and merge-mode adapters run matmuls on the copy stream. Activations that
+    share it are ordered by their slots' events as before; their copies queue on one engine.
+    """
+    stream = _COPY_STREAMS.get(device)
+    if stream is None:
+        stream = _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
 
 
 def _check_given_plan(plan: ResidencyPlan, stream: StreamConfig | None,

@@ -5,9 +5,18 @@ sizes; :func:`plan_residency` applies the config's policy and checks its plan).
 A policy decides which blocks (and layers) stay on the device and how deep the rings are; the
 streamer loads the others in model order through the rings. The default,
 :class:`SpreadResidency`, keeps as many blocks as the budget allows, spread evenly so that
-streamed blocks' copies overlap resident blocks' compute. Another policy (by measured block
-time, by access frequency) is one class with a ``plan`` method, passed as
+streamed blocks' copies overlap resident blocks' compute; :class:`RingOnlyResidency` keeps
+none (the smallest footprint, used before a module's activations are known). Another policy
+(by measured block time, by access frequency) is one class with a ``plan`` method, passed as
 ``StreamConfig(policy=...)``.
+
+Costs count each unit's own size: the blocks of one group may differ (T5's first block holds
+the relative attention bias), so a resident block takes its own bytes and a ring slot the bytes
+of the group's largest *streamed* block. The budget is a ceiling on everything the forward
+holds on the device: ``StreamConfig.activation_bytes`` of it are kept for activations, and the
+weights are planned within the remainder. The floor of a model (no resident block, one slot per
+group, plus the activations) is the smallest budget that runs; below it
+:class:`~shuttle.errors.BudgetTooSmallError` names it in bytes.
 """
 
 from __future__ import annotations
@@ -19,8 +28,8 @@ from typing import Any, Protocol, runtime_checkable
 from shuttle.errors import BudgetTooSmallError, OffloadError
 from shuttle.offload.host_storage import HostStorage
 
-__all__ = ["ResidencyPlan", "ResidencyPolicy", "SpreadResidency", "StreamConfig",
-           "check_plan", "plan_cost", "plan_residency"]
+__all__ = ["ResidencyPlan", "ResidencyPolicy", "RingOnlyResidency", "SpreadResidency",
+           "StreamConfig", "check_plan", "floor_bytes", "plan_cost", "plan_residency"]
 
 
 @dataclass(frozen=True)
@@ -32,15 +41,19 @@ class StreamConfig:
             ``prefetch + 1`` slots (fewer when it has fewer streamed blocks).
         resident: blocks per group kept on the device for the whole activation (spread evenly
             over the group); default 0. Exclusive with ``vram_budget``.
-        vram_budget: device bytes for weights (the rest of the model, resident blocks and ring
-            slots; activations are not counted). As many blocks as fit are made resident;
-            when even ``prefetch`` is too deep for the budget it is lowered.
+        vram_budget: device bytes for the activation: the weights (the rest of the model,
+            resident blocks and ring slots) plus ``activation_bytes``. As many blocks as fit
+            are made resident; when even ``prefetch`` is too deep for the budget it is lowered.
         compile: compile each block's forward with ``torch.compile`` (weight loading stays
             outside the graph; one compile per block class and shape): ``True`` for the
             default backend (inductor), or a backend (``"aot_eager"``, a callable).
             Needs block lists (``from_module(..., blocks=...)``).
         policy: the :class:`ResidencyPolicy` choosing what stays on the device (default:
             :class:`SpreadResidency`).
+        activation_bytes: device bytes of ``vram_budget`` kept for what the forward allocates
+            (activations, workspaces); the weights are planned within the remainder. Needs
+            ``vram_budget``. The integrations measure it per module (see
+            :mod:`shuttle.integrations.activations`).
 
     In layer mode ``prefetch`` counts layers, ``resident`` is the number of layers kept on
     the device (spread evenly), and ``vram_budget`` also pays for the layer ring
@@ -48,8 +61,9 @@ class StreamConfig:
 
     Raises:
         OffloadError: a negative or non-integer value, both ``resident`` and
-            ``vram_budget``, a ``compile`` that is neither a bool, a string nor callable, or a
-            ``policy`` without a ``plan`` method.
+            ``vram_budget``, ``activation_bytes`` without ``vram_budget``, a ``compile`` that
+            is neither a bool, a string nor callable, or a ``policy`` without a ``plan``
+            method.
     """
 
     prefetch: int = 2
@@ -57,6 +71,7 @@ class StreamConfig:
     vram_budget: int | None = None
     compile: bool | str | Callable[..., Any] = False
     policy: ResidencyPolicy | None = None
+    activation_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.policy is not None and not isinstance(self.policy, ResidencyPolicy):
@@ -65,13 +80,16 @@ class StreamConfig:
         if not isinstance(self.compile, (bool, str)) and not callable(self.compile):
             raise OffloadError(f"StreamConfig.compile={self.compile!r}: expected a bool, a "
                                "backend name or a backend callable")
-        for name in ("prefetch", "resident", "vram_budget"):
+        for name in ("prefetch", "resident", "vram_budget", "activation_bytes"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise OffloadError(f"StreamConfig.{name}={v!r}: expected an integer >= 0")
         if self.resident is not None and self.vram_budget is not None:
             raise OffloadError("StreamConfig: give resident= or vram_budget=, not both "
                                "(the budget chooses the resident count)")
+        if self.activation_bytes and self.vram_budget is None:
+            raise OffloadError(f"StreamConfig(activation_bytes={self.activation_bytes}) keeps "
+                               "part of vram_budget for activations: give vram_budget too")
 
 
 @dataclass(frozen=True)
@@ -82,7 +100,8 @@ class ResidencyPlan:
         resident: per group, the positions of blocks kept on the device.
         ring: per group, the number of streaming slots (0: nothing streams).
         prefetch: the prefetch depth used (lowered from the config's to fit a budget).
-        device_bytes: weight bytes on the device: the rest of the model plus every slot.
+        device_bytes: weight bytes on the device: the rest of the model plus every slot
+            (activations not included).
         layers: layer mode: positions (in ``storage.layers``) of the layers kept on the device.
         layer_ring: layer mode: the number of streaming slots for layers (0: none stream).
     """
@@ -116,27 +135,43 @@ class ResidencyPolicy(Protocol):
 
 def plan_cost(storage: HostStorage, resident: dict[str, tuple[int, ...]], ring: dict[str, int],
               layers: tuple[int, ...] = (), layer_ring: int = 0) -> int:
-    """Device weight bytes of a plan: the rest of the model, each group's resident blocks and
-    ring slots (blocks of a group have one size), the resident layers and the layer ring (slots
-    of the largest streamed layer).
+    """Device weight bytes of a plan: the rest of the model; per group, each resident block at
+    its own size and ``ring`` slots the size of the group's largest streamed block; the
+    resident layers and the layer ring (slots of the largest streamed layer). A ring with
+    nothing streamed costs nothing (no slot is allocated for it).
     """
     total = storage.rest.layout.nbytes
     for g, units in storage.groups.items():
-        total += (len(resident.get(g, ())) + ring.get(g, 0)) * units[0].layout.nbytes
-    sizes = [u.layout.nbytes for u in storage.layers]
-    kept = set(layers)
-    streamed = [b for i, b in enumerate(sizes) if i not in kept]
-    return total + sum(sizes[i] for i in kept) + layer_ring * max(streamed, default=0)
+        total += _units_cost([u.layout.nbytes for u in units], resident.get(g, ()),
+                             ring.get(g, 0))
+    return total + _units_cost([u.layout.nbytes for u in storage.layers], layers, layer_ring)
+
+
+def _units_cost(sizes: list[int], kept: tuple[int, ...], ring: int) -> int:
+    """Bytes of the ``kept`` units at their own sizes plus ``ring`` slots of the largest other."""
+    keep = set(kept)
+    streamed = [b for i, b in enumerate(sizes) if i not in keep]
+    return sum(sizes[i] for i in keep) + ring * max(streamed, default=0)
+
+
+def floor_bytes(storage: HostStorage) -> int:
+    """The smallest weight footprint of ``storage`` on the device: the rest of the model, one
+    slot of each group's largest block, one slot of the largest layer (prefetch 0, nothing
+    resident). A module's floor budget is this plus its activations.
+    """
+    return plan_cost(storage, {}, {g: 1 for g in storage.groups}, (), 1)
 
 
 def plan_residency(storage: HostStorage, config: StreamConfig | None) -> ResidencyPlan:
     """The plan of ``config``'s policy (None: everything resident), checked.
 
     Raises:
-        BudgetTooSmallError: ``config.vram_budget`` cannot hold the rest of the model plus
-            one slot per group (and one slot of the largest layer, in layer mode).
+        BudgetTooSmallError: ``config.vram_budget`` is below the floor: the rest of the model
+            plus one slot of each group's largest block (and of the largest layer, in layer
+            mode) plus ``config.activation_bytes``.
         OffloadError: a custom policy's plan names blocks or layers the storage lacks, leaves
-            a group or the layers with streamed units but no ring slot, or exceeds the budget.
+            a group or the layers with streamed units but no ring slot, or exceeds the budget
+            (less ``config.activation_bytes``).
     """
     if config is None:
         everything = {g: tuple(range(len(us))) for g, us in storage.groups.items()}
@@ -146,13 +181,15 @@ def plan_residency(storage: HostStorage, config: StreamConfig | None) -> Residen
     policy = config.policy or SpreadResidency()
     plan = policy.plan(storage, config)
     if not isinstance(policy, SpreadResidency):
-        check_plan(plan, storage, config.vram_budget, type(policy).__name__)
+        check_plan(plan, storage, config.vram_budget, type(policy).__name__,
+                   config.activation_bytes)
     return plan
 
 
 def check_plan(plan: ResidencyPlan, storage: HostStorage, vram_budget: int | None = None,
-               who: str = "activate(plan=...)") -> None:
-    """Raise unless ``plan`` fits ``storage`` (and ``vram_budget``, when given).
+               who: str = "activate(plan=...)", activation_bytes: int = 0) -> None:
+    """Raise unless ``plan`` fits ``storage`` (and ``vram_budget`` less ``activation_bytes``,
+    when a budget is given).
 
     Raises:
         OffloadError: the plan names blocks or layers the storage lacks, leaves a group or the
@@ -177,9 +214,10 @@ def check_plan(plan: ResidencyPlan, storage: HostStorage, vram_budget: int | Non
     if plan.device_bytes != cost:
         raise OffloadError(f"{who}: its plan says {plan.device_bytes} device bytes, its "
                            f"blocks and slots take {cost} (plan_cost)")
-    if vram_budget is not None and cost > vram_budget:
+    if vram_budget is not None and cost > vram_budget - activation_bytes:
+        less = f" less activation_bytes={activation_bytes}" if activation_bytes else ""
         raise OffloadError(f"{who}: its plan takes {cost} device bytes, over vram_budget="
-                           f"{vram_budget}")
+                           f"{vram_budget}{less}")
 
 
 class SpreadResidency:
@@ -190,49 +228,57 @@ class SpreadResidency:
     """
 
     def plan(self, storage: HostStorage, config: StreamConfig) -> ResidencyPlan:  # noqa: D102
-        return _spread_plan(storage, config)
+        return _spread_plan(storage, config, grow=True)
 
 
-def _spread_plan(storage: HostStorage, config: StreamConfig) -> ResidencyPlan:
+class RingOnlyResidency:
+    """Every block and layer streams, none is resident: the smallest weight footprint at the
+    deepest prefetch (up to the config's) that fits the budget, which leaves the most room for
+    activations. ``config.resident`` is not read. The integrations' handles plan a module's
+    first call this way, before its activations have been measured.
+    """
+
+    def plan(self, storage: HostStorage, config: StreamConfig) -> ResidencyPlan:  # noqa: D102
+        return _spread_plan(storage, config, grow=False)
+
+
+def _spread_plan(storage: HostStorage, config: StreamConfig, grow: bool) -> ResidencyPlan:
     rest = storage.rest.layout.nbytes
-    sizes = {g: (len(us), us[0].layout.nbytes) for g, us in storage.groups.items()}
+    sizes = {g: [u.layout.nbytes for u in us] for g, us in storage.groups.items()}
     layer_sizes = [u.layout.nbytes for u in storage.layers]
     n_layers = len(layer_sizes)
 
-    def layer_cost(keep: tuple[int, ...], p: int) -> int:
-        kept = set(keep)
-        streamed = [b for i, b in enumerate(layer_sizes) if i not in kept]
-        return (sum(layer_sizes[i] for i in kept)
-                + min(p + 1, len(streamed)) * max(streamed, default=0))
+    def kept(count: int, n: int) -> tuple[int, ...]:
+        return _spread(count, n) if count else ()
 
     def cost(res: dict[str, int], p: int, keep: tuple[int, ...] = ()) -> int:
-        return (rest + layer_cost(keep, p)
-                + sum((res[g] + min(p + 1, n - res[g])) * b for g, (n, b) in sizes.items()))
+        return (rest + _units_cost(layer_sizes, keep, min(p + 1, n_layers - len(keep)))
+                + sum(_units_cost(b, kept(res[g], len(b)), min(p + 1, len(b) - res[g]))
+                      for g, b in sizes.items()))
 
     def plan(res: dict[str, int], p: int, keep: tuple[int, ...]) -> ResidencyPlan:
-        return ResidencyPlan({g: _spread(res[g], n) if res[g] else () for g, (n, _) in
-                              sizes.items()},
-                             {g: min(p + 1, n - res[g]) for g, (n, _) in sizes.items()},
+        return ResidencyPlan({g: kept(res[g], len(b)) for g, b in sizes.items()},
+                             {g: min(p + 1, len(b) - res[g]) for g, b in sizes.items()},
                              p, cost(res, p, keep), keep, min(p + 1, n_layers - len(keep)))
 
+    none = {g: 0 for g in sizes}
     if config.vram_budget is None:
+        if not grow:
+            return plan(none, config.prefetch, ())
         r = min(config.resident or 0, n_layers)
-        return plan({g: min(config.resident or 0, n) for g, (n, _) in sizes.items()},
+        return plan({g: min(config.resident or 0, len(b)) for g, b in sizes.items()},
                     config.prefetch, _spread(r, n_layers) if r else ())
-    budget, res = config.vram_budget, {g: 0 for g in sizes}
+    budget, res = config.vram_budget - config.activation_bytes, dict(none)
     if cost(res, 0) > budget:
-        what = " and one slot of the largest layer" if n_layers else ""
-        raise BudgetTooSmallError(
-            f"vram_budget={budget} bytes cannot hold the non-block weights ({rest} bytes) plus "
-            f"one slot per block group{what} ({cost(res, 0) - rest} bytes): give at least "
-            f"{cost(res, 0)} bytes, or list more of the model under block paths"
-        )
+        raise BudgetTooSmallError(_below_floor(config, rest, cost(res, 0), n_layers))
     p = next(q for q in range(config.prefetch, -1, -1) if cost(res, q) <= budget)
+    if not grow:
+        return plan(res, p, ())
     grown = True
     while grown:  # one more resident block per group per round, while the budget allows
         grown = False
-        for g, (n, _) in sizes.items():
-            if res[g] < n:
+        for g, b in sizes.items():
+            if res[g] < len(b):
                 res[g] += 1
                 if cost(res, p) <= budget:
                     grown = True
@@ -242,3 +288,15 @@ def _spread_plan(storage: HostStorage, config: StreamConfig) -> ResidencyPlan:
     keep = next((k for r in range(n_layers, 0, -1) if cost(res, p, k := _spread(r, n_layers))
                  <= budget), ())
     return plan(res, p, keep)
+
+
+def _below_floor(config: StreamConfig, rest: int, weights: int, n_layers: int) -> str:
+    """The message of a budget below the floor: the floor in bytes and what it is made of."""
+    floor = weights + config.activation_bytes
+    what = " and of the largest layer" if n_layers else ""
+    acts = (f" + {config.activation_bytes} bytes kept for activations (activation_bytes)"
+            if config.activation_bytes else "")
+    return (f"vram_budget={config.vram_budget} bytes is below this model's floor of {floor} "
+            f"bytes: {rest} bytes of non-block weights + {weights - rest} bytes for one slot "
+            f"of each block group's largest block{what}{acts}; give at least {floor} bytes, "
+            "or list more of the model under block paths (smaller units lower the floor)")

@@ -1,8 +1,11 @@
 """Streaming one block group through a fixed ring of device slots.
 
-A group's :class:`~shuttle.offload.slots.SlotPool` holds ``r`` resident slots (one per resident
-block, loaded once at activation) followed by a ring of ``k`` streaming slots. With ``d`` the
-prefetch depth (``k = d + 1``), the hook around block ``i``'s forward does:
+Resident blocks are loaded once at activation into slots of their own (the offloader's); a
+group's ring is a :class:`~shuttle.offload.slots.SlotPool` of ``k`` streaming slots. When the
+group's blocks differ (T5's first block holds the relative attention bias), the ring's slots
+are as large as its largest streamed block and a block occupies the front of a slot
+(:meth:`~shuttle.offload.slots.SlotPool.for_layouts`). With ``d`` the prefetch depth
+(``k = d + 1``), the hook around block ``i``'s forward does:
 
 1. make sure block ``i`` is in a ring slot (a miss loads it now), make the compute stream wait
    for that slot's copy event, and point the block's parameters at the slot's views;
@@ -153,8 +156,9 @@ class BlockStreamer:
     Args:
         blocks: the group's modules, in call order.
         units: their host units (same order).
-        pool: the group's slots: ``len(resident)`` resident slots, then the ring.
-        resident: positions of the blocks kept in the resident slots (already loaded and bound).
+        pool: the group's ring (a pool of mixed layouts when its blocks differ).
+        resident: positions of the blocks kept on the device elsewhere (already loaded and
+            bound); they prefetch but are never loaded here.
         prefetch: how many streamed blocks to load ahead (clamped to the ring).
 
     Attributes:
@@ -169,12 +173,11 @@ class BlockStreamer:
         self.pool = pool
         self.loads = 0
         self._resident = [False] * n
-        self._slot_of: list[int | None] = [None] * n
-        for slot, pos in enumerate(resident):
+        self._slot_of: list[int | None] = [None] * n  # streamed position -> its ring slot
+        for pos in resident:
             self._resident[pos] = True
-            self._slot_of[pos] = slot
         streamed = [i for i in range(n) if not self._resident[i]]
-        self._ring = list(range(len(resident), pool.n_slots))
+        self._ring = list(range(pool.n_slots))
         self._owner: list[int | None] = [None] * len(self._ring)
         self._cursor = 0
         depth = min(prefetch, len(self._ring) - 1, len(streamed) - 1) if streamed else 0
@@ -245,7 +248,7 @@ class BlockStreamer:
             if slot is None:  # a miss: out-of-order call, or no prefetch
                 slot = self._load(i, protect)
             self.pool.wait_loaded(slot)
-            self.units[i].bind(self.pool.views[slot])
+            self.units[i].bind(self.pool.views_of(slot, self.units[i]))
         for j in order:
             if self._slot_of[j] is None:
                 self._load(j, protect)

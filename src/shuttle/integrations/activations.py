@@ -1,0 +1,137 @@
+"""What a module's calls allocate on the device beyond its weights, measured so that the
+planner can count it.
+
+A handle's ``vram_budget`` is a ceiling on the measured peak (``torch.cuda.max_memory_allocated``
+over a whole pipeline call), which holds weights *and* activations. So each module's weights are
+planned within the budget less its *activation reserve*: the largest activation peak seen on
+its calls plus a margin (:class:`Reading`). Before a module's first call nothing is known: the
+handle runs that call at the floor (every block streams, no resident block:
+:class:`~shuttle.offload.RingOnlyResidency`) with every other module taken off the device, then
+plans again through ``plan_for`` with the measurement in
+(``StreamConfig(activation_bytes=...)``), and again whenever a later call outgrows the reserve.
+
+**A call's activation peak** is the largest ``torch.cuda.memory_allocated(device)`` during the
+call less the weight bytes shuttle holds on the device (every active module's slots): the
+module's activations and workspaces, and whatever else is alive then (the pipeline's latents and
+embeddings, adapter tensors), all of which count against the budget.
+
+**Measuring it without resetting the peak statistics** (``reset_peak_memory_stats`` would
+corrupt the caller's own measurement of the same peak), :class:`DeviceMeter` does:
+
+1. On every call, reads ``max_memory_allocated`` before and after. If it rose, the call set a
+   new process peak and that peak is the call's: the reading is exact.
+2. On a module's measuring calls (its first, and the first after its mode changes), also samples
+   ``memory_allocated`` before and after the forward of every module that runs (global forward
+   hooks, removed when the call ends). When the call stays below an earlier process peak, the
+   largest sample is the reading: a lower bound, since allocations made and freed inside one
+   module's forward between two samples are missed.
+
+**The margin** added to each reading, ``max(64 MiB, 10%)``, covers what sampling misses: the
+transients inside one forward between two hooks (rotary embeddings computed in float32 over
+the query and key, the attention kernel's output and statistics before the output projection
+reads them, a cuBLAS workspace created mid-module), which for a DiT block at 1024x1024 are a
+few hundred MB against several GB of activations. It also keeps the plan from changing for
+small growth (a KV cache that grows per token re-plans once per margin, not per token). An
+attention that materializes its score matrix (the math kernel, L x L per head) can exceed it:
+such a call usually sets a new process peak, which is then read exactly.
+
+On devices without CUDA memory statistics (the CPU test path) a reading is 0 bytes with no
+margin: nothing is reserved. Tests pass their own meter (any object with ``measure``) to feed
+the planner numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["ActivationMeter", "CallShrinker", "DeviceMeter", "Reading"]
+
+MARGIN_MIN = 64 * 2**20  # bytes
+MARGIN_SHARE = 0.10
+
+
+@dataclass
+class Reading:
+    """What one call allocated on the device beyond the weights shuttle holds there.
+
+    Attributes:
+        peak: the call's activation peak in bytes (exact, or the largest sample).
+        margin: bytes added for what the measurement may miss; the reserve is
+            ``peak + margin``.
+    """
+
+    peak: int = 0
+    margin: int = 0
+
+    @property
+    def reserve(self) -> int:
+        """The bytes the planner keeps for this module's activations."""
+        return self.peak + self.margin
+
+
+@runtime_checkable
+class ActivationMeter(Protocol):
+    """Measures one call of a module.
+
+    ``measure(name, device, weights, sample)`` is a context manager around the call that yields
+    a :class:`Reading`, filled in when the block ends. ``weights()`` gives the weight bytes
+    shuttle holds on ``device`` at that moment; ``sample`` asks for the finer (slower)
+    measurement of a module whose activations are not known yet.
+    """
+
+    def measure(self, name: str, device: torch.device, weights: Callable[[], int],
+                sample: bool) -> contextlib.AbstractContextManager[Reading]: ...
+
+
+@runtime_checkable
+class CallShrinker(Protocol):
+    """Makes a module's calls allocate less device memory, at some cost (a VAE's tiled and
+    sliced decoding): ``enable()`` when its activations do not fit the budget beside its
+    weights, ``restore()`` the module's own settings when the handle is removed.
+    """
+
+    def enable(self) -> None: ...
+
+    def restore(self) -> None: ...
+
+
+class DeviceMeter:
+    """The default meter: the CUDA caching allocator's statistics (see the module docs)."""
+
+    @contextlib.contextmanager
+    def measure(self, name: str, device: torch.device, weights: Callable[[], int],
+                sample: bool) -> Iterator[Reading]:
+        """Measure the call run inside the block (see :class:`ActivationMeter`)."""
+        reading = Reading()
+        if device.type != "cuda":
+            yield reading
+            return
+        before = _allocated(device, "peak")
+        hooks = []
+        if sample:
+            def take(*_: object) -> None:
+                reading.peak = max(reading.peak, _allocated(device, "current") - weights())
+
+            hooks = [torch.nn.modules.module.register_module_forward_pre_hook(take),
+                     torch.nn.modules.module.register_module_forward_hook(take)]
+        try:
+            yield reading
+        finally:
+            for h in hooks:
+                h.remove()
+        after = _allocated(device, "peak")
+        if after > before:  # this call set the process peak: it is the call's own
+            reading.peak = after - weights()
+        reading.peak = max(reading.peak, 0)
+        reading.margin = max(MARGIN_MIN, int(MARGIN_SHARE * reading.peak))
+
+
+def _allocated(device: torch.device, which: str) -> int:
+    # The nested form skips the flattening and sorting of memory_stats(): this runs in hooks.
+    stats = torch.cuda.memory_stats_as_nested_dict(device)
+    return stats.get("allocated_bytes", {}).get("all", {}).get(which, 0)

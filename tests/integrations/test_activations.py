@@ -1,0 +1,292 @@
+"""The planner counts activations: a handle with a VRAM budget measures each call (here through
+a meter that reports given numbers, since the CPU has no device memory statistics) and plans
+each module's weights within the budget less its activations.
+
+The tiny FluxPipeline runs on the CPU copy path; byte figures come from the storages' own
+layouts, so the budgets below are exact, not guessed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+
+from shuttle.errors import BudgetTooSmallError
+from shuttle.integrations import diffusers as shuttle_diffusers
+from shuttle.integrations.activations import DeviceMeter, Reading
+from shuttle.offload import ModelOffloader, floor_bytes
+from tests.integrations.models import run_flux, snapshot, tiny_flux
+
+pytest.importorskip("diffusers")
+
+
+@pytest.fixture(autouse=True)
+def _cpu_copy(cpu_copy):
+    """Every test here activates on the CPU through the copy path."""
+
+
+@pytest.fixture(scope="module")
+def plain():
+    """(pristine pipeline, its latents, its pixels)."""
+    pipe = tiny_flux()
+    return pipe, run_flux(pipe), run_flux(pipe, "pt")
+
+
+class FakeMeter:
+    """Reports ``peaks[name]`` bytes (a number, or a function of nothing) for each call of
+    module ``name`` with ``margin`` bytes, and logs ``(name, sample)`` per call."""
+
+    def __init__(self, peaks: dict | None = None, margin: int = 0):
+        self.peaks = peaks or {}
+        self.margin = margin
+        self.calls: list[tuple[str, bool]] = []
+
+    @contextlib.contextmanager
+    def measure(self, name, device, weights, sample):
+        self.calls.append((name, sample))
+        reading = Reading()
+        yield reading
+        peak = self.peaks.get(name, 0)
+        reading.peak, reading.margin = peak() if callable(peak) else peak, self.margin
+
+
+def offload(pipe, budget, meter):
+    return shuttle_diffusers.offload(pipe, max_host_bytes=2**22, vram_budget=budget,
+                                     device="cpu", prefetch=1, meter=meter)
+
+
+def sizes(off: ModelOffloader) -> tuple[int, int]:
+    """(floor, everything resident) device weight bytes."""
+    s = off.storage
+    return floor_bytes(s), s.rest.layout.nbytes + sum(
+        u.layout.nbytes for us in s.groups.values() for u in us)
+
+
+def active(handle) -> set[str]:
+    return {n for n, o in handle.offloaders.items() if o.active}
+
+
+def record(module: torch.nn.Module, what) -> list:
+    """The values of ``what()`` at each call of ``module`` (a forward pre-hook)."""
+    seen: list = []
+    module.register_forward_pre_hook(lambda m, a: seen.append(what()))
+    return seen
+
+
+@pytest.mark.parametrize(("reserve", "kept"), [(0, 5), (160_000, 1)])
+def test_the_first_call_runs_at_the_floor_and_alone_then_the_reserve_shrinks_the_plan(
+        plain, reserve, kept):
+    ref, latents, _ = plain
+    pipe = copy.deepcopy(ref)
+    meter = FakeMeter({"transformer": reserve})
+    off = shuttle_diffusers.offload(pipe, max_host_bytes=2**22, device="cpu")
+    budget = sizes(off.offloaders["transformer"])[1]  # everything resident, no reserve
+    off.remove()
+    handle = offload(pipe, budget, meter)
+    calls = record(pipe.transformer.transformer_blocks[0],
+                   lambda: (handle.offloaders["transformer"].plan, active(handle)))
+    assert torch.equal(run_flux(pipe), latents)
+    plan, alone = calls[0]  # the first call at the floor: nothing resident, one slot a list,
+    assert not any(plan.resident.values()) and set(plan.ring.values()) == {1}
+    assert plan.prefetch == 0 and alone == {"transformer"}  # nothing else on the device
+    assert handle.reserves["transformer"] == reserve and handle.reserves["vae"] is None
+    assert [s for n, s in meter.calls if n == "transformer"] == [True, False]  # sampled once
+    plan = calls[1][0]  # the second call: planned with the measured activations
+    assert plan.device_bytes <= budget - reserve
+    assert handle.offloaders["transformer"].plan == plan
+    assert sum(map(len, plan.resident.values())) == kept  # the reserve took resident blocks
+    decoding = record(pipe.vae.decoder, lambda: active(handle))
+    assert active(handle) == {"transformer"}
+    run_flux(pipe, "pt")
+    assert decoding[-1] == {"vae"}  # the VAE's first decode, not measured yet: alone
+    handle.remove()
+
+
+def test_activations_over_what_the_floor_leaves_raise_naming_the_floor(plain):
+    ref, latents, _ = plain
+    pipe = copy.deepcopy(ref)
+    before = snapshot(pipe.transformer)
+    budget = 400_000
+    floor = sizes(shuttle_diffusers.offload(copy.deepcopy(ref), max_host_bytes=2**22,
+                                            device="cpu").offloaders["transformer"])[0]
+    peak = budget - floor + 1
+    handle = offload(pipe, budget, FakeMeter({"transformer": peak}, margin=10**6))
+    with pytest.raises(BudgetTooSmallError) as e:
+        run_flux(pipe)
+    msg = str(e.value)
+    assert f"floor of 'transformer', {floor + peak} bytes" in msg
+    assert f"{floor} bytes of weights" in msg and f"{peak} bytes of activations" in msg
+    handle.remove()
+    from tests.integrations.models import assert_restored
+
+    assert_restored(pipe.transformer, before)
+    # At exactly the room the floor leaves, it runs: the margin is capped by that room.
+    pipe = copy.deepcopy(ref)
+    handle = offload(pipe, budget, FakeMeter({"transformer": peak - 1}, margin=10**6))
+    assert torch.equal(run_flux(pipe), latents)
+    plan = handle.offloaders["transformer"].plan
+    assert not any(plan.resident.values()) and plan.prefetch == 0  # the floor
+    handle.remove()
+
+
+def test_a_call_that_outgrows_its_reserve_plans_again_and_only_then(plain, monkeypatch):
+    ref, latents, _ = plain
+    pipe = copy.deepcopy(ref)
+    peaks = iter([100_000, 100_000, 110_000, 130_000])  # the reserve: 100_000 + 20_000
+    meter = FakeMeter({"transformer": lambda: next(peaks)}, margin=20_000)
+    plans = []
+    plan_for = ModelOffloader.plan_for
+    monkeypatch.setattr(ModelOffloader, "plan_for", lambda self, stream: plans.append(
+        (self, stream and stream.activation_bytes)) or plan_for(self, stream))
+    handle = offload(pipe, 600_000, meter)
+    assert torch.equal(run_flux(pipe), latents)  # two calls: measured, then within the reserve
+    assert torch.equal(run_flux(pipe), latents)  # 110_000: within; 130_000: planned again
+    transformer = handle.offloaders["transformer"]
+    assert [a for off, a in plans if off is transformer] == [0, 120_000, 150_000]
+    handle.remove()
+
+
+@pytest.mark.parametrize(("reserve", "beside"), [(0, True), (400_000, False)])
+def test_others_stay_beside_the_running_module_as_far_as_their_weights_fit(
+        plain, reserve, beside):
+    ref, _, _ = plain
+    budget = 10**6  # holds every module's weights, all resident: 673_472 bytes
+    pipe = copy.deepcopy(ref)
+    # CLIP's own reserve fits beside the transformer, not beside it and T5 as well: only its
+    # weights count while T5 runs.
+    meter = FakeMeter({"text_encoder": 350_000, "text_encoder_2": reserve})
+    handle = offload(pipe, budget, meter)
+    during = record(pipe.text_encoder_2.encoder.block[0], lambda: active(handle))
+    for _ in range(3):
+        run_flux(pipe)
+    assert during[0] == {"text_encoder_2"}  # its first call, not measured yet: alone
+    assert all("text_encoder" in d for d in during[1:])
+    # The transformer stays beside it only when T5's reserve leaves the room, also in the
+    # third pass, where T5 is still active when it is called.
+    assert [("transformer" in d) for d in during[1:]] == [beside, beside]
+    handle.remove()
+
+
+@pytest.mark.parametrize(("room", "streams"), [(40_000, True), (600_000, False)])
+def test_text_encoders_stream_when_the_budget_asks(plain, room, streams):
+    ref, latents, _ = plain
+    budget = 600_000
+    pipe = copy.deepcopy(ref)
+    handle = offload(pipe, budget, FakeMeter({"text_encoder_2": budget - room}))
+    plans = record(pipe.text_encoder_2.encoder.block[1],
+                   lambda: handle.offloaders["text_encoder_2"].plan)
+    assert torch.equal(run_flux(pipe), latents)
+    assert torch.equal(run_flux(pipe), latents)
+    plan = plans[-1]  # the second call's, planned with its activations
+    assert plan.device_bytes <= room
+    assert (plan.ring == {"encoder.block": 1} and plan.resident == {"encoder.block": ()}
+            if streams else plan.resident == {"encoder.block": (0, 1)})
+    handle.remove()
+
+
+@pytest.mark.parametrize(("untiled", "tiled"), [(600_000, True), (1000, False)])
+def test_the_vae_decodes_tiled_only_when_its_activations_do_not_fit(plain, untiled, tiled):
+    ref, _, pixels = plain
+    budget = 600_000
+    pipe = copy.deepcopy(ref)
+    vae = pipe.vae
+    seen = []
+    meter = FakeMeter({"vae": lambda: seen.append(vae.use_tiling) or
+                       (1000 if vae.use_tiling else untiled)})
+    handle = offload(pipe, budget, meter)
+    for _ in range(2):
+        assert torch.equal(run_flux(pipe, "pt"), pixels)  # 16 px: one tile either way
+    assert seen == [False, tiled]  # the first decode as the user set it, then tiled
+    assert vae.use_tiling is tiled and vae.use_slicing is tiled
+    handle.remove()
+    assert vae.use_tiling is False and vae.use_slicing is False  # the user's settings back
+
+
+def test_a_vae_too_large_even_tiled_raises(plain):
+    ref, _, _ = plain
+    budget = 600_000
+    pipe = copy.deepcopy(ref)
+    handle = offload(pipe, budget, FakeMeter({"vae": budget}))
+    run_flux(pipe, "pt")
+    with pytest.raises(BudgetTooSmallError, match="'vae'.*activations measured on its last "
+                                                  r"call \(shrunk\)"):
+        run_flux(pipe, "pt")  # still too large when tiled
+    handle.remove()
+
+
+def test_tiling_uses_tiles_of_512_pixels_and_restores_the_vae(plain):
+    from diffusers import AutoencoderKL
+
+    from shuttle.integrations.diffusers import _Tiling
+
+    vae = AutoencoderKL(sample_size=1024, in_channels=3, out_channels=3, latent_channels=1,
+                        block_out_channels=(4, 4), down_block_types=("DownEncoderBlock2D",) * 2,
+                        up_block_types=("UpDecoderBlock2D",) * 2, norm_num_groups=1)
+    assert (vae.tile_sample_min_size, vae.tile_latent_min_size) == (1024, 512)
+    tiling = _Tiling(vae)
+    tiling.enable()
+    assert (vae.use_tiling, vae.use_slicing) == (True, True)
+    assert (vae.tile_sample_min_size, vae.tile_latent_min_size) == (512, 256)
+    tiling.restore()
+    assert (vae.use_tiling, vae.use_slicing) == (False, False)
+    assert (vae.tile_sample_min_size, vae.tile_latent_min_size) == (1024, 512)
+
+
+def test_the_device_meter_reads_nothing_off_cuda():
+    with DeviceMeter().measure("x", torch.device("cpu"), lambda: 0, True) as reading:
+        torch.ones(1000)
+    assert (reading.peak, reading.margin) == (0, 0)
+
+
+def test_the_device_meter_is_exact_when_a_call_sets_the_peak_else_sampled(monkeypatch):
+    # The allocator's statistics are faked (the CPU has none): modules that "allocate" move
+    # the current and peak figures as a CUDA call would.
+    from torch import nn
+
+    from shuttle.integrations import activations
+
+    state = {"current": 1000, "peak": 5000}
+    monkeypatch.setattr(activations, "_allocated", lambda device, which: state[which])
+
+    class Alloc(nn.Module):
+        def __init__(self, n: int):
+            super().__init__()
+            self.n = n
+
+        def forward(self, x):
+            state["current"] += self.n
+            state["peak"] = max(state["peak"], state["current"])
+            return x
+
+    class Between(nn.Module):  # allocates outside any submodule, then frees in one
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = Alloc(100), Alloc(-800)
+
+        def forward(self, x):
+            x = self.a(x)
+            state["current"] += 700  # a functional op: seen before b's forward only
+            return self.b(x)
+
+    hooks = (dict(torch.nn.modules.module._global_forward_hooks),
+             dict(torch.nn.modules.module._global_forward_pre_hooks))
+    cuda, meter, weights = torch.device("cuda"), DeviceMeter(), lambda: 1000
+    small = nn.Sequential(Alloc(300), Alloc(-200), Between(), Alloc(500), Alloc(-600))
+    with meter.measure("m", cuda, weights, sample=True) as reading:
+        small(torch.ones(1))
+    # Below the process peak: the largest sample (1900 allocated before b's forward, 1000 of
+    # them weights).
+    assert (reading.peak, reading.margin) == (900, activations.MARGIN_MIN)
+    with meter.measure("m", cuda, weights, sample=False) as reading:
+        small(torch.ones(1))
+    assert reading.peak == 0  # neither sampled nor a new peak: nothing learned
+    big = nn.Sequential(Alloc(10**9), Alloc(-10**9))
+    with meter.measure("m", cuda, weights, sample=False) as reading:
+        big(torch.ones(1))
+    assert reading.peak == 10**9  # a new process peak: exact, without sampling
+    assert reading.margin == int(activations.MARGIN_SHARE * 10**9)
+    assert (dict(torch.nn.modules.module._global_forward_hooks),
+            dict(torch.nn.modules.module._global_forward_pre_hooks)) == hooks  # removed
