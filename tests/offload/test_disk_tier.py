@@ -190,6 +190,68 @@ def test_a_file_changed_under_a_streaming_model_raises_and_never_gives_wrong_wei
     assert not off.active
 
 
+def test_a_file_rewritten_during_a_read_never_gives_that_forward(cpu_copy, tmp_path,
+                                                                 monkeypatch):
+    ref, file = saved(tmp_path)
+    off = on_meta(file, 10**9)
+    storage = off.storage
+    storage.max_host_bytes = storage.host_bytes  # now one unit goes to disk, for the staging
+    x = tokens()
+    with torch.no_grad(), off.use("cpu", StreamConfig(prefetch=0)) as model:
+        assert any(u.on_disk for u in storage.units)
+        real = os.preadv
+        calls = {"n": 0, "race": None}
+        path = tmp_path / "model.safetensors"
+
+        def racing(fd, buffers, offset):  # the call's last read races a writer
+            calls["n"] += 1
+            if calls["n"] == calls["race"]:
+                with open(path, "r+b") as f:
+                    f.seek(offset)
+                    f.write(bytes(len(buffers[0])))
+                st = os.stat(path)
+                os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+            return real(fd, buffers, offset)
+
+        monkeypatch.setattr(os, "preadv", racing)
+        for _ in range(2):  # the second call counts the reads of one call in steady state
+            calls["n"] = 0
+            assert torch.equal(model(x), ref(x))
+        calls["race"], calls["n"] = calls["n"], 0
+        with pytest.raises(FileChangedError, match="rewritten"):
+            model(x)  # its last read saw the new bytes: this call never returns
+
+
+@pytest.mark.parametrize("failing", [2, 5, 9])
+def test_a_failed_read_never_lets_the_slot_be_used(cpu_copy, tmp_path, monkeypatch, failing):
+    ref, file = saved(tmp_path)
+    off = on_meta(file, CEILINGS["tight"])
+    real = os.preadv
+    calls = {"n": 0}
+
+    def flaky(fd, buffers, offset):  # one transient I/O error
+        calls["n"] += 1
+        if calls["n"] == failing:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, buffers, offset)
+
+    x = tokens()
+    with torch.no_grad(), off.use("cpu", StreamConfig(prefetch=1)) as model:
+        want = ref(x)
+        assert torch.equal(model(x), want)
+        monkeypatch.setattr(os, "preadv", flaky)
+        raised = 0
+        for _ in range(3):  # each call raises or is right: never the slot's stale bytes
+            try:
+                got = model(x)
+            except shuttle.errors.AdapterFileError as e:
+                assert "reading failed" in str(e)
+                raised += 1
+            else:
+                assert torch.equal(got, want)
+        assert raised
+
+
 def test_a_read_that_ends_early_raises(tmp_path, cpu_copy, monkeypatch):
     # The file shrinks between the identity check and the read: the read comes back short.
     ref, file = saved(tmp_path)
