@@ -442,3 +442,72 @@ def test_a_unit_updated_by_a_host_step_is_never_dropped_again(cpu_copy, tmp_path
 def test_a_reader_without_buffers_is_a_bug_not_a_silent_copy():
     with pytest.raises(AssertionError, match="staging"):
         DiskReader().submit(None, None, None)
+
+
+_RSS_CHILD = """
+import json, os, sys
+import torch
+from torch import nn
+from shuttle.formats.safetensors_file import SafetensorsFile
+from shuttle.offload import ModelOffloader, StreamConfig
+
+def status(key):
+    return int(next(line.split()[1] for line in open("/proc/self/status")
+                    if line.startswith(key))) * 1024
+
+path, ceiling = sys.argv[1], int(sys.argv[2])
+file = SafetensorsFile(path)
+with torch.device("meta"):
+    model = nn.Sequential(nn.Linear(8, 2048), nn.Sequential(*[nn.Linear(2048, 2048)
+                                                              for _ in range(8)]))
+x = torch.ones(1, 8)
+torch.nn.functional.linear(torch.ones(1, 2048), torch.ones(4, 2048))  # warm the allocator
+baseline = status("VmRSS")
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak (VmHWM) starts again from here
+off = ModelOffloader.from_module(model, blocks=["1"], sources={k: file.tensor_ref(k)
+                                                               for k in file},
+                                 max_host_bytes=ceiling)
+with torch.no_grad(), off.use("cpu", StreamConfig(prefetch=1)) as m:
+    outs = [m(x).sum().item() for _ in range(2)]
+print(json.dumps({"baseline": baseline, "peak": status("VmHWM"), "outs": outs,
+                  "host": off.storage.host_bytes, "device": off.plan_for(
+                      StreamConfig(prefetch=1)).device_bytes,
+                  "read": off.storage.reader.bytes_read}))
+"""
+
+
+def test_peak_rss_stays_within_the_ceiling_in_a_fresh_process(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from safetensors.torch import save_model
+    from torch import nn
+
+    g = torch.Generator().manual_seed(0)
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 2048), nn.Sequential(*[nn.Linear(2048, 2048)
+                                                                  for _ in range(8)]))
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():  # cheaper than the default init; 128 MiB in all
+            p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+    save_model(model, str(tmp_path / "big.safetensors"))
+    weights = sum(p.nbytes for p in model.parameters())
+    with torch.no_grad():
+        want = model(torch.ones(1, 8)).sum().item()
+    del model
+    ceiling = 32 * 2**20
+    env = dict(os.environ, SHUTTLE_OFFLOAD_CPU_COPY="1",
+               PYTHONPATH=os.pathsep.join(entry for entry in sys.path if entry))
+    out = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(tmp_path / "big.safetensors"),
+                          str(ceiling)], env=env, capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["outs"] == [want, want]
+    assert got["host"] <= ceiling and got["read"] >= 2 * (weights - ceiling)
+    # The CPU copy path's "device" slots live in host memory too; the rest is the allowance
+    # for the interpreter's own allocations (threads, activations, allocator slack).
+    allowance = 48 * 2**20
+    assert got["peak"] - got["baseline"] <= ceiling + got["device"] + allowance, got
