@@ -511,3 +511,23 @@ def test_peak_rss_stays_within_the_ceiling_in_a_fresh_process(tmp_path):
     # for the interpreter's own allocations (threads, activations, allocator slack).
     allowance = 48 * 2**20
     assert got["peak"] - got["baseline"] <= ceiling + got["device"] + allowance, got
+
+
+def test_host_needs_states_the_floor_and_everything_without_capturing(tmp_path):
+    _, file = saved(tmp_path)
+    sources = {k: file.tensor_ref(k) for k in file}
+    del sources["blocks.0.scale"]
+
+    def build():
+        with torch.device("meta"):
+            model = TinyDiT()
+        model.blocks[0].scale = torch.ones(32)
+        return model
+
+    model = build()
+    needs = ModelOffloader.host_needs(model, blocks=PATHS, sources=sources)
+    assert all(p.is_meta for p in model.parameters())  # nothing captured
+    assert needs.floor == floor_of(lambda c: ModelOffloader.from_module(
+        build(), blocks=PATHS, sources=sources, max_host_bytes=c))
+    full = ModelOffloader.from_module(build(), blocks=PATHS, sources=sources)
+    assert needs.everything == full.storage.host_bytes > needs.floor

@@ -8,6 +8,16 @@ it on the device when it is called; it stays active across calls (a denoiser cal
 step keeps its resident blocks) until another module needs the device room, the adapters
 change, or :meth:`OffloadHandle.deactivate`/:meth:`OffloadHandle.remove` is called.
 
+**Host ceiling.** The cache's byte budget (``max_host_bytes`` of the integrations' ``offload``)
+bounds everything shuttle holds in host memory for the handle: arenas, staging buffers and
+adapters. Modules captured straight from their files (``sources=``) need not fit in it: when
+everything does not fit, each gets a share of the budget (at least its floor, then the modules
+with streamed blocks first, which read their weights every step, up to what they need to stay
+whole) as its ``max_host_bytes``, and what its share does not hold is read from its files at
+each load (:mod:`shuttle.offload.disk_reader`). Each share is charged to the cache (its floor
+with the module, the rest as a reservation beside it), and :meth:`OffloadHandle.set_loras`
+lowers the shares, down to the floors, when adapters need the room.
+
 Uses are single-threaded: one call into the offloaded modules at a time.
 """
 
@@ -25,9 +35,10 @@ import torch
 from shuttle.apply.merge import MergeReport
 from shuttle.apply.plan import AdapterList, normalize_loras
 from shuttle.apply.scoped import Mode
-from shuttle.cache import LoRASpec, ModelCache, ModelSpec
+from shuttle.cache import LoRASpec, ModelCache, ModelSpec, ObjectSpec
 from shuttle.errors import BudgetTooSmallError, CacheError, DeviceUnavailableError, OffloadError
 from shuttle.formats import LoRA
+from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.hooks import ModuleHook, add_hook, hooks_of, remove_hook
 from shuttle.integrations.routing import route_lora
 from shuttle.offload import ModelOffloader, ResidencyPlan, StreamConfig
@@ -95,6 +106,11 @@ class _Component:
     attrs: list[str] = field(default_factory=list)  # instance attributes set by the handle
     own_class: type | None = None  # the module's class, while the handle gives it another
     plan: ResidencyPlan | None = None  # chosen once, at capture, from the handle's budget
+    stream: StreamConfig | None = None  # what the plan was chosen for
+    share: int | None = None  # its host ceiling (a disk tier), None: all in host memory
+    floor: int = 0  # the least its share may be
+    captured: int = 0  # host bytes charged to the cache for the module itself (its floor)
+    reserve: contextlib.ExitStack | None = None  # the lease of the rest of its share
 
     @property
     def need(self) -> int:
@@ -138,6 +154,10 @@ class OffloadHandle:
             class that adds no state (e.g. one whose ``device`` reports the compute device);
             its own class comes back at :meth:`remove`.
         key_prefix: prefix of the cache keys (``f"{key_prefix}.{name}"``).
+        sources: name -> the module's tensors in checkpoint files (qualified tensor name ->
+            ``SafetensorsFile.tensor_ref``): captured straight from them (a module built on
+            the ``meta`` device), and kept on disk beyond the module's share of the cache's
+            budget (see the module docs).
 
     Attributes:
         device: the compute device.
@@ -148,7 +168,8 @@ class OffloadHandle:
             attribute in ``attrs`` or a
             method in ``methods`` is already set on an instance (another offloading library).
         BudgetTooSmallError: ``vram_budget`` cannot hold a module moved whole, or a streamed
-            module's non-block weights plus one slot per block list.
+            module's non-block weights plus one slot per block list; or the cache's free bytes
+            cannot hold the host floors of the modules (named, with the total).
         ResourceTooLargeError: the modules do not fit in the cache's budget.
         Whatever ``ModelOffloader.from_module`` raises (``BlockPathError``, ...).
         On any error every module is as it was before the call.
@@ -159,8 +180,10 @@ class OffloadHandle:
                  device: str | torch.device, prefetch: int = 2, vram_budget: int | None = None,
                  host: HostBacking = "pinned", methods: Mapping[str, Sequence[str]] | None = None,
                  attrs: Mapping[str, Any] | None = None,
-                 classes: Mapping[str, type] | None = None, key_prefix: str = "offloaded"):
+                 classes: Mapping[str, type] | None = None, key_prefix: str = "offloaded",
+                 sources: Mapping[str, Mapping[str, LazyTensor]] | None = None):
         methods, attrs, classes = methods or {}, attrs or {}, classes or {}
+        sources = sources or {}
         self.device = check_device(device)  # at offload time, not at the first call
         StreamConfig(prefetch=prefetch, vram_budget=vram_budget)  # validates both
         self.unmatched: dict[str, str] = {}
@@ -175,10 +198,11 @@ class OffloadHandle:
         self._mode: Mode = "merge"
         self._routed: dict[int, tuple[LoRA, dict[str, LoRASpec]]] = {}  # id(lora) -> specs
         _check_free(modules, methods, attrs, classes)
+        shares = _host_shares(modules, blocks, host, sources, cache.available_bytes)
         try:
             for name, module in modules.items():
                 self._capture(name, module, tuple(blocks.get(name, ())), host, key_prefix,
-                              prefetch)
+                              prefetch, sources.get(name), shares.get(name))
             for name, c in self._components.items():
                 self._install(c, methods.get(name, ()), attrs, classes.get(name))
         except BaseException:
@@ -241,6 +265,9 @@ class OffloadHandle:
             if self._active[name].config != self._config(name):
                 self._deactivate(name, "its adapters changed")
         self._drop_specs(specs)
+        self._make_host_room(sum(spec.source.nbytes for _, subs in specs.values()
+                                 for spec in subs.values() if spec.key not in self._cache
+                                 and isinstance(spec.source, LoRA)))
         self.unmatched = unmatched
         if unmatched:
             logger.warning("%d adapter keys reach no parameter: %s", len(unmatched),
@@ -269,32 +296,87 @@ class OffloadHandle:
         self._leases.close()
         self._drop_specs({})
         for name, off in self._offloaders.items():
-            _restore(off.storage, self._components[name].devices)
-            self._cache.evict(self._components[name].spec.key)
+            c = self._components[name]
+            _restore(off.storage, c.devices)
+            self._cache.evict(c.spec.key)
+            if c.reserve is not None:
+                self._cache.evict(f"{c.spec.key}.host-reserve")
         self._offloaders.clear()
         self._components.clear()
 
     # -- internals -------------------------------------------------------------------------
     def _capture(self, name: str, module: torch.nn.Module, paths: tuple[str, ...],
-                 host: HostBacking, key_prefix: str, prefetch: int) -> None:
+                 host: HostBacking, key_prefix: str, prefetch: int,
+                 sources: Mapping[str, LazyTensor] | None = None,
+                 share: tuple[int, int] | None = None) -> None:
         devices = {(id(m), n, p): t.device for m in module.modules()
                    for p, table in ((True, m._parameters), (False, m._buffers))
                    for n, t in table.items() if t is not None}
-        spec = ModelSpec(f"{key_prefix}.{name}", factory=lambda: module,
-                         estimated_bytes=_weight_bytes(module), blocks=paths, host=host)
+        key = f"{key_prefix}.{name}"
+        if sources is None:
+            spec: Any = ModelSpec(key, factory=lambda: module,
+                                  estimated_bytes=_weight_bytes(module), blocks=paths, host=host)
+        else:
+            spec = _SourcedSpec(key, module, paths, host, sources,
+                                *(share if share is not None else (None, None)))
         c = _Component(name, module, spec, devices)
         # Leased until remove(): nothing could rebuild the module after an eviction.
         off = self._leases.enter_context(self._cache.lease(spec))
         self._components[name], self._offloaders[name] = c, off
+        if share is not None:  # the rest of its share, for the arenas its plans may add
+            c.share, c.floor = share
+            c.captured = self._cache.info(key).nbytes
+            self._reserve(c)
         budget = self._vram_budget
-        stream = StreamConfig(prefetch=prefetch, vram_budget=budget) if paths else None
-        c.plan = off.plan_for(stream)  # raises if too small
-        if stream is None and budget is not None and c.need > budget:
+        c.stream = StreamConfig(prefetch=prefetch, vram_budget=budget) if paths else None
+        c.plan = off.plan_for(c.stream)  # raises if too small
+        if c.stream is None and budget is not None and c.need > budget:
             raise BudgetTooSmallError(
                 f"vram_budget={budget} bytes cannot hold {name!r} moved whole ({c.need} bytes):"
                 f" raise it, or stream {name!r} by giving its block lists in blocks=")
-        logger.info("%s: %s", name, f"streams {list(paths)} ({c.need} device bytes)" if paths
-                    else f"moves whole ({c.need} device bytes)")
+        logger.info("%s: %s%s", name, f"streams {list(paths)} ({c.need} device bytes)" if paths
+                    else f"moves whole ({c.need} device bytes)",
+                    "" if c.share is None else f", {c.share} host bytes at most (the rest read "
+                    "from its files)")
+
+    def _reserve(self, c: _Component) -> None:
+        """Charge the cache for the part of ``c``'s share beyond what its entry is charged."""
+        assert c.share is not None
+        key = f"{c.spec.key}.host-reserve"
+        if c.reserve is not None:
+            c.reserve.close()
+            self._cache.evict(key)
+        c.reserve = contextlib.ExitStack()
+        c.reserve.enter_context(self._cache.lease(ObjectSpec(
+            key, factory=lambda: None, bytes=max(0, c.share - c.captured))))
+        self._leases.callback(c.reserve.close)
+
+    def _make_host_room(self, need: int) -> None:
+        """Lower the host shares of modules with a disk tier until ``need`` more bytes fit in
+        the cache (adapters about to be loaded): the least often read modules first (those
+        without streamed blocks), each down to its floor; what no longer fits is read from its
+        files. A module that gives room is deactivated and its plan made again.
+        """
+        short = need - self._cache.available_bytes
+        for name in sorted(self._components, key=lambda n: bool(self._components[n].stream)):
+            c = self._components[name]
+            if short <= 0:
+                break
+            room = 0 if c.share is None else c.share - max(c.floor, c.captured)
+            if room <= 0 or self._running.get(name):
+                continue
+            if name in self._active:
+                self._deactivate(name, "make host room for adapters")
+            take = min(room, short)
+            off = self._offloaders[name]
+            c.share -= take
+            off.storage.max_host_bytes = c.share
+            c.plan = off.plan_for(c.stream)
+            off.storage.settle(c.plan.pinned, c.plan.staging)  # within the new share now
+            self._reserve(c)
+            short -= take
+            logger.info("%s: host share lowered by %d bytes to %d for adapters", name, take,
+                        c.share)
 
     def _install(self, c: _Component, methods: Sequence[str], attrs: Mapping[str, Any],
                  cls: type | None) -> None:
@@ -380,17 +462,88 @@ def _check_free(modules: Mapping[str, torch.nn.Module], methods: Mapping[str, Se
                                "library's offload hooks?); remove them before offloading")
 
 
+@dataclass(frozen=True, eq=False)
+class _SourcedSpec:
+    """A module captured straight from its checkpoint files, under a host ceiling or not."""
+
+    key: str
+    module: torch.nn.Module
+    blocks: tuple[str, ...]
+    host: HostBacking
+    sources: Mapping[str, LazyTensor]
+    max_host_bytes: int | None
+    floor: int | None  # with a ceiling: the bytes charged (the rest of it is a reservation)
+
+    @property
+    def estimated_bytes(self) -> int | None:
+        return self.max_host_bytes
+
+    def build(self) -> ModelOffloader:
+        return ModelOffloader.from_module(self.module, blocks=self.blocks, host=self.host,
+                                          sources=self.sources,
+                                          max_host_bytes=self.max_host_bytes)
+
+    def nbytes(self, value: ModelOffloader) -> int:
+        s = value.storage
+        if self.floor is not None:  # what the share can never go below; the rest reserved
+            return self.floor
+        return s.host_bytes if s.host == "pinned" else s.weight_bytes
+
+
+def _host_shares(modules: Mapping[str, torch.nn.Module], blocks: Mapping[str, Sequence[str]],
+                 host: HostBacking, sources: Mapping[str, Mapping[str, LazyTensor]],
+                 budget: int) -> dict[str, tuple[int, int]]:
+    """Name -> (host share, floor) of each module captured from files, when the modules do not
+    all fit in ``budget`` whole; empty when they do (or nothing could stay on disk).
+
+    Every module gets its floor first (a module without files: everything), then the modules
+    with streamed blocks, whose weights are read at every step, up to what keeps them whole,
+    then the others, in order.
+
+    Raises:
+        BudgetTooSmallError: ``budget`` cannot hold the floors.
+    """
+    if host != "pinned" or not any(n in sources for n in modules):
+        return {}
+    needs = {n: ModelOffloader.host_needs(m, tuple(blocks.get(n, ())), sources=sources.get(n))
+             for n, m in modules.items()}
+    if sum(x.everything for x in needs.values()) <= budget:
+        return {}
+    floors = {n: x.floor if n in sources else x.everything for n, x in needs.items()}
+    if sum(floors.values()) > budget:
+        raise BudgetTooSmallError(
+            f"max_host_bytes: {budget} free bytes in the cache cannot hold the modules' host "
+            f"floors {floors} (what must stay in host memory plus a staging buffer): give at "
+            f"least {sum(floors.values())} bytes")
+    left = budget - sum(floors.values())
+    shares = dict(floors)
+    for n in sorted((n for n in modules if n in sources), key=lambda n: not blocks.get(n)):
+        extra = max(0, min(left, needs[n].everything - floors[n]))
+        shares[n] += extra
+        left -= extra
+    return {n: (shares[n], floors[n]) for n in modules if n in sources}
+
+
 def _weight_bytes(module: torch.nn.Module) -> int:
     unique = {id(t): t for t in [*module.parameters(), *module.buffers()]}
     return sum(t.numel() * t.element_size() for t in unique.values())
 
 
 def _restore(storage: HostStorage, devices: dict[tuple[int, str, bool], torch.device]) -> None:
-    """Give every tensor back its original device and its own memory (no host arena)."""
+    """Give every tensor back its original device and its own memory (no host arena); a
+    tensor that was on ``meta`` (a module built to be filled from its files) is on ``meta``
+    again.
+    """
     with torch.no_grad():
         for unit in storage.units:
             where: dict[int, torch.device] = {}
             for b in unit.bindings:  # tied tensors share an entry: they stay tied
                 where.setdefault(b.entry, devices[(id(b.module), b.name, b.is_param)])
+            meta: dict[int, torch.nn.Parameter] = {}
+            for b in unit.bindings:  # bind() replaces a meta parameter (tied: once)
+                if b.is_param and b.rep is None and not b.shard and where[b.entry].type == "meta":
+                    p = b.module._parameters[b.name]
+                    b.module._parameters[b.name] = meta.setdefault(b.entry, torch.nn.Parameter(
+                        torch.empty_like(p, device="meta"), p.requires_grad))
             unit.bind([v if storage.host == "adopt" and where[i].type == "cpu"
                        else v.to(where[i], copy=True) for i, v in enumerate(unit.host_views)])

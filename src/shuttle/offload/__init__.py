@@ -1,7 +1,7 @@
 """Host storage, whole-model and block-streamed device residency, activation lifecycle."""
 
 from shuttle.offload.adapters import ActivationAdapters
-from shuttle.offload.host_storage import HostStorage, HostUnit, Layout
+from shuttle.offload.host_storage import HostNeeds, HostStorage, HostUnit, Layout
 from shuttle.offload.layer_streamer import LayerStreamer
 from shuttle.offload.offloader import CPU_COPY_ENV, ModelOffloader
 from shuttle.offload.residency import (
@@ -20,6 +20,7 @@ __all__ = [
     "CPU_COPY_ENV",
     "ActivationAdapters",
     "BlockStreamer",
+    "HostNeeds",
     "HostStorage",
     "HostUnit",
     "LayerStreamer",

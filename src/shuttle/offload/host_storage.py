@@ -62,7 +62,7 @@ from shuttle.weights import Fp8Weight, PlainWeight, WeightRepresentation, repres
 from shuttle.weights.dtensor import is_dtensor
 from shuttle.weights.plain import is_plain_tensor
 
-__all__ = ["HostBacking", "HostStorage", "HostUnit", "Layout"]
+__all__ = ["HostBacking", "HostNeeds", "HostStorage", "HostUnit", "Layout"]
 
 HostBacking = Literal["pinned", "adopt"]
 
@@ -480,6 +480,20 @@ def _unregister(ptrs: list[int]) -> None:
         torch.cuda.cudart().cudaHostUnregister(p)
 
 
+class HostNeeds(NamedTuple):
+    """Host bytes a model's capture needs (:meth:`HostStorage.needs`).
+
+    Attributes:
+        floor: the smallest ``max_host_bytes`` it can be captured under: the units that must
+            stay in host memory plus one staging buffer (their bytes alone if none can stay
+            on disk), or ``everything`` if that is less.
+        everything: host bytes with every unit in an arena (no staging needed).
+    """
+
+    floor: int
+    everything: int
+
+
 class HostStorage:
     """Every parameter and buffer of ``model``, captured into host memory once.
 
@@ -535,8 +549,8 @@ class HostStorage:
         # Runs before the arenas are released (weakref callbacks precede clearing attributes).
         self._finalizer = weakref.finalize(self, _unregister, self._registered)
         surveys = [rest, *(u for us in surveyed.values() for u in us), *layer_units]
-        spans = [DiskSpans([(s.layout.offsets[i], f) for i, f in enumerate(s.files)])
-                 if max_host_bytes is not None and _spillable(s) else None for s in surveys]
+        spans = [_spans(s) if max_host_bytes is not None and _spillable(s) else None
+                 for s in surveys]
         if max_host_bytes is not None:
             self._check_floor(surveys, spans, max_host_bytes)
         units = self._capture_all(surveys, self._pin, spans)
@@ -573,7 +587,7 @@ class HostStorage:
 
     def arena_bytes(self, unit: HostUnit) -> int:
         """Host bytes an arena for ``unit`` takes (whole pages when it will be pinned)."""
-        return _round_up(unit.layout.nbytes, _PAGE) if self._pin else unit.layout.nbytes
+        return _arena_size(unit.layout.nbytes, self._pin)
 
     def settle(self, pinned: Collection[str] | None, staging: tuple[int, int]) -> None:
         """Give arenas to the units named in ``pinned`` (read from their files), take them from
@@ -605,14 +619,33 @@ class HostStorage:
         assert self.host_bytes <= self.max_host_bytes, \
             f"host tier of {self.host_bytes} bytes over max_host_bytes={self.max_host_bytes}"
 
+    @staticmethod
+    def needs(model: torch.nn.Module, groups: dict[str, Sequence[torch.nn.Module]],
+              layers: dict[str, torch.nn.Module] | None = None,
+              skip: Sequence[torch.nn.Parameter] = (),
+              sources: Mapping[str, LazyTensor] | None = None) -> HostNeeds:
+        """What capturing ``model`` (``"pinned"``, arguments as for the constructor) needs in
+        host memory; changes nothing.
+
+        Raises:
+            HostBackingError, BlockLayoutError: as the constructor would.
+        """
+        rest, surveyed, layer_units = _survey(model, groups, False, layers or {},
+                                              frozenset(id(p) for p in skip), sources)
+        surveys = [rest, *(u for us in surveyed.values() for u in us), *layer_units]
+        spans = [_spans(s) if _spillable(s) else None for s in surveys]
+        pin = torch.cuda.is_available()
+        fixed, stage = _floor(surveys, spans, pin)
+        everything = sum(_arena_size(s.layout.nbytes, pin) for s in surveys)
+        return HostNeeds(min(fixed + stage, everything), everything)
+
     def _check_floor(self, surveys: list[_UnitSurvey], spans: list[DiskSpans | None],
                      ceiling: int) -> None:
-        fixed = [s for s, sp in zip(surveys, spans, strict=True) if sp is None]
-        held = sum(_round_up(s.layout.nbytes, _PAGE) if self._pin else s.layout.nbytes
-                   for s in fixed)
-        stage = staging_floor(max((sp.nbytes for sp in spans if sp is not None), default=0))
-        if held + stage > ceiling:
-            kept = [s.name or "(the rest of the model)" for s in fixed if s.layout.nbytes]
+        held, stage = _floor(surveys, spans, self._pin)
+        if held + stage > ceiling and sum(_arena_size(s.layout.nbytes, self._pin)
+                                          for s in surveys) > ceiling:
+            kept = [s.name or "(the rest of the model)" for s, sp in
+                    zip(surveys, spans, strict=True) if sp is None and s.layout.nbytes]
             raise BudgetTooSmallError(
                 f"max_host_bytes={ceiling} bytes cannot hold the {held} bytes that must stay in "
                 f"host memory ({kept[:4]}: units with tensors the checkpoint files lack, such as "
@@ -720,6 +753,22 @@ def staging_floor(largest: int) -> int:
     bytes: one buffer, as large as that read or ``MIN_STAGING`` (then read in chunks).
     """
     return _round_up(min(largest, MIN_STAGING), IO_ALIGN)
+
+
+def _arena_size(nbytes: int, pin: bool) -> int:
+    return _round_up(nbytes, _PAGE) if pin else nbytes
+
+
+def _spans(s: _UnitSurvey) -> DiskSpans:
+    return DiskSpans([(s.layout.offsets[i], f) for i, f in enumerate(s.files)])
+
+
+def _floor(surveys: list[_UnitSurvey], spans: list[DiskSpans | None], pin: bool
+           ) -> tuple[int, int]:
+    """(bytes of the units that stay in host memory, bytes of the smallest staging ring)."""
+    fixed = sum(_arena_size(s.layout.nbytes, pin) for s, sp in zip(surveys, spans, strict=True)
+                if sp is None)
+    return fixed, staging_floor(max((sp.nbytes for sp in spans if sp is not None), default=0))
 
 
 def _spillable(s: _UnitSurvey) -> bool:

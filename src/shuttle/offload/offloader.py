@@ -57,7 +57,7 @@ from shuttle.errors import (
 from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.offload.adapters import ActivationAdapters, check_mode, former_mode
 from shuttle.offload.compiled import BlockCompiler
-from shuttle.offload.host_storage import HostBacking, HostStorage, HostUnit
+from shuttle.offload.host_storage import HostBacking, HostNeeds, HostStorage, HostUnit
 from shuttle.offload.layer_streamer import LayerStreamer
 from shuttle.offload.residency import ResidencyPlan, StreamConfig, check_plan, plan_residency
 from shuttle.offload.slots import SlotPool
@@ -178,20 +178,7 @@ class ModelOffloader:
                                            or max_host_bytes < 0):
             raise OffloadError(f"max_host_bytes={max_host_bytes!r}: expected an integer number "
                                "of bytes >= 0, or None (no ceiling)")
-        _check_sharding(model)
-        on_device = _trainable(model) if trainable == "device" else []
-        sharded = [n for n, p in model.named_parameters() if p.requires_grad and is_dtensor(p)]
-        if on_device and sharded:
-            raise OffloadError(
-                f"trainable='device' with trainable DTensor parameters ({sharded[:3]}): "
-                "moving a shard between devices is not supported; freeze them or train them "
-                "resident")
-        paths = [blocks] if isinstance(blocks, str) else list(blocks)
-        groups = {p: _block_list(model, p) for p in paths}
-        if len(groups) != len(paths):
-            raise BlockPathError(f"blocks={paths}: a path is listed twice")
-        _check_disjoint(groups)
-        chosen = _layer_list(model, groups, layers, {id(p) for p in on_device})
+        groups, chosen, on_device = _units_of(model, blocks, layers, trainable)
         storage = HostStorage(model, groups, host, chosen, skip=on_device, sources=sources,
                               max_host_bytes=max_host_bytes)
         off = cls(model, groups, storage, chosen, on_device)
@@ -199,6 +186,22 @@ class ModelOffloader:
             default = off.plan_for(StreamConfig() if groups or chosen else None)
             storage.settle(default.pinned, default.staging)
         return off
+
+    @staticmethod
+    def host_needs(model: torch.nn.Module, blocks: str | Sequence[str] = (),
+                   layers: bool | Sequence[type[torch.nn.Module]] = False,
+                   trainable: Literal["host", "device"] = "host",
+                   sources: Mapping[str, LazyTensor] | None = None) -> HostNeeds:
+        """What :meth:`from_module` with these arguments would need in host memory, without
+        capturing anything: ``floor`` (the smallest ``max_host_bytes`` it accepts) and
+        ``everything`` (host bytes with every unit in an arena). For splitting one host budget
+        between several models before capturing them.
+
+        Raises:
+            The errors of :meth:`from_module` for bad blocks, layers or tensors; nothing changes.
+        """
+        groups, chosen, on_device = _units_of(model, blocks, layers, trainable)
+        return HostStorage.needs(model, groups, chosen, skip=on_device, sources=sources)
 
     @property
     def active(self) -> bool:
@@ -498,6 +501,30 @@ class ModelOffloader:
         active.streamers.clear()
         active.placed.clear()
         active.layer_streamer = active.compiler = None
+
+
+def _units_of(model: torch.nn.Module, blocks: str | Sequence[str],
+              layers: bool | Sequence[type[torch.nn.Module]], trainable: str
+              ) -> tuple[dict[str, list[torch.nn.Module]], dict[str, torch.nn.Module],
+                         list[torch.nn.Parameter]]:
+    """The block groups, layers and device-kept parameters of ``model``, checked (see
+    :meth:`ModelOffloader.from_module`); changes nothing.
+    """
+    _check_sharding(model)
+    on_device = _trainable(model) if trainable == "device" else []
+    sharded = [n for n, p in model.named_parameters() if p.requires_grad and is_dtensor(p)]
+    if on_device and sharded:
+        raise OffloadError(
+            f"trainable='device' with trainable DTensor parameters ({sharded[:3]}): "
+            "moving a shard between devices is not supported; freeze them or train them "
+            "resident")
+    paths = [blocks] if isinstance(blocks, str) else list(blocks)
+    groups = {p: _block_list(model, p) for p in paths}
+    if len(groups) != len(paths):
+        raise BlockPathError(f"blocks={paths}: a path is listed twice")
+    _check_disjoint(groups)
+    chosen = _layer_list(model, groups, layers, {id(p) for p in on_device})
+    return groups, chosen, on_device
 
 
 def _check_given_plan(plan: ResidencyPlan, stream: StreamConfig | None,

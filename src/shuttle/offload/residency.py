@@ -249,6 +249,10 @@ def plan_host(storage: HostStorage, plan: ResidencyPlan) -> ResidencyPlan:
     if ceiling is None:
         return plan
     fixed = storage.fixed
+    if sum(storage.arena_bytes(u) for u in storage.units) <= ceiling:  # everything fits
+        return dataclasses.replace(plan, pinned=frozenset(u.name for u in storage.units),
+                                   staging=(0, 0), host_bytes=_host_cost(storage,
+                                                                         storage.units, (0, 0)))
     used = sum(storage.arena_bytes(u) for u in fixed)
     order = _hot_first(storage, plan)
     by_size = sorted(order, key=lambda u: -u.spans.nbytes)  # type: ignore[union-attr]
