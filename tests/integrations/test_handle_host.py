@@ -116,6 +116,8 @@ def test_adapters_get_room_from_the_shares(tmp_path, mode):
     assert lora.nbytes > cache.available_bytes  # room must be made
     shares = {n: c.share for n, c in h._components.items()}
     assert h.set_loras([(lora, 1.0)], mode=mode) == {}
+    # Room is made at once: the adapter is loaded before the next activation settles.
+    assert sum(off.storage.host_bytes for off in h.offloaders.values()) + lora.nbytes <= budget
     merged = copy.deepcopy(refs["transformer"])
     shuttle.merge_lora(merged, [(shuttle.load_lora(diffs), 1.0)])
     with torch.no_grad():
