@@ -607,9 +607,16 @@ class HostStorage:
         names = {u.name for u in self.units}
         assert set(pinned) <= names, f"unknown units {sorted(set(pinned) - names)[:4]}"
         want = set(pinned)
-        for u in self.units:
-            if u.spans is not None and u.arena is not None and u.name not in want:
-                self._spill(u)
+        drop = [u for u in self.units if u.spans is not None and u.arena is not None
+                and u.name not in want]
+        if (drop or self.staging != (staging[0], _round_up(staging[1], IO_ALIGN))) and \
+                self._pin and torch.cuda.is_initialized():
+            # Copies queued by an activation that ended may still read these buffers: the
+            # host waits for them before the memory is unregistered and freed.
+            for d in range(torch.cuda.device_count()):
+                torch.cuda.synchronize(d)
+        for u in drop:
+            self._spill(u)
         self._set_staging(*staging)
         add = [u for u in self.units if u.on_disk and u.name in want]
         with ThreadPoolExecutor(_CAPTURE_WORKERS, thread_name_prefix="shuttle-pin") as pool:
