@@ -539,3 +539,38 @@ def test_host_needs_states_the_floor_and_everything_without_capturing(tmp_path):
         build(), blocks=PATHS, sources=sources, max_host_bytes=c))
     full = ModelOffloader.from_module(build(), blocks=PATHS, sources=sources)
     assert needs.everything == full.storage.host_bytes > needs.floor
+
+
+def test_a_ceiling_of_everything_keeps_everything_in_memory(cpu_copy, tmp_path):
+    ref, file = saved(tmp_path)
+    with torch.device("meta"):
+        probe = TinyDiT()
+    everything = ModelOffloader.host_needs(probe, blocks=PATHS, sources={
+        k: file.tensor_ref(k) for k in file}).everything
+    off = on_meta(file, everything)  # no room for staging beside it: none is needed
+    x = tokens()
+    with torch.no_grad(), off.use("cpu", StreamConfig(prefetch=2)) as m:
+        assert torch.equal(m(x), ref(x))
+        assert off.plan.staging == (0, 0) and not any(u.on_disk for u in off.storage.units)
+    assert off.storage.reader.bytes_read == 0 and off.storage.host_bytes == everything
+
+
+def test_a_plan_for_another_host_tier_is_refused_before_anything_changes(cpu_copy, tmp_path):
+    import dataclasses
+
+    _, file = saved(tmp_path)
+    off = on_meta(file, CEILINGS["half"])
+    plan = off.plan_for(StreamConfig(prefetch=1))
+    before = {u.name: u.on_disk for u in off.storage.units}
+    off.storage.max_host_bytes = plan.host_bytes - 1  # the plan no longer fits the ceiling
+    with pytest.raises(OffloadError, match="host tier"):
+        off.activate("cpu", plan=plan)
+    off.storage.max_host_bytes = CEILINGS["half"]
+    for bad in (dataclasses.replace(plan, pinned=None),  # made without a host tier
+                dataclasses.replace(plan, pinned=plan.pinned | {"nowhere"}),
+                dataclasses.replace(plan, staging=(0, 0))):
+        with pytest.raises(OffloadError, match="host tier"):
+            off.activate("cpu", plan=bad)
+    assert not off.active and before == {u.name: u.on_disk for u in off.storage.units}
+    with off.use("cpu", plan=plan):
+        pass
