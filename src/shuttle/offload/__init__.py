@@ -11,6 +11,7 @@ from shuttle.offload.residency import (
     StreamConfig,
     check_plan,
     plan_cost,
+    plan_host,
     plan_residency,
 )
 from shuttle.offload.slots import SlotPool
@@ -33,5 +34,6 @@ __all__ = [
     "StreamConfig",
     "check_plan",
     "plan_cost",
+    "plan_host",
     "plan_residency",
 ]
