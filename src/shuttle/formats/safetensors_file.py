@@ -101,6 +101,16 @@ class LazyTensor:
             out[a - start:b - start].copy_(self.load_rows(a, b))
         return out
 
+    @property
+    def file(self) -> SafetensorsFile:
+        """The file the tensor lies in."""
+        return self._file
+
+    @property
+    def offset(self) -> int:
+        """Where the tensor's bytes start in the file (from the file's first byte)."""
+        return self._file.data_start + self._file._entries[self.key][2]
+
     def __repr__(self) -> str:
         return f"LazyTensor({self.key!r}, {tuple(self.shape)}, {self.dtype})"
 

@@ -18,6 +18,16 @@ has one (tiled VAE decoding), else :class:`~shuttle.errors.BudgetTooSmallError` 
 While a module runs, the others stay on the device only as far as their weights fit beside its
 weights and reserve.
 
+**Host ceiling.** The cache's byte budget (``max_host_bytes`` of the integrations' ``offload``)
+bounds everything shuttle holds in host memory for the handle: arenas, staging buffers and
+adapters. Modules captured straight from their files (``sources=``) need not fit in it: when
+everything does not fit, each gets a share of the budget (at least its floor, then the modules
+with streamed blocks first, which read their weights every step, up to what they need to stay
+whole) as its ``max_host_bytes``, and what its share does not hold is read from its files at
+each load (:mod:`shuttle.offload.disk_reader`). Each share is charged to the cache (its floor
+with the module, the rest as a reservation beside it), and :meth:`OffloadHandle.set_loras`
+lowers the shares, down to the floors, when adapters need the room.
+
 Uses are single-threaded: one call into the offloaded modules at a time.
 """
 
@@ -35,7 +45,7 @@ import torch
 from shuttle.apply.merge import MergeReport
 from shuttle.apply.plan import AdapterList, normalize_loras
 from shuttle.apply.scoped import Mode
-from shuttle.cache import LoRASpec, ModelCache, ModelSpec
+from shuttle.cache import LoRASpec, ModelCache, ModelSpec, ObjectSpec
 from shuttle.errors import BudgetTooSmallError, CacheError, DeviceUnavailableError, OffloadError
 from shuttle.formats import LoRA
 from shuttle.formats.safetensors_file import LazyTensor
@@ -113,6 +123,10 @@ class _Component:
     reserve: int | None = None  # device bytes kept for its activations (None: not measured)
     shrink: CallShrinker | None = None
     shrunk: bool = False
+    share: int | None = None  # its host ceiling (a disk tier), None: all in host memory
+    host_floor: int = 0  # the least its share may be
+    captured: int = 0  # host bytes charged to the cache for the module itself (its floor)
+    host_lease: contextlib.ExitStack | None = None  # the lease of the rest of its share
 
     @property
     def need(self) -> int:
@@ -166,7 +180,8 @@ class OffloadHandle:
             statistics; tests pass one that reports given numbers).
         sources: name -> (qualified tensor name -> its tensor in a safetensors file): that
             module may be built on the ``meta`` device and is filled from its files at capture
-            (see :class:`~shuttle.offload.HostStorage`); :meth:`remove` leaves it on ``meta``.
+            (see :class:`~shuttle.offload.HostStorage`), and kept on disk beyond its share of
+            the cache's budget (see the module docs); :meth:`remove` leaves it on ``meta``.
 
     Attributes:
         device: the compute device.
@@ -179,7 +194,8 @@ class OffloadHandle:
         BudgetTooSmallError: ``vram_budget`` cannot hold a module moved whole, or a streamed
             module's non-block weights plus one slot of each block list's largest block (a
             call whose measured activations do not fit beside a module's floor raises it too,
-            after the call, naming the floor: weights plus activations).
+            after the call, naming the floor: weights plus activations); or the cache's free
+            bytes cannot hold the host floors of the modules (named, with the total).
         ResourceTooLargeError: the modules do not fit in the cache's budget.
         Whatever ``ModelOffloader.from_module`` raises (``BlockPathError``, ...).
         On any error every module is as it was before the call.
@@ -212,10 +228,11 @@ class OffloadHandle:
         self._mode: Mode = "merge"
         self._routed: dict[int, tuple[LoRA, dict[str, LoRASpec]]] = {}  # id(lora) -> specs
         _check_free(modules, methods, attrs, classes)
+        shares = _host_shares(modules, blocks, host, sources, cache.available_bytes)
         try:
             for name, module in modules.items():
                 self._capture(name, module, tuple(blocks.get(name, ())), host, key_prefix,
-                              prefetch, sources.get(name))
+                              prefetch, sources.get(name), shares.get(name))
                 self._components[name].shrink = (shrink or {}).get(name)
             for name, c in self._components.items():
                 self._install(c, methods.get(name, ()), attrs, classes.get(name))
@@ -287,6 +304,9 @@ class OffloadHandle:
             if self._active[name].config != self._config(name):
                 self._deactivate(name, "its adapters changed")
         self._drop_specs(specs)
+        self._make_host_room(sum(spec.source.nbytes for _, subs in specs.values()
+                                 for spec in subs.values() if spec.key not in self._cache
+                                 and isinstance(spec.source, LoRA)))
         self.unmatched = unmatched
         if unmatched:
             logger.warning("%d adapter keys reach no parameter: %s", len(unmatched),
@@ -318,39 +338,107 @@ class OffloadHandle:
         self._leases.close()
         self._drop_specs({})
         for name, off in self._offloaders.items():
-            _restore(off.storage, self._components[name].devices)
-            self._cache.evict(self._components[name].spec.key)
+            c = self._components[name]
+            _restore(off.storage, c.devices)
+            self._cache.evict(c.spec.key)
+            if c.host_lease is not None:
+                self._cache.evict(f"{c.spec.key}.host-reserve")
         self._offloaders.clear()
         self._components.clear()
 
     # -- internals -------------------------------------------------------------------------
     def _capture(self, name: str, module: torch.nn.Module, paths: tuple[str, ...],
                  host: HostBacking, key_prefix: str, prefetch: int,
-                 sources: Mapping[str, LazyTensor] | None = None) -> None:
+                 sources: Mapping[str, LazyTensor] | None = None,
+                 share: tuple[int, int] | None = None) -> None:
         devices = {(id(m), n, p): t.device for m in module.modules()
                    for p, table in ((True, m._parameters), (False, m._buffers))
                    for n, t in table.items() if t is not None}
-        spec = ModelSpec(f"{key_prefix}.{name}", factory=lambda: module,
-                         estimated_bytes=_weight_bytes(module), blocks=paths, host=host,
-                         sources=sources)
+        key = f"{key_prefix}.{name}"
+        if sources is None:
+            spec: Any = ModelSpec(key, factory=lambda: module,
+                                  estimated_bytes=_weight_bytes(module), blocks=paths, host=host)
+        else:
+            spec = _SourcedSpec(key, module, paths, host, sources,
+                                *(share if share is not None else (None, None)))
         c = _Component(name, module, spec, devices)
         # Leased until remove(): nothing could rebuild the module after an eviction.
         off = self._leases.enter_context(self._cache.lease(spec))
         self._components[name], self._offloaders[name] = c, off
+        if share is not None:  # the rest of its share, for the arenas its plans may add
+            c.share, c.host_floor = share
+            c.captured = self._cache.info(key).nbytes
+            self._reserve(c)
         budget = self._vram_budget
-        # The first call's plan: its activations are not known yet, so it runs at the floor:
-        # nothing resident, one slot per list (with a budget; without one, nothing is measured).
-        stream = (StreamConfig(prefetch=prefetch if budget is None else 0, vram_budget=budget,
-                               policy=RingOnlyResidency()) if paths else None)
-        c.plan = off.plan_for(stream)  # raises below the weights' floor
         c.paths = paths
+        self._replan(c)  # raises below the weights' floor
         c.floor = floor_bytes(off.storage) if paths else c.need
-        if stream is None and budget is not None and c.need > budget:
+        if not paths and budget is not None and c.need > budget:
             raise BudgetTooSmallError(
                 f"vram_budget={budget} bytes cannot hold {name!r} moved whole ({c.need} bytes):"
                 f" raise it, or stream {name!r} by giving its block lists in blocks=")
-        logger.info("%s: %s", name, f"streams {list(paths)} ({c.need} device bytes)" if paths
-                    else f"moves whole ({c.need} device bytes)")
+        logger.info("%s: %s%s", name, f"streams {list(paths)} ({c.need} device bytes)" if paths
+                    else f"moves whole ({c.need} device bytes)",
+                    "" if c.share is None else f", {c.share} host bytes at most (the rest read "
+                    "from its files)")
+
+    def _replan(self, c: _Component) -> None:
+        """Choose ``c``'s residency (device and host tiers) for what is known now: before its
+        activations are measured, its floor (nothing resident, one slot per list: prefetch 0
+        under a budget); after, the budget less its reserve; without block lists, whole.
+
+        Raises:
+            BudgetTooSmallError: the budget (or its host share) is below the floor.
+        """
+        off, budget = self._offloaders[c.name], self._vram_budget
+        if not c.paths:
+            stream = None
+        elif c.reserve is None:
+            stream = StreamConfig(prefetch=self._prefetch if budget is None else 0,
+                                  vram_budget=budget, policy=RingOnlyResidency())
+        else:
+            stream = StreamConfig(prefetch=self._prefetch, vram_budget=budget,
+                                  activation_bytes=c.reserve)
+        c.plan = off.plan_for(stream)
+
+    def _reserve(self, c: _Component) -> None:
+        """Charge the cache for the part of ``c``'s share beyond what its entry is charged."""
+        assert c.share is not None
+        key = f"{c.spec.key}.host-reserve"
+        if c.host_lease is not None:
+            c.host_lease.close()
+            self._cache.evict(key)
+        c.host_lease = contextlib.ExitStack()
+        c.host_lease.enter_context(self._cache.lease(ObjectSpec(
+            key, factory=lambda: None, bytes=max(0, c.share - c.captured))))
+        self._leases.callback(c.host_lease.close)
+
+    def _make_host_room(self, need: int) -> None:
+        """Lower the host shares of modules with a disk tier until ``need`` more bytes fit in
+        the cache (adapters about to be loaded): the least often read modules first (those
+        without streamed blocks), each down to its floor; what no longer fits is read from its
+        files. A module that gives room is deactivated and its plan made again.
+        """
+        short = need - self._cache.available_bytes
+        for name in sorted(self._components, key=lambda n: bool(self._components[n].paths)):
+            c = self._components[name]
+            if short <= 0:
+                break
+            room = 0 if c.share is None else c.share - max(c.host_floor, c.captured)
+            if room <= 0 or self._running.get(name):
+                continue
+            if name in self._active:
+                self._deactivate(name, "make host room for adapters")
+            take = min(room, short)
+            off = self._offloaders[name]
+            c.share -= take
+            off.storage.max_host_bytes = c.share
+            self._replan(c)
+            off.storage.settle(c.plan.pinned, c.plan.staging)  # within the new share now
+            self._reserve(c)
+            short -= take
+            logger.info("%s: host share lowered by %d bytes to %d for adapters", name, take,
+                        c.share)
 
     def _install(self, c: _Component, methods: Sequence[str], attrs: Mapping[str, Any],
                  cls: type | None) -> None:
@@ -418,9 +506,7 @@ class OffloadHandle:
                 + ("" if c.paths else f", or stream {c.name!r}: give its block lists in blocks="))
         # The margin is capped by the room: the measured peak itself fits there.
         c.reserve = min(reading.reserve, room)
-        if c.paths:
-            c.plan = self._offloaders[c.name].plan_for(StreamConfig(
-                prefetch=self._prefetch, vram_budget=budget, activation_bytes=c.reserve))
+        self._replan(c)
         active = self._active.get(c.name)
         logger.info("%s: %d bytes of activations measured, %d reserved; %d weight bytes "
                     "planned", c.name, reading.peak, c.reserve, c.need)
@@ -494,17 +580,83 @@ def _check_free(modules: Mapping[str, torch.nn.Module], methods: Mapping[str, Se
                                "library's offload hooks?); remove them before offloading")
 
 
+@dataclass(frozen=True, eq=False)
+class _SourcedSpec:
+    """A module captured straight from its checkpoint files, under a host ceiling or not."""
+
+    key: str
+    module: torch.nn.Module
+    blocks: tuple[str, ...]
+    host: HostBacking
+    sources: Mapping[str, LazyTensor]
+    max_host_bytes: int | None
+    floor: int | None  # with a ceiling: the bytes charged (the rest of it is a reservation)
+
+    @property
+    def estimated_bytes(self) -> int | None:
+        return self.max_host_bytes
+
+    def build(self) -> ModelOffloader:
+        return ModelOffloader.from_module(self.module, blocks=self.blocks, host=self.host,
+                                          sources=self.sources,
+                                          max_host_bytes=self.max_host_bytes)
+
+    def nbytes(self, value: ModelOffloader) -> int:
+        s = value.storage
+        if self.floor is not None:  # what the share can never go below; the rest reserved
+            return self.floor
+        return s.host_bytes if s.host == "pinned" else s.weight_bytes
+
+
+def _host_shares(modules: Mapping[str, torch.nn.Module], blocks: Mapping[str, Sequence[str]],
+                 host: HostBacking, sources: Mapping[str, Mapping[str, LazyTensor]],
+                 budget: int) -> dict[str, tuple[int, int]]:
+    """Name -> (host share, floor) of each module captured from files, when the modules do not
+    all fit in ``budget`` whole; empty when they do (or nothing could stay on disk).
+
+    Every module gets its floor first (a module without files: everything), then the modules
+    with streamed blocks, whose weights are read at every step, up to what keeps them whole,
+    then the others, in order.
+
+    Raises:
+        BudgetTooSmallError: ``budget`` cannot hold the floors.
+    """
+    if host != "pinned" or not any(n in sources for n in modules):
+        return {}
+    needs = {n: ModelOffloader.host_needs(m, tuple(blocks.get(n, ())), sources=sources.get(n))
+             for n, m in modules.items()}
+    if sum(x.everything for x in needs.values()) <= budget:
+        return {}
+    floors = {n: x.floor if n in sources else x.everything for n, x in needs.items()}
+    if sum(floors.values()) > budget:
+        raise BudgetTooSmallError(
+            f"max_host_bytes: {budget} free bytes in the cache cannot hold the modules' host "
+            f"floors {floors} (what must stay in host memory plus a staging buffer): give at "
+            f"least {sum(floors.values())} bytes")
+    left = budget - sum(floors.values())
+    shares = dict(floors)
+    for n in sorted((n for n in modules if n in sources), key=lambda n: not blocks.get(n)):
+        extra = max(0, min(left, needs[n].everything - floors[n]))
+        shares[n] += extra
+        left -= extra
+    return {n: (shares[n], floors[n]) for n in modules if n in sources}
+
+
 def _weight_bytes(module: torch.nn.Module) -> int:
     unique = {id(t): t for t in [*module.parameters(), *module.buffers()]}
     return sum(t.numel() * t.element_size() for t in unique.values())
 
 
 def _restore(storage: HostStorage, devices: dict[tuple[int, str, bool], torch.device]) -> None:
-    """Give every tensor back its original device and its own memory (no host arena)."""
+    """Give every tensor back its original device and its own memory (no host arena); a
+    tensor that was on ``meta`` (a module built to be filled from its files) is on ``meta``
+    again.
+    """
     with torch.no_grad():
         for unit in storage.units:
             where: dict[int, torch.device] = {}
             for b in unit.bindings:  # tied tensors share an entry: they stay tied
                 where.setdefault(b.entry, devices[(id(b.module), b.name, b.is_param)])
+            # a parameter going back to meta is replaced by bind() (tied names share one)
             unit.bind([v if storage.host == "adopt" and where[i].type == "cpu"
                        else v.to(where[i], copy=True) for i, v in enumerate(unit.host_views)])

@@ -1,7 +1,7 @@
 """Host storage, whole-model and block-streamed device residency, activation lifecycle."""
 
 from shuttle.offload.adapters import ActivationAdapters
-from shuttle.offload.host_storage import HostStorage, HostUnit, Layout
+from shuttle.offload.host_storage import HostNeeds, HostStorage, HostUnit, Layout
 from shuttle.offload.layer_streamer import LayerStreamer
 from shuttle.offload.offloader import CPU_COPY_ENV, ModelOffloader
 from shuttle.offload.residency import (
@@ -13,6 +13,7 @@ from shuttle.offload.residency import (
     check_plan,
     floor_bytes,
     plan_cost,
+    plan_host,
     plan_residency,
 )
 from shuttle.offload.slots import SlotPool
@@ -22,6 +23,7 @@ __all__ = [
     "CPU_COPY_ENV",
     "ActivationAdapters",
     "BlockStreamer",
+    "HostNeeds",
     "HostStorage",
     "HostUnit",
     "LayerStreamer",
@@ -36,5 +38,6 @@ __all__ = [
     "check_plan",
     "floor_bytes",
     "plan_cost",
+    "plan_host",
     "plan_residency",
 ]

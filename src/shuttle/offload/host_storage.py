@@ -23,6 +23,16 @@ shard must be a plain tensor.
 
 Without CUDA, pinning is unavailable: arenas are plain memory and :attr:`HostStorage.pinned`
 is False.
+
+**A host ceiling** (``max_host_bytes``, with ``sources``): a unit whose every tensor comes from a
+checkpoint file may be kept *on disk*: no arena, only where its tensors lie in the files
+(:class:`~shuttle.offload.disk_reader.DiskSpans`); its parameters point at a private map of the
+file while inactive (nothing read until touched), and each load reads it through the storage's
+staging ring (:class:`~shuttle.offload.disk_reader.DiskReader`). Which units keep arenas and how
+large the ring is are the residency plan's host tier, applied by :meth:`HostStorage.settle`; the
+units that cannot be re-read from a file (a tensor the files lack, e.g. a non-persistent buffer,
+or a parameter that trains on the host) always keep theirs. ``host_bytes`` counts arenas and
+staging buffers and never exceeds the ceiling.
 """
 
 from __future__ import annotations
@@ -32,20 +42,27 @@ import math
 import mmap
 import warnings
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import torch
 
-from shuttle.errors import BlockLayoutError, HostBackingError, ShuttleError, UnsupportedLayerError
+from shuttle.errors import (
+    BlockLayoutError,
+    BudgetTooSmallError,
+    HostBackingError,
+    ShuttleError,
+    UnsupportedLayerError,
+)
 from shuttle.formats.safetensors_file import LazyTensor
+from shuttle.offload.disk_reader import IO_ALIGN, DiskReader, DiskSpans
 from shuttle.weights import Fp8Weight, PlainWeight, WeightRepresentation, represent
 from shuttle.weights.dtensor import is_dtensor
 from shuttle.weights.plain import is_plain_tensor
 
-__all__ = ["HostBacking", "HostStorage", "HostUnit", "Layout"]
+__all__ = ["HostBacking", "HostNeeds", "HostStorage", "HostUnit", "Layout"]
 
 HostBacking = Literal["pinned", "adopt"]
 
@@ -56,6 +73,7 @@ _CAPTURE_WORKERS = 4  # arenas filled at once (measured: 4 threads ~1.6x one; 8 
 # Floating-point dtypes a checkpoint tensor is converted between while read (``copy_``
 # rounds to nearest even, as ``load_state_dict`` and ``Tensor.to`` do).
 _CASTABLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+MIN_STAGING = 16 * 2**20  # the smallest staging buffer a plan uses (smaller: chunks too small)
 
 
 def _round_up(n: int, m: int) -> int:
@@ -120,7 +138,17 @@ class HostUnit:
         self.layout = layout
         self.bindings = bindings
         self.host_views = host_views  # per layout entry: the tensor kept on the host
-        self.arena = arena  # the flat host buffer (None when adopted: tensors lie apart)
+        self.arena = arena  # the flat host buffer (None when adopted or on disk)
+        # A unit that can be re-read from its files (a host ceiling): where its tensors lie,
+        # and the reader that loads it while it has no arena.
+        self.spans: DiskSpans | None = None
+        self.reader: DiskReader | None = None
+        self.survey: _UnitSurvey | None = None  # what to read it from (to fill an arena)
+
+    @property
+    def on_disk(self) -> bool:
+        """Whether the unit has no host copy: each load reads it from its files."""
+        return self.arena is None and self.spans is not None
 
     def bind(self, views: Sequence[torch.Tensor]) -> None:
         """Point the unit's parameters (``.data``; identity kept) and buffers at ``views``.
@@ -161,8 +189,10 @@ class HostUnit:
                   non_blocking: bool) -> None:
         """Copy the host tensors into a device buffer laid out by :attr:`layout`.
 
-        One copy of the whole arena when there is one; one per tensor when adopted.
+        One copy of the whole arena when there is one; one per tensor when adopted. A unit on
+        disk is loaded through its reader instead (:class:`~shuttle.offload.slots.SlotPool`).
         """
+        assert not self.on_disk, f"{self.name} is on disk: load it through its reader"
         if self.arena is not None:
             flat.copy_(self.arena, non_blocking=non_blocking)
         else:
@@ -437,6 +467,20 @@ def _unregister(ptrs: list[int]) -> None:
         torch.cuda.cudart().cudaHostUnregister(p)
 
 
+class HostNeeds(NamedTuple):
+    """Host bytes a model's capture needs (:meth:`HostStorage.needs`).
+
+    Attributes:
+        floor: the smallest ``max_host_bytes`` it can be captured under: the units that must
+            stay in host memory plus one staging buffer (their bytes alone if none can stay
+            on disk), or ``everything`` if that is less.
+        everything: host bytes with every unit in an arena (no staging needed).
+    """
+
+    floor: int
+    everything: int
+
+
 class HostStorage:
     """Every parameter and buffer of ``model``, captured into host memory once.
 
@@ -458,12 +502,20 @@ class HostStorage:
             dtype too unless both are floating point (float16, bfloat16, float32, float64):
             then it is converted while read, through pieces of at most 16 MiB (``"adopt"``
             then holds a converted copy instead of a map).
+        max_host_bytes: the ceiling on :attr:`host_bytes` (``"pinned"`` only). Units read from
+            the files alone, as they are stored, start on disk; the others (:attr:`fixed`: a
+            tensor the files lack, or one converted or pieced together while read) get their
+            arenas now. :meth:`settle` then gives arenas to the units a plan chooses.
 
     Raises:
         HostBackingError: a tensor that cannot be kept as asked (on ``meta`` with no source,
-            or a source of another shape or of a dtype not converted); nothing was changed.
+            or a source of another shape or of a dtype not converted), or ``max_host_bytes``
+            with ``"adopt"``.
         BlockLayoutError: a tensor spans two units (tied between a block and the rest, or
             between two blocks).
+        BudgetTooSmallError: ``max_host_bytes`` cannot hold the units that must stay in host
+            memory plus one staging buffer (the message names that floor).
+        Nothing was changed when any of these is raised.
 
     Blocks of one group may differ in their tensors: each unit has its own :class:`Layout`.
     """
@@ -471,19 +523,32 @@ class HostStorage:
     def __init__(self, model: torch.nn.Module, groups: dict[str, Sequence[torch.nn.Module]],
                  host: HostBacking = "pinned", layers: dict[str, torch.nn.Module] | None = None,
                  skip: Sequence[torch.nn.Parameter] = (),
-                 sources: Mapping[str, LazyTensor] | None = None):
+                 sources: Mapping[str, LazyTensor] | None = None,
+                 max_host_bytes: int | None = None):
+        if max_host_bytes is not None and host == "adopt":
+            raise HostBackingError(
+                "max_host_bytes with host='adopt': adopted tensors are the module's own (or "
+                "maps of its files), nothing shuttle allocates; use host='pinned' to bound "
+                "what is kept in host memory")
         rest, surveyed, layer_units = _survey(model, groups, host == "adopt", layers or {},
                                               frozenset(id(p) for p in skip), sources)
         self.host: HostBacking = host
-        self.host_bytes = 0  # bytes this storage allocated on the host
+        self.host_bytes = 0  # bytes this storage allocated on the host (arenas and staging)
         self.pinned_bytes = 0  # of which page-locked
+        self.max_host_bytes = max_host_bytes
+        self.reader: DiskReader | None = None  # the disk tier's reader (with a ceiling)
+        self._pin = host == "pinned" and torch.cuda.is_available()
         self._registered: list[int] = []
+        self._allocs: dict[int, tuple[int, bool]] = {}  # arena data_ptr -> (bytes, pinned)
+        self._staging: list[torch.Tensor] = []
         # Runs before the arenas are released (weakref callbacks precede clearing attributes).
         self._finalizer = weakref.finalize(self, _unregister, self._registered)
-        pin = host == "pinned" and torch.cuda.is_available()
-        groups = list(surveyed.values())
-        units = self._capture_all(
-            [rest, *(u for us in groups for u in us), *layer_units], pin)
+        surveys = [rest, *(u for us in surveyed.values() for u in us), *layer_units]
+        spans = [_spans(s) if max_host_bytes is not None and _spillable(s) else None
+                 for s in surveys]
+        if max_host_bytes is not None:
+            self._check_floor(surveys, spans, max_host_bytes)
+        units = self._capture_all(surveys, self._pin, spans)
         self.rest = units[0]
         self.groups, at = {}, 1
         for g, us in surveyed.items():
@@ -505,25 +570,161 @@ class HostStorage:
         """Whether every host byte is page-locked (False on a machine without CUDA)."""
         return self.host == "pinned" and self.pinned_bytes == self.host_bytes > 0
 
-    def _capture_all(self, surveys: list[_UnitSurvey], pin: bool) -> list[HostUnit]:
+    @property
+    def fixed(self) -> list[HostUnit]:
+        """The units that keep their arenas whatever the plan (everything without a ceiling)."""
+        return [u for u in self.units if u.spans is None]
+
+    @property
+    def staging(self) -> tuple[int, int]:
+        """The staging ring: ``(buffers, bytes each)``."""
+        return len(self._staging), self._staging[0].numel() if self._staging else 0
+
+    def arena_bytes(self, unit: HostUnit) -> int:
+        """Host bytes an arena for ``unit`` takes (whole pages when it will be pinned)."""
+        return _arena_size(unit.layout.nbytes, self._pin)
+
+    def settle(self, pinned: Collection[str] | None, staging: tuple[int, int]) -> None:
+        """Give arenas to the units named in ``pinned`` (read from their files), take them from
+        the other units that can be read again, and make the staging ring ``staging``
+        (``(buffers, bytes each)``, bytes rounded up to whole 4 KiB blocks). Arenas are
+        released first, so :attr:`host_bytes` never exceeds the larger of its value before and
+        after. Only between activations. ``pinned=None`` (no ceiling): nothing changes.
+
+        Raises:
+            FileChangedError: a file to read changed since it was opened; the units read so far
+                keep their arenas, the others stay on disk.
+        """
+        if pinned is None:
+            return
+        assert self.max_host_bytes is not None, "a host tier for a storage without a ceiling"
+        assert self.reader is None or not self.reader.busy, "settle() during an activation"
+        names = {u.name for u in self.units}
+        assert set(pinned) <= names, f"unknown units {sorted(set(pinned) - names)[:4]}"
+        want = set(pinned)
+        drop = [u for u in self.units if u.spans is not None and u.arena is not None
+                and u.name not in want]
+        if (drop or self.staging != (staging[0], _round_up(staging[1], IO_ALIGN))) and \
+                self._pin and torch.cuda.is_initialized():
+            # Copies queued by an activation that ended may still read these buffers: the
+            # host waits for them before the memory is unregistered and freed.
+            for d in range(torch.cuda.device_count()):
+                torch.cuda.synchronize(d)
+        for u in drop:
+            self._spill(u)
+        self._set_staging(*staging)
+        add = [u for u in self.units if u.on_disk and u.name in want]
+        with ThreadPoolExecutor(_CAPTURE_WORKERS, thread_name_prefix="shuttle-pin") as pool:
+            for u, filled in zip(add, pool.map(lambda u: self._fill(u.survey, self._pin), add),
+                                 strict=True):
+                self._keep(u, *filled)
+        assert self.host_bytes <= self.max_host_bytes, \
+            f"host tier of {self.host_bytes} bytes over max_host_bytes={self.max_host_bytes}"
+
+    @staticmethod
+    def needs(model: torch.nn.Module, groups: dict[str, Sequence[torch.nn.Module]],
+              layers: dict[str, torch.nn.Module] | None = None,
+              skip: Sequence[torch.nn.Parameter] = (),
+              sources: Mapping[str, LazyTensor] | None = None) -> HostNeeds:
+        """What capturing ``model`` (``"pinned"``, arguments as for the constructor) needs in
+        host memory; changes nothing.
+
+        Raises:
+            HostBackingError, BlockLayoutError: as the constructor would.
+        """
+        rest, surveyed, layer_units = _survey(model, groups, False, layers or {},
+                                              frozenset(id(p) for p in skip), sources)
+        surveys = [rest, *(u for us in surveyed.values() for u in us), *layer_units]
+        spans = [_spans(s) if _spillable(s) else None for s in surveys]
+        pin = torch.cuda.is_available()
+        fixed, stage = _floor(surveys, spans, pin)
+        everything = sum(_arena_size(s.layout.nbytes, pin) for s in surveys)
+        return HostNeeds(min(fixed + stage, everything), everything)
+
+    def _check_floor(self, surveys: list[_UnitSurvey], spans: list[DiskSpans | None],
+                     ceiling: int) -> None:
+        held, stage = _floor(surveys, spans, self._pin)
+        if held + stage > ceiling and sum(_arena_size(s.layout.nbytes, self._pin)
+                                          for s in surveys) > ceiling:
+            kept = [s.name or "(the rest of the model)" for s, sp in
+                    zip(surveys, spans, strict=True) if sp is None and s.layout.nbytes]
+            raise BudgetTooSmallError(
+                f"max_host_bytes={ceiling} bytes cannot hold the {held} bytes that must stay in "
+                f"host memory ({kept[:4]}: units with tensors the checkpoint files lack, such as "
+                f"non-persistent buffers) plus a staging buffer of {stage} bytes: give at least "
+                f"{held + stage} bytes, or supply those tensors from files (sources=)")
+
+    def _capture_all(self, surveys: list[_UnitSurvey], pin: bool,
+                     spans: list[DiskSpans | None]) -> list[HostUnit]:
         """Capture units in order; with ``"pinned"``, several are filled at once.
 
         Workers allocate, fill and register arenas (copies and registration release the
         GIL); this thread binds each unit as soon as it is ready, in order, which frees its
-        pageable originals: host memory holds at most a few units twice.
+        pageable originals: host memory holds at most a few units twice. A unit in ``spill``
+        starts on disk: its tensors point at maps of their files.
         """
         if self.host == "adopt":
             return [self._adopt(s) for s in surveys]
+        if any(sp is not None for sp in spans):
+            self.reader = DiskReader()
         units = []
         with ThreadPoolExecutor(_CAPTURE_WORKERS, thread_name_prefix="shuttle-pin") as pool:
-            for s, (arena, allocated, pinned) in zip(surveys, pool.map(
-                    lambda s: self._fill(s, pin), surveys), strict=True):
-                self.host_bytes += allocated
-                self.pinned_bytes += allocated if pinned else 0
-                unit = HostUnit(s.name, s.layout, s.bindings, s.layout.views(arena), arena)
-                unit.bind_host()  # the pageable originals are freed here, unit by unit
+            filled = pool.map(lambda i: None if spans[i] else self._fill(surveys[i], pin),
+                              range(len(surveys)))
+            for s, sp, got in zip(surveys, spans, filled, strict=True):
+                unit = HostUnit(s.name, s.layout, s.bindings, [], None)
+                if sp is not None:
+                    unit.spans, unit.reader, unit.survey = sp, self.reader, s
+                    unit.host_views = [f.load() for f in s.files]
+                    unit.bind_host()
+                else:
+                    self._keep(unit, *got)  # the pageable originals are freed here
                 units.append(unit)
         return units
+
+    def _keep(self, unit: HostUnit, arena: torch.Tensor, allocated: int, pinned: bool) -> None:
+        """Make ``arena`` (filled) ``unit``'s host copy and bind the unit to it."""
+        self.host_bytes += allocated
+        self.pinned_bytes += allocated if pinned else 0
+        if allocated:
+            self._allocs[arena.data_ptr()] = (allocated, pinned)
+        unit.arena = arena
+        unit.host_views = unit.layout.views(arena)
+        unit.bind_host()
+
+    def _spill(self, unit: HostUnit) -> None:
+        """Drop ``unit``'s arena: its tensors point at maps of their files again."""
+        unit.host_views = [f.load() for f in unit.survey.files]
+        unit.bind_host()
+        self._free(unit.arena)
+        unit.arena = None
+
+    def _free(self, buffer: torch.Tensor) -> None:
+        """Give back ``buffer``'s registration and accounting (its memory goes with the last
+        reference to it).
+        """
+        allocated, pinned = self._allocs.pop(buffer.data_ptr(), (0, False))
+        if pinned:
+            self._registered.remove(buffer.data_ptr())
+            _unregister([buffer.data_ptr()])
+        self.host_bytes -= allocated
+        self.pinned_bytes -= allocated if pinned else 0
+
+    def _set_staging(self, count: int, nbytes: int) -> None:
+        nbytes = _round_up(nbytes, IO_ALIGN)
+        if self.staging == (count, nbytes) or self.reader is None:
+            return
+        for b in self._staging:
+            self._free(b)
+        self._staging = []
+        for _ in range(count):  # page-aligned with or without CUDA: O_DIRECT reads into them
+            pages = _arena(nbytes, pin=True)
+            pinned = self._pin and _register(pages, self._registered)
+            self._allocs[pages.data_ptr()] = (pages.numel(), pinned)
+            self.host_bytes += pages.numel()
+            self.pinned_bytes += pages.numel() if pinned else 0
+            self._staging.append(pages)
+        self.reader.set_buffers(self._staging, cuda=torch.cuda.is_available())
 
     def _fill(self, s: _UnitSurvey, pin: bool) -> tuple[torch.Tensor, int, bool]:
         """A filled arena of exactly the unit's bytes; the bytes allocated; whether pinned."""
@@ -559,6 +760,39 @@ def _adopted(src: LazyTensor, layout: Layout, b: _Binding) -> torch.Tensor:
     if src.dtype == dtype:
         return src.load()
     return src.load_converted(torch.empty(layout.shapes[b.entry], dtype=dtype))
+
+
+def staging_floor(largest: int) -> int:
+    """Bytes of the smallest staging ring for units on disk whose largest read is ``largest``
+    bytes: one buffer, as large as that read or ``MIN_STAGING`` (then read in chunks).
+    """
+    return _round_up(min(largest, MIN_STAGING), IO_ALIGN)
+
+
+def _arena_size(nbytes: int, pin: bool) -> int:
+    return _round_up(nbytes, _PAGE) if pin else nbytes
+
+
+def _spans(s: _UnitSurvey) -> DiskSpans:
+    return DiskSpans([(s.layout.offsets[i], f) for i, f in enumerate(s.files)])
+
+
+def _floor(surveys: list[_UnitSurvey], spans: list[DiskSpans | None], pin: bool
+           ) -> tuple[int, int]:
+    """(bytes of the units that stay in host memory, bytes of the smallest staging ring)."""
+    fixed = sum(_arena_size(s.layout.nbytes, pin) for s, sp in zip(surveys, spans, strict=True)
+                if sp is None)
+    return fixed, staging_floor(max((sp.nbytes for sp in spans if sp is not None), default=0))
+
+
+def _spillable(s: _UnitSurvey) -> bool:
+    """Whether unit ``s`` can be read again from its files whenever needed: every tensor lies
+    in a file as it is stored, one span of bytes in the model's dtype (one converted or pieced
+    together from rows while read stays in host memory; so does a unit whose host copy an
+    optimizer step changed: :func:`~shuttle.offload.training.host_step` makes it fixed).
+    """
+    return s.layout.nbytes > 0 and all(
+        type(f) is LazyTensor and f.dtype == s.layout.dtypes[i] for i, f in enumerate(s.files))
 
 
 def _read(b: _Binding) -> torch.Tensor:

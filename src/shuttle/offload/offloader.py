@@ -22,6 +22,11 @@ lands (``mode="merge"``), added at forward time (``"dynamic"``), or each where i
 the update (``"auto"``); see
 :mod:`shuttle.offload.adapters`. The host copy is never modified.
 
+With ``from_module(..., sources=..., max_host_bytes=...)`` host memory has a ceiling: the units
+that do not fit keep only where their tensors lie in the files and are read from there at each
+load, through a staging ring (:mod:`shuttle.offload.disk_reader`). Which units keep host arenas
+is the plan's host tier (:func:`~shuttle.offload.residency.plan_host`), applied at activation.
+
 ``deactivate`` points every tensor back at host storage and drops the device buffers. On the
 CPU, activation is a pass-through (the host tensors are already where compute runs), unless the
 test-only environment variable ``SHUTTLE_OFFLOAD_CPU_COPY=1`` is set: then CPU activation copies
@@ -52,7 +57,7 @@ from shuttle.errors import (
 from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.offload.adapters import ActivationAdapters, check_mode, former_mode
 from shuttle.offload.compiled import BlockCompiler
-from shuttle.offload.host_storage import HostBacking, HostStorage, HostUnit, Layout
+from shuttle.offload.host_storage import HostBacking, HostNeeds, HostStorage, HostUnit, Layout
 from shuttle.offload.layer_streamer import LayerStreamer
 from shuttle.offload.residency import ResidencyPlan, StreamConfig, check_plan, plan_residency
 from shuttle.offload.slots import SlotPool
@@ -111,7 +116,8 @@ class ModelOffloader:
                     host: HostBacking = "pinned",
                     layers: bool | Sequence[type[torch.nn.Module]] = False,
                     trainable: Literal["host", "device"] = "host",
-                    sources: Mapping[str, LazyTensor] | None = None) -> ModelOffloader:
+                    sources: Mapping[str, LazyTensor] | None = None,
+                    max_host_bytes: int | None = None) -> ModelOffloader:
         """Capture ``model``'s parameters and buffers into host storage.
 
         Args:
@@ -139,14 +145,25 @@ class ModelOffloader:
             sources: qualified tensor name -> its tensor in a safetensors checkpoint
                 (``SafetensorsFile.tensor_ref``): captured straight from the file, so the
                 model may be built on the ``meta`` device (see :class:`HostStorage`).
+            max_host_bytes: a ceiling on the host memory the offloader holds (arenas and
+                staging buffers; ``host="pinned"``). Units whose tensors all come from
+                ``sources`` stay on disk when they do not fit, and are read from their files
+                at every load through a pinned staging ring; the others (tensors the files
+                lack, parameters trained on the host) always stay in host memory. Arenas go
+                first to the units read most often; each activation's plan
+                (:meth:`plan_for`) says which (``plan.pinned``). None: everything in host memory.
 
         Raises:
             BlockPathError: a path names nothing, or not a non-empty block list, or two paths
                 overlap.
             BlockLayoutError: a tensor is tied across units (a block and the rest, or two
                 blocks).
-            HostBackingError: a tensor that cannot be kept as ``host`` asks.
-            OffloadError: an unknown ``host``, a ``layers`` that is not a bool or a sequence
+            HostBackingError: a tensor that cannot be kept as ``host`` asks, or
+                ``max_host_bytes`` with ``host="adopt"``.
+            BudgetTooSmallError: ``max_host_bytes`` cannot hold the units that must stay in
+                host memory plus one staging buffer (the message names that floor).
+            OffloadError: an unknown ``host``, a ``max_host_bytes`` that is not an integer
+                >= 0, a ``layers`` that is not a bool or a sequence
                 of module classes, ``layers`` that selects no module, a model under FSDP2,
                 or ``trainable="device"`` with trainable DTensor parameters.
             Nothing is changed when any of these is raised.
@@ -160,22 +177,35 @@ class ModelOffloader:
         if trainable not in ("host", "device"):
             raise OffloadError(f"trainable={trainable!r}: expected 'host' (captured and "
                                "streamed like the rest) or 'device' (kept on the device)")
-        _check_sharding(model)
-        on_device = _trainable(model) if trainable == "device" else []
-        sharded = [n for n, p in model.named_parameters() if p.requires_grad and is_dtensor(p)]
-        if on_device and sharded:
-            raise OffloadError(
-                f"trainable='device' with trainable DTensor parameters ({sharded[:3]}): "
-                "moving a shard between devices is not supported; freeze them or train them "
-                "resident")
-        paths = [blocks] if isinstance(blocks, str) else list(blocks)
-        groups = {p: _block_list(model, p) for p in paths}
-        if len(groups) != len(paths):
-            raise BlockPathError(f"blocks={paths}: a path is listed twice")
-        _check_disjoint(groups)
-        chosen = _layer_list(model, groups, layers, {id(p) for p in on_device})
-        storage = HostStorage(model, groups, host, chosen, skip=on_device, sources=sources)
-        return cls(model, groups, storage, chosen, on_device)
+        if max_host_bytes is not None and (not isinstance(max_host_bytes, int)
+                                           or isinstance(max_host_bytes, bool)
+                                           or max_host_bytes < 0):
+            raise OffloadError(f"max_host_bytes={max_host_bytes!r}: expected an integer number "
+                               "of bytes >= 0, or None (no ceiling)")
+        groups, chosen, on_device = _units_of(model, blocks, layers, trainable)
+        storage = HostStorage(model, groups, host, chosen, skip=on_device, sources=sources,
+                              max_host_bytes=max_host_bytes)
+        off = cls(model, groups, storage, chosen, on_device)
+        if max_host_bytes is not None:  # until a plan says otherwise: as if everything streams
+            default = off.plan_for(StreamConfig() if groups or chosen else None)
+            storage.settle(default.pinned, default.staging)
+        return off
+
+    @staticmethod
+    def host_needs(model: torch.nn.Module, blocks: str | Sequence[str] = (),
+                   layers: bool | Sequence[type[torch.nn.Module]] = False,
+                   trainable: Literal["host", "device"] = "host",
+                   sources: Mapping[str, LazyTensor] | None = None) -> HostNeeds:
+        """What :meth:`from_module` with these arguments would need in host memory, without
+        capturing anything: ``floor`` (the smallest ``max_host_bytes`` it accepts) and
+        ``everything`` (host bytes with every unit in an arena). For splitting one host budget
+        between several models before capturing them.
+
+        Raises:
+            The errors of :meth:`from_module` for bad blocks, layers or tensors; nothing changes.
+        """
+        groups, chosen, on_device = _units_of(model, blocks, layers, trainable)
+        return HostStorage.needs(model, groups, chosen, skip=on_device, sources=sources)
 
     @property
     def active(self) -> bool:
@@ -218,6 +248,9 @@ class ModelOffloader:
 
         Returns:
             The plan of ``stream``'s policy, checked against this model's storage.
+
+        With a host ceiling the plan has a host tier too: which units keep host arenas
+        (``pinned``) and the staging ring (``staging``), applied when it is activated.
 
         Raises:
             BudgetTooSmallError: ``stream.vram_budget`` cannot hold the trainable parameters
@@ -311,6 +344,8 @@ class ModelOffloader:
                                       quality, mapping, auto_threshold) if pairs else None
         active = _Activation(device, plan, adapters)
         try:
+            if plan is not None:  # the host tier first: arenas given and taken, staging sized
+                self.storage.settle(plan.pinned, plan.staging)
             if not through:
                 _move(self.on_device, device)
             if through:
@@ -502,6 +537,30 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream:
     if stream is None:
         stream = _COPY_STREAMS[device] = torch.cuda.Stream(device)
     return stream
+
+
+def _units_of(model: torch.nn.Module, blocks: str | Sequence[str],
+              layers: bool | Sequence[type[torch.nn.Module]], trainable: str
+              ) -> tuple[dict[str, list[torch.nn.Module]], dict[str, torch.nn.Module],
+                         list[torch.nn.Parameter]]:
+    """The block groups, layers and device-kept parameters of ``model``, checked (see
+    :meth:`ModelOffloader.from_module`); changes nothing.
+    """
+    _check_sharding(model)
+    on_device = _trainable(model) if trainable == "device" else []
+    sharded = [n for n, p in model.named_parameters() if p.requires_grad and is_dtensor(p)]
+    if on_device and sharded:
+        raise OffloadError(
+            f"trainable='device' with trainable DTensor parameters ({sharded[:3]}): "
+            "moving a shard between devices is not supported; freeze them or train them "
+            "resident")
+    paths = [blocks] if isinstance(blocks, str) else list(blocks)
+    groups = {p: _block_list(model, p) for p in paths}
+    if len(groups) != len(paths):
+        raise BlockPathError(f"blocks={paths}: a path is listed twice")
+    _check_disjoint(groups)
+    chosen = _layer_list(model, groups, layers, {id(p) for p in on_device})
+    return groups, chosen, on_device
 
 
 def _check_given_plan(plan: ResidencyPlan, stream: StreamConfig | None,

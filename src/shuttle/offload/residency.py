@@ -17,19 +17,26 @@ holds on the device: ``StreamConfig.activation_bytes`` of it are kept for activa
 weights are planned within the remainder. The floor of a model (no resident block, one slot per
 group, plus the activations) is the smallest budget that runs; below it
 :class:`~shuttle.errors.BudgetTooSmallError` names it in bytes.
+
+With a host ceiling (``from_module(..., max_host_bytes=...)``) the plan has a host tier too
+(:func:`plan_host`): which units keep host arenas and how large the staging ring is; the other
+units are read from their files at every load. :func:`plan_residency` adds it to every plan.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from shuttle.errors import BudgetTooSmallError, OffloadError
-from shuttle.offload.host_storage import HostStorage
+from shuttle.offload.disk_reader import IO_ALIGN
+from shuttle.offload.host_storage import MIN_STAGING, HostStorage, HostUnit, staging_floor
 
 __all__ = ["ResidencyPlan", "ResidencyPolicy", "RingOnlyResidency", "SpreadResidency",
-           "StreamConfig", "check_plan", "floor_bytes", "plan_cost", "plan_residency"]
+           "StreamConfig", "check_plan", "floor_bytes", "plan_cost", "plan_host",
+           "plan_residency"]
 
 
 @dataclass(frozen=True)
@@ -104,6 +111,13 @@ class ResidencyPlan:
             (activations not included).
         layers: layer mode: positions (in ``storage.layers``) of the layers kept on the device.
         layer_ring: layer mode: the number of streaming slots for layers (0: none stream).
+        pinned: the host tier (with a host ceiling): names of the units kept in host arenas;
+            every other unit is read from its files at each load. None: no ceiling, every
+            unit in host memory.
+        staging: the host tier: ``(buffers, bytes each)`` of the staging ring that units on
+            disk are read through (``(0, 0)``: none on disk).
+        host_bytes: host bytes of the host tier: the arenas of ``pinned`` plus the staging
+            ring (0 without a ceiling).
     """
 
     resident: dict[str, tuple[int, ...]] = field(default_factory=dict)
@@ -112,6 +126,9 @@ class ResidencyPlan:
     device_bytes: int = 0
     layers: tuple[int, ...] = ()
     layer_ring: int = 0
+    pinned: frozenset[str] | None = None
+    staging: tuple[int, int] = (0, 0)
+    host_bytes: int = 0
 
 
 def _spread(count: int, n: int) -> tuple[int, ...]:
@@ -176,10 +193,11 @@ def plan_residency(storage: HostStorage, config: StreamConfig | None) -> Residen
     if config is None:
         everything = {g: tuple(range(len(us))) for g, us in storage.groups.items()}
         layers = tuple(range(len(storage.layers)))
-        return ResidencyPlan(everything, {g: 0 for g in everything}, 0,
-                             plan_cost(storage, everything, {}, layers), layers, 0)
+        return plan_host(storage, ResidencyPlan(everything, {g: 0 for g in everything}, 0,
+                                                plan_cost(storage, everything, {}, layers),
+                                                layers, 0))
     policy = config.policy or SpreadResidency()
-    plan = policy.plan(storage, config)
+    plan = plan_host(storage, policy.plan(storage, config))
     if not isinstance(policy, SpreadResidency):
         check_plan(plan, storage, config.vram_budget, type(policy).__name__,
                    config.activation_bytes)
@@ -218,6 +236,141 @@ def check_plan(plan: ResidencyPlan, storage: HostStorage, vram_budget: int | Non
         less = f" less activation_bytes={activation_bytes}" if activation_bytes else ""
         raise OffloadError(f"{who}: its plan takes {cost} device bytes, over vram_budget="
                            f"{vram_budget}{less}")
+    _check_host_tier(plan, storage, who)
+
+
+def _check_host_tier(plan: ResidencyPlan, storage: HostStorage, who: str) -> None:
+    """Raise unless ``plan``'s host tier fits ``storage`` and its ceiling."""
+    ceiling = storage.max_host_bytes
+    if ceiling is None:
+        if plan.pinned is not None:
+            raise OffloadError(f"{who}: its plan has a host tier, and the model has no host "
+                               "ceiling (from_module(..., max_host_bytes=...))")
+        return
+    if plan.pinned is None:
+        raise OffloadError(f"{who}: the model has a host ceiling (max_host_bytes={ceiling}) and "
+                           "its plan no host tier: make the plan with the offloader's plan_for()")
+    units = {u.name: u for u in storage.units}
+    unknown = sorted(set(plan.pinned) - set(units))
+    fixed = [u.name for u in storage.fixed if u.name not in plan.pinned]
+    disk = [u for u in storage.units if u.spans is not None and u.name not in plan.pinned]
+    if unknown or fixed or (disk and (plan.staging[0] < 1 or plan.staging[1] < IO_ALIGN)):
+        raise OffloadError(f"{who}: its host tier keeps unknown units {unknown[:4]}, leaves out "
+                           f"units that cannot be read from files {fixed[:4]}, or has no staging "
+                           f"buffer for the {len(disk)} units on disk ({plan.staging})")
+    cost = _host_cost(storage, [units[n] for n in plan.pinned], plan.staging)
+    if plan.host_bytes != cost or cost > ceiling:
+        raise OffloadError(f"{who}: its host tier says {plan.host_bytes} bytes, its arenas and "
+                           f"staging take {cost}, max_host_bytes={ceiling}")
+
+
+def _host_cost(storage: HostStorage, pinned: list[HostUnit], staging: tuple[int, int]) -> int:
+    n, size = staging
+    return sum(storage.arena_bytes(u) for u in pinned) + n * -(-size // IO_ALIGN) * IO_ALIGN
+
+
+def plan_host(storage: HostStorage, plan: ResidencyPlan) -> ResidencyPlan:
+    """``plan`` with its host tier under ``storage.max_host_bytes`` (unchanged without one).
+
+    The units that cannot be read from files keep their arenas. The staging ring comes next:
+    ``prefetch + 1`` buffers as large as the largest unit left on disk (one read per load, one
+    read ahead per prefetched unit); then arenas for the other units while the ceiling allows,
+    hottest first: the units read on every pass (streamed blocks and layers, spread over each
+    group so that reads from disk interleave with copies from memory), then those placed on the
+    device once per activation (the rest, resident blocks and layers). When even the ring does
+    not fit, it gets fewer buffers, then smaller ones (a unit is then read in chunks).
+
+    Raises:
+        BudgetTooSmallError: the ceiling cannot hold the units that must stay in host memory
+            plus one staging buffer (the message names that floor in bytes).
+    """
+    ceiling = storage.max_host_bytes
+    if ceiling is None:
+        return plan
+    fixed = storage.fixed
+    if sum(storage.arena_bytes(u) for u in storage.units) <= ceiling:  # everything fits
+        return dataclasses.replace(plan, pinned=frozenset(u.name for u in storage.units),
+                                   staging=(0, 0), host_bytes=_host_cost(storage,
+                                                                         storage.units, (0, 0)))
+    used = sum(storage.arena_bytes(u) for u in fixed)
+    order = _hot_first(storage, plan)
+    by_size = sorted(order, key=lambda u: -u.spans.nbytes)  # type: ignore[union-attr]
+    want = plan.prefetch + 1
+    pinned: set[int] = set()
+
+    def largest(skip: HostUnit | None = None) -> int:  # of the units left on disk
+        return next((u.spans.nbytes for u in by_size  # type: ignore[union-attr]
+                     if id(u) not in pinned and u is not skip), 0)
+
+    for u in order:
+        if used + storage.arena_bytes(u) + want * _aligned(largest(u)) <= ceiling:
+            pinned.add(id(u))
+            used += storage.arena_bytes(u)
+    staging = _fit_staging(ceiling - used, largest(), want)
+    if staging is None:
+        floor = sum(storage.arena_bytes(u) for u in fixed) + staging_floor(largest())
+        raise BudgetTooSmallError(
+            f"max_host_bytes={ceiling} bytes cannot hold the units that must stay in host "
+            f"memory plus one staging buffer: give at least {floor} bytes")
+    keep = [u for u in storage.units if u.spans is None or id(u) in pinned]
+    return dataclasses.replace(plan, pinned=frozenset(u.name for u in keep), staging=staging,
+                               host_bytes=_host_cost(storage, keep, staging))
+
+
+def _aligned(n: int) -> int:
+    return -(-n // IO_ALIGN) * IO_ALIGN
+
+
+def _fit_staging(room: int, largest: int, want: int) -> tuple[int, int] | None:
+    """``(buffers, bytes)`` of the staging ring for units of at most ``largest`` read bytes in
+    ``room`` bytes: ``want`` whole buffers if they fit, else fewer, else two (then one) smaller
+    ones of at least ``MIN_STAGING`` bytes; None if not even that fits.
+    """
+    if not largest:
+        return 0, 0
+    size = _aligned(largest)
+    for n in range(want, 0, -1):
+        if n * size <= room:
+            return n, size
+    for n in (min(2, want), 1):
+        part = room // n // IO_ALIGN * IO_ALIGN
+        if part >= min(size, MIN_STAGING):
+            return n, part
+    return None
+
+
+def _hot_first(storage: HostStorage, plan: ResidencyPlan) -> list[HostUnit]:
+    """The units that may stay on disk, the most often read first (see :func:`plan_host`)."""
+    streamed: list[tuple[float, int, HostUnit]] = []
+    lists = [[u for i, u in enumerate(us) if plan.ring.get(g) and i not in plan.resident[g]]
+             for g, us in storage.groups.items()]
+    if plan.layer_ring:
+        kept = set(plan.layers)
+        lists.append([u for i, u in enumerate(storage.layers) if i not in kept])
+    for k, units in enumerate(lists):
+        streamed += [(rank / len(units), k, units[i])
+                     for rank, i in enumerate(_spread_order(len(units)))]
+    hot = [u for _, _, u in sorted(streamed, key=lambda t: t[:2])]
+    seen = {id(u) for u in hot}
+    return [u for u in hot + [u for u in storage.units if id(u) not in seen]
+            if u.spans is not None]
+
+
+def _spread_order(n: int) -> list[int]:
+    """``range(n)`` in an order whose every prefix is spread evenly (van der Corput)."""
+    out: list[int] = []
+    seen: set[int] = set()
+    i = 0
+    while len(out) < n:
+        x, scale, k = 0.0, 0.5, i
+        while k:
+            x, scale, k = x + scale * (k & 1), scale / 2, k >> 1
+        p = int(x * n)
+        if p not in seen:
+            seen.add(p)
+            out.append(p)
+        i += 1
+    return out
 
 
 class SpreadResidency:

@@ -17,16 +17,28 @@ A pool made by :meth:`SlotPool.for_layouts` holds units of different layouts (th
 layer mode): each slot is as large as the largest, and a unit occupies the front of a slot
 through views made once per (slot, unit) and kept.
 
+A unit kept on disk (a host ceiling, :mod:`~shuttle.offload.disk_reader`) is loaded in two
+steps: :meth:`SlotPool.load` queues its read into a staging buffer and returns; once the read
+landed, the copy out of the buffer is queued as above (``wait freed[s]`` first, ``record
+loaded[s]`` after the last chunk and the fold). Landed reads are turned into copies at every
+call of :meth:`~SlotPool.load`, :meth:`~SlotPool.wait_loaded` and :meth:`~SlotPool.release`;
+:meth:`~SlotPool.wait_loaded` waits on the host only for a read of its slot still in flight.
+A load that failed (its file changed) makes every later wait on its slot raise, so the slot's
+stale bytes are never used.
+
 On other devices (the CPU test mode included) copies are plain synchronous ``copy_`` calls and
 the events are absent; the bookkeeping around them is the same.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 
+from shuttle.offload.disk_reader import DiskLoad, DiskReader
 from shuttle.offload.host_storage import HostUnit, Layout
 
 __all__ = ["SlotPool"]
@@ -63,6 +75,8 @@ class SlotPool:
         self._freed = [torch.cuda.Event() if cuda else None for _ in range(n_slots)]
         # (slot, unit name) -> (flat, views) in a pool of mixed layouts; None: one layout.
         self._mixed: dict[tuple[int, str], tuple[torch.Tensor, list[torch.Tensor]]] | None = None
+        self._disk: list[DiskLoad | None] = [None] * n_slots  # a slot's load from disk
+        self._readers: dict[int, DiskReader] = {}  # the readers this pool loaded through
 
     @classmethod
     def for_layouts(cls, layouts: list[Layout], n_slots: int, device: torch.device,
@@ -108,7 +122,18 @@ class SlotPool:
         return self.layout.nbytes * len(self.buffers)
 
     def load(self, slot: int, unit: HostUnit) -> None:
-        """Copy ``unit``'s host tensors into ``slot`` once the slot's last reader is done."""
+        """Copy ``unit``'s host tensors into ``slot`` once the slot's last reader is done (a unit
+        on disk: queue its read; the copy follows once the read landed).
+        """
+        self._settle(slot)
+        if unit.on_disk:
+            reader = unit.reader
+            assert reader is not None
+            self._readers[id(reader)] = reader
+            self._disk[slot] = reader.submit(self, unit.spans,
+                                             functools.partial(self._land, slot, unit))
+            return
+        self._pump()
         flat, views = self._target(slot, unit)
         if self._stream is None:
             unit.copy_into(flat, views, non_blocking=False)
@@ -124,7 +149,19 @@ class SlotPool:
             self._loaded[slot].record(self._stream)
 
     def wait_loaded(self, slot: int) -> None:
-        """Make the current (compute) stream wait until ``slot``'s last load landed."""
+        """Make the current (compute) stream wait until ``slot``'s last load landed.
+
+        Raises:
+            FileChangedError: the slot's load from disk found its file changed (again on
+                every later wait, until the slot is loaded anew).
+            AdapterFileError: the slot's load from disk could not read its file.
+        """
+        pending = self._disk[slot]
+        if pending is not None:
+            pending.reader.finish(pending)  # raises while the load stays failed
+            self._disk[slot] = None
+        else:
+            self._pump()
         if self._stream is not None:
             torch.cuda.current_stream(self.device).wait_event(self._loaded[slot])
 
@@ -132,6 +169,44 @@ class SlotPool:
         """Mark ``slot`` reusable after the work queued so far on the current stream."""
         if self._stream is not None:
             self._freed[slot].record(torch.cuda.current_stream(self.device))
+        self._pump()
+
+    def _pump(self) -> None:
+        for reader in self._readers.values():
+            reader.pump()
+
+    def _settle(self, slot: int) -> None:
+        """Before ``slot`` is loaded again: a load of it from disk still pending lands first
+        (its copy would land after the new one otherwise); a failed one is forgotten.
+        """
+        pending, self._disk[slot] = self._disk[slot], None
+        if pending is not None and not pending.done:
+            with contextlib.suppress(Exception):  # the slot is refilled: its error is moot
+                pending.reader.finish(pending)
+
+    def _land(self, slot: int, unit: HostUnit, buffer: torch.Tensor, copies: Sequence,
+              first: bool, last: bool, staged: torch.cuda.Event | None) -> None:
+        """Queue the copies of one chunk of ``unit`` out of staging ``buffer`` into ``slot``;
+        ``staged`` is recorded after them (the buffer may be read into again).
+        """
+        flat, views = self._target(slot, unit)
+        if self._stream is None:
+            for c in copies:
+                flat[c.to:c.to + c.n].copy_(buffer[c.at:c.at + c.n])
+            if last and self.fold is not None:
+                self.fold(unit, views)
+            return
+        with torch.cuda.stream(self._stream):
+            if first:
+                self._stream.wait_event(self._freed[slot])
+            for c in copies:  # from registered (pinned) memory: DMAs on the side stream
+                flat[c.to:c.to + c.n].copy_(buffer[c.at:c.at + c.n], non_blocking=True)
+            assert staged is not None
+            staged.record(self._stream)
+            if last:
+                if self.fold is not None:
+                    self.fold(unit, views)
+                self._loaded[slot].record(self._stream)
 
     def close(self) -> None:
         """Drop the buffers; later work on the current stream is ordered after every copy.
@@ -141,6 +216,9 @@ class SlotPool:
         stream (a prefetch for the next step) have finished; ``wait_stream`` orders that on
         the device, without a host synchronization.
         """
+        for reader in self._readers.values():
+            reader.drain(self)  # reads in flight end before their buffers are reused
+        self._disk = [None] * len(self._disk)
         if self._stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
         self.buffers, self.views = [], []

@@ -14,6 +14,11 @@ optimizer update the host copy:
    blocks and layers, the whole model) and holds a trainable parameter is copied again into
    its slot (merge-mode adapters folded again), and every streamer forgets its slots, so the
    next streamed load reads the updated host weights.
+
+Under a host ceiling, a unit holding a trainable parameter must be in host memory for the step
+(a unit on disk has no host copy to update: :class:`~shuttle.errors.StreamModeError`, before
+anything moves), and after the step it stays there for good: its host copy, not its file, is
+the weight of record now.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ def host_step(storage: HostStorage, resident: Sequence[tuple[SlotPool, int, Host
         StreamModeError: a trainable parameter lies in a unit that a merge-mode adapter
             changes (its device weight is not its host weight), or is a DTensor; raised before
             anything moves.
+        StreamModeError: a trainable parameter lies in a unit kept on disk (a host ceiling).
         PendingGradientError: gradients are left on trainable parameters after the body
             (clear them inside it); the parameters are back on the device all the same.
     """
@@ -72,6 +78,13 @@ def host_step(storage: HostStorage, resident: Sequence[tuple[SlotPool, int, Host
             "the step would see merged weights: activate with mode='dynamic' to train "
             "beside an adapter, or freeze those parameters"
         )
+    on_disk = [unit.name or "(the rest of the model)" for unit, _ in units if unit.on_disk]
+    if on_disk:
+        raise StreamModeError(
+            f"trainable parameters in {on_disk[:4]}, which are kept on disk (max_host_bytes): "
+            "an optimizer step on the host needs their host copies. Train adapters with "
+            "from_module(..., trainable='device'), freeze those parameters, or raise "
+            "max_host_bytes so that they stay in host memory")
     sharded = [unit.name or "(the rest of the model)" for unit, params in units
                if any(is_dtensor(p) for p in params)]
     if sharded:
@@ -88,6 +101,8 @@ def host_step(storage: HostStorage, resident: Sequence[tuple[SlotPool, int, Host
             if g is not None:
                 p.grad = g.to(p.device)
     failed = True
+    for unit, _ in units:
+        unit.spans = None  # its host copy becomes the weight of record: never dropped now
     try:
         yield
         failed = False
