@@ -66,7 +66,7 @@ def test_modules_beyond_the_budget_stream_from_their_files(tmp_path, monkeypatch
     stores = {n: off.storage for n, off in h.offloaders.items()}
     assert all(s.max_host_bytes is not None for s in stores.values())
     # The streamed transformer gets what is left after every floor before the encoder does.
-    floors = {n: c.floor for n, c in h._components.items()}
+    floors = {n: c.host_floor for n, c in h._components.items()}
     assert stores["text_encoder"].max_host_bytes == floors["text_encoder"]
     assert stores["transformer"].max_host_bytes > floors["transformer"]
     x = torch.randint(0, 64, (2, 9))

@@ -200,3 +200,23 @@ def test_attention_blocks_saved_under_their_old_names_load(saved, tmp_path):
     pipe, handle = shuttle_diffusers.from_pretrained(tmp_path, device="cpu")
     assert torch.equal(run_flux(pipe, "pt"), pixels)
     handle.remove()
+
+
+@pytest.mark.parametrize("vram_budget", [None, 400_000])
+def test_a_host_budget_far_below_the_pipeline_reads_the_rest_from_disk(saved, monkeypatch,
+                                                                      vram_budget):
+    # Staging buffers of one page, so that a pipeline of a few hundred kB has a disk tier.
+    monkeypatch.setattr("shuttle.offload.host_storage.MIN_STAGING", 4096)
+    monkeypatch.setattr("shuttle.offload.residency.MIN_STAGING", 4096)
+    folders, latents, pixels = saved
+    budget = file_bytes(folders["sharded"]) // 3
+    pipe, handle = shuttle_diffusers.from_pretrained(folders["sharded"], device="cpu",
+                                                     vram_budget=vram_budget, prefetch=1,
+                                                     max_host_bytes=budget)
+    storages = [o.storage for o in handle.offloaders.values()]
+    for _ in range(2):
+        assert torch.equal(run_flux(pipe), latents)
+        assert sum(s.host_bytes for s in storages) <= budget
+    assert torch.equal(run_flux(pipe, "pt"), pixels)
+    assert sum(s.reader.bytes_read for s in storages if s.reader is not None) > 0
+    handle.remove()

@@ -181,3 +181,35 @@ def test_a_folder_without_config_or_architecture_is_refused(tmp_path):
     (tmp_path / "config.json").unlink()
     with pytest.raises(AdapterFileError, match="no config.json"):
         shuttle_transformers.from_pretrained(tmp_path, device="cpu")
+
+
+@pytest.mark.parametrize("vram_budget", [None, 130_000])
+def test_a_host_budget_far_below_the_model_reads_the_rest_from_disk(tmp_path, monkeypatch,
+                                                                    vram_budget):
+    from shuttle.errors import FileChangedError
+
+    # Staging buffers of one page, so that a model of a few hundred kB has a disk tier.
+    monkeypatch.setattr("shuttle.offload.host_storage.MIN_STAGING", 4096)
+    monkeypatch.setattr("shuttle.offload.residency.MIN_STAGING", 4096)
+    ref = tiny_llama()
+    folder = save(ref, tmp_path / "m")
+    weights = sum(t.nbytes for t in ref.state_dict().values())
+    budget = weights // 3
+    model, handle = shuttle_transformers.from_pretrained(folder, device="cpu", prefetch=1,
+                                                         vram_budget=vram_budget,
+                                                         max_host_bytes=budget)
+    storage = handle.offloaders["model"].storage
+    for _ in range(2):
+        assert torch.equal(logits(model), logits(ref))
+        assert storage.host_bytes <= budget  # arenas and staging, by shuttle's own accounting
+    assert torch.equal(generate(model), generate(ref))
+    assert storage.reader.bytes_read > 0
+    # the checkpoint rewritten under the streaming model: a typed error, never other weights
+    path = folder / "model.safetensors"
+    raw = bytearray(path.read_bytes())
+    raw[-64:] = bytes(64)
+    path.write_bytes(raw)
+    handle.deactivate()
+    with pytest.raises(FileChangedError):
+        logits(model)
+    handle.remove()
