@@ -65,6 +65,10 @@ def test_demo_passes(capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["ok"] is True
     assert len(result["rows"]) == 6
+    # the memory half: streamed from its file under both budgets, the resident output
+    streaming = result["streaming"]
+    assert result["streaming_ok"] is True and streaming["output equals resident"] is True
+    assert streaming["read from disk"] != "0 B"
 
 
 def test_python_dash_m_shuttle_runs_the_command_line():

@@ -241,6 +241,11 @@ class OffloadHandle:
             raise
 
     @property
+    def cache(self) -> ModelCache:
+        """The cache that holds the modules and adapters (``used_bytes``: host bytes held)."""
+        return self._cache
+
+    @property
     def offloaders(self) -> dict[str, ModelOffloader]:
         """Each module's offloader by name (``plan``, ``adapters.report`` while active)."""
         return dict(self._offloaders)
