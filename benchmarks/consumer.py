@@ -1,0 +1,265 @@
+"""The machines users own: a real-size FluxPipeline read from a diffusers folder on disk, under
+a grid of VRAM and host budgets.
+
+The pipeline (Flux-dev transformer, T5-XXL, CLIP-L, VAE; random bf16 weights drawn as e2e.py
+draws them; 33.7 GB) is written once with ``save_pretrained`` to --folder (on the device's
+disk) and every cell loads it with ``shuttle.integrations.diffusers.from_pretrained(folder,
+vram_budget=V, max_host_bytes=H)``: modules built on ``meta``, weights read straight from the
+files, what the host budget does not hold read from disk on every pass. One call: e2e.py's
+prompt, 1024x1024, 4 steps (``--smoke``: tiny components, 128x128, 2 steps).
+
+Cells: --vram (GiB; ``floor``: the smallest budget that runs, found from the
+``BudgetTooSmallError`` of a budget below it) x --host (GiB; ``none``: no ceiling). Each cell
+runs in its own process (``consumer.py --worker V H``), so that its peak VRAM
+(``max_memory_allocated`` from the load on) and peak RSS (VmRSS sampled every 10 ms) are its
+own; the worker loads, makes one warm-up call and --runs timed calls (wall clock between device
+synchronizations), and saves its output, compared with the resident pipeline's (a ``resident``
+worker: the same folder loaded by diffusers onto the device).
+
+Per cell: seconds per image, peak VRAM, peak RSS, bytes read from disk per image
+(``/proc/self/io`` read_bytes: page-cache hits excluded, O_DIRECT included), load seconds,
+bit-identity with the resident output, and the bound max(compute, bytes copied to the device
+/ pinned bandwidth, bytes from disk / O_DIRECT bandwidth): compute is the resident call's time,
+the bandwidths are measured in the same run (pinned host-to-device copies; O_DIRECT reads of
+the folder's largest file), the page cache dropped before each worker where allowed.
+
+    PYTHONPATH=src python benchmarks/consumer.py --folder /tmp/flux --vram floor,4,6,8,12 \\
+        --host 8,16,none                   # the H200 run
+    PYTHONPATH=src python benchmarks/consumer.py --smoke --folder /tmp/flux-smoke \\
+        --vram 0.01 --host 0.005,none --device cpu    # the plumbing, on the CPU
+
+Writes docs/benchmarks/<--out, default consumer>.{json,md} (under $SHUTTLE_BENCH_OUT when set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import e2e  # noqa: E402
+import harness  # noqa: E402
+
+ROW_MARK = "CONSUMER-ROW "
+GIB = 2**30
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--folder", type=Path, required=True, help="where the pipeline is written")
+    p.add_argument("--vram", default="floor,4,6,8,12", help="GiB budgets, or 'floor'")
+    p.add_argument("--host", default="8,16,none", help="GiB ceilings, or 'none'")
+    p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", default="consumer")
+    p.add_argument("--worker", nargs=2, metavar=("VRAM", "HOST"), help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def gib(text: str) -> int | None:
+    return None if text in ("none", "resident") else int(float(text) * GIB)
+
+
+# -- the folder ---------------------------------------------------------------------------------
+
+
+def write_folder(folder: Path, smoke: bool) -> int:
+    """Write the pipeline once (skipped when ``folder`` holds it); returns its weight bytes."""
+    if not (folder / "model_index.json").is_file():
+        pipe = e2e.build_flux(smoke, e2e.make_pool())
+        pipe.save_pretrained(folder, safe_serialization=True, max_shard_size="5GB")
+        del pipe
+    return sum(p.stat().st_size for p in folder.glob("*/*.safetensors"))
+
+
+def drop_page_cache(folder: Path) -> bool:
+    """Evict the folder's files from the page cache (POSIX_FADV_DONTNEED after a sync)."""
+    os.sync()
+    for path in folder.glob("*/*.safetensors"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return True
+
+
+def direct_read_bandwidth(folder: Path) -> float:
+    """Bytes per second of O_DIRECT reads of the folder's largest file (8 MiB pieces)."""
+    path = max(folder.glob("*/*.safetensors"), key=lambda p: p.stat().st_size)
+    size = path.stat().st_size // 2**23 * 2**23
+    buf = torch.empty(2**23 + 4096, dtype=torch.uint8)
+    shift = (-buf.data_ptr()) % 4096
+    import ctypes
+
+    view = memoryview((ctypes.c_ubyte * 2**23).from_address(buf.data_ptr() + shift)).cast("B")
+    flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        fd = os.open(path, os.O_RDONLY)
+    t0 = time.perf_counter()
+    try:
+        for offset in range(0, size, 2**23):
+            os.preadv(fd, [view], offset)
+    finally:
+        os.close(fd)
+    return size / (time.perf_counter() - t0)
+
+
+# -- one cell -------------------------------------------------------------------------------------
+
+
+def read_bytes() -> int:
+    """Bytes this process had read from storage (``/proc/self/io``)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return 0
+
+
+def worker(args: argparse.Namespace) -> None:
+    """Load one cell, warm up, time --runs calls; print its row after ``ROW_MARK``."""
+    from shuttle.errors import BudgetTooSmallError
+
+    vram, host = args.worker
+    device = torch.device(args.device)
+    row: dict = {"vram": vram, "host": host}
+    keep = Path(args.folder).parent / f"{args.out}-outputs"
+    keep.mkdir(exist_ok=True)
+    try:
+        with e2e.RssSampler() as rss:
+            t0 = time.perf_counter()
+            if vram == "resident":
+                import diffusers
+
+                pipe = diffusers.DiffusionPipeline.from_pretrained(
+                    args.folder, torch_dtype=torch.bfloat16).to(device)
+                handle = None
+            else:
+                from shuttle.integrations import diffusers as sd
+
+                pipe, handle = sd.from_pretrained(args.folder, torch_dtype=torch.bfloat16,
+                                                  vram_budget=gib(vram),
+                                                  max_host_bytes=gib(host), device=device)
+            pipe.set_progress_bar_config(disable=True)
+            row["load_s"] = time.perf_counter() - t0
+            call = e2e.flux_call(pipe, device, args.smoke)
+            out, _, _ = e2e.timed_call(call, device)  # warm-up (the first call: at the floor)
+            before = read_bytes()
+            walls = []
+            for _ in range(args.runs):
+                out, wall, _ = e2e.timed_call(call, device)
+                walls.append(wall)
+            row["disk_bytes_per_image"] = (read_bytes() - before) / args.runs
+            row["s_per_image"] = statistics.median(walls)
+            if device.type == "cuda":
+                row["peak_vram"] = torch.cuda.max_memory_allocated(device)
+            if handle is not None:
+                row["device_bytes_per_image"] = sum(
+                    streamed(off) for off in handle.offloaders.values())
+                row["host_bytes"] = handle.cache.used_bytes
+        row["peak_rss"] = rss.peak
+        torch.save({k: v.cpu() for k, v in out.items()}, keep / f"{vram}-{host}.pt")
+        row["stats"] = e2e.output_stats("flux", out, args.smoke)
+    except BudgetTooSmallError as e:
+        row["refused"] = str(e)
+        floor = re.search(r"at least (\d+) bytes", str(e)) or re.search(r"floor of .*?(\d+) bytes",
+                                                                        str(e))
+        row["floor_bytes"] = int(floor.group(1)) if floor else None
+    print(ROW_MARK + json.dumps(row), flush=True)
+
+
+def streamed(off) -> int:
+    """Device bytes an active offloader's call copies (each streamed block once; a module moved
+    whole: none)."""
+    plan = off.plan
+    if plan is None:
+        return 0
+    return sum(u.layout.nbytes for g, units in off.storage.groups.items()
+               for i, u in enumerate(units) if i not in plan.resident[g])
+
+
+def run_worker(args: argparse.Namespace, vram: str, host: str) -> dict:
+    cmd = [sys.executable, __file__, "--worker", vram, host, "--folder", str(args.folder),
+           "--runs", str(args.runs), "--device", args.device, "--out", args.out]
+    if args.smoke:
+        cmd.append("--smoke")
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    for line in proc.stdout.splitlines():
+        if line.startswith(ROW_MARK):
+            return json.loads(line[len(ROW_MARK):])
+    return {"vram": vram, "host": host, "error": (proc.stderr or proc.stdout)[-2000:]}
+
+
+# -- the grid ---------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return
+    weights = write_folder(args.folder, args.smoke)
+    env = harness.environment()
+    # bytes per second (e2e.pinned_bandwidth gives GB/s), measured before any worker runs
+    pinned = e2e.pinned_bandwidth() * 1e9 if args.device == "cuda" else None
+    direct = direct_read_bandwidth(args.folder)
+    rows = [run_worker(args, "resident", "none")]
+    compute = rows[0].get("s_per_image")
+    keep = args.folder.parent / f"{args.out}-outputs"
+    want = torch.load(keep / "resident-none.pt") if (keep / "resident-none.pt").is_file() else None
+    vrams = args.vram.split(",")
+    if "floor" in vrams:  # the smallest budget: what a budget of 1 GiB (or 1 MB) is told
+        probe = run_worker(args, "0.001" if args.smoke else "1", "none")
+        floor = probe.get("floor_bytes")
+        vrams = [f"{floor * 1.02 / GIB:.3f}" if v == "floor" and floor else v for v in vrams
+                 if v != "floor" or floor]
+    for vram in vrams:
+        for host in args.host.split(","):
+            drop_page_cache(args.folder)
+            row = run_worker(args, vram, host)
+            path = keep / f"{vram}-{host}.pt"
+            if want is not None and path.is_file():
+                row["bit_identical"] = e2e.same_bits(torch.load(path), want)
+            if "s_per_image" in row:
+                terms = [compute or 0.0, row.get("device_bytes_per_image", 0) / pinned
+                         if pinned else 0.0, row["disk_bytes_per_image"] / direct]
+                row["bound_s"] = max(terms)
+                row["of_bound"] = row["s_per_image"] / row["bound_s"] if row["bound_s"] else None
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            payload = {"env": env, "weights": weights, "pinned_bytes_per_s": pinned,
+                       "direct_bytes_per_s": direct, "rows": rows}
+            harness.write_results(args.out, payload, table(rows), "Consumer budgets")
+
+
+def table(rows: list[dict]) -> str:
+    def f(x, spec: str) -> str:
+        return "-" if x is None else format(x, spec)
+
+    head = ["VRAM", "host", "s/image", "of bound", "peak VRAM GiB", "peak RSS GiB",
+            "disk GB/image", "load s", "bit-identical"]
+    body = [[r["vram"], r["host"], f(r.get("s_per_image"), ".2f"), f(r.get("of_bound"), ".2f"),
+             f(r.get("peak_vram") and r["peak_vram"] / GIB, ".2f"),
+             f(r.get("peak_rss") and r["peak_rss"] / GIB, ".2f"),
+             f(r.get("disk_bytes_per_image") and r["disk_bytes_per_image"] / 1e9, ".2f"),
+             f(r.get("load_s"), ".1f"),
+             r.get("bit_identical", r.get("refused", r.get("error", "-"))[:60]
+                   if "bit_identical" not in r else r["bit_identical"])]
+            for r in rows]
+    return harness.markdown_table(head, body)
+
+
+if __name__ == "__main__":
+    main()
