@@ -45,7 +45,7 @@ class FakeMeter:
         self.calls: list[tuple[str, bool]] = []
 
     @contextlib.contextmanager
-    def measure(self, name, device, weights, sample):
+    def measure(self, name, device, sample):
         self.calls.append((name, sample))
         reading = Reading()
         yield reading
@@ -236,7 +236,7 @@ def test_tiling_uses_tiles_of_512_pixels_and_restores_the_vae(plain):
 
 
 def test_the_device_meter_reads_nothing_off_cuda():
-    with DeviceMeter().measure("x", torch.device("cpu"), lambda: 0, True) as reading:
+    with DeviceMeter().measure("x", torch.device("cpu"), True) as reading:
         torch.ones(1000)
     assert (reading.peak, reading.margin) == (0, 0)
 
@@ -273,20 +273,50 @@ def test_the_device_meter_is_exact_when_a_call_sets_the_peak_else_sampled(monkey
 
     hooks = (dict(torch.nn.modules.module._global_forward_hooks),
              dict(torch.nn.modules.module._global_forward_pre_hooks))
-    cuda, meter, weights = torch.device("cuda"), DeviceMeter(), lambda: 1000
+    cuda, meter = torch.device("cuda"), DeviceMeter()
     small = nn.Sequential(Alloc(300), Alloc(-200), Between(), Alloc(500), Alloc(-600))
-    with meter.measure("m", cuda, weights, sample=True) as reading:
+    with meter.measure("m", cuda, sample=True) as reading:
         small(torch.ones(1))
     # Below the process peak: the largest sample (1900 allocated before b's forward, 1000 of
-    # them weights).
+    # them there when the call started: weights).
     assert (reading.peak, reading.margin) == (900, activations.MARGIN_MIN)
-    with meter.measure("m", cuda, weights, sample=False) as reading:
+    with meter.measure("m", cuda, sample=False) as reading:
         small(torch.ones(1))
     assert reading.peak == 0  # neither sampled nor a new peak: nothing learned
     big = nn.Sequential(Alloc(10**9), Alloc(-10**9))
-    with meter.measure("m", cuda, weights, sample=False) as reading:
+    with meter.measure("m", cuda, sample=False) as reading:
         big(torch.ones(1))
     assert reading.peak == 10**9  # a new process peak: exact, without sampling
     assert reading.margin == int(activations.MARGIN_SHARE * 10**9)
     assert (dict(torch.nn.modules.module._global_forward_hooks),
             dict(torch.nn.modules.module._global_forward_pre_hooks)) == hooks  # removed
+
+
+def test_the_device_meter_counts_only_what_the_call_allocates(monkeypatch):
+    # Memory the caller holds on the device (a model of its own, 3 GB here) is not the call's
+    # activations, whether the call sets the process peak or is sampled.
+    from torch import nn
+
+    from shuttle.integrations import activations
+
+    held = 3 * 2**30
+    state = {"current": 1000 + held, "peak": 1000 + held}
+    monkeypatch.setattr(activations, "_allocated", lambda device, which: state[which])
+
+    class Alloc(nn.Module):
+        def __init__(self, n: int):
+            super().__init__()
+            self.n = n
+
+        def forward(self, x):
+            state["current"] += self.n
+            state["peak"] = max(state["peak"], state["current"])
+            return x
+
+    cuda, meter = torch.device("cuda"), DeviceMeter()
+    with meter.measure("m", cuda, sample=False) as reading:  # a new process peak
+        nn.Sequential(Alloc(5000), Alloc(-5000))(torch.ones(1))
+    assert reading.peak == 5000
+    with meter.measure("m", cuda, sample=True) as reading:  # below it: sampled
+        nn.Sequential(Alloc(3000), Alloc(-3000))(torch.ones(1))
+    assert reading.peak == 3000

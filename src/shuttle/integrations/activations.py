@@ -11,9 +11,12 @@ plans again through ``plan_for`` with the measurement in
 (``StreamConfig(activation_bytes=...)``), and again whenever a later call outgrows the reserve.
 
 **A call's activation peak** is the largest ``torch.cuda.memory_allocated(device)`` during the
-call less the weight bytes shuttle holds on the device (every active module's slots): the
-module's activations and workspaces, and whatever else is alive then (the pipeline's latents and
-embeddings, adapter tensors), all of which count against the budget.
+call less what was allocated when it started: the module's activations and workspaces. What
+was there before (the weights shuttle holds on the device, every active module's slots, and
+whatever the caller keeps on the device: the pipeline's latents and embeddings, or a model of
+its own) is not the call's. The budget bounds shuttle's weights plus its modules' activations;
+memory the caller holds beside them is the caller's (a pipeline's latents and embeddings are a
+few MB at 1024x1024, within the margin below).
 
 **Measuring it without resetting the peak statistics** (``reset_peak_memory_stats`` would
 corrupt the caller's own measurement of the same peak), :class:`DeviceMeter` does:
@@ -43,7 +46,7 @@ the planner numbers.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -78,13 +81,12 @@ class Reading:
 class ActivationMeter(Protocol):
     """Measures one call of a module.
 
-    ``measure(name, device, weights, sample)`` is a context manager around the call that yields
-    a :class:`Reading`, filled in when the block ends. ``weights()`` gives the weight bytes
-    shuttle holds on ``device`` at that moment; ``sample`` asks for the finer (slower)
+    ``measure(name, device, sample)`` is a context manager around the call that yields a
+    :class:`Reading`, filled in when the block ends; ``sample`` asks for the finer (slower)
     measurement of a module whose activations are not known yet.
     """
 
-    def measure(self, name: str, device: torch.device, weights: Callable[[], int],
+    def measure(self, name: str, device: torch.device,
                 sample: bool) -> contextlib.AbstractContextManager[Reading]: ...
 
 
@@ -104,18 +106,18 @@ class DeviceMeter:
     """The default meter: the CUDA caching allocator's statistics (see the module docs)."""
 
     @contextlib.contextmanager
-    def measure(self, name: str, device: torch.device, weights: Callable[[], int],
-                sample: bool) -> Iterator[Reading]:
+    def measure(self, name: str, device: torch.device, sample: bool) -> Iterator[Reading]:
         """Measure the call run inside the block (see :class:`ActivationMeter`)."""
         reading = Reading()
         if device.type != "cuda":
             yield reading
             return
+        start = _allocated(device, "current")  # weights held, the caller's tensors: not the call's
         before = _allocated(device, "peak")
         hooks = []
         if sample:
             def take(*_: object) -> None:
-                reading.peak = max(reading.peak, _allocated(device, "current") - weights())
+                reading.peak = max(reading.peak, _allocated(device, "current") - start)
 
             hooks = [torch.nn.modules.module.register_module_forward_pre_hook(take),
                      torch.nn.modules.module.register_module_forward_hook(take)]
@@ -125,8 +127,8 @@ class DeviceMeter:
             for h in hooks:
                 h.remove()
         after = _allocated(device, "peak")
-        if after > before:  # this call set the process peak: it is the call's own
-            reading.peak = after - weights()
+        if after > before:  # this call set the process peak: its top is the call's own
+            reading.peak = after - start
         reading.peak = max(reading.peak, 0)
         reading.margin = max(MARGIN_MIN, int(MARGIN_SHARE * reading.peak))
 

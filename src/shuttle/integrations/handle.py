@@ -467,17 +467,12 @@ class OffloadHandle:
         try:
             if self._vram_budget is None:  # nothing to plan against: nothing measured
                 return fn(*args, **kwargs)
-            with self._meter.measure(name, self.device, self._weights_held,
-                                     c.reserve is None) as reading:
+            with self._meter.measure(name, self.device, c.reserve is None) as reading:
                 out = fn(*args, **kwargs)
         finally:
             self._running[name] -= 1
         self._learn(c, reading)
         return out
-
-    def _weights_held(self) -> int:
-        """Device weight bytes of every active module."""
-        return sum(a.need for a in self._active.values())
 
     def _learn(self, c: _Component, reading: Reading) -> None:
         """Plan ``c`` again when ``reading`` is its first or outgrows its reserve.
