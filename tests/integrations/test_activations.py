@@ -241,17 +241,15 @@ def test_the_device_meter_reads_nothing_off_cuda():
     assert (reading.peak, reading.margin) == (0, 0)
 
 
-def test_the_device_meter_is_exact_when_a_call_sets_the_peak_else_sampled(monkeypatch):
-    # The allocator's statistics are faked (the CPU has none): modules that "allocate" move
-    # the current and peak figures as a CUDA call would.
-    from torch import nn
-
+def _fake_allocator(monkeypatch, current: int, peak: int) -> type[torch.nn.Module]:
+    """The allocator's statistics faked (the CPU has none), and a module class whose
+    ``Alloc(n)`` "allocates" ``n`` bytes (frees, when negative) as a CUDA call would."""
     from shuttle.integrations import activations
 
-    state = {"current": 1000, "peak": 5000}
+    state = {"current": current, "peak": peak}
     monkeypatch.setattr(activations, "_allocated", lambda device, which: state[which])
 
-    class Alloc(nn.Module):
+    class Alloc(torch.nn.Module):
         def __init__(self, n: int):
             super().__init__()
             self.n = n
@@ -260,6 +258,18 @@ def test_the_device_meter_is_exact_when_a_call_sets_the_peak_else_sampled(monkey
             state["current"] += self.n
             state["peak"] = max(state["peak"], state["current"])
             return x
+
+    Alloc.state = state
+    return Alloc
+
+
+def test_the_device_meter_is_exact_when_a_call_sets_the_peak_else_sampled(monkeypatch):
+    from torch import nn
+
+    from shuttle.integrations import activations
+
+    Alloc = _fake_allocator(monkeypatch, current=1000, peak=5000)
+    state = Alloc.state
 
     class Between(nn.Module):  # allocates outside any submodule, then frees in one
         def __init__(self):
@@ -297,22 +307,8 @@ def test_the_device_meter_counts_only_what_the_call_allocates(monkeypatch):
     # activations, whether the call sets the process peak or is sampled.
     from torch import nn
 
-    from shuttle.integrations import activations
-
     held = 3 * 2**30
-    state = {"current": 1000 + held, "peak": 1000 + held}
-    monkeypatch.setattr(activations, "_allocated", lambda device, which: state[which])
-
-    class Alloc(nn.Module):
-        def __init__(self, n: int):
-            super().__init__()
-            self.n = n
-
-        def forward(self, x):
-            state["current"] += self.n
-            state["peak"] = max(state["peak"], state["current"])
-            return x
-
+    Alloc = _fake_allocator(monkeypatch, current=1000 + held, peak=1000 + held)
     cuda, meter = torch.device("cuda"), DeviceMeter()
     with meter.measure("m", cuda, sample=False) as reading:  # a new process peak
         nn.Sequential(Alloc(5000), Alloc(-5000))(torch.ones(1))
