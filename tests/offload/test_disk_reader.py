@@ -9,8 +9,8 @@ import torch
 
 from shuttle.formats.safetensors_file import SafetensorsFile
 from shuttle.offload import Layout, SlotPool
+from shuttle.offload.arena import new_arena as _arena
 from shuttle.offload.disk_reader import _GAP, IO_ALIGN, DiskReader, DiskSpans
-from shuttle.offload.host_storage import _arena
 
 
 def checkpoint(tmp_path):

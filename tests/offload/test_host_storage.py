@@ -182,7 +182,7 @@ def test_arenas_to_pin_are_whole_aligned_pages(nbytes):
     huge-page maps, aligned to 2 MiB); arenas that will not are exactly the bytes asked for."""
     import mmap
 
-    from shuttle.offload.host_storage import _arena
+    from shuttle.offload.arena import new_arena as _arena
 
     pages = _arena(nbytes, pin=True)
     assert pages.numel() == -(-nbytes // 4096) * 4096 and pages.data_ptr() % 4096 == 0

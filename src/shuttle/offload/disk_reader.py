@@ -56,6 +56,7 @@ import torch
 
 from shuttle.errors import AdapterFileError, FileChangedError
 from shuttle.formats.safetensors_file import LazyTensor, SafetensorsFile
+from shuttle.offload.layout import ALIGN  # the alignment of tensors in a unit's layout
 
 __all__ = ["DiskLoad", "DiskReader", "DiskSpans", "IO_ALIGN"]
 
@@ -63,7 +64,6 @@ IO_ALIGN = 4096  # O_DIRECT alignment of file offsets, lengths and memory (any b
 _GAP = 32 * 2**10  # read through gaps up to this many bytes rather than issue another request
 _PIECE = 8 * 2**20  # a chunk's read is split into pieces of at most this, read in parallel
 _WORKERS = 4  # piece readers shared by every reader of the process
-_LAYOUT_ALIGN = 16  # the alignment of tensors in a unit's layout (host_storage._ALIGN)
 
 
 @functools.cache
@@ -172,7 +172,7 @@ def _merge_runs(pieces: list[_Copy]) -> list[_Copy]:
     for c in sorted(pieces, key=lambda c: c.to):
         last = runs[-1] if runs else None
         if (last is not None and c.to - last.to == c.at - last.at
-                and 0 <= c.to - (last.to + last.n) < _LAYOUT_ALIGN):
+                and 0 <= c.to - (last.to + last.n) < ALIGN):
             runs[-1] = _Copy(last.at, last.to, c.to + c.n - last.to)
         else:
             runs.append(c)

@@ -24,6 +24,9 @@ shard must be a plain tensor.
 Without CUDA, pinning is unavailable: arenas are plain memory and :attr:`HostStorage.pinned`
 is False.
 
+What each unit holds and where each tensor is read from is surveyed first, changing nothing
+(:mod:`shuttle.offload.survey`); the arenas themselves come from :mod:`shuttle.offload.arena`.
+
 **A host ceiling** (``max_host_bytes``, with ``sources``): a unit whose every tensor comes from a
 checkpoint file may be kept *on disk*: no arena, only where its tensors lie in the files
 (:class:`~shuttle.offload.disk_reader.DiskSpans`); its parameters point at a private map of the
@@ -37,42 +40,25 @@ staging buffers and never exceeds the ceiling.
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import mmap
-import warnings
 import weakref
 from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import torch
 
-from shuttle.errors import (
-    BlockLayoutError,
-    BudgetTooSmallError,
-    HostBackingError,
-    ShuttleError,
-    UnsupportedLayerError,
-)
+from shuttle.errors import BudgetTooSmallError, HostBackingError
 from shuttle.formats.safetensors_file import LazyTensor
+from shuttle.offload.arena import PAGE, new_arena, register_pages, unregister_pages
 from shuttle.offload.disk_reader import IO_ALIGN, DiskReader, DiskSpans
-from shuttle.weights import Fp8Weight, PlainWeight, WeightRepresentation, represent
-from shuttle.weights.dtensor import is_dtensor
-from shuttle.weights.plain import is_plain_tensor
+from shuttle.offload.layout import Layout
+from shuttle.offload.survey import Binding, UnitSurvey, adopted, read_binding, survey_units
 
 __all__ = ["HostBacking", "HostNeeds", "HostStorage", "HostUnit", "Layout"]
 
 HostBacking = Literal["pinned", "adopt"]
 
-_ALIGN = 16  # bytes; keeps every view aligned for vectorized loads on the device
-_PAGE = 4096
-_HUGE = 2 * 2**20  # a transparent huge page
 _CAPTURE_WORKERS = 4  # arenas filled at once (measured: 4 threads ~1.6x one; 8 no better)
-# Floating-point dtypes a checkpoint tensor is converted between while read (``copy_``
-# rounds to nearest even, as ``load_state_dict`` and ``Tensor.to`` do).
-_CASTABLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 MIN_STAGING = 16 * 2**20  # the smallest staging buffer a plan uses (smaller: chunks too small)
 
 
@@ -80,59 +66,10 @@ def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Where each unique tensor of a unit lies in its flat ``uint8`` buffer.
-
-    The same layout describes the host arena and the front of the device slot the unit is
-    loaded into, so one ``copy_`` moves a whole block.
-    """
-
-    offsets: tuple[int, ...]
-    dtypes: tuple[torch.dtype, ...]
-    shapes: tuple[torch.Size, ...]
-    nbytes: int
-
-    @classmethod
-    def of(cls, tensors: Sequence[tuple[torch.dtype, torch.Size]]) -> Layout:
-        offsets, end = [], 0
-        for dtype, shape in tensors:
-            start = _round_up(end, _ALIGN)
-            offsets.append(start)
-            end = start + math.prod(shape) * dtype.itemsize
-        return cls(tuple(offsets), tuple(d for d, _ in tensors), tuple(s for _, s in tensors),
-                   _round_up(end, _ALIGN))
-
-    @property
-    def weight_bytes(self) -> int:
-        """Bytes of the tensors themselves, without alignment padding."""
-        return sum(math.prod(s) * d.itemsize for d, s in zip(self.dtypes, self.shapes, strict=True))
-
-    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """The unit's tensors as views of ``flat`` (``uint8``, ``nbytes`` long)."""
-        out = []
-        for off, dtype, shape in zip(self.offsets, self.dtypes, self.shapes, strict=True):
-            n = math.prod(shape) * dtype.itemsize
-            out.append(flat[off:off + n].view(dtype).view(shape))
-        return out
-
-
-class _Binding(NamedTuple):
-    module: torch.nn.Module
-    name: str
-    is_param: bool
-    entry: int  # index into the unit's layout
-    # A quantized parameter has one binding per storage tensor: ``part`` names it, and ``rep``
-    # (its representation, tensors dropped) rebinds the parameter to all of its parts at once.
-    rep: WeightRepresentation | None = None
-    part: str | None = None
-    shard: bool = False  # a DTensor: its local tensor is the entry
-
-
 class HostUnit:
     """One captured unit: its layout, host tensors, and where they plug into the model."""
 
-    def __init__(self, name: str, layout: Layout, bindings: list[_Binding],
+    def __init__(self, name: str, layout: Layout, bindings: list[Binding],
                  host_views: list[torch.Tensor], arena: torch.Tensor | None):
         self.name = name
         self.layout = layout
@@ -143,7 +80,7 @@ class HostUnit:
         # and the reader that loads it while it has no arena.
         self.spans: DiskSpans | None = None
         self.reader: DiskReader | None = None
-        self.survey: _UnitSurvey | None = None  # what to read it from (to fill an arena)
+        self.survey: UnitSurvey | None = None  # what to read it from (to fill an arena)
 
     @property
     def on_disk(self) -> bool:
@@ -160,7 +97,7 @@ class HostUnit:
         A quantized parameter is rebound through its representation: its data and every side
         tensor (``quant_state``, scales) point at their views together.
         """
-        parts: dict[tuple[int, str], tuple[_Binding, dict[str, torch.Tensor]]] = {}
+        parts: dict[tuple[int, str], tuple[Binding, dict[str, torch.Tensor]]] = {}
         real: dict[int, torch.nn.Parameter] = {}  # a meta parameter -> the one replacing it
         for b in self.bindings:
             if b.rep is not None:
@@ -198,273 +135,6 @@ class HostUnit:
         else:
             for dst, src in zip(views, self.host_views, strict=True):
                 dst.copy_(src, non_blocking=non_blocking)
-
-
-class _UnitSurvey(NamedTuple):
-    name: str
-    layout: Layout
-    bindings: list[_Binding]
-    sources: list[_Binding]  # per entry, where to read the tensor from
-    files: list[LazyTensor | None]  # per entry, its bytes in a checkpoint file (read from there)
-
-
-def _walk(root: torch.nn.Module, stop: set[int]):
-    """``(relative path, module)`` of ``root``'s modules, not entering modules in ``stop``."""
-    seen: set[int] = set()
-    stack = [("", root)]
-    while stack:
-        path, module = stack.pop()
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
-        yield path, module
-        for name, child in reversed(module._modules.items()):
-            if child is not None and id(child) not in stop:
-                stack.append((f"{path}.{name}" if path else name, child))
-
-
-def _alias_key(t: torch.Tensor) -> tuple:
-    # Two registrations of one tensor (tied weights) share storage, offset, shape and stride;
-    # meta tensors have no storage, and tied ones are one object.
-    if t.device.type == "meta":
-        return (t.device, id(t))
-    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
-            t.stride(), t.dtype)
-
-
-def _check(t: torch.Tensor, where: str, adopt: bool, sourced: bool = False) -> None:
-    if type(t.detach()) is not torch.Tensor:
-        raise HostBackingError(
-            f"{where} is a {type(t.detach()).__name__}, a tensor subclass that no weight "
-            "representation claims: register one (with rebind(); "
-            "shuttle.weights.register_representation), dequantize it or keep it out of the model"
-        )
-    if sourced:  # read from its file: where the module's tensor lies does not matter
-        return
-    if adopt and t.device.type != "cpu":
-        raise HostBackingError(
-            f"{where} is on {t.device}; host='adopt' keeps CPU tensors as they are: move the "
-            "model to the CPU first, or use host='pinned' (copies)"
-        )
-    if t.device.type == "meta":
-        raise HostBackingError(f"{where} is on the meta device and no checkpoint file supplies "
-                               "it: load real weights first (load_state_dict(..., assign="
-                               "True)), or give its file in sources=")
-
-
-def _shard_of(t: torch.Tensor, where: str) -> torch.Tensor:
-    """The local tensor of DTensor ``t``.
-
-    Raises:
-        HostBackingError: the local tensor is not a plain tensor (a quantized shard).
-    """
-    local = t._local_tensor
-    if type(local) is not torch.Tensor:
-        raise HostBackingError(
-            f"{where} is a DTensor whose local shard is a {type(local).__name__}: the offloader "
-            "moves DTensors with plain local tensors; dequantize before sharding, or keep it "
-            "out of the offloaded blocks")
-    return local.detach()
-
-
-def _quantized(t: torch.Tensor, where: str) -> WeightRepresentation | None:
-    """The representation of a quantized parameter (storage tensors, ``rebind``), or None for
-    one captured as one tensor (plain, float8, or a tensor no representation claims, which
-    :func:`_check` judges).
-
-    Raises:
-        HostBackingError: a quantized parameter the offloader cannot move whole: its
-            representation cannot ``rebind``, it holds inner tensors the representation does
-            not declare, or the representation refuses it.
-    """
-    if is_plain_tensor(t):
-        return None
-    try:
-        rep = represent(t)
-    except UnsupportedLayerError as e:  # claimed, but refused in its present state
-        raise HostBackingError(f"{where}: {e}") from e
-    except ShuttleError:  # claimed by none: one tensor, as _check judges it
-        return None
-    if isinstance(rep, (PlainWeight, Fp8Weight)):
-        return None
-    name = type(t).__qualname__
-    if type(rep).rebind is WeightRepresentation.rebind:
-        raise HostBackingError(
-            f"{where} is a {name} ({type(rep).__qualname__}), whose representation cannot "
-            "rebind its storage tensors, so the offloader cannot move it: implement "
-            f"{type(rep).__qualname__}.rebind(), or dequantize it or keep it out of the model"
-        )
-    declared = rep.tensors()
-    flatten = getattr(t, "__tensor_flatten__", None)
-    inner = flatten()[0] if callable(flatten) else []
-    missing = [n for n in inner if getattr(t, n, None) is not None
-               and not any(getattr(t, n) is d for d in declared.values())]
-    if missing:
-        raise HostBackingError(
-            f"{where} is a {name} with inner tensors {missing} that its representation "
-            f"({type(rep).__qualname__}) does not declare; they would stay behind when it "
-            "moves: declare them in its tensor_names (and rebind), or dequantize the weight"
-        )
-    return dataclasses.replace(rep, **dict.fromkeys(declared))
-
-
-def _parts(t: torch.Tensor, rep: WeightRepresentation) -> dict[str, torch.Tensor]:
-    """The storage tensors of quantized parameter ``t``, as its representation declares them."""
-    return {n: v.detach() for n, v in represent(t).tensors().items() if n in rep.tensor_names}
-
-
-def _survey(model: torch.nn.Module, groups: dict[str, Sequence[torch.nn.Module]],
-            adopt: bool, layers: dict[str, torch.nn.Module], skip: frozenset[int] = frozenset(),
-            files: Mapping[str, LazyTensor] | None = None,
-            ) -> tuple[_UnitSurvey, dict[str, list[_UnitSurvey]], list[_UnitSurvey]]:
-    """Check every tensor and lay out every unit, leaving out the parameters whose ids are in
-    ``skip``; a tensor whose qualified name (any of its names, when tied) is in ``files`` is
-    read from there. Changes nothing.
-    """
-    files = files or {}
-    named = _names(model)  # alias key -> every qualified name of the tensor
-    block_ids = {id(b) for blocks in groups.values() for b in blocks}
-    layer_ids = {id(m) for m in layers.values()}
-    owner: dict[tuple, tuple[str, str]] = {}  # alias key -> (unit, full name)
-
-    def unit(name: str, root: torch.nn.Module, stop: set[int], layer: bool = False
-             ) -> _UnitSurvey:
-        entries: dict[tuple, int] = {}
-        specs: list[tuple[torch.dtype, torch.Size]] = []
-        bindings, sources = [], []
-        read: list[LazyTensor | None] = []
-
-        def add(key: tuple, t: torch.Tensor, full: str, module: torch.nn.Module, path: str,
-                leaf: str, kind: bool, rep: WeightRepresentation | None = None,
-                part: str | None = None, shard: bool = False) -> None:
-            other = owner.setdefault(key, (name, full))
-            if other[0] != name:
-                raise BlockLayoutError(
-                    f"{full} and {other[1]} are one tensor shared between two offload "
-                    "units; tie weights within one block or within the rest of the "
-                    "model, or leave one of them out of the block paths"
-                )
-            e = entries.get(key)
-            if e is None:
-                e = entries[key] = len(specs)
-                specs.append((t.dtype, t.shape))
-                sources.append(_Binding(module, leaf, kind, e, rep, part, shard))
-                read.append(_file_of(t, key, named, files))
-            bindings.append(_Binding(module, leaf, kind, e, rep, part, shard))
-
-        for path, module in _walk(root, stop):
-            # A layer unit holds its module's own parameters; its buffers (and everything of
-            # the modules around it) stay with the rest, resident while active.
-            streamed_params = layer or id(module) in layer_ids
-            for kind, table in ((True, module._parameters), (False, module._buffers)):
-                if (layer and not kind) or (not layer and kind and streamed_params):
-                    continue
-                for leaf, t in table.items():
-                    if t is None or (kind and id(t) in skip):
-                        continue
-                    full = ".".join(p for p in (name, path, leaf) if p)
-                    if is_dtensor(t):
-                        local = _shard_of(t, full)
-                        _check(local, full, adopt)
-                        add(_alias_key(local), local, full, module, path, leaf, kind, shard=True)
-                        continue
-                    rep = _quantized(t, full) if kind else None
-                    if rep is not None:
-                        for part, pt in _parts(t, rep).items():
-                            _check(pt, f"{full} ({part})", adopt)
-                            add(_alias_key(pt), pt, full, module, path, leaf, True, rep, part)
-                        continue
-                    key = _alias_key(t)
-                    _check(t, full, adopt, any(n in files for n in named.get(key, ())))
-                    add(key, t, full, module, path, leaf, kind)
-        return _UnitSurvey(name, Layout.of(specs), bindings, sources, read)
-
-    rest = unit("", model, block_ids)
-    layer_units = [unit(path, m, set(), layer=True) for path, m in layers.items()]
-    # Blocks of one group may differ (T5's first block holds the relative attention bias, a
-    # UNet's stages differ in width): each keeps its own layout, and the group's ring is sized
-    # by its largest streamed block.
-    surveyed = {g: [unit(f"{g}.{i}", b, set()) for i, b in enumerate(blocks)]
-                for g, blocks in groups.items()}
-    return rest, surveyed, layer_units
-
-
-def _names(model: torch.nn.Module) -> dict[tuple, list[str]]:
-    """Alias key -> the qualified names of one plain tensor (several when tied)."""
-    out: dict[tuple, list[str]] = {}
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        for table in (module._parameters, module._buffers):
-            for leaf, t in table.items():
-                if t is not None and is_plain_tensor(t):
-                    out.setdefault(_alias_key(t), []).append(f"{prefix}.{leaf}" if prefix
-                                                             else leaf)
-    return out
-
-
-def _file_of(t: torch.Tensor, key: tuple, named: dict[tuple, list[str]],
-             files: Mapping[str, LazyTensor]) -> LazyTensor | None:
-    """The checkpoint tensor that supplies ``t`` (under any of its names), checked to match:
-    the same shape, and the same dtype or two of :data:`_CASTABLE` (converted while read).
-
-    Raises:
-        HostBackingError: the file's tensor has another shape, or a dtype that is not converted
-            (integers, float8: their values would need more than a cast).
-    """
-    for name in named.get(key, ()):
-        src = files.get(name)
-        if src is not None:
-            castable = src.dtype == t.dtype or {src.dtype, t.dtype} <= _CASTABLE
-            if not castable or tuple(src.shape) != tuple(t.shape):
-                raise HostBackingError(
-                    f"{name}: the checkpoint's {src.key!r} is {src.dtype} "
-                    f"{tuple(src.shape)}, the model's tensor {t.dtype} {tuple(t.shape)}; build "
-                    "the model with the checkpoint's config and dtype (floating-point tensors "
-                    f"convert between {sorted(str(d) for d in _CASTABLE)} while read)")
-            return src
-    return None
-
-
-def _arena(nbytes: int, pin: bool) -> torch.Tensor:
-    """An uninitialised host buffer for ``nbytes``: exactly that without ``pin``; to be pinned,
-    page-aligned and a whole number of pages (no registered page shared with other memory).
-
-    Large arenas are anonymous maps advised to use transparent huge pages: the first touch of
-    each 2 MiB page is one fault instead of 512, which makes the copy into a fresh arena about
-    1.5x faster (measured on the H200 host: docs/benchmarks/offload_capture.md).
-    """
-    if not pin:
-        return torch.empty(nbytes, dtype=torch.uint8)
-    size = _round_up(nbytes, _PAGE)
-    if size >= _HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
-        m = mmap.mmap(-1, size + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        m.madvise(mmap.MADV_HUGEPAGE)
-        raw = torch.frombuffer(m, dtype=torch.uint8)  # keeps the map alive while used
-        shift = (-raw.data_ptr()) % _HUGE
-        return raw[shift:shift + size]
-    raw = torch.empty(size + _PAGE, dtype=torch.uint8)
-    shift = (-raw.data_ptr()) % _PAGE
-    return raw[shift:shift + size]
-
-
-def _register(arena: torch.Tensor, registered: list[int]) -> bool:
-    """Page-lock ``arena`` (whole pages, exactly its bytes); False, with a warning, on failure.
-
-    Called after the arena is filled: registering pins pages that are already there, while
-    registering first would fault every page in through the driver, 4-5x slower in all.
-    """
-    err = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
-    if int(err) != 0:
-        warnings.warn(f"cudaHostRegister of {arena.numel()} bytes failed ({err}); this unit "
-                      "stays in pageable memory (slower copies). Raise the locked-memory limit "
-                      "(ulimit -l) or use host='adopt'.", RuntimeWarning, stacklevel=4)
-        return False
-    registered.append(arena.data_ptr())  # list.append is atomic: workers share the list
-    return True
-
-
-def _unregister(ptrs: list[int]) -> None:
-    for p in ptrs:
-        torch.cuda.cudart().cudaHostUnregister(p)
 
 
 class HostNeeds(NamedTuple):
@@ -530,7 +200,7 @@ class HostStorage:
                 "max_host_bytes with host='adopt': adopted tensors are the module's own (or "
                 "maps of its files), nothing shuttle allocates; use host='pinned' to bound "
                 "what is kept in host memory")
-        rest, surveyed, layer_units = _survey(model, groups, host == "adopt", layers or {},
+        rest, surveyed, layer_units = survey_units(model, groups, host == "adopt", layers or {},
                                               frozenset(id(p) for p in skip), sources)
         self.host: HostBacking = host
         self.host_bytes = 0  # bytes this storage allocated on the host (arenas and staging)
@@ -542,7 +212,7 @@ class HostStorage:
         self._allocs: dict[int, tuple[int, bool]] = {}  # arena data_ptr -> (bytes, pinned)
         self._staging: list[torch.Tensor] = []
         # Runs before the arenas are released (weakref callbacks precede clearing attributes).
-        self._finalizer = weakref.finalize(self, _unregister, self._registered)
+        self._finalizer = weakref.finalize(self, unregister_pages, self._registered)
         surveys = [rest, *(u for us in surveyed.values() for u in us), *layer_units]
         spans = [_spans(s) if max_host_bytes is not None and _spillable(s) else None
                  for s in surveys]
@@ -632,7 +302,7 @@ class HostStorage:
         Raises:
             HostBackingError, BlockLayoutError: as the constructor would.
         """
-        rest, surveyed, layer_units = _survey(model, groups, False, layers or {},
+        rest, surveyed, layer_units = survey_units(model, groups, False, layers or {},
                                               frozenset(id(p) for p in skip), sources)
         surveys = [rest, *(u for us in surveyed.values() for u in us), *layer_units]
         spans = [_spans(s) if _spillable(s) else None for s in surveys]
@@ -641,7 +311,7 @@ class HostStorage:
         everything = sum(_arena_size(s.layout.nbytes, pin) for s in surveys)
         return HostNeeds(min(fixed + stage, everything), everything)
 
-    def _check_floor(self, surveys: list[_UnitSurvey], spans: list[DiskSpans | None],
+    def _check_floor(self, surveys: list[UnitSurvey], spans: list[DiskSpans | None],
                      ceiling: int) -> None:
         held, stage = _floor(surveys, spans, self._pin)
         if held + stage > ceiling and sum(_arena_size(s.layout.nbytes, self._pin)
@@ -654,7 +324,7 @@ class HostStorage:
                 f"non-persistent buffers) plus a staging buffer of {stage} bytes: give at least "
                 f"{held + stage} bytes, or supply those tensors from files (sources=)")
 
-    def _capture_all(self, surveys: list[_UnitSurvey], pin: bool,
+    def _capture_all(self, surveys: list[UnitSurvey], pin: bool,
                      spans: list[DiskSpans | None]) -> list[HostUnit]:
         """Capture units in order; with ``"pinned"``, several are filled at once.
 
@@ -706,7 +376,7 @@ class HostStorage:
         allocated, pinned = self._allocs.pop(buffer.data_ptr(), (0, False))
         if pinned:
             self._registered.remove(buffer.data_ptr())
-            _unregister([buffer.data_ptr()])
+            unregister_pages([buffer.data_ptr()])
         self.host_bytes -= allocated
         self.pinned_bytes -= allocated if pinned else 0
 
@@ -718,48 +388,38 @@ class HostStorage:
             self._free(b)
         self._staging = []
         for _ in range(count):  # page-aligned with or without CUDA: O_DIRECT reads into them
-            pages = _arena(nbytes, pin=True)
-            pinned = self._pin and _register(pages, self._registered)
+            pages = new_arena(nbytes, pin=True)
+            pinned = self._pin and register_pages(pages, self._registered)
             self._allocs[pages.data_ptr()] = (pages.numel(), pinned)
             self.host_bytes += pages.numel()
             self.pinned_bytes += pages.numel() if pinned else 0
             self._staging.append(pages)
         self.reader.set_buffers(self._staging, cuda=torch.cuda.is_available())
 
-    def _fill(self, s: _UnitSurvey, pin: bool) -> tuple[torch.Tensor, int, bool]:
+    def _fill(self, s: UnitSurvey, pin: bool) -> tuple[torch.Tensor, int, bool]:
         """A filled arena of exactly the unit's bytes; the bytes allocated; whether pinned."""
-        pages = _arena(s.layout.nbytes, pin)
+        pages = new_arena(s.layout.nbytes, pin)
         arena = pages[:s.layout.nbytes]
         views = s.layout.views(arena)
         with torch.no_grad():
             for b, src in zip(s.sources, s.files, strict=True):
                 if src is None:
-                    views[b.entry].copy_(_read(b))
+                    views[b.entry].copy_(read_binding(b))
                 elif src.dtype != s.layout.dtypes[b.entry]:  # converted piece by piece
                     src.load_converted(views[b.entry])
                 else:  # straight from the file into the arena: one read, no other copy
                     off = s.layout.offsets[b.entry]
                     src.load_into(arena[off:off + src.nbytes])
-        pinned = pin and pages.numel() > 0 and _register(pages, self._registered)
+        pinned = pin and pages.numel() > 0 and register_pages(pages, self._registered)
         return arena, pages.numel(), pinned
 
-    def _adopt(self, s: _UnitSurvey) -> HostUnit:
-        host = [_adopted(src, s.layout, b) if src is not None else _read(b) if b.is_param
+    def _adopt(self, s: UnitSurvey) -> HostUnit:
+        host = [adopted(src, s.layout, b) if src is not None else read_binding(b) if b.is_param
                 else b.module._buffers[b.name] for b, src in zip(s.sources, s.files, strict=True)]
         unit = HostUnit(s.name, s.layout, s.bindings, host, None)
         if any(src is not None for src in s.files):
             unit.bind_host()  # the file's pages (a private map), not the module's tensors
         return unit
-
-
-def _adopted(src: LazyTensor, layout: Layout, b: _Binding) -> torch.Tensor:
-    """A file's tensor kept as it lies (a private map), or converted into memory of its own
-    when the model's dtype differs.
-    """
-    dtype = layout.dtypes[b.entry]
-    if src.dtype == dtype:
-        return src.load()
-    return src.load_converted(torch.empty(layout.shapes[b.entry], dtype=dtype))
 
 
 def staging_floor(largest: int) -> int:
@@ -770,14 +430,14 @@ def staging_floor(largest: int) -> int:
 
 
 def _arena_size(nbytes: int, pin: bool) -> int:
-    return _round_up(nbytes, _PAGE) if pin else nbytes
+    return -(-nbytes // PAGE) * PAGE if pin else nbytes
 
 
-def _spans(s: _UnitSurvey) -> DiskSpans:
+def _spans(s: UnitSurvey) -> DiskSpans:
     return DiskSpans([(s.layout.offsets[i], f) for i, f in enumerate(s.files)])
 
 
-def _floor(surveys: list[_UnitSurvey], spans: list[DiskSpans | None], pin: bool
+def _floor(surveys: list[UnitSurvey], spans: list[DiskSpans | None], pin: bool
            ) -> tuple[int, int]:
     """(bytes of the units that stay in host memory, bytes of the smallest staging ring)."""
     fixed = sum(_arena_size(s.layout.nbytes, pin) for s, sp in zip(surveys, spans, strict=True)
@@ -785,7 +445,7 @@ def _floor(surveys: list[_UnitSurvey], spans: list[DiskSpans | None], pin: bool
     return fixed, staging_floor(max((sp.nbytes for sp in spans if sp is not None), default=0))
 
 
-def _spillable(s: _UnitSurvey) -> bool:
+def _spillable(s: UnitSurvey) -> bool:
     """Whether unit ``s`` can be read again from its files whenever needed: every tensor lies
     in a file as it is stored, one span of bytes in the model's dtype (one converted or pieced
     together from rows while read stays in host memory; so does a unit whose host copy an
@@ -793,12 +453,3 @@ def _spillable(s: _UnitSurvey) -> bool:
     """
     return s.layout.nbytes > 0 and all(
         type(f) is LazyTensor and f.dtype == s.layout.dtypes[i] for i, f in enumerate(s.files))
-
-
-def _read(b: _Binding) -> torch.Tensor:
-    table = b.module._parameters if b.is_param else b.module._buffers
-    if b.rep is not None:
-        return _parts(table[b.name], b.rep)[b.part]
-    if b.shard:
-        return table[b.name]._local_tensor.detach()
-    return table[b.name].detach()
