@@ -667,7 +667,7 @@ class _CausalConv3d(nn.Conv3d):
 def test_convolutions_the_factors_cannot_run_take_the_weight_residual(make, quality):
     # The low-rank conv residual convolves x with zero padding and one group: any other layer
     # runs its own forward over W + R, and equals the merged layer.
-    from shuttle.apply.dynamic_layer import layer_kind
+    from shuttle.apply.layer_kind import layer_kind
 
     torch.manual_seed(0)
     m = nn.Sequential(make())
@@ -688,7 +688,7 @@ def test_convolutions_the_factors_cannot_run_take_the_weight_residual(make, qual
 
 
 def test_a_registered_layer_kind_runs_its_patches_as_residuals():
-    from shuttle.apply.dynamic_layer import LAYER_KINDS, LayerKind, layer_kind, register_layer_kind
+    from shuttle.apply.layer_kind import LAYER_KINDS, LayerKind, layer_kind, register_layer_kind
 
     class Projection(nn.Module):  # a Linear-shaped layer of a class torch does not know
         def __init__(self):

@@ -43,6 +43,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from shuttle.apply.layer_kind import layer_kind
 from shuttle.apply.merge import apply_contributions
 from shuttle.apply.plan import Contribution, logical_spec
 from shuttle.apply.scale import (
@@ -65,8 +66,7 @@ from shuttle.weights import FP8_DTYPES
 from shuttle.weights.dtensor import is_dtensor, shard_window
 from shuttle.weights.plain import is_plain_tensor
 
-__all__ = ["LAYER_KINDS", "LayerKind", "LoRAHook", "Quality", "layer_kind",
-           "register_layer_kind"]
+__all__ = ["LoRAHook", "Quality"]
 
 Quality = Literal["exact", "lossless", "fused"]
 
@@ -79,49 +79,6 @@ class _Slot:
     patch: LowRank
     rows: tuple[int, int] | None
     columns: tuple[int, int]  # its ranks in the concatenated factors
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerKind:
-    """How a family of layers runs low-rank weight patches in a dynamic forward.
-
-    ``takes(module, patch)``: whether ``patch`` runs as a low-rank residual next to the
-    layer's own output (otherwise it joins the float32 weight residual ``W + request * R``,
-    which runs the module's own forward and is right for any module). ``tiers``: the Linear
-    tiers (exact / lossless / fused) over concatenated factors; otherwise the patch's own op
-    (:meth:`~shuttle.patches.LowRank.residual`).
-    """
-
-    name: str
-    takes: Callable[[torch.nn.Module, LowRank], bool]
-    tiers: bool = False
-
-
-# Layer class -> its kind, found along the module's MRO (a subclass takes its base's kind).
-LAYER_KINDS: dict[type[torch.nn.Module], LayerKind] = {}
-_OTHER = LayerKind("other", lambda module, patch: False)
-
-
-def register_layer_kind(*classes: type[torch.nn.Module]) -> Callable[[LayerKind], LayerKind]:
-    """Register ``kind`` for layers of ``classes`` (and their subclasses): ``register_layer_kind
-    (MyLinear)(LayerKind("mylinear", takes=...))``.
-    """
-
-    def add(kind: LayerKind) -> LayerKind:
-        for cls in classes:
-            LAYER_KINDS[cls] = kind
-        return kind
-
-    return add
-
-
-def layer_kind(module: torch.nn.Module) -> LayerKind:
-    """The registered kind of ``module``'s class or nearest base class, else ``"other"``."""
-    for cls in type(module).__mro__:
-        kind = LAYER_KINDS.get(cls)
-        if kind is not None:
-            return kind
-    return _OTHER
 
 
 def _chain_dtype(*dtypes: torch.dtype, exact: bool = True) -> torch.dtype:
@@ -141,26 +98,6 @@ def _chain_dtype(*dtypes: torch.dtype, exact: bool = True) -> torch.dtype:
             out = torch.promote_types(out, d)
     return out
 
-
-def _plain_forward(module: torch.nn.Module, base: type[torch.nn.Module]) -> bool:
-    """Whether ``module`` runs ``base``'s own forward (a subclass that pads or reshapes its
-    input first, such as a causal Conv3d, gets the weight residual instead).
-    """
-    return type(module).forward is base.forward
-
-
-register_layer_kind(torch.nn.Linear)(LayerKind(
-    "linear", lambda module, p: p.mid is None and not p.transposed, tiers=True))
-for _conv in (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d):
-    # The residual convolves x with the factors at the layer's stride, padding and dilation:
-    # zero padding and one group only (another padding mode or grouped channels: W + R).
-    register_layer_kind(_conv)(LayerKind(
-        "conv", lambda module, p, base=_conv: (
-            not p.transposed and module.groups == 1 and module.padding_mode == "zeros"
-            and _plain_forward(module, base))))
-register_layer_kind(torch.nn.Embedding)(LayerKind(
-    "embedding", lambda module, p: (p.transposed and module.max_norm is None
-                                    and _plain_forward(module, torch.nn.Embedding))))
 
 
 class LoRAHook(ModuleHook):
