@@ -484,12 +484,12 @@ def _stack(n: int, dtype: torch.dtype) -> nn.Module:
 def kernel_merges(monkeypatch):
     """Route CPU merges of plain weights through the fused kernel (interpreted), as on CUDA;
     yields the weights' row counts as the kernel merged them."""
-    from shuttle.apply import merge
+    from shuttle.apply import fused_jobs, merge
     from shuttle.kernels import interpreting, triton_available
 
     if not (triton_available() and interpreting()):
         pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1, set on CPU)")
-    monkeypatch.setattr(merge, "_on_kernel_device", lambda p: True)
+    monkeypatch.setattr(fused_jobs, "on_kernel_device", lambda p: True)
     calls = []
     real = merge.LowRankMerges.add
     monkeypatch.setattr(merge.LowRankMerges, "add",
@@ -571,7 +571,7 @@ def test_kernel_checks_overflow_only_where_the_update_could_reach_it(dtype, kern
 def test_overflow_flag_made_only_for_updates_that_could_overflow(kernel_merges):
     """One flag per device, made at its first use: none at all (so merge_lora reads nothing
     back) when every update is bounded below its weight's margin."""
-    from shuttle.apply import merge, plan
+    from shuttle.apply import fused_jobs, plan
 
     model = _stack(3, torch.float16)
     g = torch.Generator().manual_seed(26)
@@ -580,13 +580,13 @@ def test_overflow_flag_made_only_for_updates_that_could_overflow(kernel_merges):
     small = plan.plan_merge(model, [(sd, 1.0)])
     params = dict(model.named_parameters())
     flags: dict = {}
-    assert all(merge.overflow_flag(params[n], cs, flags, small.memo) is None
+    assert all(fused_jobs.overflow_flag(params[n], cs, flags, small.memo) is None
                for n, cs in small.params.items())
     assert flags == {}
     sd["layers.1.lora_B.weight"] = torch.full((20, 2), 300.0)
     sd["layers.2.lora_B.weight"] = torch.full((20, 2), 300.0)
     large = plan.plan_merge(model, [(sd, 1.0)])
-    got = [merge.overflow_flag(params[n], cs, flags, large.memo)
+    got = [fused_jobs.overflow_flag(params[n], cs, flags, large.memo)
            for n, cs in large.params.items()]
     assert got[0] is None and got[1] is got[2] is flags[params["layers.1.weight"].device]
 
@@ -679,7 +679,7 @@ def test_no_overflow_flag_where_the_kernel_does_not_run(kernel_merges):
     """A flag (and the sync that reads it) only for weights the fused kernel merges: none
     for a float64 weight or a patch other than a plain low-rank product, which take the
     float32/float64 path and raise on overflow themselves."""
-    from shuttle.apply import merge, plan
+    from shuttle.apply import fused_jobs, plan
     from shuttle.patches import Diff
 
     model = _stack(2, torch.float16)
@@ -692,9 +692,9 @@ def test_no_overflow_flag_where_the_kernel_does_not_run(kernel_merges):
     planned = plan.plan_merge(model, [(sd, 1.0)])
     params = dict(model.named_parameters())
     flags: dict = {}
-    assert merge.overflow_flag(params["layers.1.weight"], planned.params["layers.1.weight"],
+    assert fused_jobs.overflow_flag(params["layers.1.weight"], planned.params["layers.1.weight"],
                                flags) is None  # float64: no kernel
     (c,) = planned.params["layers.0.weight"]
-    assert merge.overflow_flag(params["layers.0.weight"], [c], flags) is not None
+    assert fused_jobs.overflow_flag(params["layers.0.weight"], [c], flags) is not None
     dense = dataclasses.replace(c, patch=Diff("weight", torch.full((20, 12), 1e5)))
-    assert merge.overflow_flag(params["layers.0.weight"], [dense], {}) is None
+    assert fused_jobs.overflow_flag(params["layers.0.weight"], [dense], {}) is None

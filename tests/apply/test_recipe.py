@@ -20,12 +20,12 @@ RANK = 16  # a rank the kernel takes as it is (recipes keep no padded copies)
 @pytest.fixture
 def kernel(monkeypatch):
     """CPU merges through the interpreted fused kernel; yields counters of the host paths."""
-    from shuttle.apply import merge
+    from shuttle.apply import fused_jobs, merge
     from shuttle.kernels import interpreting, triton_available
 
     if not (triton_available() and interpreting()):
         pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1, set on CPU)")
-    monkeypatch.setattr(merge, "_on_kernel_device", lambda p: True)
+    monkeypatch.setattr(fused_jobs, "on_kernel_device", lambda p: True)
     counts = {"prepared": 0, "replayed": 0}
     add, replay = merge.LowRankMerges.add, merge.replay_merges
 

@@ -124,7 +124,7 @@ def _drawn_cases(rank, world):
 def _drawn_reference(dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per weight: the stochastic merge of the whole weight with the draws of its global
     element indices, and the float32 value it rounds."""
-    from shuttle.apply.merge import apply_contributions
+    from shuttle.apply.param_merge import apply_contributions
     from shuttle.apply.plan import plan_merge
     from shuttle.apply.rounding import merge_seed
     from shuttle.kernels.rounding import GlobalDraws, round_float

@@ -24,8 +24,8 @@ from typing import Literal
 import torch
 
 from shuttle.apply.dynamic import DynamicAdapters
-from shuttle.apply.merge import apply_contributions, compute_dtype
 from shuttle.apply.notes import Note
+from shuttle.apply.param_merge import apply_contributions, compute_dtype
 from shuttle.apply.plan import MergePlan
 from shuttle.apply.rounding import Rounding, round_to
 from shuttle.errors import InvalidStrengthError

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from shuttle.apply.layer_kind import layer_kind
-from shuttle.apply.merge import apply_contributions
+from shuttle.apply.param_merge import apply_contributions
 from shuttle.apply.plan import Contribution, logical_spec
 from shuttle.apply.scale import (
     follow,

@@ -24,8 +24,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from shuttle.apply.merge import compute_dtype, exact_cublas, merge_param, overflow_flag
+from shuttle.apply.fused_jobs import overflow_flag
 from shuttle.apply.notes import Note, plan_notes
+from shuttle.apply.param_merge import compute_dtype, exact_cublas, merge_param
 from shuttle.apply.plan import (
     AdapterList,
     Contribution,

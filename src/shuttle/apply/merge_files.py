@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from shuttle.apply.merge import apply_contributions, compute_dtype
 from shuttle.apply.notes import Note, plan_notes
+from shuttle.apply.param_merge import apply_contributions, compute_dtype
 from shuttle.apply.plan import (
     AdapterList,
     Contribution,

@@ -19,8 +19,9 @@ from shuttle.apply.dynamic import (
     default_quality,
 )
 from shuttle.apply.dynamic_layer import Quality
-from shuttle.apply.merge import MergeReport, copy_param, merge_plan, restore_param
+from shuttle.apply.merge import MergeReport, merge_plan
 from shuttle.apply.notes import plan_notes
+from shuttle.apply.param_merge import copy_param, restore_param
 from shuttle.apply.pipeline import Pipeline, as_model
 from shuttle.apply.plan import (
     AdapterList,

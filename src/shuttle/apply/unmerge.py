@@ -21,7 +21,8 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from shuttle.apply.kept import check_undo, release
-from shuttle.apply.merge import MergeReport, merge_lora, restore_param
+from shuttle.apply.merge import MergeReport, merge_lora
+from shuttle.apply.param_merge import restore_param
 from shuttle.apply.pipeline import Pipeline, as_model
 from shuttle.apply.plan import AdapterList, normalize_adapters
 from shuttle.apply.rounding import Rounding, rounding_for

@@ -9,7 +9,7 @@ step.
 * ``mode="merge"``: :meth:`fold` is called by each :class:`~shuttle.offload.slots.SlotPool`
   right after a unit's bytes land in a slot (on CUDA on the copy stream, before the slot's
   ``loaded`` event, so compute that waits on the event sees merged weights). It runs
-  :func:`~shuttle.apply.merge.merge_param` on the slot's views: float32 sum, one rounding,
+  :func:`~shuttle.apply.param_merge.merge_param` on the slot's views: float32 sum, one rounding,
   exactly what :func:`~shuttle.merge_lora` does to a resident copy. The host copy is never
   written, so every load (a block streamed again next step) starts from pristine weights and
   is merged exactly once.
@@ -36,8 +36,9 @@ from shuttle.apply.auto import DEFAULT_THRESHOLD, Decision, decide
 from shuttle.apply.dynamic import QUALITIES, DynamicAdapters, default_quality
 from shuttle.apply.dynamic_layer import LoRAHook, Quality
 from shuttle.apply.memo import memo_of
-from shuttle.apply.merge import MergeReport, exact_cublas, merge_param
+from shuttle.apply.merge import MergeReport
 from shuttle.apply.notes import plan_notes
+from shuttle.apply.param_merge import exact_cublas, merge_param
 from shuttle.apply.plan import AdapterList, Contribution, plan_params
 from shuttle.apply.rounding import merge_seeds
 from shuttle.apply.scoped import MODES, Mode
