@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from shuttle.errors import DeviceUnavailableError
-from shuttle.integrations.handle import check_device
+from shuttle.integrations.budgets import check_device
 
 from .models import tiny_llama
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from shuttle.errors import DeviceUnavailableError
-from shuttle.integrations.handle import check_device
+from shuttle.integrations.budgets import check_device
 
 __all__ = ["DTYPE_SPELLINGS", "device_arg", "dtype_arg", "fraction_arg", "positive_int_arg"]
 

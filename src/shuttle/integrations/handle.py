@@ -46,65 +46,21 @@ from shuttle.apply.merge import MergeReport
 from shuttle.apply.plan import AdapterList, normalize_loras
 from shuttle.apply.scoped import Mode
 from shuttle.cache import LoRASpec, ModelCache, ModelSpec, ObjectSpec
-from shuttle.errors import BudgetTooSmallError, CacheError, DeviceUnavailableError, OffloadError
+from shuttle.errors import BudgetTooSmallError, OffloadError
 from shuttle.formats import LoRA
 from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.hooks import ModuleHook, add_hook, hooks_of, remove_hook
 from shuttle.integrations.activations import ActivationMeter, CallShrinker, DeviceMeter, Reading
+from shuttle.integrations.budgets import SourcedSpec, check_device, host_shares
 from shuttle.integrations.routing import route_lora
 from shuttle.offload import ModelOffloader, ResidencyPlan, RingOnlyResidency, StreamConfig
 from shuttle.offload.adapters import check_mode
 from shuttle.offload.host_storage import HostBacking, HostStorage
 from shuttle.offload.residency import floor_bytes
 
-__all__ = ["OffloadHandle", "cache_for", "check_device"]
+__all__ = ["OffloadHandle"]
 
 logger = logging.getLogger(__name__)
-
-
-def check_device(device: str | torch.device, what: str = "device") -> torch.device:
-    """``device`` as a ``torch.device`` this machine has, else :class:`DeviceUnavailableError`.
-
-    ``"cuda"`` on a machine (or a torch build) without CUDA, ``"cuda:3"`` with two GPUs, or a
-    name torch does not know are refused here, before anything moves.
-    """
-    shown = str(device) if isinstance(device, torch.device) else device
-    try:
-        d = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise DeviceUnavailableError(
-            f"{what}={shown!r} is not a device name torch knows; pass 'cuda', 'cuda:0' "
-            "or 'cpu'."
-        ) from None
-    if d.type in ("cpu", "meta"):
-        return d
-    backend = getattr(torch, d.type, None)
-    available = backend is not None and getattr(backend, "is_available", lambda: False)()
-    if not available:
-        raise DeviceUnavailableError(
-            f"{what}={shown!r}: this machine has no {d.type} device (torch {torch.__version__} "
-            f"sees none); run where one is visible (check CUDA_VISIBLE_DEVICES and that torch "
-            "was built with CUDA), or pass 'cpu'."
-        )
-    count = getattr(backend, "device_count", lambda: 1)()
-    if d.index is not None and d.index >= count:
-        raise DeviceUnavailableError(
-            f"{what}={shown!r}: this machine has {count} {d.type} device(s), "
-            f"{d.type}:0..{d.type}:{count - 1}; pass one of those."
-        )
-    return d
-
-
-def cache_for(max_host_bytes: int | None, cache: ModelCache | None) -> ModelCache:
-    """The cache an ``offload`` call uses: a new one of ``max_host_bytes``, or ``cache``.
-
-    Raises:
-        CacheError: both or neither given.
-    """
-    if (max_host_bytes is None) == (cache is None):
-        raise CacheError(f"max_host_bytes={max_host_bytes!r}, cache={cache!r}: give exactly "
-                         "one (a byte budget for a new cache, or a ModelCache to share)")
-    return cache if cache is not None else ModelCache(max_host_bytes)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -126,7 +82,7 @@ class _Component:
     share: int | None = None  # its host ceiling (a disk tier), None: all in host memory
     host_floor: int = 0  # the least its share may be
     captured: int = 0  # host bytes charged to the cache for the module itself (its floor)
-    host_lease: contextlib.ExitStack | None = None  # the lease of the rest of its share
+    host_lease: contextlib.ExitStack | None = None  # holds the rest of its share in the cache
 
     @property
     def need(self) -> int:
@@ -228,7 +184,7 @@ class OffloadHandle:
         self._mode: Mode = "merge"
         self._routed: dict[int, tuple[LoRA, dict[str, LoRASpec]]] = {}  # id(lora) -> specs
         _check_free(modules, methods, attrs, classes)
-        shares = _host_shares(modules, blocks, host, sources, cache.available_bytes)
+        shares = host_shares(modules, blocks, host, sources, cache.available_bytes)
         try:
             for name, module in modules.items():
                 self._capture(name, module, tuple(blocks.get(name, ())), host, key_prefix,
@@ -364,7 +320,7 @@ class OffloadHandle:
             spec: Any = ModelSpec(key, factory=lambda: module,
                                   estimated_bytes=_weight_bytes(module), blocks=paths, host=host)
         else:
-            spec = _SourcedSpec(key, module, paths, host, sources,
+            spec = SourcedSpec(key, module, paths, host, sources,
                                 *(share if share is not None else (None, None)))
         c = _Component(name, module, spec, devices)
         # Leased until remove(): nothing could rebuild the module after an eviction.
@@ -578,68 +534,6 @@ def _check_free(modules: Mapping[str, torch.nn.Module], methods: Mapping[str, Se
         if taken:
             raise OffloadError(f"{name}: instance attributes {taken} are set already (another "
                                "library's offload hooks?); remove them before offloading")
-
-
-@dataclass(frozen=True, eq=False)
-class _SourcedSpec:
-    """A module captured straight from its checkpoint files, under a host ceiling or not."""
-
-    key: str
-    module: torch.nn.Module
-    blocks: tuple[str, ...]
-    host: HostBacking
-    sources: Mapping[str, LazyTensor]
-    max_host_bytes: int | None
-    floor: int | None  # with a ceiling: the bytes charged (the rest of it is a reservation)
-
-    @property
-    def estimated_bytes(self) -> int | None:
-        return self.max_host_bytes
-
-    def build(self) -> ModelOffloader:
-        return ModelOffloader.from_module(self.module, blocks=self.blocks, host=self.host,
-                                          sources=self.sources,
-                                          max_host_bytes=self.max_host_bytes)
-
-    def nbytes(self, value: ModelOffloader) -> int:
-        s = value.storage
-        if self.floor is not None:  # what the share can never go below; the rest reserved
-            return self.floor
-        return s.host_bytes if s.host == "pinned" else s.weight_bytes
-
-
-def _host_shares(modules: Mapping[str, torch.nn.Module], blocks: Mapping[str, Sequence[str]],
-                 host: HostBacking, sources: Mapping[str, Mapping[str, LazyTensor]],
-                 budget: int) -> dict[str, tuple[int, int]]:
-    """Name -> (host share, floor) of each module captured from files, when the modules do not
-    all fit in ``budget`` whole; empty when they do (or nothing could stay on disk).
-
-    Every module gets its floor first (a module without files: everything), then the modules
-    with streamed blocks, whose weights are read at every step, up to what keeps them whole,
-    then the others, in order.
-
-    Raises:
-        BudgetTooSmallError: ``budget`` cannot hold the floors.
-    """
-    if host != "pinned" or not any(n in sources for n in modules):
-        return {}
-    needs = {n: ModelOffloader.host_needs(m, tuple(blocks.get(n, ())), sources=sources.get(n))
-             for n, m in modules.items()}
-    if sum(x.everything for x in needs.values()) <= budget:
-        return {}
-    floors = {n: x.floor if n in sources else x.everything for n, x in needs.items()}
-    if sum(floors.values()) > budget:
-        raise BudgetTooSmallError(
-            f"max_host_bytes: {budget} free bytes in the cache cannot hold the modules' host "
-            f"floors {floors} (what must stay in host memory plus a staging buffer): give at "
-            f"least {sum(floors.values())} bytes")
-    left = budget - sum(floors.values())
-    shares = dict(floors)
-    for n in sorted((n for n in modules if n in sources), key=lambda n: not blocks.get(n)):
-        extra = max(0, min(left, needs[n].everything - floors[n]))
-        shares[n] += extra
-        left -= extra
-    return {n: (shares[n], floors[n]) for n in modules if n in sources}
 
 
 def _weight_bytes(module: torch.nn.Module) -> int:

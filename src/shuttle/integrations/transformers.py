@@ -25,7 +25,8 @@ from shuttle.errors import AdapterFileError, OffloadError
 from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.integrations.activations import ActivationMeter
 from shuttle.integrations.blocks import find_block_lists
-from shuttle.integrations.handle import OffloadHandle, cache_for, check_device
+from shuttle.integrations.budgets import cache_for, check_device
+from shuttle.integrations.handle import OffloadHandle
 from shuttle.integrations.pretrained import (
     NO_CEILING,
     file_tensors,

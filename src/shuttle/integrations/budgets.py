@@ -1,0 +1,127 @@
+"""What an offload is given before anything is captured: the device checked, the host budget
+as a cache, and, when modules built from their files do not all fit in that budget, each one's
+share of it (:func:`host_shares`) and the cache entry that captures it under its share
+(:class:`SourcedSpec`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from shuttle.cache import ModelCache
+from shuttle.errors import BudgetTooSmallError, CacheError, DeviceUnavailableError
+from shuttle.formats.safetensors_file import LazyTensor
+from shuttle.offload import ModelOffloader
+from shuttle.offload.host_storage import HostBacking
+
+__all__ = ["SourcedSpec", "cache_for", "check_device", "host_shares"]
+
+
+def check_device(device: str | torch.device, what: str = "device") -> torch.device:
+    """``device`` as a ``torch.device`` this machine has, else :class:`DeviceUnavailableError`.
+
+    ``"cuda"`` on a machine (or a torch build) without CUDA, ``"cuda:3"`` with two GPUs, or a
+    name torch does not know are refused here, before anything moves.
+    """
+    shown = str(device) if isinstance(device, torch.device) else device
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise DeviceUnavailableError(
+            f"{what}={shown!r} is not a device name torch knows; pass 'cuda', 'cuda:0' "
+            "or 'cpu'."
+        ) from None
+    if d.type in ("cpu", "meta"):
+        return d
+    backend = getattr(torch, d.type, None)
+    available = backend is not None and getattr(backend, "is_available", lambda: False)()
+    if not available:
+        raise DeviceUnavailableError(
+            f"{what}={shown!r}: this machine has no {d.type} device (torch {torch.__version__} "
+            f"sees none); run where one is visible (check CUDA_VISIBLE_DEVICES and that torch "
+            "was built with CUDA), or pass 'cpu'."
+        )
+    count = getattr(backend, "device_count", lambda: 1)()
+    if d.index is not None and d.index >= count:
+        raise DeviceUnavailableError(
+            f"{what}={shown!r}: this machine has {count} {d.type} device(s), "
+            f"{d.type}:0..{d.type}:{count - 1}; pass one of those."
+        )
+    return d
+
+
+def cache_for(max_host_bytes: int | None, cache: ModelCache | None) -> ModelCache:
+    """The cache an ``offload`` call uses: a new one of ``max_host_bytes``, or ``cache``.
+
+    Raises:
+        CacheError: both or neither given.
+    """
+    if (max_host_bytes is None) == (cache is None):
+        raise CacheError(f"max_host_bytes={max_host_bytes!r}, cache={cache!r}: give exactly "
+                         "one (a byte budget for a new cache, or a ModelCache to share)")
+    return cache if cache is not None else ModelCache(max_host_bytes)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, eq=False)
+class SourcedSpec:
+    """A module captured straight from its checkpoint files, under a host ceiling or not."""
+
+    key: str
+    module: torch.nn.Module
+    blocks: tuple[str, ...]
+    host: HostBacking
+    sources: Mapping[str, LazyTensor]
+    max_host_bytes: int | None
+    floor: int | None  # with a ceiling: the bytes charged (the rest of it is a reservation)
+
+    @property
+    def estimated_bytes(self) -> int | None:
+        return self.max_host_bytes
+
+    def build(self) -> ModelOffloader:
+        return ModelOffloader.from_module(self.module, blocks=self.blocks, host=self.host,
+                                          sources=self.sources,
+                                          max_host_bytes=self.max_host_bytes)
+
+    def nbytes(self, value: ModelOffloader) -> int:
+        s = value.storage
+        if self.floor is not None:  # what the share can never go below; the rest reserved
+            return self.floor
+        return s.host_bytes if s.host == "pinned" else s.weight_bytes
+
+
+def host_shares(modules: Mapping[str, torch.nn.Module], blocks: Mapping[str, Sequence[str]],
+                 host: HostBacking, sources: Mapping[str, Mapping[str, LazyTensor]],
+                 budget: int) -> dict[str, tuple[int, int]]:
+    """Name -> (host share, floor) of each module captured from files, when the modules do not
+    all fit in ``budget`` whole; empty when they do (or nothing could stay on disk).
+
+    Every module gets its floor first (a module without files: everything), then the modules
+    with streamed blocks, whose weights are read at every step, up to what keeps them whole,
+    then the others, in order.
+
+    Raises:
+        BudgetTooSmallError: ``budget`` cannot hold the floors.
+    """
+    if host != "pinned" or not any(n in sources for n in modules):
+        return {}
+    needs = {n: ModelOffloader.host_needs(m, tuple(blocks.get(n, ())), sources=sources.get(n))
+             for n, m in modules.items()}
+    if sum(x.everything for x in needs.values()) <= budget:
+        return {}
+    floors = {n: x.floor if n in sources else x.everything for n, x in needs.items()}
+    if sum(floors.values()) > budget:
+        raise BudgetTooSmallError(
+            f"max_host_bytes: {budget} free bytes in the cache cannot hold the modules' host "
+            f"floors {floors} (what must stay in host memory plus a staging buffer): give at "
+            f"least {sum(floors.values())} bytes")
+    left = budget - sum(floors.values())
+    shares = dict(floors)
+    for n in sorted((n for n in modules if n in sources), key=lambda n: not blocks.get(n)):
+        extra = max(0, min(left, needs[n].everything - floors[n]))
+        shares[n] += extra
+        left -= extra
+    return {n: (shares[n], floors[n]) for n in modules if n in sources}
