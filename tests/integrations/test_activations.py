@@ -18,7 +18,7 @@ from shuttle.errors import BudgetTooSmallError
 from shuttle.integrations import diffusers as shuttle_diffusers
 from shuttle.integrations.activations import DeviceMeter, Reading
 from shuttle.offload import ModelOffloader, floor_bytes
-from tests.integrations.models import run_flux, snapshot, tiny_flux
+from tests.integrations.models import run_flux, snapshot
 
 pytest.importorskip("diffusers")
 
@@ -26,13 +26,6 @@ pytest.importorskip("diffusers")
 @pytest.fixture(autouse=True)
 def _cpu_copy(cpu_copy):
     """Every test here activates on the CPU through the copy path."""
-
-
-@pytest.fixture(scope="module")
-def plain():
-    """(pristine pipeline, its latents, its pixels)."""
-    pipe = tiny_flux()
-    return pipe, run_flux(pipe), run_flux(pipe, "pt")
 
 
 class FakeMeter:

@@ -35,13 +35,6 @@ def _cpu_copy(cpu_copy):
     """Every test here activates on the CPU through the copy path."""
 
 
-@pytest.fixture(scope="module")
-def plain():
-    """(pristine pipeline, its latents, its pixels)."""
-    pipe = tiny_flux()
-    return pipe, run_flux(pipe), run_flux(pipe, "pt")
-
-
 @pytest.mark.parametrize("vram_budget", [None, 400_000])
 def test_outputs_equal_the_plain_pipeline(plain, vram_budget):
     ref, latents, pixels = plain
