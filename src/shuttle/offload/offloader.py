@@ -49,7 +49,6 @@ from shuttle.apply.plan import AdapterList, normalize_loras
 from shuttle.apply.scoped import Mode
 from shuttle.errors import (
     AlreadyActiveError,
-    BlockPathError,
     BudgetTooSmallError,
     OffloadError,
     StreamModeError,
@@ -59,12 +58,17 @@ from shuttle.offload.adapters import ActivationAdapters, check_mode, former_mode
 from shuttle.offload.compiled import BlockCompiler
 from shuttle.offload.host_storage import HostBacking, HostNeeds, HostStorage, HostUnit, Layout
 from shuttle.offload.layer_streamer import LayerStreamer
-from shuttle.offload.residency import ResidencyPlan, StreamConfig, check_plan, plan_residency
+from shuttle.offload.residency import (
+    ResidencyPlan,
+    StreamConfig,
+    check_given_plan,
+    plan_residency,
+)
 from shuttle.offload.slots import SlotPool
 from shuttle.offload.streamer import BlockStreamer
 from shuttle.offload.training import host_step
+from shuttle.offload.units import units_of
 from shuttle.targets import KeyMapping
-from shuttle.weights.dtensor import is_dtensor
 
 __all__ = ["CPU_COPY_ENV", "ModelOffloader", "ResidencyPlan", "StreamConfig"]
 
@@ -182,7 +186,7 @@ class ModelOffloader:
                                            or max_host_bytes < 0):
             raise OffloadError(f"max_host_bytes={max_host_bytes!r}: expected an integer number "
                                "of bytes >= 0, or None (no ceiling)")
-        groups, chosen, on_device = _units_of(model, blocks, layers, trainable)
+        groups, chosen, on_device = units_of(model, blocks, layers, trainable)
         storage = HostStorage(model, groups, host, chosen, skip=on_device, sources=sources,
                               max_host_bytes=max_host_bytes)
         off = cls(model, groups, storage, chosen, on_device)
@@ -204,7 +208,7 @@ class ModelOffloader:
         Raises:
             The errors of :meth:`from_module` for bad blocks, layers or tensors; nothing changes.
         """
-        groups, chosen, on_device = _units_of(model, blocks, layers, trainable)
+        groups, chosen, on_device = units_of(model, blocks, layers, trainable)
         return HostStorage.needs(model, groups, chosen, skip=on_device, sources=sources)
 
     @property
@@ -335,7 +339,7 @@ class ModelOffloader:
             device = torch.device("cuda", torch.cuda.current_device())
         through = device.type == "cpu" and os.environ.get(CPU_COPY_ENV) != "1"
         if plan is not None:
-            _check_given_plan(plan, stream, self.storage)
+            check_given_plan(plan, stream, self.storage)
         if through:
             plan = None
         elif plan is None:
@@ -539,100 +543,6 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
-def _units_of(model: torch.nn.Module, blocks: str | Sequence[str],
-              layers: bool | Sequence[type[torch.nn.Module]], trainable: str
-              ) -> tuple[dict[str, list[torch.nn.Module]], dict[str, torch.nn.Module],
-                         list[torch.nn.Parameter]]:
-    """The block groups, layers and device-kept parameters of ``model``, checked (see
-    :meth:`ModelOffloader.from_module`); changes nothing.
-    """
-    _check_sharding(model)
-    on_device = _trainable(model) if trainable == "device" else []
-    sharded = [n for n, p in model.named_parameters() if p.requires_grad and is_dtensor(p)]
-    if on_device and sharded:
-        raise OffloadError(
-            f"trainable='device' with trainable DTensor parameters ({sharded[:3]}): "
-            "moving a shard between devices is not supported; freeze them or train them "
-            "resident")
-    paths = [blocks] if isinstance(blocks, str) else list(blocks)
-    groups = {p: _block_list(model, p) for p in paths}
-    if len(groups) != len(paths):
-        raise BlockPathError(f"blocks={paths}: a path is listed twice")
-    _check_disjoint(groups)
-    chosen = _layer_list(model, groups, layers, {id(p) for p in on_device})
-    return groups, chosen, on_device
-
-
-def _check_given_plan(plan: ResidencyPlan, stream: StreamConfig | None,
-                      storage: HostStorage) -> None:
-    """Refuse a plan given with a stream that asks for a residency of its own, or one made
-    for another model.
-    """
-    if stream is not None and (stream.vram_budget is not None or stream.resident is not None
-                               or stream.policy is not None):
-        raise OffloadError(
-            "activate(plan=..., stream=StreamConfig(vram_budget/resident/policy=...)): the "
-            "plan was chosen from a residency already; give the plan alone (with "
-            "StreamConfig(compile=...) if needed), or the stream alone")
-    check_plan(plan, storage)
-
-
-def _block_list(model: torch.nn.Module, path: str) -> list[torch.nn.Module]:
-    lists = [n for n, m in model.named_modules()
-             if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)) and len(m)]
-    try:
-        container = model.get_submodule(path)
-    except AttributeError:
-        raise BlockPathError(f"blocks path {path!r} names no submodule of "
-                             f"{type(model).__name__}; block lists in this model: "
-                             f"{lists[:8]}") from None
-    if not isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)) or not len(container):
-        raise BlockPathError(f"blocks path {path!r} is a {type(container).__name__}, not a "
-                             f"non-empty nn.ModuleList/nn.Sequential; block lists in this model: "
-                             f"{lists[:8]}")
-    return list(container)
-
-
-def _check_disjoint(groups: dict[str, list[torch.nn.Module]]) -> None:
-    owner: dict[int, str] = {}
-    for path, blocks in groups.items():
-        for i, block in enumerate(blocks):
-            for m in block.modules():
-                other = owner.setdefault(id(m), f"{path}.{i}")
-                if other != f"{path}.{i}":
-                    raise BlockPathError(f"block {path}.{i} overlaps {other} (a module in both); "
-                                         "list block paths that do not nest or share modules")
-
-
-def _check_sharding(model: torch.nn.Module) -> None:
-    """Refuse a model under FSDP2 (``fully_shard``): it owns its shards' storage (its
-    all-gathers read its own buffers), so re-pointing a parameter would not move what it reads.
-
-    Raises:
-        OffloadError: a module of ``model`` is an ``FSDPModule``.
-    """
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch without distributed
-        return
-    for name, m in model.named_modules():
-        if isinstance(m, FSDPModule):
-            raise OffloadError(
-                f"{name or 'the model'} is sharded by FSDP2 (fully_shard), which manages its "
-                "shards' storage itself: offload with fully_shard(..., "
-                "offload_policy=CPUOffloadPolicy()), or offload before sharding. Tensor-"
-                "parallel DTensors (parallelize_module) stream as their local shards.")
-
-
-def _trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """The parameters with ``requires_grad``, each once."""
-    seen: dict[int, torch.nn.Parameter] = {}
-    for p in model.parameters():
-        if p.requires_grad:
-            seen.setdefault(id(p), p)
-    return list(seen.values())
-
-
 def _move(params: Sequence[torch.nn.Parameter], device: torch.device) -> None:
     """Point each parameter (and its gradient) at a copy on ``device``; identity kept."""
     with torch.no_grad():
@@ -641,37 +551,3 @@ def _move(params: Sequence[torch.nn.Parameter], device: torch.device) -> None:
                 p.data = p.data.to(device)
                 if p.grad is not None:
                     p.grad = p.grad.to(device)
-
-
-def _layer_list(model: torch.nn.Module, groups: dict[str, list[torch.nn.Module]],
-                layers: bool | Sequence[type[torch.nn.Module]],
-                skip: set[int] | None = None) -> dict[str, torch.nn.Module]:
-    """Module path -> layer: leaf modules outside the blocks with untied parameters (those
-    whose parameters are all in ``skip``, kept on the device, are none).
-    """
-    if layers is False:
-        return {}
-    kinds: tuple[type, ...] = ()
-    if layers is not True:
-        kinds = tuple(layers) if isinstance(layers, Sequence) else ()
-        if not kinds or not all(isinstance(k, type) and issubclass(k, torch.nn.Module)
-                                for k in kinds):
-            raise OffloadError(f"layers={layers!r}: expected True, False or a sequence of "
-                               "nn.Module classes, e.g. (nn.Linear, nn.Conv2d)")
-    in_blocks = {id(m) for blocks in groups.values() for b in blocks for m in b.modules()}
-    owners: dict[int, int] = {}  # parameter id -> how many modules register it
-    for m in model.modules():
-        for p in {id(p) for p in m._parameters.values() if p is not None}:
-            owners[p] = owners.get(p, 0) + 1
-    out = {}
-    for path, m in model.named_modules():
-        own = [p for p in m._parameters.values() if p is not None and id(p) not in (skip or ())]
-        if (not own or not path or id(m) in in_blocks or next(m.children(), None) is not None
-                or (kinds and not isinstance(m, kinds)) or any(owners[id(p)] > 1 for p in own)):
-            continue
-        out[path] = m
-    if not out:
-        raise OffloadError(f"layers={layers!r} selects no module of {type(model).__name__}: "
-                           "layers are leaf modules outside the blocks with parameters of their "
-                           "own, not tied to another module's")
-    return out

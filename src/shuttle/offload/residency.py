@@ -35,8 +35,8 @@ from shuttle.offload.disk_reader import IO_ALIGN
 from shuttle.offload.host_storage import MIN_STAGING, HostStorage, HostUnit, staging_floor
 
 __all__ = ["ResidencyPlan", "ResidencyPolicy", "RingOnlyResidency", "SpreadResidency",
-           "StreamConfig", "check_plan", "floor_bytes", "plan_cost", "plan_host",
-           "plan_residency"]
+           "StreamConfig", "check_given_plan", "check_plan", "floor_bytes", "plan_cost",
+           "plan_host", "plan_residency"]
 
 
 @dataclass(frozen=True)
@@ -453,3 +453,20 @@ def _below_floor(config: StreamConfig, rest: int, weights: int, n_layers: int) -
             f"bytes: {rest} bytes of non-block weights + {weights - rest} bytes for one slot "
             f"of each block group's largest block{what}{acts}; give at least {floor} bytes, "
             "or list more of the model under block paths (smaller units lower the floor)")
+
+
+def check_given_plan(plan: ResidencyPlan, stream: StreamConfig | None,
+                      storage: HostStorage) -> None:
+    """Refuse a plan given with a stream that asks for a residency of its own, or one made
+    for another model (``activate(plan=...)``).
+
+    Raises:
+        OffloadError: either of those.
+    """
+    if stream is not None and (stream.vram_budget is not None or stream.resident is not None
+                               or stream.policy is not None):
+        raise OffloadError(
+            "activate(plan=..., stream=StreamConfig(vram_budget/resident/policy=...)): the "
+            "plan was chosen from a residency already; give the plan alone (with "
+            "StreamConfig(compile=...) if needed), or the stream alone")
+    check_plan(plan, storage)
