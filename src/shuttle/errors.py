@@ -18,6 +18,7 @@ __all__ = [
     "CacheError",
     "CheckpointError",
     "CheckpointMismatchError",
+    "CorruptCodeError",
     "CorruptFileError",
     "DuplicateResourceKeyError",
     "DuplicateTargetError",
@@ -59,6 +60,13 @@ class AdapterFileError(ShuttleError, OSError):
 
 class CorruptFileError(AdapterFileError):
     """A file is truncated or its header lies about its contents."""
+
+
+class CorruptCodeError(ShuttleError, ValueError):
+    """A lossless-coded weight failed its checks on decode: its bytes were damaged (a flipped
+    bit, a truncated part). Nothing decoded from it is used; read it from a good copy or write
+    it again with ``shuttle compress``.
+    """
 
 
 class FileChangedError(AdapterFileError):

@@ -11,6 +11,7 @@ from shuttle.kernels.rounding import round_float, stochastic_round
 from shuttle.weights.bnb import Bnb4bitWeight, BnbInt8Weight
 from shuttle.weights.fp8 import FP8_DTYPES, Fp8Weight
 from shuttle.weights.gguf import GGUF_TYPES, GGUFParameter, GGUFWeight, dequantize_blocks
+from shuttle.weights.lossless import LosslessTensor
 from shuttle.weights.plain import PLAIN_DTYPES, PlainWeight
 from shuttle.weights.quanto import QuantoWeight
 from shuttle.weights.representation import (
@@ -34,6 +35,7 @@ __all__ = [
     "Fp8Weight",
     "GGUFParameter",
     "GGUFWeight",
+    "LosslessTensor",
     "PlainWeight",
     "QuantoWeight",
     "Rounding",

@@ -1,0 +1,188 @@
+"""Decoding lossless-coded bfloat16/float16 weights: Huffman-coded high bits, raw low bits.
+
+The code (built by :mod:`shuttle.weights.lossless`) splits every 16-bit value ``v`` into a
+symbol, entropy coded, and a raw byte:
+
+    bfloat16: symbol = exponent = (v >> 7) & 0xFF,  raw = sign << 7 | mantissa (7 bits)
+    float16:  symbol = high byte = v >> 8,          raw = low byte = v & 0xFF
+
+A tensor of ``n`` values is cut into groups of ``LANES * STEPS`` values; lane ``j`` of group
+``g`` owns the values ``g*LANES*STEPS + i*LANES + j`` for ``i < STEPS`` (so the ``LANES``
+lanes of a program read and write consecutive values at every step), and codes their symbols
+in a bitstream of its own that starts on a 32-bit word: ``offsets[lane]`` (int32, one per lane
+plus the end) is its first word in ``words`` (int32, most significant bit first, one zero word
+of padding at the end). Codes are at most ``MAX_LEN`` bits; ``lut[peek]`` (int16, ``2**MAX_LEN``
+entries) for the next ``MAX_LEN`` bits ``peek`` holds ``symbol << 4 | length`` (length 0: no
+code starts with these bits).
+
+Every group carries a check, ``sum((v_k + 1) * (2*r_k + 1)) mod 2**32`` over its values (``r``
+the value's index in the group): one wrong value changes it by an odd multiple of a nonzero
+difference below ``2**16``, so it is always caught. A decoder also checks that every lane
+consumed exactly its words. Each group found wrong (a bad check, a lane over or under its
+words, bits that start no code) adds one to ``errors[0]``: the caller raises, never the
+kernel, so a decode queued on a side stream needs no host synchronization.
+
+:func:`decode_exponents` runs the Triton kernel (CUDA, or the CPU interpreter) and
+:func:`decode_exponents_reference` the same decode in PyTorch on any device.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from shuttle.kernels.launch import interpreting, triton_available
+
+__all__ = ["LANES", "MAX_LEN", "STEPS", "decode_exponents", "decode_exponents_reference",
+           "group_checks"]
+
+LANES = 128  # bitstreams decoded side by side by one program (one per thread)
+STEPS = 256  # symbols per lane: a group is LANES * STEPS = 32768 values
+MAX_LEN = 12  # longest code in bits: the lookup table has 4096 entries
+GROUP = LANES * STEPS
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _join(sym: torch.Tensor, raw: torch.Tensor, bf16: bool) -> torch.Tensor:
+    """The 16-bit values (in int32, 0..65535) of ``sym`` and ``raw`` (int32 tensors)."""
+    if bf16:
+        return ((raw & 0x80) << 8) | (sym << 7) | (raw & 0x7F)
+    return (sym << 8) | raw
+
+
+def group_checks(values: torch.Tensor) -> torch.Tensor:
+    """Each group's check of ``values`` (the 16-bit patterns, int32 in 0..65535, flat), as
+    int32 (wrapped modulo ``2**32``).
+    """
+    n = values.numel()
+    groups = -(-n // GROUP)
+    padded = torch.zeros(groups * GROUP, dtype=torch.int64, device=values.device)
+    padded[:n] = values.to(torch.int64) + 1
+    weight = torch.arange(GROUP, dtype=torch.int64, device=values.device) * 2 + 1
+    sums = (padded.view(groups, GROUP) * weight).sum(1) & _MASK32
+    return torch.where(sums >= 2**31, sums - 2**32, sums).to(torch.int32)
+
+
+def decode_exponents_reference(words: torch.Tensor, offsets: torch.Tensor, lut: torch.Tensor,
+                               raw: torch.Tensor, checks: torch.Tensor, out: torch.Tensor,
+                               errors: torch.Tensor, bf16: bool) -> None:
+    """Decode into ``out`` (int16, ``n`` values, flat) in PyTorch; see the module docstring.
+
+    Args:
+        words: int32 code words (the last one padding).
+        offsets: int32 first word of each lane, and the end: ``groups * LANES + 1`` entries.
+        lut: int16 lookup table, ``2**MAX_LEN`` entries.
+        raw: uint8 low bytes, ``n``.
+        checks: int32 per group.
+        out: int16 output, ``n`` values.
+        errors: int32, one element: incremented once per group found wrong.
+        bf16: the bfloat16 split (else float16's).
+    """
+    n = out.numel()
+    groups = checks.numel()
+    lanes = groups * LANES
+    w_all = words.to(torch.int64) & _MASK32
+    table = lut.to(torch.int64)
+    start = offsets[:lanes].to(torch.int64)
+    end = offsets[1:lanes + 1].to(torch.int64)
+    w, b = start.clone(), torch.zeros_like(start)
+    index = (torch.arange(groups, device=out.device).view(groups, 1, 1) * GROUP
+             + torch.arange(STEPS, device=out.device).view(1, STEPS, 1) * LANES
+             + torch.arange(LANES, device=out.device).view(1, 1, LANES))  # (g, i, j)
+    valid = index < n
+    sym = torch.zeros(groups, STEPS, LANES, dtype=torch.int64, device=out.device)
+    no_code = torch.zeros(lanes, dtype=torch.bool, device=out.device)
+    top = w_all.numel() - 1
+    for i in range(STEPS):
+        ok = valid[:, i, :].reshape(lanes)
+        w0 = w_all[w.clamp(max=top)]
+        w1 = w_all[(w + 1).clamp(max=top)]
+        window = ((w0 << b) | ((w1 >> 1) >> (31 - b))) & _MASK32
+        entry = table[window >> (32 - MAX_LEN)]
+        length = torch.where(ok, entry & 15, 0)
+        no_code |= ok & (length == 0)
+        sym[:, i, :] = (entry >> 4).view(groups, LANES)
+        b = b + length
+        w = w + (b >> 5)
+        b = b & 31
+    lane_bad = no_code | ((w - start) + (b > 0).to(torch.int64) != end - start)
+    flat_sym = sym.view(-1)[:groups * GROUP]
+    order = index.view(-1)
+    values = torch.zeros(groups * GROUP, dtype=torch.int64, device=out.device)
+    values[order[order < n]] = flat_sym[order < n]
+    v = _join(values[:n], raw.to(torch.int64), bf16)
+    bad = (group_checks(v) != checks) | lane_bad.view(groups, LANES).any(1)
+    errors += bad.sum().to(errors.dtype)
+    out.copy_(torch.where(v >= 2**15, v - 2**16, v).to(torch.int16))
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def decode_kernel(words_ptr, offsets_ptr, lut_ptr, raw_ptr, checks_ptr, out_ptr,
+                      errors_ptr, n, BF16: tl.constexpr, LANES: tl.constexpr,
+                      STEPS: tl.constexpr, MAX_LEN: tl.constexpr):
+        g = tl.program_id(0)
+        j = tl.arange(0, LANES)
+        lane = g * LANES + j
+        start = tl.load(offsets_ptr + lane).to(tl.int64)
+        end = tl.load(offsets_ptr + lane + 1).to(tl.int64)
+        w = start
+        b = tl.zeros([LANES], dtype=tl.uint32)
+        check = tl.zeros([LANES], dtype=tl.int32)
+        no_code = tl.zeros([LANES], dtype=tl.int32)
+        base = g.to(tl.int64) * (LANES * STEPS)
+        for i in range(STEPS):
+            r = i * LANES + j
+            k = base + r
+            valid = k < n
+            w0 = tl.load(words_ptr + w, mask=valid, other=0).to(tl.uint32, bitcast=True)
+            w1 = tl.load(words_ptr + w + 1, mask=valid, other=0).to(tl.uint32, bitcast=True)
+            # the next 32 bits from bit b of word w; (w1 >> 1) >> (31 - b) is w1 >> (32 - b)
+            # without a shift by 32 when b == 0
+            window = (w0 << b) | ((w1 >> 1) >> (31 - b))
+            peek = (window >> (32 - MAX_LEN)).to(tl.int32)
+            entry = tl.load(lut_ptr + peek, mask=valid, other=0).to(tl.int32)
+            length = tl.where(valid, entry & 15, 0)
+            no_code = no_code | (valid & (length == 0)).to(tl.int32)
+            sym = entry >> 4
+            b = b + length.to(tl.uint32)
+            w = w + (b >> 5).to(tl.int64)
+            b = b & 31
+            low = tl.load(raw_ptr + k, mask=valid, other=0).to(tl.int32)
+            if BF16:  # noqa: SIM108 (a constexpr branch: compiled once per dtype)
+                v = ((low & 0x80) << 8) | (sym << 7) | (low & 0x7F)
+            else:
+                v = (sym << 8) | low
+            tl.store(out_ptr + k, v.to(tl.int16), mask=valid)
+            check += tl.where(valid, (v + 1) * (2 * r + 1), 0)  # int32: wraps mod 2**32
+        used = (w - start) + (b > 0).to(tl.int64)
+        lane_bad = (used != end - start).to(tl.int32) | no_code
+        # the lanes' sums as unsigned 32-bit values, added without wrapping, then wrapped
+        total = tl.sum(check.to(tl.int64) & 0xFFFFFFFF) & 0xFFFFFFFF
+        expected = tl.load(checks_ptr + g).to(tl.int64) & 0xFFFFFFFF
+        wrong = (total != expected).to(tl.int32) + tl.max(lane_bad)
+        tl.atomic_add(errors_ptr, tl.minimum(wrong, 1))
+
+    return decode_kernel
+
+
+def decode_exponents(words: torch.Tensor, offsets: torch.Tensor, lut: torch.Tensor,
+                     raw: torch.Tensor, checks: torch.Tensor, out: torch.Tensor,
+                     errors: torch.Tensor, bf16: bool) -> None:
+    """:func:`decode_exponents_reference`'s decode by the Triton kernel where it runs (CUDA
+    tensors, or the CPU interpreter), else by the reference. Queued on the current stream;
+    nothing is read back to the host.
+    """
+    if out.numel() == 0:
+        return
+    if not triton_available() or not (out.is_cuda or interpreting()):
+        decode_exponents_reference(words, offsets, lut, raw, checks, out, errors, bf16)
+        return
+    _kernel()[(checks.numel(),)](words, offsets, lut, raw, checks, out, errors, out.numel(),
+                                 BF16=bf16, LANES=LANES, STEPS=STEPS, MAX_LEN=MAX_LEN)

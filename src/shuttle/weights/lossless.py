@@ -1,0 +1,323 @@
+"""Lossless-coded bfloat16/float16 weights: about 11 bits a value instead of 16, bit for bit.
+
+A bfloat16 weight's 8 exponent bits carry about 2.6-3 bits of information (weights are near
+Gaussian per tensor, so their magnitudes crowd into a few binades), while its sign and mantissa
+are close to uniform. :class:`LosslessTensor` keeps the exponents Huffman coded (codes of at most
+``MAX_LEN`` bits, decoded by one table lookup) and the sign and mantissa as one raw byte per
+value; float16 codes its high byte and keeps the low one raw. The bit layout, the lanes that make
+the decode parallel and the checks that catch a corrupt stream are those of
+:mod:`shuttle.kernels.exponent_decode`.
+
+Every bit pattern round-trips: zeros of both signs, subnormals, infinities and every NaN payload
+are just symbols and raw bytes. A tensor whose code would not be smaller than its raw bytes is
+not coded at all (:meth:`LosslessTensor.encode_tensor` returns None), so coding never costs more
+than the raw bytes.
+
+All of a tensor's parts live in one ``uint8`` buffer (``blob``), the one tensor the
+representation declares: it is what host storage keeps, what a file stores, and what one copy
+moves to the device, where :meth:`LosslessTensor.decode_into` decodes it.
+
+Blob layout (each part starts on a 16-byte boundary, in this order):
+
+    lut      int16[2**MAX_LEN]     symbol << 4 | code length, for the next MAX_LEN bits
+    checks   int32[groups]         per group of LANES * STEPS values
+    offsets  int32[groups*LANES+1] first word of each lane's bitstream, then the end
+    raw      uint8[n]              the low byte of each value (bfloat16: sign and mantissa)
+    words    int32[words + 1]      the bitstreams, most significant bit first, then a zero word
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+from typing import NamedTuple
+
+import torch
+
+from shuttle.errors import CorruptCodeError, ShuttleError
+from shuttle.kernels.exponent_decode import (
+    GROUP,
+    LANES,
+    MAX_LEN,
+    STEPS,
+    decode_exponents,
+    group_checks,
+)
+from shuttle.kernels.rounding import Rounding, round_float
+from shuttle.weights.representation import WeightRepresentation, register_representation
+
+__all__ = ["CODED_DTYPES", "LosslessTensor", "code_lengths"]
+
+CODED_DTYPES = (torch.bfloat16, torch.float16)
+_ALIGN = 16
+_CHUNK_GROUPS = 64  # groups encoded at once: bounds the encoder's scratch to ~100 MiB
+
+
+def _up(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+class Parts(NamedTuple):
+    """Views of a blob's parts (see the module docstring)."""
+
+    lut: torch.Tensor
+    checks: torch.Tensor
+    offsets: torch.Tensor
+    raw: torch.Tensor
+    words: torch.Tensor
+
+
+def _part_spans(n: int, words: int) -> list[tuple[int, int, torch.dtype]]:
+    """(byte offset, element count, dtype) of each part, and the blob size as the last offset."""
+    groups = -(-n // GROUP)
+    sizes = [(1 << MAX_LEN, torch.int16), (groups, torch.int32),
+             (groups * LANES + 1, torch.int32), (n, torch.uint8), (words + 1, torch.int32)]
+    spans, at = [], 0
+    for count, dtype in sizes:
+        spans.append((at, count, dtype))
+        at = _up(at + count * dtype.itemsize)
+    spans.append((at, 0, torch.uint8))
+    return spans
+
+
+def blob_nbytes(n: int, words: int) -> int:
+    """Bytes of the blob of ``n`` values coded in ``words`` code words."""
+    return _part_spans(n, words)[-1][0]
+
+
+def code_lengths(counts: list[int], max_len: int = MAX_LEN) -> list[int]:
+    """Huffman code lengths for symbol ``counts`` (0 for an absent symbol), none over
+    ``max_len``: the optimal code, then lengths over the limit moved up the tree (each pair of
+    longest codes becomes one code a level up, paying with a shorter code split in two), and
+    the lengths dealt out again, shortest to the most frequent symbol.
+    """
+    present = [s for s, c in enumerate(counts) if c]
+    lengths = [0] * len(counts)
+    if len(present) <= 1:
+        for s in present:
+            lengths[s] = 1
+        return lengths
+    heap = [(counts[s], s, [s]) for s in present]
+    heapq.heapify(heap)
+    depth = dict.fromkeys(present, 0)
+    while len(heap) > 1:
+        c1, t1, s1 = heapq.heappop(heap)
+        c2, t2, s2 = heapq.heappop(heap)
+        for s in s1 + s2:
+            depth[s] += 1
+        heapq.heappush(heap, (c1 + c2, min(t1, t2), s1 + s2))
+    longest = max(depth.values())
+    per_len = [0] * (longest + 1)
+    for d in depth.values():
+        per_len[d] += 1
+    for i in range(longest, max_len, -1):
+        while per_len[i] > 0:
+            j = i - 2
+            while per_len[j] == 0:
+                j -= 1
+            per_len[i] -= 2
+            per_len[i - 1] += 1
+            per_len[j + 1] += 2
+            per_len[j] -= 1
+    ranked = sorted(present, key=lambda s: (-counts[s], s))
+    at = 0
+    for length, k in enumerate(per_len[:max_len + 1]):
+        for s in ranked[at:at + k]:
+            lengths[s] = length
+        at += k
+    return lengths
+
+
+def _canonical(lengths: list[int]) -> tuple[list[int], torch.Tensor]:
+    """Canonical codes for ``lengths`` and the decoder's lookup table."""
+    codes = [0] * len(lengths)
+    lut = torch.zeros(1 << MAX_LEN, dtype=torch.int16)
+    code, prev = 0, 0
+    for s in sorted((s for s, n in enumerate(lengths) if n), key=lambda s: (lengths[s], s)):
+        code <<= lengths[s] - prev
+        prev = lengths[s]
+        codes[s] = code
+        span = MAX_LEN - lengths[s]
+        lut[code << span:(code + 1) << span] = s << 4 | lengths[s]
+        code += 1
+    return codes, lut
+
+
+def _split(v: torch.Tensor, bf16: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(symbol, raw byte) of 16-bit patterns ``v`` (int64 in 0..65535)."""
+    if bf16:
+        return (v >> 7) & 0xFF, ((v >> 8) & 0x80) | (v & 0x7F)
+    return v >> 8, v & 0xFF
+
+
+def _to_int32(x: torch.Tensor) -> torch.Tensor:
+    """Unsigned 32-bit values held in int64, as int32 bit patterns."""
+    return torch.where(x >= 2**31, x - 2**32, x).to(torch.int32)
+
+
+def _encode_chunk(v: torch.Tensor, lengths: torch.Tensor, codes: torch.Tensor, bf16: bool,
+                  first_word: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The words and the lanes' first words (relative to the tensor) of a run of whole
+    groups ``v`` (the last one possibly short).
+    """
+    groups = -(-v.numel() // GROUP)
+    sym, _ = _split(v, bf16)
+    size = torch.zeros(groups * GROUP, dtype=torch.int64)
+    code = torch.zeros(groups * GROUP, dtype=torch.int64)
+    size[:v.numel()] = lengths[sym]
+    code[:v.numel()] = codes[sym]
+    size, code = size.view(groups, STEPS, LANES), code.view(groups, STEPS, LANES)
+    lane_words = (size.sum(1) + 31) // 32  # (groups, LANES)
+    starts = torch.cumsum(lane_words.reshape(-1), 0) - lane_words.reshape(-1)
+    total = int(lane_words.sum())
+    bit = (starts.view(groups, 1, LANES) * 32 + torch.cumsum(size, 1) - size).reshape(-1)
+    size, code = size.reshape(-1), code.reshape(-1)
+    word, shift = bit >> 5, bit & 31
+    aligned = code << (32 - size)  # the code at the top of 32 bits (0 where size is 0)
+    words = torch.zeros(total + 2, dtype=torch.int64)  # codes of size 0 may point past the end
+    words.index_add_(0, word, aligned >> shift)  # codes never overlap: add is or
+    low = aligned & (torch.bitwise_left_shift(torch.ones_like(shift), shift) - 1)
+    words.index_add_(0, word + 1, low << (32 - shift))
+    return words[:total], starts + first_word
+
+
+@register_representation("lossless")
+@dataclasses.dataclass
+class LosslessTensor(WeightRepresentation):
+    """A bfloat16/float16 tensor, lossless coded in one ``uint8`` blob.
+
+    Attributes:
+        blob: the coded parts (module docstring), ``uint8``, on any device.
+        shape: the tensor's shape.
+        dtype: bfloat16 or float16.
+        words: code words in the blob (without the padding word).
+    """
+
+    tensor_names = ("blob",)
+    shape_field = "shape"
+    compute_field = "dtype"
+
+    blob: torch.Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+    words: int
+
+    @classmethod
+    def encode_tensor(cls, tensor: torch.Tensor, *, always: bool = False
+                      ) -> LosslessTensor | None:
+        """``tensor`` (bfloat16 or float16, any shape and device) coded on the CPU, or None
+        where the code would not be smaller than its raw bytes (``always``: coded anyway,
+        unless it is empty).
+
+        Raises:
+            ShuttleError: ``tensor`` is neither bfloat16 nor float16.
+        """
+        if tensor.dtype not in CODED_DTYPES:
+            raise ShuttleError(f"lossless coding takes bfloat16 or float16 tensors, not "
+                               f"{tensor.dtype}; keep it as it is")
+        bf16 = tensor.dtype == torch.bfloat16
+        flat = tensor.detach().reshape(-1).cpu().view(torch.int16).to(torch.int64) & 0xFFFF
+        n = flat.numel()
+        if n == 0:
+            return None
+        sym, raw = _split(flat, bf16)
+        counts = torch.bincount(sym, minlength=256).tolist()
+        lengths = code_lengths(counts)
+        bits = sum(c * size for c, size in zip(counts, lengths, strict=True))
+        if not always and blob_nbytes(n, -(-bits // 32)) >= n * 2:  # padding only adds
+            return None
+        codes, lut = _canonical(lengths)
+        len_t = torch.tensor(lengths, dtype=torch.int64)
+        code_t = torch.tensor(codes, dtype=torch.int64)
+        pieces, starts, at = [], [], 0
+        step = _CHUNK_GROUPS * GROUP
+        for lo in range(0, n, step):
+            words, first = _encode_chunk(flat[lo:lo + step], len_t, code_t, bf16, at)
+            pieces.append(words)
+            starts.append(first)
+            at += words.numel()
+        if not always and blob_nbytes(n, at) >= n * 2:
+            return None
+        offsets = torch.cat([*starts, torch.tensor([at])])
+        rep = cls(torch.empty(blob_nbytes(n, at), dtype=torch.uint8), tensor.shape,
+                  tensor.dtype, at)
+        p = rep.parts()
+        p.lut.copy_(lut)
+        p.checks.copy_(group_checks(flat))
+        p.offsets.copy_(offsets.to(torch.int32))
+        p.raw.copy_(raw.to(torch.uint8))
+        p.words[:at].copy_(_to_int32(torch.cat(pieces)))
+        p.words[at:].zero_()
+        return rep
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def ratio(self) -> float:
+        """Coded bytes over raw bytes."""
+        return self.blob.numel() / (2 * self.numel) if self.numel else 1.0
+
+    def parts(self, blob: torch.Tensor | None = None) -> Parts:
+        """Views of the parts of ``blob`` (default: this one's), which has this layout.
+
+        Raises:
+            CorruptCodeError: ``blob`` has not the size its layout needs.
+        """
+        blob = self.blob if blob is None else blob
+        spans = _part_spans(self.numel, self.words)
+        if blob.dtype != torch.uint8 or blob.numel() != spans[-1][0]:
+            raise CorruptCodeError(
+                f"a lossless-coded tensor of shape {tuple(self.shape)} needs a uint8 blob of "
+                f"{spans[-1][0]} bytes, got {blob.numel()} bytes of {blob.dtype}: the file or "
+                "buffer was truncated or written by something else; write it again with "
+                "`shuttle compress`")
+        return Parts(*(blob[at:at + count * dt.itemsize].view(dt)
+                       for at, count, dt in spans[:-1]))
+
+    def decode_into(self, out: torch.Tensor, errors: torch.Tensor,
+                    blob: torch.Tensor | None = None) -> None:
+        """Queue the decode of ``blob`` (default: this one's, on ``out``'s device) into ``out``
+        (contiguous, this dtype and numel) on the current stream; every group found wrong adds
+        one to ``errors`` (int32, one element, same device). Nothing is read back: check
+        ``errors`` before trusting ``out`` (:meth:`decode` does).
+        """
+        p = self.parts(blob)
+        decode_exponents(p.words, p.offsets, p.lut, p.raw, p.checks,
+                         out.view(-1).view(torch.int16), errors, self.dtype == torch.bfloat16)
+
+    def decode(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """The original tensor, bit for bit, on ``device`` (default: the blob's).
+
+        Raises:
+            CorruptCodeError: the code stream is damaged (a check failed); nothing is returned.
+        """
+        device = self.blob.device if device is None else torch.device(device)
+        blob = self.blob.to(device, non_blocking=True)
+        out = torch.empty(self.shape, dtype=self.dtype, device=device)
+        errors = torch.zeros(1, dtype=torch.int32, device=device)
+        self.decode_into(out, errors, blob)
+        if int(errors.item()):
+            raise CorruptCodeError(
+                f"a lossless-coded tensor of shape {tuple(self.shape)} failed its checks in "
+                f"{int(errors.item())} of {-(-self.numel // GROUP)} groups: its bytes were "
+                "damaged; read it from a good copy or write it again with `shuttle compress`")
+        return out
+
+    def dequantize(self) -> torch.Tensor:
+        return self.decode().float()
+
+    def encode(self, x: torch.Tensor, rounding: Rounding = "nearest",
+               generator: torch.Generator | None = None) -> LosslessTensor:
+        """``x`` rounded to this dtype and coded again (on the CPU; the blob stays on this
+        representation's device). A tensor that no longer compresses is kept in a blob of
+        raw-sized code all the same, so the form is kept.
+        """
+        rounded = round_float(x, self.dtype, rounding, generator)
+        rep = LosslessTensor.encode_tensor(rounded)
+        if rep is None:
+            raise ShuttleError("the merged weight no longer compresses losslessly; merge into "
+                               "the decoded model instead (LosslessTensor.decode())")
+        return dataclasses.replace(rep, blob=rep.blob.to(self.blob.device))

@@ -1,0 +1,56 @@
+"""The Triton decoder of lossless-coded weights against its PyTorch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shuttle.kernels.exponent_decode import (
+    GROUP,
+    decode_exponents,
+    decode_exponents_reference,
+    group_checks,
+)
+from shuttle.weights.lossless import LosslessTensor
+
+
+def _decode(fn, rep: LosslessTensor) -> tuple[torch.Tensor, int]:
+    p = rep.parts()
+    out = torch.empty(rep.numel, dtype=torch.int16)
+    errors = torch.zeros(1, dtype=torch.int32)
+    fn(p.words, p.offsets, p.lut, p.raw, p.checks, out, errors, rep.dtype == torch.bfloat16)
+    return out, int(errors)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_decodes_what_the_reference_decodes(dtype):
+    # two groups, the second short; special values among Gaussian weights
+    x = (torch.randn(GROUP + 301) * 0.02).to(dtype)
+    x[:4] = torch.tensor([0.0, -0.0, float("inf"), float("nan")], dtype=dtype)
+    x[GROUP + 7] = torch.finfo(dtype).tiny / 4  # a subnormal
+    rep = LosslessTensor.encode_tensor(x)
+    assert rep is not None
+    want = x.view(torch.int16)
+    got, errors = _decode(decode_exponents, rep)
+    ref, ref_errors = _decode(decode_exponents_reference, rep)
+    assert errors == ref_errors == 0
+    assert torch.equal(got, want) and torch.equal(ref, want)
+
+
+def test_kernel_counts_a_damaged_group():
+    x = (torch.randn(2000) * 0.1).to(torch.bfloat16)
+    rep = LosslessTensor.encode_tensor(x, always=True)
+    rep.parts().words[0] ^= 1 << 30  # the second bit of lane 0's first code
+    _, errors = _decode(decode_exponents, rep)
+    _, ref_errors = _decode(decode_exponents_reference, rep)
+    assert errors == ref_errors == 1
+
+
+def test_a_group_check_catches_any_single_changed_value():
+    g = torch.Generator().manual_seed(1)
+    v = torch.randint(0, 2**16, (GROUP,), generator=g, dtype=torch.int32)
+    base = group_checks(v)
+    for k in torch.randint(0, v.numel(), (64,), generator=g).tolist():
+        w = v.clone()
+        w[k] = (w[k] + int(torch.randint(1, 2**16, (1,), generator=g))) % 2**16
+        assert not torch.equal(group_checks(w), base), k
