@@ -5,8 +5,10 @@ parameter in float32 and rounded once to its final dtype, and only then put in t
 is the one place a dense payload can land in a model built on the ``meta`` device (sharded or
 not yet allocated): ``.set_weight`` supplies a parameter the checkpoint does not have, ``.diff``
 and low-rank updates change one it does. Host memory stays at about the largest tensor (plus the
-adapters' tensors), never the state dict. Into a sharded model (DTensor parameters) a rank
-reads a row-sharded tensor that no adapter changes by its rows alone.
+adapters' tensors), never the state dict. A file written by ``shuttle compress`` is read coded
+and decoded where it lands (:mod:`shuttle.weights.lossless_file`), to the original bits. Into
+a sharded model (DTensor parameters) a rank reads a row-sharded tensor that no adapter changes
+by its rows alone.
 
 Everything that can fail because of the input is checked from file headers before the first
 tensor is written: files, strengths, shapes, duplicate targets, parameters nobody supplies, and
@@ -48,13 +50,14 @@ from shuttle.errors import (
 )
 from shuttle.formats import LoRA, load_lora
 from shuttle.formats.device_reader import DeviceReader
-from shuttle.formats.model_checkpoint import Checkpoint, CheckpointSource, open_checkpoint
+from shuttle.formats.model_checkpoint import Checkpoint, CheckpointSource
 from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.formats.source import Source
 from shuttle.patches import Diff, Set
 from shuttle.patches.patch import Tensorish, materialize
 from shuttle.targets import KeyMapping, ModelNames, resolve
 from shuttle.weights.dtensor import is_dtensor, shard_window
+from shuttle.weights.lossless_file import CodedRef, open_decoded
 
 __all__ = ["LoadReport", "load_checkpoint", "replacement_parameters"]
 
@@ -199,6 +202,8 @@ def load_checkpoint(
                 t = ref.load_rows(*rows).to(dev)
             elif staged is not None and isinstance(ref, LazyTensor) and dev == staged.device:
                 t = staged.read(ref)  # pinned and double-buffered: no pageable copy
+            elif isinstance(ref, CodedRef):
+                t = ref.load(dev)  # the code crosses the bus; decoded where it lands
             else:
                 t = _read(ref, bool(contribs)).to(dev)
             _install(slot, _land(t, final, name, contribs, rounding, seed),
@@ -220,7 +225,7 @@ def _validate(files: CheckpointSource, slots: dict[str, _Slot], alias: dict[str,
               loras: AdapterList, mapping: KeyMapping | None, dtype: torch.dtype | None,
               target: torch.device | None, strict: bool, strict_adapters: bool) -> tuple:
     """Everything :func:`load_checkpoint` checks before its first write."""
-    ckpt = open_checkpoint(files)
+    ckpt = open_decoded(files)
 
     # Which checkpoint key feeds which slot; a tied slot is read once, from its first key.
     source: dict[str, str] = {}

@@ -1,4 +1,5 @@
-"""The ``shuttle`` command: ``inspect``, ``convert``, ``merge``, ``extract``, ``demo``.
+"""The ``shuttle`` command: ``inspect``, ``convert``, ``merge``, ``extract``, ``compress``,
+``demo``.
 
 Each subcommand is a thin front over the library: parsing arguments and printing. Exit status:
 0 success, 2 a usage or input error (one line on stderr, no traceback), 130/143/129 interrupted
@@ -16,13 +17,14 @@ from collections.abc import Iterator, Sequence
 from types import FrameType
 
 import shuttle
-from shuttle.cli import convert, demo, extract, inspect, merge
+from shuttle.cli import compress, convert, demo, extract, inspect, merge
 from shuttle.errors import ShuttleError
 
 __all__ = ["main"]
 
 _COMMANDS = {
-    "inspect": inspect, "convert": convert, "merge": merge, "extract": extract, "demo": demo,
+    "inspect": inspect, "convert": convert, "merge": merge, "extract": extract,
+    "compress": compress, "demo": demo,
 }
 
 

@@ -1,14 +1,20 @@
-"""``shuttle inspect FILE``: what an adapter holds, from its header alone."""
+"""``shuttle inspect FILE``: what an adapter holds, from its header alone; for a checkpoint
+written by ``shuttle compress``, how much its coding saves.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 from shuttle.cli.table import format_bytes, render_table
 from shuttle.formats import FORMATS, LoRA, load_lora
+from shuttle.formats.safetensors_file import SafetensorsFile
+from shuttle.weights.lossless_file import LOSSLESS_KEY, coded_entries
 
 _DENSE = ("diff", "set")
 
@@ -46,7 +52,43 @@ def _counts(d: dict) -> str:
     return ", ".join(f"{k} x{n}" for k, n in sorted(d.items(), key=lambda kv: -kv[1])) or "-"
 
 
+def summarize_compressed(path: str) -> dict[str, Any] | None:
+    """The coding of a checkpoint ``shuttle compress`` wrote, as a JSON-ready dict; None for
+    any other source.
+    """
+    if not (path.endswith(".safetensors") and Path(path).is_file()):
+        return None
+    file = SafetensorsFile(path)
+    if LOSSLESS_KEY not in file.metadata:
+        return None
+    coded = coded_entries(file.metadata, path)
+    refs = {k: file.tensor_ref(k) for k in file}
+    raw = {k: (math.prod(coded[k][1]) * 2 if k in coded else r.nbytes) for k, r in refs.items()}
+    stored = sum(r.nbytes for r in refs.values())
+    coded_raw = sum(raw[k] for k in coded)
+    return {"source": path, "format": "shuttle lossless checkpoint", "tensors": len(refs),
+            "coded": len(coded), "raw_bytes": sum(raw.values()), "stored_bytes": stored,
+            "ratio": stored / max(1, sum(raw.values())),
+            "coded_ratio": sum(refs[k].nbytes for k in coded) / max(1, coded_raw)}
+
+
+def _run_compressed(info: dict[str, Any], as_json: bool) -> int:
+    if as_json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"source        {info['source']}")
+    print(f"format        {info['format']}")
+    print(f"tensors       {info['tensors']} ({info['coded']} coded)")
+    print(f"bytes         {format_bytes(info['stored_bytes'])} stored, "
+          f"{format_bytes(info['raw_bytes'])} decoded")
+    print(f"ratio         {info['ratio']:.3f}x (coded tensors {info['coded_ratio']:.3f}x)")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:  # noqa: D103
+    compressed = summarize_compressed(args.source)
+    if compressed is not None:
+        return _run_compressed(compressed, args.json)
     lora = load_lora(args.source, strict=False)
     info = summarize(lora)
     if args.json:
