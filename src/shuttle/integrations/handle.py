@@ -553,4 +553,4 @@ def _restore(storage: HostStorage, devices: dict[tuple[int, str, bool], torch.de
                 where.setdefault(b.entry, devices[(id(b.module), b.name, b.is_param)])
             # a parameter going back to meta is replaced by bind() (tied names share one)
             unit.bind([v if storage.host == "adopt" and where[i].type == "cpu"
-                       else v.to(where[i], copy=True) for i, v in enumerate(unit.host_views)])
+                       else v.to(where[i], copy=True) for i, v in enumerate(unit.host_tensors())])

@@ -177,7 +177,7 @@ class ActivationAdapters:
 
     def merged_copies(self, unit: HostUnit) -> list[torch.Tensor]:
         """``unit``'s host tensors with merged copies of the adapted ones (CPU pass-through)."""
-        views = list(unit.host_views)
+        views = unit.host_tensors()
         for t in self._targets.get(unit.name, ()):
             views[t.entry] = views[t.entry].clone()
         self.fold(unit, views)

@@ -50,13 +50,15 @@ import torch
 from shuttle.errors import BudgetTooSmallError, HostBackingError
 from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.offload.arena import PAGE, new_arena, register_pages, unregister_pages
+from shuttle.offload.coded import Decoder, UnitCode, code_arena
 from shuttle.offload.disk_reader import IO_ALIGN, DiskReader, DiskSpans
 from shuttle.offload.layout import Layout
 from shuttle.offload.survey import Binding, UnitSurvey, adopted, read_binding, survey_units
 
-__all__ = ["HostBacking", "HostNeeds", "HostStorage", "HostUnit", "Layout"]
+__all__ = ["Compression", "HostBacking", "HostNeeds", "HostStorage", "HostUnit", "Layout"]
 
 HostBacking = Literal["pinned", "adopt"]
+Compression = Literal["lossless"]
 
 _CAPTURE_WORKERS = 4  # arenas filled at once (measured: 4 threads ~1.6x one; 8 no better)
 MIN_STAGING = 16 * 2**20  # the smallest staging buffer a plan uses (smaller: chunks too small)
@@ -81,6 +83,7 @@ class HostUnit:
         self.spans: DiskSpans | None = None
         self.reader: DiskReader | None = None
         self.survey: UnitSurvey | None = None  # what to read it from (to fill an arena)
+        self.code: UnitCode | None = None  # the arena is coded (compress="lossless")
 
     @property
     def on_disk(self) -> bool:
@@ -122,15 +125,28 @@ class HostUnit:
         """Point the unit back at its host tensors."""
         self.bind(self.host_views)
 
+    def host_tensors(self) -> list[torch.Tensor]:
+        """Per layout entry, the tensor's values on the host (a coded unit's decoded into
+        fresh memory; else :attr:`host_views`).
+        """
+        if self.code is None:
+            return list(self.host_views)
+        assert self.arena is not None
+        return self.code.decoded(self.layout, self.arena)
+
     def copy_into(self, flat: torch.Tensor, views: Sequence[torch.Tensor],
-                  non_blocking: bool) -> None:
+                  non_blocking: bool, decoder: Decoder | None = None) -> None:
         """Copy the host tensors into a device buffer laid out by :attr:`layout`.
 
-        One copy of the whole arena when there is one; one per tensor when adopted. A unit on
-        disk is loaded through its reader instead (:class:`~shuttle.offload.slots.SlotPool`).
+        One copy of the whole arena when there is one; one per tensor when adopted; a coded
+        arena through ``decoder``. A unit on disk is loaded through its reader instead
+        (:class:`~shuttle.offload.slots.SlotPool`).
         """
         assert not self.on_disk, f"{self.name} is on disk: load it through its reader"
-        if self.arena is not None:
+        if self.code is not None:
+            assert decoder is not None and self.arena is not None, f"{self.name} is coded"
+            decoder.load(self.code, self.layout, self.arena, flat, views, non_blocking)
+        elif self.arena is not None:
             flat.copy_(self.arena, non_blocking=non_blocking)
         else:
             for dst, src in zip(views, self.host_views, strict=True):
@@ -176,11 +192,14 @@ class HostStorage:
             the files alone, as they are stored, start on disk; the others (:attr:`fixed`: a
             tensor the files lack, or one converted or pieced together while read) get their
             arenas now. :meth:`settle` then gives arenas to the units a plan chooses.
+        compress: ``"lossless"``: keep the bfloat16/float16 tensors that code smaller coded
+            in the arenas (``"pinned"`` only, no ``max_host_bytes``; see
+            :mod:`shuttle.offload.coded`); None: as they are.
 
     Raises:
         HostBackingError: a tensor that cannot be kept as asked (on ``meta`` with no source,
-            or a source of another shape or of a dtype not converted), or ``max_host_bytes``
-            with ``"adopt"``.
+            or a source of another shape or of a dtype not converted), ``max_host_bytes``
+            with ``"adopt"``, or ``compress`` with ``"adopt"`` or ``max_host_bytes``.
         BlockLayoutError: a tensor spans two units (tied between a block and the rest, or
             between two blocks).
         BudgetTooSmallError: ``max_host_bytes`` cannot hold the units that must stay in host
@@ -194,7 +213,8 @@ class HostStorage:
                  host: HostBacking = "pinned", layers: dict[str, torch.nn.Module] | None = None,
                  skip: Sequence[torch.nn.Parameter] = (),
                  sources: Mapping[str, LazyTensor] | None = None,
-                 max_host_bytes: int | None = None):
+                 max_host_bytes: int | None = None, compress: Compression | None = None):
+        _check_compress(compress, host, max_host_bytes)
         if max_host_bytes is not None and host == "adopt":
             raise HostBackingError(
                 "max_host_bytes with host='adopt': adopted tensors are the module's own (or "
@@ -211,6 +231,7 @@ class HostStorage:
         self._registered: list[int] = []
         self._allocs: dict[int, tuple[int, bool]] = {}  # arena data_ptr -> (bytes, pinned)
         self._staging: list[torch.Tensor] = []
+        self._compress = compress
         # Runs before the arenas are released (weakref callbacks precede clearing attributes).
         self._finalizer = weakref.finalize(self, unregister_pages, self._registered)
         surveys = [rest, *(u for us in surveyed.values() for u in us), *layer_units]
@@ -244,6 +265,13 @@ class HostStorage:
     def fixed(self) -> list[HostUnit]:
         """The units that keep their arenas whatever the plan (everything without a ceiling)."""
         return [u for u in self.units if u.spans is None]
+
+    @property
+    def stage_bytes(self) -> int:
+        """Device bytes an activation stages coded units in: the largest coded arena (0 when
+        nothing is coded).
+        """
+        return max((u.code.nbytes for u in self.units if u.code is not None), default=0)
 
     @property
     def staging(self) -> tuple[int, int]:
@@ -352,14 +380,18 @@ class HostStorage:
                 units.append(unit)
         return units
 
-    def _keep(self, unit: HostUnit, arena: torch.Tensor, allocated: int, pinned: bool) -> None:
-        """Make ``arena`` (filled) ``unit``'s host copy and bind the unit to it."""
+    def _keep(self, unit: HostUnit, arena: torch.Tensor, allocated: int, pinned: bool,
+              code: UnitCode | None = None) -> None:
+        """Make ``arena`` (filled; coded by ``code``) ``unit``'s host copy and bind the unit
+        to it.
+        """
         self.host_bytes += allocated
         self.pinned_bytes += allocated if pinned else 0
         if allocated:
             self._allocs[arena.data_ptr()] = (allocated, pinned)
-        unit.arena = arena
-        unit.host_views = unit.layout.views(arena)
+        unit.arena, unit.code = arena, code
+        unit.host_views = (unit.layout.views(arena) if code is None
+                           else code.placeholders(unit.layout, arena))
         unit.bind_host()
 
     def _spill(self, unit: HostUnit) -> None:
@@ -396,22 +428,27 @@ class HostStorage:
             self._staging.append(pages)
         self.reader.set_buffers(self._staging, cuda=torch.cuda.is_available())
 
-    def _fill(self, s: UnitSurvey, pin: bool) -> tuple[torch.Tensor, int, bool]:
-        """A filled arena of exactly the unit's bytes; the bytes allocated; whether pinned."""
-        pages = new_arena(s.layout.nbytes, pin)
-        arena = pages[:s.layout.nbytes]
-        views = s.layout.views(arena)
-        with torch.no_grad():
-            for b, src in zip(s.sources, s.files, strict=True):
-                if src is None:
-                    views[b.entry].copy_(read_binding(b))
-                elif src.dtype != s.layout.dtypes[b.entry]:  # converted piece by piece
-                    src.load_converted(views[b.entry])
-                else:  # straight from the file into the arena: one read, no other copy
-                    off = s.layout.offsets[b.entry]
-                    src.load_into(arena[off:off + src.nbytes])
+    def _fill(self, s: UnitSurvey, pin: bool
+              ) -> tuple[torch.Tensor, int, bool, UnitCode | None]:
+        """A filled arena of exactly the unit's bytes (coded, with ``compress``, when that
+        makes it smaller); the bytes allocated; whether pinned; its code.
+        """
+        n, plain, code = s.layout.nbytes, None, None
+        if self._compress:
+            plain = new_arena(n, pin=False)[:n]
+            _copy_in(s, plain)
+            coded = code_arena(s.layout, plain, _codable(s))
+            if coded is not None:
+                plain, code = coded
+                n = code.nbytes
+        pages = new_arena(n, pin)
+        arena = pages[:n]
+        if plain is None:
+            _copy_in(s, arena)
+        else:
+            arena.copy_(plain)
         pinned = pin and pages.numel() > 0 and register_pages(pages, self._registered)
-        return arena, pages.numel(), pinned
+        return arena, pages.numel(), pinned, code
 
     def _adopt(self, s: UnitSurvey) -> HostUnit:
         host = [adopted(src, s.layout, b) if src is not None else read_binding(b) if b.is_param
@@ -420,6 +457,42 @@ class HostStorage:
         if any(src is not None for src in s.files):
             unit.bind_host()  # the file's pages (a private map), not the module's tensors
         return unit
+
+
+def _copy_in(s: UnitSurvey, arena: torch.Tensor) -> None:
+    """Fill ``arena`` (laid out by ``s.layout``) with unit ``s``'s tensors."""
+    views = s.layout.views(arena)
+    with torch.no_grad():
+        for b, src in zip(s.sources, s.files, strict=True):
+            if src is None:
+                views[b.entry].copy_(read_binding(b))
+            elif src.dtype != s.layout.dtypes[b.entry]:  # converted piece by piece
+                src.load_converted(views[b.entry])
+            else:  # straight from the file into the arena: one read, no other copy
+                off = s.layout.offsets[b.entry]
+                src.load_into(arena[off:off + src.nbytes])
+
+
+def _codable(s: UnitSurvey) -> list[bool]:
+    """Per layout entry of ``s``, whether it may be coded: not a quantized part or a shard
+    (those have representations of their own).
+    """
+    ok = [True] * len(s.layout.offsets)
+    for b in s.bindings:
+        if b.rep is not None or b.shard:
+            ok[b.entry] = False
+    return ok
+
+
+def _check_compress(compress: Compression | None, host: HostBacking,
+                    max_host_bytes: int | None) -> None:
+    if compress not in (None, "lossless"):
+        raise HostBackingError(f"compress={compress!r}: expected 'lossless' or None")
+    if compress is not None and (host != "pinned" or max_host_bytes is not None):
+        raise HostBackingError(
+            f"compress={compress!r} codes the host arenas of host='pinned' storage without a "
+            "host ceiling; drop compress, or use host='pinned' without max_host_bytes (a "
+            "compressed checkpoint on disk is read with shuttle.load_checkpoint)")
 
 
 def staging_floor(largest: int) -> int:

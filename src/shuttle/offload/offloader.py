@@ -55,8 +55,16 @@ from shuttle.errors import (
 )
 from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.offload.adapters import ActivationAdapters, check_mode, former_mode
+from shuttle.offload.coded import Decoder
 from shuttle.offload.compiled import BlockCompiler
-from shuttle.offload.host_storage import HostBacking, HostNeeds, HostStorage, HostUnit, Layout
+from shuttle.offload.host_storage import (
+    Compression,
+    HostBacking,
+    HostNeeds,
+    HostStorage,
+    HostUnit,
+    Layout,
+)
 from shuttle.offload.layer_streamer import LayerStreamer
 from shuttle.offload.residency import (
     ResidencyPlan,
@@ -89,6 +97,7 @@ class _Activation:
         self.compiler: BlockCompiler | None = None
         # (pool, slot, unit) of every unit on the device for the whole activation.
         self.placed: list[tuple[SlotPool, int, HostUnit]] = []
+        self.decoder: Decoder | None = None  # coded units' staging (compress="lossless")
 
 
 class ModelOffloader:
@@ -121,7 +130,8 @@ class ModelOffloader:
                     layers: bool | Sequence[type[torch.nn.Module]] = False,
                     trainable: Literal["host", "device"] = "host",
                     sources: Mapping[str, LazyTensor] | None = None,
-                    max_host_bytes: int | None = None) -> ModelOffloader:
+                    max_host_bytes: int | None = None,
+                    compress: Compression | None = None) -> ModelOffloader:
         """Capture ``model``'s parameters and buffers into host storage.
 
         Args:
@@ -156,14 +166,20 @@ class ModelOffloader:
                 lack, parameters trained on the host) always stay in host memory. Arenas go
                 first to the units read most often; each activation's plan
                 (:meth:`plan_for`) says which (``plan.pinned``). None: everything in host memory.
+            compress: ``"lossless"``: keep the bfloat16/float16 weights coded in host memory
+                (about 0.7x the bytes, in host memory and over the bus) and decode them on the
+                device as they land, bit for bit (:mod:`shuttle.offload.coded`). Needs
+                ``host="pinned"`` and no ``max_host_bytes``. While inactive, coded weights read
+                as NaN on the host; activate to use them.
 
         Raises:
             BlockPathError: a path names nothing, or not a non-empty block list, or two paths
                 overlap.
             BlockLayoutError: a tensor is tied across units (a block and the rest, or two
                 blocks).
-            HostBackingError: a tensor that cannot be kept as ``host`` asks, or
-                ``max_host_bytes`` with ``host="adopt"``.
+            HostBackingError: a tensor that cannot be kept as ``host`` asks,
+                ``max_host_bytes`` with ``host="adopt"``, or ``compress`` other than
+                ``"lossless"``, with ``host="adopt"`` or with ``max_host_bytes``.
             BudgetTooSmallError: ``max_host_bytes`` cannot hold the units that must stay in
                 host memory plus one staging buffer (the message names that floor).
             OffloadError: an unknown ``host``, a ``max_host_bytes`` that is not an integer
@@ -188,7 +204,7 @@ class ModelOffloader:
                                "of bytes >= 0, or None (no ceiling)")
         groups, chosen, on_device = units_of(model, blocks, layers, trainable)
         storage = HostStorage(model, groups, host, chosen, skip=on_device, sources=sources,
-                              max_host_bytes=max_host_bytes)
+                              max_host_bytes=max_host_bytes, compress=compress)
         off = cls(model, groups, storage, chosen, on_device)
         if max_host_bytes is not None:  # until a plan says otherwise: as if everything streams
             default = off.plan_for(StreamConfig() if groups or chosen else None)
@@ -414,10 +430,20 @@ class ModelOffloader:
 
         Raises:
             StreamModeError: a trainable parameter lies in a unit that a merge-mode adapter
-                folds into (train beside adapters with ``mode="dynamic"``).
+                folds into (train beside adapters with ``mode="dynamic"``), or in a unit
+                kept coded (``compress="lossless"``).
             PendingGradientError: gradients were left on trainable parameters (call
                 ``optimizer.zero_grad()`` inside the block); the activation stays usable.
         """
+        coded = [u.name for u in self.storage.units if u.code is not None
+                 and any(b.is_param and b.module._parameters[b.name].requires_grad
+                         for b in u.bindings)]
+        if coded:
+            raise StreamModeError(
+                f"optimizer_step: trainable parameters lie in units kept coded ({coded[:3]}; "
+                "compress='lossless'), which have no host copy to update; capture with "
+                "trainable='device' (the trainable parameters stay on the device) or without "
+                "compress")
         active = self._active
         if active is None or active.plan is None:
             yield
@@ -432,18 +458,22 @@ class ModelOffloader:
             yield
 
     def _pass_through(self, active: _Activation) -> None:
-        # The host tensors are where compute runs: adapted tensors get merged copies instead.
+        # The host tensors are where compute runs: adapted tensors get merged copies instead,
+        # and coded units decoded copies (for the activation; bind_host drops them).
         adapters = active.adapters
-        if adapters is not None and adapters.merges:
-            for unit in self.storage.units:
-                if adapters.touches(unit):
-                    unit.bind(adapters.merged_copies(unit))
+        for unit in self.storage.units:
+            if adapters is not None and adapters.merges and adapters.touches(unit):
+                unit.bind(adapters.merged_copies(unit))
+            elif unit.code is not None:
+                unit.bind(unit.host_tensors())
 
     def _place(self, active: _Activation, stream: StreamConfig | None) -> None:
         plan, device = active.plan, active.device
         assert plan is not None
         copy_stream = _copy_stream(device) if device.type == "cuda" else None
         fold = active.adapters.fold if active.adapters and active.adapters.merges else None
+        if self.storage.stage_bytes:
+            active.decoder = Decoder(device, self.storage.stage_bytes, copy_stream)
         rest = self.storage.rest
         if rest.layout.offsets:
             self._place_resident(active, [rest], copy_stream, fold)
@@ -454,9 +484,11 @@ class ModelOffloader:
             streamed = [u.layout for i, u in enumerate(units) if i not in kept]
             if plan.ring[g] and streamed:
                 # One ring per group; blocks that differ share slots sized by the largest.
-                pool = (SlotPool(streamed[0], plan.ring[g], device, copy_stream, fold)
+                pool = (SlotPool(streamed[0], plan.ring[g], device, copy_stream, fold,
+                                 active.decoder)
                         if all(lay == streamed[0] for lay in streamed) else
-                        SlotPool.for_layouts(streamed, plan.ring[g], device, copy_stream, fold))
+                        SlotPool.for_layouts(streamed, plan.ring[g], device, copy_stream, fold,
+                                             active.decoder))
                 active.pools.append(pool)
                 streamer = BlockStreamer(self.blocks[g], units, pool, resident, plan.prefetch)
                 active.streamers[g] = streamer
@@ -475,7 +507,8 @@ class ModelOffloader:
         for unit in units:
             by_layout.setdefault(unit.layout, []).append(unit)
         for layout, same in by_layout.items():
-            pool = SlotPool(layout, len(same), active.device, copy_stream, fold)
+            pool = SlotPool(layout, len(same), active.device, copy_stream, fold,
+                            active.decoder)
             active.pools.append(pool)
             for slot, unit in enumerate(same):
                 pool.load(slot, unit)
@@ -488,7 +521,7 @@ class ModelOffloader:
         plan, device, units = active.plan, active.device, self.storage.layers
         assert plan is not None
         for pos in plan.layers:  # one buffer each, loaded once
-            pool = SlotPool(units[pos].layout, 1, device, copy_stream, fold)
+            pool = SlotPool(units[pos].layout, 1, device, copy_stream, fold, active.decoder)
             active.pools.append(pool)
             pool.load(0, units[pos])
             pool.wait_loaded(0)
@@ -497,7 +530,8 @@ class ModelOffloader:
         if plan.layer_ring:
             kept = set(plan.layers)
             pool = SlotPool.for_layouts([u.layout for i, u in enumerate(units) if i not in kept],
-                                        plan.layer_ring, device, copy_stream, fold)
+                                        plan.layer_ring, device, copy_stream, fold,
+                                        active.decoder)
             active.pools.append(pool)
             streamer = LayerStreamer(list(self.layers.values()), units, pool, plan.layers,
                                      plan.prefetch)
@@ -524,6 +558,9 @@ class ModelOffloader:
         active.streamers.clear()
         active.placed.clear()
         active.layer_streamer = active.compiler = None
+        decoder, active.decoder = active.decoder, None
+        if decoder is not None:
+            decoder.check()  # after the slots' copies were ordered before later work
 
 
 _COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}

@@ -154,10 +154,11 @@ def plan_cost(storage: HostStorage, resident: dict[str, tuple[int, ...]], ring: 
               layers: tuple[int, ...] = (), layer_ring: int = 0) -> int:
     """Device weight bytes of a plan: the rest of the model; per group, each resident block at
     its own size and ``ring`` slots the size of the group's largest streamed block; the
-    resident layers and the layer ring (slots of the largest streamed layer). A ring with
-    nothing streamed costs nothing (no slot is allocated for it).
+    resident layers and the layer ring (slots of the largest streamed layer); the staging
+    buffer of coded units. A ring with nothing streamed costs nothing (no slot is allocated
+    for it).
     """
-    total = storage.rest.layout.nbytes
+    total = storage.rest.layout.nbytes + storage.stage_bytes
     for g, units in storage.groups.items():
         total += _units_cost([u.layout.nbytes for u in units], resident.get(g, ()),
                              ring.get(g, 0))
@@ -396,7 +397,7 @@ class RingOnlyResidency:
 
 
 def _spread_plan(storage: HostStorage, config: StreamConfig, grow: bool) -> ResidencyPlan:
-    rest = storage.rest.layout.nbytes
+    rest = storage.rest.layout.nbytes + storage.stage_bytes  # (plan_cost's fixed part)
     sizes = {g: [u.layout.nbytes for u in us] for g, us in storage.groups.items()}
     layer_sizes = [u.layout.nbytes for u in storage.layers]
     n_layers = len(layer_sizes)
@@ -450,7 +451,8 @@ def _below_floor(config: StreamConfig, rest: int, weights: int, n_layers: int) -
     acts = (f" + {config.activation_bytes} bytes kept for activations (activation_bytes)"
             if config.activation_bytes else "")
     return (f"vram_budget={config.vram_budget} bytes is below this model's floor of {floor} "
-            f"bytes: {rest} bytes of non-block weights + {weights - rest} bytes for one slot "
+            f"bytes: {rest} bytes of non-block weights (and the staging of coded weights) + "
+            f"{weights - rest} bytes for one slot "
             f"of each block group's largest block{what}{acts}; give at least {floor} bytes, "
             "or list more of the model under block paths (smaller units lower the floor)")
 

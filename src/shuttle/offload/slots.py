@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from shuttle.offload.coded import Decoder
 from shuttle.offload.disk_reader import DiskLoad, DiskReader
 from shuttle.offload.host_storage import HostUnit, Layout
 
@@ -55,13 +56,17 @@ class SlotPool:
         fold: called as ``fold(unit, views)`` right after each copy lands in a slot, before
             the slot counts as loaded (on the copy stream on CUDA): merges adapters into the
             slot. The host copy is never passed, so every load starts pristine.
+        decoder: the activation's :class:`~shuttle.offload.coded.Decoder`, for units kept
+            coded (decoded into the slot before it counts as loaded).
     """
 
     def __init__(self, layout: Layout, n_slots: int, device: torch.device,
                  copy_stream: torch.cuda.Stream | None = None,
-                 fold: Callable[[HostUnit, list[torch.Tensor]], None] | None = None):
+                 fold: Callable[[HostUnit, list[torch.Tensor]], None] | None = None,
+                 decoder: Decoder | None = None):
         self.layout = layout
         self.fold = fold
+        self.decoder = decoder
         self.device = device
         self.buffers = [torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
                         for _ in range(n_slots)]
@@ -81,19 +86,19 @@ class SlotPool:
     @classmethod
     def for_layouts(cls, layouts: list[Layout], n_slots: int, device: torch.device,
                     copy_stream: torch.cuda.Stream | None = None,
-                    fold: Callable[[HostUnit, list[torch.Tensor]], None] | None = None
-                    ) -> SlotPool:
+                    fold: Callable[[HostUnit, list[torch.Tensor]], None] | None = None,
+                    decoder: Decoder | None = None) -> SlotPool:
         """A pool whose slots can each hold a unit of any of ``layouts`` (sized to the largest).
 
         Args:
             layouts: the layouts of the units that will be loaded here.
-            n_slots, device, copy_stream, fold: as for the constructor.
+            n_slots, device, copy_stream, fold, decoder: as for the constructor.
 
         Returns:
             The pool; use :meth:`views_of` for a unit's tensors in a slot.
         """
         capacity = max((lay.nbytes for lay in layouts), default=0)
-        pool = cls(Layout((), (), (), capacity), n_slots, device, copy_stream, fold)
+        pool = cls(Layout((), (), (), capacity), n_slots, device, copy_stream, fold, decoder)
         pool._mixed = {}
         return pool
 
@@ -136,14 +141,14 @@ class SlotPool:
         self._pump()
         flat, views = self._target(slot, unit)
         if self._stream is None:
-            unit.copy_into(flat, views, non_blocking=False)
+            unit.copy_into(flat, views, non_blocking=False, decoder=self.decoder)
             if self.fold is not None:
                 self.fold(unit, views)
             return
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(self._freed[slot])
             # From pinned memory this returns at once; the DMA runs on the side stream.
-            unit.copy_into(flat, views, non_blocking=True)
+            unit.copy_into(flat, views, non_blocking=True, decoder=self.decoder)
             if self.fold is not None:  # ordered after the copy on this stream
                 self.fold(unit, views)
             self._loaded[slot].record(self._stream)

@@ -1,0 +1,162 @@
+"""Units kept lossless coded in host memory and decoded on the device as they land.
+
+With ``compress="lossless"`` (:class:`~shuttle.offload.host_storage.HostStorage`) every
+bfloat16/float16 tensor of a unit that codes smaller
+(:class:`~shuttle.weights.lossless.LosslessTensor`, about 0.7x) is kept coded: the unit's host
+arena holds the coded blobs and the other tensors' raw bytes, packed (:class:`UnitCode`). A load
+copies that arena into a device staging buffer (one copy, ~0.7x the bytes over the bus), then,
+on the same stream, decodes each blob into its tensor's view of the slot and copies the raw
+tensors' bytes across (:class:`Decoder`); the slot's loaded event is recorded after both, so a
+block's kernels never see a half-decoded weight. The staging buffer is one per activation
+(loads run in order on the copy stream), sized by the largest coded unit; the residency plan
+counts it (``HostStorage.stage_bytes``).
+
+A damaged code is counted on the device (no synchronization per load); the activation checks
+the count when it ends and raises :class:`~shuttle.errors.CorruptCodeError`.
+
+Not coded: quantized storage tensors and DTensor shards (their own representations), and
+tensors too small to gain. Parameters that train on the host (``optimizer_step``) cannot lie in
+a coded unit: train with ``trainable="device"``, or without ``compress``. While the
+model is inactive a coded tensor has no decoded host copy: its parameter reads as NaN (and
+refuses writes) until the next activation binds it to a slot, and :meth:`UnitCode.decoded`
+gives the values on the host where the offloader needs them (the CPU pass-through, giving a
+model back).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from shuttle.errors import CorruptCodeError
+from shuttle.offload.layout import ALIGN, Layout
+from shuttle.weights.lossless import CODED_DTYPES, LosslessTensor
+
+__all__ = ["Decoder", "UnitCode", "code_arena"]
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitCode:
+    """How a unit's coded host arena maps onto its :class:`Layout`.
+
+    Attributes:
+        offsets: per layout entry, where its bytes (a blob, or the raw tensor) start in the
+            coded arena.
+        coded: per layout entry, its :class:`LosslessTensor` with the blob left out (only the
+            layout: shape, dtype, words), or None where the entry is kept raw.
+        nbytes: bytes of the coded arena.
+    """
+
+    offsets: tuple[int, ...]
+    coded: tuple[LosslessTensor | None, ...]
+    nbytes: int
+
+    def _size(self, layout: Layout, i: int) -> int:
+        rep = self.coded[i]
+        if rep is not None:
+            return rep.blob.numel()
+        return layout.shapes[i].numel() * layout.dtypes[i].itemsize
+
+    def _raw(self, layout: Layout, arena: torch.Tensor, i: int) -> torch.Tensor:
+        at = self.offsets[i]
+        return arena[at:at + self._size(layout, i)].view(layout.dtypes[i]).view(layout.shapes[i])
+
+    def placeholders(self, layout: Layout, arena: torch.Tensor) -> list[torch.Tensor]:
+        """What the unit's tensors point at while inactive: raw entries their bytes in
+        ``arena``; coded ones a NaN of their dtype expanded to their shape (no memory; reads
+        give NaN, writes raise).
+        """
+        return [self._raw(layout, arena, i) if rep is None else
+                torch.full((), float("nan"), dtype=layout.dtypes[i]).expand(layout.shapes[i])
+                for i, rep in enumerate(self.coded)]
+
+    def decoded(self, layout: Layout, arena: torch.Tensor) -> list[torch.Tensor]:
+        """Every entry's tensor on the host, coded ones decoded into fresh memory.
+
+        Raises:
+            CorruptCodeError: a blob in ``arena`` was damaged.
+        """
+        out = []
+        for i, rep in enumerate(self.coded):
+            if rep is None:
+                out.append(self._raw(layout, arena, i))
+            else:
+                at = self.offsets[i]
+                blob = arena[at:at + rep.blob.numel()]
+                out.append(dataclasses.replace(rep, blob=blob).decode())
+        return out
+
+
+def code_arena(layout: Layout, arena: torch.Tensor, eligible: Sequence[bool]
+               ) -> tuple[torch.Tensor, UnitCode] | None:
+    """``arena`` (a unit's plain host arena, laid out by ``layout``) with its ``eligible``
+    bfloat16/float16 entries coded where that makes them smaller: a new (pageable) buffer and
+    its :class:`UnitCode`; None when nothing codes smaller.
+    """
+    views = layout.views(arena)
+    reps: list[LosslessTensor | None] = [
+        LosslessTensor.encode_tensor(v) if ok and v.dtype in CODED_DTYPES else None
+        for v, ok in zip(views, eligible, strict=True)]
+    if all(r is None for r in reps):
+        return None
+    offsets, at = [], 0
+    for v, rep in zip(views, reps, strict=True):
+        offsets.append(at)
+        size = rep.blob.numel() if rep is not None else v.numel() * v.element_size()
+        at = -(-(at + size) // ALIGN) * ALIGN
+    coded = torch.empty(at, dtype=torch.uint8)
+    for v, rep, off in zip(views, reps, offsets, strict=True):
+        src = rep.blob if rep is not None else v.reshape(-1).view(torch.uint8)
+        coded[off:off + src.numel()].copy_(src)
+    layout_only = tuple(None if r is None else dataclasses.replace(
+        r, blob=torch.empty(r.blob.numel(), dtype=torch.uint8, device="meta")) for r in reps)
+    return coded, UnitCode(tuple(offsets), layout_only, at)
+
+
+class Decoder:
+    """The device side of one activation's coded loads: a staging buffer and an error count.
+
+    Args:
+        device: the activation's device.
+        nbytes: the largest coded arena that will be loaded.
+        copy_stream: the CUDA stream every load runs on (None: synchronous copies).
+    """
+
+    def __init__(self, device: torch.device, nbytes: int,
+                 copy_stream: torch.cuda.Stream | None = None):
+        self.stage = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.errors = torch.zeros(1, dtype=torch.int32, device=device)
+        if copy_stream is not None:
+            # The new buffers may reuse memory that queued compute kernels still touch.
+            copy_stream.wait_stream(torch.cuda.current_stream(device))
+
+    def load(self, code: UnitCode, layout: Layout, arena: torch.Tensor, flat: torch.Tensor,
+             views: Sequence[torch.Tensor], non_blocking: bool) -> None:
+        """Queue the load of a coded unit (``arena``) into ``flat`` / ``views`` (its slot) on
+        the current stream: one copy of the arena into the staging buffer, then per entry a
+        decode or a device copy of its raw bytes.
+        """
+        stage = self.stage[:code.nbytes]
+        stage.copy_(arena, non_blocking=non_blocking)
+        for i, rep in enumerate(code.coded):
+            at = code.offsets[i]
+            if rep is None:
+                n = layout.shapes[i].numel() * layout.dtypes[i].itemsize
+                flat[layout.offsets[i]:layout.offsets[i] + n].copy_(stage[at:at + n])
+            else:
+                rep.decode_into(views[i], self.errors, stage[at:at + rep.blob.numel()])
+
+    def check(self) -> None:
+        """Raise if any decode so far found a damaged code (synchronizes with the device).
+
+        Raises:
+            CorruptCodeError: the count of damaged groups is not zero.
+        """
+        bad = int(self.errors.item())
+        if bad:
+            raise CorruptCodeError(
+                f"{bad} group(s) of lossless-coded weights failed their checks while loading: "
+                "the host copy was damaged, and the outputs computed with it are not to be "
+                "trusted; capture the model again (from_module(..., compress='lossless'))")

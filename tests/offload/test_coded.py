@@ -1,0 +1,156 @@
+"""compress="lossless": units kept coded in host memory, decoded as they land, bit for bit."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+import shuttle
+from shuttle.errors import (
+    BudgetTooSmallError,
+    CorruptCodeError,
+    HostBackingError,
+    StreamModeError,
+)
+from shuttle.kernels import exponent_decode
+from shuttle.offload import ModelOffloader, StreamConfig
+from shuttle.offload.residency import floor_bytes
+from tests import assert_bits_equal
+from tests.offload.models import TinyDiT
+
+MODES = {
+    "whole": None,
+    "stream0": StreamConfig(prefetch=0),
+    "stream2": StreamConfig(prefetch=2),
+    "resident": StreamConfig(prefetch=1, resident=2),
+}
+
+
+@pytest.fixture(autouse=True)
+def _reference(monkeypatch):
+    monkeypatch.setattr(exponent_decode, "interpreting", lambda: False)  # CPU: the reference
+
+
+def model(**kw) -> TinyDiT:
+    torch.manual_seed(0)
+    m = TinyDiT(dim=128, n_blocks=3, n_single=2, dtype=torch.bfloat16, **kw)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.05)
+    return m.eval()
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+
+
+def captured(**kw) -> tuple[TinyDiT, ModelOffloader]:
+    ref = model()
+    return ref, ModelOffloader.from_module(copy.deepcopy(ref), blocks=["blocks", "single"],
+                                           compress="lossless", **kw)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_streamed_outputs_equal_the_resident_model(cpu_copy, mode):
+    ref, off = captured()
+    want = ref(tokens())
+    with off.use("cpu", MODES[mode]) as m:
+        assert_bits_equal(m(tokens()), want)
+        assert_bits_equal(m(tokens()), want)  # the ring refilled: decoded again
+
+
+def test_host_memory_holds_the_code(cpu_copy):
+    ref, off = captured()
+    plain = ModelOffloader.from_module(copy.deepcopy(ref), blocks=["blocks", "single"])
+    coded = [u for u in off.storage.units if u.code is not None]
+    assert len(coded) == 5  # every block; the rest (embedding, norms) does not gain enough
+    assert off.storage.host_bytes < 0.8 * plain.storage.host_bytes
+    # inactive: a coded weight has no host copy and reads NaN; active: the exact weights
+    up = off.model.blocks[0].up.weight
+    assert up.isnan().all()
+    with off.use("cpu", StreamConfig(prefetch=1)):
+        pass
+    assert up.isnan().all()
+    assert_bits_equal(off.model.norm.weight, ref.norm.weight)  # raw entries stay readable
+
+
+def test_cpu_pass_through_decodes(monkeypatch):
+    ref, off = captured()
+    with off.use("cpu") as m:
+        assert_bits_equal(m(tokens()), ref(tokens()))
+    assert off.model.blocks[0].up.weight.isnan().all()  # the decoded copies were dropped
+
+
+def test_merged_adapter_lands_in_decoded_slots(cpu_copy):
+    from tests import lowrank_state
+
+    ref = model()
+    shapes = {f"blocks.{i}.up": (512, 128) for i in range(3)}
+    lora = shuttle.load_lora(lowrank_state(shapes, rank=4, scale=0.05))
+    plain = ModelOffloader.from_module(copy.deepcopy(ref), blocks=["blocks", "single"])
+    coded = ModelOffloader.from_module(copy.deepcopy(ref), blocks=["blocks", "single"],
+                                       compress="lossless")
+    outs = []
+    for off in (plain, coded):
+        with off.use("cpu", StreamConfig(prefetch=1), loras=[(lora, 0.7)]) as m:
+            outs.append(m(tokens()))
+    assert_bits_equal(outs[1], outs[0])
+
+
+def test_the_plan_counts_the_staging_buffer(cpu_copy):
+    _, off = captured()
+    stage = off.storage.stage_bytes
+    assert stage > 0
+    floor = floor_bytes(off.storage)
+    sizes = [u.layout.nbytes for u in off.storage.groups["blocks"]]
+    single = [u.layout.nbytes for u in off.storage.groups["single"]]
+    assert floor == off.storage.rest.layout.nbytes + max(sizes) + max(single) + stage
+    off.plan_for(StreamConfig(prefetch=0, vram_budget=floor))
+    with pytest.raises(BudgetTooSmallError):
+        off.plan_for(StreamConfig(prefetch=0, vram_budget=floor - 1))
+
+
+def test_a_damaged_host_code_is_refused_when_the_activation_ends(cpu_copy):
+    _, off = captured()
+    unit = off.storage.groups["blocks"][1]
+    i = next(i for i, rep in enumerate(unit.code.coded) if rep is not None)
+    rep = unit.code.coded[i]
+    at = unit.code.offsets[i]
+    blob = unit.arena[at:at + rep.blob.numel()]
+    dataclasses.replace(rep, blob=blob).parts().raw[100] ^= 0x21  # one value's low bits
+    with pytest.raises(CorruptCodeError, match="failed their checks"), \
+            off.use("cpu", StreamConfig(prefetch=1)) as m:
+        m(tokens())
+
+
+def test_training_on_the_host_is_refused_and_on_the_device_works(cpu_copy):
+    ref = model()
+    ref.requires_grad_(False)
+    ref.blocks[0].up.weight.requires_grad_(True)
+    off = ModelOffloader.from_module(copy.deepcopy(ref), blocks=["blocks", "single"],
+                                     compress="lossless")
+    with pytest.raises(StreamModeError, match="trainable='device'"), off.optimizer_step():
+        pass
+    dev = ModelOffloader.from_module(copy.deepcopy(ref), blocks=["blocks", "single"],
+                                     compress="lossless", trainable="device")
+    with dev.use("cpu") as m:  # resident: a streamed backward needs checkpointing
+        m(tokens()).float().square().mean().backward()
+        with dev.optimizer_step():
+            pass
+    assert dev.model.blocks[0].up.weight.grad is not None
+
+
+@pytest.mark.parametrize("kw, match", [({"compress": "zstd"}, "expected 'lossless'"),
+                                       ({"compress": "lossless", "host": "adopt"}, "pinned"),
+                                       ({"compress": "lossless", "max_host_bytes": 10**9},
+                                        "max_host_bytes")])
+def test_compress_refuses_what_it_cannot_do(kw, match):
+    m = model()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    with pytest.raises(HostBackingError, match=match):
+        ModelOffloader.from_module(m, blocks=["blocks", "single"], **kw)
+    for k, v in m.state_dict().items():
+        assert_bits_equal(v, before[k], k)
