@@ -46,6 +46,7 @@ from shuttle.apply.merge import MergeReport
 from shuttle.apply.plan import AdapterList, normalize_loras
 from shuttle.apply.scoped import Mode
 from shuttle.cache import LoRASpec, ModelCache, ModelSpec, ObjectSpec
+from shuttle.cache.specs import module_bytes
 from shuttle.errors import BudgetTooSmallError, OffloadError
 from shuttle.formats import LoRA
 from shuttle.formats.safetensors_file import LazyTensor
@@ -318,7 +319,7 @@ class OffloadHandle:
         key = f"{key_prefix}.{name}"
         if sources is None:
             spec: Any = ModelSpec(key, factory=lambda: module,
-                                  estimated_bytes=_weight_bytes(module), blocks=paths, host=host)
+                                  estimated_bytes=module_bytes(module), blocks=paths, host=host)
         else:
             spec = SourcedSpec(key, module, paths, host, sources,
                                 *(share if share is not None else (None, None)))
@@ -534,11 +535,6 @@ def _check_free(modules: Mapping[str, torch.nn.Module], methods: Mapping[str, Se
         if taken:
             raise OffloadError(f"{name}: instance attributes {taken} are set already (another "
                                "library's offload hooks?); remove them before offloading")
-
-
-def _weight_bytes(module: torch.nn.Module) -> int:
-    unique = {id(t): t for t in [*module.parameters(), *module.buffers()]}
-    return sum(t.numel() * t.element_size() for t in unique.values())
 
 
 def _restore(storage: HostStorage, devices: dict[tuple[int, str, bool], torch.device]) -> None:
