@@ -39,7 +39,7 @@ import contextlib
 import dataclasses
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
@@ -65,7 +65,7 @@ from shuttle.offload.residency import (
     plan_residency,
 )
 from shuttle.offload.slots import SlotPool
-from shuttle.offload.streamer import BlockStreamer
+from shuttle.offload.streamer import BlockStreamer, Streamer
 from shuttle.offload.training import host_step
 from shuttle.offload.units import units_of
 from shuttle.targets import KeyMapping
@@ -425,7 +425,7 @@ class ModelOffloader:
         adapters = active.adapters
         merged = frozenset(u.name for u in self.storage.units if adapters is not None
                            and adapters.touches(u))
-        streamers: list[Any] = list(active.streamers.values())
+        streamers: list[Streamer] = list(active.streamers.values())
         if active.layer_streamer is not None:
             streamers.append(active.layer_streamer)
         with host_step(self.storage, active.placed, streamers, merged):
