@@ -44,7 +44,7 @@ import torch
 
 from shuttle.apply.merge import MergeReport
 from shuttle.apply.plan import AdapterList, normalize_loras
-from shuttle.apply.scoped import Mode
+from shuttle.apply.scoped import Mode, check_mode
 from shuttle.cache import LoRASpec, ModelCache, ModelSpec, ObjectSpec
 from shuttle.cache.specs import module_bytes
 from shuttle.errors import BudgetTooSmallError, OffloadError
@@ -55,7 +55,6 @@ from shuttle.integrations.activations import ActivationMeter, CallShrinker, Devi
 from shuttle.integrations.budgets import SourcedSpec, check_device, host_shares
 from shuttle.integrations.routing import route_lora
 from shuttle.offload import ModelOffloader, ResidencyPlan, RingOnlyResidency, StreamConfig
-from shuttle.offload.adapters import check_mode
 from shuttle.offload.host_storage import HostBacking, HostStorage
 from shuttle.offload.residency import floor_bytes
 
@@ -240,11 +239,11 @@ class OffloadHandle:
 
         Raises:
             InvalidStrengthError: a strength is not a finite number.
-            OffloadError: an unknown ``mode``.
+            InvalidOptionError: an unknown ``mode``.
             DuplicateTargetError: one key lands in two modules.
             Whatever ``shuttle.load_lora`` raises for a source. Nothing changes on error.
         """
-        check_mode(mode, None)
+        check_mode(mode, "OffloadHandle.set_loras")
         pairs = normalize_loras(loras)
         modules = {n: c.module for n, c in self._components.items()}
         specs: dict[int, tuple[LoRA, dict[str, LoRASpec]]] = {}
