@@ -233,7 +233,7 @@ def large(t, k, n, r, rounds):
     for cfg in [(64, 128, 64, 64, 8, 4, 4), (128, 128, 64, 64, 8, 4, 4),
                 (128, 128, 128, 64, 8, 4, 3), (256, 128, 64, 64, 8, 8, 3)]:
         v[f"shrink TMA {cfg[:3]} w{cfg[5]} s{cfg[6]}"] = (
-            lambda c=cfg: LT._linear_tma(x, a, None, None, None, scale, s, LL.FusedConfig(*c)))
+            lambda c=cfg: LT.linear_tma(x, a, None, None, None, scale, s, LL.FusedConfig(*c)))
     for cfg in [(64, 128, 64, 4, 4, 0), (64, 128, 128, 4, 3, 0), (32, 128, 128, 4, 4, 0)]:
         v[f"shrink plain {cfg[:3]} s{cfg[4]}"] = (
             lambda c=cfg: lora_shrink(x, a, scale, config=c, tma=False))
@@ -324,8 +324,8 @@ def waves(t, k, n, r, rounds):
     for cfg in [(64, 128, 128, 64, 8, 4, 4), (128, 64, 128, 64, 8, 4, 4),
                 (64, 64, 128, 64, 8, 4, 4)]:
         v[f"shrink TMA {cfg[:3]} w{cfg[5]} s{cfg[6]}"] = (
-            lambda c=cfg: LT._linear_tma(x, a, None, None, None, scale, s.clone(),
-                                         LL.FusedConfig(*c)))
+            lambda c=cfg: LT.linear_tma(x, a, None, None, None, scale, s.clone(),
+                                        LL.FusedConfig(*c)))
     ref = x.float() @ w.float().T + s.float() @ u.float().T + b.float()
     errors = {}
     with torch.no_grad():

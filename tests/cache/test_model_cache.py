@@ -16,9 +16,9 @@ from shuttle.errors import (
     AdapterFileError,
     BlockPathError,
     CacheError,
+    InvalidOptionError,
     InvalidStrengthError,
     ModelInUseError,
-    OffloadError,
     ResourceTooLargeError,
 )
 from shuttle.offload import CPU_COPY_ENV, ModelOffloader, StreamConfig
@@ -208,7 +208,7 @@ def test_bad_strength_is_refused_before_anything_is_built():
 def test_an_unknown_mode_raises_before_anything_is_built():
     factory = Factory()
     cache = ModelCache(max_bytes=2**20)
-    with pytest.raises(OffloadError, match="mode='sideways'"), \
+    with pytest.raises(InvalidOptionError, match="mode='sideways'"), \
             cache.use(ModelSpec("dit", factory), device="cpu",
                       loras=[(LoRASpec("s", lora_state_dict()), 1.0)], mode="sideways"):
         pass

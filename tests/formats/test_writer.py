@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from shuttle import load_lora, merge_lora, save_lora
+from shuttle import load_lora, merge_lora, resolve, save_lora
 from shuttle.errors import UnsupportedFormatError
 from shuttle.formats import LoRA
 from shuttle.patches import DoRA, LowRank, materialize
@@ -318,15 +318,17 @@ def test_bfl_control_to_comfy(tmp_path, model):
 
 def test_kohya_to_peft_names_need_a_mapping(tmp_path, model):
     # kohya's underscored names are not module paths: written as PEFT keys, neither PEFT nor
-    # shuttle could apply them. Refused (nothing written) unless the model or a mapping names
-    # the modules.
+    # shuttle could apply them. Refused (nothing written) unless a mapping names the modules
+    # (made from the model by resolving the keys against it).
     sd = {k: v for k, v in kohya_adapter().items()
           if k.startswith(("lora_unet_proj.lora", "lora_unet_proj.alpha", "lora_unet_conv."))}
     src = load_lora(sd)
     with pytest.raises(UnsupportedFormatError, match="kohya name.*Convert to kohya or comfy"):
         save_lora(src, tmp_path / "ad", to="peft")
     assert no_files_written(tmp_path)
-    save_lora(src, tmp_path / "ad", to="peft", model=model)
+    paths = {t.module_key: t.param.rpartition(".")[0] for t in resolve(src, model).targets
+             if t.rows is None}  # the caller resolves: the writer reads no model
+    save_lora(src, tmp_path / "ad", to="peft", mapping=paths)
     back = load_lora(tmp_path / "ad")
     assert_same_patches(src, back, {"lora_unet_proj": f"{P}proj", "lora_unet_conv": f"{P}conv"})
     assert_same_merge(src, back, model)  # placed without a mapping: real module paths

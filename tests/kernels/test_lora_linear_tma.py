@@ -96,14 +96,14 @@ def test_fused_tiles_narrow_where_wide_ones_fill_the_sms_poorly():
     from shuttle.kernels.lora_linear_tma import (
         FUSED_TMA_CONFIG,
         FUSED_TMA_NARROW_CONFIG,
-        _fused_tma_config,
+        fused_tma_config,
     )
 
     # On 132 SMs (the H200), the demo DiT at 4096 rows: 1536 wide -> 192 tiles of 128 x 256,
     # 73% of two rounds: narrow; 4608 and 6144 wide -> 87% and 97%: wide. Wan2.1 at 32760
     # rows, 1536 wide: 1536 tiles, 97%.
-    assert _fused_tma_config(4096, 1536, 132) == FUSED_TMA_NARROW_CONFIG
-    assert _fused_tma_config(4096, 4608, 132) == FUSED_TMA_CONFIG
-    assert _fused_tma_config(4096, 6144, 132) == FUSED_TMA_CONFIG
-    assert _fused_tma_config(32760, 1536, 132) == FUSED_TMA_CONFIG
-    assert _fused_tma_config(128, 1536, 132) == FUSED_TMA_NARROW_CONFIG  # 6 tiles of 132
+    assert fused_tma_config(4096, 1536, 132) == FUSED_TMA_NARROW_CONFIG
+    assert fused_tma_config(4096, 4608, 132) == FUSED_TMA_CONFIG
+    assert fused_tma_config(4096, 6144, 132) == FUSED_TMA_CONFIG
+    assert fused_tma_config(32760, 1536, 132) == FUSED_TMA_CONFIG
+    assert fused_tma_config(128, 1536, 132) == FUSED_TMA_NARROW_CONFIG  # 6 tiles of 132

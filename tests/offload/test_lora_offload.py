@@ -9,6 +9,7 @@ import torch
 
 import shuttle
 from shuttle.errors import (
+    InvalidOptionError,
     InvalidStrengthError,
     NonFiniteAdapterError,
     OffloadError,
@@ -193,7 +194,7 @@ def bad_adapters():
         (dict(loras=[(wrong_shape, 1.0)]), ShapeMismatchError),
         (dict(loras=[(nan, 1.0)]), NonFiniteAdapterError),
         (dict(loras=[(ok, float("inf"))]), InvalidStrengthError),
-        (dict(loras=[(ok, 1.0)], mode="sometimes"), OffloadError),
+        (dict(loras=[(ok, 1.0)], mode="sometimes"), InvalidOptionError),
         (dict(loras=[(ok, 1.0)], mode="dynamic", quality="best"), OffloadError),
     ]
 

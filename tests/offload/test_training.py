@@ -275,7 +275,7 @@ def test_a_training_step_copies_no_block_it_does_not_use(cpu_copy, prefetch):
             for p, s in off.streamers.items():
                 n = len(getattr(model, p))
                 assert s.loads - before[p] == (n if n > prefetch + 1 else 0), p
-                assert s._slot_of[0] is not None, p
+                assert s.slot_of(0) is not None, p
 
 
 def test_trainable_on_device_counts_against_the_budget(cpu_copy):

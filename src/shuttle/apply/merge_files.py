@@ -262,7 +262,7 @@ def _index_naming(index: Path | None, files: Sequence[Path]) -> list[Path]:
 
 
 def _nbytes(shape: torch.Size, dtype: torch.dtype) -> int:
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 def _shards(tensors: Mapping[str, LazyTensor], dtypes: Mapping[str, torch.dtype],

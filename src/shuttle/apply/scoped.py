@@ -37,10 +37,27 @@ from shuttle.errors import InvalidOptionError, ScopeOrderError, UnsupportedPlace
 from shuttle.targets import KeyMapping
 from shuttle.weights import WeightRepresentation
 
-__all__ = ["apply_lora"]
+__all__ = ["MODES", "Mode", "apply_lora", "check_mode"]
 
 Mode = Literal["merge", "dynamic", "auto"]
 MODES: tuple[str, ...] = ("merge", "dynamic", "auto")
+
+
+def check_mode(mode: object, where: str) -> None:
+    """The one check of an adapter ``mode=`` for every entry point that takes one.
+
+    Args:
+        mode: what the caller passed.
+        where: the entry point, as the message names it (``"apply_lora"``, ...).
+
+    Raises:
+        InvalidOptionError: ``mode`` is none of :data:`MODES`; the message lists them.
+    """
+    if not isinstance(mode, str) or mode not in MODES:
+        raise InvalidOptionError(
+            f"{where}: mode={mode!r}: expected 'merge' (folded into the weights), 'dynamic' "
+            "(added at forward time, weights untouched) or 'auto' (merged where the weight's "
+            "dtype keeps the update, dynamic elsewhere)")
 
 
 @dataclasses.dataclass(eq=False)
@@ -115,12 +132,11 @@ def apply_lora(
         :class:`~shuttle.apply.auto.AutoReport` (auto: ``decisions``, ``losses``, ``dynamic``).
 
     Raises:
-        ShuttleError: ``mode`` is not one of the implemented modes; plus everything
-            :func:`~shuttle.merge_lora` raises, before any change.
+        InvalidOptionError: ``mode`` is not one of :data:`MODES`.
+        ShuttleError: everything :func:`~shuttle.merge_lora` raises, before any change.
         InvalidStrengthError: ``auto_threshold`` is not a finite number >= 0.
     """
-    if mode not in MODES:
-        raise InvalidOptionError(f"mode={mode!r}: apply_lora supports {', '.join(MODES)}")
+    check_mode(mode, "apply_lora")
     if names is not None and mode != "dynamic":
         raise InvalidOptionError(
             f"names= with mode={mode!r}: names are for the handle of mode='dynamic' (or "

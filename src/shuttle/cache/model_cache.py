@@ -17,7 +17,7 @@ import torch
 
 from shuttle.apply.auto import DEFAULT_THRESHOLD
 from shuttle.apply.dynamic_layer import Quality
-from shuttle.apply.scoped import Mode
+from shuttle.apply.scoped import Mode, check_mode
 from shuttle.apply.strength import check_strength
 from shuttle.cache.policy import EvictionPolicy
 from shuttle.cache.resource_cache import ResourceCache
@@ -27,7 +27,7 @@ from shuttle.errors import (
     ModelInUseError,
 )
 from shuttle.offload import ModelOffloader, ResidencyPlan, StreamConfig
-from shuttle.offload.adapters import check_mode, former_mode
+from shuttle.offload.adapters import check_quality, former_mode
 from shuttle.targets import KeyMapping
 
 __all__ = ["ModelCache"]
@@ -85,6 +85,7 @@ class ModelCache(ResourceCache):
 
         Raises:
             ModelInUseError: another ``use`` of this model is in progress.
+            InvalidOptionError: an unknown ``mode``, before anything is built.
             InvalidStrengthError: a strength is not a finite number.
             CacheError: the model's value is not a ``ModelOffloader``.
             Any error of leasing (``ResourceTooLargeError``, ...), building or activating,
@@ -92,7 +93,8 @@ class ModelCache(ResourceCache):
         """
         pairs = _check_loras(loras)
         mode = former_mode(mode, lora_mode)
-        check_mode(mode, quality)  # before building anything
+        check_mode(mode, "ModelCache.use")  # before building anything
+        check_quality(quality)
         key = model.key if hasattr(model, "build") else model  # type: ignore[union-attr]
         with self._cond:
             if key in self._in_use:

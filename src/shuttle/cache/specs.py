@@ -29,7 +29,7 @@ from shuttle.offload import ModelOffloader
 from shuttle.offload.host_storage import HostBacking
 from shuttle.patches import Patch
 
-__all__ = ["LoRASpec", "ModelSpec", "ObjectSpec", "Spec", "PROGRESS_MIN_BYTES"]
+__all__ = ["LoRASpec", "ModelSpec", "ObjectSpec", "Spec", "PROGRESS_MIN_BYTES", "module_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ class ModelSpec:
         if not isinstance(model, torch.nn.Module):
             raise CacheError(f"ModelSpec({self.key!r}).factory returned a "
                              f"{type(model).__name__}, not an nn.Module")
-        weights = _module_bytes(model)
+        weights = module_bytes(model)
         # One step: from_module copies unit by unit but reports no progress of its own yet.
         with tqdm(total=weights, unit="B", unit_scale=True, desc=f"pinning {self.key}",
                   disable=True if weights < PROGRESS_MIN_BYTES else None) as bar:
@@ -233,8 +233,9 @@ def _cast(p: Patch, dtype: torch.dtype) -> Patch:
     return dataclasses.replace(p, **changes) if changes else p
 
 
-def _module_bytes(model: torch.nn.Module) -> int:
-    seen: dict[int, int] = {}
-    for t in [*model.parameters(), *model.buffers()]:
-        seen[id(t)] = t.numel() * t.element_size()
-    return sum(seen.values())
+def module_bytes(module: torch.nn.Module) -> int:
+    """Bytes of ``module``'s parameters and buffers, each tensor counted once (tied weights, a
+    tensor registered as both), at their storage dtype (a packed 4-bit weight's packed bytes).
+    """
+    unique = {id(t): t for t in [*module.parameters(), *module.buffers()]}
+    return sum(t.numel() * t.element_size() for t in unique.values())

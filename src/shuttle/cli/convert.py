@@ -22,7 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # noqa: D103
     p.add_argument("--to", required=True, choices=TARGETS,
                    help="target spelling; a kohya file converts to kohya or comfy only (its "
                         "names do not give module paths: in Python, save_lora(..., to='peft', "
-                        "model=model) resolves them)")
+                        "mapping=...) names them, resolved against the model)")
     p.add_argument("--component", default=None, metavar="NAME",
                    help="with --to peft, the pipeline component of a diffusers file to write "
                         "(transformer, unet, text_encoder, ...), needed when the file holds "

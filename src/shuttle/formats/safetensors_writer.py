@@ -36,10 +36,6 @@ TEMP_PREFIX = ".shuttle-partial."
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 class SafetensorsWriter:
     """A safetensors file written tensor by tensor, in :attr:`order`.
 
@@ -63,7 +59,7 @@ class SafetensorsWriter:
         assert sys.byteorder == "little", "SafetensorsWriter needs a little-endian host"
         # Larger elements first (sorted() is stable, so file order otherwise): with an 8-aligned
         # data start every tensor then starts at a multiple of its element size.
-        self.order = sorted(entries, key=lambda n: -_itemsize(entries[n][0]))
+        self.order = sorted(entries, key=lambda n: -entries[n][0].itemsize)
         self._specs = {n: (dtype, torch.Size(shape)) for n, (dtype, shape) in entries.items()}
         header: dict[str, object] = {}
         if metadata:
@@ -71,7 +67,7 @@ class SafetensorsWriter:
         offset = 0
         for name in self.order:
             dtype, shape = self._specs[name]
-            size = math.prod(shape) * _itemsize(dtype)
+            size = math.prod(shape) * dtype.itemsize
             header[name] = {"dtype": _NAMES[dtype], "shape": list(shape),
                             "data_offsets": [offset, offset + size]}
             offset += size

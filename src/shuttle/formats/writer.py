@@ -241,19 +241,13 @@ def _ia3(name: str, p: IA3, to: str, t: dict[str, torch.Tensor]) -> dict[str, to
 
 
 def _peft_names(lora: LoRA, mapping: Mapping[str, str] | None,
-                model: torch.nn.Module | None, component: str = "") -> dict[str, str]:
+                component: str = "") -> dict[str, str]:
     """Module key -> the module path PEFT keys need: the key less its pipeline ``component``
-    prefix, unless ``mapping`` or ``model`` name it. kohya keys spell paths with ``_`` for
-    ``.`` (``lora_unet_down_blocks_0`` is ``down_blocks.0`` or ``down.blocks_0``): only a
-    mapping, or the model the keys resolve against, names the modules.
+    prefix, unless ``mapping`` names it. kohya keys spell paths with ``_`` for ``.``
+    (``lora_unet_down_blocks_0`` is ``down_blocks.0`` or ``down.blocks_0``): only a mapping
+    (made by the caller from the model the keys resolve against) names the modules.
     """
-    names = dict(mapping or {})
-    if model is not None:
-        from shuttle.targets import resolve  # targets imports formats
-
-        for t in resolve(lora, model).targets:
-            if t.rows is None and t.param.endswith((".weight", ".bias")):
-                names.setdefault(t.module_key, t.param.rpartition(".")[0])
+    names = mapping or {}
     return {module: names.get(module, module.removeprefix(component))
             for module in lora.modules}
 
@@ -264,9 +258,9 @@ def _check_path(module: str, path: str) -> None:
             f"module {module!r} has a kohya name, with '_' for each '.' of a module path; "
             "PEFT keys need the module path itself, which the file alone does not give, and "
             "neither PEFT nor shuttle could apply the result. Convert to kohya or comfy instead, "
-            "or, in Python, pass the model the adapter is for "
-            "(shuttle.save_lora(lora, dir, to='peft', model=model)) or a mapping "
-            "{kohya name: module path}."
+            "or, in Python, pass mapping={kohya name: module path}, made from the model the "
+            "adapter is for: {t.module_key: t.param.rpartition('.')[0] for t in "
+            "shuttle.resolve(lora, model).targets if t.rows is None}."
         )
 
 
@@ -332,7 +326,6 @@ def _exact(module: str) -> str:
 
 
 def save_lora(lora: LoRA, path: str | os.PathLike[str], to: Target = "comfy", *,
-              model: torch.nn.Module | None = None,
               mapping: Mapping[str, str] | None = None, component: str | None = None) -> Path:
     """Write ``lora`` in the spelling of ``to``.
 
@@ -341,9 +334,11 @@ def save_lora(lora: LoRA, path: str | os.PathLike[str], to: Target = "comfy", *,
         path: a ``.safetensors`` file for ``kohya`` and ``comfy``; a directory for ``peft``
             (``adapter_model.safetensors`` + ``adapter_config.json``).
         to: ``"peft"``, ``"kohya"`` or ``"comfy"``.
-        model: for ``peft`` only: the model the adapter is for; each module key is written
-            under the module path it resolves to (needed for kohya names).
-        mapping: for ``peft`` only: module key -> module path, before ``model``'s.
+        mapping: for ``peft`` only: module key -> module path, the path each module key is
+            written under (needed for kohya names). This module reads no model: the caller
+            resolves the keys against the model the adapter is for,
+            ``{t.module_key: t.param.rpartition(".")[0] for t in
+            shuttle.resolve(lora, model).targets if t.rows is None}``.
         component: for ``peft`` only: of a diffusers pipeline file (keys ``transformer.``,
             ``text_encoder.``, ... :func:`pipeline_components`), the component to write; its
             prefix is dropped, as PEFT names modules inside the one model it adapts. Needed
@@ -357,7 +352,7 @@ def save_lora(lora: LoRA, path: str | os.PathLike[str], to: Target = "comfy", *,
 
     Raises:
         UnsupportedFormatError: a patch has no spelling in ``to``; or (``peft``) a module has a
-            kohya name that neither ``model`` nor ``mapping`` turns into a path, the file holds
+            kohya name that ``mapping`` does not turn into a path, the file holds
             several pipeline components and ``component`` names none of them, or
             ``component`` is given for a file without components; nothing is written.
         AdapterFileError: ``path`` is a directory or not ``*.safetensors`` (``kohya``/``comfy``),
@@ -371,7 +366,7 @@ def save_lora(lora: LoRA, path: str | os.PathLike[str], to: Target = "comfy", *,
                 f"{path}: is a file; --to peft writes a directory (adapter_model.safetensors + "
                 "adapter_config.json). Name a directory instead.")
         lora, prefix = _one_component(lora, component)
-        tensors, config = _peft_tensors(lora, _peft_names(lora, mapping, model, prefix))
+        tensors, config = _peft_tensors(lora, _peft_names(lora, mapping, prefix))
         path.mkdir(parents=True, exist_ok=True)
         out = path / "adapter_model.safetensors"
         _save(tensors, out, lora)

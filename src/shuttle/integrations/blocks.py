@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from shuttle.cache.specs import module_bytes
+
 __all__ = ["find_block_lists"]
 
 # A list whose blocks differ streams through slots sized by its largest block: past this ratio
@@ -35,12 +37,12 @@ def find_block_lists(model: torch.nn.Module, min_share: float = 0.1) -> list[str
         Paths such as ``["transformer_blocks", "single_transformer_blocks"]``,
         ``["model.layers"]`` or ``["encoder.block"]``; empty when nothing qualifies.
     """
-    total = _nbytes(model)
+    total = module_bytes(model)
     found: list[str] = []
 
     def visit(path: str, module: torch.nn.Module) -> None:
         if _streamable(module):
-            if total and _nbytes(module) >= min_share * total:
+            if total and module_bytes(module) >= min_share * total:
                 found.append(path)
             return  # a smaller list inside one entry would stream less
         for name, child in module.named_children():
@@ -53,7 +55,7 @@ def find_block_lists(model: torch.nn.Module, min_share: float = 0.1) -> list[str
 def _streamable(module: torch.nn.Module) -> bool:
     if not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) or len(module) < 2:
         return False
-    sizes = [_nbytes(entry) for entry in module]
+    sizes = [module_bytes(entry) for entry in module]
     if not min(sizes):  # an entry without tensors: nothing to stream
         return False
     if len({_signature(entry) for entry in module}) == 1:
@@ -66,6 +68,3 @@ def _signature(module: torch.nn.Module) -> tuple:
     return type(module), tuple((n, tuple(t.shape), t.dtype) for n, t in tensors)
 
 
-def _nbytes(module: torch.nn.Module) -> int:
-    unique = {id(t): t for t in [*module.parameters(), *module.buffers()]}
-    return sum(t.numel() * t.element_size() for t in unique.values())

@@ -44,8 +44,9 @@ import torch
 
 from shuttle.apply.merge import MergeReport
 from shuttle.apply.plan import AdapterList, normalize_loras
-from shuttle.apply.scoped import Mode
+from shuttle.apply.scoped import Mode, check_mode
 from shuttle.cache import LoRASpec, ModelCache, ModelSpec, ObjectSpec
+from shuttle.cache.specs import module_bytes
 from shuttle.errors import BudgetTooSmallError, OffloadError
 from shuttle.formats import LoRA
 from shuttle.formats.safetensors_file import LazyTensor
@@ -54,7 +55,6 @@ from shuttle.integrations.activations import ActivationMeter, CallShrinker, Devi
 from shuttle.integrations.budgets import SourcedSpec, check_device, host_shares
 from shuttle.integrations.routing import route_lora
 from shuttle.offload import ModelOffloader, ResidencyPlan, RingOnlyResidency, StreamConfig
-from shuttle.offload.adapters import check_mode
 from shuttle.offload.host_storage import HostBacking, HostStorage
 from shuttle.offload.residency import floor_bytes
 
@@ -239,11 +239,11 @@ class OffloadHandle:
 
         Raises:
             InvalidStrengthError: a strength is not a finite number.
-            OffloadError: an unknown ``mode``.
+            InvalidOptionError: an unknown ``mode``.
             DuplicateTargetError: one key lands in two modules.
             Whatever ``shuttle.load_lora`` raises for a source. Nothing changes on error.
         """
-        check_mode(mode, None)
+        check_mode(mode, "OffloadHandle.set_loras")
         pairs = normalize_loras(loras)
         modules = {n: c.module for n, c in self._components.items()}
         specs: dict[int, tuple[LoRA, dict[str, LoRASpec]]] = {}
@@ -318,7 +318,7 @@ class OffloadHandle:
         key = f"{key_prefix}.{name}"
         if sources is None:
             spec: Any = ModelSpec(key, factory=lambda: module,
-                                  estimated_bytes=_weight_bytes(module), blocks=paths, host=host)
+                                  estimated_bytes=module_bytes(module), blocks=paths, host=host)
         else:
             spec = SourcedSpec(key, module, paths, host, sources,
                                 *(share if share is not None else (None, None)))
@@ -534,11 +534,6 @@ def _check_free(modules: Mapping[str, torch.nn.Module], methods: Mapping[str, Se
         if taken:
             raise OffloadError(f"{name}: instance attributes {taken} are set already (another "
                                "library's offload hooks?); remove them before offloading")
-
-
-def _weight_bytes(module: torch.nn.Module) -> int:
-    unique = {id(t): t for t in [*module.parameters(), *module.buffers()]}
-    return sum(t.numel() * t.element_size() for t in unique.values())
 
 
 def _restore(storage: HostStorage, devices: dict[tuple[int, str, bool], torch.device]) -> None:

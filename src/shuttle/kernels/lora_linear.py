@@ -19,7 +19,7 @@ not to the wide output. For T > 64 on Hopper the same sum runs on the TMA kernel
 :mod:`shuttle.kernels.lora_linear_tma`.
 
 Numerics and the fallback to :func:`lora_linear_fused_reference`: as for every LoRA linear kernel
-(:mod:`shuttle.kernels.lora_linear_common`).
+(:mod:`shuttle.kernels.lora_launch`).
 """
 
 from __future__ import annotations
@@ -36,16 +36,16 @@ from shuttle.kernels.launch import (
     on_device_of,
     sm_count,
 )
-from shuttle.kernels.lora_linear_common import (
-    _SMALL_T,
+from shuttle.kernels.lora_launch import (
+    SMALL_T,
     FusedConfig,
-    _acc_dtype,
-    _fit_step,
-    _ieee,
-    _rows,
-    _use_kernel,
+    acc_dtype,
+    fit_step,
+    ieee_dot,
+    unit_stride,
+    use_kernel,
 )
-from shuttle.kernels.lora_linear_tma import _fused_tma_config, _linear_tma, _tma_dtypes
+from shuttle.kernels.lora_linear_tma import fused_tma_config, linear_tma, tma_dtypes
 from shuttle.kernels.tma import tma_addressable
 
 __all__ = [
@@ -61,7 +61,7 @@ __all__ = [
 # a compute-bound GEMM: the Triton matmul tutorial's Hopper bf16 tile (128 x 256 x 64, 8 warps,
 # 3 stages: 3 x (128 + 256) x 64 x 2 B = 144 KiB of staged tiles). At bf16 prefill shapes it
 # beats 128 x 128 and 64 x 256 tiles; 4 stages and 32-rank steps make no measurable difference.
-# float32 operands get shorter K/rank steps so their staged tiles fit (_fit_step). At T <= 64
+# float32 operands get shorter K/rank steps so their staged tiles fit (fit_step). At T <= 64
 # (decode) the kernel is bound by reading W, so smaller column tiles give more programs; decode
 # timings were dominated by host overhead and are not settled.
 FUSED_CUDA_CONFIG = FusedConfig(128, 256, 64, 64, 8, 8, 3)
@@ -80,7 +80,7 @@ def lora_linear_fused_reference(x: torch.Tensor, weight: torch.Tensor, bias: tor
 
     Materialises float32 copies of the operands: a fallback and an oracle, not a fast path.
     """
-    acc = _acc_dtype(x, weight, s, up, bias)
+    acc = acc_dtype(x, weight, s, up, bias)
     out = torch.matmul(x.to(acc), weight.to(acc).T)
     out.addmm_(s.to(acc), up.to(acc).T)
     if bias is not None:
@@ -196,29 +196,29 @@ def lora_linear_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
                          f"got {tuple(bias.shape)}")
     r = s.shape[1]
     interpret = interpreting()
-    if t == 0 or n == 0 or r == 0 or not _use_kernel(interpret, x, weight, bias, s, up):
+    if t == 0 or n == 0 or r == 0 or not use_kernel(interpret, x, weight, bias, s, up):
         return lora_linear_fused_reference(x, weight, bias, s, up)
 
-    if tma or (tma is None and not interpret and t > _SMALL_T and _tma_dtypes(x, weight, s, up)
+    if tma or (tma is None and not interpret and t > SMALL_T and tma_dtypes(x, weight, s, up)
                and tma_addressable(x, weight, s, up) and n % 8 == 0):
         out = torch.empty(t, n, dtype=x.dtype, device=x.device)
         cfg = (FusedConfig(*config) if config
-               else _fused_tma_config(t, n, sm_count(x.device.index) if x.is_cuda else 1))
-        _linear_tma(x, weight, s, up, bias, None, out, cfg)
+               else fused_tma_config(t, n, sm_count(x.device.index) if x.is_cuda else 1))
+        linear_tma(x, weight, s, up, bias, None, out, cfg)
         return out
     if config is not None:
         cfg = FusedConfig(*config)
     elif interpret:
         cfg = _FUSED_INTERPRET_CONFIG
     else:
-        cfg = FUSED_CUDA_SMALL_T_CONFIG if t <= _SMALL_T else FUSED_CUDA_CONFIG
-    bt = cfg.block_t or min(_SMALL_T, max(16, next_power_of_2(t)))
+        cfg = FUSED_CUDA_SMALL_T_CONFIG if t <= SMALL_T else FUSED_CUDA_CONFIG
+    bt = cfg.block_t or min(SMALL_T, max(16, next_power_of_2(t)))
     bn = cfg.block_n
     # float32 operands take twice the staged shared memory: shorter K/rank steps keep them fit.
-    bk = _fit_step(cfg.block_k, bt, bn, x.element_size(), weight.element_size(), cfg.num_stages)
-    br = _fit_step(min(max(16, cfg.block_r), max(16, next_power_of_2(r))), bt, bn,
+    bk = fit_step(cfg.block_k, bt, bn, x.element_size(), weight.element_size(), cfg.num_stages)
+    br = fit_step(min(max(16, cfg.block_r), max(16, next_power_of_2(r))), bt, bn,
                    s.element_size(), up.element_size(), cfg.num_stages)
-    x, weight, s, up = _rows(x), _rows(weight), _rows(s), _rows(up)
+    x, weight, s, up = unit_stride(x), unit_stride(weight), unit_stride(s), unit_stride(up)
     if bias is not None:
         bias = bias.contiguous()
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
@@ -228,7 +228,7 @@ def lora_linear_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
             x, weight, bias if bias is not None else out, s, up, out, t, n, k, r,
             x.stride(0), weight.stride(0), s.stride(0), up.stride(0), out.stride(0),
             BT=bt, BN=bn, BK=bk, BR=br, GROUP=max(1, cfg.group), HAS_BIAS=bias is not None,
-            BASE_IEEE=_ieee(x.dtype, weight.dtype, interpret),
-            LORA_IEEE=_ieee(s.dtype, up.dtype, interpret),
+            BASE_IEEE=ieee_dot(x.dtype, weight.dtype, interpret),
+            LORA_IEEE=ieee_dot(s.dtype, up.dtype, interpret),
             EVEN_K=k % bk == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out

@@ -36,7 +36,7 @@ from shuttle.kernels.launch import (
     sm_count,
     triton_available,
 )
-from shuttle.kernels.lora_linear_common import _SMALL_T, FusedConfig
+from shuttle.kernels.lora_launch import SMALL_T, FusedConfig
 from shuttle.kernels.tma import ensure_allocator, tma_addressable
 
 __all__ = [
@@ -45,6 +45,9 @@ __all__ = [
     "FUSED_TMA_NARROW_CONFIG",
     "SHRINK_TMA_CONFIG",
     "PreparedLoraLinear",
+    "fused_tma_config",
+    "linear_tma",
+    "tma_dtypes",
 ]
 
 # Defaults for sm_90 (132 SMs, 227 KiB shared memory per block).
@@ -184,7 +187,7 @@ class PreparedLoraLinear:
         self.usable = (
             triton_available() and not interpreting() and weight.is_cuda and n > 0 and r > 0
             and down.shape == (r, k) and up.shape == (n, r) and n % 8 == 0 and r % 8 == 0
-            and _tma_dtypes(weight, down, up) and tma_addressable(weight, down, up)
+            and tma_dtypes(weight, down, up) and tma_addressable(weight, down, up)
             and (bias is None or (bias.shape == (n,) and bias.is_contiguous()
                                   and bias.device == weight.device)))
         if not self.usable:
@@ -217,7 +220,7 @@ class PreparedLoraLinear:
         t = x.shape[0]
         weight = self._weight()
         bias = self._bias() if self._bias is not None else None
-        if (t <= _SMALL_T or weight is None or x.dtype != self._dtype or x.shape[1] != self._k
+        if (t <= SMALL_T or weight is None or x.dtype != self._dtype or x.shape[1] != self._k
                 or x.get_device() != self._device or x.stride(1) != 1 or x.data_ptr() % 16
                 or x.stride(0) % 8 or scale.dtype != torch.float32 or scale.shape != (self._r,)
                 or scale.stride(0) != 1
@@ -230,17 +233,17 @@ class PreparedLoraLinear:
         with on_device_of(x):
             _launch_tma(x, self.down, None, None, None, scale, s, self._sms, self._shrink)
             _launch_tma(x, weight, s, self.up, bias, None, out, self._sms,
-                        self._fused[_fused_tma_config(t, self._n, self._sms)])
+                        self._fused[fused_tma_config(t, self._n, self._sms)])
         return out
 
 
-def _tma_dtypes(*tensors: torch.Tensor) -> bool:
+def tma_dtypes(*tensors: torch.Tensor) -> bool:
     """One 16-bit dtype for every operand (the TMA kernel's native dot, 2-byte tiles)."""
     return len({t.dtype for t in tensors}) == 1 and tensors[0].dtype in (torch.bfloat16,
                                                                        torch.float16)
 
 
-def _fused_tma_config(t: int, n: int, sms: int) -> FusedConfig:
+def fused_tma_config(t: int, n: int, sms: int) -> FusedConfig:
     """FUSED_TMA_CONFIG, or FUSED_TMA_NARROW_CONFIG where its tiles fill the SMs' rounds poorly."""
     tiles = cdiv(t, FUSED_TMA_CONFIG.block_t) * cdiv(n, FUSED_TMA_CONFIG.block_n)
     fill = tiles / (cdiv(tiles, sms) * sms)
@@ -282,9 +285,9 @@ def _launch_tma(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None,
         N_PROGS=progs, **constexprs)
 
 
-def _linear_tma(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None,
-                up: torch.Tensor | None, bias: torch.Tensor | None, scale: torch.Tensor | None,
-                out: torch.Tensor, cfg: FusedConfig) -> None:
+def linear_tma(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None,
+               up: torch.Tensor | None, bias: torch.Tensor | None, scale: torch.Tensor | None,
+               out: torch.Tensor, cfg: FusedConfig) -> None:
     """``out = x @ w.T (+ s @ up.T) (* scale) (+ bias)`` by the TMA kernel (see _kernel)."""
     if bias is not None:
         bias = bias.contiguous()

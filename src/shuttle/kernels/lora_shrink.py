@@ -14,7 +14,7 @@ rounded on the host. For T > 64 on Hopper the shrink runs on the TMA kernel of
 :mod:`shuttle.kernels.lora_linear_tma` (the ranks as output columns, ``scale`` as column scale).
 
 Numerics and the fallback to :func:`lora_shrink_reference`: as for every LoRA linear kernel
-(:mod:`shuttle.kernels.lora_linear_common`).
+(:mod:`shuttle.kernels.lora_launch`).
 """
 
 from __future__ import annotations
@@ -32,15 +32,15 @@ from shuttle.kernels.launch import (
     on_device_of,
     sm_count,
 )
-from shuttle.kernels.lora_linear_common import (
-    _SMALL_T,
-    _acc_dtype,
-    _fit_step,
-    _ieee,
-    _rows,
-    _use_kernel,
+from shuttle.kernels.lora_launch import (
+    SMALL_T,
+    acc_dtype,
+    fit_step,
+    ieee_dot,
+    unit_stride,
+    use_kernel,
 )
-from shuttle.kernels.lora_linear_tma import SHRINK_TMA_CONFIG, _linear_tma, _tma_dtypes
+from shuttle.kernels.lora_linear_tma import SHRINK_TMA_CONFIG, linear_tma, tma_dtypes
 from shuttle.kernels.tma import tma_addressable
 
 __all__ = ["SHRINK_CUDA_CONFIG", "ShrinkConfig", "lora_shrink", "lora_shrink_reference"]
@@ -71,12 +71,12 @@ _SHRINK_INTERPRET_CONFIG = ShrinkConfig(16, 16, 16, 1, 1, 1)
 
 def _shrink_out_dtype(x: torch.Tensor, down: torch.Tensor) -> torch.dtype:
     """x.dtype when the factor has x's dtype, else float32 (or float64 for float64 inputs)."""
-    return x.dtype if down.dtype == x.dtype else _acc_dtype(x, down)
+    return x.dtype if down.dtype == x.dtype else acc_dtype(x, down)
 
 
 def lora_shrink_reference(x: torch.Tensor, down: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``(x @ down.T) * scale`` accumulated in float32 and rounded once; see :func:`lora_shrink`."""
-    acc = _acc_dtype(x, down)
+    acc = acc_dtype(x, down)
     s = torch.matmul(x.to(acc), down.to(acc).T)
     s.mul_(scale.to(acc))
     return s.to(_shrink_out_dtype(x, down))
@@ -168,21 +168,21 @@ def lora_shrink(x: torch.Tensor, down: torch.Tensor, scale: torch.Tensor,
     if scale.shape != (r,):
         raise ValueError(f"lora_shrink: scale of shape ({r},) expected, got {tuple(scale.shape)}")
     interpret = interpreting()  # read once: an environment lookup costs microseconds
-    if t == 0 or r == 0 or not _use_kernel(interpret, x, down, scale):
+    if t == 0 or r == 0 or not use_kernel(interpret, x, down, scale):
         return lora_shrink_reference(x, down, scale)
 
-    x, down = _rows(x), _rows(down)
+    x, down = unit_stride(x), unit_stride(down)
     scale = scale.to(torch.float32).contiguous()
     out_dtype = _shrink_out_dtype(x, down)
-    if tma or (tma is None and not interpret and t > _SMALL_T
-               and _tma_dtypes(x, down) and tma_addressable(x, down) and r % 8 == 0):
+    if tma or (tma is None and not interpret and t > SMALL_T
+               and tma_dtypes(x, down) and tma_addressable(x, down) and r % 8 == 0):
         out = torch.empty(t, r, dtype=out_dtype, device=x.device)
-        _linear_tma(x, down, None, None, None, scale, out, SHRINK_TMA_CONFIG)
+        linear_tma(x, down, None, None, None, scale, out, SHRINK_TMA_CONFIG)
         return out
     cfg = ShrinkConfig(*(config or (_SHRINK_INTERPRET_CONFIG if interpret else SHRINK_CUDA_CONFIG)))
     bt = cfg.block_t
     br = min(max(16, cfg.block_r), max(16, next_power_of_2(r)))
-    bk = _fit_step(cfg.block_k, bt, br, x.element_size(), down.element_size(), cfg.num_stages)
+    bk = fit_step(cfg.block_k, bt, br, x.element_size(), down.element_size(), cfg.num_stages)
     tiles = cdiv(t, bt) * cdiv(r, br)
     k_blocks = max(1, cdiv(k, bk))
     split = cfg.split_k
@@ -199,7 +199,7 @@ def lora_shrink(x: torch.Tensor, down: torch.Tensor, scale: torch.Tensor,
         _kernel()[(cdiv(t, bt), cdiv(r, br), split)](
             x, down, scale, out, t, r, k, per_split * bk, x.stride(0), down.stride(0),
             out.stride(1), out.stride(0),
-            BT=bt, BR=br, BK=bk, SPLIT=split, IEEE=_ieee(x.dtype, down.dtype, interpret),
+            BT=bt, BR=br, BK=bk, SPLIT=split, IEEE=ieee_dot(x.dtype, down.dtype, interpret),
             EVEN_K=k % bk == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:
         return out.sum(0).mul_(scale).to(out_dtype)

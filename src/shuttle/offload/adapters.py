@@ -41,14 +41,14 @@ from shuttle.apply.notes import plan_notes
 from shuttle.apply.param_merge import exact_cublas, merge_param
 from shuttle.apply.plan import AdapterList, Contribution, plan_params
 from shuttle.apply.rounding import merge_seeds
-from shuttle.apply.scoped import MODES, Mode
+from shuttle.apply.scoped import Mode
 from shuttle.errors import OffloadError, UnsupportedLayerError
 from shuttle.hooks import add_hook, substituted
 from shuttle.offload.host_storage import HostStorage, HostUnit
 from shuttle.targets import KeyMapping, fused_modules
 from shuttle.weights.plain import is_plain_tensor
 
-__all__ = ["ActivationAdapters", "check_mode", "former_mode"]
+__all__ = ["ActivationAdapters", "check_quality", "former_mode"]
 
 
 
@@ -75,12 +75,8 @@ def former_mode(mode: Mode, lora_mode: Mode | None) -> Mode:
     return lora_mode
 
 
-def check_mode(mode: str, quality: Quality | None) -> None:
-    """Raise :class:`OffloadError` for an unknown ``mode`` or ``quality``."""
-    if mode not in MODES:
-        raise OffloadError(f"mode={mode!r}: expected 'merge' (folded into each weight "
-                           "as it lands), 'dynamic' (added at forward time) or 'auto' (merged "
-                           "where the weight's dtype keeps the update, dynamic elsewhere)")
+def check_quality(quality: Quality | None) -> None:
+    """Raise :class:`OffloadError` for an unknown ``quality`` (None: the default)."""
     if quality is not None and quality not in QUALITIES:
         raise OffloadError(f"quality={quality!r}: expected one of {', '.join(QUALITIES)}")
 

@@ -156,6 +156,15 @@ class LayerStreamer:
         if not self._resident[i] and slot is not None:
             self.pool.release(slot)
 
+    def slot_of(self, i: int) -> int | None:
+        """The slot that holds layer ``i`` now (None: none, or it is resident)."""
+        return self._slot_of[i]
+
+    def release_later(self, slot: int) -> None:
+        """Free ``slot`` at the next hook call (a backward's kernels read it until then)."""
+        if slot not in self._pending:
+            self._pending.append(slot)
+
     def _ahead(self, i: int) -> tuple[int, ...]:
         # The next `depth` streamed layers along the learned order (at most one lap).
         out: list[int] = []

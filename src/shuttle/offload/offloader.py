@@ -39,14 +39,14 @@ import contextlib
 import dataclasses
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
 from shuttle.apply.auto import DEFAULT_THRESHOLD, check_threshold
 from shuttle.apply.dynamic_layer import Quality
 from shuttle.apply.plan import AdapterList, normalize_loras
-from shuttle.apply.scoped import Mode
+from shuttle.apply.scoped import Mode, check_mode
 from shuttle.errors import (
     AlreadyActiveError,
     BudgetTooSmallError,
@@ -54,7 +54,7 @@ from shuttle.errors import (
     StreamModeError,
 )
 from shuttle.formats.safetensors_file import LazyTensor
-from shuttle.offload.adapters import ActivationAdapters, check_mode, former_mode
+from shuttle.offload.adapters import ActivationAdapters, check_quality, former_mode
 from shuttle.offload.coded import Decoder
 from shuttle.offload.compiled import BlockCompiler
 from shuttle.offload.host_storage import (
@@ -73,7 +73,7 @@ from shuttle.offload.residency import (
     plan_residency,
 )
 from shuttle.offload.slots import SlotPool
-from shuttle.offload.streamer import BlockStreamer
+from shuttle.offload.streamer import BlockStreamer, Streamer
 from shuttle.offload.training import host_step
 from shuttle.offload.units import units_of
 from shuttle.targets import KeyMapping
@@ -323,7 +323,8 @@ class ModelOffloader:
         Raises:
             AlreadyActiveError: an activation is in progress (call ``deactivate`` first).
             BudgetTooSmallError: ``stream.vram_budget`` is too small; nothing was changed.
-            OffloadError: an unknown ``mode`` or ``quality``; a ``plan`` with a ``stream`` that
+            InvalidOptionError: an unknown ``mode``.
+            OffloadError: an unknown ``quality``; a ``plan`` with a ``stream`` that
                 asks for a residency too (``vram_budget``, ``resident`` or ``policy``: the
                 plan was chosen from one already), or a plan that does not fit this model.
             InvalidStrengthError: ``auto_threshold`` is not a finite number >= 0.
@@ -341,7 +342,8 @@ class ModelOffloader:
                 "(or leave the use() block) before activating again"
             )
         mode = former_mode(mode, lora_mode)
-        check_mode(mode, quality)
+        check_mode(mode, "ModelOffloader.activate")
+        check_quality(quality)
         auto_threshold = check_threshold(auto_threshold)
         if stream is not None and stream.compile is not False and not self.blocks:
             raise StreamModeError(
@@ -451,7 +453,7 @@ class ModelOffloader:
         adapters = active.adapters
         merged = frozenset(u.name for u in self.storage.units if adapters is not None
                            and adapters.touches(u))
-        streamers: list[Any] = list(active.streamers.values())
+        streamers: list[Streamer] = list(active.streamers.values())
         if active.layer_streamer is not None:
             streamers.append(active.layer_streamer)
         with host_step(self.storage, active.placed, streamers, merged):

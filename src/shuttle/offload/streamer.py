@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -56,7 +56,8 @@ from shuttle.hooks import HookGroup, ModuleHook
 from shuttle.offload.host_storage import HostUnit
 from shuttle.offload.slots import SlotPool
 
-__all__ = ["BlockStreamer", "SlotGuard", "SlotHook", "in_backward", "outer_saved_hooks"]
+__all__ = ["BlockStreamer", "SlotGuard", "SlotHook", "Streamer", "in_backward",
+           "outer_saved_hooks"]
 
 
 def in_backward() -> bool:
@@ -75,17 +76,63 @@ class _Saved(NamedTuple):
     tensor: torch.Tensor
 
 
+class Streamer(Protocol):
+    """A ring of device slots that modules' weights stream through as the modules are called:
+    :class:`BlockStreamer` (a block group) and
+    :class:`~shuttle.offload.layer_streamer.LayerStreamer` (layers). What its hooks
+    (:class:`SlotHook`), its saved-tensor guard (:class:`SlotGuard`), the offloader and a training
+    step's host update (:func:`~shuttle.offload.training.host_step`) ask of it. Positions ``i``
+    index its modules and their host units alike.
+    """
+
+    pool: SlotPool
+    units: list[HostUnit]
+    guard: SlotGuard
+    loads: int  # loads queued so far (host-side counter, for tests and reports)
+
+    def warm(self) -> None:
+        """Queue the loads of the first streamed modules (as many as the ring holds)."""
+
+    def attach(self) -> None:
+        """Install a :class:`SlotHook` on every module (undone exactly by :meth:`detach`)."""
+
+    def detach(self) -> None:
+        """Remove every hook this streamer installed."""
+
+    def invalidate(self) -> None:
+        """Forget what the slots hold (the host copies changed) and queue the first loads."""
+
+    def guarded(self, i: int, args: tuple, kwargs: dict) -> bool:
+        """Whether module ``i``'s forward runs under :attr:`guard`."""
+
+    def before(self, i: int) -> None:
+        """Module ``i`` is about to run: its weights in place, the next ones on their way."""
+
+    def after(self, i: int) -> None:
+        """Module ``i``'s forward has been queued: its slot may be reused after it."""
+
+    def slot_of(self, i: int) -> int | None:
+        """The slot that holds module ``i`` now (None: none, or it is resident elsewhere)."""
+
+    def release_later(self, slot: int) -> None:
+        """Free ``slot`` at the next hook call rather than now: a backward reads it, and its
+        kernels are queued after this point.
+        """
+
+
 class SlotGuard:
     """Saved-tensor hooks that check at backward time that a saved slot view is still valid.
 
-    ``streamer`` has ``pool``, ``units``, ``_slot_of`` (position -> slot or None) and
-    ``_pending`` (slots to free at its next hook call). A tensor saved during unit ``i``'s
-    forward whose storage is one of the pool's slots is packed with ``(i, slot)``; unpacking
-    it raises :class:`CheckpointRequiredError` unless that slot still holds unit ``i``, and
-    queues the slot's free event again (the backward kernels read it now).
+    A tensor saved during unit ``i``'s forward whose storage is one of the streamer's pool's
+    slots is packed with ``(i, slot)``; unpacking it raises :class:`CheckpointRequiredError`
+    unless that slot still holds unit ``i`` (:meth:`Streamer.slot_of`), and frees the slot
+    again after the backward's kernels (:meth:`Streamer.release_later`).
+
+    Args:
+        streamer: the streamer whose slots are checked.
     """
 
-    def __init__(self, streamer: Any):
+    def __init__(self, streamer: Streamer):
         self.streamer = streamer
         buffers = streamer.pool.buffers
         self.slots = {b.untyped_storage().data_ptr(): k for k, b in enumerate(buffers)}
@@ -99,18 +146,18 @@ class SlotGuard:
         return torch.autograd.graph.saved_tensors_hooks(pack, self.unpack)
 
     def unpack(self, x: Any) -> torch.Tensor:
+        """The saved tensor, checked (see the class)."""
         if not isinstance(x, _Saved):
             return x
         s = self.streamer
-        if s._slot_of[x.position] != x.slot:
+        if s.slot_of(x.position) != x.slot:
             raise CheckpointRequiredError(
                 f"the backward reads weights of {s.units[x.position].name} from a device slot "
                 "that was refilled since its forward: wrap each streamed block in "
                 "torch.utils.checkpoint.checkpoint(block, ..., use_reentrant=False) (layer mode: "
                 "keep the layers resident, or train with blocks=), or run under torch.no_grad()"
             )
-        if x.slot not in s._pending:
-            s._pending.append(x.slot)
+        s.release_later(x.slot)
         return x.tensor
 
 
@@ -120,7 +167,7 @@ class SlotHook(ModuleHook):
     streamer's saved-tensor guard when ``guarded`` says so.
     """
 
-    def __init__(self, streamer: Any, position: int):
+    def __init__(self, streamer: Streamer, position: int):
         self.streamer = streamer
         self.position = position
 
@@ -258,9 +305,18 @@ class BlockStreamer:
         slot = self._slot_of[i]
         if not self._resident[i] and slot is not None:
             if in_backward():  # its backward is still to come: free it at the next hook
-                self._pending.append(slot)
+                self.release_later(slot)
             else:
                 self.pool.release(slot)
+
+    def slot_of(self, i: int) -> int | None:
+        """The ring slot that holds block ``i`` now (None: none, or it is resident)."""
+        return self._slot_of[i]
+
+    def release_later(self, slot: int) -> None:
+        """Free ``slot`` at the next hook call (a backward's kernels read it until then)."""
+        if slot not in self._pending:
+            self._pending.append(slot)
 
     def _flush(self) -> None:
         # A recomputation's slot is freed only now: the block's backward kernels, queued

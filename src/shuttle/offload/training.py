@@ -31,6 +31,7 @@ import torch
 from shuttle.errors import PendingGradientError, StreamModeError
 from shuttle.offload.host_storage import HostStorage, HostUnit
 from shuttle.offload.slots import SlotPool
+from shuttle.offload.streamer import Streamer
 from shuttle.weights.dtensor import is_dtensor
 
 __all__ = ["host_step", "trainable_units"]
@@ -52,14 +53,14 @@ def trainable_units(storage: HostStorage) -> list[tuple[HostUnit, list[torch.nn.
 
 @contextlib.contextmanager
 def host_step(storage: HostStorage, resident: Sequence[tuple[SlotPool, int, HostUnit]],
-              streamers: Sequence, merged: frozenset[str]) -> Iterator[None]:
+              streamers: Sequence[Streamer], merged: frozenset[str]) -> Iterator[None]:
     """Point trainable parameters (and their gradients) at the host for the ``with`` body.
 
     Args:
         storage: the offloaded model's host storage.
         resident: ``(pool, slot, unit)`` for every unit placed on the device for the whole
             activation; those with trainable parameters are copied again after the step.
-        streamers: the activation's block and layer streamers (each has ``invalidate()``).
+        streamers: the activation's block and layer streamers.
         merged: names of units that a merge-mode adapter folds into.
 
     Raises:

@@ -5,11 +5,11 @@ functions it installs are usable on their own: :func:`lora_linear`, :func:`lora_
 (q/k/v sharing one input), :func:`lora_mlp` (SwiGLU / GeGLU).
 """
 
-from shuttle.train.accelerate import AccelerateReport, accelerate, restore
 from shuttle.train.frozen import FrozenLinear, frozen_linear
 from shuttle.train.lora_linear import lora_linear
 from shuttle.train.lora_mlp import lora_mlp
 from shuttle.train.lora_qkv import lora_projections
+from shuttle.train.peft_patch import AccelerateReport, accelerate, restore
 
 __all__ = [
     "AccelerateReport",

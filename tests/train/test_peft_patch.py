@@ -42,7 +42,7 @@ def calls(monkeypatch):
     """Counts the functions the hooks call: lora_linear, lora_mlp, lora_projections."""
     import importlib
 
-    module = importlib.import_module("shuttle.train.accelerate")
+    module = importlib.import_module("shuttle.train.peft_hooks")
     counts = {"lora_linear": 0, "lora_mlp": 0, "lora_projections": 0}
     for name in counts:
         real = getattr(module, name)
@@ -276,7 +276,7 @@ def test_projections_at_the_wrapped_root_are_grouped_once_and_wrappers_not_repor
 
 
 def test_a_group_whose_members_see_different_tensors_turns_itself_off():
-    from shuttle.train.accelerate import _LinearHook
+    from shuttle.train.peft_hooks import LinearHook
 
     model = _cross_model(_Fooled)
     ref = copy.deepcopy(model)
@@ -285,7 +285,7 @@ def test_a_group_whose_members_see_different_tensors_turns_itself_off():
     inner = model.base_model.model[0]
     for _ in range(3):
         torch.testing.assert_close(inner(x, ctx), ref.base_model.model[0](x, ctx))
-    group = next(h for h in hooks_of(inner.q_proj) if isinstance(h, _LinearHook)).group
+    group = next(h for h in hooks_of(inner.q_proj) if isinstance(h, LinearHook)).group
     assert not group.on
 
 
