@@ -58,7 +58,7 @@ __all__ = ["HostBacking", "HostNeeds", "HostStorage", "HostUnit", "Layout"]
 
 HostBacking = Literal["pinned", "adopt"]
 
-_CAPTURE_WORKERS = 4  # arenas filled at once (measured: 4 threads ~1.6x one; 8 no better)
+_CAPTURE_WORKERS = 4  # arenas filled at once (more add little: docs/benchmarks/offload_capture.md)
 MIN_STAGING = 16 * 2**20  # the smallest staging buffer a plan uses (smaller: chunks too small)
 
 
