@@ -11,56 +11,49 @@ from shuttle.apply import (
     ExtractReport,
     LoadReport,
     MergeReport,
+    Note,
     UnmergeReport,
     apply_lora,
     attach_lora,
+    clear_memo,
     extract_lora,
     load_checkpoint,
     lora_scale,
     merge_lora,
-    replacement_parameters,
     scaled_stream,
     unmerge_lora,
 )
 from shuttle.apply.merge_files import FileMergeReport, merge_files
-from shuttle.cache import (
-    LoRASpec,
-    LRUEvictionPolicy,
-    ModelCache,
-    ModelSpec,
-    ObjectSpec,
-    ResourceCache,
-)
-from shuttle.formats import FORMATS, LoRA, load_lora, register_format, save_lora
+from shuttle.cache import LoRASpec, ModelCache, ModelSpec
+from shuttle.formats import LoRA, load_lora, register_format, save_lora
+from shuttle.integrations.handle import OffloadHandle
 from shuttle.offload import ModelOffloader, StreamConfig
-from shuttle.patches import PATCH_KINDS, register_patch
+from shuttle.patches import register_patch
 from shuttle.targets import Resolution, resolve
 from shuttle.version import __version__ as __version__
 from shuttle.weights import upcast_on_use
 
 __all__ = [
-    "FORMATS",
     "AdapterReport",
     "AutoReport",
     "DynamicAdapters",
     "ExtractReport",
     "FileMergeReport",
-    "PATCH_KINDS",
     "LoRA",
     "LoRASpec",
-    "LRUEvictionPolicy",
     "LoadReport",
     "MergeReport",
     "ModelCache",
     "ModelOffloader",
     "ModelSpec",
-    "ObjectSpec",
+    "Note",
+    "OffloadHandle",
     "Resolution",
-    "ResourceCache",
     "StreamConfig",
     "UnmergeReport",
     "apply_lora",
     "attach_lora",
+    "clear_memo",
     "errors",
     "extract_lora",
     "load_checkpoint",
@@ -70,7 +63,6 @@ __all__ = [
     "merge_lora",
     "register_format",
     "register_patch",
-    "replacement_parameters",
     "resolve",
     "save_lora",
     "scaled_stream",

@@ -15,7 +15,7 @@ from shuttle.apply.auto import AutoReport, decide
 from shuttle.apply.plan import plan_merge
 from shuttle.errors import InvalidStrengthError, ShapeMismatchError
 from shuttle.hooks import hooks_of
-from tests import snapshot
+from tests import assert_unchanged, snapshot
 
 
 def _model(dtype=torch.bfloat16):
@@ -35,8 +35,7 @@ def _adapter():
 
 
 def _assert_restored(model, before):
-    for n, p in model.named_parameters():
-        assert torch.equal(p.view(torch.int16), before[n].view(torch.int16)), n
+    assert_unchanged(model, before)
     assert all(not hooks_of(m) for m in model.modules())
 
 

@@ -212,11 +212,11 @@ def test_set_weight_supplies_a_missing_parameter(tmp_path, dtype, monkeypatch):
 
     monkeypatch.setattr(SafetensorsFile, "read", no_read)
     want = frozenset({"gate.weight"})
-    assert shuttle.replacement_parameters(gate, meta_model(dtype, gate=True)) == want
+    assert shuttle.apply.replacement_parameters(gate, meta_model(dtype, gate=True)) == want
     names = [n for n, _ in Net(gate=True).named_parameters()]
-    assert shuttle.replacement_parameters(gate, names) == want
-    assert shuttle.replacement_parameters(gate, {n: (1,) for n in names}) == want
-    assert shuttle.replacement_parameters(gate, names[:-1]) == frozenset()
+    assert shuttle.apply.replacement_parameters(gate, names) == want
+    assert shuttle.apply.replacement_parameters(gate, {n: (1,) for n in names}) == want
+    assert shuttle.apply.replacement_parameters(gate, names[:-1]) == frozenset()
 
 
 @pytest.mark.parametrize("stored_as", ["emb.weight", "head.weight"])

@@ -18,6 +18,7 @@ from shuttle.errors import (
     ShuttleError,
     WideningError,
 )
+from tests import assert_unchanged, snapshot
 from tests.ranks import backends, run_ranks
 
 
@@ -34,10 +35,6 @@ def _lora(seed: int = 1) -> dict[str, torch.Tensor]:
             for p, s in (("A", (4, n)), ("B", (o, 4)))}
 
 
-def _state(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
 def test_a_kept_merge_is_undone_bit_for_bit(dtype):
     model = _model(torch.float32)
@@ -46,21 +43,20 @@ def test_a_kept_merge_is_undone_bit_for_bit(dtype):
             layer.weight.data = layer.weight.data.to(dtype)
     else:
         model = model.to(dtype)
-    before = _state(model)
+    before = snapshot(model)
     report = shuttle.merge_lora(model, [(_lora(), 0.8)], keep=True)
     assert {k: v.device.type for k, v in report.kept.items()} == {
         "0.weight": "cpu", "2.weight": "cpu"}
-    assert any(not torch.equal(v.float(), before[k].float()) for k, v in _state(model).items())
+    assert any(not torch.equal(v.float(), before[k].float()) for k, v in snapshot(model).items())
     undone = shuttle.unmerge_lora(model, report)
     assert undone.exact and undone.restored == ["0.weight", "2.weight"]
-    for k, v in _state(model).items():
-        assert torch.equal(v.view(torch.uint8), before[k].view(torch.uint8)), k
+    assert_unchanged(model, before)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_subtraction_lands_within_the_reported_bound(dtype):
     model = _model(dtype)
-    before = _state(model)
+    before = snapshot(model)
     loras = [(_lora(), 0.8), (_lora(2), {"0": 0.5, "2": 0.0})]
     shuttle.merge_lora(model, loras)
     undone = shuttle.unmerge_lora(model, loras)
@@ -84,11 +80,10 @@ def test_a_changed_parameter_is_refused_and_nothing_is_written():
     model = _model(torch.bfloat16)
     report = shuttle.merge_lora(model, [(_lora(), 1.0)], keep=True)
     model[2].weight = nn.Parameter(torch.zeros(16, 48, dtype=torch.float16))
-    merged = _state(model)
+    merged = snapshot(model)
     with pytest.raises(ShapeMismatchError, match="'2.weight' changed"):
         shuttle.unmerge_lora(model, report)
-    for k, v in _state(model).items():
-        assert torch.equal(v, merged[k]), k
+    assert_unchanged(model, merged)
 
 
 def test_keep_on_a_widening_merge_is_refused_before_any_change():
@@ -115,10 +110,10 @@ def test_the_subtraction_bound_is_the_documented_one_and_tight(dtype, rounding, 
     # one for nearest, two for stochastic, doubled for float32. Not merely an upper bound of
     # the error: the error here reaches an eighth of it or more.
     model = _model(dtype)
-    before = _state(model)
+    before = snapshot(model)
     loras = [(_lora(), 0.8)]
     shuttle.merge_lora(model, loras, rounding=rounding)
-    merged = _state(model)
+    merged = snapshot(model)
     undone = shuttle.unmerge_lora(model, loras, rounding=rounding)
     for name in ("0.weight", "2.weight"):
         now = model.state_dict()[name]
@@ -131,33 +126,28 @@ def test_the_subtraction_bound_is_the_documented_one_and_tight(dtype, rounding, 
 
 def _two_kept(dtype=torch.bfloat16):
     model = _model(dtype)
-    before = _state(model)
+    before = snapshot(model)
     first = shuttle.merge_lora(model, [(_lora(1), 1.0)], keep=True)
     second = shuttle.merge_lora(model, [(_lora(2), 1.0)], keep=True)
     return model, before, first, second
-
-
-def _assert_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    for k, v in _state(model).items():
-        assert torch.equal(v, state[k]), k
 
 
 def test_kept_merges_undone_in_reverse_order_give_the_original_back():
     model, before, first, second = _two_kept()
     assert shuttle.unmerge_lora(model, second).exact
     assert shuttle.unmerge_lora(model, first).exact
-    _assert_state(model, before)
+    assert_unchanged(model, before)
 
 
 def test_an_out_of_order_undo_is_refused_and_nothing_is_written():
     model, before, first, second = _two_kept()
-    both = _state(model)
+    both = snapshot(model)
     with pytest.raises(ScopeOrderError, match="later kept merge.*reverse order"):
         shuttle.unmerge_lora(model, first)
-    _assert_state(model, both)
+    assert_unchanged(model, both)
     shuttle.unmerge_lora(model, second)  # then in order: the original, no adapter resurrected
     shuttle.unmerge_lora(model, first)
-    _assert_state(model, before)
+    assert_unchanged(model, before)
 
 
 def test_a_later_kept_merge_of_one_parameter_orders_that_parameter_only():
@@ -175,10 +165,10 @@ def test_forcing_an_out_of_order_undo_says_what_it_discarded():
     undone = shuttle.unmerge_lora(model, first, force=True)
     assert sorted(undone.discarded) == ["0.weight", "2.weight"]
     assert all("later kept merge" in why for why in undone.discarded.values())
-    _assert_state(model, before)
+    assert_unchanged(model, before)
     with pytest.raises(ParameterChangedError):  # its copy holds the first merge: refused
         shuttle.unmerge_lora(model, second)
-    _assert_state(model, before)
+    assert_unchanged(model, before)
 
 
 @pytest.mark.parametrize("how", ["in place", "merge", "subtraction"])
@@ -194,12 +184,12 @@ def test_a_parameter_written_since_the_merge_is_refused_naming_it(how):
     else:
         shuttle.unmerge_lora(model, [({k: v for k, v in _lora(1).items()
                                        if k.startswith("2.")}, 1.0)])
-    changed = _state(model)
+    changed = snapshot(model)
     with pytest.raises(ParameterChangedError, match="^since the merge, '2.weight' was written"
                        ) as info:
         shuttle.unmerge_lora(model, report)
     assert list(info.value.changed) == ["2.weight"]
-    _assert_state(model, changed)
+    assert_unchanged(model, changed)
     undone = shuttle.unmerge_lora(model, report, force=True)
     assert list(undone.discarded) == ["2.weight"]
     assert torch.equal(model[2].weight, report.kept["2.weight"])
@@ -218,23 +208,23 @@ def test_a_second_undo_of_one_merge_is_refused():
     report = shuttle.merge_lora(model, [(_lora(1), 1.0)], keep=True)
     shuttle.unmerge_lora(model, report)
     shuttle.merge_lora(model, [(_lora(2), 1.0)])
-    merged = _state(model)
+    merged = snapshot(model)
     with pytest.raises(ScopeOrderError, match="undone already"):
         shuttle.unmerge_lora(model, report)
-    _assert_state(model, merged)
+    assert_unchanged(model, merged)
 
 
 def test_an_undo_under_an_open_scoped_merge_is_refused_even_forced():
     model = _model(torch.bfloat16)
-    before = _state(model)
+    before = snapshot(model)
     report = shuttle.merge_lora(model, [(_lora(1), 1.0)], keep=True)
     with shuttle.apply_lora(model, [(_lora(2), 1.0)]):
-        inside = _state(model)
+        inside = snapshot(model)
         with pytest.raises(ScopeOrderError, match="apply_lora.*still open"):
             shuttle.unmerge_lora(model, report, force=True)
-        _assert_state(model, inside)
+        assert_unchanged(model, inside)
     shuttle.unmerge_lora(model, report)  # the block restored the kept merge's weights
-    _assert_state(model, before)
+    assert_unchanged(model, before)
 
 
 def test_a_dropped_later_report_leaves_its_merge_for_good():
@@ -253,19 +243,19 @@ def test_a_dropped_later_report_leaves_its_merge_for_good():
 ])
 def test_a_bad_keep_is_refused_naming_the_choices(keep, error, match):
     model = _model(torch.bfloat16)
-    before = _state(model)
+    before = snapshot(model)
     with pytest.raises(error, match=match):
         shuttle.merge_lora(model, [(_lora(), 1.0)], keep=keep)
-    _assert_state(model, before)
+    assert_unchanged(model, before)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
 def test_keep_cuda_without_cuda_is_refused():
     model = _model(torch.bfloat16)
-    before = _state(model)
+    before = snapshot(model)
     with pytest.raises(DeviceUnavailableError, match="no cuda device.*keep=True"):
         shuttle.merge_lora(model, [(_lora(), 1.0)], keep="cuda")
-    _assert_state(model, before)
+    assert_unchanged(model, before)
 
 
 @pytest.mark.parametrize("merged", [None, 3, "style.safetensors"])
@@ -336,33 +326,33 @@ def test_a_kept_merge_is_undone_after_the_storage_moved():
     # model.to(device) and pinning replace each parameter's .data: the same object, the same
     # values, nothing written, so the copy goes back where the parameter is now
     model = _model(torch.bfloat16)
-    before = _state(model)
+    before = snapshot(model)
     report = shuttle.merge_lora(model, [(_lora(1), 1.0)], keep=True)
     for p in model.parameters():
         p.data = p.data.clone()
     assert shuttle.unmerge_lora(model, report).exact
-    _assert_state(model, before)
+    assert_unchanged(model, before)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_kept_merge_is_undone_after_moving_the_model_to_the_gpu():
     model = _model(torch.bfloat16)
-    before = _state(model)
+    before = snapshot(model)
     report = shuttle.merge_lora(model, [(_lora(1), 1.0)], keep=True)
     model.to("cuda")
     assert shuttle.unmerge_lora(model, report).exact
-    _assert_state(model.cpu(), before)
+    assert_unchanged(model.cpu(), before)
 
 
 def test_a_kept_merge_inside_an_open_scoped_merge_is_refused():
     # the block's exit would discard it, and its copies (holding the block's merge) would then
     # bring the block's merge back for good
     model = _model(torch.bfloat16)
-    before = _state(model)
+    before = snapshot(model)
     with shuttle.apply_lora(model, [(_lora(2), 1.0)]):
-        inside = _state(model)
+        inside = snapshot(model)
         with pytest.raises(ScopeOrderError, match="open apply_lora.*Merge after the block"):
             shuttle.merge_lora(model, [(_lora(1), 1.0)], keep=True)
-        _assert_state(model, inside)
-    _assert_state(model, before)
+        assert_unchanged(model, inside)
+    assert_unchanged(model, before)

@@ -17,6 +17,7 @@ import torch
 import shuttle
 from shuttle.errors import NonFiniteAdapterError, ShapeMismatchError, WideningError
 from shuttle.targets import resolve
+from tests import assert_unchanged, snapshot
 
 pytest.importorskip("diffusers")
 
@@ -183,30 +184,19 @@ def test_widened_update_matches_float64_math():
     torch.testing.assert_close(model.x_embedder.weight.detach(), want, rtol=0, atol=1e-12)
 
 
-def _hashes(model):
-    return {n: (tuple(p.shape), p.detach().clone()) for n, p in model.named_parameters()}
-
-
-def _same(model, saved):
-    now = dict(model.named_parameters())
-    assert now.keys() == saved.keys()
-    for n, (shape, t) in saved.items():
-        assert tuple(now[n].shape) == shape and torch.equal(now[n], t), n
-
-
 @pytest.mark.parametrize("how", ["merge", "scoped"])
 def test_nan_in_a_later_key_leaves_the_model_unchanged(how):
     sd = control_lora()
     sd["single_blocks.2.linear2.lora_B.weight"][0, 0] = float("nan")
     model = _tiny_transformer()
-    saved = _hashes(model)
+    saved = snapshot(model)
     with pytest.raises(NonFiniteAdapterError):
         if how == "merge":
             shuttle.merge_lora(model, [(sd, 1.0)])
         else:
             with shuttle.apply_lora(model, [(sd, 1.0)]):
                 pytest.fail("the body must not run")
-    _same(model, saved)
+    assert_unchanged(model, saved)
     assert model.x_embedder.in_features == 4
 
 
@@ -225,11 +215,11 @@ def test_overflow_during_the_merge_puts_the_widened_layer_back():
 @pytest.mark.parametrize("mode", ["dynamic", "auto"])
 def test_other_modes_refuse_widening_by_name(mode):
     model = _tiny_transformer()
-    saved = _hashes(model)
+    saved = snapshot(model)
     with pytest.raises(WideningError, match='mode="merge"'), \
             shuttle.apply_lora(model, [(control_lora(), 1.0)], mode=mode):
         pytest.fail("the body must not run")
-    _same(model, saved)
+    assert_unchanged(model, saved)
 
 
 def test_offloader_refuses_widening():
@@ -244,18 +234,18 @@ def test_two_adapters_of_different_widths_are_refused():
     wider = {k: v for k, v in control_lora().items() if k.startswith("img_in")}
     wider["img_in.lora_A.weight"] = torch.randn(R, 12)
     model = _tiny_transformer()
-    saved = _hashes(model)
+    saved = snapshot(model)
     with pytest.raises(ShapeMismatchError, match="differently"):
         shuttle.merge_lora(model, [(control_lora(), 1.0), (wider, 1.0)])
-    _same(model, saved)
+    assert_unchanged(model, saved)
 
 
 def test_a_layer_no_family_widens_stays_a_shape_mismatch():
     sd = control_lora()
     sd["txt_in.lora_A.weight"] = torch.randn(R, 40)  # 40 inputs where context_embedder has 32
     model = _tiny_transformer()
-    saved = _hashes(model)
+    saved = snapshot(model)
     with pytest.raises(ShapeMismatchError) as info:
         shuttle.merge_lora(model, [(sd, 1.0)])
     assert not isinstance(info.value, WideningError)
-    _same(model, saved)
+    assert_unchanged(model, saved)

@@ -16,6 +16,7 @@ import torch
 
 import shuttle
 from shuttle.targets import ModelNames, Split
+from shuttle.targets.family_table import invert
 from tests.targets import (
     cogvideox_layouts,
     family_layouts,
@@ -39,6 +40,7 @@ FAMILIES = {
     "sd35_large": (family_layouts_mmdit, "sd3"),
     "sd35_medium": (family_layouts_mmdit, "sd3"),
     "chroma": (family_layouts_mmdit, "chroma"),
+    "flux": (family_layouts_mmdit, "flux"),
     "lumina2": (ltx_lumina_layouts, "lumina2"),
     "z_image": (ltx_lumina_layouts, "z_image"),
     "cogvideox_2b": (cogvideox_layouts, "cogvideox"),
@@ -143,6 +145,20 @@ def test_diffusers_adapter_lands_on_the_original_layout(kind, root):
         got, unmatched = shuttle_rows(sd, modules, original_model(names, table, root))
     assert unmatched == {}
     assert got == expected
+
+
+@pytest.mark.parametrize("kind", sorted(FAMILIES))
+def test_the_reverse_table_is_the_forward_table_turned_around(kind):
+    """Each family declares its correspondence once; the table a model in the original layout
+    gets (its names respelled the diffusers way, the forward table built on those) is exactly
+    the forward table of the diffusers model inverted: every place, every row band, every
+    parameter rename, and nothing more.
+    """
+    model, forward, reversed_map = _family(kind)
+    names = ModelNames.of(model)
+    table = forward(names)
+    original = ModelNames.of(original_model(names, table))
+    assert reversed_map.__wrapped__(original) == invert(table, "")
 
 
 @pytest.mark.parametrize("kind", ["hunyuan_video", "sd3"])

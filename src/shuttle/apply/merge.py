@@ -115,11 +115,13 @@ def merge_lora(
             strength may also be a dict per component, ``{"transformer": 0.8,
             "text_encoder": 0.5}`` (the top-level modules: a pipeline's components), the
             components it does not name at 1 (as diffusers' ``set_adapters`` weights).
-        rounding: ``"nearest"``, or ``"stochastic"`` (unbiased; seeded by parameter name and
-            ``seed``, so repeatable). Default: nearest for float16/bfloat16/float32 weights,
-            stochastic for float8 and quantized weights (bitsandbytes, torchao, quanto; also
-            seeded by how many merges the parameter took).
-        seed: mixed into the stochastic rounding seed.
+        rounding: ``"nearest"``, or ``"stochastic"`` (unbiased; seeded from the arguments
+            alone, :func:`~shuttle.apply.rounding.merge_seed`: the parameter's name, ``seed``
+            and the contributions merged into it, so the same merge gives the same bits
+            whatever was merged before). Default: nearest for float16/bfloat16/float32
+            weights, stochastic for float8 and quantized weights (bitsandbytes, torchao,
+            quanto).
+        seed: mixed into the stochastic rounding seed; another value, other draws.
         mapping: adapter module key -> model module path (or ``(path, (start, end))``).
         progress: show a progress bar (default: when many parameters change).
         strict: every adapter key must reach a parameter, else

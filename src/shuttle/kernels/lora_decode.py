@@ -285,12 +285,10 @@ class DecodeConfig(NamedTuple):
 
 
 # At decode the layer is bound by reading W once: column tiles narrow enough for every SM to
-# stream its share. In the decode sweeps (CUDA graphs, docs/benchmarks/fused_breakdown_decode.md)
-# 32 columns were best at N = 6144 (192 programs) and 64 at N = 14336 (224 programs): block_n 64
-# is taken when that still gives 1.5 programs per SM. 128-wide K steps, 4 warps, 3 stages (4
-# stages or 256-wide steps were a few percent faster at N = 6144, untested on wide layers; 8
-# warps slower). h comes from partials of 256 K elements each, written by a separate
-# split-K shrink: accumulating h in the main kernel is slower (see the module docstring).
+# stream its share, block_n 64 where that still gives 1.5 programs per SM, else 32 (the choice
+# of tile, steps and warps: docs/benchmarks/fused_breakdown_decode.md). h comes from partials of
+# 256 K elements each, written by a separate split-K shrink: accumulating h in the main kernel
+# is slower (see the module docstring).
 # Under the interpreter: small steps, so test shapes span several of them.
 DECODE_LINEAR_CONFIG = DecodeConfig(32, 128, 4, 3, 256)
 _INTERPRET_LINEAR_CONFIG = DecodeConfig(16, 16, 1, 1, 32)

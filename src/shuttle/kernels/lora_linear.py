@@ -59,11 +59,10 @@ __all__ = [
 
 # Defaults for sm_90 (132 SMs, 227 KiB shared memory per block). The fused kernel at T > 64 is
 # a compute-bound GEMM: the Triton matmul tutorial's Hopper bf16 tile (128 x 256 x 64, 8 warps,
-# 3 stages: 3 x (128 + 256) x 64 x 2 B = 144 KiB of staged tiles). At bf16 prefill shapes it
-# beats 128 x 128 and 64 x 256 tiles; 4 stages and 32-rank steps make no measurable difference.
-# float32 operands get shorter K/rank steps so their staged tiles fit (fit_step). At T <= 64
-# (decode) the kernel is bound by reading W, so smaller column tiles give more programs; decode
-# timings were dominated by host overhead and are not settled.
+# 3 stages: 3 x (128 + 256) x 64 x 2 B = 144 KiB of staged tiles; the tile choice:
+# docs/benchmarks/fused_breakdown.md). float32 operands get shorter K/rank steps so their staged
+# tiles fit (fit_step). At T <= 64 (decode) the kernel is bound by reading W, so smaller column
+# tiles give more programs.
 FUSED_CUDA_CONFIG = FusedConfig(128, 256, 64, 64, 8, 8, 3)
 FUSED_CUDA_SMALL_T_CONFIG = FusedConfig(0, 64, 128, 64, 1, 4, 4)
 # Under the interpreter: small blocks so that test shapes span several tiles and rank steps.

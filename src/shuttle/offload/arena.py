@@ -21,8 +21,8 @@ def new_arena(nbytes: int, pin: bool) -> torch.Tensor:
     page-aligned and a whole number of pages (no registered page shared with other memory).
 
     Large arenas are anonymous maps advised to use transparent huge pages: the first touch of
-    each 2 MiB page is one fault instead of 512, which makes the copy into a fresh arena about
-    1.5x faster (measured on the H200 host: docs/benchmarks/offload_capture.md).
+    each 2 MiB page is one fault instead of 512, so the copy into a fresh arena spends less
+    time in the kernel (docs/benchmarks/offload_capture.md).
     """
     if not pin:
         return torch.empty(nbytes, dtype=torch.uint8)

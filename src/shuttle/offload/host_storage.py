@@ -60,7 +60,7 @@ __all__ = ["Compression", "HostBacking", "HostNeeds", "HostStorage", "HostUnit",
 HostBacking = Literal["pinned", "adopt"]
 Compression = Literal["lossless"]
 
-_CAPTURE_WORKERS = 4  # arenas filled at once (measured: 4 threads ~1.6x one; 8 no better)
+_CAPTURE_WORKERS = 4  # arenas filled at once (more add little: docs/benchmarks/offload_capture.md)
 MIN_STAGING = 16 * 2**20  # the smallest staging buffer a plan uses (smaller: chunks too small)
 
 

@@ -19,18 +19,16 @@ and the RMSNorms (Chroma's ``query_norm.scale`` is diffusers' ``norm_q.weight``)
 
 from __future__ import annotations
 
-import re
-
 from shuttle.targets.family import register_family
 from shuttle.targets.family_table import (
+    Layout,
     Table,
-    block_indices,
     family_table,
+    layout_spelling,
+    layout_table,
     respelled_reverse,
-    stacked,
 )
 from shuttle.targets.names import ModelNames
-from shuttle.targets.split import MappingValue
 
 __all__ = ["chroma_names", "chroma_original_names"]
 
@@ -53,48 +51,9 @@ _TOP = {"img_in": "x_embedder", "txt_in": "context_embedder", "final_layer.linea
 _QKV = {"img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
         "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")}
 _LINEAR1 = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")
-_INDEX = re.compile(r"(transformer_blocks|single_transformer_blocks|"
-                    r"distilled_guidance_layer\.layers)\.(\d+)\.")
 
-
-def _root(names: ModelNames) -> str | None:
-    for root in names.roots:
-        if (f"{root}distilled_guidance_layer.in_proj.weight" in names.shapes
-                and f"{root}single_transformer_blocks.0.proj_mlp.weight" in names.shapes
-                and f"{root}transformer_blocks.0.attn.add_q_proj.weight" in names.shapes):
-            return root
-    return None
-
-
-
-@register_family
-@family_table
-def chroma_names(names: ModelNames) -> Table | None:
-    """Original module path -> diffusers place, for a diffusers Chroma transformer (or None)."""
-    root = _root(names)
-    if root is None:
-        return None
-    blocks = block_indices(names, root, _INDEX)
-    table: dict[str, MappingValue | None] = {}
-    for i in blocks.get("transformer_blocks", ()):
-        new, old = f"{root}transformer_blocks.{i}.", f"double_blocks.{i}."
-        table |= {old + o: new + d for o, d in _DOUBLE.items()}
-        table |= {old + o: stacked(names, [new + d for d in ds]) for o, ds in _QKV.items()}
-    for i in blocks.get("single_transformer_blocks", ()):
-        new, old = f"{root}single_transformer_blocks.{i}.", f"single_blocks.{i}."
-        table |= {old + o: new + d for o, d in _SINGLE.items()}
-        table[old + "linear1"] = stacked(names, [new + d for d in _LINEAR1])
-    for i in blocks.get("distilled_guidance_layer.layers", ()):
-        old = f"distilled_guidance_layer.layers.{i}."
-        table |= {old + o: f"{root}{old}{d}" for o, d in _APPROXIMATOR.items()}
-        table[f"distilled_guidance_layer.norms.{i}"] = f"{root}distilled_guidance_layer.norms.{i}"
-    table |= {o: root + d for o, d in _TOP.items()}
-    return {o: v for o, v in table.items()
-            if v is not None and (not isinstance(v, str) or names.has_module(v))}
-
-
-# Original -> diffusers, the tables above turned around (fused layers cut into their parts).
-_SPELLING = (
+# Original path template -> diffusers place (fused layers: the layers their rows stack).
+_LAYOUT: Layout = (
     {f"double_blocks.{{i}}.{o}": f"transformer_blocks.{{i}}.{d}" for o, d in _DOUBLE.items()}
     | {f"double_blocks.{{i}}.{o}": tuple(f"transformer_blocks.{{i}}.{d}" for d in ds)
        for o, ds in _QKV.items()}
@@ -108,6 +67,24 @@ _SPELLING = (
     | _TOP)
 
 
+def _root(names: ModelNames) -> str | None:
+    for root in names.roots:
+        if (f"{root}distilled_guidance_layer.in_proj.weight" in names.shapes
+                and f"{root}single_transformer_blocks.0.proj_mlp.weight" in names.shapes
+                and f"{root}transformer_blocks.0.attn.add_q_proj.weight" in names.shapes):
+            return root
+    return None
+
+
+@register_family
+@family_table
+def chroma_names(names: ModelNames) -> Table | None:
+    """Original module path -> diffusers place, for a diffusers Chroma transformer (or None)."""
+    root = _root(names)
+    return None if root is None else layout_table(names, root, _LAYOUT)
+
+
 chroma_original_names = register_family(respelled_reverse(
     chroma_names.__wrapped__,
-    ("distilled_guidance_layer.in_proj.weight", "single_blocks.0.linear1.weight"), _SPELLING))
+    ("distilled_guidance_layer.in_proj.weight", "single_blocks.0.linear1.weight"),
+    layout_spelling(_LAYOUT)))

@@ -18,10 +18,16 @@ row for row (diffusers' ``AdaLayerNorm(chunk_dim=1)`` reads SAT's (shift, scale)
 
 from __future__ import annotations
 
-import re
-
 from shuttle.targets.family import register_family
-from shuttle.targets.family_table import Table, family_table, respelled_reverse
+from shuttle.targets.family_table import (
+    Layout,
+    Placed,
+    Table,
+    family_table,
+    layout_spelling,
+    layout_table,
+    respelled_reverse,
+)
 from shuttle.targets.names import ModelNames
 from shuttle.targets.split import MappingValue, Split
 
@@ -50,7 +56,6 @@ _TOP = {
 _QKV = ("attn1.to_q", "attn1.to_k", "attn1.to_v")
 # Chunks (of 12) of ``adaLN_modulations.N.1`` each norm's linear holds, in its row order.
 _ADALN = {"norm1.linear": (0, 1, 2, 6, 7, 8), "norm2.linear": (3, 4, 5, 9, 10, 11)}
-_INDEX = re.compile(r"transformer_blocks\.(\d+)\.")
 
 
 def _root(names: ModelNames) -> str | None:
@@ -63,23 +68,37 @@ def _root(names: ModelNames) -> str | None:
     return None
 
 
-def _thirds(names: ModelNames, block: str) -> MappingValue | None:
+def _thirds(names: ModelNames, paths: tuple[str, ...]) -> MappingValue | None:
     """``query_key_value``'s rows onto ``to_q``, ``to_k``, ``to_v`` (equal heights)."""
-    heights = [names.shapes.get(f"{block}{p}.weight") for p in _QKV]
+    heights = [names.shapes.get(f"{p}.weight") for p in paths]
     if any(h is None for h in heights) or len({h[0] for h in heights}) != 1:
         return None
     h = heights[0][0]
-    return [Split(block + p, (i * h, (i + 1) * h)) for i, p in enumerate(_QKV)]
+    return [Split(p, (i * h, (i + 1) * h)) for i, p in enumerate(paths)]
 
 
-def _adaln(names: ModelNames, block: str) -> MappingValue | None:
+def _adaln(names: ModelNames, paths: tuple[str, ...]) -> MappingValue | None:
     """``adaLN_modulations.N.1``'s 12 chunks onto ``norm1.linear`` and ``norm2.linear``."""
-    shapes = [names.shapes.get(f"{block}{p}.weight") for p in _ADALN]
+    shapes = [names.shapes.get(f"{p}.weight") for p in paths]
     if any(s is None for s in shapes) or shapes[0][0] != shapes[1][0] or shapes[0][0] % 6:
         return None
     c = shapes[0][0] // 6
-    return [Split(block + path, (chunk * c, (chunk + 1) * c), (j * c, (j + 1) * c))
-            for path, chunks in _ADALN.items() for j, chunk in enumerate(chunks)]
+    return [Split(path, (chunk * c, (chunk + 1) * c), (j * c, (j + 1) * c))
+            for path, chunks in zip(paths, _ADALN.values(), strict=True)
+            for j, chunk in enumerate(chunks)]
+
+
+# Original path template -> diffusers place. The original spelled the diffusers way cuts qkv in
+# thirds and the adaLN's 12 chunks in two halves (a name and a height for each norm's linear);
+# the functions place the rows.
+_LAYOUT: Layout = (
+    {f"transformer.layers.{{i}}.{o}": f"transformer_blocks.{{i}}.{d}" for o, d in _BLOCK.items()}
+    | {o: f"transformer_blocks.{{i}}.{d}" for o, d in _MIXIN.items()}
+    | {"transformer.layers.{i}.attention.query_key_value":
+       Placed(tuple(f"transformer_blocks.{{i}}.{d}" for d in _QKV), _thirds),
+       "mixins.adaln_layer.adaLN_modulations.{i}.1":
+       Placed(tuple(f"transformer_blocks.{{i}}.{d}" for d in _ADALN), _adaln)}
+    | _TOP)
 
 
 @register_family
@@ -88,39 +107,13 @@ def cogvideox_names(names: ModelNames) -> Table | None:
     """Original (SAT) module path -> diffusers place, for a diffusers CogVideoX model (or None).
 
     CogVideoX-5b-I2V's ``mixins.pos_embed.pos_embedding`` is a buffer in diffusers, not a
-    parameter, so it is no place.
+    parameter, so it is no place; a layer the model lacks (no ofs embedding) is none either.
     """
     root = _root(names)
-    if root is None:
-        return None
-    blocks = sorted({int(m.group(1)) for path in names.modules
-                     if path.startswith(root) and (m := _INDEX.match(path[len(root):]))})
-    table: dict[str, MappingValue | None] = {}
-    for i in blocks:
-        new, old = f"{root}transformer_blocks.{i}.", f"transformer.layers.{i}."
-        table |= {old + o: new + d for o, d in _BLOCK.items()}
-        table |= {o.format(i=i): new + d for o, d in _MIXIN.items()}
-        table[old + "attention.query_key_value"] = _thirds(names, new)
-        table[f"mixins.adaln_layer.adaLN_modulations.{i}.1"] = _adaln(names, new)
-    table |= {o: root + d for o, d in _TOP.items()}
-    # Keep what this model has: a layer it lacks (no ofs embedding) is not a place.
-    return {o: v for o, v in table.items()
-            if v is not None and (not isinstance(v, str) or names.has_module(v))}
-
-
-# Original -> diffusers, the tables above turned around (qkv in thirds; the adaLN's 12 chunks in
-# two halves, a name and a height for each norm's linear: the forward table places the chunks).
-_SPELLING = (
-    {f"transformer.layers.{{i}}.{o}": f"transformer_blocks.{{i}}.{d}" for o, d in _BLOCK.items()}
-    | {o: f"transformer_blocks.{{i}}.{d}" for o, d in _MIXIN.items()}
-    | {"transformer.layers.{i}.attention.query_key_value":
-       tuple(f"transformer_blocks.{{i}}.{d}" for d in _QKV),
-       "mixins.adaln_layer.adaLN_modulations.{i}.1":
-       tuple(f"transformer_blocks.{{i}}.{d}" for d in _ADALN)}
-    | _TOP)
+    return None if root is None else layout_table(names, root, _LAYOUT)
 
 
 cogvideox_original_names = register_family(respelled_reverse(
     cogvideox_names.__wrapped__,
     ("transformer.layers.0.attention.query_key_value.weight", "mixins.patch_embed.proj.weight"),
-    _SPELLING))
+    layout_spelling(_LAYOUT)))

@@ -14,21 +14,28 @@ ComfyUI-style checkpoint loaded as is), reuses the same table: :func:`reverse_ta
 family the names the model would have in diffusers' layout (a rename of its own names, fused
 layers cut into their parts), builds the forward table on those and inverts it, so each
 correspondence is written once.
+
+Most families declare that correspondence as one :data:`Layout` of path templates: the forward
+table is :func:`layout_table` of it on a diffusers model, and the spelling that gives an
+original-layout model its diffusers names is :func:`layout_spelling` of the same declaration.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 import weakref
 from collections.abc import Callable, Iterable
+from typing import Union
 
 from shuttle.targets.family import FamilyMap
 from shuttle.targets.names import ModelNames
 from shuttle.targets.split import MappingValue, Split
 
-__all__ = ["Table", "block_indices", "family_table", "half_swap", "invert", "renamed",
-           "respelled", "respelled_reverse", "reverse_table", "stacked"]
+__all__ = ["Layout", "Placed", "Table", "family_table", "half_swap", "invert", "layout_spelling",
+           "layout_table", "renamed", "respelled", "respelled_reverse", "reverse_table",
+           "stacked", "swapped_halves"]
 
 Table = dict[str, MappingValue]  # original module path (dotted) -> place in the model
 
@@ -124,15 +131,83 @@ def half_swap(names: ModelNames, path: str) -> MappingValue | None:
     return [Split(path, (0, h), (h, 2 * h)), Split(path, (h, 2 * h), (0, h))]
 
 
-def block_indices(names: ModelNames, root: str, pattern: re.Pattern[str]) -> dict[str, set[int]]:
-    """Block list -> the indices the model has, from ``pattern``'s two groups (the list's path,
-    the index) matched at the start of each module path below ``root``.
+@dataclasses.dataclass(frozen=True)
+class Placed:
+    """A place in a :data:`Layout` whose rows a function decides.
+
+    ``place(names, paths)`` gets the model's paths of ``parts`` (root and block index filled
+    in) and returns the mapping value, or None where the model has no such place. ``parts``
+    are also the diffusers names the original layer is spelled as (:func:`layout_spelling`):
+    one path for a rename, several for a fused layer cut into row bands.
     """
-    blocks: dict[str, set[int]] = {}
+
+    parts: str | tuple[str, ...]
+    place: Callable[[ModelNames, tuple[str, ...]], MappingValue | None]
+
+
+# A family's correspondence, declared once: original module path template -> its place in
+# diffusers' layout ("{i}": a block index, the same on both sides). A place is a diffusers
+# path template (a rename), a tuple of them (a fused original layer whose rows stack those
+# layers in order, each as high as its weight: :func:`stacked`), or a :class:`Placed`.
+Layout = dict[str, Union[str, tuple[str, ...], Placed]]  # noqa: UP007 - a runtime alias
+
+
+def swapped_halves(path: str) -> Placed:
+    """An adaLN projection whose (shift, scale) halves are diffusers' (scale, shift) at ``path``
+    (:func:`half_swap`).
+    """
+    return Placed(path, lambda names, paths: half_swap(names, paths[0]))
+
+
+def _parts(place: str | tuple[str, ...] | Placed) -> tuple[str, ...]:
+    parts = place.parts if isinstance(place, Placed) else place
+    return (parts,) if isinstance(parts, str) else parts
+
+
+def _block_indices(names: ModelNames, prefix: str) -> list[int]:
+    """The indices N of the modules ``<prefix>N`` or ``<prefix>N.<...>`` the model has."""
+    found = set()
     for path in names.modules:
-        if path.startswith(root) and (m := pattern.match(path[len(root):])):
-            blocks.setdefault(m.group(1), set()).add(int(m.group(2)))
-    return blocks
+        if path.startswith(prefix) and (m := re.match(r"(\d+)(?:\.|$)", path[len(prefix):])):
+            found.add(int(m.group(1)))
+    return sorted(found)
+
+
+def layout_table(names: ModelNames, root: str, layout: Layout) -> Table:
+    """The forward table of ``layout`` for the diffusers model below ``root``.
+
+    A template with ``{i}`` is written out for every block index the model has where its
+    (first) diffusers path starts; a place the model lacks (a guidance embedder, a pre-only
+    block's output projection) is left out.
+    """
+    indices: dict[str, list[int]] = {}  # diffusers prefix before "{i}" -> the model's indices
+    table: dict[str, MappingValue | None] = {}
+    for original, place in layout.items():
+        parts = _parts(place)
+        each: list[int | None] = [None]
+        if "{i}" in original:
+            prefix = root + parts[0].partition("{i}")[0]
+            if prefix not in indices:
+                indices[prefix] = _block_indices(names, prefix)
+            each = list(indices[prefix])
+        for i in each:
+            paths = tuple(root + p.format(i=i) for p in parts)
+            if isinstance(place, Placed):
+                value = place.place(names, paths)
+            elif isinstance(place, tuple):
+                value = stacked(names, paths)
+            else:
+                value = paths[0]
+            table[original.format(i=i)] = value
+    return {o: v for o, v in table.items()
+            if v is not None and (not isinstance(v, str) or names.has_module(v))}
+
+
+def layout_spelling(layout: Layout) -> Respelling:
+    """The :data:`Respelling` of ``layout``: each original template spelled as its diffusers
+    path(s), for :func:`respelled_reverse`.
+    """
+    return {o: p.parts if isinstance(p, Placed) else p for o, p in layout.items()}
 
 
 # An original-layout model's root and the names it would have in diffusers' layout (or None).
@@ -204,14 +279,20 @@ def renamed(names: ModelNames, root: str,
 Respelling = dict[str, "str | tuple[str, ...]"]
 
 
-def respelled(names: ModelNames, root: str, spelling: Respelling) -> ModelNames:
+# (model names, root, number of layers, fused weight's shape) -> the layers' row heights
+Bands = Callable[[ModelNames, str, int, tuple[int, ...]], list[int]]
+
+
+def respelled(names: ModelNames, root: str, spelling: Respelling,
+              bands: Bands | None = None) -> ModelNames:
     """The names below ``root`` in diffusers' spelling, by templates (see :data:`Respelling`).
 
     A bare parameter matches a template by its whole name, any other by its module's. A fused
     layer's parameters are cut into row bands: two halves, or for three or four parts a query
     as high as the layer's input and the rest shared (``qkv``: ``[in, k, k]`` with
     ``2k = out - in``, grouped key/value heads included; ``linear1``: ``[in, in, in, mlp]``).
-    Only the names and heights are made up; the forward table decides where rows go.
+    ``bands`` gives the heights instead, where the family knows them otherwise. Only the names
+    and heights are made up; the forward table decides where rows go.
     """
     patterns = [(re.compile(re.escape(o).replace(re.escape("{i}"), r"(\d+)")), d)
                 for o, d in spelling.items()]
@@ -234,22 +315,24 @@ def respelled(names: ModelNames, root: str, spelling: Respelling) -> ModelNames:
             return [(f"{d}.{leaf}", shape)]
         weight = tuple(names.shapes.get(f"{root}{module}.weight", shape))
         return [(f"{part}.{leaf}", (h, *shape[1:]))
-                for part, h in zip(d, _bands(len(d), weight), strict=True)]
+                for part, h in zip(d, bands(names, root, len(d), weight) if bands
+                                      else _bands(len(d), weight), strict=True)]
 
     return renamed(names, root, rename)
 
 
 def respelled_reverse(forward: Callable[[ModelNames], Table | None], markers: tuple[str, ...],
-                      spelling: Respelling) -> FamilyMap:
+                      spelling: Respelling, bands: Bands | None = None) -> FamilyMap:
     """The family map for models in ``forward``'s original layout: those with every parameter
     of ``markers`` below one of their roots, their names respelled by ``spelling``
-    (:func:`respelled`), the forward table inverted (:func:`reverse_table`).
+    (:func:`respelled`, fused layers cut by ``bands`` if given), the forward table inverted
+    (:func:`reverse_table`).
     """
 
     def as_diffusers(names: ModelNames) -> tuple[str, ModelNames] | None:
         for root in names.roots:
             if all(f"{root}{m}" in names.shapes for m in markers):
-                return root, respelled(names, root, spelling)
+                return root, respelled(names, root, spelling, bands)
         return None
 
     return family_table(reverse_table(forward, as_diffusers))

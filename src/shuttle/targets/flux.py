@@ -20,20 +20,24 @@ parameter's other name.
 
 from __future__ import annotations
 
-import re
-
 from shuttle.targets.family import register_family, register_widenable
+from shuttle.targets.family_table import (
+    Layout,
+    Placed,
+    Table,
+    family_table,
+    layout_spelling,
+    layout_table,
+    respelled_reverse,
+    swapped_halves,
+)
 from shuttle.targets.names import ModelNames
 from shuttle.targets.split import MappingValue, Split
 
-__all__ = ["flux_names", "flux_widenable"]
+__all__ = ["flux_names", "flux_original_names", "flux_widenable"]
 
-_S = r"[._]"  # adapters spell the same path with dots or with kohya's underscores
-# LyCORIS's own wrapper names modules ``lycoris_<path>`` (kohya's underscores, no ``unet``).
-_STRIP = ("lora_unet_", "lora_transformer_", "lycoris_", "base_model.model.", "diffusion_model.",
-          "transformer.")
-
-# One-to-one layers: BFL path template -> diffusers path template ({i}: block index).
+# One-to-one layers: BFL path -> diffusers path, below ``double_blocks.N.`` /
+# ``transformer_blocks.N.``, ``single_blocks.N.`` / ``single_transformer_blocks.N.``, the root.
 _DOUBLE = {
     "img_attn.proj": "attn.to_out.0", "txt_attn.proj": "attn.to_add_out",
     "img_mlp.0": "ff.net.0.proj", "img_mlp.2": "ff.net.2",
@@ -51,126 +55,68 @@ _TOP = {
     "guidance_in.out_layer": "time_text_embed.guidance_embedder.linear_2",
     "final_layer.linear": "proj_out",
 }
-# RMSNorms of q and k: BFL path template -> diffusers path template; BFL's parameter is
-# ``scale`` where diffusers' is ``weight``.
+# RMSNorms of q and k (BFL's parameter is ``scale`` where diffusers' is ``weight``).
 _DOUBLE_NORMS = {
     "img_attn.norm.query_norm": "attn.norm_q", "img_attn.norm.key_norm": "attn.norm_k",
     "txt_attn.norm.query_norm": "attn.norm_added_q", "txt_attn.norm.key_norm": "attn.norm_added_k",
 }
 _SINGLE_NORMS = {"norm.query_norm": "attn.norm_q", "norm.key_norm": "attn.norm_k"}
-_TO_DIFFUSERS = (("scale", "weight"),)
-_TO_BFL = (("weight", "scale"),)
-_QKV = {"img": ("attn.to_q", "attn.to_k", "attn.to_v"),
-        "txt": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")}
-_SINGLE_SPLIT = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")
-_FINAL_MOD = ("final_layer.adaLN_modulation.1", "norm_out.linear")
+_QKV = {"img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+        "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")}
+_LINEAR1 = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")
 
 
-def _pattern(path: str) -> str:
-    return _S.join(re.escape(p) for p in path.split("."))
+def _norm(names: ModelNames, paths: tuple[str, ...]) -> MappingValue:
+    """A BFL RMSNorm onto diffusers' ``norm_q``/``norm_k``: its ``scale`` is their ``weight``."""
+    return [Split(paths[0], params=(("scale", "weight"),))]
 
 
-def _layout(names: ModelNames) -> tuple[str, str, int, int] | None:
-    """(layout, root, hidden, mlp) of a Flux transformer among the model's names, or None."""
+# BFL path template -> diffusers place (fused layers: the layers their rows stack).
+_LAYOUT: Layout = (
+    {f"double_blocks.{{i}}.{o}": f"transformer_blocks.{{i}}.{d}" for o, d in _DOUBLE.items()}
+    | {f"double_blocks.{{i}}.{o}": tuple(f"transformer_blocks.{{i}}.{d}" for d in ds)
+       for o, ds in _QKV.items()}
+    | {f"double_blocks.{{i}}.{o}": Placed(f"transformer_blocks.{{i}}.{d}", _norm)
+       for o, d in _DOUBLE_NORMS.items()}
+    | {f"single_blocks.{{i}}.{o}": f"single_transformer_blocks.{{i}}.{d}"
+       for o, d in _SINGLE.items()}
+    | {"single_blocks.{i}.linear1": tuple(f"single_transformer_blocks.{{i}}.{d}"
+                                          for d in _LINEAR1)}
+    | {f"single_blocks.{{i}}.{o}": Placed(f"single_transformer_blocks.{{i}}.{d}", _norm)
+       for o, d in _SINGLE_NORMS.items()}
+    | _TOP | {"final_layer.adaLN_modulation.1": swapped_halves("norm_out.linear")})
+# Parameters of a BFL Flux transformer, below its root.
+_BFL = ("double_blocks.0.img_attn.qkv.weight", "single_blocks.0.linear1.weight")
+
+
+def _root(names: ModelNames) -> str | None:
+    """The root of a diffusers Flux transformer among the model's names, or None."""
     for root in names.roots:
-        qkv = names.shapes.get(f"{root}double_blocks.0.img_attn.qkv.weight")
-        lin1 = names.shapes.get(f"{root}single_blocks.0.linear1.weight")
-        if qkv is not None and lin1 is not None:
-            h = qkv[0] // 3
-            return "bfl", root, h, lin1[0] - 3 * h
-        q = names.shapes.get(f"{root}transformer_blocks.0.attn.to_q.weight")
-        mlp = names.shapes.get(f"{root}single_transformer_blocks.0.proj_mlp.weight")
-        if q is not None and mlp is not None:
-            return "diffusers", root, q[0], mlp[0]
-    return None
-
-
-def _strip(key: str) -> str:
-    changed = True
-    while changed:
-        changed = False
-        for p in _STRIP:
-            if key.startswith(p):
-                key, changed = key[len(p):], True
-    return key
-
-
-def _bfl_to_diffusers(key: str, root: str, h: int, m: int) -> MappingValue | None:
-    if mt := re.fullmatch(rf"double_blocks{_S}(\d+){_S}(img|txt)_attn{_S}qkv", key):
-        i, side = mt.groups()
-        return [Split(f"{root}transformer_blocks.{i}.{d}", (k * h, (k + 1) * h))
-                for k, d in enumerate(_QKV[side])]
-    if mt := re.fullmatch(rf"single_blocks{_S}(\d+){_S}linear1", key):
-        bounds = [0, h, 2 * h, 3 * h, 3 * h + m]
-        return [Split(f"{root}single_transformer_blocks.{mt.group(1)}.{d}",
-                      (bounds[k], bounds[k + 1])) for k, d in enumerate(_SINGLE_SPLIT)]
-    if re.fullmatch(_pattern(_FINAL_MOD[0]), key):  # (shift, scale) -> (scale, shift)
-        return [Split(f"{root}{_FINAL_MOD[1]}", (0, h), (h, 2 * h)),
-                Split(f"{root}{_FINAL_MOD[1]}", (h, 2 * h), (0, h))]
-    for bfl, dif in _DOUBLE.items():
-        if mt := re.fullmatch(rf"double_blocks{_S}(\d+){_S}{_pattern(bfl)}", key):
-            return f"{root}transformer_blocks.{mt.group(1)}.{dif}"
-    for bfl, dif in _SINGLE.items():
-        if mt := re.fullmatch(rf"single_blocks{_S}(\d+){_S}{_pattern(bfl)}", key):
-            return f"{root}single_transformer_blocks.{mt.group(1)}.{dif}"
-    for blocks, table, into in (("double_blocks", _DOUBLE_NORMS, "transformer_blocks"),
-                                ("single_blocks", _SINGLE_NORMS, "single_transformer_blocks")):
-        for bfl, dif in table.items():
-            if mt := re.fullmatch(rf"{blocks}{_S}(\d+){_S}{_pattern(bfl)}", key):
-                return [Split(f"{root}{into}.{mt.group(1)}.{dif}", params=_TO_DIFFUSERS)]
-    for bfl, dif in _TOP.items():
-        if re.fullmatch(_pattern(bfl), key):
-            return f"{root}{dif}"
-    return None
-
-
-def _diffusers_to_bfl(key: str, root: str, h: int, m: int) -> MappingValue | None:
-    if mt := re.fullmatch(rf"transformer_blocks{_S}(\d+){_S}(.+)", key):
-        i, rest = mt.groups()
-        for side, layers in _QKV.items():
-            for k, d in enumerate(layers):
-                if re.fullmatch(_pattern(d), rest):
-                    return f"{root}double_blocks.{i}.{side}_attn.qkv", (k * h, (k + 1) * h)
-        for bfl, dif in _DOUBLE.items():
-            if re.fullmatch(_pattern(dif), rest):
-                return f"{root}double_blocks.{i}.{bfl}"
-        for bfl, dif in _DOUBLE_NORMS.items():
-            if re.fullmatch(_pattern(dif), rest):
-                return [Split(f"{root}double_blocks.{i}.{bfl}", params=_TO_BFL)]
-        return None
-    if mt := re.fullmatch(rf"single_transformer_blocks{_S}(\d+){_S}(.+)", key):
-        i, rest = mt.groups()
-        bounds = [0, h, 2 * h, 3 * h, 3 * h + m]
-        for k, d in enumerate(_SINGLE_SPLIT):
-            if re.fullmatch(_pattern(d), rest):
-                return f"{root}single_blocks.{i}.linear1", (bounds[k], bounds[k + 1])
-        for bfl, dif in _SINGLE.items():
-            if re.fullmatch(_pattern(dif), rest):
-                return f"{root}single_blocks.{i}.{bfl}"
-        for bfl, dif in _SINGLE_NORMS.items():
-            if re.fullmatch(_pattern(dif), rest):
-                return [Split(f"{root}single_blocks.{i}.{bfl}", params=_TO_BFL)]
-        return None
-    if re.fullmatch(_pattern(_FINAL_MOD[1]), key):  # (scale, shift) -> (shift, scale)
-        return [Split(f"{root}{_FINAL_MOD[0]}", (0, h), (h, 2 * h)),
-                Split(f"{root}{_FINAL_MOD[0]}", (h, 2 * h), (0, h))]
-    for bfl, dif in _TOP.items():
-        if re.fullmatch(_pattern(dif), key):
-            return f"{root}{bfl}"
+        if (f"{root}transformer_blocks.0.attn.to_q.weight" in names.shapes
+                and f"{root}single_transformer_blocks.0.proj_mlp.weight" in names.shapes):
+            return root
     return None
 
 
 @register_family
-def flux_names(module: str, names: ModelNames) -> MappingValue | None:
-    """Place a Flux adapter module of one layout on a Flux model of the other, or None."""
-    layout = _layout(names)
-    if layout is None:
-        return None
-    kind, root, h, m = layout
-    key = _strip(module)
-    if kind == "diffusers":
-        return _bfl_to_diffusers(key, root, h, m)
-    return _diffusers_to_bfl(key, root, h, m)
+@family_table
+def flux_names(names: ModelNames) -> Table | None:
+    """BFL module path -> diffusers place, for a diffusers Flux transformer (or None)."""
+    root = _root(names)
+    return None if root is None else layout_table(names, root, _LAYOUT)
+
+
+def _bands(names: ModelNames, root: str, n: int, weight: tuple[int, ...]) -> list[int]:
+    """Heights of the layers a BFL fused weight stacks: q, k, v each a third of a double block's
+    ``qkv`` (hidden h), ``linear1``'s MLP the rest (``3h + m`` rows).
+    """
+    h = names.shapes[f"{root}{_BFL[0]}"][0] // 3
+    return [h, h, h] if n == 3 else [h, h, h, weight[0] - 3 * h]
+
+
+# diffusers module path -> BFL place, for a model in BFL's layout: the same table turned around.
+flux_original_names = register_family(respelled_reverse(
+    flux_names.__wrapped__, _BFL, layout_spelling(_LAYOUT), _bands))
 
 
 @register_widenable
@@ -180,10 +126,10 @@ def flux_widenable(names: ModelNames) -> dict[str, str | None]:
     diffusers' transformer records that width as ``config.in_channels`` (``FluxControlPipeline``
     reads it to size its latents), as diffusers' own loader sets it.
     """
-    layout = _layout(names)
-    if layout is None:
-        return {}
-    kind, root, _, _ = layout
-    if kind == "diffusers":
+    root = _root(names)
+    if root is not None:
         return {f"{root}x_embedder.weight": "in_channels"}
-    return {f"{root}img_in.weight": None}
+    for root in names.roots:
+        if all(f"{root}{p}" in names.shapes for p in _BFL):
+            return {f"{root}img_in.weight": None}
+    return {}

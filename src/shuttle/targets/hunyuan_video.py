@@ -19,19 +19,17 @@ final adaLN projection stores (shift, scale) where diffusers' ``norm_out.linear`
 
 from __future__ import annotations
 
-import re
-
 from shuttle.targets.family import register_family
 from shuttle.targets.family_table import (
+    Layout,
     Table,
-    block_indices,
     family_table,
-    half_swap,
+    layout_spelling,
+    layout_table,
     respelled_reverse,
-    stacked,
+    swapped_halves,
 )
 from shuttle.targets.names import ModelNames
-from shuttle.targets.split import MappingValue
 
 __all__ = ["hunyuan_video_names", "hunyuan_video_original_names"]
 
@@ -70,8 +68,22 @@ _TOP = {
 _QKV = ("attn.to_q", "attn.to_k", "attn.to_v")
 _ADDED_QKV = ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")
 _LINEAR1 = (*_QKV, "proj_mlp")
-_INDEX = re.compile(r"(transformer_blocks|single_transformer_blocks|"
-                    r"context_embedder\.token_refiner\.refiner_blocks)\.(\d+)\.")
+_REFINER_BLOCK = "txt_in.individual_token_refiner.blocks.{i}."
+_DIFFUSERS_REFINER = "context_embedder.token_refiner.refiner_blocks.{i}."
+
+# Original path template -> diffusers place (fused layers: the layers their rows stack).
+_LAYOUT: Layout = (
+    {f"double_blocks.{{i}}.{o}": f"transformer_blocks.{{i}}.{d}" for o, d in _DOUBLE.items()}
+    | {"double_blocks.{i}.img_attn_qkv": tuple(f"transformer_blocks.{{i}}.{d}" for d in _QKV),
+       "double_blocks.{i}.txt_attn_qkv":
+       tuple(f"transformer_blocks.{{i}}.{d}" for d in _ADDED_QKV)}
+    | {f"single_blocks.{{i}}.{o}": f"single_transformer_blocks.{{i}}.{d}"
+       for o, d in _SINGLE.items()}
+    | {"single_blocks.{i}.linear1": tuple(f"single_transformer_blocks.{{i}}.{d}"
+                                          for d in _LINEAR1)}
+    | {_REFINER_BLOCK + o: _DIFFUSERS_REFINER + d for o, d in _REFINER.items()}
+    | {_REFINER_BLOCK + "self_attn_qkv": tuple(_DIFFUSERS_REFINER + d for d in _QKV)}
+    | _TOP | {"final_layer.adaLN_modulation.1": swapped_halves("norm_out.linear")})
 
 
 def _root(names: ModelNames) -> str | None:
@@ -83,56 +95,15 @@ def _root(names: ModelNames) -> str | None:
     return None
 
 
-
-
 @register_family
 @family_table
 def hunyuan_video_names(names: ModelNames) -> Table | None:
     """Original module path -> diffusers place, for a diffusers HunyuanVideo model (or None)."""
     root = _root(names)
-    if root is None:
-        return None
-    blocks = block_indices(names, root, _INDEX)
-    table: dict[str, MappingValue | None] = {}
-    for i in blocks.get("transformer_blocks", ()):
-        new, old = f"{root}transformer_blocks.{i}.", f"double_blocks.{i}."
-        table |= {old + o: new + d for o, d in _DOUBLE.items()}
-        table[old + "img_attn_qkv"] = stacked(names, [new + d for d in _QKV])
-        table[old + "txt_attn_qkv"] = stacked(names, [new + d for d in _ADDED_QKV])
-    for i in blocks.get("single_transformer_blocks", ()):
-        new, old = f"{root}single_transformer_blocks.{i}.", f"single_blocks.{i}."
-        table |= {old + o: new + d for o, d in _SINGLE.items()}
-        table[old + "linear1"] = stacked(names, [new + d for d in _LINEAR1])
-    for i in blocks.get("context_embedder.token_refiner.refiner_blocks", ()):
-        new = f"{root}context_embedder.token_refiner.refiner_blocks.{i}."
-        old = f"txt_in.individual_token_refiner.blocks.{i}."
-        table |= {old + o: new + d for o, d in _REFINER.items()}
-        table[old + "self_attn_qkv"] = stacked(names, [new + d for d in _QKV])
-    table |= {o: root + d for o, d in _TOP.items()}
-    table["final_layer.adaLN_modulation.1"] = half_swap(names, f"{root}norm_out.linear")
-    # Keep what this model has: a layer it lacks (no guidance embedder) is not a place.
-    return {o: v for o, v in table.items()
-            if v is not None and (not isinstance(v, str) or names.has_module(v))}
-
-
-# Original -> diffusers, the tables above turned around (fused layers cut into their parts).
-_REFINER_BLOCKS = "txt_in.individual_token_refiner.blocks.{i}."
-_DIFFUSERS_REFINER = "context_embedder.token_refiner.refiner_blocks.{i}."
-_SPELLING = (
-    {f"double_blocks.{{i}}.{o}": f"transformer_blocks.{{i}}.{d}" for o, d in _DOUBLE.items()}
-    | {"double_blocks.{i}.img_attn_qkv": tuple(f"transformer_blocks.{{i}}.{d}" for d in _QKV),
-       "double_blocks.{i}.txt_attn_qkv":
-       tuple(f"transformer_blocks.{{i}}.{d}" for d in _ADDED_QKV)}
-    | {f"single_blocks.{{i}}.{o}": f"single_transformer_blocks.{{i}}.{d}"
-       for o, d in _SINGLE.items()}
-    | {"single_blocks.{i}.linear1": tuple(f"single_transformer_blocks.{{i}}.{d}"
-                                          for d in _LINEAR1)}
-    | {_REFINER_BLOCKS + o: _DIFFUSERS_REFINER + d for o, d in _REFINER.items()}
-    | {_REFINER_BLOCKS + "self_attn_qkv": tuple(_DIFFUSERS_REFINER + d for d in _QKV)}
-    | _TOP | {"final_layer.adaLN_modulation.1": "norm_out.linear"})
+    return None if root is None else layout_table(names, root, _LAYOUT)
 
 
 hunyuan_video_original_names = register_family(respelled_reverse(
     hunyuan_video_names.__wrapped__,
     ("double_blocks.0.img_attn_qkv.weight",
-     "txt_in.individual_token_refiner.blocks.0.self_attn_qkv.weight"), _SPELLING))
+     "txt_in.individual_token_refiner.blocks.0.self_attn_qkv.weight"), layout_spelling(_LAYOUT)))

@@ -28,16 +28,22 @@ NextDiT's final adaLN gives a scale only.
 
 from __future__ import annotations
 
-import re
-
 from shuttle.targets.family import register_family
-from shuttle.targets.family_table import Table, family_table, respelled_reverse, stacked
+from shuttle.targets.family_table import (
+    Layout,
+    Placed,
+    Table,
+    family_table,
+    layout_spelling,
+    layout_table,
+    respelled_reverse,
+)
 from shuttle.targets.names import ModelNames
 from shuttle.targets.split import MappingValue
 
 __all__ = ["lumina2_names", "lumina2_original_names", "z_image_names", "z_image_original_names"]
 
-_BLOCKS = re.compile(r"(noise_refiner|context_refiner|layers)\.(\d+)\.")
+_KINDS = ("noise_refiner", "context_refiner", "layers")  # NextDiT's block lists
 
 # Lumina2: below ``<blocks>.N.`` (original -> diffusers); the context refiner has no adaLN.
 _LUMINA_BLOCK = {
@@ -67,19 +73,34 @@ _Z_TOP = ("t_embedder.mlp.0", "t_embedder.mlp.2", "cap_embedder.0", "cap_embedde
 
 
 
-def _blocks(names: ModelNames, root: str) -> list[tuple[str, str]]:
-    """(``<blocks>``, N) of every NextDiT block below ``root``, in model order."""
-    found = {}
-    for path in names.modules:
-        if path.startswith(root) and (m := _BLOCKS.match(path[len(root):])):
-            found[(m.group(1), m.group(2))] = None
-    return list(found)
 
 
-def _kept(names: ModelNames, table: dict[str, MappingValue | None]) -> Table:
-    """The entries whose place this model has (no ``x_pad_token`` in a model without one)."""
-    return {o: v for o, v in table.items()
-            if v is not None and (not isinstance(v, str) or names.has_module(v))}
+def _one_patch_size(names: ModelNames, paths: tuple[str, ...]) -> MappingValue | None:
+    """The entry ``2-1`` (diffusers' default) of ``all_x_embedder``/``all_final_layer`` as the
+    model's one entry, whatever its key (None with several patch sizes: the original names none).
+    """
+    head, _, rest = paths[0].partition(".2-1")
+    keys = {m[len(head) + 1:].split(".")[0] for m in names.modules if m.startswith(head + ".")}
+    return f"{head}.{keys.pop()}{rest}" if len(keys) == 1 else None
+
+
+# Original path template -> diffusers place (qkv: the query and the grouped key/value heads).
+_LUMINA_LAYOUT: Layout = (
+    {f"{b}.{{i}}.{o}": f"{b}.{{i}}.{d}" for b in _KINDS
+     for o, d in (_LUMINA_CONTEXT if b == "context_refiner" else _LUMINA_BLOCK).items()}
+    | {f"{b}.{{i}}.attention.qkv": tuple(f"{b}.{{i}}.attn.{d}" for d in ("to_q", "to_k", "to_v"))
+       for b in _KINDS}
+    | _LUMINA_TOP)
+_Z_LAYOUT: Layout = (
+    {f"{b}.{{i}}.{o}": f"{b}.{{i}}.{d}" for b in _KINDS for o, d in _Z_BLOCK.items()}
+    | {f"{b}.{{i}}.{o}": f"{b}.{{i}}.{o}" for b in _KINDS for o in _Z_SAME}
+    | {f"{b}.{{i}}.attention.qkv":
+       tuple(f"{b}.{{i}}.attention.{d}" for d in ("to_q", "to_k", "to_v")) for b in _KINDS}
+    | {o: o for o in _Z_TOP}
+    | {"x_embedder": Placed("all_x_embedder.2-1", _one_patch_size),
+       "final_layer.linear": Placed("all_final_layer.2-1.linear", _one_patch_size),
+       "final_layer.adaLN_modulation.1":
+       Placed("all_final_layer.2-1.adaLN_modulation.1", _one_patch_size)})
 
 
 @register_family
@@ -90,23 +111,7 @@ def lumina2_names(names: ModelNames) -> Table | None:
                  if f"{r}time_caption_embed.timestep_embedder.linear_1.weight" in names.shapes
                  and f"{r}layers.0.attn.to_q.weight" in names.shapes
                  and f"{r}norm_out.linear_1.weight" in names.shapes), None)
-    if root is None:
-        return None
-    table: dict[str, MappingValue | None] = {}
-    for blocks, i in _blocks(names, root):
-        new, old = f"{root}{blocks}.{i}.", f"{blocks}.{i}."
-        rename = _LUMINA_CONTEXT if blocks == "context_refiner" else _LUMINA_BLOCK
-        table |= {old + o: new + d for o, d in rename.items()}
-        table[old + "attention.qkv"] = stacked(
-            names, [f"{new}attn.{d}" for d in ("to_q", "to_k", "to_v")])
-    table |= {o: root + d for o, d in _LUMINA_TOP.items()}
-    return _kept(names, table)
-
-
-def _single_entry(names: ModelNames, path: str) -> str | None:
-    """The one ``<path>.<key>`` of a ModuleDict (``all_x_embedder.2-1``), or None."""
-    keys = {m[len(path) + 1:].split(".")[0] for m in names.modules if m.startswith(path + ".")}
-    return f"{path}.{keys.pop()}" if len(keys) == 1 else None
+    return None if root is None else layout_table(names, root, _LUMINA_LAYOUT)
 
 
 @register_family
@@ -121,48 +126,13 @@ def z_image_names(names: ModelNames) -> Table | None:
                  if f"{r}layers.0.attention.to_q.weight" in names.shapes
                  and f"{r}t_embedder.mlp.0.weight" in names.shapes
                  and any(m.startswith(f"{r}all_x_embedder.") for m in names.modules)), None)
-    if root is None:
-        return None
-    table: dict[str, MappingValue | None] = {}
-    for blocks, i in _blocks(names, root):
-        new, old = f"{root}{blocks}.{i}.", f"{blocks}.{i}."
-        table |= {old + o: new + d for o, d in _Z_BLOCK.items()}
-        table |= {old + o: new + o for o in _Z_SAME}
-        table[old + "attention.qkv"] = stacked(
-            names, [f"{new}attention.{d}" for d in ("to_q", "to_k", "to_v")])
-    table |= {o: root + o for o in _Z_TOP}
-    if (embedder := _single_entry(names, f"{root}all_x_embedder")) is not None:
-        table["x_embedder"] = embedder
-    if (final := _single_entry(names, f"{root}all_final_layer")) is not None:
-        table["final_layer.linear"] = f"{final}.linear"
-        table["final_layer.adaLN_modulation.1"] = f"{final}.adaLN_modulation.1"
-    return _kept(names, table)
+    return None if root is None else layout_table(names, root, _Z_LAYOUT)
 
 
-# Original -> diffusers, the tables above turned around (qkv cut into the query and the grouped
-# key/value heads). Lumina2's and Z-Image's original checkpoints share NextDiT's names, so both
-# reversed tables serve such a model; an adapter's diffusers spelling picks one.
-_KINDS = ("noise_refiner", "context_refiner", "layers")
-_LUMINA_SPELLING = (
-    {f"{b}.{{i}}.{o}": f"{b}.{{i}}.{d}" for b in _KINDS
-     for o, d in (_LUMINA_CONTEXT if b == "context_refiner" else _LUMINA_BLOCK).items()}
-    | {f"{b}.{{i}}.attention.qkv": tuple(f"{b}.{{i}}.attn.{d}" for d in ("to_q", "to_k", "to_v"))
-       for b in _KINDS}
-    | {o: d for o, d in _LUMINA_TOP.items()})
-_Z_SPELLING = (
-    {f"{b}.{{i}}.{o}": f"{b}.{{i}}.{d}" for b in _KINDS for o, d in _Z_BLOCK.items()}
-    | {f"{b}.{{i}}.{o}": f"{b}.{{i}}.{o}" for b in _KINDS for o in _Z_SAME}
-    | {f"{b}.{{i}}.attention.qkv":
-       tuple(f"{b}.{{i}}.attention.{d}" for d in ("to_q", "to_k", "to_v")) for b in _KINDS}
-    | {o: o for o in _Z_TOP}
-    # one patch size, diffusers' default key for it
-    | {"x_embedder": "all_x_embedder.2-1", "final_layer.linear": "all_final_layer.2-1.linear",
-       "final_layer.adaLN_modulation.1": "all_final_layer.2-1.adaLN_modulation.1"})
-
-
-# NextDiT's original checkpoints (Lumina2 and Z-Image alike) hold these.
+# NextDiT's original checkpoints (Lumina2 and Z-Image alike) hold these, so both reversed tables
+# serve such a model; an adapter's diffusers spelling picks one.
 _NEXTDIT = ("layers.0.attention.qkv.weight", "t_embedder.mlp.0.weight", "cap_embedder.1.weight")
 lumina2_original_names = register_family(respelled_reverse(
-    lumina2_names.__wrapped__, _NEXTDIT, _LUMINA_SPELLING))
+    lumina2_names.__wrapped__, _NEXTDIT, layout_spelling(_LUMINA_LAYOUT)))
 z_image_original_names = register_family(respelled_reverse(
-    z_image_names.__wrapped__, _NEXTDIT, _Z_SPELLING))
+    z_image_names.__wrapped__, _NEXTDIT, layout_spelling(_Z_LAYOUT)))

@@ -20,15 +20,17 @@ swap, as they do for ``final_layer.adaLN_modulation.1`` onto ``norm_out.linear``
 
 from __future__ import annotations
 
-import re
-
 from shuttle.targets.family import register_family
 from shuttle.targets.family_table import (
+    Layout,
+    Placed,
     Table,
     family_table,
     half_swap,
+    layout_spelling,
+    layout_table,
     respelled_reverse,
-    stacked,
+    swapped_halves,
 )
 from shuttle.targets.names import ModelNames
 from shuttle.targets.split import MappingValue
@@ -59,7 +61,25 @@ _TOP = {
 _QKV = {"x_block.attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
         "context_block.attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
         "x_block.attn2.qkv": ("attn2.to_q", "attn2.to_k", "attn2.to_v")}
-_INDEX = re.compile(r"transformer_blocks\.(\d+)\.")
+
+
+def _context_modulation(names: ModelNames, paths: tuple[str, ...]) -> MappingValue | None:
+    """A block's context adaLN onto ``norm1_context.linear``: as is, or in a pre-only block
+    (the last: no context output projection) its (shift, scale) halves swapped.
+    """
+    (mod,) = paths
+    block = mod.removesuffix("norm1_context.linear")
+    return mod if names.has_module(f"{block}attn.to_add_out") else half_swap(names, mod)
+
+
+# Original path template -> diffusers place (fused qkv layers: the layers their rows stack).
+_LAYOUT: Layout = (
+    {f"joint_blocks.{{i}}.{o}": f"transformer_blocks.{{i}}.{d}" for o, d in _BLOCK.items()}
+    | {f"joint_blocks.{{i}}.{o}": tuple(f"transformer_blocks.{{i}}.{d}" for d in ds)
+       for o, ds in _QKV.items()}
+    | {"joint_blocks.{i}.context_block.adaLN_modulation.1":
+       Placed("transformer_blocks.{i}.norm1_context.linear", _context_modulation)}
+    | _TOP | {"final_layer.adaLN_modulation.1": swapped_halves("norm_out.linear")})
 
 
 def _root(names: ModelNames) -> str | None:
@@ -72,44 +92,17 @@ def _root(names: ModelNames) -> str | None:
     return None
 
 
-
-
 @register_family
 @family_table
 def sd3_names(names: ModelNames) -> Table | None:
-    """Original module path -> diffusers place, for a diffusers SD3/3.5 transformer (or None)."""
+    """Original module path -> diffusers place, for a diffusers SD3/3.5 transformer (or None).
+
+    SD 3 has no qk norms and most blocks no ``attn2``: those places are left out.
+    """
     root = _root(names)
-    if root is None:
-        return None
-    blocks = {int(m.group(1)) for path in names.modules
-              if path.startswith(root) and (m := _INDEX.match(path[len(root):]))}
-    table: dict[str, MappingValue | None] = {}
-    for i in blocks:
-        new, old = f"{root}transformer_blocks.{i}.", f"joint_blocks.{i}."
-        table |= {old + o: new + d for o, d in _BLOCK.items()}
-        table |= {old + o: stacked(names, [new + d for d in ds]) for o, ds in _QKV.items()}
-        mod = f"{new}norm1_context.linear"
-        # pre-only (the last block): no context output projection, a (shift, scale) modulation
-        pre_only = not names.has_module(f"{new}attn.to_add_out")
-        table[old + "context_block.adaLN_modulation.1"] = (
-            half_swap(names, mod) if pre_only else mod)
-    table |= {o: root + d for o, d in _TOP.items()}
-    table["final_layer.adaLN_modulation.1"] = half_swap(names, f"{root}norm_out.linear")
-    # Keep what this model has: SD 3 has no qk norms, most blocks no attn2.
-    return {o: v for o, v in table.items()
-            if v is not None and (not isinstance(v, str) or names.has_module(v))}
-
-
-# Original -> diffusers, the tables above turned around (fused qkv layers cut in three).
-_SPELLING = ({f"joint_blocks.{{i}}.{o}": f"transformer_blocks.{{i}}.{d}" for o, d in _BLOCK.items()}
-             | {f"joint_blocks.{{i}}.{o}": tuple(f"transformer_blocks.{{i}}.{d}" for d in ds)
-                for o, ds in _QKV.items()}
-             | {"joint_blocks.{i}.context_block.adaLN_modulation.1":
-                "transformer_blocks.{i}.norm1_context.linear",
-                "final_layer.adaLN_modulation.1": "norm_out.linear"}
-             | _TOP)
+    return None if root is None else layout_table(names, root, _LAYOUT)
 
 
 sd3_original_names = register_family(respelled_reverse(
     sd3_names.__wrapped__, ("joint_blocks.0.x_block.attn.qkv.weight", "x_embedder.proj.weight"),
-    _SPELLING))
+    layout_spelling(_LAYOUT)))
