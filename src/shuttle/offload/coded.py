@@ -97,7 +97,7 @@ def code_arena(layout: Layout, arena: torch.Tensor, eligible: Sequence[bool]
     """
     views = layout.views(arena)
     reps: list[LosslessTensor | None] = [
-        LosslessTensor.encode_tensor(v) if ok and v.dtype in CODED_DTYPES else None
+        LosslessTensor.encode_host(v) if ok and v.dtype in CODED_DTYPES else None
         for v, ok in zip(views, eligible, strict=True)]
     if all(r is None for r in reps):
         return None

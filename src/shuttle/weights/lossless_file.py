@@ -204,7 +204,7 @@ def compress_file(source: str | os.PathLike[str], out: str | os.PathLike[str], *
                desc=f"compressing {Path(source).name}", disable=not progress)
     with bar:
         for name, ref in raw.items():
-            rep = (LosslessTensor.encode_tensor(ref.load()) if ref.dtype in CODED_DTYPES
+            rep = (LosslessTensor.encode_host(ref.load()) if ref.dtype in CODED_DTYPES
                    else None)
             if rep is None:
                 entries[name] = (ref.dtype, list(ref.shape))
@@ -223,7 +223,7 @@ def compress_file(source: str | os.PathLike[str], out: str | os.PathLike[str], *
                 for name in writer.order:
                     t = raw[name].load()
                     if name in coded:
-                        rep = LosslessTensor.encode_tensor(t)
+                        rep = LosslessTensor.encode_host(t)
                         assert rep is not None and rep.words == coded[name]["words"]
                         t = rep.blob
                     writer.write(name, t)
