@@ -38,7 +38,6 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
-
 from shuttle.weights.lossless import LosslessTensor  # noqa: E402
 
 GB = 1e9

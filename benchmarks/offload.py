@@ -41,7 +41,10 @@ in one profiled steady-state step.
 
 --storage fp8 stores the blocks' Linear weights as float8 e4m3 (half the bytes; the model
 computes through shuttle.upcast_on_use, diffusers_group through diffusers'
-enable_layerwise_casting) and reports the section as <model>_fp8.
+enable_layerwise_casting) and reports the section as <model>_fp8. --storage lossless captures
+shuttle's offloader with compress="lossless" (the same bf16 weights, coded in host memory and
+decoded on the GPU; about 0.7x the bytes over the bus; issue 40); its rows add copied_bytes, and
+the bound stays the bf16 copy bound.
     PYTHONPATH=src python benchmarks/offload.py --layers 4 --single-layers 8 --fractions 0.75
 
 Writes docs/benchmarks/<--out, default offload>.{json,md} (under $SHUTTLE_BENCH_OUT when set)
@@ -108,8 +111,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--only", default="", help="comma-separated variant prefixes to run")
     p.add_argument("--storage", default="bf16",
                    help="comma-separated block Linear weight storage: bf16, fp8 (float8 e4m3, "
-                        "computed through shuttle.upcast_on_use); fp8 sections are named "
-                        "<model>_fp8")
+                        "computed through shuttle.upcast_on_use), lossless (bf16 kept coded "
+                        "in host memory, compress='lossless'); sections are named "
+                        "<model>_<storage>")
     p.add_argument("--out", default="offload", help="results name under docs/benchmarks/")
     return p.parse_args(argv)
 
@@ -561,7 +565,9 @@ def run_model(name: str, args: argparse.Namespace, report: Report, storage: str 
             if not offloader:
                 model = factory()
                 t = time.perf_counter()
-                offloader.append(shuttle.ModelOffloader.from_module(model, blocks=blocks))
+                offloader.append(shuttle.ModelOffloader.from_module(
+                    model, blocks=blocks,
+                    compress="lossless" if storage == "lossless" else None))
                 capture_s.append(time.perf_counter() - t)
             off = offloader[0]
             t = time.perf_counter()
@@ -571,9 +577,14 @@ def run_model(name: str, args: argparse.Namespace, report: Report, storage: str 
             plan = off.plan
             streamed = sum(u.layout.nbytes for g, units in off.storage.groups.items()
                            for i, u in enumerate(units) if i not in plan.resident[g])
+            # bytes over the bus per step (the code, for lossless storage)
+            copied = sum(u.code.nbytes if u.code is not None else u.layout.nbytes
+                         for g, units in off.storage.groups.items()
+                         for i, u in enumerate(units) if i not in plan.resident[g])
             extra = {"capture_s": capture_s[0], "activate_s": activate_s,
                      "pinned_bytes": off.storage.pinned_bytes,
                      "host_bytes": off.storage.host_bytes, "streamed_bytes": streamed,
+                     "copied_bytes": copied,
                      "plan": {"resident": {g: len(p) for g, p in plan.resident.items()},
                               "ring": plan.ring, "prefetch": plan.prefetch,
                               "device_gib": plan.device_bytes / GIB}}
@@ -612,7 +623,8 @@ def run_model(name: str, args: argparse.Namespace, report: Report, storage: str 
                                num_blocks_per_group=1, use_stream=True, record_stream=True)
         return m, lambda: None, {"streamed_bytes": weight_bytes}
 
-    record("diffusers_group", diffusers_group)
+    if storage != "lossless":  # the peers have no lossless storage: the bf16 rows stand
+        record("diffusers_group", diffusers_group)
 
     def accelerate_cpu() -> tuple[nn.Module, Callable[[], None], dict]:
         m = factory()
