@@ -154,3 +154,15 @@ def test_compress_refuses_what_it_cannot_do(kw, match):
         ModelOffloader.from_module(m, blocks=["blocks", "single"], **kw)
     for k, v in m.state_dict().items():
         assert_bits_equal(v, before[k], k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", list(MODES))
+def test_streamed_on_cuda_equal_the_resident_model(mode, monkeypatch):
+    monkeypatch.undo()  # the Triton decoder
+    ref, off = captured()
+    want = ref.cuda()(tokens().cuda())
+    with off.use("cuda", MODES[mode]) as m:
+        for _ in range(3):  # the ring refilled: decoded again on the copy stream
+            assert_bits_equal(m(tokens().cuda()), want)
+    assert off.storage.pinned

@@ -146,3 +146,19 @@ def test_encode_re_codes_a_merged_weight():
     again = rep.encode(merged)
     assert isinstance(again, LosslessTensor)
     assert torch.equal(_bits(again.decode()), _bits(merged.to(torch.bfloat16)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_codes_and_decodes_what_the_cpu_does(dtype, monkeypatch):
+    monkeypatch.undo()  # the Triton kernel on CUDA
+    x = _gaussian(3072 * 1024 + 77, dtype)
+    x[:4] = torch.tensor([0.0, -0.0, float("inf"), float("nan")], dtype=dtype)
+    cpu = LosslessTensor.encode_tensor(x)
+    gpu = LosslessTensor.encode_tensor(x.cuda())
+    assert gpu.blob.is_cuda and torch.equal(gpu.blob.cpu(), cpu.blob)  # one code everywhere
+    assert torch.equal(_bits(gpu.decode().cpu()), _bits(x))
+    damaged = LosslessTensor(gpu.blob.clone(), gpu.shape, gpu.dtype, gpu.words)
+    damaged.parts().raw[5] ^= 1
+    with pytest.raises(CorruptCodeError):
+        damaged.decode()
