@@ -27,14 +27,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 
-from shuttle.errors import CorruptCodeError
+from shuttle.errors import CorruptCodeError, HostBackingError
 from shuttle.offload.layout import ALIGN, Layout
+from shuttle.offload.survey import UnitSurvey
 from shuttle.weights.lossless import CODED_DTYPES, LosslessTensor
 
-__all__ = ["Decoder", "UnitCode", "code_arena"]
+__all__ = ["Compression", "Decoder", "UnitCode", "check_compress", "codable", "code_arena"]
+
+Compression = Literal["lossless"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,3 +164,31 @@ class Decoder:
                 f"{bad} group(s) of lossless-coded weights failed their checks while loading: "
                 "the host copy was damaged, and the outputs computed with it are not to be "
                 "trusted; capture the model again (from_module(..., compress='lossless'))")
+
+
+def codable(s: UnitSurvey) -> list[bool]:
+    """Per layout entry of ``s``, whether it may be coded: not a quantized part or a shard
+    (those have representations of their own).
+    """
+    ok = [True] * len(s.layout.offsets)
+    for b in s.bindings:
+        if b.rep is not None or b.shard:
+            ok[b.entry] = False
+    return ok
+
+
+def check_compress(compress: Compression | None, host: str,
+                    max_host_bytes: int | None) -> None:
+    """Refuse a ``compress`` that host storage cannot honour with ``host`` and
+    ``max_host_bytes``.
+
+    Raises:
+        HostBackingError: an unknown ``compress``, or one with ``host="adopt"`` or a ceiling.
+    """
+    if compress not in (None, "lossless"):
+        raise HostBackingError(f"compress={compress!r}: expected 'lossless' or None")
+    if compress is not None and (host != "pinned" or max_host_bytes is not None):
+        raise HostBackingError(
+            f"compress={compress!r} codes the host arenas of host='pinned' storage without a "
+            "host ceiling; drop compress, or use host='pinned' without max_host_bytes (a "
+            "compressed checkpoint on disk is read with shuttle.load_checkpoint)")

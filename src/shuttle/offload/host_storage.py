@@ -50,15 +50,28 @@ import torch
 from shuttle.errors import BudgetTooSmallError, HostBackingError
 from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.offload.arena import PAGE, new_arena, register_pages, unregister_pages
-from shuttle.offload.coded import Decoder, UnitCode, code_arena
+from shuttle.offload.coded import (
+    Compression,
+    Decoder,
+    UnitCode,
+    check_compress,
+    codable,
+    code_arena,
+)
 from shuttle.offload.disk_reader import IO_ALIGN, DiskReader, DiskSpans
 from shuttle.offload.layout import Layout
-from shuttle.offload.survey import Binding, UnitSurvey, adopted, read_binding, survey_units
+from shuttle.offload.survey import (
+    Binding,
+    UnitSurvey,
+    adopted,
+    fill_arena,
+    read_binding,
+    survey_units,
+)
 
 __all__ = ["Compression", "HostBacking", "HostNeeds", "HostStorage", "HostUnit", "Layout"]
 
 HostBacking = Literal["pinned", "adopt"]
-Compression = Literal["lossless"]
 
 _CAPTURE_WORKERS = 4  # arenas filled at once (more add little: docs/benchmarks/offload_capture.md)
 MIN_STAGING = 16 * 2**20  # the smallest staging buffer a plan uses (smaller: chunks too small)
@@ -214,7 +227,7 @@ class HostStorage:
                  skip: Sequence[torch.nn.Parameter] = (),
                  sources: Mapping[str, LazyTensor] | None = None,
                  max_host_bytes: int | None = None, compress: Compression | None = None):
-        _check_compress(compress, host, max_host_bytes)
+        check_compress(compress, host, max_host_bytes)
         if max_host_bytes is not None and host == "adopt":
             raise HostBackingError(
                 "max_host_bytes with host='adopt': adopted tensors are the module's own (or "
@@ -436,15 +449,15 @@ class HostStorage:
         n, plain, code = s.layout.nbytes, None, None
         if self._compress:
             plain = new_arena(n, pin=False)[:n]
-            _copy_in(s, plain)
-            coded = code_arena(s.layout, plain, _codable(s))
+            fill_arena(s, plain)
+            coded = code_arena(s.layout, plain, codable(s))
             if coded is not None:
                 plain, code = coded
                 n = code.nbytes
         pages = new_arena(n, pin)
         arena = pages[:n]
         if plain is None:
-            _copy_in(s, arena)
+            fill_arena(s, arena)
         else:
             arena.copy_(plain)
         pinned = pin and pages.numel() > 0 and register_pages(pages, self._registered)
@@ -457,42 +470,6 @@ class HostStorage:
         if any(src is not None for src in s.files):
             unit.bind_host()  # the file's pages (a private map), not the module's tensors
         return unit
-
-
-def _copy_in(s: UnitSurvey, arena: torch.Tensor) -> None:
-    """Fill ``arena`` (laid out by ``s.layout``) with unit ``s``'s tensors."""
-    views = s.layout.views(arena)
-    with torch.no_grad():
-        for b, src in zip(s.sources, s.files, strict=True):
-            if src is None:
-                views[b.entry].copy_(read_binding(b))
-            elif src.dtype != s.layout.dtypes[b.entry]:  # converted piece by piece
-                src.load_converted(views[b.entry])
-            else:  # straight from the file into the arena: one read, no other copy
-                off = s.layout.offsets[b.entry]
-                src.load_into(arena[off:off + src.nbytes])
-
-
-def _codable(s: UnitSurvey) -> list[bool]:
-    """Per layout entry of ``s``, whether it may be coded: not a quantized part or a shard
-    (those have representations of their own).
-    """
-    ok = [True] * len(s.layout.offsets)
-    for b in s.bindings:
-        if b.rep is not None or b.shard:
-            ok[b.entry] = False
-    return ok
-
-
-def _check_compress(compress: Compression | None, host: HostBacking,
-                    max_host_bytes: int | None) -> None:
-    if compress not in (None, "lossless"):
-        raise HostBackingError(f"compress={compress!r}: expected 'lossless' or None")
-    if compress is not None and (host != "pinned" or max_host_bytes is not None):
-        raise HostBackingError(
-            f"compress={compress!r} codes the host arenas of host='pinned' storage without a "
-            "host ceiling; drop compress, or use host='pinned' without max_host_bytes (a "
-            "compressed checkpoint on disk is read with shuttle.load_checkpoint)")
 
 
 def staging_floor(largest: int) -> int:

@@ -23,7 +23,8 @@ from shuttle.weights import Fp8Weight, PlainWeight, WeightRepresentation, repres
 from shuttle.weights.dtensor import is_dtensor
 from shuttle.weights.plain import is_plain_tensor
 
-__all__ = ["CASTABLE", "Binding", "UnitSurvey", "adopted", "read_binding", "survey_units"]
+__all__ = ["CASTABLE", "Binding", "UnitSurvey", "adopted", "fill_arena", "read_binding",
+           "survey_units"]
 
 # Floating-point dtypes a checkpoint tensor is converted between while read (``copy_``
 # rounds to nearest even, as ``load_state_dict`` and ``Tensor.to`` do).
@@ -288,3 +289,17 @@ def read_binding(b: Binding) -> torch.Tensor:
     if b.shard:
         return table[b.name]._local_tensor.detach()
     return table[b.name].detach()
+
+
+def fill_arena(s: UnitSurvey, arena: torch.Tensor) -> None:
+    """Fill ``arena`` (laid out by ``s.layout``) with unit ``s``'s tensors."""
+    views = s.layout.views(arena)
+    with torch.no_grad():
+        for b, src in zip(s.sources, s.files, strict=True):
+            if src is None:
+                views[b.entry].copy_(read_binding(b))
+            elif src.dtype != s.layout.dtypes[b.entry]:  # converted piece by piece
+                src.load_converted(views[b.entry])
+            else:  # straight from the file into the arena: one read, no other copy
+                off = s.layout.offsets[b.entry]
+                src.load_into(arena[off:off + src.nbytes])
