@@ -286,3 +286,22 @@ def test_the_former_lora_mode_keyword_warns_and_works(monkeypatch):
         off = cache.info("dit")
         assert m is not None and off.leases == 1
     assert_quiet(cache)
+
+
+def test_a_compressed_spec_charges_its_coded_bytes(monkeypatch):
+    from shuttle.kernels import exponent_decode
+
+    monkeypatch.setattr(exponent_decode, "interpreting", lambda: False)  # CPU: the reference
+    torch.manual_seed(2)
+    ref = TinyDiT(dim=128, n_blocks=2, n_single=1, dtype=torch.bfloat16)
+    cache = ModelCache(max_bytes=2**24)
+    plain = ModelSpec("plain", lambda: copy.deepcopy(ref), blocks=PATHS)
+    coded = ModelSpec("coded", lambda: copy.deepcopy(ref), blocks=PATHS, compress="lossless")
+    outs, x = [], tokens()
+    for spec in (plain, coded):
+        with cache.use(spec, device="cpu") as m:
+            outs.append(m(x))
+    assert torch.equal(outs[0], outs[1])
+    assert cache.info("coded").nbytes < 0.85 * cache.info("plain").nbytes
+    with pytest.raises(CacheError, match="compress"):
+        ModelSpec("bad", lambda: ref, host="adopt", compress="lossless")

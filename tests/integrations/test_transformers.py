@@ -115,3 +115,26 @@ def test_a_missing_transformers_names_the_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` fail
     with pytest.raises(MissingDependencyError, match="pip install transformers"):
         shuttle_transformers.offload(object(), max_host_bytes=1)
+
+
+def test_compressed_weights_give_the_same_logits_and_tokens(monkeypatch):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shuttle.kernels import exponent_decode
+
+    monkeypatch.setattr(exponent_decode, "interpreting", lambda: False)  # CPU: the reference
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=512,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64)
+    ref = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    model = copy.deepcopy(ref)
+    before = snapshot(model)
+    handle = shuttle_transformers.offload(model, max_host_bytes=2**24, device="cpu",
+                                          prefetch=1, compress="lossless")
+    off = handle.offloaders["model"]
+    assert all(u.code is not None for u in off.storage.groups["model.layers"])
+    assert torch.equal(logits(model), logits(ref))
+    assert torch.equal(generate(model), generate(ref))
+    handle.remove()
+    assert_restored(model, before)  # given back decoded, bit for bit

@@ -84,7 +84,8 @@ def test_cpu_pass_through_decodes(monkeypatch):
     assert off.model.blocks[0].up.weight.isnan().all()  # the decoded copies were dropped
 
 
-def test_merged_adapter_lands_in_decoded_slots(cpu_copy):
+@pytest.mark.parametrize("mode", ["merge", "dynamic"])
+def test_adapters_act_on_decoded_slots(cpu_copy, mode):
     from tests import lowrank_state
 
     ref = model()
@@ -95,9 +96,10 @@ def test_merged_adapter_lands_in_decoded_slots(cpu_copy):
                                        compress="lossless")
     outs = []
     for off in (plain, coded):
-        with off.use("cpu", StreamConfig(prefetch=1), loras=[(lora, 0.7)]) as m:
+        with off.use("cpu", StreamConfig(prefetch=1), loras=[(lora, 0.7)], mode=mode) as m:
             outs.append(m(tokens()))
     assert_bits_equal(outs[1], outs[0])
+    assert not torch.equal(outs[0], ref(tokens()))  # the adapter did act
 
 
 def test_the_plan_counts_the_staging_buffer(cpu_copy):

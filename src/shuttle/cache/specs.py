@@ -26,6 +26,7 @@ from shuttle.formats import LoRA, load_lora
 from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.formats.source import Source
 from shuttle.offload import ModelOffloader
+from shuttle.offload.coded import Compression
 from shuttle.offload.host_storage import HostBacking
 from shuttle.patches import Patch
 
@@ -111,6 +112,8 @@ class ModelSpec:
         sources: qualified tensor name -> its tensor in a safetensors file: the factory's
             model may be built on the ``meta`` device and is filled from there (see
             :class:`~shuttle.offload.HostStorage`).
+        compress: ``"lossless"``: keep its bfloat16/float16 weights coded in host memory
+            (``ModelOffloader.from_module(compress=...)``; needs ``"pinned"``).
 
     The built value is the offloader. Its bytes are the host bytes it allocated
     (``storage.host_bytes``) with ``"pinned"``, and the weight bytes it keeps alive with
@@ -123,6 +126,7 @@ class ModelSpec:
     blocks: tuple[str, ...] = ()
     host: HostBacking = "pinned"
     sources: Mapping[str, LazyTensor] | None = dataclasses.field(default=None, hash=False)
+    compress: Compression | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.blocks, str):
@@ -136,6 +140,10 @@ class ModelSpec:
         if self.host not in ("pinned", "adopt"):
             raise CacheError(f"ModelSpec({self.key!r}).host={self.host!r}: expected 'pinned' "
                              "or 'adopt'")
+        if self.compress is not None and (self.compress != "lossless" or self.host != "pinned"):
+            raise CacheError(f"ModelSpec({self.key!r}).compress={self.compress!r} with "
+                             f"host={self.host!r}: expected 'lossless' with host='pinned', "
+                             "or None")
 
     def build(self) -> ModelOffloader:
         """Build the model and capture it into host storage.
@@ -154,7 +162,7 @@ class ModelSpec:
         with tqdm(total=weights, unit="B", unit_scale=True, desc=f"pinning {self.key}",
                   disable=True if weights < PROGRESS_MIN_BYTES else None) as bar:
             off = ModelOffloader.from_module(model, blocks=self.blocks, host=self.host,
-                                             sources=self.sources)
+                                             sources=self.sources, compress=self.compress)
             bar.update(weights)
         logger.info("built model %r: %d weight bytes, %d host bytes (%s, %d pinned) in %.2f s",
                     self.key, off.storage.weight_bytes, off.storage.host_bytes, self.host,

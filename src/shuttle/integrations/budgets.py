@@ -15,6 +15,7 @@ from shuttle.cache import ModelCache
 from shuttle.errors import BudgetTooSmallError, CacheError, DeviceUnavailableError
 from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.offload import ModelOffloader
+from shuttle.offload.coded import Compression
 from shuttle.offload.host_storage import HostBacking
 
 __all__ = ["SourcedSpec", "cache_for", "check_device", "host_shares"]
@@ -76,6 +77,7 @@ class SourcedSpec:
     sources: Mapping[str, LazyTensor]
     max_host_bytes: int | None
     floor: int | None  # with a ceiling: the bytes charged (the rest of it is a reservation)
+    compress: Compression | None = None
 
     @property
     def estimated_bytes(self) -> int | None:
@@ -84,7 +86,8 @@ class SourcedSpec:
     def build(self) -> ModelOffloader:
         return ModelOffloader.from_module(self.module, blocks=self.blocks, host=self.host,
                                           sources=self.sources,
-                                          max_host_bytes=self.max_host_bytes)
+                                          max_host_bytes=self.max_host_bytes,
+                                          compress=self.compress)
 
     def nbytes(self, value: ModelOffloader) -> int:
         s = value.storage

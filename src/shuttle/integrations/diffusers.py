@@ -38,6 +38,7 @@ from shuttle.integrations.pretrained import (
 )
 from shuttle.integrations.single_file import RowPieces, place_original
 from shuttle.integrations.transformers import empty_model
+from shuttle.offload.coded import Compression
 from shuttle.offload.host_storage import HostBacking
 from shuttle.optional import import_optional
 
@@ -96,7 +97,8 @@ def offload(pipe: Any, max_host_bytes: int | None = None, *, cache: ModelCache |
             vram_budget: int | None = None, device: str | torch.device = "cuda",
             prefetch: int = 2, blocks: Mapping[str, Sequence[str]] | None = None,
             host: HostBacking = "pinned", meter: ActivationMeter | None = None,
-            sources: Mapping[str, Mapping[str, LazyTensor]] | None = None) -> OffloadHandle:
+            sources: Mapping[str, Mapping[str, LazyTensor]] | None = None,
+            compress: Compression | None = None) -> OffloadHandle:
     """Put every ``nn.Module`` component of ``pipe`` under one shuttle cache.
 
     Args:
@@ -115,6 +117,9 @@ def offload(pipe: Any, max_host_bytes: int | None = None, *, cache: ModelCache |
         host: ``"pinned"`` (page-locked copies) or ``"adopt"`` (keep the CPU tensors).
         meter: measures each call's activations (default: CUDA's allocator statistics; see
             :mod:`shuttle.integrations.activations`).
+        compress: ``"lossless"``: keep the bfloat16/float16 weights coded in host memory and
+            decode them on the device as they land (about 0.7x the host bytes and the bytes
+            over the bus, bit for bit; docs/lossless.md). Needs ``host="pinned"``.
         sources: component name -> (qualified tensor name -> its tensor in a safetensors
             file), for components built on ``meta`` (see :func:`from_pretrained`).
 
@@ -149,7 +154,7 @@ def offload(pipe: Any, max_host_bytes: int | None = None, *, cache: ModelCache |
                          vram_budget=vram_budget, host=host, methods=methods,
                          attrs={"_hf_hook": _ExecutionDevice(torch.device(device))},
                          key_prefix=f"{type(pipe).__name__}@{id(pipe):x}", shrink=shrink,
-                         meter=meter, sources=sources)
+                         meter=meter, sources=sources, compress=compress)
 
 
 def from_pretrained(path_or_repo: str | os.PathLike[str], pipeline_cls: type | None = None, *,
@@ -159,6 +164,7 @@ def from_pretrained(path_or_repo: str | os.PathLike[str], pipeline_cls: type | N
                     blocks: Mapping[str, Sequence[str]] | None = None,
                     host: HostBacking = "pinned", revision: str | None = None,
                     weights: Mapping[str, str | os.PathLike[str]] | None = None,
+                    compress: Compression | None = None,
                     **components: Any) -> tuple[Any, OffloadHandle]:
     """Build a diffusers pipeline straight from its files and offload it.
 
@@ -180,6 +186,8 @@ def from_pretrained(path_or_repo: str | os.PathLike[str], pipeline_cls: type | N
             :func:`offload`; with neither ``max_host_bytes`` nor ``cache``, a cache without a
             ceiling.
         revision: the Hub revision of a repo id.
+        compress: ``"lossless"``: the weights kept coded in host memory (see :func:`offload`);
+            not with ``max_host_bytes`` yet.
         weights: component name -> a safetensors file to read its weights from instead of its
             folder (which then gives only its config): an original single-file checkpoint
             (``flux1-dev.safetensors``, ComfyUI's ``model.diffusion_model.`` keys), placed by
@@ -243,7 +251,8 @@ def from_pretrained(path_or_repo: str | os.PathLike[str], pipeline_cls: type | N
     if max_host_bytes is None and cache is None:
         max_host_bytes = NO_CEILING
     handle = offload(pipe, max_host_bytes, cache=cache, vram_budget=vram_budget, device=device,
-                     prefetch=prefetch, blocks=blocks, host=host, sources=sources)
+                     prefetch=prefetch, blocks=blocks, host=host, sources=sources,
+                     compress=compress)
     return pipe, handle
 
 

@@ -55,6 +55,7 @@ from shuttle.integrations.activations import ActivationMeter, CallShrinker, Devi
 from shuttle.integrations.budgets import SourcedSpec, check_device, host_shares
 from shuttle.integrations.routing import route_lora
 from shuttle.offload import ModelOffloader, ResidencyPlan, RingOnlyResidency, StreamConfig
+from shuttle.offload.coded import Compression
 from shuttle.offload.host_storage import HostBacking, HostStorage
 from shuttle.offload.residency import floor_bytes
 
@@ -165,7 +166,8 @@ class OffloadHandle:
                  classes: Mapping[str, type] | None = None, key_prefix: str = "offloaded",
                  shrink: Mapping[str, CallShrinker] | None = None,
                  meter: ActivationMeter | None = None,
-                 sources: Mapping[str, Mapping[str, LazyTensor]] | None = None):
+                 sources: Mapping[str, Mapping[str, LazyTensor]] | None = None,
+                 compress: Compression | None = None):
         methods, attrs, classes = methods or {}, attrs or {}, classes or {}
         sources = sources or {}
         self.device = check_device(device)  # at offload time, not at the first call
@@ -188,7 +190,7 @@ class OffloadHandle:
         try:
             for name, module in modules.items():
                 self._capture(name, module, tuple(blocks.get(name, ())), host, key_prefix,
-                              prefetch, sources.get(name), shares.get(name))
+                              prefetch, sources.get(name), shares.get(name), compress)
                 self._components[name].shrink = (shrink or {}).get(name)
             for name, c in self._components.items():
                 self._install(c, methods.get(name, ()), attrs, classes.get(name))
@@ -311,17 +313,19 @@ class OffloadHandle:
     def _capture(self, name: str, module: torch.nn.Module, paths: tuple[str, ...],
                  host: HostBacking, key_prefix: str, prefetch: int,
                  sources: Mapping[str, LazyTensor] | None = None,
-                 share: tuple[int, int] | None = None) -> None:
+                 share: tuple[int, int] | None = None,
+                 compress: Compression | None = None) -> None:
         devices = {(id(m), n, p): t.device for m in module.modules()
                    for p, table in ((True, m._parameters), (False, m._buffers))
                    for n, t in table.items() if t is not None}
         key = f"{key_prefix}.{name}"
         if sources is None:
             spec: Any = ModelSpec(key, factory=lambda: module,
-                                  estimated_bytes=module_bytes(module), blocks=paths, host=host)
+                                  estimated_bytes=module_bytes(module), blocks=paths, host=host,
+                                  compress=compress)
         else:
             spec = SourcedSpec(key, module, paths, host, sources,
-                                *(share if share is not None else (None, None)))
+                                *(share if share is not None else (None, None)), compress)
         c = _Component(name, module, spec, devices)
         # Leased until remove(): nothing could rebuild the module after an eviction.
         off = self._leases.enter_context(self._cache.lease(spec))

@@ -36,6 +36,7 @@ from shuttle.integrations.pretrained import (
     meta_parameters,
     read_dtype,
 )
+from shuttle.offload.coded import Compression
 from shuttle.offload.host_storage import HostBacking
 from shuttle.optional import import_optional
 
@@ -72,7 +73,8 @@ def offload(model: Any, max_host_bytes: int | None = None, *, cache: ModelCache 
             vram_budget: int | None = None, device: str | torch.device = "cuda",
             prefetch: int = 2, blocks: Sequence[str] | None = None,
             host: HostBacking = "pinned", meter: ActivationMeter | None = None,
-            sources: Mapping[str, LazyTensor] | None = None) -> OffloadHandle:
+            sources: Mapping[str, LazyTensor] | None = None,
+            compress: Compression | None = None) -> OffloadHandle:
     """Keep ``model`` in host memory and stream its layers on every forward.
 
     Args:
@@ -91,6 +93,9 @@ def offload(model: Any, max_host_bytes: int | None = None, *, cache: ModelCache 
         host: ``"pinned"`` (page-locked copies) or ``"adopt"`` (keep the CPU tensors).
         meter: measures each call's activations (default: CUDA's allocator statistics; see
             :mod:`shuttle.integrations.activations`).
+        compress: ``"lossless"``: keep the bfloat16/float16 weights coded in host memory and
+            decode them on the device as they land (about 0.7x the host bytes and the bytes
+            over the bus, bit for bit; docs/lossless.md). Needs ``host="pinned"``.
         sources: qualified tensor name -> its tensor in a safetensors file, for a model built
             on ``meta`` (see :func:`from_pretrained`, which passes them).
 
@@ -119,7 +124,8 @@ def offload(model: Any, max_host_bytes: int | None = None, *, cache: ModelCache 
                          attrs={_EXECUTION_DEVICE: device},
                          classes={"model": _reporting_device(type(model))},
                          key_prefix=f"{type(model).__name__}@{id(model):x}", meter=meter,
-                         sources={"model": sources} if sources is not None else None)
+                         sources={"model": sources} if sources is not None else None,
+                         compress=compress)
 
 
 
@@ -128,7 +134,8 @@ def from_pretrained(path_or_repo: str | os.PathLike[str], model_cls: type | None
                     max_host_bytes: int | None = None, cache: ModelCache | None = None,
                     device: str | torch.device = "cuda", prefetch: int = 2,
                     blocks: Sequence[str] | None = None, host: HostBacking = "pinned",
-                    revision: str | None = None) -> tuple[Any, OffloadHandle]:
+                    revision: str | None = None,
+                    compress: Compression | None = None) -> tuple[Any, OffloadHandle]:
     """Build a transformers model straight from its files and offload it.
 
     The model is built on ``meta`` from its ``config.json`` (buffers real, see
@@ -149,6 +156,8 @@ def from_pretrained(path_or_repo: str | os.PathLike[str], model_cls: type | None
             :func:`offload`; with neither ``max_host_bytes`` nor ``cache``, a cache without a
             ceiling.
         revision: the Hub revision of a repo id.
+        compress: ``"lossless"``: the weights kept coded in host memory (see :func:`offload`);
+            not with ``max_host_bytes`` yet.
 
     Returns:
         ``(model, handle)``: ``model(...)`` and ``model.generate(...)`` work as for a model
@@ -172,7 +181,8 @@ def from_pretrained(path_or_repo: str | os.PathLike[str], model_cls: type | None
     if max_host_bytes is None and cache is None:
         max_host_bytes = NO_CEILING
     handle = offload(model, max_host_bytes, cache=cache, vram_budget=vram_budget, device=device,
-                     prefetch=prefetch, blocks=blocks, host=host, sources=sources)
+                     prefetch=prefetch, blocks=blocks, host=host, sources=sources,
+                     compress=compress)
     return model, handle
 
 
