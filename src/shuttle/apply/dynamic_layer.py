@@ -163,8 +163,7 @@ class LoRAHook(ModuleHook):
                         "Linear layers can); merge it with mode='merge' instead"
                     )
                 else:
-                    self.dense.setdefault(leaf, []).append(_Residual(c.adapter, c.patch,
-                                                                     c.rows))
+                    self.dense.setdefault(leaf, []).append(_Residual(c.adapter, c.patch, c.rows))
         self._build_lowrank(module, pad_rank)
         self._dt: tuple | None = None  # sharded factors: (key, A, B, scale mesh)
         self.residuals: dict[str, torch.Tensor] = {}
@@ -249,19 +248,15 @@ class LoRAHook(ModuleHook):
                 continue
             w = getattr(module, leaf).detach().float()
             out = w.clone()
-            for c in cs:  # applied in the plan's order, as a merge does
+            for c in cs:  # in the plan's order, as a merge applies them
                 view = out if c.rows is None else out[c.rows[0]:c.rows[1]]
-                new = c.patch.apply(view, self._strengths[c.adapter])
-                if new is not view:
-                    view.copy_(new)
+                view.copy_(c.patch.apply(view, self._strengths[c.adapter]))
             self.residuals[leaf] = out.sub_(w)
         self._cache_key = None
 
     # -- forward ---------------------------------------------------------------------------
     def _graph_key_now(self) -> tuple[int, float]:
-        """What a follower's vector is computed from: the attachment's strengths (their
-        generation) and the shared request scale.
-        """
+        """What a captured vector is computed from: its strengths' generation, the shared scale."""
         return self._strengths.generation, shared_request_scale_value()
 
     def _product(self, device: torch.device, request: torch.Tensor) -> torch.Tensor:
