@@ -721,7 +721,7 @@ def test_a_registered_layer_kind_runs_its_patches_as_residuals():
 def test_a_followed_scale_vector_is_rewritten_in_place_by_strength_and_scale_changes():
     # What a captured CUDA graph reads: the layer's own vector, updated in place (same object)
     # by set_strength and by the shared request scale, never replaced.
-    from shuttle.apply.scale import follow, following
+    from shuttle.apply.scale import follow
 
     g = torch.Generator().manual_seed(12)
     model = nn.Sequential(nn.Linear(32, 48))
@@ -732,8 +732,8 @@ def test_a_followed_scale_vector_is_rewritten_in_place_by_strength_and_scale_cha
         model(torch.randn(2, 32))
     vec = hook._graph_scale
     base = vec.clone()
-    follow(hook)
-    assert following(hook)
+    follow(handle.strengths, hook)
+    assert handle.strengths.following(hook)
     handle.set_strength(0, 0.5)
     assert hook._graph_scale is vec and torch.allclose(vec, base * 0.5)
     with shuttle.lora_scale(0.25):
@@ -781,7 +781,7 @@ def test_an_adapter_attached_at_zero_keeps_its_name_and_comes_back(quality, kind
 
     a_only, both, b_only = alone((a, 0.3)), alone((a, 0.3), (b, 0.5)), alone((b, 0.5))
     h = shuttle.attach_lora(m, [(a, 0.3), (b, 0.0)], quality=quality, names=["a", "b"])
-    assert h.names == ["a", "b"] and h.strengths == [0.3, 0.0] and h.active == {"a": 0.3}
+    assert h.names == ["a", "b"] and list(h.strengths) == [0.3, 0.0] and h.active == {"a": 0.3}
     assert same(m(x), a_only)
     h.set_strength("b", 0.5)
     assert same(m(x), both)
@@ -819,7 +819,7 @@ def test_set_adapters_takes_diffusers_spellings():
                        (("style",), [1.0, 0.0]),                          # one name alone
                        (({"style": 0.25},), [0.25, 0.0])]:
         h.set_adapters(*args)
-        assert h.strengths == want, args
+        assert list(h.strengths) == want, args
     h.detach()
 
 
@@ -841,7 +841,7 @@ def test_set_adapters_checks_every_name_and_strength_before_changing_one(args, e
         before = m(x)
     with pytest.raises(error, match=match):
         h.set_adapters(*args)
-    assert h.strengths == [0.3, 0.5]
+    assert list(h.strengths) == [0.3, 0.5]
     assert torch.equal(h.strength_tensor(x.device), torch.tensor([0.3, 0.5]))
     with torch.no_grad():
         assert torch.equal(m(x), before)

@@ -101,6 +101,27 @@ def test_eager_tensors_are_per_value_and_never_written():
     assert request_scale(dev) is one
 
 
+def test_eager_tensors_are_bounded_however_many_scales_requests_pass():
+    # A server passing a scale per request: the per-value tensors are an LRU of a fixed size,
+    # and one dropped keeps the value a queued read saw (the scales: exact in float32).
+    from shuttle.apply import scale
+
+    dev = torch.device("cpu")
+    with shuttle.lora_scale(0.5):
+        first = request_scale(dev)
+    seen = []
+    for i in range(10_000):
+        with shuttle.lora_scale(1.0 + i * 2.0**-14):
+            t = request_scale(dev)
+            assert float(t) == 1.0 + i * 2.0**-14 and request_scale(dev) is t
+            if i % 1000 == 0:
+                seen.append((t, 1.0 + i * 2.0**-14))
+        assert len(scale._by_value) <= scale.MAX_CACHED_SCALES
+    assert float(first) == 0.5 and all(float(t) == v for t, v in seen)
+    with shuttle.lora_scale(0.5):
+        assert float(request_scale(dev)) == 0.5
+
+
 class _Request:
     """A thread that runs one request step by step, each step when the test says: the test
     orders the threads' steps exactly (no timing), and each step's result comes back."""

@@ -23,13 +23,13 @@ def _case(m, n, ranks, wdtype, fdtype, seed=0):
     seg = [0]
     for k in ranks:
         seg.append(seg[-1] + k)
-    alpha = [0.5 + 0.37 * i * (-1) ** i for i in range(len(ranks))]
-    return w, up, down, seg, alpha
+    scales = [0.5 + 0.37 * i * (-1) ** i for i in range(len(ranks))]
+    return w, up, down, seg, scales
 
 
-def _float64(w, up, down, seg, alpha):
+def _float64(w, up, down, seg, scales):
     acc = w.double()
-    for i, a in enumerate(alpha):
+    for i, a in enumerate(scales):
         acc += a * (up[:, seg[i]:seg[i + 1]].double() @ down[seg[i]:seg[i + 1]].double())
     return acc
 
@@ -40,10 +40,10 @@ def _float64(w, up, down, seg, alpha):
     ("m", "n", "ranks"), [(70, 45, [5, 7]), (33, 130, [70]), (16, 16, [1]), (20, 24, [300, 3])]
 )
 def test_kernel_matches_reference_bit_for_bit(wdtype, fdtype, m, n, ranks):
-    w, up, down, seg, alpha = _case(m, n, ranks, wdtype, fdtype)
+    w, up, down, seg, scales = _case(m, n, ranks, wdtype, fdtype)
     got, want = w.clone(), w.clone()
-    merge_lowrank(got, up, down, seg, alpha)
-    merge_lowrank_reference(want, up, down, seg, alpha)
+    merge_lowrank(got, up, down, seg, scales)
+    merge_lowrank_reference(want, up, down, seg, scales)
     # Both sum in float32 and round once; only float32 summation order may differ, which can
     # move a value across a rounding boundary in rare cases: allow one ulp on a few elements.
     diff = (got.double() - want.double()).abs()
@@ -51,36 +51,36 @@ def test_kernel_matches_reference_bit_for_bit(wdtype, fdtype, m, n, ranks):
     assert bool((diff <= ulp).all())
     assert int((got != want).sum()) <= max(4, got.numel() // 100)
     # and the result is the float64 update rounded once, to within that same ulp
-    ref = _float64(w, up, down, seg, alpha).to(wdtype)
+    ref = _float64(w, up, down, seg, scales).to(wdtype)
     assert int((got != ref).sum()) <= max(4, got.numel() // 100)
 
 
 def test_float32_weight_close_to_float64():
-    w, up, down, seg, alpha = _case(40, 50, [8, 3], torch.float32, torch.float32)
+    w, up, down, seg, scales = _case(40, 50, [8, 3], torch.float32, torch.float32)
     got = w.clone()
-    merge_lowrank(got, up, down, seg, alpha)
-    torch.testing.assert_close(got.double(), _float64(w, up, down, seg, alpha), rtol=1e-6,
+    merge_lowrank(got, up, down, seg, scales)
+    torch.testing.assert_close(got.double(), _float64(w, up, down, seg, scales), rtol=1e-6,
                                atol=1e-5)
 
 
 def test_row_slice_view_leaves_other_rows_alone():
-    w, up, down, seg, alpha = _case(64, 40, [4], torch.bfloat16, torch.bfloat16)
+    w, up, down, seg, scales = _case(64, 40, [4], torch.bfloat16, torch.bfloat16)
     full = w.clone()
-    merge_lowrank(full[16:40], up[16:40], down, seg, alpha)
+    merge_lowrank(full[16:40], up[16:40], down, seg, scales)
     assert torch.equal(full[:16], w[:16]) and torch.equal(full[40:], w[40:])
     want = w[16:40].clone()
-    merge_lowrank_reference(want, up[16:40], down, seg, alpha)
+    merge_lowrank_reference(want, up[16:40], down, seg, scales)
     assert int((full[16:40] != want).sum()) <= 1
 
 
 def test_single_rounding_differs_from_double_rounding():
     """The kernel rounds once; rounding the scaled product to bf16 first (cuBLAS addmm_ on bf16
     weights, PEFT's merge) gives different, less accurate weights."""
-    w, up, down, seg, alpha = _case(128, 128, [16], torch.bfloat16, torch.bfloat16)
+    w, up, down, seg, scales = _case(128, 128, [16], torch.bfloat16, torch.bfloat16)
     got = w.clone()
-    merge_lowrank(got, up, down, seg, alpha)
-    ref = _float64(w, up, down, seg, alpha).to(torch.bfloat16)
-    double = w + (alpha[0] * (up.float() @ down.float())).to(torch.bfloat16)
+    merge_lowrank(got, up, down, seg, scales)
+    ref = _float64(w, up, down, seg, scales).to(torch.bfloat16)
+    double = w + (scales[0] * (up.float() @ down.float())).to(torch.bfloat16)
     assert int((got != ref).sum()) <= 16
     assert int((double != ref).sum()) > int((got != ref).sum())
 
@@ -138,9 +138,9 @@ def test_many_jobs_equal_one_launch_each_bit_for_bit(launches):
     cases += [_case(33, 130, [16], torch.float16, torch.bfloat16, seed=s) for s in range(5, 7)]
     cases.append(_case(70, 45, [5, 7], torch.float16, torch.bfloat16, seed=7))
     want = []
-    for w, up, down, seg, alpha in cases:
+    for w, up, down, seg, scales in cases:
         want.append(w.clone())
-        merge_lowrank(want[-1], up, down, seg, alpha)
+        merge_lowrank(want[-1], up, down, seg, scales)
     del launches[:]
     got = [w.clone() for w, *_ in cases]
     merge_lowrank_many([LowRankJob(g, *c[1:]) for g, c in zip(got, cases, strict=True)])
@@ -157,21 +157,21 @@ def test_overlapping_jobs_never_share_a_launch(launches):
     updates in order. Disjoint row ranges of one weight do share launches."""
     from shuttle.kernels.merge_lowrank import LowRankJob, merge_lowrank_many
 
-    w, up, down, seg, alpha = _case(48, 40, [4], torch.bfloat16, torch.bfloat16)
+    w, up, down, seg, scales = _case(48, 40, [4], torch.bfloat16, torch.bfloat16)
     rows = [(0, 16), (16, 40), (32, 48)]  # the last two overlap
-    scales = [alpha, [-2 * alpha[0]], [3 * alpha[0]]]
+    per_rows = [scales, [-2 * scales[0]], [3 * scales[0]]]
     want = w.clone()
-    for (r0, r1), a in zip(rows, scales, strict=True):
+    for (r0, r1), a in zip(rows, per_rows, strict=True):
         merge_lowrank(want[r0:r1], up[r0:r1], down, seg, a)
     del launches[:]
     got = w.clone()
     merge_lowrank_many([LowRankJob(got[r0:r1], up[r0:r1], down, seg, a)
-                        for (r0, r1), a in zip(rows, scales, strict=True)])
+                        for (r0, r1), a in zip(rows, per_rows, strict=True)])
     assert torch.equal(got, want)
     assert [grid[1] for grid in launches] == [1, 1, 1]
     del launches[:]
     rows = [(0, 16), (16, 32), (32, 48)]
-    merge_lowrank_many([LowRankJob(got[r0:r1], up[r0:r1], down, seg, alpha) for r0, r1 in rows])
+    merge_lowrank_many([LowRankJob(got[r0:r1], up[r0:r1], down, seg, scales) for r0, r1 in rows])
     assert [grid[1] for grid in launches] == [1, 2]
 
 
@@ -188,3 +188,32 @@ def test_overflow_flag_set_by_any_job_of_a_group(launches):
                         for w, d in zip(ws, (ones, ones, edge), strict=True)])
     assert int(flag) == 1 and [grid[1] for grid in launches] == [1, 2]
     assert bool((ws[0] == 1).all()) and bool((ws[1] == 1).all()) and bool(torch.isinf(ws[2]).all())
+
+
+def test_a_contributions_scale_has_one_name_in_every_merge_kernel_and_representation():
+    # strength x alpha / rank is a contribution's scale: the kernels, their wrappers and every
+    # representation's merge_lowrank take it as ``scales``, never ``alpha`` (the file's alpha,
+    # one factor of it).
+    import importlib
+    import inspect
+
+    import shuttle.weights  # noqa: F401  (every representation registered)
+    from shuttle.apply.fused_jobs import LowRankSum
+    from shuttle.weights.representation import WeightRepresentation
+
+    ml, nf4, scaled = (importlib.import_module(f"shuttle.kernels.{m}")
+                       for m in ("merge_lowrank", "merge_nf4", "merge_scaled"))
+    reps, todo = [], [WeightRepresentation]
+    while todo:
+        cls = todo.pop()
+        reps.append(cls)
+        todo.extend(cls.__subclasses__())
+    fns = [ml.merge_lowrank, ml.merge_lowrank_reference, ml.padded_factors, nf4.merge_4bit,
+           nf4.merge_4bit_reference, scaled.merge_scaled, scaled.merge_scaled_reference,
+           scaled.merge_scaled_or_none]
+    fns += [cls.merge_lowrank for cls in reps if "merge_lowrank" in vars(cls)]
+    assert len(fns) > 8, "no representation overrides merge_lowrank"
+    for f in fns:
+        params = inspect.signature(f).parameters
+        assert "scales" in params and "alpha" not in params, f.__qualname__
+    assert "scales" in ml.LowRankJob._fields and "scales" in LowRankSum._fields

@@ -18,7 +18,7 @@ F = bnb.functional
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Ranks of the contributions (padded to 16 and to each other inside the kernel) and scales.
-RANKS, ALPHA = [3, 4, 9], [0.5, -1.3, 0.21]
+RANKS, SCALES = [3, 4, 9], [0.5, -1.3, 0.21]
 
 
 def _case(m, n, blocksize, quant_type, fdtype=torch.float32, seed=0, quant_storage=torch.uint8):
@@ -35,9 +35,9 @@ def _case(m, n, blocksize, quant_type, fdtype=torch.float32, seed=0, quant_stora
     return q, qs, up, down, seg
 
 
-def _float64_merged(q, qs, up, down, seg, alpha):
+def _float64_merged(q, qs, up, down, seg, scales):
     x = F.dequantize_4bit(q, qs).double()
-    for i, a in enumerate(alpha):
+    for i, a in enumerate(scales):
         x += a * (up[:, seg[i]:seg[i + 1]].double() @ down[seg[i]:seg[i + 1]].double())
     return x
 
@@ -74,10 +74,10 @@ def test_nearest_matches_reference(quant_type, blocksize, config):
     # 40 rows: three row tiles, the last one masked; 192 columns: with BN=128 a column tile
     # half past the end; with blocksize 32 two blocks per tile row.
     q, qs, up, down, seg = _case(40, 192, blocksize, quant_type)
-    args = (q, qs.absmax, qs.code, (40, 192), blocksize, up, down, seg, ALPHA)
+    args = (q, qs.absmax, qs.code, (40, 192), blocksize, up, down, seg, SCALES)
     got = merge_4bit(*args, config=config)
     want = merge_4bit_reference(*args)
-    _assert_same_up_to_midpoints(got, want, qs.code, _float64_merged(q, qs, up, down, seg, ALPHA),
+    _assert_same_up_to_midpoints(got, want, qs.code, _float64_merged(q, qs, up, down, seg, SCALES),
                                  blocksize)
     # and the merge did something: most indices moved
     assert int((_indices(got[0], 40 * 192) != _indices(q, 40 * 192)).sum()) > 40 * 192 // 2
@@ -85,14 +85,14 @@ def test_nearest_matches_reference(quant_type, blocksize, config):
 
 def test_bf16_factors_match_reference():
     q, qs, up, down, seg = _case(24, 128, 64, "nf4", fdtype=torch.bfloat16, seed=1)
-    args = (q, qs.absmax, qs.code, (24, 128), 64, up, down, seg, ALPHA)
+    args = (q, qs.absmax, qs.code, (24, 128), 64, up, down, seg, SCALES)
     _assert_same_up_to_midpoints(merge_4bit(*args), merge_4bit_reference(*args), qs.code,
-                                 _float64_merged(q, qs, up, down, seg, ALPHA), 64)
+                                 _float64_merged(q, qs, up, down, seg, SCALES), 64)
 
 
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
 def test_zero_update_is_bitsandbytes_requantization(quant_type):
-    """With alpha 0 the kernel re-encodes the dequantized weight: bitsandbytes' own bytes."""
+    """With scale 0 the kernel re-encodes the dequantized weight: bitsandbytes' own bytes."""
     q, qs, up, down, seg = _case(32, 128, 64, quant_type, seed=2)
     got = merge_4bit(q, qs.absmax, qs.code, (32, 128), 64, up, down, seg, [0.0, 0.0, 0.0])
     q2, qs2 = F.quantize_4bit(F.dequantize_4bit(q, qs), blocksize=64, quant_type=quant_type)
@@ -112,8 +112,8 @@ def test_zero_block_keeps_zero_absmax():
     up[:3] = 0  # rows 0-2 get no update ...
     absmax = qs.absmax.clone()
     absmax[:4] = 0  # ... and their first blocks are zero
-    got = merge_4bit(q, absmax, qs.code, (16, 128), 64, up, down, seg, ALPHA)
-    want = merge_4bit_reference(q, absmax, qs.code, (16, 128), 64, up, down, seg, ALPHA)
+    got = merge_4bit(q, absmax, qs.code, (16, 128), 64, up, down, seg, SCALES)
+    want = merge_4bit_reference(q, absmax, qs.code, (16, 128), 64, up, down, seg, SCALES)
     assert torch.equal(got[1][:4], torch.zeros(4, device=DEVICE))
     # 4 blocks of 64 = rows 0-1: the code's zero, as the reference encodes them
     zero = int((qs.code == 0).nonzero()[0])
@@ -151,8 +151,8 @@ def test_stochastic_repeatable_and_tiling_moves_only_float32_rounding():
     AVX2 CPUs moved 5 absmax by one ulp here), so across tilings: absmax within a few ulps,
     codes equal except where a value lies at float32 rounding of its draw."""
     q, qs, up, down, seg = _case(40, 192, 64, "nf4", seed=4)
-    args = (q, qs.absmax, qs.code, (40, 192), 64, up, down, seg, ALPHA)
-    exact = _float64_merged(q, qs, up, down, seg, ALPHA)
+    args = (q, qs.absmax, qs.code, (40, 192), 64, up, down, seg, SCALES)
+    exact = _float64_merged(q, qs, up, down, seg, SCALES)
     seed = 2 ** 62 + 5  # merge seeds are 63-bit
     results = []
     for config in [None, (32, 128, 4), (16, 256, 4)]:
@@ -174,8 +174,8 @@ def test_stochastic_repeatable_and_tiling_moves_only_float32_rounding():
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
 def test_stochastic_is_unbiased(quant_type):
     q, qs, up, down, seg = _case(16, 64, 32, quant_type, seed=5)
-    args = (q, qs.absmax, qs.code, (16, 64), 32, up, down, seg, ALPHA)
-    exact = _float64_merged(q, qs, up, down, seg, ALPHA)
+    args = (q, qs.absmax, qs.code, (16, 64), 32, up, down, seg, SCALES)
+    exact = _float64_merged(q, qs, up, down, seg, SCALES)
     n = 96
 
     def dequantized(packed, absmax):
@@ -201,16 +201,16 @@ def test_representation_merge_is_encode(quant_storage, rounding):
     p = bnb.nn.Params4bit(q, requires_grad=False, quant_state=qs, blocksize=64,
                           quant_type="nf4", quant_storage=quant_storage, bnb_quantized=True)
     rep = Bnb4bitWeight.from_tensor(p)
-    got = rep.merge_lowrank(up, down, seg, ALPHA, rounding=rounding, seed=11)
+    got = rep.merge_lowrank(up, down, seg, SCALES, rounding=rounding, seed=11)
     update = sum(a * (up[:, seg[i]:seg[i + 1]].float() @ down[seg[i]:seg[i + 1]].float())
-                 for i, a in enumerate(ALPHA))
+                 for i, a in enumerate(SCALES))
     want = rep.encode(rep.dequantize() + update, rounding, torch.Generator(DEVICE).manual_seed(1))
     assert isinstance(got, Bnb4bitWeight)
     assert {n: (t.shape, t.dtype) for n, t in got.tensors().items()} == {
         n: (t.shape, t.dtype) for n, t in want.tensors().items()}
     assert (got.shape, got.blocksize, got.quant_type, got.dtype) == (
         want.shape, want.blocksize, want.quant_type, want.dtype)
-    exact = _float64_merged(q, qs, up, down, seg, ALPHA)
+    exact = _float64_merged(q, qs, up, down, seg, SCALES)
     if rounding == "nearest":
         _assert_same_up_to_midpoints((got.packed, got.absmax), (want.packed, want.absmax),
                                      rep.code, exact, 64)

@@ -43,7 +43,7 @@ def _scale(gran, m, g):
 
 
 def _case(dtype, gran, m=37, n=45, ranks=(5, 7, 3), fdtype=torch.bfloat16, seed=0):
-    """Codes, scale and three contributions of different alphas, ranks not powers of two."""
+    """Codes, scale and three contributions of different scales, ranks not powers of two."""
     g = torch.Generator().manual_seed(seed)
     data, scale = _codes(dtype, m, n, g), _scale(gran, m, g)
     r = sum(ranks)
@@ -52,9 +52,9 @@ def _case(dtype, gran, m=37, n=45, ranks=(5, 7, 3), fdtype=torch.bfloat16, seed=
     seg = [0]
     for k in ranks:
         seg.append(seg[-1] + k)
-    alpha = [0.7, -1.3, 0.45][:len(ranks)]
+    scales = [0.7, -1.3, 0.45][:len(ranks)]
     to = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
-    return to(data), to(scale), to(up), to(down), seg, alpha
+    return to(data), to(scale), to(up), to(down), seg, scales
 
 
 def _index(codes):
@@ -88,10 +88,10 @@ def _assert_scale_close(got, want):
 @pytest.mark.parametrize(("dtype", "gran"), FORMS, ids=IDS)
 def test_nearest_matches_reference(dtype, gran):
     fdtype = torch.float32 if gran in ("tensor", "none") else torch.bfloat16
-    data, scale, up, down, seg, alpha = _case(dtype, gran, fdtype=fdtype)
+    data, scale, up, down, seg, scales = _case(dtype, gran, fdtype=fdtype)
     kw = dict(absmax_scale=gran == "absmax")
-    got = merge_scaled(data, scale, up, down, seg, alpha, config=CFG, **kw)
-    want = merge_scaled_reference(data, scale, up, down, seg, alpha, **kw)
+    got = merge_scaled(data, scale, up, down, seg, scales, config=CFG, **kw)
+    want = merge_scaled_reference(data, scale, up, down, seg, scales, **kw)
     assert got.data.dtype == dtype and got.data.shape == data.shape
     _assert_within_a_step(got.data, want.data)
     _assert_scale_close(got.scale, want.scale)
@@ -146,8 +146,8 @@ def test_exact_inputs_round_like_torch_bit_for_bit(dtype, gran):
 
 @pytest.mark.parametrize("dtype", [torch.int8, E4])
 def test_stochastic_repeatable_seeded_and_independent_of_tiling(dtype):
-    data, scale, up, down, seg, alpha = _case(dtype, "row")
-    args = (data, scale, up, down, seg, alpha)
+    data, scale, up, down, seg, scales = _case(dtype, "row")
+    args = (data, scale, up, down, seg, scales)
     a = merge_scaled(*args, rounding="stochastic", seed=7, config=CFG)
     b = merge_scaled(*args, rounding="stochastic", seed=7, config=(32, 16, 1))
     c = merge_scaled(*args, rounding="stochastic", seed=8, config=CFG)
@@ -164,17 +164,17 @@ def test_stochastic_is_unbiased(dtype, gran):
     """Mean over draws of the dequantized result -> the float64 merge. Four distinct rows, each
     repeated 16 times (same amax, so same scale; other offsets, so independent draws), times
     16 seeds: K = 256 draws per value, standard error <= step / (2 sqrt(K)) = step / 32."""
-    data, scale, up, down, seg, alpha = _case(dtype, gran, m=4, n=16)
+    data, scale, up, down, seg, scales = _case(dtype, gran, m=4, n=16)
     rep = lambda t: t.repeat(16, 1)  # noqa: E731
     data, up = rep(data), rep(up)
     if gran == "row":
         scale = rep(scale.view(-1, 1)).view(-1)
     exact = data.double() * (scale.double().view(-1, 1) if scale.dim() else scale.double())
-    for i, a in enumerate(alpha):
+    for i, a in enumerate(scales):
         exact += a * (up[:, seg[i]:seg[i + 1]].double() @ down[seg[i]:seg[i + 1]].double())
     total = torch.zeros(4, 16, dtype=torch.float64, device=DEVICE)
     for seed in range(16):
-        out = merge_scaled(data, scale, up, down, seg, alpha, rounding="stochastic", seed=seed,
+        out = merge_scaled(data, scale, up, down, seg, scales, rounding="stochastic", seed=seed,
                            config=(64, 16, 1))
         s = out.scale.double().view(-1, 1) if out.scale.dim() else out.scale.double()
         total += (out.data.double() * s).view(16, 4, 16).sum(0)  # the 16 copies of each row
@@ -186,13 +186,13 @@ def test_stochastic_is_unbiased(dtype, gran):
 
 
 def test_non_finite_merge_gives_inf_amax_and_no_representation():
-    data, scale, up, down, seg, alpha = _case(E4, "row", m=16, n=16)
+    data, scale, up, down, seg, scales = _case(E4, "row", m=16, n=16)
     up[3, 2] = float("nan")
-    out = merge_scaled(data, scale, up, down, seg, alpha, config=CFG)
+    out = merge_scaled(data, scale, up, down, seg, scales, config=CFG)
     assert float(out.amax) == float("inf")
-    assert Fp8Weight(data, scale).merge_lowrank(up, down, seg, alpha) is None
+    assert Fp8Weight(data, scale).merge_lowrank(up, down, seg, scales) is None
     up[3, 2] = float("inf")  # unscaled: clamping would hide it; the amax does not
-    assert Fp8Weight(data).merge_lowrank(up, down, seg, alpha) is None
+    assert Fp8Weight(data).merge_lowrank(up, down, seg, scales) is None
 
 
 def _reps():
@@ -218,10 +218,10 @@ def _reps():
 @pytest.mark.parametrize("name", list(_reps()))
 def test_representation_merge_is_its_encode(name):
     rep = _reps()[name].to(DEVICE)
-    _, _, up, down, seg, alpha = _case(E4, "none", m=24, n=18)
-    out = rep.merge_lowrank(up, down, seg, alpha, rounding="nearest", seed=0)
+    _, _, up, down, seg, scales = _case(E4, "none", m=24, n=18)
+    out = rep.merge_lowrank(up, down, seg, scales, rounding="nearest", seed=0)
     update = sum(a * (up[:, seg[i]:seg[i + 1]].float() @ down[seg[i]:seg[i + 1]].float())
-                 for i, a in enumerate(alpha))
+                 for i, a in enumerate(scales))
     want = rep.encode(rep.dequantize() + update.view(rep.logical_shape))
     assert type(out) is type(want) and out.compute_dtype == rep.compute_dtype
     got_t, want_t = out.tensors(), want.tensors()
@@ -235,20 +235,20 @@ def test_representation_merge_is_its_encode(name):
 
 
 def test_none_where_the_kernel_does_not_apply(monkeypatch):
-    _, _, up, down, seg, alpha = _case(E4, "none", m=8, n=16)
+    _, _, up, down, seg, scales = _case(E4, "none", m=8, n=16)
     codes = _codes(torch.int8, 8, 16, torch.Generator().manual_seed(0))
     col_scale = QuantoWeight(codes, torch.rand(1, 16), torch.bfloat16)  # per column (axis=-1)
-    assert col_scale.merge_lowrank(up, down, seg, alpha) is None
+    assert col_scale.merge_lowrank(up, down, seg, scales) is None
     blockwise = TorchaoScaledWeight(codes, torch.rand(8, 2), None, torch.bfloat16)
-    assert blockwise.merge_lowrank(up, down, seg, alpha) is None
+    assert blockwise.merge_lowrank(up, down, seg, scales) is None
     strided = Fp8Weight(_codes(E4, 16, 8, torch.Generator().manual_seed(1)).t())
-    assert strided.merge_lowrank(up, down, seg, alpha) is None
+    assert strided.merge_lowrank(up, down, seg, scales) is None
     fnuz = codes.float().to(torch.float8_e4m3fnuz)
-    assert merge_scaled_or_none(fnuz, torch.tensor(1.0), up, down, seg, alpha) is None
+    assert merge_scaled_or_none(fnuz, torch.tensor(1.0), up, down, seg, scales) is None
     ok = Fp8Weight(_codes(E4, 8, 16, torch.Generator().manual_seed(2)))
     if DEVICE == "cpu":  # a CPU tensor outside the interpreter has no kernel
         monkeypatch.setenv("TRITON_INTERPRET", "0")
-        assert ok.merge_lowrank(up, down, seg, alpha) is None
+        assert ok.merge_lowrank(up, down, seg, scales) is None
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(ms, "triton_available", lambda: False)
-    assert ok.to(DEVICE).merge_lowrank(up, down, seg, alpha) is None
+    assert ok.to(DEVICE).merge_lowrank(up, down, seg, scales) is None

@@ -29,8 +29,7 @@ from shuttle.apply.plan import (
     plan_merge,
     plan_params,
 )
-from shuttle.apply.scale import bump_generation
-from shuttle.apply.strength import check_strength
+from shuttle.apply.strength import Strengths, check_strength
 from shuttle.errors import (
     AdapterIndexError,
     InvalidOptionError,
@@ -73,6 +72,9 @@ class DynamicAdapters:
 
     Attributes:
         names: the adapters' names, in attach order.
+        strengths: their strengths (:class:`~shuttle.apply.strength.Strengths`, a sequence of
+            floats): the one copy every hook of this handle reads, with a generation of its
+            own, so that changing them reaches this model's layers only.
         report: what was placed (``applied`` parameter names) and what was not.
         quality: the tier of low-rank Linear updates.
     """
@@ -81,12 +83,11 @@ class DynamicAdapters:
                  quality: Quality, report: MergeReport, names: list[str] | None = None):
         self.model = model
         self.loras = loras
-        self.strengths = strengths
+        self.strengths = Strengths(strengths)
         self.quality = quality
         self.report = report
         self.names = names if names is not None else default_names(loras)
         self.hooks: dict[str, LoRAHook] = {}
-        self._strength_t: dict[torch.device, torch.Tensor] = {}
         self._mapping: KeyMapping | None = None  # how attach_lora placed them, for delete()
         self._max_rank: int | None = None
 
@@ -180,11 +181,7 @@ class DynamicAdapters:
 
     def strength_tensor(self, device: torch.device) -> torch.Tensor:
         """``(n_adapters,)`` float32 strengths on ``device`` (updated in place)."""
-        t = self._strength_t.get(device)
-        if t is None:
-            t = self._strength_t[device] = torch.tensor(self.strengths, dtype=torch.float32,
-                                                        device=device)
-        return t
+        return self.strengths.tensor(device)
 
     def set_strength(self, index: int | str, strength: float) -> None:
         """Change adapter ``index``'s (or name's) strength without rebuilding low-rank factors.
@@ -204,11 +201,7 @@ class DynamicAdapters:
         """
         if others is not None:
             wanted = {i: wanted.get(i, others) for i in range(len(self.loras))}
-        for index, strength in wanted.items():
-            self.strengths[index] = strength
-            for t in self._strength_t.values():
-                t[index] = strength
-        bump_generation()
+        self.strengths.set(wanted)
         modules = dict(self.model.named_modules())
         for name, hook in self.hooks.items():
             if any(c.adapter in wanted for cs in hook.dense.values() for c in cs):
@@ -303,7 +296,7 @@ class DynamicAdapters:
         for param, contribs in loaded.items():
             self.hooks[param.rpartition(".")[0]].swap(index, {c.rows: c.patch for c in contribs})
         self.loras[index] = new
-        bump_generation()
+        self.strengths.bump()
         return MergeReport(list(plan.params), plan.unmatched, plan.skipped, plan_notes(plan))
 
     def delete(self, index: int | str) -> None:
@@ -320,8 +313,7 @@ class DynamicAdapters:
         strengths = [self.strengths[i] for i in keep]
         names = [self.names[i] for i in keep]
         self.detach()
-        self.loras, self.strengths, self.names = loras, strengths, names
-        self._strength_t.clear()
+        self.loras, self.strengths, self.names = loras, Strengths(strengths), names
         if not loras:
             self.report = MergeReport([], {}, {})
             return
@@ -329,11 +321,9 @@ class DynamicAdapters:
         # set_adapters keeps its place) and then set to their strengths.
         plan = plan_merge(self.model, [(lora, 1.0) for lora in loras], self._mapping)
         rebuilt = attach_plan(self.model, plan, self.quality, self._max_rank, names)
-        self.hooks, self.report = rebuilt.hooks, rebuilt.report
-        self.strengths, self._strength_t = rebuilt.strengths, rebuilt._strength_t
-        for i, s in enumerate(strengths):
-            self.set_strength(i, s)
-        bump_generation()
+        # the rebuilt hooks read the rebuilt handle's strengths: those become this handle's
+        self.hooks, self.report, self.strengths = rebuilt.hooks, rebuilt.report, rebuilt.strengths
+        self._set_strengths(dict(enumerate(strengths)))
 
     def detach(self) -> None:
         """Remove every hook; the model is exactly as before attaching."""

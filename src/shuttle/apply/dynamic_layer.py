@@ -38,30 +38,28 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from shuttle.apply.layer_kind import layer_kind
-from shuttle.apply.param_merge import apply_contributions
 from shuttle.apply.plan import Contribution, logical_spec
 from shuttle.apply.scale import (
     follow,
-    following,
-    generation,
-    graph_key,
     prepare_request_scale,
     request_scale,
     request_scale_value,
     shared_request_scale,
+    shared_request_scale_value,
 )
+from shuttle.apply.strength import Strengths
 from shuttle.errors import UnsupportedLayerError, UnsupportedPlacementError
 from shuttle.hooks import ModuleHook, substituted
 from shuttle.kernels import interpreting, lora_linear_fused, lora_shrink, triton_available
 from shuttle.kernels.lora_decode import DECODE_MAX_T, lora_decode_add, lora_decode_linear
 from shuttle.kernels.lora_linear_tma import PreparedLoraLinear
-from shuttle.patches import LowRank
+from shuttle.patches import LowRank, Patch
 from shuttle.weights import FP8_DTYPES
 from shuttle.weights.dtensor import is_dtensor, shard_window
 from shuttle.weights.plain import is_plain_tensor
@@ -79,6 +77,14 @@ class _Slot:
     patch: LowRank
     rows: tuple[int, int] | None
     columns: tuple[int, int]  # its ranks in the concatenated factors
+
+
+class _Residual(NamedTuple):
+    """One adapter's patch in a weight residual, applied at its attachment's strength."""
+
+    adapter: int
+    patch: Patch
+    rows: tuple[int, int] | None
 
 
 def _chain_dtype(*dtypes: torch.dtype, exact: bool = True) -> torch.dtype:
@@ -107,15 +113,17 @@ class LoRAHook(ModuleHook):
         name: the module's name in the model (for messages).
         module: the module.
         contribs: parameter leaf name -> its contributions.
-        strengths: shared per-adapter strengths (Python floats), indexed by ``adapter``.
-        strength_tensor: ``device -> (n_adapters,) float32`` tensor of the same strengths.
+        strengths: the attachment's strengths (its values, their generation, its followers),
+            indexed by ``adapter``.
+        strength_tensor: ``device -> (n_adapters,) float32`` tensor of the same strengths
+            (``strengths.tensor``).
         quality: the tier for low-rank patches on Linear layers.
         pad_rank: pad each adapter's rank to this (so a later adapter of rank <= it can be
             swapped in without a recompile).
     """
 
     def __init__(self, name: str, module: torch.nn.Module,
-                 contribs: dict[str, list[Contribution]], strengths: list[float],
+                 contribs: dict[str, list[Contribution]], strengths: Strengths,
                  strength_tensor: Callable[[torch.device], torch.Tensor], quality: Quality,
                  pad_rank: int | None = None):
         self.name = name
@@ -128,7 +136,8 @@ class LoRAHook(ModuleHook):
         self.in_place = is_plain_tensor(getattr(module, "weight", None))
         self.sharded = is_dtensor(getattr(module, "weight", None))
         self.slots: list[_Slot] = []
-        self.dense: dict[str, list[Contribution]] = {}
+        # the weight-residual patches, without the plan's strengths: those are self._strengths'
+        self.dense: dict[str, list[_Residual]] = {}
         for leaf, cs in contribs.items():
             for c in cs:
                 if leaf == "weight" and isinstance(c.patch, LowRank) \
@@ -154,7 +163,7 @@ class LoRAHook(ModuleHook):
                         "Linear layers can); merge it with mode='merge' instead"
                     )
                 else:
-                    self.dense.setdefault(leaf, []).append(c)
+                    self.dense.setdefault(leaf, []).append(_Residual(c.adapter, c.patch, c.rows))
         self._build_lowrank(module, pad_rank)
         self._dt: tuple | None = None  # sharded factors: (key, A, B, scale mesh)
         self.residuals: dict[str, torch.Tensor] = {}
@@ -162,8 +171,8 @@ class LoRAHook(ModuleHook):
         self._graph_key: tuple[int, float] | None = None
         self._cached: tuple[tuple[int, float], torch.Tensor] | None = None  # eager: (key, s)
         self.refresh(module)
-        # Create the shared scale tensors now: created inside a compiled forward, they would
-        # change a guarded dict and cost a recompile on the next call.
+        # Create the shared scale and strength tensors now: created inside a compiled forward,
+        # they would change a guarded dict and cost a recompile on the next call.
         for p in module.parameters(recurse=False):
             prepare_request_scale(p.device)
             strength_tensor(p.device)
@@ -221,7 +230,7 @@ class LoRAHook(ModuleHook):
         self._prepared = None
         self.residuals = {k: r.to(device) for k, r in self.residuals.items()}
         self._cache_key = None
-        if not following(self):
+        if not self._strengths.following(self):
             self._graph_scale = None
         prepare_request_scale(device)
         self._strength_tensor(device)
@@ -237,13 +246,19 @@ class LoRAHook(ModuleHook):
             cs = [c for c in cs if self._strengths[c.adapter] != 0]
             if not cs:
                 continue
-            p = getattr(module, leaf)
-            w = p.detach().float()
-            out = apply_contributions(w.clone(), cs, self._strengths)
+            w = getattr(module, leaf).detach().float()
+            out = w.clone()
+            for c in cs:  # in the plan's order, as a merge applies them
+                view = out if c.rows is None else out[c.rows[0]:c.rows[1]]
+                view.copy_(c.patch.apply(view, self._strengths[c.adapter]))
             self.residuals[leaf] = out.sub_(w)
         self._cache_key = None
 
     # -- forward ---------------------------------------------------------------------------
+    def _graph_key_now(self) -> tuple[int, float]:
+        """What a captured vector is computed from: its strengths' generation, the shared scale."""
+        return self._strengths.generation, shared_request_scale_value()
+
     def _product(self, device: torch.device, request: torch.Tensor) -> torch.Tensor:
         return self.base_scale * self._strength_tensor(device)[self.col_adapter] * request
 
@@ -253,24 +268,26 @@ class LoRAHook(ModuleHook):
             return self._product(device, request_scale(device))
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             # Replayed without Python: the graph reads this layer's own vector, which every
-            # later strength or shared-scale change rewrites in place (it follows them, see
-            # shuttle.apply.scale). One computed since the last change is required; otherwise
-            # the product is computed inside the graph (three small kernels per replay).
+            # later change of its attachment's strengths or of the shared scale rewrites in
+            # place (it follows them, see shuttle.apply.scale). One computed since the last
+            # change is required; otherwise the product is computed inside the graph (three
+            # small kernels per replay).
             g = self._graph_scale
-            if g is None or g.device != device or self._graph_key != graph_key():
+            if g is None or g.device != device or self._graph_key != self._graph_key_now():
                 return self._product(device, request_scale(device))
-            follow(self)
+            follow(self._strengths, self)
             return g
-        key = (generation(), request_scale_value())  # strengths, and this context's scale
+        # this attachment's strengths, and this context's scale
+        key = (self._strengths.generation, request_scale_value())
         # (key, vector) read and written as one object: another thread may replace it at any
         # moment, with its own scale's vector.
         cached = self._cached
         if self._cache_key != key or cached is None or cached[0] != key:
             cached = (key, self._product(device, request_scale(device)))
             self._cached, self._cache_key = cached, key
-            if not following(self):  # a new object: no captured graph reads the old one
+            if not self._strengths.following(self):  # no captured graph reads the old one
                 self._graph_scale = self._product(device, shared_request_scale(device))
-                self._graph_key = graph_key()
+                self._graph_key = self._graph_key_now()
         return cached[1]
 
     def refresh_graph_scale(self) -> None:
@@ -278,7 +295,7 @@ class LoRAHook(ModuleHook):
         g = self._graph_scale
         if g is not None:
             g.copy_(self._product(g.device, shared_request_scale(g.device)))
-            self._graph_key = graph_key()
+            self._graph_key = self._graph_key_now()
 
     def _overrides(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         if not self.residuals:

@@ -25,13 +25,13 @@ __all__ = ["FUSED_DTYPES", "LowRankSum", "cannot_overflow", "fused_jobs", "kerne
 
 class LowRankSum(NamedTuple):
     """Plain low-rank contributions to one row range, concatenated along the rank:
-    the update is ``sum_i alpha[i] * up[:, seg[i]:seg[i+1]] @ down[seg[i]:seg[i+1]]``.
+    the update is ``sum_i scales[i] * up[:, seg[i]:seg[i+1]] @ down[seg[i]:seg[i+1]]``.
     """
 
     up: torch.Tensor  # (rows, R)
     down: torch.Tensor  # (R, N)
     seg: list[int]
-    alpha: list[float]
+    scales: list[float]  # per contribution: strength x alpha / rank
 
 
 def lowrank_sums(contribs: list[Contribution]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import torch
 
@@ -120,16 +120,13 @@ def compute_dtype(dtype: torch.dtype, contribs: list[Contribution]) -> torch.dty
     return torch.float32
 
 
-def apply_contributions(w: torch.Tensor, contribs: list[Contribution],
-                        strengths: Sequence[float] | None = None) -> torch.Tensor:
-    """``w`` (float32/64, changed in place) with ``contribs`` applied in order.
-
-    ``strengths``, if given, replaces each contribution's strength by ``strengths[c.adapter]``
-    (a dynamic adapter whose strength changed after planning).
+def apply_contributions(w: torch.Tensor, contribs: list[Contribution]) -> torch.Tensor:
+    """``w`` (float32/64, changed in place) with ``contribs`` applied in order, each at its
+    planned strength.
     """
     for c in contribs:
         view = w if c.rows is None else w[c.rows[0]:c.rows[1]]
-        out = c.patch.apply(view, c.strength if strengths is None else strengths[c.adapter])
+        out = c.patch.apply(view, c.strength)
         if out is not view:
             view.copy_(out)
     return w

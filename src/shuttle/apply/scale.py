@@ -3,8 +3,12 @@
 The scale belongs to the context that set it (a :class:`contextvars.ContextVar`): another
 thread, or another asyncio task, keeps its own (1 unless it sets one), so concurrent requests on
 one model do not see each other's scales. Eager layers read it through :func:`request_scale`:
-a 0-dim float32 tensor per device and value, created once and never written, so a kernel queued
-under one scale reads that scale whatever another thread sets later.
+a 0-dim float32 tensor per device and value, never written, so a kernel queued under one scale
+reads that scale whatever another thread sets later. The :data:`MAX_CACHED_SCALES` most
+recently used of them are kept (a server passing a scale per request would otherwise keep one
+per value it ever saw); one dropped goes back to PyTorch's caching allocator, which reuses its
+memory only for work queued after the kernels already queued on its stream, so a queued read
+keeps its value.
 
 Code traced by ``torch.compile`` or captured into a CUDA graph cannot look a value up per call.
 It reads one tensor per device that :func:`lora_scale` updates in place, so a compiled model or
@@ -16,9 +20,12 @@ their own strengths (or models) instead.
 
 A CUDA graph replays without Python, so a layer captured in one cannot recompute its combined
 scales (``alpha/r * strength * request``) per replay without kernels of its own in the graph.
-It reads a vector of its own instead, which it registers here as a *follower* when captured:
-every strength change (:func:`bump_generation`) and every change of the shared scale rewrites
-the followers' vectors in place, on the current stream, before the next replay.
+It reads a vector of its own instead, and becomes a *follower* of its attachment's
+:class:`~shuttle.apply.strength.Strengths` when captured (:func:`follow`): a strength change
+there rewrites that attachment's followers' vectors, and a change of the shared scale here
+rewrites every attachment's, in place, on the current stream, before the next replay.
+Strengths, their generation and their followers belong to each attachment; only the request
+scale is process-wide.
 """
 
 from __future__ import annotations
@@ -27,33 +34,31 @@ import contextlib
 import contextvars
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from typing import Protocol
 
 import torch
 
-from shuttle.apply.strength import check_strength
+from shuttle.apply.strength import Follower, Strengths, check_strength
 
-__all__ = ["Follower", "follow", "following", "generation", "graph_key", "lora_scale",
-           "prepare_request_scale", "request_scale", "request_scale_value",
-           "shared_request_scale"]
+__all__ = ["MAX_CACHED_SCALES", "follow", "lora_scale", "prepare_request_scale",
+           "request_scale", "request_scale_value", "shared_request_scale",
+           "shared_request_scale_value"]
+
+# Eager per-value tensors kept (least recently used dropped first): requests cycling through
+# more distinct scales than this recreate a tensor (one small fill) now and then.
+MAX_CACHED_SCALES = 64
 
 _scale: contextvars.ContextVar[float] = contextvars.ContextVar("shuttle_lora_scale", default=1.0)
 _lock = threading.Lock()
-_by_value: dict[tuple[torch.device, float], torch.Tensor] = {}  # eager: never written
+# eager: never written; (device, value) -> tensor, most recently used last
+_by_value: OrderedDict[tuple[torch.device, float], torch.Tensor] = OrderedDict()
 _shared: dict[torch.device, torch.Tensor] = {}  # compiled and captured code: written in place
 _shared_value = 1.0  # the scale of the most recently opened scope still open
 _open: dict[object, float] = {}  # open lora_scale scopes, in the order opened -> scale
-_generation = 0
-
-
-class Follower(Protocol):
-    """A captured layer's combined-scale vector, rewritten in place when scales change."""
-
-    def refresh_graph_scale(self) -> None: ...
-
-
-_followers: weakref.WeakSet[Follower] = weakref.WeakSet()
+# attachments with layers captured into CUDA graphs: a shared-scale change rewrites their
+# followers' vectors
+_followed: weakref.WeakSet[Strengths] = weakref.WeakSet()
 
 
 def request_scale(device: torch.device) -> torch.Tensor:
@@ -63,12 +68,15 @@ def request_scale(device: torch.device) -> torch.Tensor:
     if torch.compiler.is_compiling() or (device.type == "cuda"
                                          and torch.cuda.is_current_stream_capturing()):
         return shared_request_scale(device)
-    value = _scale.get()
-    t = _by_value.get((device, value))
-    if t is None:
-        with _lock:
-            t = _by_value.setdefault((device, value), torch.full(
-                (), value, dtype=torch.float32, device=device))
+    key = (device, _scale.get())
+    with _lock:
+        t = _by_value.get(key)
+        if t is None:
+            t = _by_value[key] = torch.full((), key[1], dtype=torch.float32, device=device)
+            if len(_by_value) > MAX_CACHED_SCALES:
+                _by_value.popitem(last=False)
+        else:
+            _by_value.move_to_end(key)
     return t
 
 
@@ -95,26 +103,11 @@ def request_scale_value() -> float:
     return _scale.get()
 
 
-def generation() -> int:
-    """A counter that changes whenever a strength of a dynamic adapter changes (with
-    :func:`request_scale_value`, the key of a layer's cached combined scales).
+def shared_request_scale_value() -> float:
+    """The process-wide request scale (what compiled code and captured graphs read) as a
+    Python float: the scale of the most recently opened scope still open, 1 once none is.
     """
-    return _generation
-
-
-def bump_generation() -> None:
-    """Note that a strength changed (cached combined scales are stale; followers' vectors are
-    rewritten now).
-    """
-    global _generation
-    with _lock:
-        _generation += 1
-    _refresh_followers()
-
-
-def graph_key() -> tuple[int, float]:
-    """What a follower's vector was computed from: the generation and the shared scale."""
-    return _generation, _shared_value
+    return _shared_value
 
 
 def shared_request_scale(device: torch.device) -> torch.Tensor:
@@ -123,19 +116,20 @@ def shared_request_scale(device: torch.device) -> torch.Tensor:
     return t if t is not None else _shared_tensor(device)
 
 
-def follow(layer: Follower) -> None:
-    """Have ``layer``'s vector rewritten on every scale change from now on (weakly held)."""
-    _followers.add(layer)
-
-
-def following(layer: Follower) -> bool:
-    """Whether ``layer`` is a follower (a CUDA graph captured its vector)."""
-    return layer in _followers
+def follow(strengths: Strengths, layer: Follower) -> None:
+    """Have ``layer``'s vector rewritten from now on whenever ``strengths`` (its attachment's)
+    or the shared request scale changes (both weakly held).
+    """
+    strengths.follow(layer)
+    with _lock:
+        _followed.add(strengths)
 
 
 def _refresh_followers() -> None:
-    for layer in list(_followers):
-        layer.refresh_graph_scale()
+    with _lock:
+        owners = list(_followed)
+    for strengths in owners:
+        strengths.refresh_followers()
 
 
 @contextlib.contextmanager

@@ -1,8 +1,9 @@
-"""Fused low-rank merge: ``W <- round(W + sum_i alpha_i * B_i @ A_i)`` with one rounding.
+"""Fused low-rank merge: ``W <- round(W + sum_i scale_i * B_i @ A_i)`` with one rounding.
 
 W is (M, N) in bf16/fp16/fp32; the factors of all contributions are concatenated along the rank:
 B (M, R) and A (R, N), with contribution i owning ranks ``seg[i]:seg[i+1]`` and scale
-``alpha[i]``. Each program loads one (BM, BN) tile of W once, accumulates every contribution's
+``scales[i]`` (its strength x alpha / rank: the whole factor the update is multiplied by, not the
+file's ``alpha``). Each program loads one (BM, BN) tile of W once, accumulates every contribution's
 product in float32 (the products of bf16/fp16 factors are exact in float32), adds, rounds once
 and stores: W is read once and written once, which makes the merge memory-bound at about the
 device's copy bandwidth. cuBLAS's in-place ``addmm_`` on bf16 does not give this: it rounds the
@@ -42,10 +43,10 @@ __all__ = ["RANK_STEPS", "LowRankJob", "LowRankMerges", "MergeLaunch", "merge_lo
 
 
 def merge_lowrank_reference(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                            seg: list[int], alpha: list[float]) -> None:
-    """``w += sum_i alpha_i * up[:, seg_i] @ down[seg_i]`` in float32, rounded once, in place."""
+                            seg: list[int], scales: list[float]) -> None:
+    """``w += sum_i scale_i * up[:, seg_i] @ down[seg_i]`` in float32, rounded once, in place."""
     acc = w.float()
-    for i, a in enumerate(alpha):
+    for i, a in enumerate(scales):
         r0, r1 = seg[i], seg[i + 1]
         acc.addmm_(up[:, r0:r1].float(), down[r0:r1].float(), alpha=a)
     w.copy_(acc)
@@ -63,7 +64,7 @@ def _kernel():
     bind_tiles(globals(), "lowrank_tile", "pick", "store_rne", "tile_of")
 
     @triton.jit
-    def merge_kernel(ws, bs, as_, alphas, flag_ptr, M, N, stride_wm, stride_bm, stride_ar,
+    def merge_kernel(ws, bs, as_, scale_ts, flag_ptr, M, N, stride_wm, stride_bm, stride_ar,
                      G: tl.constexpr, N_SEG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      BR: tl.constexpr, IEEE: tl.constexpr, OVERFLOW: tl.constexpr):
         # Job j = program_id(1) of G (tuples of G pointers: weights w (M, N), factors b
@@ -76,12 +77,12 @@ def _kernel():
         # its tiles' loads are not overlapped.)
         j = tl.program_id(1)
         w_ptr, b_ptr = pick(ws, j, G), pick(bs, j, G)
-        a_ptr, alpha_ptr = pick(as_, j, G), pick(alphas, j, G)
+        a_ptr, scales_ptr = pick(as_, j, G), pick(scale_ts, j, G)
         rm, rn, mask_m, mask_n = tile_of(tl.program_id(0), M, N, BM, BN)
         mask = mask_m[:, None] & mask_n[None, :]
         ptrs = w_ptr + rm[:, None] * stride_wm + rn[None, :]
         w = tl.load(ptrs, mask=mask, other=0.0)
-        acc = lowrank_tile(b_ptr, a_ptr, alpha_ptr, rm, rn, mask_m, mask_n, stride_bm, stride_ar,
+        acc = lowrank_tile(b_ptr, a_ptr, scales_ptr, rm, rn, mask_m, mask_n, stride_bm, stride_ar,
                            BM, BN, N_SEG, BR, IEEE)
         x = w.to(tl.float32) + acc
         store_rne(ptrs, x, mask)
@@ -127,29 +128,29 @@ def overflow_margin(dtype: torch.dtype) -> float | None:
 
 class LowRankJob(NamedTuple):
     """One weight's merge for :func:`merge_lowrank_many`:
-    ``w += sum_i alpha[i] * up[:, seg[i]:seg[i+1]] @ down[seg[i]:seg[i+1]]``.
+    ``w += sum_i scales[i] * up[:, seg[i]:seg[i+1]] @ down[seg[i]:seg[i+1]]``.
     """
 
     w: torch.Tensor  # (M, N), unit stride along N
     up: torch.Tensor  # (M, R), unit stride along R
     down: torch.Tensor  # (R, N), unit stride along N; the dtype of up
     seg: list[int]  # R-offsets of the contributions, [0, r_1, r_1 + r_2, ..., R]
-    alpha: list[float]  # the scale of each contribution (strength x alpha / rank)
+    scales: list[float]  # the scale of each contribution (strength x alpha / rank)
     overflow: torch.Tensor | None = None  # see merge_lowrank
 
 
 def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                  seg: list[int], alpha: list[float],
+                  seg: list[int], scales: list[float],
                   config: tuple[int, int, int] | None = None,
                   overflow: torch.Tensor | None = None) -> None:
-    """In place: ``w += sum_i alpha_i * up[:, seg_i] @ down[seg_i]``, float32 sum, one rounding.
+    """In place: ``w += sum_i scale_i * up[:, seg_i] @ down[seg_i]``, float32 sum, one rounding.
 
     Args:
         w: (M, N) weight, unit stride along N.
         up: (M, R) concatenated up factors, unit stride along R.
         down: (R, N) concatenated down factors, unit stride along N; same dtype as ``up``.
         seg: R-offsets of the contributions, ``[0, r_1, r_1 + r_2, ..., R]``.
-        alpha: the scale of each contribution (strength x alpha / rank).
+        scales: the scale of each contribution (strength x alpha / rank).
         config: ``(BM, BN, num_warps)`` to override :data:`CUDA_CONFIG`.
         overflow: a one-element int32 tensor on ``w``'s device, set to 1 where a finite
             sum rounds to infinity (float16: |x| >= 65520; bfloat16 near 3.4e38); for the
@@ -158,7 +159,7 @@ def merge_lowrank(w: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
     Uses the Triton kernel where Triton is installed and the tensors are on CUDA (or under
     ``TRITON_INTERPRET=1``), else :func:`merge_lowrank_reference`.
     """
-    merge_lowrank_many([LowRankJob(w, up, down, seg, alpha, overflow)], config)
+    merge_lowrank_many([LowRankJob(w, up, down, seg, scales, overflow)], config)
 
 
 def merge_lowrank_many(jobs: Sequence[LowRankJob],
@@ -202,9 +203,9 @@ class LowRankMerges:
 
     def add(self, job: LowRankJob) -> None:
         """Queue ``job``; launches its kind's group when full."""
-        w, up, down, seg, alpha, overflow = job
+        w, up, down, seg, scales, overflow = job
         assert w.dim() == up.dim() == down.dim() == 2, "merge_lowrank works on 2-D views"
-        assert up.shape[1] == down.shape[0] == seg[-1] and len(seg) == len(alpha) + 1
+        assert up.shape[1] == down.shape[0] == seg[-1] and len(seg) == len(scales) + 1
         if not triton_available() or not (w.is_cuda or self._interpret) or w.stride(1) != 1:
             self.flush()  # in order with the jobs before it
             _merge_reference(job)
@@ -215,12 +216,12 @@ class LowRankMerges:
         if self._overlaps(w):  # (which records w's range where it returns False)
             self.flush()
             self._overlaps(w)
-        up_p, down_p, alpha, br = padded_factors(up, down, seg, alpha)
+        up_p, down_p, scales, br = padded_factors(up, down, seg, scales)
         # what the kernel is specialized on or takes as scalar arguments
         kind = (w.dtype, up_p.dtype, w.shape, w.stride(0), up_p.stride(0), down_p.stride(0),
-                len(alpha), br, None if overflow is None else id(overflow), w.device)
+                len(scales), br, None if overflow is None else id(overflow), w.device)
         group = self._pending.setdefault(kind, [])
-        group.append((w, up_p, down_p, device_floats(alpha, w.device), overflow))
+        group.append((w, up_p, down_p, device_floats(scales, w.device), overflow))
         if len(group) >= min(MAX_GROUP, 1 << self._launches.get(kind, 0)):
             self._launch(kind)
 
@@ -257,10 +258,10 @@ class LowRankMerges:
         overflow = group[0][4]
         count, slots = len(group), next_power_of_2(len(group))
         # padding slots repeat the first job and are never selected (the grid has count jobs)
-        ws, ups, downs, alphas, _ = zip(*group, *[group[0]] * (slots - count), strict=True)
+        ws, ups, downs, scale_ts, _ = zip(*group, *[group[0]] * (slots - count), strict=True)
         launch = MergeLaunch(
             (cdiv(m, bm) * cdiv(n, bn), count),
-            (ws, ups, downs, alphas, alphas[0] if overflow is None else overflow, m, n,
+            (ws, ups, downs, scale_ts, scale_ts[0] if overflow is None else overflow, m, n,
              stride_w, stride_b, stride_a),
             {"G": slots, "N_SEG": n_seg, "BM": bm, "BN": bn, "BR": br,
              "IEEE": fdtype == torch.float32 or self._interpret,
@@ -294,46 +295,46 @@ def _run(launch: MergeLaunch) -> None:
 
 def _merge_reference(job: LowRankJob) -> None:
     """:func:`merge_lowrank_reference`, with the overflow flag set as the kernel sets it."""
-    w, up, down, seg, alpha, overflow = job
+    w, up, down, seg, scales, overflow = job
     finite = None if overflow is None else torch.isfinite(w)
-    merge_lowrank_reference(w, up, down, seg, alpha)
+    merge_lowrank_reference(w, up, down, seg, scales)
     if finite is not None:
         overflow.copy_((finite & ~torch.isfinite(w)).any().view(1) | overflow.bool())
 
 
-def padded_factors(up: torch.Tensor, down: torch.Tensor, seg: list[int], alpha: list[float]
+def padded_factors(up: torch.Tensor, down: torch.Tensor, seg: list[int], scales: list[float]
                    ) -> tuple[torch.Tensor, torch.Tensor, list[float], int]:
-    """The factors as the merge kernels index them: ``(up (M, S*br), down (S*br, N), alpha
+    """The factors as the merge kernels index them: ``(up (M, S*br), down (S*br, N), scales
     (S,), br)``, contributions wider than one rank step split first, each zero-padded to
     ``br`` ranks (a power of two >= 16), so rank offsets are compile-time multiples of ``br``
     (aligned vector loads, no rank masks). A single contribution already ``br`` wide is used
     as it is.
     """
-    if len(alpha) == 1 and seg[1] in RANK_STEPS:  # the common case, without the loops
-        return up.contiguous(), down.contiguous(), alpha, seg[1]
-    seg, alpha = _split_large_ranks(seg, alpha)
-    max_r = max(seg[i + 1] - seg[i] for i in range(len(alpha)))
+    if len(scales) == 1 and seg[1] in RANK_STEPS:  # the common case, without the loops
+        return up.contiguous(), down.contiguous(), scales, seg[1]
+    seg, scales = _split_large_ranks(seg, scales)
+    max_r = max(seg[i + 1] - seg[i] for i in range(len(scales)))
     br = max(16, next_power_of_2(max_r))
-    if len(alpha) == 1 and max_r == br:
-        return up.contiguous(), down.contiguous(), alpha, br
-    up_p = up.new_zeros(up.shape[0], len(alpha) * br)
-    down_p = down.new_zeros(len(alpha) * br, down.shape[1])
-    for i in range(len(alpha)):
+    if len(scales) == 1 and max_r == br:
+        return up.contiguous(), down.contiguous(), scales, br
+    up_p = up.new_zeros(up.shape[0], len(scales) * br)
+    down_p = down.new_zeros(len(scales) * br, down.shape[1])
+    for i in range(len(scales)):
         r0, r1 = seg[i], seg[i + 1]
         up_p[:, i * br:i * br + r1 - r0] = up[:, r0:r1]
         down_p[i * br:i * br + r1 - r0] = down[r0:r1]
-    return up_p, down_p, alpha, br
+    return up_p, down_p, scales, br
 
 
-def _split_large_ranks(seg: list[int], alpha: list[float]) -> tuple[list[int], list[float]]:
+def _split_large_ranks(seg: list[int], scales: list[float]) -> tuple[list[int], list[float]]:
     """Cut contributions wider than one rank step into several with the same scale."""
-    out_seg, out_alpha = [seg[0]], []
-    for i, a in enumerate(alpha):
+    out_seg, out_scales = [seg[0]], []
+    for i, a in enumerate(scales):
         r0, r1 = seg[i], seg[i + 1]
         while r1 - r0 > _MAX_RANK_STEP:
             r0 += _MAX_RANK_STEP
             out_seg.append(r0)
-            out_alpha.append(a)
+            out_scales.append(a)
         out_seg.append(r1)
-        out_alpha.append(a)
-    return out_seg, out_alpha
+        out_scales.append(a)
+    return out_seg, out_scales

@@ -6,7 +6,7 @@ consecutive values of the row-major flattened weight::
 
     W[b, j] = code[idx[b, j]] * absmax[b]
 
-The merge computes, for every block, ``X = W + sum_i alpha_i * up_i @ down_i`` in float32,
+The merge computes, for every block, ``X = W + sum_i scale_i * up_i @ down_i`` in float32,
 its new ``absmax' = max |X|``, and re-encodes ``v = clamp(X / absmax', -1, 1)`` to the nearest
 code entry (or stochastically between the two neighbours, ``P(upper) = (v - lo) / (hi - lo)``,
 so that the expected value is ``v``). This is ``Bnb4bitWeight.encode`` to the bit: a zero block
@@ -43,10 +43,10 @@ __all__ = ["CUDA_CONFIG", "CodeOrder", "code_order", "merge_4bit", "merge_4bit_r
 
 def merge_4bit_reference(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
                          shape: tuple[int, ...], blocksize: int, up: torch.Tensor,
-                         down: torch.Tensor, seg: list[int], alpha: list[float], *,
+                         down: torch.Tensor, seg: list[int], scales: list[float], *,
                          rounding: Literal["nearest", "stochastic"] = "nearest",
                          seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``encode(dequantize(W) + sum_i alpha_i * up[:, seg_i] @ down[seg_i])`` in PyTorch.
+    """``encode(dequantize(W) + sum_i scale_i * up[:, seg_i] @ down[seg_i])`` in PyTorch.
 
     Args:
         packed: the 4-bit indices, two per byte (any dtype viewing the bytes, any shape).
@@ -56,7 +56,7 @@ def merge_4bit_reference(packed: torch.Tensor, absmax: torch.Tensor, code: torch
         blocksize: values per block of the flattened weight.
         up: (M, R) and down: (R, N): the contributions' factors, concatenated along R.
         seg: rank offsets of the contributions, ``[0, r_1, ..., R]``.
-        alpha: each contribution's scale.
+        scales: each contribution's scale (strength x alpha / rank).
         rounding: ``"nearest"`` or ``"stochastic"`` (``torch.rand`` from a generator seeded
             with ``seed``: repeatable, but not the kernel's random stream).
 
@@ -68,7 +68,7 @@ def merge_4bit_reference(packed: torch.Tensor, absmax: torch.Tensor, code: torch
     idx = torch.stack([b >> 4, b & 0x0F], dim=1).reshape(-1)[:numel].long()
     x = _blocks(code.float()[idx], blocksize) * absmax.float().view(-1, 1)
     update = torch.zeros(up.shape[0], down.shape[1], dtype=torch.float32, device=up.device)
-    for i, a in enumerate(alpha):
+    for i, a in enumerate(scales):
         r0, r1 = seg[i], seg[i + 1]
         update.addmm_(up[:, r0:r1].float(), down[r0:r1].float(), alpha=a)
     x = _blocks(x.reshape(-1)[:numel] + update.reshape(-1), blocksize)  # (blocks, blocksize)
@@ -111,7 +111,7 @@ def _kernel():
 
     @triton.jit
     def merge_4bit_kernel(packed_ptr, absmax_ptr, code_ptr, sorted_ptr, perm_ptr, b_ptr, a_ptr,
-                          alpha_ptr, out_packed_ptr, out_absmax_ptr, M, N, stride_bm, stride_ar,
+                          scales_ptr, out_packed_ptr, out_absmax_ptr, M, N, stride_bm, stride_ar,
                           seed, N_SEG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                           BR: tl.constexpr, BS: tl.constexpr, STOCHASTIC: tl.constexpr,
                           IEEE: tl.constexpr):
@@ -136,7 +136,7 @@ def _kernel():
         byte = tl.load(packed_ptr + byte_offs, mask=byte_mask, other=0)
         amax = tl.load(absmax_ptr + blk_offs, mask=blk_mask, other=0.0).to(tl.float32)
 
-        acc = lowrank_tile(b_ptr, a_ptr, alpha_ptr, rm, rn, mask_m, mask_n, stride_bm, stride_ar,
+        acc = lowrank_tile(b_ptr, a_ptr, scales_ptr, rm, rn, mask_m, mask_n, stride_bm, stride_ar,
                            BM, BN, N_SEG, BR, IEEE)
 
         # (BM, BN/2, 2) -> (BM, BN): high nibble first, as the bytes are laid out.
@@ -204,7 +204,7 @@ def code_order(code: torch.Tensor) -> CodeOrder:
 
 def merge_4bit(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
                shape: tuple[int, ...], blocksize: int, up: torch.Tensor, down: torch.Tensor,
-               seg: list[int], alpha: list[float], *,
+               seg: list[int], scales: list[float], *,
                rounding: Literal["nearest", "stochastic"] = "nearest", seed: int = 0,
                config: tuple[int, int, int] | None = None, order: CodeOrder | None = None
                ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -233,7 +233,7 @@ def merge_4bit(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
         blocksize: values per block; a power of two dividing N.
         up: (M, R) and down: (R, N): factors concatenated along R, one dtype.
         seg: rank offsets of the contributions, ``[0, r_1, ..., R]``.
-        alpha: each contribution's scale.
+        scales: each contribution's scale (strength x alpha / rank).
         rounding: ``"nearest"`` or ``"stochastic"``.
         seed: the stochastic rounding's seed, ``0 <= seed < 2**64``.
         config: ``(BM, BN, num_warps)`` to override :data:`CUDA_CONFIG` (BN a power of two;
@@ -253,10 +253,10 @@ def merge_4bit(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
     if blocksize < 2 or blocksize & (blocksize - 1) or n % blocksize:
         return None
     assert up.shape == (m, seg[-1]) and down.shape == (seg[-1], n), "factors must be (M, R), (R, N)"
-    assert len(seg) == len(alpha) + 1 and code.numel() == 16 and absmax.is_floating_point()
+    assert len(seg) == len(scales) + 1 and code.numel() == 16 and absmax.is_floating_point()
 
     interpret = interpreting()
-    up_p, down_p, alpha, br = padded_factors(up, down, seg, alpha)
+    up_p, down_p, scales, br = padded_factors(up, down, seg, scales)
     bm, bn, warps = config or (_INTERPRET_CONFIG if interpret else CUDA_CONFIG)
     bn = max(bn, blocksize)
     bm = max(16, min(bm, _MAX_TILE // bn))
@@ -269,8 +269,8 @@ def merge_4bit(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
     grid = (cdiv(m, bm) * cdiv(n, bn),)
     _kernel()[grid](
         in_bytes, absmax.contiguous(), order.values, order.sorted, order.perm, up_p,
-        down_p, device_floats(alpha, packed.device), out_bytes,
-        out_absmax, m, n, up_p.stride(0), down_p.stride(0), seed32(seed), N_SEG=len(alpha), BM=bm,
+        down_p, device_floats(scales, packed.device), out_bytes,
+        out_absmax, m, n, up_p.stride(0), down_p.stride(0), seed32(seed), N_SEG=len(scales), BM=bm,
         BN=bn, BR=br, BS=blocksize, STOCHASTIC=rounding == "stochastic",
         IEEE=up.dtype == torch.float32 or interpret, num_warps=warps, num_stages=1)
     new_packed = out_bytes.view(packed.dtype).view(packed.shape)

@@ -3,7 +3,7 @@
 The weight is ``W = Q * s`` with codes Q (M, N) in int8 or float8 and a float scale s that is
 absent (float8 only), one number, or one per row. The merge computes, for each element,
 
-    x = Q * s + sum_i alpha_i * (B_i @ A_i)          (float32, B_i: (M, r_i), A_i: (r_i, N))
+    x = Q * s + sum_i scale_i * (B_i @ A_i)          (float32, B_i: (M, r_i), A_i: (r_i, N))
     s' = amax / qmax  (per row, or over the tensor; 1 where amax is 0)
     Q' = round(clamp(x / s', qmin, qmax))
 
@@ -85,7 +85,7 @@ class ScaledMerge(NamedTuple):
 
 
 def merge_scaled_reference(data: torch.Tensor, scale: torch.Tensor | None, up: torch.Tensor,
-                           down: torch.Tensor, seg: list[int], alpha: list[float], *,
+                           down: torch.Tensor, seg: list[int], scales: list[float], *,
                            absmax_scale: bool = False, rounding: Rounding = "nearest",
                            generator: torch.Generator | None = None) -> ScaledMerge:
     """:func:`merge_scaled` in PyTorch: dequantize, add the low-rank sum in float32, encode.
@@ -99,7 +99,7 @@ def merge_scaled_reference(data: torch.Tensor, scale: torch.Tensor | None, up: t
         x = x * (scale.float().view(-1, 1) if scale.dim() else scale.float())
         if absmax_scale:
             x = x * _inv(qmax)
-    for i, a in enumerate(alpha):
+    for i, a in enumerate(scales):
         x.addmm_(up[:, seg[i]:seg[i + 1]].float(), down[seg[i]:seg[i + 1]].float(), alpha=a)
     amax_rows = x.abs().amax(dim=1)
     v, new_scale = x, None
@@ -162,7 +162,7 @@ def _kernel():
 
     @triton.jit
     def merge_scaled_kernel(
-            q_ptr, s_ptr, b_ptr, a_ptr, alpha_ptr, out_ptr, new_s_ptr, stats_ptr, seed, M, N,
+            q_ptr, s_ptr, b_ptr, a_ptr, scales_ptr, out_ptr, new_s_ptr, stats_ptr, seed, M, N,
             stride_qm, stride_bm, stride_ar, dq, ENCODE: tl.constexpr, QMIN: tl.constexpr,
             QMAX: tl.constexpr, INV_QMAX: tl.constexpr, SCALE: tl.constexpr,
             MUL: tl.constexpr, INT: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
@@ -181,14 +181,14 @@ def _kernel():
         pid = tl.program_id(0)
         rm, rn, mask_m, mask_n = tile_of(pid, M, N, BM, BN)
         mask = mask_m[:, None] & mask_n[None, :]
-        # x = fma(Q, s * dq, sum_s alpha_s * b_s @ a_s), float32; 0 outside (M, N). Spelled
+        # x = fma(Q, s * dq, sum_s scale_s * b_s @ a_s), float32; 0 outside (M, N). Spelled
         # so that the compiler moves the codes (8-bit, or float16 for int8: exact for
         # |q| <= 128) into the tensor cores' accumulator layout, not the float32 tile: a
         # quarter (a half) of the bytes through shared memory. Its layout pass hoists that
         # conversion above an extension op feeding one fma with broadcast operands, not above
         # a multiply by a broadcast row scale; and it keeps the row max in that layout when
         # the max keeps its dims and feeds 2-D pointers (a 1-D row max made it convert x back).
-        acc = lowrank_tile(b_ptr, a_ptr, alpha_ptr, rm, rn, mask_m, mask_n, stride_bm,
+        acc = lowrank_tile(b_ptr, a_ptr, scales_ptr, rm, rn, mask_m, mask_n, stride_bm,
                            stride_ar, BM, BN, N_SEG, BR, IEEE)
         q = tl.load(q_ptr + rm[:, None] * stride_qm + rn[None, :], mask=mask, other=0.0)
         qf = q.to(tl.float16).to(tl.float32) if INT else q.to(tl.float32)
@@ -286,10 +286,10 @@ CUDA_CONFIG_ENCODE: tuple[int, int, int] = (64, 128, 4)
 
 
 def merge_scaled(data: torch.Tensor, scale: torch.Tensor | None, up: torch.Tensor,
-                 down: torch.Tensor, seg: list[int], alpha: list[float], *,
+                 down: torch.Tensor, seg: list[int], scales: list[float], *,
                  absmax_scale: bool = False, rounding: Rounding = "nearest", seed: int = 0,
                  config: tuple[int, int, int] | None = None) -> ScaledMerge:
-    """Merge ``sum_i alpha_i * up[:, seg_i] @ down[seg_i]`` into scaled 8-bit codes, re-encoded.
+    """Merge ``sum_i scale_i * up[:, seg_i] @ down[seg_i]`` into scaled 8-bit codes, re-encoded.
 
     Args:
         data: (M, N) int8, float8_e4m3fn or float8_e5m2 codes, unit stride along N; not changed.
@@ -298,7 +298,7 @@ def merge_scaled(data: torch.Tensor, scale: torch.Tensor | None, up: torch.Tenso
             divided by the scale as stored).
         up: (M, R) concatenated up factors; down: (R, N), same dtype (bf16, fp16 or fp32).
         seg: R-offsets of the contributions, ``[0, r_1, r_1 + r_2, ..., R]``.
-        alpha: the scale of each contribution.
+        scales: the scale of each contribution (strength x alpha / rank).
         absmax_scale: bitsandbytes' int8 form: ``scale`` holds each row's absmax.
         rounding: ``"nearest"`` (ties to even) or ``"stochastic"`` (unbiased).
         seed: drives stochastic rounding (repeatable per seed, independent of ``config``).
@@ -312,21 +312,21 @@ def merge_scaled(data: torch.Tensor, scale: torch.Tensor | None, up: torch.Tenso
     """
     assert data.dim() == up.dim() == down.dim() == 2, "merge_scaled works on 2-D views"
     assert up.shape == (data.shape[0], seg[-1]) and down.shape == (seg[-1], data.shape[1])
-    assert len(seg) == len(alpha) + 1 and data.dtype in _QMAX
+    assert len(seg) == len(scales) + 1 and data.dtype in _QMAX
     assert scale is not None or data.dtype.is_floating_point, "int8 codes need a scale"
     assert scale is None or scale.shape in ((), data.shape[:1]), "scale: () or (M,)"
     assert scale is None or scale.dtype in _SCALE_DTYPES, "scale: float32, bfloat16 or float16"
     interpret = interpreting()
     if not triton_available() or not (data.is_cuda or interpret) or data.stride(1) != 1:
         g = torch.Generator(device=data.device).manual_seed(seed)
-        return merge_scaled_reference(data, scale, up, down, seg, alpha,
+        return merge_scaled_reference(data, scale, up, down, seg, scales,
                                       absmax_scale=absmax_scale, rounding=rounding, generator=g)
 
     kernel = _kernel()
-    up_p, down_p, alpha, br = padded_factors(up, down, seg, alpha)
+    up_p, down_p, scales, br = padded_factors(up, down, seg, scales)
     m, n = data.shape
     qmax = _QMAX[data.dtype]
-    alpha_t = device_floats(alpha, data.device)
+    scales_t = device_floats(scales, data.device)
     granularity = 0 if scale is None else 1 if scale.dim() == 0 else 2
     dq = _inv(qmax) if absmax_scale and scale is not None else 1.0
     mbits, emin = _FLOAT8_GRID.get(data.dtype, (0, 0))  # int8 ignores them
@@ -344,13 +344,13 @@ def merge_scaled(data: torch.Tensor, scale: torch.Tensor | None, up: torch.Tenso
         bm, bn, warps = config or ((16, 16, 1) if interpret else
                                    CUDA_CONFIG_ENCODE if encode else CUDA_CONFIG)
         kernel[(cdiv(m, bm) * cdiv(n, bn),)](
-            data, stats if scale is None else scale, up_p, down_p, alpha_t, out,
+            data, stats if scale is None else scale, up_p, down_p, scales_t, out,
             stats if new_scale is None else new_scale, stats, seed32(seed), m, n,
             data.stride(0), up_p.stride(0), down_p.stride(0), dq, ENCODE=encode,
             QMIN=_qmin(data.dtype), QMAX=qmax, INV_QMAX=0.0 if interpret else _inv(qmax),
             SCALE=granularity, MUL=absmax_scale,
             INT=data.dtype == torch.int8, MBITS=mbits, EMIN=emin, STOCHASTIC=stochastic,
-            HW_ROUND=hw_round, N_SEG=len(alpha), BM=bm, BN=bn, BR=br,
+            HW_ROUND=hw_round, N_SEG=len(scales), BM=bm, BN=bn, BR=br,
             IEEE=up.dtype == torch.float32 or interpret, num_warps=warps, num_stages=1)
 
     if scale is not None:
@@ -363,7 +363,7 @@ _SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def merge_scaled_or_none(data: torch.Tensor, scale: torch.Tensor | None, up: torch.Tensor,
-                         down: torch.Tensor, seg: list[int], alpha: list[float], *,
+                         down: torch.Tensor, seg: list[int], scales: list[float], *,
                          absmax_scale: bool = False, rounding: Rounding = "nearest",
                          seed: int = 0) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """:func:`merge_scaled` for a representation's ``merge_lowrank``: ``(codes, scale)`` in the
@@ -396,7 +396,7 @@ def merge_scaled_or_none(data: torch.Tensor, scale: torch.Tensor | None, up: tor
             s = scale.reshape(rows)
         else:
             return None
-    out = merge_scaled(data.view(rows, -1), s, up, down, seg, alpha, absmax_scale=absmax_scale,
+    out = merge_scaled(data.view(rows, -1), s, up, down, seg, scales, absmax_scale=absmax_scale,
                        rounding=rounding, seed=seed)
     if not math.isfinite(out.amax.item()):  # the one host sync (no isfinite kernel)
         return None

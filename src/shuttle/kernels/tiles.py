@@ -46,10 +46,10 @@ def pick(values, j, G: tl.constexpr):
 
 
 @triton.jit
-def lowrank_tile(b_ptr, a_ptr, alpha_ptr, rm, rn, mask_m, mask_n, stride_bm, stride_ar,
+def lowrank_tile(b_ptr, a_ptr, scales_ptr, rm, rn, mask_m, mask_n, stride_bm, stride_ar,
                  BM: tl.constexpr, BN: tl.constexpr, N_SEG: tl.constexpr, BR: tl.constexpr,
                  IEEE: tl.constexpr):
-    """``sum_s alpha[s] * b[rm, s*BR:(s+1)*BR] @ a[s*BR:(s+1)*BR, rn]``, (BM, BN) float32.
+    """``sum_s scales[s] * b[rm, s*BR:(s+1)*BR] @ a[s*BR:(s+1)*BR, rn]``, (BM, BN) float32.
 
     b: (M, N_SEG * BR) and a: (N_SEG * BR, N): each contribution's factors zero-padded to BR
     ranks, so rank offsets are compile-time multiples of BR (aligned loads, no rank masks).
@@ -65,7 +65,7 @@ def lowrank_tile(b_ptr, a_ptr, alpha_ptr, rm, rn, mask_m, mask_n, stride_bm, str
             part = tl.dot(b.to(tl.float32), a.to(tl.float32), input_precision="ieee")
         else:  # bf16/fp16 products are exact in the float32 accumulator
             part = tl.dot(b, a)
-        acc += part * tl.load(alpha_ptr + s)
+        acc += part * tl.load(scales_ptr + s)
     return acc
 
 

@@ -191,9 +191,9 @@ class Bnb4bitWeight(WeightRepresentation):
                                    nested_absmax=nested_absmax)
 
     def merge_lowrank(self, up: torch.Tensor, down: torch.Tensor, seg: list[int],
-                      alpha: list[float], *, rounding: Rounding = "nearest",
+                      scales: list[float], *, rounding: Rounding = "nearest",
                       seed: int = 0) -> Bnb4bitWeight | None:
-        """``encode(dequantize() + sum_i alpha[i] * up[:, seg_i] @ down[seg_i])`` by one Triton
+        """``encode(dequantize() + sum_i scales[i] * up[:, seg_i] @ down[seg_i])`` by one Triton
         kernel (:func:`shuttle.kernels.merge_nf4.merge_4bit`), without a dense float32 weight.
 
         Nearest rounding equals ``encode`` except where float32 summation order moves a value
@@ -210,7 +210,7 @@ class Bnb4bitWeight(WeightRepresentation):
         from shuttle.kernels.merge_nf4 import merge_4bit  # the kernels import Triton lazily
 
         out = merge_4bit(self.packed, self.absmax, self.code, self.shape, self.blocksize, up,
-                         down, seg, alpha, rounding=rounding, seed=seed,
+                         down, seg, scales, rounding=rounding, seed=seed,
                          order=_code_order(self.code))
         if out is None:
             return None
@@ -326,9 +326,9 @@ class BnbInt8Weight(WeightRepresentation):
         return dataclasses.replace(self, data=data, scb=scb.to(self.scb.dtype))
 
     def merge_lowrank(self, up: torch.Tensor, down: torch.Tensor, seg: list[int],
-                      alpha: list[float], *, rounding: Rounding = "nearest",
+                      scales: list[float], *, rounding: Rounding = "nearest",
                       seed: int = 0) -> BnbInt8Weight | None:
-        """``encode(dequantize() + sum_i alpha[i] * up[:, seg_i] @ down[seg_i])`` by the fused
+        """``encode(dequantize() + sum_i scales[i] * up[:, seg_i] @ down[seg_i])`` by the fused
         kernel (:func:`shuttle.kernels.merge_scaled.merge_scaled`, ``absmax_scale``), without a
         dense weight.
 
@@ -345,7 +345,7 @@ class BnbInt8Weight(WeightRepresentation):
         """
         from shuttle.kernels.merge_scaled import merge_scaled_or_none  # Triton is optional
 
-        out = merge_scaled_or_none(self.data, self.scb, up, down, seg, alpha, absmax_scale=True,
+        out = merge_scaled_or_none(self.data, self.scb, up, down, seg, scales, absmax_scale=True,
                                    rounding=rounding, seed=seed)
         return None if out is None else dataclasses.replace(self, data=out[0], scb=out[1])
 

@@ -79,9 +79,9 @@ class Fp8Weight(WeightRepresentation):
         return dataclasses.replace(self, data=data, scale=scale)
 
     def merge_lowrank(self, up: torch.Tensor, down: torch.Tensor, seg: list[int],
-                      alpha: list[float], *, rounding: Rounding = "nearest",
+                      scales: list[float], *, rounding: Rounding = "nearest",
                       seed: int = 0) -> Fp8Weight | None:
-        """``encode(dequantize() + sum_i alpha[i] * up[:, seg_i] @ down[seg_i])`` by the fused
+        """``encode(dequantize() + sum_i scales[i] * up[:, seg_i] @ down[seg_i])`` by the fused
         kernel (:func:`shuttle.kernels.merge_scaled.merge_scaled`), without a dense weight.
 
         The form is :meth:`encode`'s: a float32 scale ``amax / finfo.max`` at the same
@@ -98,7 +98,7 @@ class Fp8Weight(WeightRepresentation):
         from shuttle.kernels.merge_scaled import merge_scaled_or_none  # Triton is optional
 
         scale = None if self.scale is None else self.scale.float()  # encode's scale dtype
-        out = merge_scaled_or_none(self.data, scale, up, down, seg, alpha, rounding=rounding,
+        out = merge_scaled_or_none(self.data, scale, up, down, seg, scales, rounding=rounding,
                                    seed=seed)
         return None if out is None else dataclasses.replace(self, data=out[0], scale=out[1])
 

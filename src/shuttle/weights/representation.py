@@ -125,9 +125,9 @@ class WeightRepresentation:
         )
 
     def merge_lowrank(self: R, up: torch.Tensor, down: torch.Tensor, seg: list[int],
-                      alpha: list[float], *, rounding: Rounding = "nearest",
+                      scales: list[float], *, rounding: Rounding = "nearest",
                       seed: int = 0) -> R | None:
-        """This weight plus ``sum_i alpha[i] * up[:, seg_i] @ down[seg_i]``, re-encoded by a
+        """This weight plus ``sum_i scales[i] * up[:, seg_i] @ down[seg_i]``, re-encoded by a
         fused kernel that never materializes the dense float32 weight; ``None`` where this
         representation has no such kernel for these inputs (the caller then dequantizes,
         applies and encodes). ``seed`` drives stochastic rounding.
@@ -135,7 +135,7 @@ class WeightRepresentation:
         Args:
             up: (rows, R) and down: (R, cols) low-rank factors, ranks concatenated.
             seg: rank offsets of each contribution, ``[0, ..., R]``.
-            alpha: each contribution's scale.
+            scales: each contribution's scale (strength x alpha / rank).
         """
         return None
 

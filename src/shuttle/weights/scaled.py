@@ -76,9 +76,9 @@ class ScaledCodes(WeightRepresentation):
         return dataclasses.replace(self, **{self.shape_field: codes, "scale": scale})
 
     def merge_lowrank(self, up: torch.Tensor, down: torch.Tensor, seg: list[int],
-                      alpha: list[float], *, rounding: Rounding = "nearest",
+                      scales: list[float], *, rounding: Rounding = "nearest",
                       seed: int = 0) -> ScaledCodes | None:
-        """``encode(dequantize() + sum_i alpha[i] * up[:, seg_i] @ down[seg_i])`` by the fused
+        """``encode(dequantize() + sum_i scales[i] * up[:, seg_i] @ down[seg_i])`` by the fused
         kernel (:func:`shuttle.kernels.merge_scaled.merge_scaled`), without a dense weight.
 
         Same form as :meth:`encode` (scale ``amax / qmax`` per row or per tensor, in the
@@ -96,7 +96,7 @@ class ScaledCodes(WeightRepresentation):
         from shuttle.kernels.merge_scaled import merge_scaled_or_none  # Triton is optional
 
         out = merge_scaled_or_none(getattr(self, self.shape_field), self.scale, up, down, seg,
-                                   alpha, rounding=rounding, seed=seed)
+                                   scales, rounding=rounding, seed=seed)
         if out is None:
             return None
         return dataclasses.replace(self, **{self.shape_field: out[0], "scale": out[1]})
