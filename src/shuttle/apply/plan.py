@@ -447,8 +447,7 @@ def check_mergeable(plan: MergePlan, params: Mapping[str, torch.Tensor]) -> None
             raise
         except ShuttleError:
             rep = None
-        base = WeightRepresentation.write_into
-        if rep is None or not rep.mergeable or type(rep).write_into is base:
+        if rep is None or not rep.mergeable or not rep.writable:
             what = type(p).__qualname__ if rep is None else type(rep).__qualname__
             raise UnmergeableWeightError(
                 f"parameter {name!r} is a {what} weight, which cannot be re-encoded after a "

@@ -131,6 +131,10 @@ class Bnb4bitWeight(WeightRepresentation):
     dtype: torch.dtype
 
     tensor_names = ("packed", "absmax", "code", "offset", "nested_absmax", "nested_code")
+    param_attrs = {"packed": "data", "absmax": "quant_state.absmax",
+                   "code": "quant_state.code", "offset": "quant_state.offset",
+                   "nested_absmax": "quant_state.state2.absmax",
+                   "nested_code": "quant_state.state2.code"}
     shape_field, compute_field = "shape", "dtype"
 
     @property
@@ -254,42 +258,6 @@ class Bnb4bitWeight(WeightRepresentation):
             blocksize=self.blocksize, compress_statistics=self.nested,
             quant_type=self.quant_type, quant_storage=self.packed.dtype, bnb_quantized=True)
 
-    def write_into(self, param: torch.Tensor) -> None:
-        """Copy this representation into an existing ``Params4bit`` of the same form, in place.
-
-        The parameter's data and its ``quant_state`` tensors keep their storage (so a module,
-        a pinned host copy or an offloader that holds them sees the new values).
-
-        Raises:
-            UnsupportedLayerError: ``param`` has another form (shape, blocksize, nesting).
-        """
-        target = Bnb4bitWeight.from_tensor(param)
-        mine, theirs = self.tensors(), target.tensors()
-        if mine.keys() != theirs.keys() or any(
-                mine[n].shape != theirs[n].shape for n in mine) or target.shape != self.shape:
-            raise UnsupportedLayerError(
-                f"cannot write a {self.quant_type} weight of shape {self.shape} into a "
-                f"Params4bit of shape {target.shape} with another block layout; use "
-                "to_parameter() to build a new parameter instead")
-        with torch.no_grad():
-            for n, t in mine.items():
-                theirs[n].copy_(t)
-
-    def rebind(self, param: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
-        """Point a ``Params4bit``'s data and its ``QuantState``'s tensors (``absmax``, ``code``,
-        ``offset`` and the nested ``state2.absmax``/``state2.code``) at ``tensors``; no copy.
-        """
-        qs = param.quant_state
-        param.data = tensors["packed"]
-        qs.absmax, qs.code = tensors["absmax"], tensors["code"]
-        if "offset" in tensors:
-            qs.offset = tensors["offset"]
-        if "nested_absmax" in tensors:
-            qs.state2.absmax = tensors["nested_absmax"]
-        if "nested_code" in tensors:
-            qs.state2.code = tensors["nested_code"]
-
-
 @register_representation("bnb_int8")
 @dataclasses.dataclass
 class BnbInt8Weight(WeightRepresentation):
@@ -306,6 +274,9 @@ class BnbInt8Weight(WeightRepresentation):
     compute: torch.dtype = torch.float16
 
     tensor_names = ("data", "scb")
+    # CB too: Linear8bitLt's next forward takes its state (moved into module.state on a
+    # forward) from the parameter again
+    param_attrs = {"data": ("data", "CB"), "scb": "SCB"}
 
     def dequantize(self) -> torch.Tensor:
         # Bit for bit bitsandbytes' int8_vectorwise_dequant: it multiplies by 1/127 as float.
@@ -373,24 +344,3 @@ class BnbInt8Weight(WeightRepresentation):
         """A new ``Int8Params`` over this representation's tensors (no copy)."""
         return _bnb().nn.Int8Params(self.data, requires_grad=False, has_fp16_weights=False,
                                     CB=self.data, SCB=self.scb)
-
-    def write_into(self, param: torch.Tensor) -> None:
-        """Copy into an existing ``Int8Params`` of the same shape, in place (data and SCB)."""
-        target = BnbInt8Weight.from_tensor(param)
-        if target.data.shape != self.data.shape:
-            raise UnsupportedLayerError(
-                f"cannot write an int8 weight of shape {tuple(self.data.shape)} into an "
-                f"Int8Params of shape {tuple(target.data.shape)}")
-        with torch.no_grad():
-            target.data.copy_(self.data)
-            target.scb.copy_(self.scb)
-
-    def rebind(self, param: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
-        """Point an ``Int8Params``' data, ``CB`` and ``SCB`` at ``tensors``; no copy.
-
-        ``CB`` is set too, so that ``Linear8bitLt``'s next forward takes its state (which it
-        moves into ``module.state`` on a forward) from the rebound tensors again.
-        """
-        param.data = tensors["data"]
-        param.CB = tensors["data"]
-        param.SCB = tensors["scb"]

@@ -41,6 +41,7 @@ class Fp8Weight(WeightRepresentation):
     compute: torch.dtype = torch.bfloat16
 
     tensor_names = ("data", "scale")
+    param_attrs = {"data": "data"}  # a plain float8 parameter has nowhere to keep a scale
 
     def __post_init__(self) -> None:
         if self.data.dtype not in FP8_DTYPES:
@@ -105,17 +106,6 @@ class Fp8Weight(WeightRepresentation):
     @classmethod
     def accepts(cls, tensor: torch.Tensor) -> bool:
         return isinstance(tensor, torch.Tensor) and tensor.dtype in FP8_DTYPES
-
-    def write_into(self, param: torch.Tensor) -> None:
-        """Copy the float8 values into ``param`` (a plain float8 tensor) in place.
-
-        Raises:
-            ShuttleError: this weight has a scale, which a plain float8 parameter cannot hold.
-        """
-        if self.scale is not None:
-            raise ShuttleError("a scaled Fp8Weight cannot be written into a plain float8 "
-                               "parameter (it has nowhere to keep the scale)")
-        param.data.copy_(self.data)
 
     @classmethod
     def from_tensor(cls, tensor: torch.Tensor) -> Fp8Weight:

@@ -149,6 +149,7 @@ class GGUFWeight(WeightRepresentation):
     compute: torch.dtype = torch.bfloat16
 
     tensor_names = ("raw",)
+    param_attrs = {"raw": "data"}  # the GGUFParameter's bytes; its class and metadata stay
     shape_field = "shape"
     mergeable = False
 
@@ -177,13 +178,6 @@ class GGUFWeight(WeightRepresentation):
     def to_parameter(self) -> GGUFParameter:
         """A new :class:`GGUFParameter` over this weight's bytes (no copy)."""
         return GGUFParameter(self.raw, self.qtype, self.shape, self.compute)
-
-    def rebind(self, param: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
-        """Point a :class:`GGUFParameter`'s bytes at ``tensors["raw"]`` (no copy); the
-        parameter object, its class and its metadata stay.
-        """
-        param.data = tensors["raw"]
-
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """A plain tensor over ``t``'s stored bytes (shared, not copied)."""

@@ -37,6 +37,7 @@ class PlainWeight(WeightRepresentation):
     data: torch.Tensor
 
     tensor_names = ("data",)
+    param_attrs = {"data": "data"}
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -54,10 +55,6 @@ class PlainWeight(WeightRepresentation):
         # Exactly a tensor or a parameter: a library's tensor subclass (a bitsandbytes
         # Params4bit may store its packed bytes as bf16) belongs to that library's class.
         return type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.dtype in PLAIN_DTYPES
-
-    def write_into(self, param: torch.Tensor) -> None:
-        """Copy the values into ``param`` (a plain tensor of this shape and dtype) in place."""
-        param.data.copy_(self.data)
 
     @classmethod
     def from_tensor(cls, tensor: torch.Tensor) -> PlainWeight:

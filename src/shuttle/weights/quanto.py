@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from shuttle.errors import UnsupportedLayerError
 from shuttle.optional import import_optional
 from shuttle.weights.representation import register_representation
 from shuttle.weights.scaled import ScaledCodes
@@ -45,6 +44,7 @@ class QuantoWeight(ScaledCodes):
     compute: torch.dtype
 
     tensor_names = ("data", "scale")
+    param_attrs = {"data": "_data", "scale": "_scale"}
 
     @classmethod
     def accepts(cls, tensor: torch.Tensor) -> bool:
@@ -56,23 +56,3 @@ class QuantoWeight(ScaledCodes):
     def from_tensor(cls, tensor: torch.Tensor) -> QuantoWeight:
         """Wrap a ``QBytesTensor`` (tensors shared, not copied)."""
         return cls(tensor._data, tensor._scale, tensor.dtype)
-
-    def write_into(self, param: torch.Tensor) -> None:
-        """Copy into an existing quanto tensor of the same form, in place.
-
-        Raises:
-            UnsupportedLayerError: ``param`` has another shape, data dtype or scale shape.
-        """
-        target = QuantoWeight.from_tensor(param)
-        if (target.data.shape, target.data.dtype, target.scale.shape) != (
-                self.data.shape, self.data.dtype, self.scale.shape):
-            raise UnsupportedLayerError(
-                f"cannot write a quanto weight {tuple(self.data.shape)} {self.data.dtype} into "
-                f"one of {tuple(target.data.shape)} {target.data.dtype} with another scale")
-        with torch.no_grad():
-            target.data.copy_(self.data)
-            target.scale.copy_(self.scale)
-
-    def rebind(self, param: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
-        """Point a quanto ``QBytesTensor``'s ``_data`` and ``_scale`` at ``tensors``; no copy."""
-        param._data, param._scale = tensors["data"], tensors["scale"]

@@ -2,20 +2,23 @@
 
 A representation is a dataclass that names its data tensors once in ``tensor_names``; byte
 counts, pinning and device copies are derived from that list, so code that moves weights has no
-per-format branches. Each representation adds the math only it knows: its logical shape and
-compute dtype, ``dequantize`` (to float32) and ``encode`` (float32 back to the same
-representation, data-dependent scales recomputed: the re-encoding after a merge).
+per-format branches. Where a library keeps each of them on its parameter object is declared once
+too (``param_attrs``): writing a merged weight back (``write_into``) and re-pointing a parameter
+at other memory (``rebind``) are derived from it. Each representation adds the math only it
+knows: its logical shape and compute dtype, ``dequantize`` (to float32) and ``encode`` (float32
+back to the same representation, data-dependent scales recomputed: the re-encoding after a
+merge).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import ClassVar, TypeVar
 
 import torch
 
-from shuttle.errors import ShuttleError, UnmergeableWeightError
+from shuttle.errors import ShuttleError, UnmergeableWeightError, UnsupportedLayerError
 from shuttle.kernels.rounding import Rounding
 
 __all__ = [
@@ -39,9 +42,14 @@ class WeightRepresentation:
         mergeable: whether ``encode`` can re-encode a merged float32 weight.
         shape_field: the field giving the logical shape: a tensor of that shape, or the shape.
         compute_field: the field holding the compute dtype.
+        param_attrs: declared tensor name -> where the library keeps it on the parameter
+            object: an attribute path (``"quant_state.absmax"``; ``"data"`` for the
+            parameter's own data), or several paths that must all point at it. Empty: the
+            representation has no parameter object of its own to write into or rebind.
     """
 
     tensor_names: ClassVar[tuple[str, ...]] = ()
+    param_attrs: ClassVar[Mapping[str, str | tuple[str, ...]]] = {}
     mergeable: ClassVar[bool] = True
     shape_field: ClassVar[str] = "data"
     compute_field: ClassVar[str] = "compute"
@@ -139,12 +147,39 @@ class WeightRepresentation:
         """
         return None
 
+    @property
+    def writable(self) -> bool:
+        """Whether :meth:`write_into` can store this form into a parameter."""
+        return bool(self.param_attrs)
+
     def write_into(self, param: torch.Tensor) -> None:
-        """Store this representation into ``param`` (a parameter of the same form) in place."""
-        raise NotImplementedError(
-            f"{type(self).__qualname__} cannot write itself into a parameter; merge into its "
-            "weights through their own representation"
-        )
+        """Store this representation into ``param`` (a parameter of the same form) in place:
+        every declared tensor copied into the parameter's own (their storage kept, so whoever
+        holds them, a module, a pinned host copy, an offloader, sees the new values).
+
+        Raises:
+            UnsupportedLayerError: ``param`` has another form (other declared tensors, or of
+                other shapes or dtypes, or another logical shape).
+            NotImplementedError: the representation declares no ``param_attrs``.
+        """
+        if not self.param_attrs:
+            raise NotImplementedError(
+                f"{type(self).__qualname__} cannot write itself into a parameter; merge into "
+                "its weights through their own representation")
+        target = type(self).from_tensor(param)
+        mine, theirs = self.tensors(), target.tensors()
+        if mine.keys() != theirs.keys() or target.logical_shape != self.logical_shape or any(
+                (mine[n].shape, mine[n].dtype) != (theirs[n].shape, theirs[n].dtype)
+                for n in mine):
+            form = {n: (tuple(t.shape), t.dtype) for n, t in mine.items()}
+            other = {n: (tuple(t.shape), t.dtype) for n, t in theirs.items()}
+            raise UnsupportedLayerError(
+                f"cannot write a {type(self).__qualname__} of {form} into a parameter of "
+                f"another form, {other}: write it into a parameter of the same form, or build "
+                "a new parameter")
+        with torch.no_grad():
+            for n, t in mine.items():
+                theirs[n].copy_(t)
 
     def rebind(self, param: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
         """Point ``param``'s storage tensors at ``tensors`` (declared name -> tensor), no copy.
@@ -153,12 +188,20 @@ class WeightRepresentation:
         :meth:`tensors`), of the same dtypes and shapes, possibly on another device: the
         offloader moves a quantized parameter by rebinding it to views of host or device
         buffers. Only ``param`` and ``tensors`` are read, never this representation's own
-        tensors. A representation without it cannot be offloaded.
+        tensors. A representation without ``param_attrs`` cannot be offloaded.
         """
-        raise NotImplementedError(
-            f"{type(self).__qualname__} cannot rebind a parameter's storage tensors, so the "
-            "offloader cannot move it; implement rebind() for it (or dequantize the weight)"
-        )
+        if not self.param_attrs:
+            raise NotImplementedError(
+                f"{type(self).__qualname__} cannot rebind a parameter's storage tensors, so the "
+                "offloader cannot move it; declare its param_attrs (or dequantize the weight)")
+        for name, t in tensors.items():
+            paths = self.param_attrs[name]
+            for path in (paths,) if isinstance(paths, str) else paths:
+                *outer, last = path.split(".")
+                obj = param
+                for a in outer:
+                    obj = getattr(obj, a)
+                setattr(obj, last, t)
 
     @classmethod
     def accepts(cls, tensor: torch.Tensor) -> bool:

@@ -59,6 +59,7 @@ class TorchaoScaledWeight(ScaledCodes):
     cls: type = dataclasses.field(default=object, repr=False)
 
     tensor_names = ("qdata", "scale", "zero_point")
+    param_attrs = {"qdata": "qdata", "scale": "scale", "zero_point": "zero_point"}
     shape_field = "qdata"
 
     @classmethod
@@ -81,27 +82,6 @@ class TorchaoScaledWeight(ScaledCodes):
                 "torchao Int8Tensor weights with a nonzero zero_point (asymmetric mapping) are "
                 "not supported; quantize with the symmetric mapping (the default)")
         return cls(tensor.qdata, tensor.scale, zp, tensor.dtype, type(tensor))
-
-    def write_into(self, param: torch.Tensor) -> None:
-        """Copy into an existing torchao tensor of the same form, in place."""
-        target = TorchaoScaledWeight.from_tensor(param)
-        if (target.qdata.shape, target.qdata.dtype, target.scale.shape) != (
-                self.qdata.shape, self.qdata.dtype, self.scale.shape):
-            raise UnsupportedLayerError(
-                f"cannot write a {self.qdata.dtype} weight {tuple(self.qdata.shape)} into a "
-                f"{target.cls.__name__} of {target.qdata.dtype} {tuple(target.qdata.shape)}")
-        with torch.no_grad():
-            target.qdata.copy_(self.qdata)
-            target.scale.copy_(self.scale)
-
-    def rebind(self, param: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
-        """Point the torchao tensor's ``qdata``, ``scale`` (and ``zero_point``) at ``tensors``;
-        no copy.
-        """
-        param.qdata, param.scale = tensors["qdata"], tensors["scale"]
-        if "zero_point" in tensors:
-            param.zero_point = tensors["zero_point"]
-
 
 @register_representation("torchao_int4_tile_packed")
 @dataclasses.dataclass
