@@ -213,3 +213,48 @@ def test_a_host_budget_far_below_the_model_reads_the_rest_from_disk(tmp_path, mo
     with pytest.raises(FileChangedError):
         logits(model)
     handle.remove()
+
+
+@pytest.mark.parametrize("shard", [None, "200KB"])
+def test_a_compressed_checkpoint_streams_coded_from_its_file(tmp_path, shard, monkeypatch):
+    """``shuttle compress`` on each weight file; the model is built from the coded files, its
+    units kept coded as read (nothing coded at capture), outputs bit for bit those of the model
+    built from the plain files (a bf16 build keeps its rotary tables as the library makes them,
+    which a cast of the saved model does not).
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shuttle.kernels import exponent_decode
+    from shuttle.weights import lossless
+    from shuttle.weights.lossless_file import compress_file
+
+    monkeypatch.setattr(exponent_decode, "interpreting", lambda: False)  # CPU: the reference
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64)).to(torch.bfloat16).eval()
+    folder = save(ref, tmp_path / "plain", **({"max_shard_size": shard} if shard else {}))
+    coded = tmp_path / "coded"
+    coded.mkdir()
+    for f in folder.iterdir():
+        if f.suffix == ".safetensors":
+            compress_file(f, coded / f.name, progress=False)
+        else:
+            (coded / f.name).write_bytes(f.read_bytes())
+    calls = []
+    encode = lossless.LosslessTensor.encode_tensor
+    monkeypatch.setattr(lossless.LosslessTensor, "encode_tensor",
+                        classmethod(lambda cls, t, **kw: calls.append(1) or encode(t, **kw)))
+    plain, plain_handle = shuttle_transformers.from_pretrained(
+        folder, torch_dtype=torch.bfloat16, device="cpu", max_host_bytes=2**25)
+    model, handle = shuttle_transformers.from_pretrained(coded, torch_dtype=torch.bfloat16,
+                                                         device="cpu", max_host_bytes=2**25)
+    off = handle.offloaders["model"]
+    assert all(u.code is not None for u in off.storage.groups["model.layers"])
+    assert not calls  # read coded, never coded again
+    assert off.storage.host_bytes < 0.8 * plain_handle.offloaders["model"].storage.host_bytes
+    assert torch.equal(logits(model), logits(plain))
+    assert torch.equal(generate(model), generate(plain))
+    handle.remove()
+    plain_handle.remove()

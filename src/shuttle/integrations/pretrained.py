@@ -35,9 +35,9 @@ import torch
 
 from shuttle.errors import AdapterFileError, CheckpointMismatchError, MissingParameterError
 from shuttle.formats.hub import looks_like_repo_id
-from shuttle.formats.model_checkpoint import open_checkpoint
 from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.optional import import_optional
+from shuttle.weights.lossless_file import open_decoded
 
 __all__ = ["NO_CEILING", "file_tensors", "folder_tensors", "local_folder", "match_sources",
            "meta_parameters", "read_dtype"]
@@ -106,7 +106,7 @@ def folder_tensors(folder: Path) -> dict[str, LazyTensor]:
             f"{folder}: no .safetensors weights"
             + (f" (only {', '.join(others)}); convert them to safetensors first" if others
                else "; pass a folder written by save_pretrained"))
-    return dict(open_checkpoint(indexes[0] if indexes else files[0]).tensors)  # type: ignore
+    return dict(open_decoded(indexes[0] if indexes else files[0]).tensors)  # type: ignore
 
 
 def file_tensors(file: str | os.PathLike[str]) -> dict[str, LazyTensor]:
@@ -116,7 +116,7 @@ def file_tensors(file: str | os.PathLike[str]) -> dict[str, LazyTensor]:
         AdapterFileError: no such file, or not a ``.safetensors`` file.
         CorruptFileError: its header is inconsistent.
     """
-    return dict(open_checkpoint(file).tensors)  # type: ignore[arg-type]
+    return dict(open_decoded(file).tensors)  # type: ignore[arg-type]
 
 
 def read_dtype(tensors: Mapping[str, LazyTensor]) -> torch.dtype:

@@ -33,10 +33,12 @@ import torch
 
 from shuttle.errors import CorruptCodeError, HostBackingError
 from shuttle.offload.layout import ALIGN, Layout
-from shuttle.offload.survey import UnitSurvey
+from shuttle.offload.survey import UnitSurvey, read_binding
 from shuttle.weights.lossless import CODED_DTYPES, LosslessTensor
+from shuttle.weights.lossless_file import CodedRef
 
-__all__ = ["Compression", "Decoder", "UnitCode", "check_compress", "codable", "code_arena"]
+__all__ = ["Compression", "Decoder", "UnitCode", "check_compress", "codable", "code_arena",
+           "file_code", "fill_coded"]
 
 Compression = Literal["lossless"]
 
@@ -93,6 +95,49 @@ class UnitCode:
         return out
 
 
+def _pack(layout: Layout, reps: Sequence[LosslessTensor | None]) -> UnitCode:
+    """The code of a unit whose entries ``reps`` (None: raw) are packed in order."""
+    offsets, at = [], 0
+    for i, rep in enumerate(reps):
+        offsets.append(at)
+        size = (rep.blob.numel() if rep is not None
+                else layout.shapes[i].numel() * layout.dtypes[i].itemsize)
+        at = -(-(at + size) // ALIGN) * ALIGN
+    layout_only = tuple(r if r is None or r.blob.is_meta else dataclasses.replace(
+        r, blob=torch.empty(r.blob.numel(), dtype=torch.uint8, device="meta")) for r in reps)
+    return UnitCode(tuple(offsets), layout_only, at)
+
+
+def file_code(s: UnitSurvey) -> UnitCode | None:
+    """The code of unit ``s`` as a compressed checkpoint supplies it (its tensors that the
+    file holds coded, in the model's dtype, stay coded), or None when it supplies none so.
+    """
+    reps = [f.layout() if isinstance(f, CodedRef) and f.dtype == s.layout.dtypes[i] else None
+            for i, f in enumerate(s.files)]
+    return None if all(r is None for r in reps) else _pack(s.layout, reps)
+
+
+def fill_coded(s: UnitSurvey, code: UnitCode, arena: torch.Tensor) -> None:
+    """Fill ``arena`` (``code.nbytes``) with unit ``s``: the coded tensors' blobs read from
+    their file as they are, the others' bytes (read from the file or the module).
+    """
+    with torch.no_grad():
+        for b, src in zip(s.sources, s.files, strict=True):
+            i, at = b.entry, code.offsets[b.entry]
+            rep = code.coded[i]
+            if rep is not None:
+                assert isinstance(src, CodedRef)
+                src.blob.load_into(arena[at:at + rep.blob.numel()])
+                continue
+            view = code._raw(s.layout, arena, i)
+            if src is None:
+                view.copy_(read_binding(b))
+            elif isinstance(src, CodedRef) or src.dtype != view.dtype:
+                view.copy_(src.load())  # decoded, or converted while read
+            else:
+                src.load_into(view.reshape(-1).view(torch.uint8))
+
+
 def code_arena(layout: Layout, arena: torch.Tensor, eligible: Sequence[bool]
                ) -> tuple[torch.Tensor, UnitCode] | None:
     """``arena`` (a unit's plain host arena, laid out by ``layout``) with its ``eligible``
@@ -105,18 +150,12 @@ def code_arena(layout: Layout, arena: torch.Tensor, eligible: Sequence[bool]
         for v, ok in zip(views, eligible, strict=True)]
     if all(r is None for r in reps):
         return None
-    offsets, at = [], 0
-    for v, rep in zip(views, reps, strict=True):
-        offsets.append(at)
-        size = rep.blob.numel() if rep is not None else v.numel() * v.element_size()
-        at = -(-(at + size) // ALIGN) * ALIGN
-    coded = torch.empty(at, dtype=torch.uint8)
-    for v, rep, off in zip(views, reps, offsets, strict=True):
+    code = _pack(layout, reps)
+    coded = torch.empty(code.nbytes, dtype=torch.uint8)
+    for v, rep, off in zip(views, reps, code.offsets, strict=True):
         src = rep.blob if rep is not None else v.reshape(-1).view(torch.uint8)
         coded[off:off + src.numel()].copy_(src)
-    layout_only = tuple(None if r is None else dataclasses.replace(
-        r, blob=torch.empty(r.blob.numel(), dtype=torch.uint8, device="meta")) for r in reps)
-    return coded, UnitCode(tuple(offsets), layout_only, at)
+    return coded, code
 
 
 class Decoder:

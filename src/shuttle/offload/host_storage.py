@@ -57,6 +57,8 @@ from shuttle.offload.coded import (
     check_compress,
     codable,
     code_arena,
+    file_code,
+    fill_coded,
 )
 from shuttle.offload.disk_reader import IO_ALIGN, DiskReader, DiskSpans
 from shuttle.offload.layout import Layout
@@ -446,7 +448,13 @@ class HostStorage:
         """A filled arena of exactly the unit's bytes (coded, with ``compress``, when that
         makes it smaller); the bytes allocated; whether pinned; its code.
         """
-        n, plain, code = s.layout.nbytes, None, None
+        code = file_code(s)
+        if code is not None:  # coded in its file: read as it is, no coding here
+            pages = new_arena(code.nbytes, pin)
+            fill_coded(s, code, pages[:code.nbytes])
+            pinned = pin and pages.numel() > 0 and register_pages(pages, self._registered)
+            return pages[:code.nbytes], pages.numel(), pinned, code
+        n, plain = s.layout.nbytes, None
         if self._compress:
             plain = new_arena(n, pin=False)[:n]
             fill_arena(s, plain)

@@ -21,6 +21,7 @@ from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.offload.layout import Layout
 from shuttle.weights import Fp8Weight, PlainWeight, WeightRepresentation, represent
 from shuttle.weights.dtensor import is_dtensor
+from shuttle.weights.lossless_file import CodedRef
 from shuttle.weights.plain import is_plain_tensor
 
 __all__ = ["CASTABLE", "Binding", "UnitSurvey", "adopted", "fill_arena", "read_binding",
@@ -52,7 +53,9 @@ class UnitSurvey(NamedTuple):
     layout: Layout
     bindings: list[Binding]
     sources: list[Binding]  # per entry, where to read the tensor from
-    files: list[LazyTensor | None]  # per entry, its bytes in a checkpoint file (read from there)
+    # per entry, its bytes in a checkpoint file (read from there; a CodedRef: coded by
+    # `shuttle compress`, kept coded in the arena, see shuttle.offload.coded)
+    files: list[LazyTensor | CodedRef | None]
 
 
 def _walk(root: torch.nn.Module, stop: set[int]):
@@ -135,11 +138,11 @@ def _quantized(t: torch.Tensor, where: str) -> WeightRepresentation | None:
     if isinstance(rep, (PlainWeight, Fp8Weight)):
         return None
     name = type(t).__qualname__
-    if type(rep).rebind is WeightRepresentation.rebind:
+    if not rep.writable:  # no param_attrs: nothing says where its tensors live
         raise HostBackingError(
             f"{where} is a {name} ({type(rep).__qualname__}), whose representation cannot "
-            "rebind its storage tensors, so the offloader cannot move it: implement "
-            f"{type(rep).__qualname__}.rebind(), or dequantize it or keep it out of the model"
+            "rebind its storage tensors, so the offloader cannot move it: declare "
+            f"{type(rep).__qualname__}.param_attrs, or dequantize it or keep it out of the model"
         )
     declared = rep.tensors()
     flatten = getattr(t, "__tensor_flatten__", None)
@@ -162,7 +165,7 @@ def _parts(t: torch.Tensor, rep: WeightRepresentation) -> dict[str, torch.Tensor
 
 def survey_units(model: torch.nn.Module, groups: dict[str, Sequence[torch.nn.Module]],
             adopt: bool, layers: dict[str, torch.nn.Module], skip: frozenset[int] = frozenset(),
-            files: Mapping[str, LazyTensor] | None = None,
+            files: Mapping[str, LazyTensor | CodedRef] | None = None,
             ) -> tuple[UnitSurvey, dict[str, list[UnitSurvey]], list[UnitSurvey]]:
     """Check every tensor and lay out every unit, leaving out the parameters whose ids are in
     ``skip``; a tensor whose qualified name (any of its names, when tied) is in ``files`` is
@@ -179,7 +182,7 @@ def survey_units(model: torch.nn.Module, groups: dict[str, Sequence[torch.nn.Mod
         entries: dict[tuple, int] = {}
         specs: list[tuple[torch.dtype, torch.Size]] = []
         bindings, sources = [], []
-        read: list[LazyTensor | None] = []
+        read: list[LazyTensor | CodedRef | None] = []
 
         def add(key: tuple, t: torch.Tensor, full: str, module: torch.nn.Module, path: str,
                 leaf: str, kind: bool, rep: WeightRepresentation | None = None,
@@ -249,7 +252,7 @@ def _names(model: torch.nn.Module) -> dict[tuple, list[str]]:
 
 
 def _file_of(t: torch.Tensor, key: tuple, named: dict[tuple, list[str]],
-             files: Mapping[str, LazyTensor]) -> LazyTensor | None:
+             files: Mapping[str, LazyTensor | CodedRef]) -> LazyTensor | CodedRef | None:
     """The checkpoint tensor that supplies ``t`` (under any of its names), checked to match:
     the same shape, and the same dtype or two of :data:`CASTABLE` (converted while read).
 
@@ -271,11 +274,13 @@ def _file_of(t: torch.Tensor, key: tuple, named: dict[tuple, list[str]],
     return None
 
 
-def adopted(src: LazyTensor, layout: Layout, b: Binding) -> torch.Tensor:
+def adopted(src: LazyTensor | CodedRef, layout: Layout, b: Binding) -> torch.Tensor:
     """A file's tensor kept as it lies (a private map), or converted into memory of its own
-    when the model's dtype differs.
+    when the model's dtype differs (a coded one: decoded).
     """
     dtype = layout.dtypes[b.entry]
+    if isinstance(src, CodedRef):
+        return src.load().to(dtype)
     if src.dtype == dtype:
         return src.load()
     return src.load_converted(torch.empty(layout.shapes[b.entry], dtype=dtype))
@@ -298,6 +303,8 @@ def fill_arena(s: UnitSurvey, arena: torch.Tensor) -> None:
         for b, src in zip(s.sources, s.files, strict=True):
             if src is None:
                 views[b.entry].copy_(read_binding(b))
+            elif isinstance(src, CodedRef):  # decoded (converted too, where the dtype differs)
+                views[b.entry].copy_(src.load())
             elif src.dtype != s.layout.dtypes[b.entry]:  # converted piece by piece
                 src.load_converted(views[b.entry])
             else:  # straight from the file into the arena: one read, no other copy

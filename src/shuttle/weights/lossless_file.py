@@ -85,6 +85,22 @@ class CodedRef:
         self.dtype = dtype
         self.words = words
 
+    @property
+    def key(self) -> str:
+        """The tensor's name in its file."""
+        return str(getattr(self.blob, "key", "a coded tensor"))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the decoded tensor."""
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def layout(self) -> LosslessTensor:
+        """The coded tensor's layout (shape, dtype, words) with a ``meta`` blob: nothing read."""
+        blob = torch.empty(blob_nbytes(math.prod(self.shape), self.words), dtype=torch.uint8,
+                           device="meta")
+        return LosslessTensor(blob, self.shape, self.dtype, self.words)
+
     def coded(self) -> LosslessTensor:
         """The coded tensor, its blob read into memory.
 
@@ -104,7 +120,7 @@ class CodedRef:
         try:
             return self.coded().decode(device)
         except CorruptCodeError as e:
-            raise CorruptCodeError(f"{getattr(self.blob, 'key', 'a coded tensor')}: {e}") from None
+            raise CorruptCodeError(f"{self.key}: {e}") from None
 
     def __repr__(self) -> str:
         return f"CodedRef({tuple(self.shape)}, {self.dtype}, {self.blob!r})"
@@ -151,7 +167,10 @@ def open_decoded(source: CheckpointSource) -> Checkpoint:
         Whatever :func:`open_checkpoint` raises.
     """
     ckpt = open_checkpoint(source)
-    entries = coded_entries(ckpt.metadata, ckpt.name)
+    entries: dict[str, tuple[torch.dtype, torch.Size, int]] = {}
+    for path in ckpt.files:  # each shard of an index was compressed on its own
+        if path.suffix == ".safetensors":
+            entries.update(coded_entries(SafetensorsFile(path).metadata, str(path)))
     if not entries:
         return ckpt
     tensors = dict(ckpt.tensors)
