@@ -168,3 +168,35 @@ def test_streamed_on_cuda_equal_the_resident_model(mode, monkeypatch):
         for _ in range(3):  # the ring refilled: decoded again on the copy stream
             assert_bits_equal(m(tokens().cuda()), want)
     assert off.storage.pinned
+
+
+@pytest.mark.parametrize("ceiling", ["tight", "half", "roomy"])
+def test_a_compressed_checkpoint_streams_from_disk_coded(cpu_copy, tmp_path, ceiling):
+    """Units coded in their file stay on disk under a host ceiling and are read coded (fewer
+    bytes), decoded in the slot; outputs bit for bit the resident model's.
+    """
+    from safetensors.torch import save_model
+
+    from shuttle.weights.lossless_file import compress_file, open_decoded
+
+    ref = model()
+    save_model(ref, str(tmp_path / "plain.safetensors"))
+    compress_file(tmp_path / "plain.safetensors", tmp_path / "coded.safetensors", progress=False)
+    sources = open_decoded(tmp_path / "coded.safetensors").tensors
+    with torch.device("meta"):
+        empty = TinyDiT(dim=128, n_blocks=3, n_single=2, dtype=torch.bfloat16)
+    needs = ModelOffloader.host_needs(empty, blocks=["blocks", "single"], sources=sources)
+    limit = {"tight": needs.floor, "half": (needs.floor + needs.everything) // 2,
+             "roomy": needs.everything}[ceiling]
+    off = ModelOffloader.from_module(empty, blocks=["blocks", "single"], sources=sources,
+                                     max_host_bytes=limit)
+    assert all(u.code is not None for u in off.storage.groups["blocks"])
+    assert off.storage.host_bytes <= limit
+    want = ref(tokens())
+    for stream in (StreamConfig(prefetch=1), StreamConfig(prefetch=0)):
+        with off.use("cpu", stream) as m:
+            assert_bits_equal(m(tokens()), want)
+            assert_bits_equal(m(tokens()), want)
+        assert off.storage.host_bytes <= limit
+    on_disk = [u for u in off.storage.units if u.on_disk]
+    assert bool(on_disk) == (ceiling != "roomy")

@@ -69,13 +69,18 @@ class UnitCode:
         at = self.offsets[i]
         return arena[at:at + self._size(layout, i)].view(layout.dtypes[i]).view(layout.shapes[i])
 
+    @staticmethod
+    def placeholder(layout: Layout, i: int) -> torch.Tensor:
+        """What coded entry ``i`` points at while inactive: a NaN of its dtype expanded to its
+        shape (no memory; reads give NaN, writes raise).
+        """
+        return torch.full((), float("nan"), dtype=layout.dtypes[i]).expand(layout.shapes[i])
+
     def placeholders(self, layout: Layout, arena: torch.Tensor) -> list[torch.Tensor]:
         """What the unit's tensors point at while inactive: raw entries their bytes in
-        ``arena``; coded ones a NaN of their dtype expanded to their shape (no memory; reads
-        give NaN, writes raise).
+        ``arena``, coded ones :meth:`placeholder`.
         """
-        return [self._raw(layout, arena, i) if rep is None else
-                torch.full((), float("nan"), dtype=layout.dtypes[i]).expand(layout.shapes[i])
+        return [self._raw(layout, arena, i) if rep is None else self.placeholder(layout, i)
                 for i, rep in enumerate(self.coded)]
 
     def decoded(self, layout: Layout, arena: torch.Tensor) -> list[torch.Tensor]:
@@ -181,8 +186,15 @@ class Decoder:
         the current stream: one copy of the arena into the staging buffer, then per entry a
         decode or a device copy of its raw bytes.
         """
+        self.stage[:code.nbytes].copy_(arena, non_blocking=non_blocking)
+        self.unpack(code, layout, flat, views)
+
+    def unpack(self, code: UnitCode, layout: Layout, flat: torch.Tensor,
+               views: Sequence[torch.Tensor]) -> None:
+        """Queue, on the current stream, the decode of the coded unit that the staging buffer
+        holds (copied there whole, or chunk by chunk from disk) into ``flat`` / ``views``.
+        """
         stage = self.stage[:code.nbytes]
-        stage.copy_(arena, non_blocking=non_blocking)
         for i, rep in enumerate(code.coded):
             at = code.offsets[i]
             if rep is None:

@@ -70,6 +70,7 @@ from shuttle.offload.survey import (
     read_binding,
     survey_units,
 )
+from shuttle.weights.lossless_file import CodedRef
 
 __all__ = ["Compression", "HostBacking", "HostNeeds", "HostStorage", "HostUnit", "Layout"]
 
@@ -282,6 +283,13 @@ class HostStorage:
         return [u for u in self.units if u.spans is None]
 
     @property
+    def coded_on_disk(self) -> bool:
+        """Whether units that may stay on disk are coded in their files (each is then read
+        in one piece: :func:`staging_floor`).
+        """
+        return any(u.code is not None and u.spans is not None for u in self.units)
+
+    @property
     def stage_bytes(self) -> int:
         """Device bytes an activation stages coded units in: the largest coded arena (0 when
         nothing is coded).
@@ -294,8 +302,11 @@ class HostStorage:
         return len(self._staging), self._staging[0].numel() if self._staging else 0
 
     def arena_bytes(self, unit: HostUnit) -> int:
-        """Host bytes an arena for ``unit`` takes (whole pages when it will be pinned)."""
-        return _arena_size(unit.layout.nbytes, self._pin)
+        """Host bytes an arena for ``unit`` takes (whole pages when it will be pinned; its
+        code's bytes when it is kept coded).
+        """
+        held = unit.code.nbytes if unit.code is not None else unit.layout.nbytes
+        return _arena_size(held, self._pin)
 
     def settle(self, pinned: Collection[str] | None, staging: tuple[int, int]) -> None:
         """Give arenas to the units named in ``pinned`` (read from their files), take them from
@@ -351,13 +362,13 @@ class HostStorage:
         spans = [_spans(s) if _spillable(s) else None for s in surveys]
         pin = torch.cuda.is_available()
         fixed, stage = _floor(surveys, spans, pin)
-        everything = sum(_arena_size(s.layout.nbytes, pin) for s in surveys)
+        everything = sum(_arena_size(_held(s), pin) for s in surveys)
         return HostNeeds(min(fixed + stage, everything), everything)
 
     def _check_floor(self, surveys: list[UnitSurvey], spans: list[DiskSpans | None],
                      ceiling: int) -> None:
         held, stage = _floor(surveys, spans, self._pin)
-        if held + stage > ceiling and sum(_arena_size(s.layout.nbytes, self._pin)
+        if held + stage > ceiling and sum(_arena_size(_held(s), self._pin)
                                           for s in surveys) > ceiling:
             kept = [s.name or "(the rest of the model)" for s, sp in
                     zip(surveys, spans, strict=True) if sp is None and s.layout.nbytes]
@@ -388,7 +399,8 @@ class HostStorage:
                 unit = HostUnit(s.name, s.layout, s.bindings, [], None)
                 if sp is not None:
                     unit.spans, unit.reader, unit.survey = sp, self.reader, s
-                    unit.host_views = [f.load() for f in s.files]
+                    unit.code = file_code(s)
+                    unit.host_views = _on_disk_views(s, unit.code)
                     unit.bind_host()
                 else:
                     self._keep(unit, *got)  # the pageable originals are freed here
@@ -411,7 +423,7 @@ class HostStorage:
 
     def _spill(self, unit: HostUnit) -> None:
         """Drop ``unit``'s arena: its tensors point at maps of their files again."""
-        unit.host_views = [f.load() for f in unit.survey.files]
+        unit.host_views = _on_disk_views(unit.survey, unit.code)
         unit.bind_host()
         self._free(unit.arena)
         unit.arena = None
@@ -480,11 +492,13 @@ class HostStorage:
         return unit
 
 
-def staging_floor(largest: int) -> int:
+def staging_floor(largest: int, whole: bool = False) -> int:
     """Bytes of the smallest staging ring for units on disk whose largest read is ``largest``
     bytes: one buffer, as large as that read or ``MIN_STAGING`` (then read in chunks).
+    ``whole``: units coded in their files are on disk, and each is read in one piece (its
+    chunks would land in the one device staging buffer that decodes it): as large as the read.
     """
-    return _round_up(min(largest, MIN_STAGING), IO_ALIGN)
+    return _round_up(largest if whole else min(largest, MIN_STAGING), IO_ALIGN)
 
 
 def _arena_size(nbytes: int, pin: bool) -> int:
@@ -492,22 +506,48 @@ def _arena_size(nbytes: int, pin: bool) -> int:
 
 
 def _spans(s: UnitSurvey) -> DiskSpans:
-    return DiskSpans([(s.layout.offsets[i], f) for i, f in enumerate(s.files)])
+    """Where unit ``s``'s bytes lie in its files, placed as its arena holds them (a unit
+    coded in its file: its blobs and raw bytes as its code packs them).
+    """
+    code = file_code(s)
+    if code is None:
+        return DiskSpans([(s.layout.offsets[i], f) for i, f in enumerate(s.files)])
+    return DiskSpans([(code.offsets[i], f.blob if isinstance(f, CodedRef) else f)
+                      for i, f in enumerate(s.files)])
+
+
+def _held(s: UnitSurvey) -> int:
+    """Bytes of unit ``s``'s arena: its code's when its file holds it coded."""
+    code = file_code(s)
+    return code.nbytes if code is not None else s.layout.nbytes
+
+
+def _on_disk_views(s: UnitSurvey, code: UnitCode | None) -> list[torch.Tensor]:
+    """What an on-disk unit's tensors point at: private maps of their files (nothing read
+    until touched); a coded tensor NaN (see :mod:`shuttle.offload.coded`).
+    """
+    return [code.placeholder(s.layout, i) if code is not None and code.coded[i] is not None
+            else f.load() for i, f in enumerate(s.files)]
 
 
 def _floor(surveys: list[UnitSurvey], spans: list[DiskSpans | None], pin: bool
            ) -> tuple[int, int]:
     """(bytes of the units that stay in host memory, bytes of the smallest staging ring)."""
-    fixed = sum(_arena_size(s.layout.nbytes, pin) for s, sp in zip(surveys, spans, strict=True)
+    fixed = sum(_arena_size(_held(s), pin) for s, sp in zip(surveys, spans, strict=True)
                 if sp is None)
-    return fixed, staging_floor(max((sp.nbytes for sp in spans if sp is not None), default=0))
+    whole = any(sp is not None and file_code(s) is not None
+                for s, sp in zip(surveys, spans, strict=True))
+    return fixed, staging_floor(max((sp.nbytes for sp in spans if sp is not None), default=0),
+                                whole)
 
 
 def _spillable(s: UnitSurvey) -> bool:
     """Whether unit ``s`` can be read again from its files whenever needed: every tensor lies
     in a file as it is stored, one span of bytes in the model's dtype (one converted or pieced
     together from rows while read stays in host memory; so does a unit whose host copy an
-    optimizer step changed: :func:`~shuttle.offload.training.host_step` makes it fixed).
+    optimizer step changed: :func:`~shuttle.offload.training.host_step` makes it fixed). A
+    tensor coded in its file (``shuttle compress``) is read coded: its blob is that span.
     """
     return s.layout.nbytes > 0 and all(
-        type(f) is LazyTensor and f.dtype == s.layout.dtypes[i] for i, f in enumerate(s.files))
+        (type(f) is LazyTensor or (isinstance(f, CodedRef) and type(f.blob) is LazyTensor))
+        and f.dtype == s.layout.dtypes[i] for i, f in enumerate(s.files))

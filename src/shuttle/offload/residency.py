@@ -259,6 +259,10 @@ def _check_host_tier(plan: ResidencyPlan, storage: HostStorage, who: str) -> Non
         raise OffloadError(f"{who}: its host tier keeps unknown units {unknown[:4]}, leaves out "
                            f"units that cannot be read from files {fixed[:4]}, or has no staging "
                            f"buffer for the {len(disk)} units on disk ({plan.staging})")
+    largest = max((u.spans.nbytes for u in disk), default=0)  # type: ignore[union-attr]
+    if storage.coded_on_disk and disk and plan.staging[1] < largest:
+        raise OffloadError(f"{who}: its staging buffers of {plan.staging[1]} bytes would read "
+                           f"units coded in their files in pieces; they need {largest} bytes")
     cost = _host_cost(storage, [units[n] for n in plan.pinned], plan.staging)
     if plan.host_bytes != cost or cost > ceiling:
         raise OffloadError(f"{who}: its host tier says {plan.host_bytes} bytes, its arenas and "
@@ -307,9 +311,10 @@ def plan_host(storage: HostStorage, plan: ResidencyPlan) -> ResidencyPlan:
         if used + storage.arena_bytes(u) + want * _aligned(largest(u)) <= ceiling:
             pinned.add(id(u))
             used += storage.arena_bytes(u)
-    staging = _fit_staging(ceiling - used, largest(), want)
+    whole = storage.coded_on_disk
+    staging = _fit_staging(ceiling - used, largest(), want, whole)
     if staging is None:
-        floor = sum(storage.arena_bytes(u) for u in fixed) + staging_floor(largest())
+        floor = sum(storage.arena_bytes(u) for u in fixed) + staging_floor(largest(), whole)
         raise BudgetTooSmallError(
             f"max_host_bytes={ceiling} bytes cannot hold the units that must stay in host "
             f"memory plus one staging buffer: give at least {floor} bytes")
@@ -322,10 +327,12 @@ def _aligned(n: int) -> int:
     return -(-n // IO_ALIGN) * IO_ALIGN
 
 
-def _fit_staging(room: int, largest: int, want: int) -> tuple[int, int] | None:
+def _fit_staging(room: int, largest: int, want: int, whole: bool = False
+                 ) -> tuple[int, int] | None:
     """``(buffers, bytes)`` of the staging ring for units of at most ``largest`` read bytes in
-    ``room`` bytes: ``want`` whole buffers if they fit, else fewer, else two (then one) smaller
-    ones of at least ``MIN_STAGING`` bytes; None if not even that fits.
+    ``room`` bytes: ``want`` whole buffers if they fit, else fewer, else (unless ``whole``:
+    coded units, read in one piece) two (then one) smaller ones of at least ``MIN_STAGING``
+    bytes; None if not even that fits.
     """
     if not largest:
         return 0, 0
@@ -333,6 +340,8 @@ def _fit_staging(room: int, largest: int, want: int) -> tuple[int, int] | None:
     for n in range(want, 0, -1):
         if n * size <= room:
             return n, size
+    if whole:
+        return None
     for n in (min(2, want), 1):
         part = room // n // IO_ALIGN * IO_ALIGN
         if part >= min(size, MIN_STAGING):

@@ -195,9 +195,15 @@ class SlotPool:
         ``staged`` is recorded after them (the buffer may be read into again).
         """
         flat, views = self._target(slot, unit)
+        # a coded unit lands in the decoder's staging buffer (in one piece: the host plan sizes
+        # the staging ring so), decoded into the slot at the end
+        assert unit.code is None or (first and last), f"{unit.name} read in pieces"
+        to = flat if unit.code is None else self.decoder.stage  # type: ignore[union-attr]
         if self._stream is None:
             for c in copies:
-                flat[c.to:c.to + c.n].copy_(buffer[c.at:c.at + c.n])
+                to[c.to:c.to + c.n].copy_(buffer[c.at:c.at + c.n])
+            if last and unit.code is not None:
+                self.decoder.unpack(unit.code, unit.layout, flat, views)  # type: ignore[union-attr]
             if last and self.fold is not None:
                 self.fold(unit, views)
             return
@@ -205,10 +211,12 @@ class SlotPool:
             if first:
                 self._stream.wait_event(self._freed[slot])
             for c in copies:  # from registered (pinned) memory: DMAs on the side stream
-                flat[c.to:c.to + c.n].copy_(buffer[c.at:c.at + c.n], non_blocking=True)
+                to[c.to:c.to + c.n].copy_(buffer[c.at:c.at + c.n], non_blocking=True)
             assert staged is not None
             staged.record(self._stream)
             if last:
+                if unit.code is not None:
+                    self.decoder.unpack(unit.code, unit.layout, flat, views)  # type: ignore[union-attr]
                 if self.fold is not None:
                     self.fold(unit, views)
                 self._loaded[slot].record(self._stream)
