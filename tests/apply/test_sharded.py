@@ -521,7 +521,7 @@ def _split_qkv() -> dict[str, torch.Tensor]:
 
 
 def _split_qkv_case(rank, world):
-    import shuttle.apply.sharded as sharded
+    import shuttle.weights.dtensor as sharded  # where a shard's update is cut (select_rows)
     from shuttle.errors import NonFiniteAdapterError, RankFailedError
 
     ref = _Block()

@@ -39,7 +39,7 @@ from shuttle.errors import (
     ParameterChangedError,
     ScopeOrderError,
 )
-from shuttle.weights.dtensor import ShardWindow, is_dtensor, shard_window
+from shuttle.weights.dtensor import ShardWindow, sharded
 
 __all__ = ["KeptStamp", "check_undo", "keep_device", "mark_written", "release", "seal",
            "stamp_before"]
@@ -114,9 +114,8 @@ def _version(p: torch.Tensor) -> Version:
     made under ``torch.inference_mode`` (it has none).
     """
     try:
-        if is_dtensor(p):
-            return p._version, p.to_local()._version
-        return (p._version,)
+        shard = sharded(p)
+        return (p._version,) if shard is None else shard.versions()
     except RuntimeError:
         return None
 
@@ -125,7 +124,7 @@ def stamp_before(params: Mapping[str, torch.Tensor], names: Iterable[str]) -> Ke
     """A stamp of ``params[names]`` as they are just before a kept merge writes them."""
     names = list(names)
     return KeptStamp({n: _version(params[n]) for n in names},
-                     {n: shard_window(params[n], n) for n in names if is_dtensor(params[n])})
+                     {n: s.window for n in names if (s := sharded(params[n], n)) is not None})
 
 
 def mark_written(params: Iterable[torch.Tensor]) -> None:

@@ -46,7 +46,6 @@ from shuttle.errors import (
     ShapeMismatchError,
     ShuttleError,
     UnsupportedLayerError,
-    UnsupportedPlacementError,
 )
 from shuttle.formats import LoRA, load_lora
 from shuttle.formats.device_reader import DeviceReader
@@ -56,7 +55,7 @@ from shuttle.formats.source import Source
 from shuttle.patches import Diff, Set
 from shuttle.patches.patch import Tensorish, materialize
 from shuttle.targets import KeyMapping, ModelNames, resolve
-from shuttle.weights.dtensor import is_dtensor, shard_window
+from shuttle.weights.dtensor import ShardedWeight, sharded
 from shuttle.weights.lossless_file import CodedRef, open_decoded
 
 __all__ = ["LoadReport", "load_checkpoint", "replacement_parameters"]
@@ -107,6 +106,7 @@ class _Slot(NamedTuple):
     homes: list[tuple[nn.Module, str]]  # (owning module, attribute) per name
     tensor: torch.Tensor
     is_param: bool
+    shard: ShardedWeight | None = None  # a DTensor: this rank's shard of it
 
 
 def load_checkpoint(
@@ -263,17 +263,9 @@ def _check_dtensors(slots: dict[str, _Slot]) -> None:
     """DTensor targets are written in place, shard by shard: they must be materialized, and
     their placements must have windows (raises before any rank writes).
     """
-    for name, slot in slots.items():
-        t = slot.tensor
-        if not is_dtensor(t):
-            continue
-        if t.is_meta:
-            raise UnsupportedPlacementError(
-                f"{name!r} is a DTensor on the meta device: shard the model (fully_shard, "
-                "parallelize_module), then materialize it (model.to_empty(device=...)) before "
-                "load_checkpoint, which writes each rank's shard in place (FSDP2 and tensor "
-                "parallelism keep references to the parameters they sharded)")
-        shard_window(t, name)
+    for slot in slots.values():
+        if slot.shard is not None:
+            slot.shard.check_load()
 
 
 def replacement_parameters(
@@ -327,7 +319,7 @@ def _slots(model: nn.Module) -> tuple[dict[str, _Slot], dict[str, str]]:
                 slot = by_id.setdefault(id(t), _Slot([], [], t, is_param))
                 slot.names.append(f"{prefix}.{leaf}" if prefix else leaf)
                 slot.homes.append((module, leaf))
-    slots = {s.names[0]: s for s in by_id.values()}
+    slots = {s.names[0]: s._replace(shard=sharded(s.tensor, s.names[0])) for s in by_id.values()}
     alias = {n: s.names[0] for s in by_id.values() for n in s.names}
     return slots, alias
 
@@ -335,8 +327,8 @@ def _slots(model: nn.Module) -> tuple[dict[str, _Slot], dict[str, str]]:
 def _device(slot: _Slot, target: torch.device | None) -> torch.device:
     if target is not None:
         return target
-    if is_dtensor(slot.tensor):  # where its shard lives (the whole tensor is cut there)
-        return slot.tensor.to_local().device
+    if slot.shard is not None:  # where its shard lives (the whole tensor is cut there)
+        return slot.shard.device
     return torch.device("cpu") if slot.tensor.is_meta else slot.tensor.device
 
 
@@ -353,13 +345,9 @@ def _shard_rows(slot: _Slot, ref: Tensorish, contribs: list[Contribution]
     replicated along its rows); else None (the whole tensor is read: merges are planned
     against it).
     """
-    if contribs or not isinstance(ref, LazyTensor) or not is_dtensor(slot.tensor):
+    if contribs or not isinstance(ref, LazyTensor) or slot.shard is None:
         return None
-    shape = tuple(slot.tensor.shape)
-    window = shard_window(slot.tensor, slot.names[0])
-    if not shape or window.covers(0, shape[0]):
-        return None
-    return window.starts[0], window.stops[0]
+    return slot.shard.read_rows()
 
 
 def _install(slot: _Slot, t: torch.Tensor, row0: int = 0) -> None:
@@ -368,13 +356,10 @@ def _install(slot: _Slot, t: torch.Tensor, row0: int = 0) -> None:
     place (the whole tensor is then dropped, so a rank holds at most one whole tensor at a
     time).
     """
-    old = slot.tensor
-    if is_dtensor(old):
-        window = shard_window(old, slot.names[0])
-        cut = [slice(a, b) for a, b in zip(window.starts, window.stops, strict=True)]
-        cut[0] = slice(cut[0].start - row0, cut[0].stop - row0)
-        old.to_local().copy_(t[tuple(cut)])
+    if slot.shard is not None:
+        slot.shard.write(t, row0)
         return
+    old = slot.tensor
     if (not old.is_meta and old.dtype == t.dtype and old.device == t.device
             and old.shape == t.shape):
         # Materialized already: overwrite, keeping the object (optimizers, hooks and ties

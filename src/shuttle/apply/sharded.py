@@ -2,15 +2,16 @@
 
 A merge plan is made against the global shapes (``DTensor.shape``), as for any model. Before
 any write, :func:`localize` turns it into a plan over the local tensors: for a parameter whose
-local tensor holds rows ``[R0, R1)`` and columns ``[C0, C1)`` of the global weight
-(:func:`~shuttle.weights.dtensor.shard_window`), each contribution keeps the rows of its update
-that fall in the window (``select_rows``: a low-rank ``up`` cut to those rows) and the columns
-(``select_columns``: ``down`` cut to those columns). The local merge then computes exactly the
-window of the global update: ``W_local + s * up[R0:R1] @ down[:, C0:C1]``, so every rank's
-shard equals the same window of a single-process merge (bit for bit where the kernels compute
-the same sums). Replicated parameters merge whole on every rank. Rows and columns are the only
-sharded dimensions taken; ``Partial`` and strided placements, and sharded widenings, are
-refused.
+local tensor holds rows ``[R0, R1)`` and columns ``[C0, C1)`` of the global weight, its
+:class:`~shuttle.weights.dtensor.ShardedWeight` (the one place that knows a sharded
+parameter) refuses what it cannot take and cuts each contribution to the rows of its update
+that fall in the window (``select_rows``: a low-rank ``up`` cut to those rows) and the
+columns (``select_columns``: ``down`` cut to those columns). The local merge then computes
+exactly the window of the global update: ``W_local + s * up[R0:R1] @ down[:, C0:C1]``, so
+every rank's shard equals the same window of a single-process merge (bit for bit where the
+kernels compute the same sums). Replicated parameters merge whole on every rank. Rows and
+columns are the only sharded dimensions taken; ``Partial`` and strided placements, and
+sharded widenings, are refused.
 
 Stochastic rounding (the default into float8, or ``rounding="stochastic"``) into a DTensor's
 plain local tensor draws by global element index (:class:`~shuttle.kernels.rounding.GlobalDraws`)
@@ -43,12 +44,10 @@ import torch
 
 from shuttle.apply.plan import Contribution, MergePlan
 from shuttle.apply.rounding import merge_seeds, rounding_for
-from shuttle.errors import RankFailedError, RankMismatchError, UnsupportedPlacementError
+from shuttle.errors import RankFailedError, RankMismatchError
 from shuttle.kernels.rounding import GlobalDraws
 from shuttle.patches import Patch, TensorRef, materialize
-from shuttle.patches.select_columns import select_columns
-from shuttle.patches.select_rows import select_rows
-from shuttle.weights.dtensor import is_dtensor, shard_window
+from shuttle.weights.dtensor import ShardedWeight, is_dtensor, sharded
 from shuttle.weights.plain import is_plain_tensor
 
 __all__ = ["agreed", "has_dtensors", "localize", "merge_fingerprint", "outcome_agreement"]
@@ -80,34 +79,16 @@ def localize(plan: MergePlan, params: Mapping[str, torch.Tensor], *,
     out: dict[str, list[Contribution]] = {}
     drawn: dict[str, tuple[int, ...]] = {}
     for name, contribs in plan.params.items():
-        p = params[name]
-        if not is_dtensor(p):
+        shard = sharded(params[name], name)
+        if shard is None:
             out[name] = contribs
             continue
-        window = shard_window(p, name)
-        shape = tuple(p.shape)
-        tensor = p.to_local()
-        sharded = [d for d in range(len(shape)) if not window.covers(d, shape[d])]
-        if name in plan.widen:
-            raise UnsupportedPlacementError(
-                f"parameter {name!r} is a DTensor the adapter widens (a control LoRA's "
-                "img_in): widen and merge before sharding")
-        if any(d > 1 for d in sharded):
-            raise UnsupportedPlacementError(
-                f"parameter {name!r} is sharded along dimension(s) {[d for d in sharded if d > 1]} "
-                f"(placements {tuple(p.placements)}): adapters land on row (Shard(0)) and column "
-                "(Shard(1)) shards only")
-        if sharded and not is_plain_tensor(tensor) and rounding not in ("nearest",):
-            raise UnsupportedPlacementError(
-                f"parameter {name!r} is a sharded {type(tensor).__qualname__} weight (an "
-                "encoding by blocks or scales that the shard boundary cuts): stochastic rounding "
-                "(its default) would depend on the world size; pass rounding='nearest', or "
-                "replicate it")
-        local[name] = tensor
-        out[name] = [c for c in (_window(c, window, shape) for c in contribs) if c is not None]
+        shard.check_merge(rounding, widened=name in plan.widen)
+        local[name] = tensor = shard.local
+        out[name] = [c for c in (_window(c, shard) for c in contribs) if c is not None]
         if (is_plain_tensor(tensor) and tensor.dtype not in (torch.float32, torch.float64)
                 and rounding_for(rounding, tensor.dtype) == "stochastic"):  # type: ignore[arg-type]
-            drawn[name] = window.starts
+            drawn[name] = shard.window.starts
     seeds = merge_seeds([(n, plan.params[n]) for n in drawn], seed)  # the global contributions
     draws = {n: GlobalDraws(s, starts, tuple(params[n].shape))
              for (n, starts), s in zip(drawn.items(), seeds, strict=True)}
@@ -115,20 +96,12 @@ def localize(plan: MergePlan, params: Mapping[str, torch.Tensor], *,
                                draws=draws), local
 
 
-def _window(c: Contribution, window, shape: tuple[int, ...]) -> Contribution | None:
-    """``c`` cut to the window, in local coordinates; None when it updates nothing there."""
-    r0, r1 = window.starts[0], window.stops[0]
-    a, b = c.rows or (0, shape[0])
-    lo, hi = max(a, r0), min(b, r1)
-    if lo >= hi:
-        return None
-    patch = c.patch
-    if (lo, hi) != (a, b):
-        patch = select_rows(patch, lo - a, hi - a)
-    rows = None if (lo - r0, hi - r0) == (0, r1 - r0) else (lo - r0, hi - r0)
-    if len(shape) > 1 and not window.covers(1, shape[1]):
-        patch = select_columns(patch, window.starts[1], window.stops[1], shape[1])
-    return dataclasses.replace(c, patch=patch, rows=rows)
+def _window(c: Contribution, shard: ShardedWeight) -> Contribution | None:
+    """``c`` cut to the shard's window, in local coordinates; None when it updates nothing
+    there.
+    """
+    cut = shard.cut(c.patch, c.rows)
+    return None if cut is None else dataclasses.replace(c, patch=cut[0], rows=cut[1])
 
 
 def outcome_agreement(model: torch.nn.Module) -> Callable[[BaseException | None], None] | None:
@@ -188,7 +161,7 @@ def agreed(params: Mapping[str, torch.Tensor], validate: Callable[[], T],
             digest = fingerprint(result)
     except Exception as e:  # noqa: BLE001 - re-raised below, after the agreement
         error = e
-    device = next(p.device_mesh.device_type for p in params.values() if is_dtensor(p))
+    device = next(s.device_type for s in map(sharded, params.values()) if s is not None)
     device = torch.device("cpu") if device == "cpu" else torch.device(
         device, torch.cuda.current_device())
     # one row a rank: [failed, the digest as signed 64-bit words]

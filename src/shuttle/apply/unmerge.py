@@ -32,7 +32,7 @@ from shuttle.errors import InvalidOptionError, ShapeMismatchError, ShuttleError
 from shuttle.formats import LoRA
 from shuttle.targets import KeyMapping
 from shuttle.weights import WeightRepresentation, represent
-from shuttle.weights.dtensor import ShardWindow, is_dtensor, shard_window
+from shuttle.weights.dtensor import ShardWindow, sharded
 from shuttle.weights.plain import is_plain_tensor
 
 __all__ = ["UnmergeReport", "unmerge_lora"]
@@ -167,13 +167,13 @@ def _target(params: Mapping[str, torch.Tensor], name: str,
     if p is None:
         raise ShapeMismatchError(f"{name!r} was merged but the model has no such parameter "
                                  "now; nothing was written back")
-    if is_dtensor(p):
-        if window is not None and shard_window(p, name) != window:
+    shard = sharded(p, name)
+    if shard is not None:
+        if window is not None and shard.window != window:
             raise ShapeMismatchError(
                 f"{name!r} was resharded since the merge (this rank held {window}, now "
-                f"{shard_window(p, name)}); the kept copy is the old shard. Nothing was "
-                "written back")
-        p = p.to_local()
+                f"{shard.window}); the kept copy is the old shard. Nothing was written back")
+        p = shard.local
     if isinstance(saved, WeightRepresentation):
         now = None if is_plain_tensor(p) else represent(p)
         same = now is not None and type(now) is type(saved) and all(
@@ -189,7 +189,8 @@ def _target(params: Mapping[str, torch.Tensor], name: str,
 
 def _local(p: torch.Tensor) -> torch.Tensor:
     """``p``, or this rank's shard of a DTensor."""
-    return p.to_local() if is_dtensor(p) else p
+    shard = sharded(p)
+    return p if shard is None else shard.local
 
 
 def _top(p: torch.Tensor) -> float:

@@ -4,7 +4,9 @@ Each gives its logical shape and compute dtype, pinning and device copies that k
 ``dequantize`` to float32 and ``encode`` (re-encoding after a merge). :func:`represent` finds the
 class for a tensor; :func:`register_representation` adds one. :func:`upcast_on_use` lets a
 model compute with float8-stored parameters. bitsandbytes, torchao and
-optimum-quanto are imported only when a tensor of theirs is met.
+optimum-quanto are imported only when a tensor of theirs is met. A DTensor is a
+:class:`ShardedWeight` (its local shard and the window of the global weight it holds);
+``torch.distributed.tensor`` is never imported for it.
 """
 
 from shuttle.kernels.rounding import round_float, stochastic_round
@@ -25,6 +27,11 @@ from shuttle.weights.scaled import ScaledCodes, absmax_encode
 from shuttle.weights.torchao import TorchaoInt4Weight, TorchaoScaledWeight
 from shuttle.weights.upcast import UpcastHook, Upcasting, upcast_on_use
 
+# isort: split
+# Registered last, so represent() asks it first: a DTensor of any dtype (float8 included) is a
+# sharded weight, whatever its local tensor is.
+from shuttle.weights.dtensor import ShardedWeight, sharded
+
 __all__ = [
     "Bnb4bitWeight",
     "BnbInt8Weight",
@@ -40,6 +47,7 @@ __all__ = [
     "QuantoWeight",
     "Rounding",
     "ScaledCodes",
+    "ShardedWeight",
     "TorchaoInt4Weight",
     "TorchaoScaledWeight",
     "UpcastHook",
@@ -50,6 +58,7 @@ __all__ = [
     "register_representation",
     "represent",
     "round_float",
+    "sharded",
     "stochastic_round",
     "upcast_on_use",
 ]
