@@ -291,7 +291,7 @@ def test_gpu_fused_layer_launches_from_checked_operands_and_follows_its_weight()
         hook = hooks_of(lin)[0]
 
         def functions():  # the same layer by the unprepared kernel functions
-            s = lora_shrink(x, hook.down, hook._scale_vector(x.device))
+            s = lora_shrink(x, hook.down, hook.scales(x.device))
             return lora_linear_fused(x, lin.weight, lin.bias, s, hook.up)
 
         got = model(x)
@@ -730,12 +730,12 @@ def test_a_followed_scale_vector_is_rewritten_in_place_by_strength_and_scale_cha
     hook = hooks_of(model[0])[0]
     with torch.no_grad():
         model(torch.randn(2, 32))
-    vec = hook._graph_scale
+    vec = hook.scales._graph_scale
     base = vec.clone()
-    follow(handle.strengths, hook)
-    assert handle.strengths.following(hook)
+    follow(handle.strengths, hook.scales)
+    assert handle.strengths.following(hook.scales)
     handle.set_strength(0, 0.5)
-    assert hook._graph_scale is vec and torch.allclose(vec, base * 0.5)
+    assert hook.scales._graph_scale is vec and torch.allclose(vec, base * 0.5)
     with shuttle.lora_scale(0.25):
         assert torch.allclose(vec, base * 0.125)
     assert torch.allclose(vec, base * 0.5)

@@ -247,7 +247,7 @@ def test_another_threads_forward_between_computing_and_using_the_scales(monkeypa
     computed A's scale vector and not yet used it: A still adds its own scale's update (the
     layer's cache of the vector is one object per key, never a key read apart from its
     vector)."""
-    import shuttle.apply.dynamic_layer as dynamic_layer
+    import shuttle.apply.scale_vector as scale_vector
 
     m, handle, x = _adapted("linear", "lossless")
     want = {}
@@ -257,14 +257,14 @@ def test_another_threads_forward_between_computing_and_using_the_scales(monkeypa
     b = _Request()
     b.enter(2.0)
     main, ran = threading.get_ident(), []
-    shared = dynamic_layer.shared_request_scale
+    shared = scale_vector.shared_request_scale
 
     def shared_then_b(device):  # called while A computes its vectors
         if threading.get_ident() == main and not ran:
             ran.append(b.do(lambda: torch.equal(m(x).detach(), want[2.0])))
         return shared(device)
 
-    monkeypatch.setattr(dynamic_layer, "shared_request_scale", shared_then_b)
+    monkeypatch.setattr(scale_vector, "shared_request_scale", shared_then_b)
     try:
         handle.set_strength(0, 1.0)  # stale: A recomputes
         with torch.no_grad(), shuttle.lora_scale(0.5):

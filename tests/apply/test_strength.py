@@ -97,17 +97,17 @@ def test_set_strength_on_one_model_leaves_anothers_cached_scales_alone():
         a(x)
         want = b(x)
     hook = hb.hooks["0"]
-    cached, generation = hook._cached, hb.strengths.generation
+    cached, generation = hook.scales._cached, hb.strengths.generation
     ha.set_strength(0, 0.3)
     ha.set_adapters({0: 0.5})
     assert hb.strengths.generation == generation
     with torch.no_grad():
         assert torch.equal(b(x), want)
-    assert hook._cached is cached  # not recomputed: b's strengths did not change
+    assert hook.scales._cached is cached  # not recomputed: b's strengths did not change
     hb.set_strength(0, 0.3)
     with torch.no_grad():
         b(x)
-    assert hook._cached is not cached
+    assert hook.scales._cached is not cached
     ha.detach()
     hb.detach()
 
@@ -124,10 +124,10 @@ def test_set_strength_on_one_model_rewrites_only_its_own_followers():
         b(torch.randn(3, 8))
     rewritten = []
     for name, h in (("a", ha), ("b", hb)):
-        hook = h.hooks["0"]
-        follow(h.strengths, hook)
-        refresh = hook.refresh_graph_scale
-        hook.refresh_graph_scale = lambda name=name, refresh=refresh: (
+        scales = h.hooks["0"].scales
+        follow(h.strengths, scales)
+        refresh = scales.refresh_graph_scale
+        scales.refresh_graph_scale = lambda name=name, refresh=refresh: (
             rewritten.append(name), refresh())
     ha.set_strength(0, 0.3)
     assert rewritten == ["a"]

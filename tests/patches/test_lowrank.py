@@ -339,7 +339,7 @@ def test_patch_kinds_registry():
     expected = {"lora": LowRank, "loha": LoHa, "lokr": LoKr, "diff": Diff, "set": Set,
                 "ia3": IA3, "dora": DoRA}
     for kind, cls in expected.items():
-        assert PATCH_KINDS[kind] is cls
+        assert PATCH_KINDS[kind].patch is cls and PATCH_KINDS[kind].name == kind
         assert cls.kind == kind
     assert not IA3.additive and not DoRA.additive and not Set.additive
     assert Diff.additive and LoHa.additive and LoKr.additive
@@ -353,7 +353,7 @@ def test_register_patch_adds_kind():
         class Custom(Patch):
             pass
 
-        assert PATCH_KINDS["test-only-kind"] is Custom
+        assert PATCH_KINDS["test-only-kind"].patch is Custom
         assert Custom.kind == "test-only-kind"
     finally:
         PATCH_KINDS.pop("test-only-kind", None)

@@ -12,7 +12,7 @@ from shuttle.patches import PATCH_KINDS, Replace
 def test_strength_interpolates_from_the_weight_to_the_value():
     w, v = torch.randn(5, 4), torch.randn(5, 4)
     p = Replace("weight", value=v)
-    assert PATCH_KINDS["replace"] is Replace and not p.additive
+    assert PATCH_KINDS["replace"].patch is Replace and not p.additive
     assert torch.equal(p.apply(w.clone(), 1.0), v)  # exactly the saved copy, as PEFT has it
     assert torch.equal(p.apply(w.clone(), 0.0), w)
     for m in (0.3, -0.5, 1.7):

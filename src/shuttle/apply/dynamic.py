@@ -38,7 +38,7 @@ from shuttle.errors import (
 )
 from shuttle.formats import LoRA, load_lora
 from shuttle.hooks import add_hook, remove_hook
-from shuttle.patches import LowRank
+from shuttle.patches import PATCH_KINDS
 from shuttle.targets import KeyMapping, fused_modules
 from shuttle.targets.split import Rows
 
@@ -270,13 +270,15 @@ class DynamicAdapters:
         for param, contribs in plan.params.items():
             module, _, leaf = param.rpartition(".")
             for c in contribs:
-                if leaf != "weight" or not isinstance(c.patch, LowRank):
+                # the new patch in the low-rank form its kind runs beside a layer, if any
+                lowrank = PATCH_KINDS[c.patch.kind].lowrank(c.patch)
+                if leaf != "weight" or lowrank is None:
                     raise UnsupportedLayerError(
                         f"swap brings in low-rank weight patches only; {c.module_key!r} is a "
                         f"{c.patch.kind} patch on {param!r}; {fix}"
                     )
                 assert (module, c.rows) not in wanted, f"two patches on {param!r} {c.rows}"
-                wanted[(module, c.rows)] = c
+                wanted[(module, c.rows)] = dataclasses.replace(c, patch=lowrank)
         held = {(n, s.rows) for n, h in self.hooks.items() for s in h.slots if s.adapter == index}
         if set(wanted) != held:
             differ = sorted((f"{n} rows {r}" if r else n) for n, r in set(wanted) ^ held)
@@ -442,8 +444,8 @@ def attach_plan(model: torch.nn.Module, plan: MergePlan, quality: Quality,
     handle = DynamicAdapters(model, loras, strengths, quality, report, names)
     handle._max_rank = max_rank
     modules = dict(model.named_modules())
-    hooks = {name: LoRAHook(name, modules[name], dict(leaves), handle.strengths,
-                            handle.strength_tensor, quality, max_rank)
+    hooks = {name: LoRAHook(name, modules[name], dict(leaves), handle.strengths, quality,
+                            max_rank)
              for name, leaves in per_module.items()}  # built first: a failure attaches nothing
     try:
         for name, hook in hooks.items():

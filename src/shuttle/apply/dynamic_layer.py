@@ -27,8 +27,9 @@ up_i: (N, r_i), s_i = strength_i * alpha_i / r_i * request scale):
 Low-rank patches on Conv and Embedding layers go through the patch's own residual (its conv or
 lookup), in the dtype the tier would use on a Linear (exact: the promotion of the input's, or an
 Embedding weight's, dtype and the factors'; lossless: the same, but an fp16 file on a bf16 layer
-in bf16), scaled there and rounded to the output's dtype once. Every other patch kind (LoHa,
-LoKr, diffs, norms, set, (IA)3, DoRA) and every other module is applied as a float32 weight
+in bf16), scaled there and rounded to the output's dtype once. A patch runs as factors when its
+kind gives a low-rank form (:meth:`shuttle.patches.PatchKind.lowrank`). Every other patch
+(LoHa, LoKr, diffs, norms, set, (IA)3, DoRA) and every other module is applied as a float32 weight
 residual ``R = patch(W) - W`` computed once per attach (and again when a strength changes): the
 forward uses ``W + request * R``, rounded to the weight's dtype once, so the activations meet
 only a weight of the layer's own dtype whatever the file's.
@@ -45,21 +46,15 @@ import torch.nn.functional as F
 
 from shuttle.apply.layer_kind import layer_kind
 from shuttle.apply.plan import Contribution, logical_spec
-from shuttle.apply.scale import (
-    follow,
-    prepare_request_scale,
-    request_scale,
-    request_scale_value,
-    shared_request_scale,
-    shared_request_scale_value,
-)
+from shuttle.apply.scale import prepare_request_scale, request_scale, request_scale_value
+from shuttle.apply.scale_vector import ScaleVector
 from shuttle.apply.strength import Strengths
 from shuttle.errors import UnsupportedLayerError, UnsupportedPlacementError
 from shuttle.hooks import ModuleHook, substituted
 from shuttle.kernels import interpreting, lora_linear_fused, lora_shrink, triton_available
 from shuttle.kernels.lora_decode import DECODE_MAX_T, lora_decode_add, lora_decode_linear
 from shuttle.kernels.lora_linear_tma import PreparedLoraLinear
-from shuttle.patches import LowRank, Patch
+from shuttle.patches import PATCH_KINDS, LowRank, Patch
 from shuttle.weights import FP8_DTYPES
 from shuttle.weights.dtensor import is_dtensor, shard_window
 from shuttle.weights.plain import is_plain_tensor
@@ -113,10 +108,8 @@ class LoRAHook(ModuleHook):
         name: the module's name in the model (for messages).
         module: the module.
         contribs: parameter leaf name -> its contributions.
-        strengths: the attachment's strengths (its values, their generation, its followers),
-            indexed by ``adapter``.
-        strength_tensor: ``device -> (n_adapters,) float32`` tensor of the same strengths
-            (``strengths.tensor``).
+        strengths: the attachment's strengths (its values, their generation, its followers,
+            its device tensors), indexed by ``adapter``.
         quality: the tier for low-rank patches on Linear layers.
         pad_rank: pad each adapter's rank to this (so a later adapter of rank <= it can be
             swapped in without a recompile).
@@ -124,12 +117,11 @@ class LoRAHook(ModuleHook):
 
     def __init__(self, name: str, module: torch.nn.Module,
                  contribs: dict[str, list[Contribution]], strengths: Strengths,
-                 strength_tensor: Callable[[torch.device], torch.Tensor], quality: Quality,
-                 pad_rank: int | None = None):
+                 quality: Quality, pad_rank: int | None = None):
         self.name = name
         self.quality = quality
         self._strengths = strengths
-        self._strength_tensor = strength_tensor
+        self.scales = ScaleVector(strengths)  # the Linear tiers' per-rank-column scale
         self.layer = layer_kind(module)
         # A quantized layer's output can come from a custom autograd Function, which forbids
         # in-place updates of it: the residual is then added out of place.
@@ -140,15 +132,17 @@ class LoRAHook(ModuleHook):
         self.dense: dict[str, list[_Residual]] = {}
         for leaf, cs in contribs.items():
             for c in cs:
-                if leaf == "weight" and isinstance(c.patch, LowRank) \
-                        and self.layer.takes(module, c.patch) \
+                # the patch's kind says whether it runs as low-rank factors beside the layer
+                lowrank = PATCH_KINDS[c.patch.kind].lowrank(c.patch) if leaf == "weight" \
+                    else None
+                if lowrank is not None and self.layer.takes(module, lowrank) \
                         and (self.layer.tiers or not self.sharded):
                     if c.rows is not None and not self.layer.tiers:
                         raise UnsupportedLayerError(
                             f"{name}: a low-rank patch on rows {c.rows} of a "
                             f"{type(module).__name__} cannot run dynamically; use mode='merge'"
                         )
-                    self.slots.append(_Slot(c.adapter, c.patch, c.rows, (0, 0)))
+                    self.slots.append(_Slot(c.adapter, lowrank, c.rows, (0, 0)))
                 elif self.sharded or is_dtensor(getattr(module, leaf)):
                     raise UnsupportedPlacementError(
                         f"{name}.{leaf}: a DTensor-sharded {type(module).__name__} runs "
@@ -167,20 +161,18 @@ class LoRAHook(ModuleHook):
         self._build_lowrank(module, pad_rank)
         self._dt: tuple | None = None  # sharded factors: (key, A, B, scale mesh)
         self.residuals: dict[str, torch.Tensor] = {}
-        self._graph_scale: torch.Tensor | None = None  # what a captured CUDA graph reads
-        self._graph_key: tuple[int, float] | None = None
-        self._cached: tuple[tuple[int, float], torch.Tensor] | None = None  # eager: (key, s)
         self.refresh(module)
         # Create the shared scale and strength tensors now: created inside a compiled forward,
         # they would change a guarded dict and cost a recompile on the next call.
         for p in module.parameters(recurse=False):
             prepare_request_scale(p.device)
-            strength_tensor(p.device)
+            strengths.tensor(p.device)
 
     # -- building --------------------------------------------------------------------------
     def _build_lowrank(self, module: torch.nn.Module, pad_rank: int | None) -> None:
         """Concatenate the Linear slots' factors: down (R, K), up (N, R) zero outside rows."""
-        self.down = self.up = self.base_scale = self.col_adapter = None
+        self.down = self.up = None
+        self.scales.base_scale = self.scales.col_adapter = None
         self._prepared: PreparedLoraLinear | None = None  # the fused tier's checked operands
         if not self.layer.tiers or not self.slots:
             return
@@ -198,8 +190,8 @@ class LoRAHook(ModuleHook):
         total = sum(widths)
         self.down = torch.zeros(total, spec.shape[1], dtype=fdtype, device=w.device)
         self.up = torch.zeros(spec.shape[0], total, dtype=fdtype, device=w.device)
-        self.base_scale = torch.zeros(total, dtype=torch.float32, device=w.device)
-        self.col_adapter = torch.zeros(total, dtype=torch.long, device=w.device)
+        self.scales.base_scale = torch.zeros(total, dtype=torch.float32, device=w.device)
+        self.scales.col_adapter = torch.zeros(total, dtype=torch.long, device=w.device)
         start = 0
         for slot, width in zip(self.slots, widths, strict=True):
             self._place(slot, start, width)
@@ -213,8 +205,8 @@ class LoRAHook(ModuleHook):
         self.up[:, start:start + width].zero_()
         self.down[start:start + r] = down
         self.up[r0:r1, start:start + r] = up
-        self.base_scale[start:start + width] = slot.patch.effective_scale
-        self.col_adapter[start:start + width] = slot.adapter
+        self.scales.base_scale[start:start + width] = slot.patch.effective_scale
+        self.scales.col_adapter[start:start + width] = slot.adapter
         slot.columns = (start, start + width)
 
     def to_device(self, device: torch.device) -> None:
@@ -223,17 +215,16 @@ class LoRAHook(ModuleHook):
         For a hook built against host weights that compute elsewhere (an offloaded quantized
         layer, whose storage tensors land on the device only while active).
         """
-        for attr in ("down", "up", "base_scale", "col_adapter"):
-            t = getattr(self, attr)
+        for owner, attr in ((self, "down"), (self, "up"), (self.scales, "base_scale"),
+                            (self.scales, "col_adapter")):
+            t = getattr(owner, attr)
             if t is not None:
-                setattr(self, attr, t.to(device))
+                setattr(owner, attr, t.to(device))
         self._prepared = None
         self.residuals = {k: r.to(device) for k, r in self.residuals.items()}
-        self._cache_key = None
-        if not self._strengths.following(self):
-            self._graph_scale = None
+        self.scales.moved()
         prepare_request_scale(device)
-        self._strength_tensor(device)
+        self._strengths.tensor(device)
 
     def refresh(self, module: torch.nn.Module) -> None:
         """Recompute the float32 weight residuals from the current strengths.
@@ -252,51 +243,9 @@ class LoRAHook(ModuleHook):
                 view = out if c.rows is None else out[c.rows[0]:c.rows[1]]
                 view.copy_(c.patch.apply(view, self._strengths[c.adapter]))
             self.residuals[leaf] = out.sub_(w)
-        self._cache_key = None
+        self.scales.stale()
 
     # -- forward ---------------------------------------------------------------------------
-    def _graph_key_now(self) -> tuple[int, float]:
-        """What a captured vector is computed from: its strengths' generation, the shared scale."""
-        return self._strengths.generation, shared_request_scale_value()
-
-    def _product(self, device: torch.device, request: torch.Tensor) -> torch.Tensor:
-        return self.base_scale * self._strength_tensor(device)[self.col_adapter] * request
-
-    def _scale_vector(self, device: torch.device) -> torch.Tensor:
-        """(R,) float32: alpha/r * strength * request per rank column."""
-        if torch.compiler.is_compiling():  # traced once: reads the shared tensors
-            return self._product(device, request_scale(device))
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            # Replayed without Python: the graph reads this layer's own vector, which every
-            # later change of its attachment's strengths or of the shared scale rewrites in
-            # place (it follows them, see shuttle.apply.scale). One computed since the last
-            # change is required; otherwise the product is computed inside the graph (three
-            # small kernels per replay).
-            g = self._graph_scale
-            if g is None or g.device != device or self._graph_key != self._graph_key_now():
-                return self._product(device, request_scale(device))
-            follow(self._strengths, self)
-            return g
-        # this attachment's strengths, and this context's scale
-        key = (self._strengths.generation, request_scale_value())
-        # (key, vector) read and written as one object: another thread may replace it at any
-        # moment, with its own scale's vector.
-        cached = self._cached
-        if self._cache_key != key or cached is None or cached[0] != key:
-            cached = (key, self._product(device, request_scale(device)))
-            self._cached, self._cache_key = cached, key
-            if not self._strengths.following(self):  # no captured graph reads the old one
-                self._graph_scale = self._product(device, shared_request_scale(device))
-                self._graph_key = self._graph_key_now()
-        return cached[1]
-
-    def refresh_graph_scale(self) -> None:
-        """Rewrite the captured vector in place from the current strengths and shared scale."""
-        g = self._graph_scale
-        if g is not None:
-            g.copy_(self._product(g.device, shared_request_scale(g.device)))
-            self._graph_key = self._graph_key_now()
-
     def _overrides(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         if not self.residuals:
             return {}
@@ -360,7 +309,7 @@ class LoRAHook(ModuleHook):
                                    shape=self.up.shape, stride=self.up.stride())
             self._dt = (key, a, b, mesh)
         _, a, b, mesh = self._dt
-        scale = DTensor.from_local(self._scale_vector(self.down.device), mesh,
+        scale = DTensor.from_local(self.scales(self.down.device), mesh,
                                    [Replicate()] * mesh.ndim, run_check=False)
         if x.dtype != a.dtype:  # x is never narrowed to the stored factors' dtype
             cd = _chain_dtype(x.dtype, a.dtype)
@@ -394,7 +343,7 @@ class LoRAHook(ModuleHook):
         return out
 
     def _lossless(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        scale = self._scale_vector(x.device)
+        scale = self.scales(x.device)
         if (x.is_cuda and self.in_place and out.is_contiguous()
                 and x.numel() <= DECODE_MAX_T * x.shape[-1]
                 and x.dtype == out.dtype == self.down.dtype == self.up.dtype):
@@ -431,7 +380,7 @@ class LoRAHook(ModuleHook):
         weight, bias = module.weight, module.bias
         w, b = overrides.get("weight", weight), overrides.get("bias", bias)
         x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        scale = self._scale_vector(x.device)
+        scale = self.scales(x.device)
         if x2d.shape[0] <= DECODE_MAX_T and x.dtype == self.down.dtype == self.up.dtype:
             # A few tokens (decode): a split-K shrink, then one kernel for the base, the update
             # and the bias, bound by reading W (shuttle.kernels.lora_decode).
@@ -464,7 +413,7 @@ class LoRAHook(ModuleHook):
             dtype = _chain_dtype(layer, *(t.dtype for _, t in slot.patch.tensors()), exact=exact)
             r = slot.patch.residual(x, module, dtype)
             m = self._strengths[slot.adapter] if exact else \
-                self._strength_tensor(out.device)[slot.adapter]
+                self._strengths.tensor(out.device)[slot.adapter]
             out = out + (r * (m * req)).to(out.dtype)  # scaled in the chain's dtype, rounded once
         return out
 
@@ -513,4 +462,4 @@ class LoRAHook(ModuleHook):
             slot.patch = patch
             if self.layer.tiers:
                 self._place(slot, slot.columns[0], slot.columns[1] - slot.columns[0])
-        self._cache_key = None
+        self.scales.stale()

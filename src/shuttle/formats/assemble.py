@@ -24,13 +24,13 @@ from shuttle.errors import AdapterFormatError, UnknownKeyError, UnsupportedForma
 from shuttle.formats.peft import PeftConfig
 from shuttle.formats.registry import AdapterFormat
 from shuttle.formats.roles import split_key, unsupported_kind
-from shuttle.patches import IA3, Diff, DoRA, LoHa, LoKr, LowRank, Patch, Replace, Set, materialize
+from shuttle.patches import PATCH_KINDS, Found, Patch, Replace, materialize
+from shuttle.patches.kind import STAGES
 from shuttle.patches.patch import Tensorish
 
 __all__ = ["assemble"]
 
 _MAX_LISTED = 8
-_FACTOR_ROLES = ("up", "down", "mid", "emb_up", "emb_down")  # and hada_*, lokr_*
 
 
 def assemble(
@@ -208,34 +208,27 @@ def _build_module(
     fmt: AdapterFormat,
     source: str,
 ) -> list[Patch]:
-    def get(role: str) -> Tensorish | None:
-        return r[role][1] if role in r else None
-
-    def need(*names: str) -> None:
-        missing = [n for n in names if n not in r]
-        if missing:
-            have = ", ".join(repr(k) for k, _ in r.values())
-            raise AdapterFormatError(
-                f"{source}: module {module!r} has {have} but lacks its {' and '.join(missing)} "
-                "tensor(s); the file is incomplete. Export the adapter again."
-            )
-
+    """The module's patches: each registered kind with a role here builds its own
+    (:meth:`PatchKind.build`), the "main" kinds first, then a "wrap" around it, then "extra".
+    """
+    kinds = [k for k in PATCH_KINDS.values() if any(role in r for role in k.roles)]
+    factors = {role for k in kinds for role in k.factor_roles}
+    integers = {"alpha"}.union(*(k.integer_roles for k in kinds))
     for role, (key, t) in r.items():
         # An integer factor or diff would be merged as numbers (a weight moved by ~1e8); only an
         # alpha, a set_weight (an integer buffer's value) or an (IA)3 on_input flag may be.
-        if role not in ("alpha", "set_weight", "on_input") and not t.dtype.is_floating_point:
+        if role not in integers and not t.dtype.is_floating_point:
             raise AdapterFormatError(
                 f"{source}: {key!r} is {str(t.dtype).removeprefix('torch.')}; adapter factors "
                 "and diffs must be floating point. The file is corrupt or was converted wrongly; "
                 "export it again in float32, float16 or bfloat16."
             )
-        factor = role in _FACTOR_ROLES or role.startswith(("hada_", "lokr_"))
-        if factor and len(t.shape) < 2:
+        if role in factors and len(t.shape) < 2:
             raise AdapterFormatError(
                 f"{source}: {key!r} has shape {tuple(t.shape)}; adapter factors are matrices "
                 "or conv kernels. The file is corrupt; export it again."
             )
-        if factor and 0 in t.shape:
+        if role in factors and 0 in t.shape:
             raise AdapterFormatError(
                 f"{source}: {key!r} has shape {tuple(t.shape)}: an empty factor (rank 0) gives "
                 f"no update. The file is corrupt; export it again, or remove the keys of module "
@@ -265,78 +258,23 @@ def _build_module(
             return config.scale_for(config_name, rank)
         return 1.0
 
-    transposed = bool(config and config.fan_in_fan_out)
-    patches: list[Patch] = []
-    main: Patch | None = None
-    if "up" in r or "down" in r or "mid" in r:
-        need("up", "down")
-        down = get("down")
-        key_up = r["up"][0]
-        split = (
-            fmt.split_qkv_saves and key_up.endswith("lora_up.weight")
-            and module.endswith(("qkv", "linear1")) and alpha is not None
-        )
-        main = LowRank("weight", up=get("up"), down=down, mid=get("mid"),
-                       scale=scale(down.shape[0]), alpha_value=alpha, transposed=transposed,
-                       split_qkv=split)
-    if "emb_up" in r or "emb_down" in r:
-        need("emb_up", "emb_down")
-        down = get("emb_down")
-        main = _one(main, LowRank("weight", up=get("emb_up"), down=down,
-                                  scale=scale(down.shape[0]), alpha_value=alpha,
-                                  transposed=True), module, source)
-    hada = [k for k in r if k.startswith("hada_")]
-    if hada:
-        need("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
-        main = _one(main, LoHa(
-            "weight", w1a=get("hada_w1_a"), w1b=get("hada_w1_b"), w2a=get("hada_w2_a"),
-            w2b=get("hada_w2_b"), t1=get("hada_t1"), t2=get("hada_t2"),
-            scale=scale(get("hada_w1_b").shape[0]), alpha_value=alpha), module, source)
-    if any(k.startswith("lokr_") for k in r):
-        if "lokr_w1" not in r:
-            need("lokr_w1_a", "lokr_w1_b")
-        if "lokr_w2" not in r:
-            need("lokr_w2_a", "lokr_w2_b")
-        rank = (get("lokr_w1_b").shape[0] if "lokr_w1_b" in r
-                else get("lokr_w2_b").shape[0] if "lokr_w2_b" in r else None)
-        main = _one(main, LoKr(
-            "weight", w1=get("lokr_w1"), w1a=get("lokr_w1_a"), w1b=get("lokr_w1_b"),
-            w2=get("lokr_w2"), w2a=get("lokr_w2_a"), w2b=get("lokr_w2_b"), t2=get("lokr_t2"),
-            scale=scale(rank), alpha_value=alpha,
-            layout=fmt.lokr_layout), module, source)
-    if "magnitude" in r or "dora_scale" in r:
-        if main is None:
-            raise AdapterFormatError(
-                f"{source}: module {module!r} has a DoRA magnitude but no LoRA/LoHa/LoKr factors "
-                "to decompose; the file is incomplete."
-            )
-        if "magnitude" in r:
-            main = DoRA("weight", magnitude=get("magnitude"), inner=main, mode="inner")
-        else:
-            main = DoRA("weight", magnitude=get("dora_scale"), inner=main, mode="blend")
-    if main is not None:
-        patches.append(main)
-    if "up_bias" in r:
-        patches.append(Diff("bias", diff=get("up_bias"),
-                            scale=main.inner.scale if isinstance(main, DoRA) else
-                            getattr(main, "scale", 1.0)))
-    for role, param in (("diff", "weight"), ("w_norm", "weight"), ("diff_b", "bias"),
-                        ("b_norm", "bias")):
-        if role in r:
-            patches.append(Diff(param, diff=get(role)))
-    if "set_weight" in r:
-        patches.append(Set("weight", value=get("set_weight")))
-    if "norm_scale" in r:
-        patches.append(Set("scale", value=get("norm_scale")))
-    if "ia3_weight" in r:
-        flag = materialize(r["on_input"][1]).reshape(-1)
-        if flag.numel() == 0:
-            raise AdapterFormatError(f"{source}: {r['on_input'][0]!r} is empty; it is corrupt")
-        on_input = bool(flag[0].item())
-        patches.append(IA3("weight", weight=get("ia3_weight"), on_input=on_input))
+    found = Found(module, r, scale, alpha=alpha, transposed=bool(config and config.fan_in_fan_out),
+                  fmt=fmt, source=source)
+    extra: list[Patch] = []
+    for stage in STAGES:
+        for kind in kinds:
+            if kind.stage != stage:
+                continue
+            built = kind.build(found)
+            if stage == "extra":
+                extra += built
+                continue
+            assert len(built) <= 1 or stage == "main", f"{kind.name} wraps in {len(built)}"
+            for p in built:
+                found.main = _one(found.main, p, module, source) if stage == "main" else p
+    patches = ([found.main] if found.main is not None else []) + extra
     weight_patches = [p for p in patches if p.param == "weight"]
-    sets = [p for p in weight_patches if isinstance(p, Set)]
-    if sets and len(weight_patches) > 1:
+    if len(weight_patches) > 1 and any(PATCH_KINDS[p.kind].replaces for p in weight_patches):
         raise AdapterFormatError(
             f"{source}: module {module!r} both replaces its weight (set_weight) and updates it; "
             "the update would be lost. Remove one of them from the file."

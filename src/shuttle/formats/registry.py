@@ -25,7 +25,7 @@ class AdapterFormat:
         description: one line for ``shuttle inspect`` and the docs.
         detect: ``detect(keys, config) -> bool`` over the tensor names (and a PEFT config).
         priority: lower runs first.
-        rename: maps a key of this format onto the common spellings of ``roles.ROLE_SUFFIXES``
+        rename: maps a key of this format onto the common spellings of ``roles.role_suffixes()``
             before it is parsed (for formats with names of their own, such as XLabs).
         split_qkv_saves: the format's trainer saves fused ``qkv``/``linear1`` LoRAs as stacked
             per-split factors with one split's alpha (kohya's Flux save), each split scaled by

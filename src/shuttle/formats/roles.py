@@ -2,41 +2,32 @@
 
 Every tool spells the same roles differently (``lora_up.weight``, ``lora_B.weight``,
 ``lora_B.default.weight``, ``lora.up.weight``, ``_lora.up.weight``, ...). :func:`split_key` turns
-any of them into ``(module_key, role)``; the role names are shuttle's own.
+any of them into ``(module_key, role)``; the role names are shuttle's own, declared by each
+patch kind (:class:`~shuttle.patches.PatchKind` ``roles``).
 """
 
 from __future__ import annotations
 
-__all__ = ["ROLE_SUFFIXES", "UNSUPPORTED_SUFFIXES", "split_key"]
+from shuttle.patches import PATCH_KINDS
 
-# role -> spellings of the key suffix after "<module>." (or "<module>_" where marked by a
-# leading "_"). Longest spellings are tried first, so "lora_B.default.weight" wins over "lora_B".
-ROLE_SUFFIXES: dict[str, tuple[str, ...]] = {
-    "up": ("lora_up.weight", "lora_B.weight", "lora_B.default.weight", "lora_B.default",
-           "lora_B", "lora.up.weight", "_lora.up.weight", "lora_linear_layer.up.weight"),
-    "down": ("lora_down.weight", "lora_A.weight", "lora_A.default.weight", "lora_A.default",
-             "lora_A", "lora.down.weight", "_lora.down.weight", "lora_linear_layer.down.weight"),
-    "mid": ("lora_mid.weight",),
-    "up_bias": ("lora_B.bias", "lora_B.default.bias", "lora_up.bias"),
-    "alpha": ("alpha", "lora_alpha"),
-    "magnitude": ("lora_magnitude_vector", "lora_magnitude_vector.weight",
-                  "lora_magnitude_vector.default", "lora_magnitude_vector.default.weight"),
-    "dora_scale": ("dora_scale",),
-    "emb_down": ("lora_embedding_A", "lora_embedding_A.default", "lora_embedding_A.weight"),
-    "emb_up": ("lora_embedding_B", "lora_embedding_B.default", "lora_embedding_B.weight"),
-    **{f"hada_{n}": (f"hada_{n}", f"hada_{n}.default", f"hada_{n}.weight")
-       for n in ("w1_a", "w1_b", "w2_a", "w2_b", "t1", "t2")},
-    **{f"lokr_{n}": (f"lokr_{n}", f"lokr_{n}.default", f"lokr_{n}.weight")
-       for n in ("w1", "w1_a", "w1_b", "w2", "w2_a", "w2_b", "t2")},
-    "diff": ("diff",),
-    "diff_b": ("diff_b",),
-    "set_weight": ("set_weight",),
-    "w_norm": ("w_norm",),
-    "b_norm": ("b_norm",),
-    "on_input": ("on_input",),
-    # BFL control LoRA: RMSNorm scales replaced whole (ComfyUI turns them into set_weight).
-    "norm_scale": ("query_norm.scale", "key_norm.scale"),
-}
+__all__ = ["UNSUPPORTED_SUFFIXES", "role_suffixes", "split_key"]
+
+# Roles every scaled kind reads, owned by none of them; each kind's own roles (and their
+# spellings) are its PatchKind's ``roles`` (shuttle.patches.PATCH_KINDS).
+SHARED_ROLES: dict[str, tuple[str, ...]] = {"alpha": ("alpha", "lora_alpha")}
+
+
+def role_suffixes() -> dict[str, tuple[str, ...]]:
+    """Role -> spellings of the key suffix after ``"<module>."`` (or ``"<module>_"`` where
+    marked by a leading ``"_"``): the shared roles and those of every registered patch kind.
+    """
+    out = dict(SHARED_ROLES)
+    for kind in PATCH_KINDS.values():
+        for role, spellings in kind.roles.items():
+            assert role not in out, f"role {role!r} of patch kind {kind.name!r} taken twice"
+            out[role] = spellings
+    return out
+
 
 # Spellings of formats shuttle recognizes but does not implement, with the format's name.
 UNSUPPORTED_SUFFIXES: dict[str, str] = {
@@ -56,10 +47,21 @@ UNSUPPORTED_SUFFIXES: dict[str, str] = {
     "lambda_layer": "T-LoRA (LyCORIS)",
 }
 
-_TABLE: list[tuple[str, str]] = sorted(
-    ((s, role) for role, spellings in ROLE_SUFFIXES.items() for s in spellings),
-    key=lambda sr: -len(sr[0]),
-)
+_tables: dict[tuple[str, ...], list[tuple[str, str]]] = {}
+
+
+def _table() -> list[tuple[str, str]]:
+    """``(suffix, role)`` for the kinds registered now, longest suffix first (so
+    ``lora_B.default.weight`` wins over ``lora_B``); kept per set of registered kinds.
+    """
+    kinds = tuple(PATCH_KINDS)
+    table = _tables.get(kinds)
+    if table is None:
+        table = _tables[kinds] = sorted(
+            ((s, role) for role, spellings in role_suffixes().items() for s in spellings),
+            key=lambda sr: -len(sr[0]),
+        )
+    return table
 
 
 def split_key(key: str) -> tuple[str, str] | None:
@@ -75,7 +77,7 @@ def split_key(key: str) -> tuple[str, str] | None:
         >>> split_key("double_blocks.0.img_attn.norm.query_norm.scale")
         ('double_blocks.0.img_attn.norm.query_norm', 'norm_scale')
     """
-    for suffix, role in _TABLE:
+    for suffix, role in _table():
         if suffix.startswith("_"):
             if key.endswith(suffix) and len(key) > len(suffix):
                 return key[: -len(suffix)], role

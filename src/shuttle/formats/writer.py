@@ -3,7 +3,8 @@
 Tensors are written unchanged; only names change, and each low-rank patch's scale is stored as
 ``alpha = scale * rank`` (float64) so that reading the file back gives the same scale. What a
 target format cannot express raises :class:`~shuttle.errors.UnsupportedFormatError` before
-anything is written.
+anything is written. The ``kohya``/``comfy`` keys of each patch are its kind's spelling
+(:meth:`shuttle.patches.PatchKind.spell`).
 """
 
 from __future__ import annotations
@@ -23,22 +24,10 @@ from shuttle.formats.kohya import KOHYA_PREFIXES
 from shuttle.formats.lora import DORA_RULES, LoRA
 from shuttle.formats.lycoris import DORA_RULE_KEY
 from shuttle.formats.safetensors_writer import create_temp, publish_mode
-from shuttle.patches import (
-    IA3,
-    PATCH_KINDS,
-    Diff,
-    DoRA,
-    LoHa,
-    LoKr,
-    LowRank,
-    Patch,
-    Set,
-    materialize,
-)
-from shuttle.patches.lowrank import split_blocks
+from shuttle.patches import Diff, DoRA, LowRank, materialize
+from shuttle.patches.kind import spell_patch
 
-__all__ = ["PIPELINE_COMPONENTS", "SPELLINGS", "TARGETS", "pipeline_components",
-           "register_spelling", "save_lora"]
+__all__ = ["PIPELINE_COMPONENTS", "TARGETS", "pipeline_components", "save_lora"]
 
 Target = Literal["peft", "kohya", "comfy"]
 TARGETS: tuple[str, ...] = ("peft", "kohya", "comfy")
@@ -110,134 +99,6 @@ def _kohya_name(module: str) -> str:
         if module.startswith(prefix):
             return kohya + module[len(prefix):].replace(".", "_")
     return "lora_unet_" + module.replace(".", "_")
-
-
-def _alpha(p: LowRank | LoHa | LoKr) -> torch.Tensor:
-    rank = p.rank
-    return torch.tensor(p.scale * rank if rank is not None else 1.0, dtype=torch.float64)
-
-
-# Patch kind -> how it is spelled in kohya/LyCORIS/ComfyUI keys: f(module name, patch, target
-# format name, its tensors by field) -> {key: tensor}. Read by _lycoris_tensors; a new patch
-# kind (shuttle.patches.register_patch) becomes writable with one @register_spelling function.
-Spelling = Callable[[str, Patch, str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
-SPELLINGS: dict[str, Spelling] = {}
-
-
-def register_spelling(kind: str) -> Callable[[Spelling], Spelling]:
-    """Decorator registering how patches of ``kind`` (a key of
-    :data:`~shuttle.patches.PATCH_KINDS`) are spelled by the ``kohya`` and ``comfy`` writers.
-    """
-    if kind not in PATCH_KINDS:
-        raise KeyError(f"register_spelling({kind!r}): no patch kind {kind!r}; register the patch "
-                       f"class first (shuttle.patches.register_patch). Known: "
-                       f"{sorted(PATCH_KINDS)}")
-
-    def deco(fn: Spelling) -> Spelling:
-        SPELLINGS[kind] = fn
-        return fn
-
-    return deco
-
-
-def _lycoris_tensors(name: str, p: Patch, to: str) -> dict[str, torch.Tensor]:
-    """Tensors of one patch under kohya/LyCORIS suffixes on module ``name``."""
-    t = {k: materialize(v) for k, v in p.tensors() if not k.startswith("inner.")}
-    if p.rank is not None and getattr(p, "scale", None) == 0:
-        raise UnsupportedFormatError(
-            f"module {name!r}: scale 0 would be written as alpha 0, which {to} readers take as "
-            "alpha = rank (scale 1); convert to peft instead."
-        )
-    spell = SPELLINGS.get(p.kind)
-    if spell is None:
-        raise UnsupportedFormatError(f"module {name!r}: patch kind {p.kind!r} has no {to} "
-                                     "spelling (shuttle.formats.writer.register_spelling adds one)")
-    return spell(name, p, to, t)
-
-
-@register_spelling("dora")
-def _dora(name: str, p: DoRA, to: str, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    if p.mode == "inner":
-        raise UnsupportedFormatError(
-            f"module {name!r}: PEFT's magnitude vector takes strength differently from a "
-            f"LyCORIS dora_scale, which is the only DoRA {to} spells; convert to peft instead."
-        )
-    out = _lycoris_tensors(name, p.inner, to)
-    m = t["magnitude"]
-    out[f"{name}.dora_scale"] = m.reshape(m.shape[0], 1) if m.dim() == 1 else m
-    return out
-
-
-@register_spelling("lora")
-def _lowrank(name: str, p: LowRank, to: str, t: dict[str, torch.Tensor]
-             ) -> dict[str, torch.Tensor]:
-    if p.transposed:
-        raise UnsupportedFormatError(
-            f"module {name!r}: transposed low-rank factors (embeddings, fan_in_fan_out) have "
-            f"no {to} spelling; convert to peft instead."
-        )
-    if (not p.split_qkv and name.endswith(("qkv", "linear1"))
-            and len(split_blocks(t["up"].flatten(1), p.rank)) > 1):
-        raise UnsupportedFormatError(
-            f"module {name!r}: a block-diagonal up on a qkv/linear1 layer reads back as a "
-            f"kohya Flux split-qkv save, whose scale is multiplied by the number of blocks; "
-            "convert to peft instead."
-        )
-    out = {f"{name}.lora_up.weight": t["up"], f"{name}.lora_down.weight": t["down"]}
-    if p.mid is not None:
-        out[f"{name}.lora_mid.weight"] = t["mid"]
-    return {**out, f"{name}.alpha": _alpha(p)}
-
-
-_HADA = {"w1a": "hada_w1_a", "w1b": "hada_w1_b", "w2a": "hada_w2_a", "w2b": "hada_w2_b",
-         "t1": "hada_t1", "t2": "hada_t2"}
-
-
-@register_spelling("loha")
-def _loha(name: str, p: LoHa, to: str, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {**{f"{name}.{_HADA[k]}": v for k, v in t.items()}, f"{name}.alpha": _alpha(p)}
-
-
-@register_spelling("lokr")
-def _lokr(name: str, p: LoKr, to: str, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out = {f"{name}.lokr_{k[:2]}{'_' + k[2] if len(k) == 3 else ''}": v for k, v in t.items()}
-    if p.peft_layout:
-        raise UnsupportedFormatError(
-            f"module {name!r}: a PEFT LoKr with a full 3-D lokr_w2 (Conv1d) places its "
-            f"Kronecker product as PEFT does, which {to} readers do not; keep the PEFT file."
-        )
-    if p.rank is None and p.scale != 1.0:
-        raise UnsupportedFormatError(
-            f"module {name!r}: a LoKr with two full factors and scale {p.scale} (PEFT's "
-            f"convention) cannot be written as {to}, whose readers force scale 1 there."
-        )
-    return {**out, f"{name}.alpha": _alpha(p)}
-
-
-@register_spelling("diff")
-def _diff(name: str, p: Diff, to: str, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    if p.scale != 1.0:
-        raise UnsupportedFormatError(
-            f"module {name!r}: a scaled bias delta ({p.scale}) has no {to} spelling; "
-            "convert to peft instead."
-        )
-    suffix = {"weight": "diff", "bias": "diff_b"}.get(p.param)
-    if suffix is None:
-        raise UnsupportedFormatError(f"module {name!r}: a diff of {p.param!r} has no {to} "
-                                     "spelling")
-    return {f"{name}.{suffix}": t["diff"]}
-
-
-@register_spelling("set")
-def _set(name: str, p: Set, to: str, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    if p.param != "weight":
-        return {f"{name}.{p.param}.set_weight": t["value"]}
-    return {f"{name}.set_weight": t["value"]}
-
-
-@register_spelling("ia3")
-def _ia3(name: str, p: IA3, to: str, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {f"{name}.weight": t["weight"], f"{name}.on_input": torch.tensor(p.on_input)}
 
 
 def _peft_names(lora: LoRA, mapping: Mapping[str, str] | None,
@@ -394,10 +255,7 @@ def save_lora(lora: LoRA, path: str | os.PathLike[str], to: Target = "comfy", *,
     tensors = {}
     for module, p in lora.patches():
         name = namer(module)
-        if to == "kohya" and isinstance(p, (Diff, Set)) and p.param not in ("weight", "bias"):
-            raise UnsupportedFormatError(f"module {module!r}: {p.kind} of {p.param!r} has no "
-                                         "kohya spelling; convert to comfy instead.")
-        for k, v in _lycoris_tensors(name, p, to).items():
+        for k, v in spell_patch(name, p, to).items():
             if k in tensors:
                 raise UnsupportedFormatError(
                     f"modules map to the same {to} key {k!r}; convert to another format"

@@ -205,8 +205,7 @@ class ActivationAdapters:
         modules = dict(self.model.named_modules())
         for name, leaves in per_module.items():
             module = modules[name]
-            args = (name, module, dict(leaves), self.handle.strengths,
-                    self.handle.strength_tensor, quality)
+            args = (name, module, dict(leaves), self.handle.strengths, quality)
             if not all(is_plain_tensor(p) for p in module.parameters(recurse=False)):
                 # A quantized layer: the hook reads only the weight's logical shape and dtype
                 # (from its representation on the host) and takes low-rank patches only; its

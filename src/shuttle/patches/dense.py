@@ -11,10 +11,11 @@ import dataclasses
 
 import torch
 
-from shuttle.errors import ShapeMismatchError
-from shuttle.patches.patch import Patch, Tensorish, materialize, register_patch
+from shuttle.errors import ShapeMismatchError, UnsupportedFormatError
+from shuttle.patches.kind import Found, PatchKind, register_kind
+from shuttle.patches.patch import Patch, Tensorish, materialize
 
-__all__ = ["Diff", "Set"]
+__all__ = ["Diff", "DiffKind", "Set", "SetKind"]
 
 
 def _check_exact(patch: Patch, t: Tensorish, shape: tuple[int, ...], name: str) -> None:
@@ -26,7 +27,6 @@ def _check_exact(patch: Patch, t: Tensorish, shape: tuple[int, ...], name: str) 
         )
 
 
-@register_patch("diff")
 @dataclasses.dataclass(frozen=True, eq=False)
 class Diff(Patch):
     """``delta = scale * diff`` with ``diff`` shaped like the parameter."""
@@ -50,7 +50,6 @@ class Diff(Patch):
         return materialize(self.diff).float().mul(self.scale).reshape(shape)
 
 
-@register_patch("set")
 @dataclasses.dataclass(frozen=True, eq=False)
 class Set(Patch):
     """The parameter becomes ``strength * value``."""
@@ -71,3 +70,73 @@ class Set(Patch):
 
     def apply(self, weight: torch.Tensor, strength: float) -> torch.Tensor:
         return weight.copy_(self.delta(weight.shape)).mul_(strength)
+
+
+# role -> the parameter its diff updates (LyCORIS full and norm, ComfyUI .diff/.diff_b)
+_DIFF_ROLES = {"diff": "weight", "w_norm": "weight", "diff_b": "bias", "b_norm": "bias"}
+
+
+@register_kind
+class DiffKind(PatchKind):
+    """Dense deltas: LyCORIS full/norm, ComfyUI ``.diff``/``.diff_b``, PEFT's ``lora_B.bias``
+    (a bias delta at the module's LoRA scale).
+    """
+
+    name = "diff"
+    patch = Diff
+    roles = {"up_bias": ("lora_B.bias", "lora_B.default.bias", "lora_up.bias"),
+             **{r: (r,) for r in _DIFF_ROLES}}
+
+    def build(self, found: Found) -> list[Patch]:  # noqa: D102
+        out: list[Patch] = []
+        if found.has("up_bias"):
+            # PEFT scales lora_B.bias by the LoRA's scale (that of a DoRA's inner patch)
+            main = getattr(found.main, "inner", found.main)
+            out.append(Diff("bias", diff=found.get("up_bias"),
+                            scale=getattr(main, "scale", 1.0)))
+        out += [Diff(param, diff=found.get(role)) for role, param in _DIFF_ROLES.items()
+                if found.has(role)]
+        return out
+
+    def spell(self, module: str, patch: Diff, to: str,  # type: ignore[override]
+              tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # noqa: D102
+        if patch.scale != 1.0:
+            raise UnsupportedFormatError(
+                f"module {module!r}: a scaled bias delta ({patch.scale}) has no {to} spelling; "
+                "convert to peft instead."
+            )
+        suffix = {"weight": "diff", "bias": "diff_b"}.get(patch.param)
+        if suffix is None:
+            raise UnsupportedFormatError(f"module {module!r}: diff of {patch.param!r} has no "
+                                         f"{to} spelling")
+        return {f"{module}.{suffix}": tensors["diff"]}
+
+
+@register_kind
+class SetKind(PatchKind):
+    """Whole values: ``.set_weight`` (ComfyUI) and the BFL control LoRA's norm scales."""
+
+    name = "set"
+    patch = Set
+    # BFL control LoRA: RMSNorm scales replaced whole (ComfyUI turns them into set_weight);
+    # the module keeps the "query_norm"/"key_norm" part (formats.roles.split_key).
+    roles = {"set_weight": ("set_weight",), "norm_scale": ("query_norm.scale", "key_norm.scale")}
+    integer_roles = frozenset({"set_weight"})  # an integer buffer's value
+    replaces = True
+
+    def build(self, found: Found) -> list[Patch]:  # noqa: D102
+        out: list[Patch] = []
+        if found.has("set_weight"):
+            out.append(Set("weight", value=found.get("set_weight")))
+        if found.has("norm_scale"):
+            out.append(Set("scale", value=found.get("norm_scale")))
+        return out
+
+    def spell(self, module: str, patch: Set, to: str,  # type: ignore[override]
+              tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # noqa: D102
+        if patch.param == "weight":
+            return {f"{module}.set_weight": tensors["value"]}
+        if to == "kohya":
+            raise UnsupportedFormatError(f"module {module!r}: set of {patch.param!r} has no "
+                                         "kohya spelling; convert to comfy instead.")
+        return {f"{module}.{patch.param}.set_weight": tensors["value"]}

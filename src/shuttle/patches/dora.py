@@ -23,15 +23,15 @@ from typing import Literal
 
 import torch
 
-from shuttle.errors import ShapeMismatchError
-from shuttle.patches.patch import Patch, Tensorish, materialize, register_patch
+from shuttle.errors import AdapterFormatError, ShapeMismatchError, UnsupportedFormatError
+from shuttle.patches.kind import Found, PatchKind, register_kind, spell_patch
+from shuttle.patches.patch import Patch, Tensorish, materialize
 
-__all__ = ["DoRA", "DoraMode"]
+__all__ = ["DoRA", "DoRAKind", "DoraMode"]
 
 DoraMode = Literal["inner", "blend", "lycoris"]
 
 
-@register_patch("dora")
 @dataclasses.dataclass(frozen=True, eq=False)
 class DoRA(Patch):
     """Magnitude ``m`` and direction ``W + s * delta`` of an inner (usually low-rank) patch.
@@ -120,3 +120,43 @@ class DoRA(Patch):
             return weight.copy_(v.mul_(ratio.sub_(1).mul_(strength).add_(1)))
         assert self.mode == "blend", f"unknown DoRA mode {self.mode!r}"
         return weight.add_(v.mul_(ratio).sub_(weight), alpha=strength)
+
+
+@register_kind
+class DoRAKind(PatchKind):
+    """DoRA around the module's main patch: PEFT's ``lora_magnitude_vector`` (mode "inner")
+    or a LyCORIS/ComfyUI ``dora_scale`` (mode "blend"; ``LoRA.with_dora`` picks another).
+    """
+
+    name = "dora"
+    patch = DoRA
+    roles = {"magnitude": ("lora_magnitude_vector", "lora_magnitude_vector.weight",
+                           "lora_magnitude_vector.default",
+                           "lora_magnitude_vector.default.weight"),
+             "dora_scale": ("dora_scale",)}
+    stage = "wrap"
+
+    def build(self, found: Found) -> list[Patch]:  # noqa: D102
+        if found.main is None:
+            raise AdapterFormatError(
+                f"{found.source}: module {found.module!r} has a DoRA magnitude but no "
+                "LoRA/LoHa/LoKr factors to decompose; the file is incomplete."
+            )
+        if found.has("magnitude"):
+            return [DoRA("weight", magnitude=found.get("magnitude"), inner=found.main,
+                         mode="inner")]
+        return [DoRA("weight", magnitude=found.get("dora_scale"), inner=found.main,
+                     mode="blend")]
+
+    def spell(self, module: str, patch: DoRA, to: str,  # type: ignore[override]
+              tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # noqa: D102
+        if patch.mode == "inner":
+            raise UnsupportedFormatError(
+                f"module {module!r}: PEFT's magnitude vector takes strength differently from a "
+                f"LyCORIS dora_scale, which is the only DoRA {to} spells; convert to peft "
+                "instead."
+            )
+        out = spell_patch(module, patch.inner, to)
+        m = tensors["magnitude"]
+        out[f"{module}.dora_scale"] = m.reshape(m.shape[0], 1) if m.dim() == 1 else m
+        return out

@@ -7,13 +7,13 @@ import math
 
 import torch
 
-from shuttle.errors import ShapeMismatchError
-from shuttle.patches.patch import Patch, Tensorish, materialize, register_patch
+from shuttle.errors import AdapterFormatError, ShapeMismatchError
+from shuttle.patches.kind import Found, PatchKind, register_kind
+from shuttle.patches.patch import Patch, Tensorish, materialize
 
 __all__ = ["IA3"]
 
 
-@register_patch("ia3")
 @dataclasses.dataclass(frozen=True, eq=False)
 class IA3(Patch):
     """Rescales rows (or, with ``on_input``, columns) of the weight: delta = W * w."""
@@ -52,3 +52,29 @@ class IA3(Patch):
     def apply(self, weight: torch.Tensor, strength: float) -> torch.Tensor:
         w = materialize(self.weight).float().reshape(self._view(tuple(weight.shape)))
         return weight.mul_(w.mul(strength).add_(1.0))
+
+
+@register_kind
+class IA3Kind(PatchKind):
+    """LyCORIS (IA)3: ``<module>.weight`` beside an ``<module>.on_input`` flag (the reader
+    names that weight's role ``ia3_weight``).
+    """
+
+    name = "ia3"
+    patch = IA3
+    roles = {"on_input": ("on_input",), "ia3_weight": ()}
+    integer_roles = frozenset({"on_input"})
+
+    def build(self, found: Found) -> list[Patch]:  # noqa: D102
+        if not found.has("ia3_weight"):
+            return []
+        flag = materialize(found.get("on_input")).reshape(-1)
+        if flag.numel() == 0:
+            raise AdapterFormatError(
+                f"{found.source}: {found.key('on_input')!r} is empty; it is corrupt")
+        return [IA3("weight", weight=found.get("ia3_weight"), on_input=bool(flag[0].item()))]
+
+    def spell(self, module: str, patch: IA3, to: str,  # type: ignore[override]
+              tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # noqa: D102
+        return {f"{module}.weight": tensors["weight"],
+                f"{module}.on_input": torch.tensor(patch.on_input)}

@@ -13,9 +13,10 @@ import math
 import torch
 
 from shuttle.errors import AdapterFormatError, ShapeMismatchError
-from shuttle.patches.patch import Patch, Tensorish, expect_numel, materialize, register_patch
+from shuttle.patches.kind import Found, PatchKind, alpha_tensor, register_kind
+from shuttle.patches.patch import Patch, Tensorish, expect_numel, materialize
 
-__all__ = ["LoHa", "rebuild_tucker"]
+__all__ = ["LoHa", "LoHaKind", "rebuild_tucker"]
 
 
 def rebuild_tucker(t: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor) -> torch.Tensor:
@@ -23,7 +24,6 @@ def rebuild_tucker(t: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor) -> torch
     return torch.einsum("i j ..., i p, j q -> p q ...", t, wa, wb)
 
 
-@register_patch("loha")
 @dataclasses.dataclass(frozen=True, eq=False)
 class LoHa(Patch):
     """Hadamard product of two low-rank products, times ``scale``."""
@@ -90,3 +90,30 @@ class LoHa(Patch):
             f1 = w1a.flatten(1) @ w1b.flatten(1)
             f2 = w2a.flatten(1) @ w2b.flatten(1)
         return f1.mul_(f2).mul_(self.scale).reshape(shape)
+
+
+# role (and key suffix) of each LoHa field
+_HADA = {"w1a": "hada_w1_a", "w1b": "hada_w1_b", "w2a": "hada_w2_a", "w2b": "hada_w2_b",
+         "t1": "hada_t1", "t2": "hada_t2"}
+
+
+@register_kind
+class LoHaKind(PatchKind):
+    """LyCORIS LoHa: ``hada_*`` factors and an alpha."""
+
+    name = "loha"
+    patch = LoHa
+    roles = {r: (r, f"{r}.default", f"{r}.weight") for r in _HADA.values()}
+    factor_roles = frozenset(roles)
+    stage = "main"
+
+    def build(self, found: Found) -> list[Patch]:  # noqa: D102
+        found.need("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
+        return [LoHa("weight", **{f: found.get(r) for f, r in _HADA.items()},
+                     scale=found.scale(found.get("hada_w1_b").shape[0]),
+                     alpha_value=found.alpha)]
+
+    def spell(self, module: str, patch: Patch, to: str,
+              tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # noqa: D102
+        return {**{f"{module}.{_HADA[k]}": v for k, v in tensors.items()},
+                f"{module}.alpha": alpha_tensor(patch)}

@@ -21,14 +21,14 @@ from typing import Literal
 
 import torch
 
-from shuttle.errors import AdapterFormatError, ShapeMismatchError
+from shuttle.errors import AdapterFormatError, ShapeMismatchError, UnsupportedFormatError
+from shuttle.patches.kind import Found, PatchKind, alpha_tensor, register_kind
 from shuttle.patches.loha import rebuild_tucker
-from shuttle.patches.patch import Patch, Tensorish, expect_numel, materialize, register_patch
+from shuttle.patches.patch import Patch, Tensorish, expect_numel, materialize
 
-__all__ = ["LoKr"]
+__all__ = ["LoKr", "LoKrKind"]
 
 
-@register_patch("lokr")
 @dataclasses.dataclass(frozen=True, eq=False)
 class LoKr(Patch):
     """Kronecker product of two (possibly low-rank) factors, times ``scale``.
@@ -131,3 +131,46 @@ class LoKr(Patch):
         w1 = w1.reshape(*w1.shape, *([1] * (w2.dim() - 2)))
         # torch.kron fails on non-contiguous inputs (the Tucker einsum gives a permuted view)
         return torch.kron(w1.contiguous(), w2.contiguous()).mul_(self.scale).reshape(shape)
+
+
+# role (and key suffix) of each LoKr field
+_LOKR = {f: f"lokr_{f[:2]}{'_' + f[2] if len(f) == 3 else ''}"
+         for f in ("w1", "w1a", "w1b", "w2", "w2a", "w2b", "t2")}
+
+
+@register_kind
+class LoKrKind(PatchKind):
+    """LyCORIS (and PEFT) LoKr: ``lokr_*`` factors and an alpha."""
+
+    name = "lokr"
+    patch = LoKr
+    roles = {r: (r, f"{r}.default", f"{r}.weight") for r in _LOKR.values()}
+    factor_roles = frozenset(roles)
+    stage = "main"
+
+    def build(self, found: Found) -> list[Patch]:  # noqa: D102
+        if not found.has("lokr_w1"):
+            found.need("lokr_w1_a", "lokr_w1_b")
+        if not found.has("lokr_w2"):
+            found.need("lokr_w2_a", "lokr_w2_b")
+        b = found.get("lokr_w1_b") if found.has("lokr_w1_b") else found.get("lokr_w2_b")
+        rank = b.shape[0] if b is not None else None  # both factors full: no rank
+        return [LoKr("weight", **{f: found.get(r) for f, r in _LOKR.items()},
+                     scale=found.scale(rank), alpha_value=found.alpha,
+                     layout=found.fmt.lokr_layout if found.fmt is not None else "lycoris")]
+
+    def spell(self, module: str, patch: LoKr, to: str,  # type: ignore[override]
+              tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # noqa: D102
+        if patch.peft_layout:
+            raise UnsupportedFormatError(
+                f"module {module!r}: a PEFT LoKr with a full 3-D lokr_w2 (Conv1d) places its "
+                f"Kronecker product as PEFT does, which {to} readers do not; keep the PEFT file."
+            )
+        if patch.rank is None and patch.scale != 1.0:
+            raise UnsupportedFormatError(
+                f"module {module!r}: a LoKr with two full factors and scale {patch.scale} "
+                f"(PEFT's convention) cannot be written as {to}, whose readers force scale 1 "
+                "there."
+            )
+        return {**{f"{module}.{_LOKR[k]}": v for k, v in tensors.items()},
+                f"{module}.alpha": alpha_tensor(patch)}

@@ -19,13 +19,13 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
-from shuttle.errors import NonFiniteAdapterError, ShapeMismatchError
-from shuttle.patches.patch import Patch, Tensorish, expect_numel, materialize, register_patch
+from shuttle.errors import NonFiniteAdapterError, ShapeMismatchError, UnsupportedFormatError
+from shuttle.patches.kind import Found, PatchKind, alpha_tensor, register_kind
+from shuttle.patches.patch import Patch, Tensorish, expect_numel, materialize
 
-__all__ = ["LowRank", "split_blocks"]
+__all__ = ["LowRank", "LowRankKind", "split_blocks"]
 
 
-@register_patch("lora")
 @dataclasses.dataclass(frozen=True, eq=False)
 class LowRank(Patch):
     """``scale * up @ down`` (Tucker form with ``mid``), optionally transposed.
@@ -217,3 +217,72 @@ def split_blocks(up: torch.Tensor, rank: int) -> list[tuple[int, int]]:
         if len(ranges) == n and start == out:
             return ranges
     return [(0, out)]
+
+
+@register_kind
+class LowRankKind(PatchKind):
+    """LoRA/LoCon/Tucker (``up``/``down``/``mid``) and PEFT embedding factors, in every
+    tool's spelling; the low-rank residual of a dynamic forward.
+    """
+
+    name = "lora"
+    patch = LowRank
+    roles = {
+        "up": ("lora_up.weight", "lora_B.weight", "lora_B.default.weight", "lora_B.default",
+               "lora_B", "lora.up.weight", "_lora.up.weight", "lora_linear_layer.up.weight"),
+        "down": ("lora_down.weight", "lora_A.weight", "lora_A.default.weight",
+                 "lora_A.default", "lora_A", "lora.down.weight", "_lora.down.weight",
+                 "lora_linear_layer.down.weight"),
+        "mid": ("lora_mid.weight",),
+        "emb_down": ("lora_embedding_A", "lora_embedding_A.default", "lora_embedding_A.weight"),
+        "emb_up": ("lora_embedding_B", "lora_embedding_B.default", "lora_embedding_B.weight"),
+    }
+    factor_roles = frozenset(roles)
+    stage = "main"
+
+    def build(self, found: Found) -> list[Patch]:  # noqa: D102
+        out: list[Patch] = []
+        if found.has("up", "down", "mid"):
+            found.need("up", "down")
+            down = found.get("down")
+            # kohya's Flux trainer: stacked q/k/v (or linear1) factors whose alpha is one
+            # split's (see LowRank.split_qkv)
+            split = bool(
+                found.fmt is not None and found.fmt.split_qkv_saves
+                and found.key("up").endswith("lora_up.weight")
+                and found.module.endswith(("qkv", "linear1")) and found.alpha is not None
+            )
+            out.append(LowRank("weight", up=found.get("up"), down=down, mid=found.get("mid"),
+                               scale=found.scale(down.shape[0]), alpha_value=found.alpha,
+                               transposed=found.transposed, split_qkv=split))
+        if found.has("emb_up", "emb_down"):
+            found.need("emb_up", "emb_down")
+            down = found.get("emb_down")
+            out.append(LowRank("weight", up=found.get("emb_up"), down=down,
+                               scale=found.scale(down.shape[0]), alpha_value=found.alpha,
+                               transposed=True))
+        return out
+
+    def spell(self, module: str, patch: LowRank, to: str,  # type: ignore[override]
+              tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # noqa: D102
+        if patch.transposed:
+            raise UnsupportedFormatError(
+                f"module {module!r}: transposed low-rank factors (embeddings, fan_in_fan_out) "
+                f"have no {to} spelling; convert to peft instead."
+            )
+        if (not patch.split_qkv and module.endswith(("qkv", "linear1"))
+                and len(split_blocks(tensors["up"].flatten(1), patch.rank)) > 1):
+            raise UnsupportedFormatError(
+                f"module {module!r}: a block-diagonal up on a qkv/linear1 layer reads back as a "
+                f"kohya Flux split-qkv save, whose scale is multiplied by the number of blocks; "
+                "convert to peft instead."
+            )
+        out = {f"{module}.lora_up.weight": tensors["up"],
+               f"{module}.lora_down.weight": tensors["down"]}
+        if patch.mid is not None:
+            out[f"{module}.lora_mid.weight"] = tensors["mid"]
+        return {**out, f"{module}.alpha": alpha_tensor(patch)}
+
+    def lowrank(self, patch: Patch) -> LowRank | None:  # noqa: D102
+        assert isinstance(patch, LowRank), f"a {patch.kind} patch under the lora kind"
+        return patch

@@ -5,21 +5,22 @@ A patch never reads files and never knows module names. Its tensors are either r
 :meth:`Patch.load`), so an adapter can be inspected and validated without reading its data.
 
 Every patch kind declares its tensor fields once in ``tensor_fields``; loading, moving, byte counts
-and descriptions are derived from that list.
+and descriptions are derived from that list. What a kind is beyond its math (its roles in files,
+construction, spelling, dynamic form) is its :class:`~shuttle.patches.kind.PatchKind`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 import torch
 
 from shuttle.errors import ShapeMismatchError
 
-__all__ = ["PATCH_KINDS", "Patch", "TensorRef", "materialize", "register_patch"]
+__all__ = ["Patch", "TensorRef", "materialize"]
 
 
 @runtime_checkable
@@ -43,22 +44,6 @@ Tensorish = torch.Tensor | TensorRef
 def materialize(t: Tensorish) -> torch.Tensor:
     """Return ``t`` as a real tensor, reading it if it is a :class:`TensorRef`."""
     return t if isinstance(t, torch.Tensor) else t.load()
-
-
-PATCH_KINDS: dict[str, type[Patch]] = {}
-P = TypeVar("P", bound="type[Patch]")
-
-
-def register_patch(kind: str) -> Callable[[P], P]:
-    """Class decorator adding a patch kind to :data:`PATCH_KINDS` under ``kind``."""
-
-    def deco(cls: P) -> P:
-        assert kind not in PATCH_KINDS, f"patch kind {kind!r} registered twice"
-        cls.kind = kind
-        PATCH_KINDS[kind] = cls
-        return cls
-
-    return deco
 
 
 _PatchT = TypeVar("_PatchT", bound="Patch")

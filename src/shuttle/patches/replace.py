@@ -16,7 +16,8 @@ import dataclasses
 import torch
 
 from shuttle.errors import ShapeMismatchError
-from shuttle.patches.patch import Patch, Tensorish, materialize, register_patch
+from shuttle.patches.kind import register_patch
+from shuttle.patches.patch import Patch, Tensorish, materialize
 
 __all__ = ["Replace"]
 
