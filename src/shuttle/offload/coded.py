@@ -241,5 +241,5 @@ def check_compress(compress: Compression | None, host: str,
     if compress is not None and (host != "pinned" or max_host_bytes is not None):
         raise HostBackingError(
             f"compress={compress!r} codes the host arenas of host='pinned' storage without a "
-            "host ceiling; drop compress, or use host='pinned' without max_host_bytes (a "
-            "compressed checkpoint on disk is read with shuttle.load_checkpoint)")
+            "host ceiling; drop compress, or use host='pinned' without max_host_bytes, or for "
+            "the disk tier compress the checkpoint (`shuttle compress`) and capture from it")
