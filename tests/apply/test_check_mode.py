@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import shuttle
-from shuttle.apply.scoped import MODES, check_mode
+from shuttle.apply.plan import MODES, check_mode
 from shuttle.errors import InvalidOptionError
 from tests import lowrank_state
 

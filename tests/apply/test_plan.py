@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import shuttle
+from shuttle.apply import checks as checks_mod
 from shuttle.apply import plan as plan_mod
 from shuttle.apply.memo import MergeMemo, clear_memo, memo_of
 from shuttle.errors import ShapeMismatchError
@@ -208,7 +209,7 @@ def test_nan_anywhere_in_a_large_tensor_among_many_is_found(device, where):
     first, a middle or the last element of 100k, past one block of the reduction)."""
     tensors = [torch.randn(100_000, device=device).bfloat16() for _ in range(12)]
     tensors[7][where] = float("nan")
-    maxima = plan_mod._screen(tensors)
+    maxima = checks_mod._screen(tensors)
     assert [i for i, m in enumerate(maxima) if m != m] == [7]
     assert all(0 < m < 10 for i, m in enumerate(maxima) if i != 7)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from shuttle.apply.checks import check_finite
 from shuttle.apply.dynamic_layer import LoRAHook, Quality
 from shuttle.apply.memo import memo_of
 from shuttle.apply.merge import MergeReport
@@ -25,7 +26,6 @@ from shuttle.apply.plan import (
     AdapterList,
     Contribution,
     MergePlan,
-    check_finite,
     plan_merge,
     plan_params,
 )

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from shuttle.apply.checks import check_finite
 from shuttle.apply.fused_jobs import overflow_flag
 from shuttle.apply.notes import Note, plan_notes
 from shuttle.apply.param_merge import compute_dtype, exact_cublas, merge_param
@@ -34,7 +35,6 @@ from shuttle.apply.plan import (
     Contribution,
     MergePlan,
     ParamSpec,
-    check_finite,
     plan_params,
 )
 from shuttle.apply.rounding import Rounding, check_rounding, round_to

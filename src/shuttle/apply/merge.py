@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 from tqdm.auto import tqdm
 
+from shuttle.apply.checks import check_mergeable
 from shuttle.apply.fused_jobs import (
     FUSED_DTYPES,
     fused_jobs,
@@ -43,7 +44,6 @@ from shuttle.apply.plan import (
     AdapterList,
     Contribution,
     MergePlan,
-    check_mergeable,
     plan_params,
 )
 from shuttle.apply.recipe import MergeRecipe, find_recipe, remember_recipe

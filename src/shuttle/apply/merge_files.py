@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from shuttle.apply.checks import check_finite
 from shuttle.apply.notes import Note, plan_notes
 from shuttle.apply.param_merge import apply_contributions, compute_dtype
 from shuttle.apply.plan import (
@@ -31,7 +32,6 @@ from shuttle.apply.plan import (
     Contribution,
     MergePlan,
     ParamSpec,
-    check_finite,
     plan_params,
 )
 from shuttle.apply.rounding import Rounding, check_rounding, round_to

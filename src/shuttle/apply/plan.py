@@ -8,22 +8,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
-import warnings
 from collections.abc import Collection, Mapping, Sequence
-from typing import NamedTuple, Protocol
+from typing import Literal, NamedTuple, Protocol
 
 import torch
 
+from shuttle.apply.checks import check_finite, check_landed, representation_of
 from shuttle.apply.memo import MergeMemo, memo_of
 from shuttle.apply.strength import check_strength
 from shuttle.errors import (
+    InvalidOptionError,
     InvalidStrengthError,
-    NonFiniteAdapterError,
     ShapeMismatchError,
     ShuttleError,
-    UnmatchedKeysError,
-    UnmergeableWeightError,
     UnsupportedLayerError,
     UnsupportedPlacementError,
     WideningError,
@@ -31,28 +28,48 @@ from shuttle.errors import (
 from shuttle.formats import LoRA, load_lora
 from shuttle.formats.source import Source
 from shuttle.kernels.rounding import GlobalDraws
-from shuttle.patches import DoRA, Patch, materialize
+from shuttle.patches import DoRA, Patch
 from shuttle.targets import KeyMapping, ModelNames, Target, fused_modules, resolve
 from shuttle.targets.family import widenable
-from shuttle.weights import Fp8Weight, PlainWeight, WeightRepresentation, represent
 from shuttle.weights.dtensor import is_dtensor
 from shuttle.weights.plain import is_plain_tensor
 
 __all__ = [
+    "MODES",
+    "Mode",
     "AdapterList",
     "Contribution",
     "MergePlan",
     "ParamSpec",
     "TensorSpec",
-    "check_finite",
-    "check_landed",
-    "check_mergeable",
+    "check_mode",
     "logical_spec",
     "normalize_adapters",
     "normalize_loras",
     "plan_merge",
     "plan_params",
 ]
+
+Mode = Literal["merge", "dynamic", "auto"]
+MODES: tuple[str, ...] = ("merge", "dynamic", "auto")
+
+
+def check_mode(mode: object, where: str) -> None:
+    """The one check of an adapter ``mode=`` for every entry point that takes one.
+
+    Args:
+        mode: what the caller passed.
+        where: the entry point, as the message names it (``"apply_lora"``, ...).
+
+    Raises:
+        InvalidOptionError: ``mode`` is none of :data:`MODES`; the message lists them.
+    """
+    if not isinstance(mode, str) or mode not in MODES:
+        raise InvalidOptionError(
+            f"{where}: mode={mode!r}: expected 'merge' (folded into the weights), 'dynamic' "
+            "(added at forward time, weights untouched) or 'auto' (merged where the weight's "
+            "dtype keeps the update, dynamic elsewhere)")
+
 
 log = logging.getLogger("shuttle")
 
@@ -331,39 +348,6 @@ def _check_components(per_component: dict[int, dict[str, float]],
                 "pipeline (merge_lora(pipe, ...)) to name its components")
 
 
-def check_landed(plan: MergePlan, strict: bool, *, targets: int | None = None) -> None:
-    """Refuse (``strict``) or warn loudly about adapters that miss the model.
-
-    With ``strict``, every adapter key must reach a parameter: otherwise
-    :class:`~shuttle.errors.UnmatchedKeysError` lists the keys that did not, with why. Keys
-    that ``load_lora`` deliberately did not turn into patches (``plan.skipped``: PEFT's
-    untouched originals, embeddings) are not weight updates and do not count. Without it, a
-    plan in which adapters were given (at a non-zero strength) and none of their keys reaches
-    a parameter is almost always an adapter made for another model: it is logged as a warning
-    on the ``shuttle`` logger and raised as a :class:`UserWarning`.
-
-    ``targets``: how many targets the plan will hold (default: ``len(plan.params)``).
-    """
-    if strict and plan.unmatched:
-        keys = list(plan.unmatched.items())
-        raise UnmatchedKeysError(
-            f"strict=True: {len(keys)} adapter key(s) reached no parameter: "
-            + "; ".join(f"{k}: {v}" for k, v in keys[:10])
-            + (f"; ... ({len(keys) - 10} more in .unmatched)" if len(keys) > 10 else "")
-            + ". Check that the adapter was made for this model (or pass a mapping); nothing "
-            "was changed.", plan.unmatched)
-    landed = len(plan.params) if targets is None else targets
-    if plan.adapters and not landed:
-        sources = ", ".join(repr(lora.source) for lora, _ in plan.adapters[:3])
-        message = (
-            f"NO adapter update landed: none of the {len(plan.unmatched)} key(s) of {sources} "
-            "reached a parameter of this model, so nothing will change. The adapter was "
-            "probably made for another model (or needs a mapping); see the report's "
-            ".unmatched, or pass strict=True to make this an error.")
-        log.warning(message)
-        warnings.warn(message, UserWarning, stacklevel=4)
-
-
 @dataclasses.dataclass
 class _Placed:
     """One adapter resolved onto one set of parameter specs, every target validated.
@@ -406,12 +390,6 @@ def _remember_placement(memo: MergeMemo, lora: LoRA, signature: tuple, placed: _
     memo.placements[lora] = (signature, _patch_ids(lora), placed)
 
 
-def _representation(p: torch.Tensor) -> WeightRepresentation | None:
-    """The representation of a non-plain tensor, or None where it is a plain/float8 one."""
-    rep = represent(p)
-    return None if isinstance(rep, (PlainWeight, Fp8Weight)) and is_plain_tensor(p) else rep
-
-
 def logical_spec(p: TensorSpec) -> TensorSpec:
     """What planning validates a parameter as: itself, or for a quantized weight (a tensor a
     registered representation claims) a :class:`ParamSpec` of its logical shape and compute
@@ -421,40 +399,10 @@ def logical_spec(p: TensorSpec) -> TensorSpec:
     if not isinstance(p, torch.Tensor) or is_plain_tensor(p):
         return p
     try:
-        rep = _representation(p)
+        rep = representation_of(p)
     except ShuttleError:  # unclaimed, or claimed but unreadable: merging says why
         return p
     return p if rep is None else ParamSpec(rep.logical_shape, rep.compute_dtype, rep.device)
-
-
-def check_mergeable(plan: MergePlan, params: Mapping[str, torch.Tensor]) -> None:
-    """Raise before any write if a planned parameter cannot take a merge.
-
-    A merge into a quantized parameter dequantizes, applies and re-encodes it, then writes the
-    result back into the parameter object (``write_into``); a representation without
-    re-encoding (``mergeable = False``) or without a way back into the parameter is refused.
-
-    Raises:
-        UnmergeableWeightError: names the parameter and points to dynamic mode.
-    """
-    for name in plan.params:
-        p = params[name]
-        if is_plain_tensor(p):
-            continue
-        try:
-            rep = _representation(p)
-        except UnsupportedLayerError:
-            raise
-        except ShuttleError:
-            rep = None
-        if rep is None or not rep.mergeable or not rep.writable:
-            what = type(p).__qualname__ if rep is None else type(rep).__qualname__
-            raise UnmergeableWeightError(
-                f"parameter {name!r} is a {what} weight, which cannot be re-encoded after a "
-                "merge (its encoding is fixed offline, or no registered representation writes "
-                'it back); apply the adapter with mode="dynamic" (shuttle.attach_lora) '
-                "instead. Nothing was changed."
-            )
 
 
 def _widened(targets: list[Target], params: Mapping[str, TensorSpec],
@@ -511,83 +459,3 @@ def _validate(t: Target, p: TensorSpec, wide: torch.Size | None = None) -> None:
     t.patch.check(shape, t.param)
 
 
-def check_finite(plan: MergePlan) -> None:
-    """Raise :class:`NonFiniteAdapterError` if any patch tensor of ``plan`` holds NaN or inf.
-
-    Loaded tensors are checked on their device with one host sync per device (and skipped when
-    already found finite and not modified since); lazy ones are read one at a time and dropped,
-    so a plan that defers loading (a checkpoint load, a file merge) is checked without holding
-    every adapter tensor at once. Each loaded tensor's ``max |t|`` is kept with its verdict
-    (``plan.memo.known_abs_max``: merges bound their updates by it).
-    """
-    where, tensors = [], []
-    for name, contribs in plan.params.items():
-        for c in contribs:
-            for field, t in c.patch.tensors():
-                if not t.dtype.is_floating_point:
-                    continue
-                if not isinstance(t, torch.Tensor):
-                    if not _finite(materialize(t)):
-                        _raise_non_finite([(c.module_key, field, name)])
-                elif not plan.memo.known_finite(t):
-                    where.append((c.module_key, field, name))
-                    tensors.append(t)
-    if not tensors:
-        return
-    by_device: dict[torch.device, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_device.setdefault(t.device, []).append(i)
-    bad, abs_max = [], [0.0] * len(tensors)
-    for idx in by_device.values():
-        maxima = _screen([tensors[i] for i in idx])
-        for j, i in enumerate(idx):
-            abs_max[i] = maxima[j]
-            if not math.isfinite(maxima[j]) and not _finite(tensors[i]):
-                bad.append(i)
-    if bad:
-        _raise_non_finite([where[i] for i in bad])
-    for t, m in zip(tensors, abs_max, strict=True):
-        plan.memo.mark_finite(t, m)
-
-
-def _screen(tensors: list[torch.Tensor]) -> list[float]:
-    """``max |t|`` of each of ``tensors`` (all on one device), in float32: one multi-tensor
-    launch and one host sync for all of them (a kernel or two per tensor, issued from Python,
-    cost more host time than merging the weights they update). The maximum propagates NaN
-    (checked on CPU and CUDA by tests/apply/test_plan.py) and is infinite for an infinity; a
-    tensor whose maximum is not finite gets the exact check.
-    """
-    # float8 has no reduction kernels: measured from its float32 values; float64 tensors are
-    # measured in float64 (a reduction may not narrow them, and their maxima may exceed float32)
-    wide = [i for i, t in enumerate(tensors) if t.dtype == torch.float64]
-    rest = [i for i, t in enumerate(tensors) if t.dtype != torch.float64]
-    out = [0.0] * len(tensors)
-    if rest:
-        ts = [tensors[i].float() if tensors[i].element_size() == 1 else tensors[i] for i in rest]
-        for i, m in zip(rest, torch.stack(torch._foreach_norm(ts, math.inf, dtype=torch.float32))
-                        .tolist(), strict=True):
-            out[i] = m
-    if wide:
-        norms = torch._foreach_norm([tensors[i] for i in wide], math.inf)
-        for i, m in zip(wide, torch.stack(norms).tolist(), strict=True):
-            out[i] = m
-    return out
-
-
-def _finite(t: torch.Tensor) -> bool:
-    """Whether ``t`` holds no NaN or infinity. ``aminmax`` propagates NaN and shows an infinity
-    as an extreme, and is several times faster on the CPU than ``isfinite().all()``.
-    """
-    if t.numel() == 0:
-        return True
-    lo, hi = torch.aminmax(t.float() if t.element_size() == 1 else t)  # float8: no aminmax
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))
-
-
-def _raise_non_finite(bad: list[tuple[str, str, str]]) -> None:
-    key, field, name = bad[0]
-    raise NonFiniteAdapterError(
-        f"adapter module {key!r} tensor {field!r} (for {name!r}) holds NaN or infinity"
-        f"{f', as do {len(bad) - 1} more' if len(bad) > 1 else ''}. The adapter is corrupt "
-        "or diverged in training; nothing was changed."
-    )

@@ -6,11 +6,11 @@ import contextlib
 import dataclasses
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import Literal
 
 import torch
 
 from shuttle.apply.auto import DEFAULT_THRESHOLD, AutoReport, check_threshold, decide
+from shuttle.apply.checks import check_landed, check_mergeable
 from shuttle.apply.dynamic import (
     QUALITIES,
     DynamicAdapters,
@@ -26,8 +26,8 @@ from shuttle.apply.pipeline import Pipeline, as_model
 from shuttle.apply.plan import (
     AdapterList,
     MergePlan,
-    check_landed,
-    check_mergeable,
+    Mode,
+    check_mode,
     plan_merge,
 )
 from shuttle.apply.rounding import Rounding, check_rounding
@@ -37,28 +37,7 @@ from shuttle.errors import InvalidOptionError, ScopeOrderError, UnsupportedPlace
 from shuttle.targets import KeyMapping
 from shuttle.weights import WeightRepresentation
 
-__all__ = ["MODES", "Mode", "apply_lora", "check_mode"]
-
-Mode = Literal["merge", "dynamic", "auto"]
-MODES: tuple[str, ...] = ("merge", "dynamic", "auto")
-
-
-def check_mode(mode: object, where: str) -> None:
-    """The one check of an adapter ``mode=`` for every entry point that takes one.
-
-    Args:
-        mode: what the caller passed.
-        where: the entry point, as the message names it (``"apply_lora"``, ...).
-
-    Raises:
-        InvalidOptionError: ``mode`` is none of :data:`MODES`; the message lists them.
-    """
-    if not isinstance(mode, str) or mode not in MODES:
-        raise InvalidOptionError(
-            f"{where}: mode={mode!r}: expected 'merge' (folded into the weights), 'dynamic' "
-            "(added at forward time, weights untouched) or 'auto' (merged where the weight's "
-            "dtype keeps the update, dynamic elsewhere)")
-
+__all__ = ["apply_lora"]
 
 @dataclasses.dataclass(eq=False)
 class _Scope:

@@ -17,7 +17,7 @@ import torch
 
 from shuttle.apply.auto import DEFAULT_THRESHOLD
 from shuttle.apply.dynamic_layer import Quality
-from shuttle.apply.scoped import Mode, check_mode
+from shuttle.apply.plan import Mode, check_mode
 from shuttle.apply.strength import check_strength
 from shuttle.cache.policy import EvictionPolicy
 from shuttle.cache.resource_cache import ResourceCache

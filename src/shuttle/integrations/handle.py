@@ -43,8 +43,7 @@ from typing import Any
 import torch
 
 from shuttle.apply.merge import MergeReport
-from shuttle.apply.plan import AdapterList, normalize_loras
-from shuttle.apply.scoped import Mode, check_mode
+from shuttle.apply.plan import AdapterList, Mode, check_mode, normalize_loras
 from shuttle.cache import LoRASpec, ModelCache, ModelSpec, ObjectSpec
 from shuttle.cache.specs import module_bytes
 from shuttle.errors import BudgetTooSmallError, OffloadError

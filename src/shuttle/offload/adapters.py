@@ -39,9 +39,8 @@ from shuttle.apply.memo import memo_of
 from shuttle.apply.merge import MergeReport
 from shuttle.apply.notes import plan_notes
 from shuttle.apply.param_merge import exact_cublas, merge_param
-from shuttle.apply.plan import AdapterList, Contribution, plan_params
+from shuttle.apply.plan import AdapterList, Contribution, Mode, plan_params
 from shuttle.apply.rounding import merge_seeds
-from shuttle.apply.scoped import Mode
 from shuttle.errors import OffloadError, UnsupportedLayerError
 from shuttle.hooks import add_hook, substituted
 from shuttle.offload.host_storage import HostStorage, HostUnit

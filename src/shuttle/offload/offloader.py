@@ -45,8 +45,7 @@ import torch
 
 from shuttle.apply.auto import DEFAULT_THRESHOLD, check_threshold
 from shuttle.apply.dynamic_layer import Quality
-from shuttle.apply.plan import AdapterList, normalize_loras
-from shuttle.apply.scoped import Mode, check_mode
+from shuttle.apply.plan import AdapterList, Mode, check_mode, normalize_loras
 from shuttle.errors import (
     AlreadyActiveError,
     BudgetTooSmallError,
