@@ -57,7 +57,7 @@ def weights(module):
 @pytest.mark.parametrize("vram_budget", [None, 200_000])
 def test_modules_beyond_the_budget_stream_from_their_files(tmp_path, monkeypatch, vram_budget):
     # Staging buffers of one page: a module moved whole can stay on disk too (read in chunks).
-    monkeypatch.setattr("shuttle.offload.host_storage.MIN_STAGING", 4096)
+    monkeypatch.setattr("shuttle.offload.spill.MIN_STAGING", 4096)
     monkeypatch.setattr("shuttle.offload.residency.MIN_STAGING", 4096)
     refs, opened = files(tmp_path)
     total = sum(weights(m) for m in refs.values())

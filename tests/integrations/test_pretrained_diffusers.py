@@ -206,7 +206,7 @@ def test_attention_blocks_saved_under_their_old_names_load(saved, tmp_path):
 def test_a_host_budget_far_below_the_pipeline_reads_the_rest_from_disk(saved, monkeypatch,
                                                                       vram_budget):
     # Staging buffers of one page, so that a pipeline of a few hundred kB has a disk tier.
-    monkeypatch.setattr("shuttle.offload.host_storage.MIN_STAGING", 4096)
+    monkeypatch.setattr("shuttle.offload.spill.MIN_STAGING", 4096)
     monkeypatch.setattr("shuttle.offload.residency.MIN_STAGING", 4096)
     folders, latents, pixels = saved
     budget = file_bytes(folders["sharded"]) // 3

@@ -189,7 +189,7 @@ def test_a_host_budget_far_below_the_model_reads_the_rest_from_disk(tmp_path, mo
     from shuttle.errors import FileChangedError
 
     # Staging buffers of one page, so that a model of a few hundred kB has a disk tier.
-    monkeypatch.setattr("shuttle.offload.host_storage.MIN_STAGING", 4096)
+    monkeypatch.setattr("shuttle.offload.spill.MIN_STAGING", 4096)
     monkeypatch.setattr("shuttle.offload.residency.MIN_STAGING", 4096)
     ref = tiny_llama()
     folder = save(ref, tmp_path / "m")

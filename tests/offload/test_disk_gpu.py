@@ -89,7 +89,7 @@ def test_streaming_from_disk_is_bit_identical_at_real_block_sizes(tmp_path, monk
                                                                  stream):
     ceiling, smallest = TIERS[tier]
     if smallest is not None:
-        monkeypatch.setattr("shuttle.offload.host_storage.MIN_STAGING", smallest)
+        monkeypatch.setattr("shuttle.offload.spill.MIN_STAGING", smallest)
         monkeypatch.setattr("shuttle.offload.residency.MIN_STAGING", smallest)
     torch.manual_seed(0)
     ref = Big().to(torch.bfloat16)
@@ -131,7 +131,7 @@ def slowed(request, monkeypatch):
 @pytest.mark.parametrize("prefetch", [1, 2])
 def test_disk_streaming_under_stress(tmp_path, monkeypatch, slowed, prefetch, chunked):
     if chunked:  # 64 KiB buffers: every block load is several chunks through two buffers
-        monkeypatch.setattr("shuttle.offload.host_storage.MIN_STAGING", 2**16)
+        monkeypatch.setattr("shuttle.offload.spill.MIN_STAGING", 2**16)
         monkeypatch.setattr("shuttle.offload.residency.MIN_STAGING", 2**16)
     ref = Net(seed=0).cuda()
     file = saved(tmp_path, Net(seed=0))

@@ -49,7 +49,7 @@ import torch
 
 from shuttle.errors import BudgetTooSmallError, HostBackingError
 from shuttle.formats.safetensors_file import LazyTensor
-from shuttle.offload.arena import PAGE, new_arena, register_pages, unregister_pages
+from shuttle.offload.arena import new_arena, register_pages, unregister_pages
 from shuttle.offload.coded import (
     Compression,
     Decoder,
@@ -62,6 +62,14 @@ from shuttle.offload.coded import (
 )
 from shuttle.offload.disk_reader import IO_ALIGN, DiskReader, DiskSpans
 from shuttle.offload.layout import Layout
+from shuttle.offload.spill import (
+    arena_size,
+    disk_spans,
+    held_bytes,
+    host_floor,
+    on_disk_views,
+    spillable,
+)
 from shuttle.offload.survey import (
     Binding,
     UnitSurvey,
@@ -70,14 +78,12 @@ from shuttle.offload.survey import (
     read_binding,
     survey_units,
 )
-from shuttle.weights.lossless_file import CodedRef
 
 __all__ = ["Compression", "HostBacking", "HostNeeds", "HostStorage", "HostUnit", "Layout"]
 
 HostBacking = Literal["pinned", "adopt"]
 
 _CAPTURE_WORKERS = 4  # arenas filled at once (more add little: docs/benchmarks/offload_capture.md)
-MIN_STAGING = 16 * 2**20  # the smallest staging buffer a plan uses (smaller: chunks too small)
 
 
 def _round_up(n: int, m: int) -> int:
@@ -251,7 +257,7 @@ class HostStorage:
         # Runs before the arenas are released (weakref callbacks precede clearing attributes).
         self._finalizer = weakref.finalize(self, unregister_pages, self._registered)
         surveys = [rest, *(u for us in surveyed.values() for u in us), *layer_units]
-        spans = [_spans(s) if max_host_bytes is not None and _spillable(s) else None
+        spans = [disk_spans(s) if max_host_bytes is not None and spillable(s) else None
                  for s in surveys]
         if max_host_bytes is not None:
             self._check_floor(surveys, spans, max_host_bytes)
@@ -306,7 +312,7 @@ class HostStorage:
         code's bytes when it is kept coded).
         """
         held = unit.code.nbytes if unit.code is not None else unit.layout.nbytes
-        return _arena_size(held, self._pin)
+        return arena_size(held, self._pin)
 
     def settle(self, pinned: Collection[str] | None, staging: tuple[int, int]) -> None:
         """Give arenas to the units named in ``pinned`` (read from their files), take them from
@@ -359,16 +365,16 @@ class HostStorage:
         rest, surveyed, layer_units = survey_units(model, groups, False, layers or {},
                                               frozenset(id(p) for p in skip), sources)
         surveys = [rest, *(u for us in surveyed.values() for u in us), *layer_units]
-        spans = [_spans(s) if _spillable(s) else None for s in surveys]
+        spans = [disk_spans(s) if spillable(s) else None for s in surveys]
         pin = torch.cuda.is_available()
-        fixed, stage = _floor(surveys, spans, pin)
-        everything = sum(_arena_size(_held(s), pin) for s in surveys)
+        fixed, stage = host_floor(surveys, spans, pin)
+        everything = sum(arena_size(held_bytes(s), pin) for s in surveys)
         return HostNeeds(min(fixed + stage, everything), everything)
 
     def _check_floor(self, surveys: list[UnitSurvey], spans: list[DiskSpans | None],
                      ceiling: int) -> None:
-        held, stage = _floor(surveys, spans, self._pin)
-        if held + stage > ceiling and sum(_arena_size(_held(s), self._pin)
+        held, stage = host_floor(surveys, spans, self._pin)
+        if held + stage > ceiling and sum(arena_size(held_bytes(s), self._pin)
                                           for s in surveys) > ceiling:
             kept = [s.name or "(the rest of the model)" for s, sp in
                     zip(surveys, spans, strict=True) if sp is None and s.layout.nbytes]
@@ -400,7 +406,7 @@ class HostStorage:
                 if sp is not None:
                     unit.spans, unit.reader, unit.survey = sp, self.reader, s
                     unit.code = file_code(s)
-                    unit.host_views = _on_disk_views(s, unit.code)
+                    unit.host_views = on_disk_views(s, unit.code)
                     unit.bind_host()
                 else:
                     self._keep(unit, *got)  # the pageable originals are freed here
@@ -423,7 +429,7 @@ class HostStorage:
 
     def _spill(self, unit: HostUnit) -> None:
         """Drop ``unit``'s arena: its tensors point at maps of their files again."""
-        unit.host_views = _on_disk_views(unit.survey, unit.code)
+        unit.host_views = on_disk_views(unit.survey, unit.code)
         unit.bind_host()
         self._free(unit.arena)
         unit.arena = None
@@ -492,62 +498,3 @@ class HostStorage:
         return unit
 
 
-def staging_floor(largest: int, whole: bool = False) -> int:
-    """Bytes of the smallest staging ring for units on disk whose largest read is ``largest``
-    bytes: one buffer, as large as that read or ``MIN_STAGING`` (then read in chunks).
-    ``whole``: units coded in their files are on disk, and each is read in one piece (its
-    chunks would land in the one device staging buffer that decodes it): as large as the read.
-    """
-    return _round_up(largest if whole else min(largest, MIN_STAGING), IO_ALIGN)
-
-
-def _arena_size(nbytes: int, pin: bool) -> int:
-    return -(-nbytes // PAGE) * PAGE if pin else nbytes
-
-
-def _spans(s: UnitSurvey) -> DiskSpans:
-    """Where unit ``s``'s bytes lie in its files, placed as its arena holds them (a unit
-    coded in its file: its blobs and raw bytes as its code packs them).
-    """
-    code = file_code(s)
-    if code is None:
-        return DiskSpans([(s.layout.offsets[i], f) for i, f in enumerate(s.files)])
-    return DiskSpans([(code.offsets[i], f.blob if isinstance(f, CodedRef) else f)
-                      for i, f in enumerate(s.files)])
-
-
-def _held(s: UnitSurvey) -> int:
-    """Bytes of unit ``s``'s arena: its code's when its file holds it coded."""
-    code = file_code(s)
-    return code.nbytes if code is not None else s.layout.nbytes
-
-
-def _on_disk_views(s: UnitSurvey, code: UnitCode | None) -> list[torch.Tensor]:
-    """What an on-disk unit's tensors point at: private maps of their files (nothing read
-    until touched); a coded tensor NaN (see :mod:`shuttle.offload.coded`).
-    """
-    return [code.placeholder(s.layout, i) if code is not None and code.coded[i] is not None
-            else f.load() for i, f in enumerate(s.files)]
-
-
-def _floor(surveys: list[UnitSurvey], spans: list[DiskSpans | None], pin: bool
-           ) -> tuple[int, int]:
-    """(bytes of the units that stay in host memory, bytes of the smallest staging ring)."""
-    fixed = sum(_arena_size(_held(s), pin) for s, sp in zip(surveys, spans, strict=True)
-                if sp is None)
-    whole = any(sp is not None and file_code(s) is not None
-                for s, sp in zip(surveys, spans, strict=True))
-    return fixed, staging_floor(max((sp.nbytes for sp in spans if sp is not None), default=0),
-                                whole)
-
-
-def _spillable(s: UnitSurvey) -> bool:
-    """Whether unit ``s`` can be read again from its files whenever needed: every tensor lies
-    in a file as it is stored, one span of bytes in the model's dtype (one converted or pieced
-    together from rows while read stays in host memory; so does a unit whose host copy an
-    optimizer step changed: :func:`~shuttle.offload.training.host_step` makes it fixed). A
-    tensor coded in its file (``shuttle compress``) is read coded: its blob is that span.
-    """
-    return s.layout.nbytes > 0 and all(
-        (type(f) is LazyTensor or (isinstance(f, CodedRef) and type(f.blob) is LazyTensor))
-        and f.dtype == s.layout.dtypes[i] for i, f in enumerate(s.files))

@@ -1,0 +1,86 @@
+"""The disk tier's view of a unit (a host ceiling, ``max_host_bytes``): whether it can be read
+again from its files whenever needed, where its bytes lie there, what its arena takes, and the
+smallest host memory a storage needs (the units that must stay, plus one staging buffer).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shuttle.formats.safetensors_file import LazyTensor
+from shuttle.offload.arena import PAGE
+from shuttle.offload.coded import UnitCode, file_code
+from shuttle.offload.disk_reader import IO_ALIGN, DiskSpans
+from shuttle.offload.survey import UnitSurvey
+from shuttle.weights.lossless_file import CodedRef
+
+__all__ = ["MIN_STAGING", "arena_size", "disk_spans", "held_bytes", "host_floor",
+           "on_disk_views", "spillable", "staging_floor"]
+
+MIN_STAGING = 16 * 2**20  # the smallest staging buffer a plan uses (smaller: chunks too small)
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def staging_floor(largest: int, whole: bool = False) -> int:
+    """Bytes of the smallest staging ring for units on disk whose largest read is ``largest``
+    bytes: one buffer, as large as that read or ``MIN_STAGING`` (then read in chunks).
+    ``whole``: units coded in their files are on disk, and each is read in one piece (its
+    chunks would land in the one device staging buffer that decodes it): as large as the read.
+    """
+    return _round_up(largest if whole else min(largest, MIN_STAGING), IO_ALIGN)
+
+
+def arena_size(nbytes: int, pin: bool) -> int:
+    """Host bytes an arena of ``nbytes`` takes: whole pages when it will be pinned."""
+    return -(-nbytes // PAGE) * PAGE if pin else nbytes
+
+
+def disk_spans(s: UnitSurvey) -> DiskSpans:
+    """Where unit ``s``'s bytes lie in its files, placed as its arena holds them (a unit
+    coded in its file: its blobs and raw bytes as its code packs them).
+    """
+    code = file_code(s)
+    if code is None:
+        return DiskSpans([(s.layout.offsets[i], f) for i, f in enumerate(s.files)])
+    return DiskSpans([(code.offsets[i], f.blob if isinstance(f, CodedRef) else f)
+                      for i, f in enumerate(s.files)])
+
+
+def held_bytes(s: UnitSurvey) -> int:
+    """Bytes of unit ``s``'s arena: its code's when its file holds it coded."""
+    code = file_code(s)
+    return code.nbytes if code is not None else s.layout.nbytes
+
+
+def on_disk_views(s: UnitSurvey, code: UnitCode | None) -> list[torch.Tensor]:
+    """What an on-disk unit's tensors point at: private maps of their files (nothing read
+    until touched); a coded tensor NaN (see :mod:`shuttle.offload.coded`).
+    """
+    return [code.placeholder(s.layout, i) if code is not None and code.coded[i] is not None
+            else f.load() for i, f in enumerate(s.files)]
+
+
+def host_floor(surveys: list[UnitSurvey], spans: list[DiskSpans | None], pin: bool
+           ) -> tuple[int, int]:
+    """(bytes of the units that stay in host memory, bytes of the smallest staging ring)."""
+    fixed = sum(arena_size(held_bytes(s), pin) for s, sp in zip(surveys, spans, strict=True)
+                if sp is None)
+    whole = any(sp is not None and file_code(s) is not None
+                for s, sp in zip(surveys, spans, strict=True))
+    return fixed, staging_floor(max((sp.nbytes for sp in spans if sp is not None), default=0),
+                                whole)
+
+
+def spillable(s: UnitSurvey) -> bool:
+    """Whether unit ``s`` can be read again from its files whenever needed: every tensor lies
+    in a file as it is stored, one span of bytes in the model's dtype (one converted or pieced
+    together from rows while read stays in host memory; so does a unit whose host copy an
+    optimizer step changed: :func:`~shuttle.offload.training.host_step` makes it fixed). A
+    tensor coded in its file (``shuttle compress``) is read coded: its blob is that span.
+    """
+    return s.layout.nbytes > 0 and all(
+        (type(f) is LazyTensor or (isinstance(f, CodedRef) and type(f.blob) is LazyTensor))
+        and f.dtype == s.layout.dtypes[i] for i, f in enumerate(s.files))
