@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -53,16 +53,14 @@ from shuttle.errors import (
     StreamModeError,
 )
 from shuttle.formats.safetensors_file import LazyTensor
+from shuttle.offload.activation import CPU_COPY_ENV, Activation, move
 from shuttle.offload.adapters import ActivationAdapters, check_quality, former_mode
-from shuttle.offload.coded import Decoder
 from shuttle.offload.compiled import BlockCompiler
 from shuttle.offload.host_storage import (
     Compression,
     HostBacking,
     HostNeeds,
     HostStorage,
-    HostUnit,
-    Layout,
 )
 from shuttle.offload.layer_streamer import LayerStreamer
 from shuttle.offload.residency import (
@@ -71,7 +69,6 @@ from shuttle.offload.residency import (
     check_given_plan,
     plan_residency,
 )
-from shuttle.offload.slots import SlotPool
 from shuttle.offload.streamer import BlockStreamer, Streamer
 from shuttle.offload.training import host_step
 from shuttle.offload.units import units_of
@@ -79,24 +76,6 @@ from shuttle.targets import KeyMapping
 
 __all__ = ["CPU_COPY_ENV", "ModelOffloader", "ResidencyPlan", "StreamConfig"]
 
-CPU_COPY_ENV = "SHUTTLE_OFFLOAD_CPU_COPY"
-
-
-class _Activation:
-    """What one activation put on the device, so that teardown can undo it."""
-
-    def __init__(self, device: torch.device, plan: ResidencyPlan | None,
-                 adapters: ActivationAdapters | None = None):
-        self.device = device
-        self.plan = plan
-        self.adapters = adapters
-        self.pools: list[SlotPool] = []
-        self.streamers: dict[str, BlockStreamer] = {}
-        self.layer_streamer: LayerStreamer | None = None
-        self.compiler: BlockCompiler | None = None
-        # (pool, slot, unit) of every unit on the device for the whole activation.
-        self.placed: list[tuple[SlotPool, int, HostUnit]] = []
-        self.decoder: Decoder | None = None  # coded units' staging (compress="lossless")
 
 
 class ModelOffloader:
@@ -121,7 +100,7 @@ class ModelOffloader:
         self.layers = layers or {}
         self.storage = storage
         self.on_device = list(on_device)
-        self._active: _Activation | None = None
+        self._active: Activation | None = None
 
     @classmethod
     def from_module(cls, model: torch.nn.Module, blocks: str | Sequence[str] = (),
@@ -363,16 +342,16 @@ class ModelOffloader:
             plan = self.plan_for(stream)
         adapters = ActivationAdapters(self.model, self.storage, pairs, mode, device,
                                       quality, mapping, auto_threshold) if pairs else None
-        active = _Activation(device, plan, adapters)
+        active = Activation(device, plan, adapters)
         try:
             if plan is not None:  # the host tier first: arenas given and taken, staging sized
                 self.storage.settle(plan.pinned, plan.staging)
             if not through:
-                _move(self.on_device, device)
+                move(self.on_device, device)
             if through:
-                self._pass_through(active)
+                active.pass_through(self.storage)
             else:
-                self._place(active, stream)
+                active.place(self.storage, self.blocks, self.layers)
             if adapters is not None and adapters.dynamic:
                 adapters.attach()  # after the stream hooks: they bind weights first
             if not through and stream is not None and stream.compile is not False:
@@ -381,7 +360,7 @@ class ModelOffloader:
                 active.compiler = BlockCompiler(backend)
                 active.compiler.attach([b for blocks in self.blocks.values() for b in blocks])
         except BaseException:
-            self._teardown(active)
+            active.teardown(self.storage, self.on_device)
             raise
         self._active = active
         return self.model
@@ -394,7 +373,7 @@ class ModelOffloader:
         """
         if self._active is not None:
             active, self._active = self._active, None
-            self._teardown(active)
+            active.teardown(self.storage, self.on_device)
 
     @contextlib.contextmanager
     def use(self, device: str | torch.device = "cuda", stream: StreamConfig | None = None, *,
@@ -457,135 +436,3 @@ class ModelOffloader:
             streamers.append(active.layer_streamer)
         with host_step(self.storage, active.placed, streamers, merged):
             yield
-
-    def _pass_through(self, active: _Activation) -> None:
-        # The host tensors are where compute runs: adapted tensors get merged copies instead,
-        # and coded units decoded copies (for the activation; bind_host drops them).
-        adapters = active.adapters
-        for unit in self.storage.units:
-            if adapters is not None and adapters.merges and adapters.touches(unit):
-                unit.bind(adapters.merged_copies(unit))
-            elif unit.code is not None:
-                unit.bind(unit.host_tensors())
-
-    def _place(self, active: _Activation, stream: StreamConfig | None) -> None:
-        plan, device = active.plan, active.device
-        assert plan is not None
-        copy_stream = _copy_stream(device) if device.type == "cuda" else None
-        fold = active.adapters.fold if active.adapters and active.adapters.merges else None
-        if self.storage.stage_bytes:
-            active.decoder = Decoder(device, self.storage.stage_bytes, copy_stream)
-        rest = self.storage.rest
-        if rest.layout.offsets:
-            self._place_resident(active, [rest], copy_stream, fold)
-        for g, units in self.storage.groups.items():
-            resident = plan.resident[g]
-            self._place_resident(active, [units[pos] for pos in resident], copy_stream, fold)
-            kept = set(resident)
-            streamed = [u.layout for i, u in enumerate(units) if i not in kept]
-            if plan.ring[g] and streamed:
-                # One ring per group; blocks that differ share slots sized by the largest.
-                pool = (SlotPool(streamed[0], plan.ring[g], device, copy_stream, fold,
-                                 active.decoder)
-                        if all(lay == streamed[0] for lay in streamed) else
-                        SlotPool.for_layouts(streamed, plan.ring[g], device, copy_stream, fold,
-                                             active.decoder))
-                active.pools.append(pool)
-                streamer = BlockStreamer(self.blocks[g], units, pool, resident, plan.prefetch)
-                active.streamers[g] = streamer
-                streamer.attach()
-                streamer.warm()
-        if self.storage.layers:
-            self._place_layers(active, copy_stream, fold)
-
-    def _place_resident(self, active: _Activation, units: list[HostUnit],
-                        copy_stream: torch.cuda.Stream | None,
-                        fold: Callable[..., None] | None) -> None:
-        """Load ``units`` for the whole activation, each into a slot of exactly its layout
-        (one pool per distinct layout), and bind them there.
-        """
-        by_layout: dict[Layout, list[HostUnit]] = {}
-        for unit in units:
-            by_layout.setdefault(unit.layout, []).append(unit)
-        for layout, same in by_layout.items():
-            pool = SlotPool(layout, len(same), active.device, copy_stream, fold,
-                            active.decoder)
-            active.pools.append(pool)
-            for slot, unit in enumerate(same):
-                pool.load(slot, unit)
-                pool.wait_loaded(slot)
-                unit.bind(pool.views[slot])
-                active.placed.append((pool, slot, unit))
-
-    def _place_layers(self, active: _Activation, copy_stream: torch.cuda.Stream | None,
-                      fold: Callable[..., None] | None) -> None:
-        plan, device, units = active.plan, active.device, self.storage.layers
-        assert plan is not None
-        for pos in plan.layers:  # one buffer each, loaded once
-            pool = SlotPool(units[pos].layout, 1, device, copy_stream, fold, active.decoder)
-            active.pools.append(pool)
-            pool.load(0, units[pos])
-            pool.wait_loaded(0)
-            units[pos].bind(pool.views[0])
-            active.placed.append((pool, 0, units[pos]))
-        if plan.layer_ring:
-            kept = set(plan.layers)
-            pool = SlotPool.for_layouts([u.layout for i, u in enumerate(units) if i not in kept],
-                                        plan.layer_ring, device, copy_stream, fold,
-                                        active.decoder)
-            active.pools.append(pool)
-            streamer = LayerStreamer(list(self.layers.values()), units, pool, plan.layers,
-                                     plan.prefetch)
-            active.layer_streamer = streamer
-            streamer.attach()
-            streamer.warm()
-
-    def _teardown(self, active: _Activation) -> None:
-        if active.compiler is not None:
-            active.compiler.detach()
-        if active.adapters is not None:
-            active.adapters.detach()
-        for streamer in active.streamers.values():
-            streamer.detach()
-        if active.layer_streamer is not None:
-            active.layer_streamer.detach()
-        for unit in self.storage.units:
-            unit.bind_host()
-        for pool in active.pools:
-            pool.close()
-        if active.device.type != "cpu" or os.environ.get(CPU_COPY_ENV) == "1":
-            _move(self.on_device, torch.device("cpu"))
-        active.pools.clear()
-        active.streamers.clear()
-        active.placed.clear()
-        active.layer_streamer = active.compiler = None
-        decoder, active.decoder = active.decoder, None
-        if decoder is not None:
-            decoder.check()  # after the slots' copies were ordered before later work
-
-
-_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _copy_stream(device: torch.device) -> torch.cuda.Stream:
-    """The side stream for copies to ``device``, one per device for every activation.
-
-    A fresh stream per activation would cost device memory outside any plan: cuBLAS keeps a
-    workspace (tens of MB, from the caching allocator, for the process's life) for every stream
-    a matmul ran on, and merge-mode adapters run matmuls on the copy stream. Activations that
-    share it are ordered by their slots' events as before; their copies queue on one engine.
-    """
-    stream = _COPY_STREAMS.get(device)
-    if stream is None:
-        stream = _COPY_STREAMS[device] = torch.cuda.Stream(device)
-    return stream
-
-
-def _move(params: Sequence[torch.nn.Parameter], device: torch.device) -> None:
-    """Point each parameter (and its gradient) at a copy on ``device``; identity kept."""
-    with torch.no_grad():
-        for p in params:
-            if p.device != device:
-                p.data = p.data.to(device)
-                if p.grad is not None:
-                    p.grad = p.grad.to(device)
