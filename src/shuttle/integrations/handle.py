@@ -37,7 +37,6 @@ import contextlib
 import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,68 +45,22 @@ from shuttle.apply.merge import MergeReport
 from shuttle.apply.plan import AdapterList, Mode, check_mode, normalize_loras
 from shuttle.cache import LoRASpec, ModelCache, ModelSpec, ObjectSpec
 from shuttle.cache.specs import module_bytes
-from shuttle.errors import BudgetTooSmallError, OffloadError
+from shuttle.errors import BudgetTooSmallError
 from shuttle.formats import LoRA
 from shuttle.formats.safetensors_file import LazyTensor
-from shuttle.hooks import ModuleHook, add_hook, hooks_of, remove_hook
+from shuttle.hooks import add_hook, remove_hook
 from shuttle.integrations.activations import ActivationMeter, CallShrinker, DeviceMeter, Reading
 from shuttle.integrations.budgets import SourcedSpec, check_device, host_shares
+from shuttle.integrations.component import ActivateHook, Active, Component, check_free, restore
 from shuttle.integrations.routing import route_lora
-from shuttle.offload import ModelOffloader, ResidencyPlan, RingOnlyResidency, StreamConfig
+from shuttle.offload import ModelOffloader, RingOnlyResidency, StreamConfig
 from shuttle.offload.coded import Compression
-from shuttle.offload.host_storage import HostBacking, HostStorage
+from shuttle.offload.host_storage import HostBacking
 from shuttle.offload.residency import floor_bytes
 
 __all__ = ["OffloadHandle"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Component:
-    name: str
-    module: torch.nn.Module
-    spec: ModelSpec
-    devices: dict[tuple[int, str, bool], torch.device]  # (module id, name, is_param) -> device
-    hook: ModuleHook | None = None
-    wrapped: list[str] = field(default_factory=list)  # entry methods set on the instance
-    attrs: list[str] = field(default_factory=list)  # instance attributes set by the handle
-    own_class: type | None = None  # the module's class, while the handle gives it another
-    plan: ResidencyPlan | None = None  # chosen at capture, again as activations are measured
-    paths: tuple[str, ...] = ()  # its block lists (empty: moved whole)
-    floor: int = 0  # device weight bytes at its floor (nothing resident, one slot per list)
-    reserve: int | None = None  # device bytes kept for its activations (None: not measured)
-    shrink: CallShrinker | None = None
-    shrunk: bool = False
-    share: int | None = None  # its host ceiling (a disk tier), None: all in host memory
-    host_floor: int = 0  # the least its share may be
-    captured: int = 0  # host bytes charged to the cache for the module itself (its floor)
-    host_lease: contextlib.ExitStack | None = None  # holds the rest of its share in the cache
-
-    @property
-    def need(self) -> int:
-        """Device weight bytes while active."""
-        return self.plan.device_bytes if self.plan is not None else 0
-
-
-@dataclass
-class _Active:
-    stack: contextlib.ExitStack  # holds the ModelCache.use() of the activation
-    config: tuple  # (adapter keys and strengths, mode) it was activated with
-    plan: ResidencyPlan | None  # the plan it was activated with
-    need: int  # its device weight bytes
-
-
-class _Activate(ModuleHook):
-    """Runs the module's forward inside :meth:`OffloadHandle._call`."""
-
-    def __init__(self, handle: OffloadHandle, name: str):
-        self.handle = handle
-        self.name = name
-
-    def forward(self, module: torch.nn.Module, inner: Callable[..., Any], *args: Any,
-                **kwargs: Any) -> Any:
-        return self.handle._call(self.name, inner, *args, **kwargs)
 
 
 class OffloadHandle:
@@ -176,15 +129,15 @@ class OffloadHandle:
         self._vram_budget = vram_budget
         self._prefetch = prefetch
         self._meter: ActivationMeter = meter if meter is not None else DeviceMeter()
-        self._components: dict[str, _Component] = {}
+        self._components: dict[str, Component] = {}
         self._offloaders: dict[str, ModelOffloader] = {}
         self._leases = contextlib.ExitStack()
-        self._active: dict[str, _Active] = {}  # least recently used first
+        self._active: dict[str, Active] = {}  # least recently used first
         self._running: dict[str, int] = {}  # calls in progress: never deactivated
         self._loras: dict[str, list[tuple[LoRASpec, float]]] = {}
         self._mode: Mode = "merge"
         self._routed: dict[int, tuple[LoRA, dict[str, LoRASpec]]] = {}  # id(lora) -> specs
-        _check_free(modules, methods, attrs, classes)
+        check_free(modules, methods, attrs, classes)
         shares = host_shares(modules, blocks, host, sources, cache.available_bytes)
         try:
             for name, module in modules.items():
@@ -301,7 +254,7 @@ class OffloadHandle:
         self._drop_specs({})
         for name, off in self._offloaders.items():
             c = self._components[name]
-            _restore(off.storage, c.devices)
+            restore(off.storage, c.devices)
             self._cache.evict(c.spec.key)
             if c.host_lease is not None:
                 self._cache.evict(f"{c.spec.key}.host-reserve")
@@ -325,7 +278,7 @@ class OffloadHandle:
         else:
             spec = SourcedSpec(key, module, paths, host, sources,
                                 *(share if share is not None else (None, None)), compress)
-        c = _Component(name, module, spec, devices)
+        c = Component(name, module, spec, devices)
         # Leased until remove(): nothing could rebuild the module after an eviction.
         off = self._leases.enter_context(self._cache.lease(spec))
         self._components[name], self._offloaders[name] = c, off
@@ -346,7 +299,7 @@ class OffloadHandle:
                     "" if c.share is None else f", {c.share} host bytes at most (the rest read "
                     "from its files)")
 
-    def _replan(self, c: _Component) -> None:
+    def _replan(self, c: Component) -> None:
         """Choose ``c``'s residency (device and host tiers) for what is known now: before its
         activations are measured, its floor (nothing resident, one slot per list: prefetch 0
         under a budget); after, the budget less its reserve; without block lists, whole.
@@ -365,7 +318,7 @@ class OffloadHandle:
                                   activation_bytes=c.reserve)
         c.plan = off.plan_for(stream)
 
-    def _reserve(self, c: _Component) -> None:
+    def _reserve(self, c: Component) -> None:
         """Charge the cache for the part of ``c``'s share beyond what its entry is charged."""
         assert c.share is not None
         key = f"{c.spec.key}.host-reserve"
@@ -404,11 +357,11 @@ class OffloadHandle:
             logger.info("%s: host share lowered by %d bytes to %d for adapters", name, take,
                         c.share)
 
-    def _install(self, c: _Component, methods: Sequence[str], attrs: Mapping[str, Any],
+    def _install(self, c: Component, methods: Sequence[str], attrs: Mapping[str, Any],
                  cls: type | None) -> None:
         if cls is not None:
             c.own_class, c.module.__class__ = type(c.module), cls
-        c.hook = _Activate(self, c.name)
+        c.hook = ActivateHook(self._call, c.name)
         add_hook(c.module, c.hook)
         for method in methods:
             original = getattr(c.module, method)
@@ -433,7 +386,7 @@ class OffloadHandle:
         self._learn(c, reading)
         return out
 
-    def _learn(self, c: _Component, reading: Reading) -> None:
+    def _learn(self, c: Component, reading: Reading) -> None:
         """Plan ``c`` again when ``reading`` is its first or outgrows its reserve.
 
         Raises:
@@ -492,9 +445,9 @@ class OffloadHandle:
             stack.enter_context(self._cache.use(
                 c.spec, self.device, loras=pairs, plan=c.plan,
                 mode=self._mode))
-            self._active[name] = _Active(stack.pop_all(), self._config(name), c.plan, c.need)
+            self._active[name] = Active(stack.pop_all(), self._config(name), c.plan, c.need)
 
-    def _make_room(self, c: _Component) -> None:
+    def _make_room(self, c: Component) -> None:
         budget = self._vram_budget
         # Its weights and its reserve beside the others' weights (their activations are gone
         # once their calls returned); a module not measured yet runs alone.
@@ -522,33 +475,3 @@ class OffloadHandle:
                 if spec.key not in kept and spec.key in self._cache:
                     self._cache.evict(spec.key)
         self._routed = keep
-
-
-def _check_free(modules: Mapping[str, torch.nn.Module], methods: Mapping[str, Sequence[str]],
-                attrs: Mapping[str, Any], classes: Mapping[str, type]) -> None:
-    for name, module in modules.items():
-        if any(isinstance(h, _Activate) for h in hooks_of(module)):
-            raise OffloadError(f"{name} is offloaded already; remove() its handle first")
-        cls = classes.get(name)
-        if cls is not None and type(module) not in cls.__bases__:
-            raise OffloadError(f"{name}: classes[{name!r}]={cls.__qualname__} is not a direct "
-                               f"subclass of its class {type(module).__qualname__}")
-        taken = [a for a in [*methods.get(name, ()), *attrs] if a in module.__dict__]
-        if taken:
-            raise OffloadError(f"{name}: instance attributes {taken} are set already (another "
-                               "library's offload hooks?); remove them before offloading")
-
-
-def _restore(storage: HostStorage, devices: dict[tuple[int, str, bool], torch.device]) -> None:
-    """Give every tensor back its original device and its own memory (no host arena); a
-    tensor that was on ``meta`` (a module built to be filled from its files) is on ``meta``
-    again.
-    """
-    with torch.no_grad():
-        for unit in storage.units:
-            where: dict[int, torch.device] = {}
-            for b in unit.bindings:  # tied tensors share an entry: they stay tied
-                where.setdefault(b.entry, devices[(id(b.module), b.name, b.is_param)])
-            # a parameter going back to meta is replaced by bind() (tied names share one)
-            unit.bind([v if storage.host == "adopt" and where[i].type == "cpu"
-                       else v.to(where[i], copy=True) for i, v in enumerate(unit.host_tensors())])

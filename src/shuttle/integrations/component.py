@@ -1,0 +1,112 @@
+"""One module under an :class:`~shuttle.integrations.handle.OffloadHandle`: its bookkeeping,
+the hook that activates it on call, the checks before it is taken and how it is given back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shuttle.cache import ModelSpec
+from shuttle.errors import OffloadError
+from shuttle.hooks import ModuleHook, hooks_of
+from shuttle.integrations.activations import CallShrinker
+from shuttle.offload import ResidencyPlan
+from shuttle.offload.host_storage import HostStorage
+
+__all__ = ["Active", "ActivateHook", "Component", "check_free", "restore"]
+
+
+@dataclass
+class Component:
+    """One module under an :class:`~shuttle.integrations.handle.OffloadHandle`: its spec,
+    where its tensors were, what the handle installed on it, its plan and budgets.
+    """
+
+    name: str
+    module: torch.nn.Module
+    spec: ModelSpec
+    devices: dict[tuple[int, str, bool], torch.device]  # (module id, name, is_param) -> device
+    hook: ModuleHook | None = None
+    wrapped: list[str] = field(default_factory=list)  # entry methods set on the instance
+    attrs: list[str] = field(default_factory=list)  # instance attributes set by the handle
+    own_class: type | None = None  # the module's class, while the handle gives it another
+    plan: ResidencyPlan | None = None  # chosen at capture, again as activations are measured
+    paths: tuple[str, ...] = ()  # its block lists (empty: moved whole)
+    floor: int = 0  # device weight bytes at its floor (nothing resident, one slot per list)
+    reserve: int | None = None  # device bytes kept for its activations (None: not measured)
+    shrink: CallShrinker | None = None
+    shrunk: bool = False
+    share: int | None = None  # its host ceiling (a disk tier), None: all in host memory
+    host_floor: int = 0  # the least its share may be
+    captured: int = 0  # host bytes charged to the cache for the module itself (its floor)
+    host_lease: contextlib.ExitStack | None = None  # holds the rest of its share in the cache
+
+    @property
+    def need(self) -> int:
+        """Device weight bytes while active."""
+        return self.plan.device_bytes if self.plan is not None else 0
+
+
+@dataclass
+class Active:
+    """A module's activation: the cache lease that holds it and what it was activated with."""
+
+    stack: contextlib.ExitStack  # holds the ModelCache.use() of the activation
+    config: tuple  # (adapter keys and strengths, mode) it was activated with
+    plan: ResidencyPlan | None  # the plan it was activated with
+    need: int  # its device weight bytes
+
+
+class ActivateHook(ModuleHook):
+    """Runs the module's forward through ``call(name, forward, *args, **kwargs)`` (the handle's
+    activation around each call).
+    """
+
+    def __init__(self, call: Callable[..., Any], name: str):
+        self.call = call
+        self.name = name
+
+    def forward(self, module: torch.nn.Module, inner: Callable[..., Any], *args: Any,
+                **kwargs: Any) -> Any:
+        return self.call(self.name, inner, *args, **kwargs)
+
+
+def check_free(modules: Mapping[str, torch.nn.Module], methods: Mapping[str, Sequence[str]],
+                attrs: Mapping[str, Any], classes: Mapping[str, type]) -> None:
+    """Refuse modules offloaded already, a class that is no direct subclass of the module's,
+    or instance attributes the handle would set that are set already (another library's hooks).
+
+    Raises:
+        OffloadError: any of those; nothing was changed.
+    """
+    for name, module in modules.items():
+        if any(isinstance(h, ActivateHook) for h in hooks_of(module)):
+            raise OffloadError(f"{name} is offloaded already; remove() its handle first")
+        cls = classes.get(name)
+        if cls is not None and type(module) not in cls.__bases__:
+            raise OffloadError(f"{name}: classes[{name!r}]={cls.__qualname__} is not a direct "
+                               f"subclass of its class {type(module).__qualname__}")
+        taken = [a for a in [*methods.get(name, ()), *attrs] if a in module.__dict__]
+        if taken:
+            raise OffloadError(f"{name}: instance attributes {taken} are set already (another "
+                               "library's offload hooks?); remove them before offloading")
+
+
+def restore(storage: HostStorage, devices: dict[tuple[int, str, bool], torch.device]) -> None:
+    """Give every tensor back its original device and its own memory (no host arena); a
+    tensor that was on ``meta`` (a module built to be filled from its files) is on ``meta``
+    again.
+    """
+    with torch.no_grad():
+        for unit in storage.units:
+            where: dict[int, torch.device] = {}
+            for b in unit.bindings:  # tied tensors share an entry: they stay tied
+                where.setdefault(b.entry, devices[(id(b.module), b.name, b.is_param)])
+            # a parameter going back to meta is replaced by bind() (tied names share one)
+            unit.bind([v if storage.host == "adopt" and where[i].type == "cpu"
+                       else v.to(where[i], copy=True) for i, v in enumerate(unit.host_tensors())])
