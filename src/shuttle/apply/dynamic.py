@@ -44,24 +44,24 @@ from shuttle.targets.split import Rows
 
 __all__ = ["QUALITIES", "DynamicAdapters", "attach_lora", "attach_plan", "default_quality"]
 
-QUALITIES: tuple[str, ...] = ("exact", "lossless", "fused")
+QUALITIES: tuple[str, ...] = ("exact", "lossless", "fused", "auto")
 
 
 def default_quality(model: torch.nn.Module) -> Quality:
-    """The tier used when none is given: ``"lossless"``, for every model.
+    """The tier used when none is given: ``"auto"``, for every model.
 
-    Lossless runs on any device, with or without Triton. ``"fused"`` does less GPU work per
-    layer but more host work per call (two Triton launches), so it is faster only where the GPU
-    is the bottleneck (a model run under CUDA graphs, or layers large enough that the launches
-    run ahead). Whether that holds depends on how the model is run, which the caller knows and
-    this function does not, so fused is opt-in (docs/dynamic.md).
+    ``"auto"`` runs each low-rank Linear update by whichever of lossless, Triton fused and
+    (with the ``hopper`` extra on an sm_90 GPU) CuTe fused measured fastest for that layer's
+    shape on its device, eagerly or under CUDA graphs as the call runs
+    (:mod:`shuttle.apply.tier`): never slower than lossless. Off CUDA it is lossless. Its
+    results are lossless's or fused's, each within the tier's precision contract; pass a tier
+    explicitly for one fixed numerical path.
 
     Args:
         model: the model the adapters go on. It is not read: it is in the signature so that the
-            default can come to depend on the model (its device, dtypes or layer sizes) without
-            changing the callers.
+            default can come to depend on the model without changing the callers.
     """
-    return "lossless"
+    return "auto"
 
 
 class DynamicAdapters:
@@ -352,7 +352,8 @@ def attach_lora(
             validated and held on the device, its update computed at 0) so that
             ``set_strength``/``set_adapters`` can bring it back; leave it out of the list to
             skip it.
-        quality: ``"exact"``, ``"lossless"`` or ``"fused"`` (default: :func:`default_quality`).
+        quality: ``"exact"``, ``"lossless"``, ``"fused"`` or ``"auto"`` (the default: the
+            fastest of lossless and fused per layer shape, measured; :func:`default_quality`).
         mapping: as for :func:`~shuttle.merge_lora`.
         max_rank: pad low-rank Linear slots to this rank so :meth:`DynamicAdapters.swap` can
             bring in adapters up to it without recompiling.

@@ -49,10 +49,12 @@ from shuttle.apply.plan import Contribution, logical_spec
 from shuttle.apply.scale import prepare_request_scale, request_scale, request_scale_value
 from shuttle.apply.scale_vector import ScaleVector
 from shuttle.apply.strength import Strengths
+from shuttle.apply.tier import TIERS, TierKey, row_bucket
 from shuttle.errors import UnsupportedLayerError, UnsupportedPlacementError
 from shuttle.hooks import ModuleHook, substituted
 from shuttle.kernels import interpreting, lora_linear_fused, lora_shrink, triton_available
 from shuttle.kernels.lora_decode import DECODE_MAX_T, lora_decode_add, lora_decode_linear
+from shuttle.kernels.lora_linear_cute import cute_available
 from shuttle.kernels.lora_linear_tma import PreparedLoraLinear
 from shuttle.patches import PATCH_KINDS, LowRank, Patch
 from shuttle.weights import FP8_DTYPES
@@ -61,7 +63,7 @@ from shuttle.weights.plain import is_plain_tensor
 
 __all__ = ["LoRAHook", "Quality"]
 
-Quality = Literal["exact", "lossless", "fused"]
+Quality = Literal["exact", "lossless", "fused", "auto"]
 
 
 @dataclasses.dataclass
@@ -173,7 +175,8 @@ class LoRAHook(ModuleHook):
         """Concatenate the Linear slots' factors: down (R, K), up (N, R) zero outside rows."""
         self.down = self.up = None
         self.scales.base_scale = self.scales.col_adapter = None
-        self._prepared: PreparedLoraLinear | None = None  # the fused tier's checked operands
+        # the fused tier's checked operands, per second kernel (True: CuTe, False: Triton)
+        self._prepared: dict[bool, PreparedLoraLinear] = {}
         if not self.layer.tiers or not self.slots:
             return
         w = module.weight
@@ -220,7 +223,7 @@ class LoRAHook(ModuleHook):
             t = getattr(owner, attr)
             if t is not None:
                 setattr(owner, attr, t.to(device))
-        self._prepared = None
+        self._prepared = {}
         self.residuals = {k: r.to(device) for k, r in self.residuals.items()}
         self.scales.moved()
         prepare_request_scale(device)
@@ -265,9 +268,11 @@ class LoRAHook(ModuleHook):
             return self._sharded(module, args[0], out) if self.slots else out
         overrides = self._overrides(module)
         x = args[0] if args else None
-        if self.layer.tiers and self.slots and self.quality == "fused" and \
+        if self.layer.tiers and self.slots and self.quality in ("fused", "auto") and \
                 self._fused_ok(module, x):
-            return self._fused(module, x, overrides)
+            impl = self._implementation(module, x, overrides, inner, args, kwargs)
+            if impl != "lossless":
+                return self._fused(module, x, overrides, cute=impl == "fused_cute")
         if overrides:
             with substituted(module, overrides):
                 out = inner(*args, **kwargs)
@@ -278,6 +283,43 @@ class LoRAHook(ModuleHook):
         if self.layer.tiers:
             return self._exact(x, out) if self.quality == "exact" else self._lossless(x, out)
         return self._residuals(module, x, out)
+
+    def _implementation(self, module: torch.nn.Module, x: torch.Tensor,
+                        overrides: dict[str, torch.Tensor], inner: Callable[..., Any],
+                        args: tuple, kwargs: dict) -> str:
+        """Which implementation runs this call's update: under ``"fused"`` the CuTe kernel
+        where it applies, else Triton's; under ``"auto"`` the measured fastest
+        (:mod:`shuttle.apply.tier`), lossless wherever nothing can be measured.
+        """
+        cute = self._cute_ok(module, x)
+        if self.quality == "fused":
+            return "fused_cute" if cute else "fused"
+        if (overrides or x.device.type not in TIERS.devices or torch.compiler.is_compiling()
+                or (torch.is_grad_enabled() and (x.requires_grad or any(
+                    p.requires_grad for p in module.parameters(recurse=False))))):
+            return "lossless"
+        rows = x.numel() // x.shape[-1]
+        key = TierKey(str(x.device), x.dtype, row_bucket(rows), module.weight.shape[0],
+                      x.shape[-1], self.down.shape[0], getattr(module, "bias", None) is not None)
+        graphs = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        known = TIERS.known(key, graphs=graphs)
+        if known is not None or graphs:  # nothing can be timed during a capture
+            return known or "lossless"
+        candidates: dict[str, Callable[[], object]] = {
+            "lossless": lambda: self._lossless(x, inner(*args, **kwargs)),
+            "fused": lambda: self._fused(module, x, overrides, cute=False)}
+        if cute:
+            candidates["fused_cute"] = lambda: self._fused(module, x, overrides, cute=True)
+        with torch.no_grad():
+            return TIERS.choose(key, candidates)
+
+    def _cute_ok(self, module: torch.nn.Module, x: torch.Tensor) -> bool:
+        """Whether the CuTe kernel can take this call (the extra on an sm_90 device, more rows
+        than the decode kernels take, the factors in the layer's dtype).
+        """
+        return (x.is_cuda and x.numel() > DECODE_MAX_T * x.shape[-1]
+                and x.dtype == self.down.dtype == self.up.dtype
+                and cute_available(x.device))
 
     def _sharded(self, module: torch.nn.Module, x: torch.Tensor, out: torch.Tensor
                  ) -> torch.Tensor:
@@ -376,7 +418,7 @@ class LoRAHook(ModuleHook):
                 and x.dtype in (torch.bfloat16, torch.float16, torch.float32))
 
     def _fused(self, module: torch.nn.Linear, x: torch.Tensor,
-               overrides: dict[str, torch.Tensor]) -> torch.Tensor:
+               overrides: dict[str, torch.Tensor], *, cute: bool = False) -> torch.Tensor:
         weight, bias = module.weight, module.bias
         w, b = overrides.get("weight", weight), overrides.get("bias", bias)
         x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
@@ -390,9 +432,10 @@ class LoRAHook(ModuleHook):
             if w is weight and b is bias:  # no per-call residual overrides
                 # The Hopper path with the layer's operands checked once (host time: the
                 # functions below check every operand on every call).
-                prep = self._prepared
+                prep = self._prepared.get(cute)
                 if prep is None or not prep.fits(w, b):
-                    prep = self._prepared = PreparedLoraLinear(w, b, self.down, self.up)
+                    prep = self._prepared[cute] = PreparedLoraLinear(w, b, self.down, self.up,
+                                                                     cute=cute)
                 if prep.usable:
                     out = prep(x2d, scale)
             if out is None:

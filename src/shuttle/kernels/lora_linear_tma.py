@@ -169,13 +169,18 @@ class PreparedLoraLinear:
     checks x alone and launches the same two kernels with the same configurations, so its
     result is theirs bit for bit.
 
+    With ``cute=True`` the second kernel is the CuTe-DSL Hopper GEMM
+    (:mod:`shuttle.kernels.lora_linear_cute`; ``usable`` also needs the ``hopper`` extra and an
+    sm_90 device): the same operands, S included, and the same one rounding, by a
+    warp-specialized pipeline instead of Triton's.
+
     ``usable`` is False where the TMA path does not apply to the fixed operands; a call answers
     None where it does not apply to x (few rows, another dtype or device, misaligned rows,
     autograd recording): then use the functions.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, down: torch.Tensor,
-                 up: torch.Tensor) -> None:
+                 up: torch.Tensor, *, cute: bool = False) -> None:
         # The layer's weight and bias weakly (a replaced parameter is not kept alive here); the
         # factors strongly (the caller's own tensors).
         self._weight = weakref.ref(weight)
@@ -190,6 +195,11 @@ class PreparedLoraLinear:
             and tma_dtypes(weight, down, up) and tma_addressable(weight, down, up)
             and (bias is None or (bias.shape == (n,) and bias.is_contiguous()
                                   and bias.device == weight.device)))
+        if self.usable and cute:
+            from shuttle.kernels.lora_linear_cute import CuteLoraGemm, cute_available
+
+            self.usable = cute_available(weight.device) and CuteLoraGemm.supports(weight, up)
+        self.cute = cute
         if not self.usable:
             return
         self._n, self._k, self._r = n, k, r
@@ -198,6 +208,11 @@ class PreparedLoraLinear:
         self._sms = sm_count(self._device)
         self._fused = {cfg: _tma_constexprs(cfg, n, r, bias is not None, False, weight.dtype, True)
                        for cfg in (FUSED_TMA_CONFIG, FUSED_TMA_NARROW_CONFIG)}
+        self._cute: dict = {}
+        if cute:
+            from shuttle.kernels.lora_linear_cute import CUTE_TILES, CuteLoraGemm
+
+            self._cute = {tile: CuteLoraGemm(weight, bias, up, tile) for tile in CUTE_TILES}
 
     @staticmethod
     def _layout_of(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
@@ -232,8 +247,13 @@ class PreparedLoraLinear:
         ensure_allocator()
         with on_device_of(x):
             _launch_tma(x, self.down, None, None, None, scale, s, self._sms, self._shrink)
-            _launch_tma(x, weight, s, self.up, bias, None, out, self._sms,
-                        self._fused[fused_tma_config(t, self._n, self._sms)])
+            if self._cute:
+                wide, narrow = self._cute
+                fill = _round_fill(t, self._n, wide.m, wide.n, self._sms)
+                self._cute[wide if fill >= FILL_FOR_WIDE_TILES else narrow](x, s, out)
+            else:
+                _launch_tma(x, weight, s, self.up, bias, None, out, self._sms,
+                            self._fused[fused_tma_config(t, self._n, self._sms)])
         return out
 
 
@@ -245,9 +265,14 @@ def tma_dtypes(*tensors: torch.Tensor) -> bool:
 
 def fused_tma_config(t: int, n: int, sms: int) -> FusedConfig:
     """FUSED_TMA_CONFIG, or FUSED_TMA_NARROW_CONFIG where its tiles fill the SMs' rounds poorly."""
-    tiles = cdiv(t, FUSED_TMA_CONFIG.block_t) * cdiv(n, FUSED_TMA_CONFIG.block_n)
-    fill = tiles / (cdiv(tiles, sms) * sms)
+    fill = _round_fill(t, n, FUSED_TMA_CONFIG.block_t, FUSED_TMA_CONFIG.block_n, sms)
     return FUSED_TMA_CONFIG if fill >= FILL_FOR_WIDE_TILES else FUSED_TMA_NARROW_CONFIG
+
+
+def _round_fill(t: int, n: int, block_t: int, block_n: int, sms: int) -> float:
+    """The share of the SMs' rounds that ``block_t`` x ``block_n`` output tiles keep busy."""
+    tiles = cdiv(t, block_t) * cdiv(n, block_n)
+    return tiles / (cdiv(tiles, sms) * sms)
 
 
 def _tma_constexprs(cfg: FusedConfig, n: int, r: int, has_bias: bool, has_scale: bool,

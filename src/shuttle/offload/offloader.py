@@ -293,7 +293,7 @@ class ModelOffloader:
                 rounds away at most ``auto_threshold`` of the update, dynamic elsewhere (as
                 ``apply_lora(mode="auto")``; ``adapters.decisions`` tells which). Either way the
                 patch tensors are read onto ``device`` once.
-            quality: the dynamic tier (``"exact"``, ``"lossless"``, ``"fused"``).
+            quality: the dynamic tier (``"exact"``, ``"lossless"``, ``"fused"``, ``"auto"``).
             mapping: adapter module key -> model module path, as for ``merge_lora``.
             auto_threshold: see ``mode="auto"``.
             lora_mode: the former name of ``mode`` (a ``FutureWarning``).

@@ -1,0 +1,178 @@
+"""The tier chooser: which implementation runs a dynamic Linear update, picked by measuring.
+
+``quality="auto"`` (the default) runs each low-rank Linear update by whichever of its
+implementations measured fastest for that layer's shape on that device:
+
+    lossless     the base layer's own GEMM, then the update beside it (any device)
+    fused        the Triton kernels: the shrink, then one kernel over x W^T and S B^T
+    fused_cute   the same with the CuTe-DSL Hopper GEMM for the second kernel (the ``hopper``
+                 extra on an sm_90 device)
+
+Which is fastest depends on the shape (fused saves a pass over the output; its launches cost
+host time), on the device, and on how the model runs: eagerly a layer's host time can exceed
+its GPU time, under CUDA graphs only GPU time counts. So each candidate is timed both ways, the
+first time a (device, dtype, row bucket, N, K, R, bias) key is seen, on the call's own input:
+
+    eager    CUDA events around a burst of back-to-back calls (the host issuing them is part of
+             the measurement: if it cannot keep up, the GPU idles and the events see it)
+    graphs   the same burst captured once in a CUDA graph and replayed (GPU time alone)
+
+and the forward asks for the eager choice, or for the graphs choice while a CUDA graph is being
+captured. A key's measurement is cached for the process (:data:`TIERS`); lossless wins ties and
+stands in wherever nothing was measured (under ``torch.compile``, or a first call made during
+capture, when nothing can be timed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["TIERS", "TierChoice", "TierChooser", "TierKey", "row_bucket"]
+
+# The implementations a Linear update can run by, in the order ties are broken.
+IMPLEMENTATIONS: tuple[str, ...] = ("lossless", "fused", "fused_cute")
+
+_WARMUP = 3
+_BURST = 10
+_REPEATS = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class TierKey:
+    """What a measurement holds for: layers of one shape on one device, at one row bucket."""
+
+    device: str
+    dtype: torch.dtype
+    rows: int  # the call's rows rounded up to a power of two (row_bucket)
+    n: int
+    k: int
+    r: int
+    bias: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class TierChoice:
+    """A key's measurement: seconds per call of each candidate, eagerly and in graphs (inf:
+    could not run that way), and the fastest of each.
+    """
+
+    eager: dict[str, float]
+    graphs: dict[str, float]
+
+    def best(self, graphs: bool) -> str:
+        times = self.graphs if graphs else self.eager
+        # min over the candidates in IMPLEMENTATIONS order: the first of equals wins
+        return min(times, key=lambda name: (times[name], IMPLEMENTATIONS.index(name)))
+
+
+def row_bucket(rows: int) -> int:
+    """``rows`` rounded up to a power of two: calls within a factor of two share a choice."""
+    return 1 << max(0, rows - 1).bit_length()
+
+
+Measure = Callable[[Callable[[], object], bool], float]
+
+
+def measure_call(fn: Callable[[], object], graphs: bool) -> float:
+    """Seconds per call of ``fn``: the median of several bursts of back-to-back calls, timed by
+    CUDA events on a CUDA device (eagerly or replayed from a captured graph) and by the clock
+    off CUDA (where there are no graphs: inf).
+    """
+    for _ in range(_WARMUP):
+        fn()
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        if graphs:
+            return float("inf")
+        samples = []
+        for _ in range(_REPEATS):
+            start = time.perf_counter()
+            for _ in range(_BURST):
+                fn()
+            samples.append((time.perf_counter() - start) / _BURST)
+        return statistics.median(samples)
+    stream = torch.cuda.current_stream()
+    run = fn
+    if graphs:
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(stream)
+        with torch.cuda.stream(side):
+            fn()  # warm on the side stream, as capture requires
+        stream.wait_stream(side)
+        try:
+            with torch.cuda.graph(graph):
+                for _ in range(_BURST):
+                    fn()
+        except RuntimeError:
+            return float("inf")  # this candidate cannot be captured
+        run = graph.replay
+    samples = []
+    for _ in range(_REPEATS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        if graphs:
+            run()
+        else:
+            for _ in range(_BURST):
+                run()
+        end.record(stream)
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3 / _BURST)
+    return statistics.median(samples)
+
+
+class TierChooser:
+    """Measurements per :class:`TierKey`, taken once each (see the module docstring).
+
+    Args:
+        measure: ``measure(fn, graphs) -> seconds per call``; :func:`measure_call` by default
+            (tests pass their own).
+        devices: the device types whose calls are measured; elsewhere the forward runs
+            lossless without measuring (off CUDA the fused kernels are Triton's interpreter,
+            there for tests, never the faster one).
+    """
+
+    def __init__(self, measure: Measure = measure_call,
+                 devices: tuple[str, ...] = ("cuda",)) -> None:
+        self.measure = measure
+        self.devices = devices
+        self.choices: dict[TierKey, TierChoice] = {}
+
+    def choose(self, key: TierKey, candidates: dict[str, Callable[[], object]], *,
+               graphs: bool = False) -> str:
+        """The fastest of ``candidates`` (name -> a call running that implementation on the
+        layer's input) for ``key``, measuring them if ``key`` was not measured yet.
+
+        Candidates are measured eagerly and in graphs; a candidate that raises is dropped.
+        Only "lossless" is never dropped: it is what the forward runs without a measurement.
+        """
+        choice = self.choices.get(key)
+        if choice is None:
+            eager, in_graphs = {}, {}
+            for name, fn in candidates.items():
+                try:
+                    eager[name] = self.measure(fn, False)
+                    in_graphs[name] = self.measure(fn, True)
+                except Exception:
+                    if name == "lossless":
+                        raise
+            choice = self.choices[key] = TierChoice(eager, in_graphs)
+        return choice.best(graphs)
+
+    def known(self, key: TierKey, *, graphs: bool) -> str | None:
+        """The choice for ``key`` if it was measured, else None (nothing is measured)."""
+        choice = self.choices.get(key)
+        return None if choice is None else choice.best(graphs)
+
+    def clear(self) -> None:
+        """Forget every measurement (the next call of each key measures again)."""
+        self.choices.clear()
+
+
+# The process's measurements, shared by every attachment: layers of one shape measure once.
+TIERS = TierChooser()

@@ -1,0 +1,187 @@
+"""The tier chooser (quality="auto", the default): the fastest implementation per layer shape,
+measured once per key, lossless wherever nothing can be measured.
+
+Timings never enter these tests: the chooser is given a fake measure that ranks the candidates
+as the test says, and the forward's output tells which implementation ran (the fused and the
+lossless tiers round differently).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import shuttle
+import shuttle.apply.dynamic_layer as dynamic_layer
+from shuttle.apply.tier import TierChooser, TierKey, row_bucket
+from shuttle.kernels import triton_available
+
+
+def _key(rows=128):
+    return TierKey("cuda:0", torch.bfloat16, rows, 64, 32, 8, True)
+
+
+def _ranked(order, calls=None):
+    """A measure ranking candidates by their place in ``order`` (first: fastest), the same
+    eagerly and in graphs unless ``order`` is a dict {graphs: order}."""
+    def measure(fn, graphs):
+        name = fn.name
+        if calls is not None:
+            calls.append((name, graphs))
+        ranks = order[graphs] if isinstance(order, dict) else order
+        return float(ranks.index(name))
+    return measure
+
+
+def _named(**fns):
+    out = {}
+    for name, fn in fns.items():
+        fn.name = name
+        out[name] = fn
+    return out
+
+
+def _noop():
+    def fn():
+        return None
+    return fn
+
+
+def test_the_fastest_candidate_wins_per_mode_and_is_measured_once():
+    calls = []
+    chooser = TierChooser(_ranked({False: ["fused", "lossless"], True: ["lossless", "fused"]},
+                                  calls))
+    cands = _named(lossless=_noop(), fused=_noop())
+    assert chooser.choose(_key(), cands) == "fused"
+    assert chooser.choose(_key(), cands, graphs=True) == "lossless"
+    assert sorted(calls) == [("fused", False), ("fused", True), ("lossless", False),
+                             ("lossless", True)]
+    assert chooser.known(_key(), graphs=False) == "fused"
+    assert chooser.known(_key(256), graphs=False) is None  # another row bucket
+    chooser.clear()
+    assert chooser.known(_key(), graphs=False) is None
+
+
+def test_lossless_wins_ties_and_a_failing_candidate_is_dropped():
+    chooser = TierChooser(lambda fn, graphs: 1.0)
+    assert chooser.choose(_key(), _named(fused=_noop(), lossless=_noop())) == "lossless"
+
+    def broken():
+        raise RuntimeError("cannot launch")
+    chooser = TierChooser(lambda fn, graphs: fn() or 0.0)
+    assert chooser.choose(_key(), {"fused_cute": broken, "lossless": _noop()}) == "lossless"
+    with pytest.raises(RuntimeError, match="cannot launch"):
+        TierChooser(lambda fn, graphs: fn() or 0.0).choose(_key(), {"lossless": broken})
+
+
+@pytest.mark.parametrize(("rows", "bucket"), [(1, 1), (2, 2), (3, 4), (64, 64), (65, 128),
+                                              (32760, 32768)])
+def test_rows_share_a_measurement_within_a_power_of_two(rows, bucket):
+    assert row_bucket(rows) == bucket
+
+
+def test_the_default_is_auto_and_off_cuda_it_runs_lossless_without_measuring(monkeypatch):
+    calls = []
+    monkeypatch.setattr(dynamic_layer, "TIERS", TierChooser(_ranked(["fused", "lossless"],
+                                                                    calls)))
+    m, sd, x = _model()
+    with torch.no_grad():  # (autograd recording alone would also keep it lossless)
+        with shuttle.apply_lora(m, [(sd, 0.8)], mode="dynamic") as h:
+            assert h.quality == "auto"
+            got = m(x)
+        with shuttle.apply_lora(m, [(sd, 0.8)], mode="dynamic", quality="lossless"):
+            want = m(x)
+    assert torch.equal(got, want) and not calls
+
+
+def _model():
+    g = torch.Generator().manual_seed(5)
+    torch.manual_seed(5)
+    m = nn.Sequential(nn.Linear(32, 64), nn.Linear(32, 64)).bfloat16()
+    m.forward = lambda x: m[0](x) + m[1](x)  # two layers of one shape
+    sd = {}
+    for i in (0, 1):
+        sd[f"{i}.lora_A.weight"] = (torch.randn(8, 32, generator=g) * 0.3).bfloat16()
+        sd[f"{i}.lora_B.weight"] = (torch.randn(64, 8, generator=g) * 0.3).bfloat16()
+    x = torch.randn(100, 32, generator=g).bfloat16()
+    return m, sd, x
+
+
+@pytest.mark.skipif(not triton_available(), reason="the fused tier needs triton")
+@pytest.mark.parametrize("fastest", ["fused", "lossless"])
+def test_auto_runs_the_measured_fastest_and_layers_of_one_shape_share_it(monkeypatch, fastest):
+    calls = []
+    order = [fastest, "lossless" if fastest == "fused" else "fused"]
+
+    def measure(fn, graphs):
+        calls.append(graphs)
+        return float(order.index(names[fn]))
+    names: dict = {}
+
+    chooser = TierChooser(measure, devices=("cuda", "cpu"))
+    real_choose = chooser.choose
+
+    def choose(key, candidates, *, graphs=False):
+        names.update({fn: name for name, fn in candidates.items()})
+        return real_choose(key, candidates, graphs=graphs)
+    chooser.choose = choose
+    monkeypatch.setattr(dynamic_layer, "TIERS", chooser)
+    m, sd, x = _model()
+    with torch.no_grad():
+        with shuttle.apply_lora(m, [(sd, 0.8)], mode="dynamic", quality="auto"):
+            got = m(x)
+        with shuttle.apply_lora(m, [(sd, 0.8)], mode="dynamic", quality=fastest):
+            want = m(x)
+        with shuttle.apply_lora(m, [(sd, 0.8)], mode="dynamic",
+                                quality="lossless" if fastest == "fused" else "fused"):
+            other = m(x)
+    assert torch.equal(got, want) and not torch.equal(got, other)
+    # one key for both layers: two candidates, each timed eagerly and in graphs, once
+    assert len(chooser.choices) == 1 and len(calls) == 4
+
+
+@pytest.mark.skipif(not triton_available(), reason="the fused tier needs triton")
+def test_auto_runs_lossless_where_autograd_records(monkeypatch):
+    monkeypatch.setattr(dynamic_layer, "TIERS", TierChooser(_ranked(["fused", "lossless"]),
+                                                            devices=("cuda", "cpu")))
+    m, sd, x = _model()
+    x.requires_grad_(True)
+    with shuttle.apply_lora(m, [(sd, 0.8)], mode="dynamic"):
+        got = m(x)
+    with shuttle.apply_lora(m, [(sd, 0.8)], mode="dynamic", quality="lossless"):
+        want = m(x)
+    assert torch.equal(got, want) and got.requires_grad
+    assert not dynamic_layer.TIERS.choices
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not triton_available(), reason="the fused tier needs triton")
+def test_gpu_auto_measures_and_captures_in_a_graph():
+    """On CUDA: the real measure picks a tier per mode; a capture replays that choice."""
+    from shuttle.apply.tier import TIERS
+
+    TIERS.clear()
+    m, sd, x = _model()
+    m, x = m.cuda(), x.cuda()
+    with torch.no_grad(), shuttle.apply_lora(m, [(sd, 0.8)], mode="dynamic"):
+        eager = m(x)
+        (key, choice), = TIERS.choices.items()
+        assert set(choice.eager) >= {"lossless", "fused"} and key.rows == 128
+        graph = torch.cuda.CUDAGraph()
+        static_x = x.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            m(static_x)
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            out = m(static_x)
+        graph.replay()
+        torch.cuda.synchronize()
+        fused = choice.best(True) != "lossless"
+        with shuttle.apply_lora(m, [(sd, 0.8)], mode="dynamic",
+                                quality="fused" if fused else "lossless"):
+            want = m(x)
+    assert torch.equal(out, want)
+    assert eager.shape == out.shape
