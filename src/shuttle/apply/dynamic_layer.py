@@ -44,11 +44,12 @@ from typing import Any, Literal, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from shuttle.apply.layer_kind import layer_kind
+from shuttle.apply.layer_kind import chain_dtype, layer_kind
 from shuttle.apply.plan import Contribution, logical_spec
 from shuttle.apply.scale import prepare_request_scale, request_scale, request_scale_value
 from shuttle.apply.scale_vector import ScaleVector
 from shuttle.apply.strength import Strengths
+from shuttle.apply.tensor_parallel import TensorParallelUpdate
 from shuttle.apply.tier import TIERS, TierKey, row_bucket
 from shuttle.errors import UnsupportedLayerError, UnsupportedPlacementError
 from shuttle.hooks import ModuleHook, substituted
@@ -58,7 +59,7 @@ from shuttle.kernels.lora_linear_cute import cute_available
 from shuttle.kernels.lora_linear_tma import PreparedLoraLinear
 from shuttle.patches import PATCH_KINDS, LowRank, Patch
 from shuttle.weights import FP8_DTYPES
-from shuttle.weights.dtensor import is_dtensor, shard_window
+from shuttle.weights.dtensor import is_dtensor
 from shuttle.weights.plain import is_plain_tensor
 
 __all__ = ["LoRAHook", "Quality"]
@@ -82,25 +83,6 @@ class _Residual(NamedTuple):
     adapter: int
     patch: Patch
     rows: tuple[int, int] | None
-
-
-def _chain_dtype(*dtypes: torch.dtype, exact: bool = True) -> torch.dtype:
-    """The dtype a low-rank update multiplies activations and factors in: the promotion of the
-    activations' (or layer's) dtype, given first, and the factors' dtypes. Neither is narrowed:
-    bf16 with bf16 stays bf16, fp16 with float32 is float32, fp16 with bf16 is float32 (an
-    fp16 file on a bf16 layer: activations cast to fp16 would overflow past 65504).
-
-    With ``exact=False`` (the lossless and fused tiers) fp16 factors on a bf16 layer run in
-    bf16: bf16 holds fp16's whole range, so nothing overflows; the factors lose 3 mantissa bits
-    once, at attach. Float32 factors would cost more than twice the update's time: float32
-    GEMMs over x cast up, and an output added out of place (docs/dynamic.md, "Dtypes").
-    """
-    out = first = dtypes[0]
-    for d in dtypes[1:]:
-        if exact or not (first == torch.bfloat16 and d == torch.float16):
-            out = torch.promote_types(out, d)
-    return out
-
 
 
 class LoRAHook(ModuleHook):
@@ -161,7 +143,7 @@ class LoRAHook(ModuleHook):
                 else:
                     self.dense.setdefault(leaf, []).append(_Residual(c.adapter, c.patch, c.rows))
         self._build_lowrank(module, pad_rank)
-        self._dt: tuple | None = None  # sharded factors: (key, A, B, scale mesh)
+        self._tensor_parallel = TensorParallelUpdate(name)  # a DTensor layer's update
         self.residuals: dict[str, torch.Tensor] = {}
         self.refresh(module)
         # Create the shared scale and strength tensors now: created inside a compiled forward,
@@ -185,10 +167,10 @@ class LoRAHook(ModuleHook):
         # The factors are kept in the layer's compute dtype (a float8 weight's is bfloat16: it
         # computes cast up, see weights.upcast_on_use) promoted by the file's: a float32
         # adapter keeps float32 GEMMs, an fp16 one on a float32 layer is widened; an fp16 one
-        # on a bf16 layer is rounded to bf16 (see _chain_dtype), a bf16 one on an fp16 layer
-        # kept in float32 (fp16 cannot hold bf16's range).
+        # on a bf16 layer is rounded to bf16 (see layer_kind.chain_dtype), a bf16 one on an
+        # fp16 layer kept in float32 (fp16 cannot hold bf16's range).
         wdtype = torch.bfloat16 if spec.dtype in FP8_DTYPES else spec.dtype
-        fdtype = _chain_dtype(wdtype, *sorted(dtypes, key=str), exact=False)
+        fdtype = chain_dtype(wdtype, *sorted(dtypes, key=str), exact=False)
         widths = [max(s.patch.rank, pad_rank or 0) for s in self.slots]
         total = sum(widths)
         self.down = torch.zeros(total, spec.shape[1], dtype=fdtype, device=w.device)
@@ -265,7 +247,8 @@ class LoRAHook(ModuleHook):
         # FSDP2 swaps its gathered, plain weights in for the forward: those take the plain path
         if self.sharded and is_dtensor(module.weight):
             out = inner(*args, **kwargs)
-            return self._sharded(module, args[0], out) if self.slots else out
+            return self._tensor_parallel(module, args[0], out, self.down, self.up,
+                                         self.scales(self.down.device)) if self.slots else out
         overrides = self._overrides(module)
         x = args[0] if args else None
         if self.layer.tiers and self.slots and self.quality in ("fused", "auto") and \
@@ -321,54 +304,13 @@ class LoRAHook(ModuleHook):
                 and x.dtype == self.down.dtype == self.up.dtype
                 and cute_available(x.device))
 
-    def _sharded(self, module: torch.nn.Module, x: torch.Tensor, out: torch.Tensor
-                 ) -> torch.Tensor:
-        """The update on a tensor-parallel layer, in DTensor ops: ``x`` and ``out`` are the
-        DTensors the layer's parallel style gives its forward.
-
-        The factors become DTensors laid out like the weight, from local slices of this
-        hook's factors (no communication): a row-sharded weight (``ColwiseParallel``) takes
-        ``B``'s rows and a replicated ``A``, so the update comes out sharded like the output;
-        a column-sharded one (``RowwiseParallel``) takes ``A``'s columns and a replicated
-        ``B``, so ``x A^T`` is a partial sum per rank and so is the update, which the layer's
-        own all-reduce of its partial output sums once with it (no collective of its own; the
-        bias stays the layer's, added once).
-        """
-        from torch.distributed.tensor import DTensor, Replicate, Shard
-
-        w = module.weight
-        key = (id(w), tuple(w.placements), self.down.data_ptr(), self.up.data_ptr())
-        if self._dt is None or self._dt[0] != key:
-            window = shard_window(w, self.name)
-            r0, r1 = window.starts[0], window.stops[0]
-            c0, c1 = window.starts[1], window.stops[1]
-            mesh = w.device_mesh
-            a_place = [Shard(1) if p == Shard(1) else Replicate() for p in w.placements]
-            b_place = [Shard(0) if p == Shard(0) else Replicate() for p in w.placements]
-            a = DTensor.from_local(self.down[:, c0:c1], mesh, a_place, run_check=False,
-                                   shape=self.down.shape, stride=self.down.stride())
-            b = DTensor.from_local(self.up[r0:r1], mesh, b_place, run_check=False,
-                                   shape=self.up.shape, stride=self.up.stride())
-            self._dt = (key, a, b, mesh)
-        _, a, b, mesh = self._dt
-        scale = DTensor.from_local(self.scales(self.down.device), mesh,
-                                   [Replicate()] * mesh.ndim, run_check=False)
-        if x.dtype != a.dtype:  # x is never narrowed to the stored factors' dtype
-            cd = _chain_dtype(x.dtype, a.dtype)
-            if cd != a.dtype:
-                a, b = a.to(cd), b.to(cd)
-            x = x.to(cd)
-        h = F.linear(x, a)
-        h = (h * scale).to(b.dtype)  # a 16-bit h times the float32 scale: computed in float32
-        return out + F.linear(h, b).to(out.dtype)
-
     def _exact(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         req = request_scale_value()
         for slot in self.slots:
             up, down = slot.patch.factors()
             # The chain's dtype is never narrower than x's: an fp16 file on a float32 or bf16
             # layer runs in float32 (x cast to fp16 would overflow past 65504 and lose bits).
-            cd = _chain_dtype(x.dtype, down.dtype, up.dtype)
+            cd = chain_dtype(x.dtype, down.dtype, up.dtype)
             d = x.to(cd) @ down.to(cd).T @ up.to(cd).T
             if slot.patch.effective_scale != 1:
                 d = d * slot.patch.effective_scale
@@ -395,7 +337,7 @@ class LoRAHook(ModuleHook):
             return out
         down, up = self.down, self.up
         if x.dtype != down.dtype:  # x is never narrowed to the stored factors' dtype
-            cd = _chain_dtype(x.dtype, down.dtype)
+            cd = chain_dtype(x.dtype, down.dtype)
             if cd != down.dtype:  # x wider than the layer's dtype (a quantized layer's input)
                 down, up = down.to(cd), up.to(cd)
             x = x.to(cd)
@@ -453,7 +395,7 @@ class LoRAHook(ModuleHook):
         # an Embedding's input holds indices: its chain starts from the weight's dtype
         layer = x.dtype if x.is_floating_point() else module.weight.dtype
         for slot in self.slots:
-            dtype = _chain_dtype(layer, *(t.dtype for _, t in slot.patch.tensors()), exact=exact)
+            dtype = chain_dtype(layer, *(t.dtype for _, t in slot.patch.tensors()), exact=exact)
             r = slot.patch.residual(x, module, dtype)
             m = self._strengths[slot.adapter] if exact else \
                 self._strengths.tensor(out.device)[slot.adapter]

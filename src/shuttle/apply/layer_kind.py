@@ -15,7 +15,25 @@ import torch
 
 from shuttle.patches import LowRank
 
-__all__ = ["LAYER_KINDS", "LayerKind", "layer_kind", "register_layer_kind"]
+__all__ = ["LAYER_KINDS", "LayerKind", "chain_dtype", "layer_kind", "register_layer_kind"]
+
+
+def chain_dtype(*dtypes: torch.dtype, exact: bool = True) -> torch.dtype:
+    """The dtype a low-rank update multiplies activations and factors in: the promotion of the
+    activations' (or layer's) dtype, given first, and the factors' dtypes. Neither is narrowed:
+    bf16 with bf16 stays bf16, fp16 with float32 is float32, fp16 with bf16 is float32 (an
+    fp16 file on a bf16 layer: activations cast to fp16 would overflow past 65504).
+
+    With ``exact=False`` (the lossless and fused tiers) fp16 factors on a bf16 layer run in
+    bf16: bf16 holds fp16's whole range, so nothing overflows; the factors lose 3 mantissa bits
+    once, at attach. Float32 factors would cost more than twice the update's time: float32
+    GEMMs over x cast up, and an output added out of place (docs/dynamic.md, "Dtypes").
+    """
+    out = first = dtypes[0]
+    for d in dtypes[1:]:
+        if exact or not (first == torch.bfloat16 and d == torch.float16):
+            out = torch.promote_types(out, d)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
