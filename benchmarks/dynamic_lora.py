@@ -5,10 +5,14 @@ Per shape (tokens T, in K, out N, rank r), bf16 with bias:
     naive     delta = x @ A.T @ B.T materialized, scaled by alpha/r then strength, added
     lossless  shuttle.attach_lora(quality="lossless"): scale on the rank-wide intermediate,
               addmm_ onto the base output
-    fused     shuttle.attach_lora(quality="fused"): Triton shrink + one kernel for x W^T + S B^T
+    fused     quality="fused" kept to Triton's kernels: the shrink, then one kernel for
+              x W^T + S B^T
+    cute      quality="fused" with the CuTe-DSL Hopper GEMM for the second kernel (the hopper
+              extra; the K loop extended by the rank); absent without the extra
+    auto      quality="auto", the default: the tier chooser's measured pick per shape
     floor     max(extra bytes / copy bandwidth, extra FLOPs / GEMM rate) over the base time,
               with the ceilings of h200-limits.md (4213 GB/s read+write, 780 TFLOP/s)
-Then a whole small DiT forward (LoRA on every linear): merged vs lossless vs fused.
+Then a whole small DiT forward (LoRA on every linear): merged vs each tier.
 Every variant is timed twice: eager (one call from an idle GPU, host time included) and
 captured in a CUDA graph (GPU work only).
 
@@ -37,6 +41,24 @@ SHAPES = {
     "llm_8b_prefill_mlp": (8192, 4096, 14336, 16),
 }
 COPY_GBS, GEMM_TFLOPS = 4213.0, 780.0
+# The dynamic variants: name -> (quality, whether the CuTe kernel may run)
+TIERS = {"lossless": ("lossless", False), "fused": ("fused", False), "cute": ("fused", True),
+         "auto": ("auto", True)}
+
+
+def tiers() -> dict[str, tuple[str, bool]]:
+    """The variants this machine runs (cute only with the extra on an sm_90 GPU)."""
+    from shuttle.kernels.lora_linear_cute import cute_available
+
+    return {q: v for q, v in TIERS.items() if q != "cute" or cute_available()}
+
+
+def attach(model: nn.Module, sd: dict, strength: float, variant: tuple[str, bool]):
+    quality, cute = variant
+    handle = shuttle.attach_lora(model, [(sd, strength)], quality=quality)
+    for hook in handle.hooks.values():
+        hook.allow_cute = cute
+    return handle
 
 
 def floor_ms(t: int, k: int, n: int, r: int) -> float:
@@ -56,12 +78,13 @@ def adapter(k: int, n: int, r: int, seed: int) -> dict[str, torch.Tensor]:
 def bench_shape(name: str, t: int, k: int, n: int, r: int, rounds: int) -> dict:
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(k, n)).cuda().bfloat16()
-    mods = {q: nn.Sequential(nn.Linear(k, n)).cuda().bfloat16() for q in ("lossless", "fused")}
+    variants_of = tiers()
+    mods = {q: nn.Sequential(nn.Linear(k, n)).cuda().bfloat16() for q in variants_of}
     for m in mods.values():
         m.load_state_dict(base.state_dict())
     sd = adapter(k, n, r, 1)
     xs = [torch.randn(t, k, device="cuda").bfloat16() for _ in range(2)]
-    handles = {q: shuttle.attach_lora(m, [(sd, 0.8)], quality=q) for q, m in mods.items()}
+    handles = {q: attach(m, sd, 0.8, variants_of[q]) for q, m in mods.items()}
     a, b, s = sd["0.lora_A.weight"], sd["0.lora_B.weight"], 0.5
 
     def naive_on(x):
@@ -74,20 +97,19 @@ def bench_shape(name: str, t: int, k: int, n: int, r: int, rounds: int) -> dict:
         return naive_on(xs[i % 2])
 
     variants = {"base": lambda i: base(xs[i % 2]), "naive": naive,
-                "lossless": lambda i: mods["lossless"](xs[i % 2]),
-                "fused": lambda i: mods["fused"](xs[i % 2])}
+                **{q: (lambda i, m=m: m(xs[i % 2])) for q, m in mods.items()}}
+    names = ["naive", *mods]
     with torch.no_grad():
         timings = harness.interleaved(variants, rounds=rounds, warmup=3)
         lin = base[0]
         ref = (xs[0].double() @ lin.weight.double().T + lin.bias.double()
                + 0.8 * s * (xs[0].double() @ a.double().T @ b.double().T))
         err = {q: float((variants[q](0).double() - ref).norm() / ref.norm())
-               for q in ("naive", "lossless", "fused")}
+               for q in names}
     # The same variants captured in CUDA graphs and replayed: the GPU work alone, without the
     # host's Python and launch time (as a server or torch.compile's cudagraphs run a layer).
     # One graph per variant and input, so that inputs rotate without a copy in the timed span.
-    layers = {"base": base, "naive": lambda v: naive_on(v), "lossless": mods["lossless"],
-              "fused": mods["fused"]}
+    layers = {"base": base, "naive": lambda v: naive_on(v), **mods}
     graph = None
     try:
         graphs = {q: [_graphed(lambda m=m, x=x: m(x)) for x in xs] for q, m in layers.items()}
@@ -105,11 +127,11 @@ def bench_shape(name: str, t: int, k: int, n: int, r: int, rounds: int) -> dict:
         g_base = graph["base"]["median_ms"]
         graph = {"timings": graph,
                  "overhead_pct": {q: 100 * (graph[q]["median_ms"] - g_base) / g_base
-                                  for q in ("naive", "lossless", "fused")}}
+                                  for q in names}}
     return {"shape": (t, k, n, r), "timings": timings, "rel_err_vs_float64": err,
             "graph": graph,
             "overhead_pct": {q: 100 * (timings[q]["median_ms"] - t_base) / t_base
-                             for q in ("naive", "lossless", "fused")},
+                             for q in names},
             "floor_pct": 100 * floor_ms(t, k, n, r) / t_base,
             "graph_floor_pct": (100 * floor_ms(t, k, n, r) / graph["timings"]["base"]["median_ms"]
                                 if graph else None)}
@@ -134,7 +156,8 @@ def bench_dit(rounds: int) -> dict:
 
     torch.manual_seed(0)
     dims = {"channels": 16, "dim": 1536, "mlp": 6144, "depth": 4}
-    models = {q: DemoDiT(**dims).cuda().bfloat16() for q in ("merged", "lossless", "fused")}
+    variants_of = tiers()
+    models = {q: DemoDiT(**dims).cuda().bfloat16() for q in ("merged", *variants_of)}
     for m in models.values():
         m.load_state_dict(models["merged"].state_dict())
     g = torch.Generator(device="cuda").manual_seed(2)
@@ -146,8 +169,7 @@ def bench_dit(rounds: int) -> dict:
             sd[f"{name}.lora_B.weight"] = (torch.randn(mod.out_features, 64, device="cuda",
                                                        generator=g) * 0.02).bfloat16()
     shuttle.merge_lora(models["merged"], [(sd, 1.0)])
-    handles = [shuttle.attach_lora(models[q], [(sd, 1.0)], quality=q)
-               for q in ("lossless", "fused")]
+    handles = [attach(models[q], sd, 1.0, v) for q, v in variants_of.items()]
     xs = [torch.randn(1, 16, 128, 128, device="cuda").bfloat16() for _ in range(2)]  # 4096 tok
     with torch.no_grad():
         timings = harness.interleaved({q: (lambda i, m=m: m(xs[i % 2])) for q, m in
@@ -162,36 +184,37 @@ def bench_dit(rounds: int) -> dict:
 
 
 def write(rows: dict, dit: dict | None) -> None:
+    names = [q for q in ("naive", *TIERS) if any(q in r["overhead_pct"] for r in rows.values())]
     table_rows = []
     for name, r in rows.items():
         o, g = r["overhead_pct"], (r.get("graph") or {}).get("overhead_pct")
         gt = r.get("graph") and r["graph"]["timings"]["base"]["median_ms"]
         table_rows.append([
             name, str(r["shape"]), f"{r['timings']['base']['median_ms']:.3f}",
-            f"{o['naive']:.0f}", f"{o['lossless']:.0f}", f"{o['fused']:.0f}",
-            f"{gt:.3f}" if g else "-", f"{g['naive']:.0f}" if g else "-",
-            f"{g['lossless']:.0f}" if g else "-", f"**{g['fused']:.0f}**" if g else "-",
+            *(f"{o[q]:.0f}" if q in o else "-" for q in names),
+            f"{gt:.3f}" if g else "-", *(f"{g[q]:.0f}" if g and q in g else "-" for q in names),
             f"{r['graph_floor_pct']:.1f}" if g else f"{r['floor_pct']:.1f}",
-            f"{r['rel_err_vs_float64']['lossless']:.1e}",
-            f"{r['rel_err_vs_float64']['fused']:.1e}"])
+            *(f"{r['rel_err_vs_float64'][q]:.1e}" for q in names[1:]
+              if q in r["rel_err_vs_float64"])])
     table = harness.markdown_table(
-        ["shape", "(T, K, N, r)", "eager base ms", "naive %", "lossless %", "fused %",
-         "graph base ms", "naive %", "lossless %", "fused %", "floor %", "lossless err",
-         "fused err"], table_rows)
+        ["shape", "(T, K, N, r)", "eager base ms", *(f"{q} %" for q in names),
+         "graph base ms", *(f"{q} %" for q in names), "floor %",
+         *(f"{q} err" for q in names[1:])], table_rows)
     notes = ("Overheads are (t - t_base) / t_base, medians of interleaved rounds. Eager: one call "
              "timed from an idle GPU (host Python and launch time included, as an eager script "
              "runs a single layer). Graph: the same layers captured in CUDA graphs and replayed "
              "(the GPU work alone, as a server, torch.compile's cudagraphs or a long chain of "
-             "layers whose launches run ahead runs them). Floor: against the graph base.")
+             "layers whose launches run ahead runs them). Floor: against the graph base. "
+             "fused: Triton's kernels; cute: the CuTe-DSL GEMM; auto: the default's pick.")
     if dit:
         lines = []
         for label, t in (("eager", dit["timings"]), ("CUDA graph", dit.get("graph_timings"))):
             if not t:
                 continue
             m = t["merged"]["median_ms"]
-            lines.append(f"{label}: merged {m:.2f} ms, lossless {t['lossless']['median_ms']:.2f} "
-                         f"ms ({t['lossless']['median_ms'] / m:.2f}x), fused "
-                         f"{t['fused']['median_ms']:.2f} ms ({t['fused']['median_ms'] / m:.2f}x)")
+            lines.append(f"{label}: merged {m:.2f} ms, " + ", ".join(
+                f"{q} {t[q]['median_ms']:.2f} ms ({t[q]['median_ms'] / m:.2f}x)"
+                for q in t if q != "merged"))
         notes += (f"\n\nWhole DiT forward ({dit['config']}, {dit['tokens']} tokens, LoRA rank "
                   f"{dit['rank']} on every linear): " + "; ".join(lines) + ".")
     harness.write_results("dynamic_lora", {"shapes": rows, "dit": dit}, table,

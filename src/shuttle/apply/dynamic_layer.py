@@ -104,6 +104,9 @@ class LoRAHook(ModuleHook):
                  quality: Quality, pad_rank: int | None = None):
         self.name = name
         self.quality = quality
+        # False: the fused tier keeps to Triton's kernels where the CuTe one could run
+        # (benchmarks/dynamic_lora.py times the two side by side)
+        self.allow_cute = True
         self._strengths = strengths
         self.scales = ScaleVector(strengths)  # the Linear tiers' per-rank-column scale
         self.layer = layer_kind(module)
@@ -300,7 +303,7 @@ class LoRAHook(ModuleHook):
         """Whether the CuTe kernel can take this call (the extra on an sm_90 device, more rows
         than the decode kernels take, the factors in the layer's dtype).
         """
-        return (x.is_cuda and x.numel() > DECODE_MAX_T * x.shape[-1]
+        return (self.allow_cute and x.is_cuda and x.numel() > DECODE_MAX_T * x.shape[-1]
                 and x.dtype == self.down.dtype == self.up.dtype
                 and cute_available(x.device))
 
