@@ -26,15 +26,21 @@ from tests.kernels.test_lora_linear import BF16, FP16, _assert_one_ulp, _layer
 needs_dsl = pytest.mark.skipif(not cute_installed(), reason="nvidia-cutlass-dsl not installed")
 
 
-def _ptx(dtype, tile, bias) -> str:
-    return str(compile_lora_gemm(dtype, tile, bias, 132, "--keep-ptx").artifacts.PTX)
+@pytest.fixture(scope="module")
+def ptx_of(tmp_path_factory):
+    """The PTX of a compile (the DSL writes it under a dump folder: a temporary one here)."""
+    options = f"--keep-ptx --dump-dir {tmp_path_factory.mktemp('cute')}"
+
+    def ptx(dtype, tile, bias) -> str:
+        return str(compile_lora_gemm(dtype, tile, bias, 132, options).artifacts.PTX)
+    return ptx
 
 
 @needs_dsl
 @pytest.mark.parametrize("tile", CUTE_TILES, ids=lambda t: f"{t.m}x{t.n}")
 @pytest.mark.parametrize(("dtype", "ptx_type"), [(BF16, "bf16"), (FP16, "f16")])
-def test_compiles_for_hopper_on_the_cpu(tile, dtype, ptx_type):
-    ptx = _ptx(dtype, tile, bias=True)
+def test_compiles_for_hopper_on_the_cpu(tile, dtype, ptx_type, ptx_of):
+    ptx = ptx_of(dtype, tile, bias=True)
     assert ".target sm_90a" in ptx
     # float32 accumulation of 16-bit operands at the tile's width, 64 rows per instruction
     mmas = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\w+)\.(\w+)\.(\w+)\.(\w+)", ptx))
@@ -49,9 +55,9 @@ def test_compiles_for_hopper_on_the_cpu(tile, dtype, ptx_type):
 
 
 @needs_dsl
-def test_the_bias_is_read_only_when_the_layer_has_one():
+def test_the_bias_is_read_only_when_the_layer_has_one(ptx_of):
     tile = CUTE_TILES[0]
-    with_bias, without = _ptx(BF16, tile, True), _ptx(BF16, tile, False)
+    with_bias, without = ptx_of(BF16, tile, True), ptx_of(BF16, tile, False)
     assert re.search(r"\bld\.global[.\w]*", with_bias)
     assert not re.search(r"\bld\.global[.\w]*", without)
 

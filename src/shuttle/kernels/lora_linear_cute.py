@@ -426,15 +426,12 @@ def compile_lora_gemm(dtype: torch.dtype, tile: CuteTile, has_bias: bool, sms: i
     """The compiled kernel for ``dtype`` operands, ``tile`` and ``sms`` persistent CTAs (once
     per process per arguments; compiling takes a second or two, a call microseconds).
 
-    Compiles without a GPU (the DSL targets ``CUTE_DSL_ARCH``, sm_90a here), so the CPU tests
-    check that the program is well formed. ``options``: the DSL's compile options
-    (``"--keep-ptx"`` keeps the PTX in ``.artifacts.PTX``).
+    Compiles for sm_90a with or without a GPU, so the CPU tests check that the program is well
+    formed. ``options``: more of the DSL's compile options (``"--keep-ptx --dump-dir D"`` keeps
+    the PTX in ``.artifacts.PTX`` and writes it under ``D``).
     """
-    import os
-
     if dtype not in _DTYPES:
         raise TypeError(f"the CuTe LoRA kernel takes bfloat16 or float16 operands, not {dtype}")
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     d = _dsl()
     cute, cutlass = d.cute, d.cutlass
     elem = _numeric(dtype)
@@ -446,7 +443,7 @@ def compile_lora_gemm(dtype: torch.dtype, tile: CuteTile, has_bias: bool, sms: i
     return cute.compile(
         kernel.host(), ptr(elem), ptr(elem), ptr(elem), ptr(elem), ptr(cutlass.Float32),
         ptr(elem), cutlass.Int32(1), cutlass.Int32(8), cutlass.Int32(8), cutlass.Int32(8),
-        driver.CUstream(0), options=options)
+        driver.CUstream(0), options=f"--gpu-arch sm_90a {options}".strip())
 
 
 class CuteLoraGemm:
