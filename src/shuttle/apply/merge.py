@@ -218,7 +218,7 @@ def _check_keep(model: torch.nn.Module, plan: MergePlan) -> None:
             its exit would discard this merge, and the copy (holding the block's merge) would
             then write the block's merge back for good.
     """
-    from shuttle.apply.scoped import merged_parameters  # scoped imports this module
+    from shuttle.apply.open_scopes import merged_parameters
 
     if plan.widen:
         raise WideningError(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import weakref
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -21,6 +20,7 @@ from shuttle.apply.dynamic import (
 from shuttle.apply.dynamic_layer import Quality
 from shuttle.apply.merge import MergeReport, merge_plan
 from shuttle.apply.notes import plan_notes
+from shuttle.apply.open_scopes import OPEN_SCOPES, MergeScope, close_scope
 from shuttle.apply.param_merge import copy_param, restore_param
 from shuttle.apply.pipeline import Pipeline, as_model
 from shuttle.apply.plan import (
@@ -33,34 +33,10 @@ from shuttle.apply.plan import (
 from shuttle.apply.rounding import Rounding, check_rounding
 from shuttle.apply.sharded import agreed, has_dtensors, localize, merge_fingerprint
 from shuttle.apply.widen import narrow, widen_layers
-from shuttle.errors import InvalidOptionError, ScopeOrderError, UnsupportedPlacementError
+from shuttle.errors import InvalidOptionError, UnsupportedPlacementError
 from shuttle.targets import KeyMapping
-from shuttle.weights import WeightRepresentation
 
 __all__ = ["apply_lora"]
-
-@dataclasses.dataclass(eq=False)
-class _Scope:
-    """What one open merge scope restores on exit (handed on when it exits out of order)."""
-
-    backups: dict[str, torch.Tensor | WeightRepresentation]
-    widened: list
-
-
-# model -> its open merge scopes, oldest first
-_OPEN: weakref.WeakKeyDictionary[torch.nn.Module, list[_Scope]] = weakref.WeakKeyDictionary()
-
-
-def merged_parameters(model: torch.nn.Module) -> list[str]:
-    """Names (relative to ``model``) of the parameters that an open ``apply_lora(mode="merge")``
-    block on ``model`` or one of its submodules holds merged right now.
-    """
-    out = []
-    for prefix, module in model.named_modules():
-        for scope in _OPEN.get(module, ()):
-            out.extend(f"{prefix}.{n}" if prefix else n for n in scope.backups)
-    return out
-
 
 @contextlib.contextmanager
 def apply_lora(
@@ -164,8 +140,8 @@ def apply_lora(
                if name not in plan.widen}
     handle: DynamicAdapters | None = None
     widened = widen_layers(model, plan, params)  # checks every layer before widening one
-    scope = _Scope(backups, widened)
-    _OPEN.setdefault(model, []).append(scope)
+    scope = MergeScope(backups, widened)
+    OPEN_SCOPES.setdefault(model, []).append(scope)
     try:
         if dynamic is not None:
             # Hooks first: attaching validates every dynamic patch and writes no weight, and
@@ -180,7 +156,7 @@ def apply_lora(
     finally:
         if handle is not None:
             handle.detach()
-        _close(model, scope)
+        close_scope(model, scope)
         for name, saved in backups.items():
             restore_param(params[name], saved)
         narrow(widened)
@@ -197,29 +173,3 @@ def _plan_local(model: torch.nn.Module, params: dict[str, torch.Tensor], loras: 
     return plan, localize(plan, params, rounding=rounding, seed=seed)
 
 
-def _close(model: torch.nn.Module, scope: _Scope) -> None:
-    """Leave the stack of open scopes; out of order, hand the originals to the next scope.
-
-    Scopes nest: a later scope's backups hold this one's merge. Restoring here would undo the
-    later scope's merge too, and its exit would then write this merge back for good. So the
-    older copies (and widened layers) go to the next open scope, which restores them on its
-    exit, and the exit is refused with nothing changed.
-
-    Raises:
-        ScopeOrderError: a later scope on ``model`` is still open.
-    """
-    stack = _OPEN[model]
-    i = stack.index(scope)
-    del stack[i]
-    if i == len(stack):
-        return
-    later = stack[i]
-    later.backups.update(scope.backups)  # the older copy of a parameter both merged wins
-    later.widened[:0] = scope.widened
-    scope.backups.clear()
-    scope.widened.clear()
-    raise ScopeOrderError(
-        f"apply_lora scope {i + 1} of {len(stack) + 1} on this model exited while a later one "
-        "was still open; its merge stays until that scope exits, which restores the weights of "
-        "both. Exit scopes in reverse order of entry (nest the with blocks)."
-    )

@@ -22,11 +22,11 @@ import torch
 
 from shuttle.apply.kept import check_undo, release
 from shuttle.apply.merge import MergeReport, merge_lora
+from shuttle.apply.open_scopes import merged_parameters
 from shuttle.apply.param_merge import restore_param
 from shuttle.apply.pipeline import Pipeline, as_model
 from shuttle.apply.plan import AdapterList, normalize_adapters
 from shuttle.apply.rounding import Rounding, rounding_for
-from shuttle.apply.scoped import merged_parameters
 from shuttle.apply.sharded import agreed
 from shuttle.errors import InvalidOptionError, ShapeMismatchError, ShuttleError
 from shuttle.formats import LoRA

@@ -210,9 +210,11 @@ class PreparedLoraLinear:
                        for cfg in (FUSED_TMA_CONFIG, FUSED_TMA_NARROW_CONFIG)}
         self._cute: dict = {}
         if cute:
-            from shuttle.kernels.lora_linear_cute import CUTE_TILES, CuteLoraGemm
+            from shuttle.kernels.lora_gemm_sm90 import CUTE_TILES
+            from shuttle.kernels.lora_linear_cute import CuteLoraGemm
 
-            self._cute = {tile: CuteLoraGemm(weight, bias, up, tile) for tile in CUTE_TILES}
+            self._cute = {tile: CuteLoraGemm(weight, up, bias is not None, tile)
+                          for tile in CUTE_TILES}
 
     @staticmethod
     def _layout_of(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
@@ -250,7 +252,8 @@ class PreparedLoraLinear:
             if self._cute:
                 wide, narrow = self._cute
                 fill = _round_fill(t, self._n, wide.m, wide.n, self._sms)
-                self._cute[wide if fill >= FILL_FOR_WIDE_TILES else narrow](x, s, out)
+                gemm = self._cute[wide if fill >= FILL_FOR_WIDE_TILES else narrow]
+                gemm(x, weight, bias, s, out)
             else:
                 _launch_tma(x, weight, s, self.up, bias, None, out, self._sms,
                             self._fused[fused_tma_config(t, self._n, self._sms)])

@@ -147,7 +147,7 @@ def _check_model(model: object, where: str) -> None:
 
 
 def _check_not_merged(model: torch.nn.Module) -> None:
-    from shuttle.apply.scoped import merged_parameters
+    from shuttle.apply.open_scopes import merged_parameters
 
     params = dict(model.named_parameters())
     trainable = [n for n in merged_parameters(model) if n in params and params[n].requires_grad]

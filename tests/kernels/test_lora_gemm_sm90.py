@@ -1,0 +1,65 @@
+"""The CuTe-DSL program of the fused LoRA linear's Hopper GEMM, compiled on the CPU.
+
+The DSL compiles the kernel for sm_90a without a GPU, so these tests check the program it emits:
+the warpgroup MMA at the tile's shape, one producer warpgroup beside the consumers, five TMA
+descriptors (x, W, S, B and the output), the bias read only where asked. Its numerics are
+checked on the H200 (tests/kernels/test_lora_linear_cute.py).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from shuttle.kernels.lora_gemm_sm90 import CUTE_TILES, compile_lora_gemm, dsl
+from shuttle.kernels.lora_linear_cute import cute_installed
+from tests.kernels.test_lora_linear import BF16, FP16
+
+needs_dsl = pytest.mark.skipif(not cute_installed(), reason="nvidia-cutlass-dsl not installed")
+
+
+@pytest.fixture(scope="module")
+def ptx_of(tmp_path_factory):
+    """The PTX of a compile (the DSL writes it under a dump folder: a temporary one here)."""
+    options = f"--keep-ptx --dump-dir {tmp_path_factory.mktemp('cute')}"
+
+    def ptx(dtype, tile, bias) -> str:
+        return str(compile_lora_gemm(dtype, tile, bias, 132, options).artifacts.PTX)
+    return ptx
+
+
+@needs_dsl
+@pytest.mark.parametrize("tile", CUTE_TILES, ids=lambda t: f"{t.m}x{t.n}")
+@pytest.mark.parametrize(("dtype", "ptx_type"), [(BF16, "bf16"), (FP16, "f16")])
+def test_compiles_for_hopper_on_the_cpu(tile, dtype, ptx_type, ptx_of):
+    ptx = ptx_of(dtype, tile, bias=True)
+    assert ".target sm_90a" in ptx
+    # float32 accumulation of 16-bit operands at the tile's width, 64 rows per instruction
+    mmas = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\w+)\.(\w+)\.(\w+)\.(\w+)", ptx))
+    assert mmas == {(f"m64n{tile.n}k16", "f32", ptx_type, ptx_type)}
+    # a producer warpgroup beside the consumer warpgroups, registers moved between them
+    assert f".reqntid {128 * (1 + tile.consumers)}, 1, 1" in ptx
+    assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
+    # x, W, S, B loaded and the output stored by TMA: five 128-byte descriptors
+    assert len(re.findall(r"\.param \.align 64 \.b8 \w+\[128\]", ptx)) == 5
+    assert "cp.async.bulk.tensor.2d.shared::cta.global" in ptx
+    assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx
+
+
+@needs_dsl
+def test_the_bias_is_read_only_when_the_layer_has_one(ptx_of):
+    tile = CUTE_TILES[0]
+    with_bias, without = ptx_of(BF16, tile, True), ptx_of(BF16, tile, False)
+    assert re.search(r"\bld\.global[.\w]*", with_bias)
+    assert not re.search(r"\bld\.global[.\w]*", without)
+
+
+def test_a_missing_dsl_names_the_extra(monkeypatch):
+    import sys
+
+    from shuttle.errors import MissingDependencyError
+
+    monkeypatch.setitem(sys.modules, "cutlass", None)  # import cutlass -> ImportError
+    with pytest.raises(MissingDependencyError, match=r"shuttle\[hopper\]"):
+        dsl.__wrapped__()
