@@ -185,3 +185,14 @@ def test_gpu_auto_measures_and_captures_in_a_graph():
             want = m(x)
     assert torch.equal(out, want)
     assert eager.shape == out.shape
+
+
+def test_off_cuda_a_call_is_timed_by_the_clock_and_never_in_graphs():
+    from shuttle.apply import tier
+
+    calls = []
+    seconds = tier.measure_call(lambda: calls.append(1), False)
+    assert 0 < seconds < 1
+    assert len(calls) == tier._WARMUP + tier._REPEATS * tier._BURST
+    if not torch.cuda.is_available():
+        assert tier.measure_call(lambda: None, True) == float("inf")
