@@ -139,6 +139,32 @@ def test_code_lengths_limit_a_deep_tree():
     assert sum(2.0 ** -n for n in lengths if n) == 1.0
 
 
+def test_the_code_is_the_same_bytes_every_time():
+    """Every byte of the blob is written (the gaps between its aligned parts too): one tensor
+    codes to one blob, and a file of it to one set of bytes."""
+    w = _gaussian(70_001, torch.bfloat16)
+    torch.empty(1 << 22, dtype=torch.uint8).fill_(0xAB)  # leave garbage for a reused block
+    assert torch.equal(LosslessTensor.encode_tensor(w).blob, LosslessTensor.encode_tensor(w).blob)
+
+
+def test_a_device_out_of_memory_codes_on_the_cpu(monkeypatch):
+    """A small card cannot hold coding's temporaries: the host codes the tensor instead."""
+    w = (torch.randn(256, 512) * 0.02).bfloat16()
+    real = LosslessTensor.encode_tensor.__func__
+    tried = []
+
+    def encode(cls, tensor, **kw):
+        tried.append(tensor.device.type)
+        if tensor.device.type != "cpu":
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return real(cls, tensor, **kw)
+    monkeypatch.setattr(LosslessTensor, "encode_tensor", classmethod(encode))
+    rep = LosslessTensor.encode_host(w, device="meta")
+    assert tried == ["meta", "cpu"]
+    assert rep.blob.device.type == "cpu"
+    assert torch.equal(rep.blob, real(LosslessTensor, w).blob)
+
+
 def test_encode_re_codes_a_merged_weight():
     x = _gaussian(40000, torch.bfloat16)
     rep = LosslessTensor.encode_tensor(x)

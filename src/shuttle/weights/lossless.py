@@ -243,27 +243,36 @@ class LosslessTensor(WeightRepresentation):
         if not always and blob_nbytes(n, at) >= n * 2:
             return None
         offsets = torch.cat([*starts, torch.tensor([at], device=flat.device)])
-        rep = cls(torch.empty(blob_nbytes(n, at), dtype=torch.uint8, device=flat.device),
-                  tensor.shape,
-                  tensor.dtype, at)
+        # zeros: the alignment gaps between parts are part of the blob (and of a file's bytes)
+        rep = cls(torch.zeros(blob_nbytes(n, at), dtype=torch.uint8, device=flat.device),
+                  tensor.shape, tensor.dtype, at)
         p = rep.parts()
         p.lut.copy_(lut)
         p.checks.copy_(group_checks(flat))
         p.offsets.copy_(offsets.to(torch.int32))
         p.raw.copy_(raw.to(torch.uint8))
         p.words[:at].copy_(_to_int32(torch.cat(pieces)))
-        p.words[at:].zero_()
         return rep
 
     @classmethod
-    def encode_host(cls, tensor: torch.Tensor) -> LosslessTensor | None:
-        """:meth:`encode_tensor` on the GPU when there is one (the code is the same, in a
-        fraction of the CPU's time), its blob returned in host memory.
+    def encode_host(cls, tensor: torch.Tensor, device: torch.device | str | None = None
+                    ) -> LosslessTensor | None:
+        """:meth:`encode_tensor` on ``device`` (default: the GPU when there is one: the code is
+        the same, in a fraction of the CPU's time), its blob returned in host memory.
+
+        Coding takes several times the tensor's bytes in temporaries; where ``device`` has not
+        the memory (a small card), the tensor is coded on the CPU instead.
         """
-        if not torch.cuda.is_available():
-            return cls.encode_tensor(tensor.cpu())
-        rep = cls.encode_tensor(tensor.to("cuda", non_blocking=True))
-        return None if rep is None else dataclasses.replace(rep, blob=rep.blob.cpu())
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if torch.device(device).type != "cpu":
+            try:
+                rep = cls.encode_tensor(tensor.to(device, non_blocking=True))
+                return None if rep is None else dataclasses.replace(rep, blob=rep.blob.cpu())
+            except torch.OutOfMemoryError:
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()  # the failed attempt's blocks, for the model
+        return cls.encode_tensor(tensor.cpu())
 
     @property
     def numel(self) -> int:
