@@ -33,7 +33,7 @@ import torch
 
 from shuttle.errors import CorruptCodeError, HostBackingError
 from shuttle.offload.layout import ALIGN, Layout
-from shuttle.offload.survey import UnitSurvey, read_binding
+from shuttle.offload.survey import UnitSurvey, read_entry
 from shuttle.weights.lossless import CODED_DTYPES, LosslessTensor
 from shuttle.weights.lossless_file import CodedRef
 
@@ -130,17 +130,11 @@ def fill_coded(s: UnitSurvey, code: UnitCode, arena: torch.Tensor) -> None:
         for b, src in zip(s.sources, s.files, strict=True):
             i, at = b.entry, code.offsets[b.entry]
             rep = code.coded[i]
-            if rep is not None:
+            if rep is None:
+                read_entry(b, src, code._raw(s.layout, arena, i))
+            else:
                 assert isinstance(src, CodedRef)
                 src.blob.load_into(arena[at:at + rep.blob.numel()])
-                continue
-            view = code._raw(s.layout, arena, i)
-            if src is None:
-                view.copy_(read_binding(b))
-            elif isinstance(src, CodedRef) or src.dtype != view.dtype:
-                view.copy_(src.load())  # decoded, or converted while read
-            else:
-                src.load_into(view.reshape(-1).view(torch.uint8))
 
 
 def code_arena(layout: Layout, arena: torch.Tensor, eligible: Sequence[bool]

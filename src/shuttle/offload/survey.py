@@ -25,7 +25,7 @@ from shuttle.weights.lossless_file import CodedRef
 from shuttle.weights.plain import is_plain_tensor
 
 __all__ = ["CASTABLE", "Binding", "UnitSurvey", "adopted", "fill_arena", "read_binding",
-           "survey_units"]
+           "read_entry", "survey_units"]
 
 # Floating-point dtypes a checkpoint tensor is converted between while read (``copy_``
 # rounds to nearest even, as ``load_state_dict`` and ``Tensor.to`` do).
@@ -301,12 +301,18 @@ def fill_arena(s: UnitSurvey, arena: torch.Tensor) -> None:
     views = s.layout.views(arena)
     with torch.no_grad():
         for b, src in zip(s.sources, s.files, strict=True):
-            if src is None:
-                views[b.entry].copy_(read_binding(b))
-            elif isinstance(src, CodedRef):  # decoded (converted too, where the dtype differs)
-                views[b.entry].copy_(src.load())
-            elif src.dtype != s.layout.dtypes[b.entry]:  # converted piece by piece
-                src.load_converted(views[b.entry])
-            else:  # straight from the file into the arena: one read, no other copy
-                off = s.layout.offsets[b.entry]
-                src.load_into(arena[off:off + src.nbytes])
+            read_entry(b, src, views[b.entry])
+
+
+def read_entry(b: Binding, src: LazyTensor | CodedRef | None, view: torch.Tensor) -> None:
+    """Fill ``view`` (a contiguous host tensor of entry ``b``'s dtype and shape) from ``src``,
+    its checkpoint tensor (None: the module's own tensor).
+    """
+    if src is None:
+        view.copy_(read_binding(b))
+    elif isinstance(src, CodedRef):  # decoded (converted too, where the dtype differs)
+        view.copy_(src.load())
+    elif src.dtype != view.dtype:  # converted piece by piece
+        src.load_converted(view)
+    else:  # straight from the file into the view: one read, no other copy
+        src.load_into(view.reshape(-1).view(torch.uint8))
