@@ -179,9 +179,11 @@ def test_gpu_auto_measures_and_captures_in_a_graph():
             out = m(static_x)
         graph.replay()
         torch.cuda.synchronize()
-        fused = choice.best(True) != "lossless"
+        best = choice.best(True)
         with shuttle.apply_lora(m, [(sd, 0.8)], mode="dynamic",
-                                quality="fused" if fused else "lossless"):
+                                quality="lossless" if best == "lossless" else "fused") as h:
+            for hook in h.hooks.values():
+                hook.allow_cute = best == "fused_cute"
             want = m(x)
     assert torch.equal(out, want)
     assert eager.shape == out.shape
