@@ -52,7 +52,7 @@ from shuttle.formats.device_reader import DeviceReader
 from shuttle.formats.model_checkpoint import Checkpoint, CheckpointSource
 from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.formats.source import Source
-from shuttle.patches import Diff, Set
+from shuttle.patches import PATCH_KINDS
 from shuttle.patches.patch import Tensorish, materialize
 from shuttle.targets import KeyMapping, ModelNames, resolve
 from shuttle.weights.dtensor import ShardedWeight, sharded
@@ -243,7 +243,7 @@ def _validate(files: CheckpointSource, slots: dict[str, _Slot], alias: dict[str,
     plan = plan_params(specs, loras, mapping, load=False, strict=strict_adapters)
     _check_sets(plan)
     supplied = [n for n, cs in plan.params.items()
-                if n not in source and any(isinstance(c.patch, Set) and c.rows is None
+                if n not in source and any(PATCH_KINDS[c.patch.kind].replaces and c.rows is None
                                            for c in cs)]
     missing = [n for n in slots if n not in source and n not in supplied]
     if missing and strict:
@@ -299,7 +299,8 @@ def replacement_parameters(
     else:
         names = ModelNames({n: torch.Size([0]) for n in model_or_names})  # shapes unknown
     res = resolve(load_lora(lora), names, mapping)
-    return frozenset(t.param for t in res.targets if isinstance(t.patch, Set) and t.rows is None)
+    return frozenset(t.param for t in res.targets
+                     if PATCH_KINDS[t.patch.kind].replaces and t.rows is None)
 
 
 # -- the model side --------------------------------------------------------------------------
@@ -393,7 +394,7 @@ def _check_sets(plan: MergePlan) -> None:
     """Two adapters may not both supply (``set_weight``) the same rows of one parameter."""
     for name, contribs in plan.params.items():
         sets = sorted(((c.rows or (0, 1 << 62)), c.adapter) for c in contribs
-                      if isinstance(c.patch, Set))
+                      if PATCH_KINDS[c.patch.kind].replaces)
         for (a, ia), (b, ib) in zip(sets, sets[1:], strict=False):
             if ia != ib and b[0] < a[1]:
                 raise DuplicateTargetError(
@@ -414,7 +415,7 @@ def _report_dense(plan: MergePlan) -> dict[str, str]:
     for i, (lora, _) in enumerate(plan.adapters):
         tag = f"{lora.source}::" if tagged else ""
         for module, patch in lora.patches():
-            if not isinstance(patch, (Diff, Set)) or (i, module, patch.param) in placed:
+            if not PATCH_KINDS[patch.kind].payload or (i, module, patch.param) in placed:
                 continue
             why = (plan.unmatched.get(f"{tag}{module}")
                    or plan.unmatched.get(f"{tag}{module} ({patch.param})")

@@ -84,6 +84,7 @@ class DiffKind(PatchKind):
 
     name = "diff"
     patch = Diff
+    payload = True
     roles = {"up_bias": ("lora_B.bias", "lora_B.default.bias", "lora_up.bias"),
              **{r: (r,) for r in _DIFF_ROLES}}
 
@@ -123,6 +124,7 @@ class SetKind(PatchKind):
     roles = {"set_weight": ("set_weight",), "norm_scale": ("query_norm.scale", "key_norm.scale")}
     integer_roles = frozenset({"set_weight"})  # an integer buffer's value
     replaces = True
+    payload = True
 
     def build(self, found: Found) -> list[Patch]:  # noqa: D102
         out: list[Patch] = []

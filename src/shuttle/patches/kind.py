@@ -99,7 +99,10 @@ class PatchKind:
         integer_roles: roles that may hold integers (flags, an integer buffer's value);
             every other role must be floating point.
         stage: ``"main"``, ``"wrap"`` or ``"extra"`` (see :data:`STAGES`).
-        replaces: its patch replaces the parameter: another update of it would be lost.
+        replaces: its patch replaces the parameter: another update of it would be lost (and
+            a load takes the value from it where the checkpoint has none).
+        payload: its patch carries a whole tensor of the parameter's shape (a difference or a
+            value): one that reaches no parameter is reported by name.
     """
 
     name: ClassVar[str]
@@ -109,6 +112,7 @@ class PatchKind:
     integer_roles: ClassVar[frozenset[str]] = frozenset()
     stage: ClassVar[Stage] = "extra"
     replaces: ClassVar[bool] = False
+    payload: ClassVar[bool] = False
 
     def build(self, found: Found) -> list[Patch]:
         """The patches this kind makes of a module's tensors (called when one of its roles is
