@@ -20,9 +20,13 @@ up_i: (N, r_i), s_i = strength_i * alpha_i / r_i * request scale):
               On CUDA with at most 64 tokens (decode) one kernel does all of it in float32
               (shuttle.kernels.lora_decode): launches, not bytes, are the cost there.
     fused     S = (x @ down.T) * s in float32 (one kernel), then one kernel whose float32
-              accumulator runs over x @ W.T and S @ up.T, adds the bias and writes out once.
+              accumulator runs over x @ W.T and S @ up.T, adds the bias and writes out once
+              (the CuTe-DSL Hopper GEMM where it runs, else Triton's).
               At most 64 tokens (decode): a split-K shrink, then the base GEMM, the update and
               the bias in one kernel (lora_decode_linear).
+
+``"auto"`` runs each call by lossless or fused (Triton's or CuTe's), whichever measured fastest
+for the layer's shape and device (:mod:`shuttle.apply.tier`).
 
 Low-rank patches on Conv and Embedding layers go through the patch's own residual (its conv or
 lookup), in the dtype the tier would use on a Linear (exact: the promotion of the input's, or an
