@@ -17,7 +17,7 @@ scales, codes) is a layout entry of its own, and binding calls the representatio
 ``rebind``, so the parameter moves whole, in its stored form, never dequantized.
 
 A ``DTensor`` (tensor parallelism, ``distribute_tensor``) is captured as its local shard: the
-shard is the layout entry, and binding points the DTensor at its view (``_local_tensor``), so
+shard is the layout entry, and binding points the DTensor at its view (``bind_local``), so
 each rank pins and streams only what it holds; placements, mesh and global shape stay. The
 shard must be a plain tensor.
 
@@ -78,6 +78,7 @@ from shuttle.offload.survey import (
     read_binding,
     survey_units,
 )
+from shuttle.weights.dtensor import bind_local
 
 __all__ = ["Compression", "HostBacking", "HostNeeds", "HostStorage", "HostUnit", "Layout"]
 
@@ -129,7 +130,7 @@ class HostUnit:
                 parts.setdefault((id(b.module), b.name), (b, {}))[1][b.part] = views[b.entry]
             elif b.shard:  # the DTensor object (and its Parameter identity) stays
                 table = b.module._parameters if b.is_param else b.module._buffers
-                table[b.name]._local_tensor = views[b.entry]
+                bind_local(table[b.name], views[b.entry])
             elif b.is_param:
                 p = b.module._parameters[b.name]
                 if p.is_meta != views[b.entry].is_meta:  # replaced once (tied names share it)
@@ -496,5 +497,3 @@ class HostStorage:
         if any(src is not None for src in s.files):
             unit.bind_host()  # the file's pages (a private map), not the module's tensors
         return unit
-
-

@@ -20,7 +20,7 @@ from shuttle.errors import BlockLayoutError, HostBackingError, ShuttleError, Uns
 from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.offload.layout import Layout
 from shuttle.weights import Fp8Weight, PlainWeight, WeightRepresentation, represent
-from shuttle.weights.dtensor import is_dtensor
+from shuttle.weights.dtensor import is_dtensor, local_tensor
 from shuttle.weights.lossless_file import CodedRef
 from shuttle.weights.plain import is_plain_tensor
 
@@ -108,7 +108,7 @@ def _shard_of(t: torch.Tensor, where: str) -> torch.Tensor:
     Raises:
         HostBackingError: the local tensor is not a plain tensor (a quantized shard).
     """
-    local = t._local_tensor
+    local = local_tensor(t)
     if type(local) is not torch.Tensor:
         raise HostBackingError(
             f"{where} is a DTensor whose local shard is a {type(local).__name__}: the offloader "
@@ -292,7 +292,7 @@ def read_binding(b: Binding) -> torch.Tensor:
     if b.rep is not None:
         return _parts(table[b.name], b.rep)[b.part]
     if b.shard:
-        return table[b.name]._local_tensor.detach()
+        return local_tensor(table[b.name]).detach()
     return table[b.name].detach()
 
 

@@ -40,7 +40,8 @@ from shuttle.patches.select_rows import select_rows
 from shuttle.weights.plain import is_plain_tensor
 from shuttle.weights.representation import WeightRepresentation, register_representation
 
-__all__ = ["ShardWindow", "ShardedWeight", "is_dtensor", "shard_window", "sharded"]
+__all__ = ["ShardWindow", "ShardedWeight", "bind_local", "is_dtensor", "local_tensor",
+           "shard_window", "sharded"]
 
 _DTENSOR: type | None = None  # torch.distributed.tensor.DTensor, once its module is imported
 
@@ -83,6 +84,20 @@ class ShardWindow:
     def covers(self, dim: int, size: int) -> bool:
         """Whether dimension ``dim`` (of global ``size``) is held whole."""
         return self.starts[dim] == 0 and self.stops[dim] == size
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The shard DTensor ``t`` stores on this rank, as stored (not ``to_local()``'s autograd
+    view): what an offloader copies and binds.
+    """
+    return t._local_tensor  # type: ignore[attr-defined]
+
+
+def bind_local(t: torch.Tensor, shard: torch.Tensor) -> None:
+    """Make ``shard`` the local tensor of DTensor ``t`` in place: the DTensor object (and a
+    Parameter's identity), its placements, mesh and global shape stay.
+    """
+    t._local_tensor = shard  # type: ignore[attr-defined]
 
 
 def shard_window(t: torch.Tensor, name: str) -> ShardWindow:
