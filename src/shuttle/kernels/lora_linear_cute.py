@@ -80,6 +80,7 @@ class CuteLoraGemm:
         self._bias = torch.zeros(-(-weight.shape[0] // tile.n) * tile.n, dtype=torch.float32,
                                  device=weight.device) if has_bias else None
         self._bias_of: tuple = ()  # (data_ptr, version) of the bias copied into self._bias
+        self._fixed: tuple | None = None  # (weight address, its, B's and the bias's pointers)
         sms = torch.cuda.get_device_properties(weight.device).multi_processor_count
         self._compiled = compile_lora_gemm(weight.dtype, tile, has_bias, sms)
         d = dsl()
@@ -118,9 +119,15 @@ class CuteLoraGemm:
             if not seen or seen != self._bias_of:
                 self._bias[:n].copy_(bias)
                 self._bias_of = seen
-        bias_ptr = (self._bias if self._bias is not None else out).data_ptr()
+        # The fixed operands' pointers are made once (a DSL pointer costs microseconds of host
+        # time), again when the weight's storage moves (an offloaded layer's slot).
+        if self._fixed is None or self._fixed[0] != weight.data_ptr():
+            bias_ptr = self._bias.data_ptr() if self._bias is not None else self.up.data_ptr()
+            self._fixed = (weight.data_ptr(), ptr(elem, weight.data_ptr()),
+                           ptr(elem, self.up.data_ptr()), ptr(self._f32, bias_ptr))
+        _, w_ptr, u_ptr, bias_ptr = self._fixed
         self._compiled(
-            ptr(elem, x.data_ptr()), ptr(elem, weight.data_ptr()), ptr(elem, s.data_ptr()),
-            ptr(elem, self.up.data_ptr()), ptr(self._f32, bias_ptr), ptr(elem, out.data_ptr()),
-            x.shape[0], n, k, r, self._stream_type(torch.cuda.current_stream(x.device).cuda_stream))
+            ptr(elem, x.data_ptr()), w_ptr, ptr(elem, s.data_ptr()), u_ptr, bias_ptr,
+            ptr(elem, out.data_ptr()), x.shape[0], n, k, r,
+            self._stream_type(torch.cuda.current_stream(x.device).cuda_stream))
         return out
