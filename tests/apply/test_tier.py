@@ -63,9 +63,14 @@ def test_the_fastest_candidate_wins_per_mode_and_is_measured_once():
     assert chooser.known(_key(), graphs=False) is None
 
 
-def test_lossless_wins_ties_and_a_failing_candidate_is_dropped():
+def test_lossless_wins_ties_and_near_ties_and_a_failing_candidate_is_dropped():
+    from shuttle.apply.tier import MARGIN
+
     chooser = TierChooser(lambda fn, graphs: 1.0)
     assert chooser.choose(_key(), _named(fused=_noop(), lossless=_noop())) == "lossless"
+    for fused, want in ((1 - MARGIN / 2, "lossless"), (1 - 2 * MARGIN, "fused")):
+        chooser = TierChooser(lambda fn, graphs, f=fused: f if fn.name == "fused" else 1.0)
+        assert chooser.choose(_key(), _named(fused=_noop(), lossless=_noop())) == want
 
     def broken():
         raise RuntimeError("cannot launch")

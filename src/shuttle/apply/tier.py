@@ -18,8 +18,9 @@ first time a (device, dtype, row bucket, N, K, R, bias) key is seen, on the call
     graphs   the same burst captured once in a CUDA graph and replayed (GPU time alone)
 
 and the forward asks for the eager choice, or for the graphs choice while a CUDA graph is being
-captured. A key's measurement is cached for the process (:data:`TIERS`); lossless wins ties and
-stands in wherever nothing was measured (under ``torch.compile``, or a first call made during
+captured. A key's measurement is cached for the process (:data:`TIERS`); lossless wins unless
+another implementation is faster by more than :data:`MARGIN`, and stands in wherever nothing was
+measured (under ``torch.compile``, or a first call made during
 capture, when nothing can be timed).
 """
 
@@ -32,11 +33,14 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["TIERS", "TierChoice", "TierChooser", "TierKey", "row_bucket"]
+__all__ = ["MARGIN", "TIERS", "TierChoice", "TierChooser", "TierKey", "row_bucket"]
 
 # The implementations a Linear update can run by, in the order ties are broken.
 IMPLEMENTATIONS: tuple[str, ...] = ("lossless", "fused", "fused_cute")
 
+# Another implementation replaces lossless only when it is this much faster (a relative
+# margin above the run-to-run spread of the bursts' medians).
+MARGIN = 0.03
 _WARMUP = 3
 _BURST = 10
 _REPEATS = 5
@@ -65,9 +69,15 @@ class TierChoice:
     graphs: dict[str, float]
 
     def best(self, graphs: bool) -> str:
+        """The fastest candidate; lossless unless another beats it by more than
+        :data:`MARGIN` (timing noise must not make the default slower than lossless).
+        """
         times = self.graphs if graphs else self.eager
         # min over the candidates in IMPLEMENTATIONS order: the first of equals wins
-        return min(times, key=lambda name: (times[name], IMPLEMENTATIONS.index(name)))
+        fastest = min(times, key=lambda name: (times[name], IMPLEMENTATIONS.index(name)))
+        if "lossless" in times and times[fastest] > times["lossless"] * (1 - MARGIN):
+            return "lossless"
+        return fastest
 
 
 def row_bucket(rows: int) -> int:
