@@ -147,6 +147,25 @@ def test_auto_runs_the_measured_fastest_and_layers_of_one_shape_share_it(monkeyp
 
 
 @pytest.mark.skipif(not triton_available(), reason="the fused tier needs triton")
+def test_a_layer_keeps_its_pick_until_the_chooser_forgets(monkeypatch):
+    calls = []
+    chooser = TierChooser(lambda fn, graphs: calls.append(graphs) or 1.0, devices=("cuda", "cpu"))
+    monkeypatch.setattr(dynamic_layer, "TIERS", chooser)
+    m, sd, x = _model()
+    with torch.no_grad(), shuttle.apply_lora(m, [(sd, 0.8)], mode="dynamic"):
+        m(x)
+        known = chooser.known  # later calls of a measured shape ask the layer's own pick
+        chooser.known = lambda *a, **k: pytest.fail("asked the chooser again")
+        m(x)
+        m(x[:90])  # 90 rows: the same power-of-two bucket as 100
+        chooser.known = known
+        assert len(calls) == 4
+        chooser.clear()
+        m(x)
+        assert len(calls) == 8  # measured again
+
+
+@pytest.mark.skipif(not triton_available(), reason="the fused tier needs triton")
 def test_auto_runs_lossless_where_autograd_records(monkeypatch):
     monkeypatch.setattr(dynamic_layer, "TIERS", TierChooser(_ranked(["fused", "lossless"]),
                                                             devices=("cuda", "cpu")))

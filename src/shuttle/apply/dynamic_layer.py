@@ -111,6 +111,8 @@ class LoRAHook(ModuleHook):
         # False: the fused tier keeps to Triton's kernels where the CuTe one could run
         # (benchmarks/dynamic_lora.py times the two side by side)
         self.allow_cute = True
+        # the "auto" picks: (the chooser's generation, {(row bucket, graphs): implementation})
+        self._picks: tuple[int, dict[tuple[int, bool], str]] = (-1, {})
         self._strengths = strengths
         self.scales = ScaleVector(strengths)  # the Linear tiers' per-rank-column scale
         self.layer = layer_kind(module)
@@ -213,6 +215,7 @@ class LoRAHook(ModuleHook):
             if t is not None:
                 setattr(owner, attr, t.to(device))
         self._prepared = {}
+        self._picks = (-1, {})
         self.residuals = {k: r.to(device) for k, r in self.residuals.items()}
         self.scales.moved()
         prepare_request_scale(device)
@@ -280,28 +283,43 @@ class LoRAHook(ModuleHook):
         """Which implementation runs this call's update: under ``"fused"`` the CuTe kernel
         where it applies, else Triton's; under ``"auto"`` the measured fastest
         (:mod:`shuttle.apply.tier`), lossless wherever nothing can be measured.
+
+        A measured pick is kept on the hook per (row bucket, graphs), so a call after the
+        first asks a dict, not the chooser (eagerly the host's time per layer counts).
         """
-        cute = self._cute_ok(module, x)
         if self.quality == "fused":
-            return "fused_cute" if cute else "fused"
-        if (overrides or x.device.type not in TIERS.devices or torch.compiler.is_compiling()
-                or (torch.is_grad_enabled() and (x.requires_grad or any(
-                    p.requires_grad for p in module.parameters(recurse=False))))):
+            return "fused_cute" if self._cute_ok(module, x) else "fused"
+        if (overrides or torch.compiler.is_compiling()
+                or (torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad
+                                                 or getattr(module.bias, "requires_grad", False)))
+                or x.device.type not in TIERS.devices):
             return "lossless"
-        rows = x.numel() // x.shape[-1]
-        key = TierKey(str(x.device), x.dtype, row_bucket(rows), module.weight.shape[0],
-                      x.shape[-1], self.down.shape[0], getattr(module, "bias", None) is not None)
         graphs = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        known = TIERS.known(key, graphs=graphs)
-        if known is not None or graphs:  # nothing can be timed during a capture
-            return known or "lossless"
-        candidates: dict[str, Callable[[], object]] = {
-            "lossless": lambda: self._lossless(x, inner(*args, **kwargs)),
-            "fused": lambda: self._fused(module, x, overrides, cute=False)}
-        if cute:
-            candidates["fused_cute"] = lambda: self._fused(module, x, overrides, cute=True)
-        with torch.no_grad():
-            return TIERS.choose(key, candidates)
+        at = (row_bucket(x.numel() // x.shape[-1]), graphs)
+        if self._picks[0] == TIERS.generation:
+            pick = self._picks[1].get(at)
+            if pick is not None:
+                return pick
+        else:
+            self._picks = (TIERS.generation, {})
+        cute = self._cute_ok(module, x)
+        key = TierKey(str(x.device), x.dtype, at[0], module.weight.shape[0], x.shape[-1],
+                      self.down.shape[0], getattr(module, "bias", None) is not None)
+        pick = TIERS.known(key, graphs=graphs)
+        if pick is None:
+            if graphs:  # nothing can be timed during a capture
+                return "lossless"
+            candidates: dict[str, Callable[[], object]] = {
+                "lossless": lambda: self._lossless(x, inner(*args, **kwargs)),
+                "fused": lambda: self._fused(module, x, overrides, cute=False)}
+            if cute:
+                candidates["fused_cute"] = lambda: self._fused(module, x, overrides, cute=True)
+            with torch.no_grad():
+                pick = TIERS.choose(key, candidates)
+        if pick == "fused_cute" and not cute:  # measured on a layer that could run it
+            pick = "fused"
+        self._picks[1][at] = pick
+        return pick
 
     def _cute_ok(self, module: torch.nn.Module, x: torch.Tensor) -> bool:
         """Whether the CuTe kernel can take this call (the extra on an sm_90 device, more rows

@@ -152,6 +152,7 @@ class TierChooser:
         self.measure = measure
         self.devices = devices
         self.choices: dict[TierKey, TierChoice] = {}
+        self.generation = 0  # moves on clear(): whoever keeps picks asks again
 
     def choose(self, key: TierKey, candidates: dict[str, Callable[[], object]], *,
                graphs: bool = False) -> str:
@@ -182,6 +183,7 @@ class TierChooser:
     def clear(self) -> None:
         """Forget every measurement (the next call of each key measures again)."""
         self.choices.clear()
+        self.generation += 1
 
 
 # The process's measurements, shared by every attachment: layers of one shape measure once.
