@@ -111,8 +111,8 @@ class LoRAHook(ModuleHook):
         # False: the fused tier keeps to Triton's kernels where the CuTe one could run
         # (benchmarks/dynamic_lora.py times the two side by side)
         self.allow_cute = True
-        # the "auto" picks: (the chooser's generation, {(row bucket, graphs): implementation})
-        self._picks: tuple[int, dict[tuple[int, bool], str]] = (-1, {})
+        # the "auto" picks: (the chooser's generation, {(row bucket, graphs, x's dtype): pick})
+        self._picks: tuple[int, dict[tuple, str]] = (-1, {})
         self._strengths = strengths
         self.scales = ScaleVector(strengths)  # the Linear tiers' per-rank-column scale
         self.layer = layer_kind(module)
@@ -262,7 +262,7 @@ class LoRAHook(ModuleHook):
         overrides = self._overrides(module)
         x = args[0] if args else None
         if self.layer.tiers and self.slots and self.quality in ("fused", "auto") and \
-                self._fused_ok(module, x):
+                x is not None:
             impl = self._implementation(module, x, overrides, inner, args, kwargs)
             if impl != "lossless":
                 return self._fused(module, x, overrides, cute=impl == "fused_cute")
@@ -284,24 +284,28 @@ class LoRAHook(ModuleHook):
         where it applies, else Triton's; under ``"auto"`` the measured fastest
         (:mod:`shuttle.apply.tier`), lossless wherever nothing can be measured.
 
-        A measured pick is kept on the hook per (row bucket, graphs), so a call after the
+        A pick is kept on the hook per (row bucket, graphs, x's dtype), so a call after the
         first asks a dict, not the chooser (eagerly the host's time per layer counts).
         """
         if self.quality == "fused":
+            if not self._fused_ok(module, x):
+                return "lossless"
             return "fused_cute" if self._cute_ok(module, x) else "fused"
         if (overrides or torch.compiler.is_compiling()
                 or (torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad
-                                                 or getattr(module.bias, "requires_grad", False)))
-                or x.device.type not in TIERS.devices):
+                                                 or getattr(module.bias, "requires_grad", False)))):
             return "lossless"
         graphs = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        at = (row_bucket(x.numel() // x.shape[-1]), graphs)
+        at = (row_bucket(x.numel() // x.shape[-1]), graphs, x.dtype)
         if self._picks[0] == TIERS.generation:
             pick = self._picks[1].get(at)
             if pick is not None:
                 return pick
         else:
             self._picks = (TIERS.generation, {})
+        if x.device.type not in TIERS.devices or not self._fused_ok(module, x):
+            self._picks[1][at] = "lossless"
+            return "lossless"
         cute = self._cute_ok(module, x)
         key = TierKey(str(x.device), x.dtype, at[0], module.weight.shape[0], x.shape[-1],
                       self.down.shape[0], getattr(module, "bias", None) is not None)
