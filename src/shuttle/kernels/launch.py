@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CompiledLaunch", "bind_tiles", "cdiv", "device_capability", "device_floats",
+__all__ = ["CompiledLaunch", "cdiv", "device_capability", "device_floats",
            "interpreting", "next_power_of_2", "on_device_of", "seed32", "sm_count",
            "triton_available"]
 
@@ -43,20 +43,6 @@ def sm_count(index: int | None) -> int:
     are sized by it on every launch of the persistent and split-K kernels).
     """
     return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def bind_tiles(namespace: dict, *names: str) -> None:
-    """Bind the helpers ``names`` of :mod:`shuttle.kernels.tiles` into ``namespace``, a kernel
-    module's globals, once Triton is imported (that module imports it; Triton is optional).
-
-    Triton resolves the functions a kernel calls among its module's globals: its interpreter
-    re-executes each kernel's source with those globals only, so closure variables would not
-    do.
-    """
-    from shuttle.kernels import tiles
-
-    for name in names:
-        namespace[name] = getattr(tiles, name)
 
 
 def interpreting() -> bool:

@@ -30,7 +30,6 @@ import torch
 
 from shuttle.kernels.launch import (
     CompiledLaunch,
-    bind_tiles,
     cdiv,
     interpreting,
     next_power_of_2,
@@ -74,7 +73,7 @@ def lora_decode_linear_reference(x: torch.Tensor, weight: torch.Tensor,
     return out.to(x.dtype)
 
 
-# Shared tile helpers, bound by bind_tiles() when the kernels are built (see there).
+# Shared tile helpers, bound by tiles.bind_tiles() when the kernels are built (see there).
 shrink_step = store_rne = None
 
 
@@ -87,6 +86,8 @@ def _kernel():
 def _kernels():
     import triton
     import triton.language as tl
+
+    from shuttle.kernels.tiles import bind_tiles
 
     bind_tiles(globals(), "shrink_step", "store_rne")
 

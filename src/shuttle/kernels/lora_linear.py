@@ -29,7 +29,6 @@ import functools
 import torch
 
 from shuttle.kernels.launch import (
-    bind_tiles,
     cdiv,
     interpreting,
     next_power_of_2,
@@ -91,7 +90,7 @@ def lora_linear_fused_reference(x: torch.Tensor, weight: torch.Tensor, bias: tor
 # Kernels
 
 
-# Shared tile helpers, bound by bind_tiles() when the kernel is built (see there).
+# Shared tile helpers, bound by tiles.bind_tiles() when the kernel is built (see there).
 dot_over_k = store_rne = None
 
 
@@ -99,6 +98,8 @@ dot_over_k = store_rne = None
 def _kernel():
     import triton
     import triton.language as tl
+
+    from shuttle.kernels.tiles import bind_tiles
 
     bind_tiles(globals(), "dot_over_k", "store_rne")
 

@@ -28,7 +28,6 @@ import torch
 
 from shuttle.kernels.launch import (
     CompiledLaunch,
-    bind_tiles,
     cdiv,
     interpreting,
     next_power_of_2,
@@ -72,7 +71,7 @@ SHRINK_TMA_CONFIG = FusedConfig(64, 128, 128, 64, 8, 4, 4)
 # Kernels
 
 
-# Shared tile helpers, bound by bind_tiles() when the kernel is built (see there).
+# Shared tile helpers, bound by tiles.bind_tiles() when the kernel is built (see there).
 round_bf16 = None
 
 
@@ -80,6 +79,8 @@ round_bf16 = None
 def _kernel():
     import triton
     import triton.language as tl
+
+    from shuttle.kernels.tiles import bind_tiles
 
     bind_tiles(globals(), "round_bf16")
 

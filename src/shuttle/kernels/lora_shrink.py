@@ -25,7 +25,6 @@ from typing import NamedTuple
 import torch
 
 from shuttle.kernels.launch import (
-    bind_tiles,
     cdiv,
     interpreting,
     next_power_of_2,
@@ -86,7 +85,7 @@ def lora_shrink_reference(x: torch.Tensor, down: torch.Tensor, scale: torch.Tens
 # Kernels
 
 
-# Shared tile helpers, bound by bind_tiles() when the kernel is built (see there).
+# Shared tile helpers, bound by tiles.bind_tiles() when the kernel is built (see there).
 dot_over_k = store_rne = None
 
 
@@ -94,6 +93,8 @@ dot_over_k = store_rne = None
 def _kernel():
     import triton
     import triton.language as tl
+
+    from shuttle.kernels.tiles import bind_tiles
 
     bind_tiles(globals(), "dot_over_k", "store_rne")
 

@@ -28,7 +28,6 @@ from typing import NamedTuple
 import torch
 
 from shuttle.kernels.launch import (
-    bind_tiles,
     cdiv,
     device_floats,
     interpreting,
@@ -52,7 +51,7 @@ def merge_lowrank_reference(w: torch.Tensor, up: torch.Tensor, down: torch.Tenso
     w.copy_(acc)
 
 
-# Shared tile helpers, bound by bind_tiles() when the kernels are built (see there).
+# Shared tile helpers, bound by tiles.bind_tiles() when the kernels are built (see there).
 lowrank_tile = pick = store_rne = tile_of = None
 
 
@@ -60,6 +59,8 @@ lowrank_tile = pick = store_rne = tile_of = None
 def _kernel():
     import triton
     import triton.language as tl
+
+    from shuttle.kernels.tiles import bind_tiles
 
     bind_tiles(globals(), "lowrank_tile", "pick", "store_rne", "tile_of")
 

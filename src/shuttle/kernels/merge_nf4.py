@@ -29,7 +29,6 @@ from typing import Literal, NamedTuple
 import torch
 
 from shuttle.kernels.launch import (
-    bind_tiles,
     cdiv,
     device_floats,
     interpreting,
@@ -98,7 +97,7 @@ def _blocks(x: torch.Tensor, blocksize: int) -> torch.Tensor:
     return torch.cat([flat, flat.new_zeros(-flat.numel() % blocksize)]).view(-1, blocksize)
 
 
-# Shared tile helpers, bound by bind_tiles() when the kernels are built (see there).
+# Shared tile helpers, bound by tiles.bind_tiles() when the kernels are built (see there).
 hash_uniform = lowrank_tile = None
 
 
@@ -106,6 +105,8 @@ hash_uniform = lowrank_tile = None
 def _kernel():
     import triton
     import triton.language as tl
+
+    from shuttle.kernels.tiles import bind_tiles
 
     bind_tiles(globals(), "hash_uniform", "lowrank_tile")
 

@@ -48,7 +48,6 @@ from typing import NamedTuple
 import torch
 
 from shuttle.kernels.launch import (
-    bind_tiles,
     cdiv,
     device_capability,
     device_floats,
@@ -146,7 +145,7 @@ def _new_scale(amax: torch.Tensor, dtype: torch.dtype, qmax: float, absmax_scale
     return stored, stored.float()
 
 
-# Shared tile helpers, bound by bind_tiles() when the kernels are built (see there).
+# Shared tile helpers, bound by tiles.bind_tiles() when the kernels are built (see there).
 hash_uniform = lowrank_tile = round_bf16 = tile_of = None
 libdevice = None  # triton.language.extra.libdevice, bound by _kernel() (Triton is optional)
 
@@ -157,6 +156,8 @@ def _kernel():
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
+
+    from shuttle.kernels.tiles import bind_tiles
 
     bind_tiles(globals(), "hash_uniform", "lowrank_tile", "round_bf16", "tile_of")
 

@@ -1,8 +1,8 @@
 """Tile-level pieces the Triton kernels share.
 
 This module imports Triton at the top: kernel builders import it inside their lazy
-``_kernel()`` functions (Triton is optional), and their kernels call these functions as
-closure variables, which Triton resolves like globals.
+``_kernel()`` functions (Triton is optional) and bind the helpers their kernels call into their
+own module's globals (:func:`bind_tiles`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,19 @@ from shuttle.kernels.launch import interpreting
 # this module is imported, as Triton fixes interpretation when it decorates a kernel.
 _RNE_BY_HAND: tl.constexpr = tl.constexpr(interpreting())
 
-__all__ = ["dot_over_k", "hash_uniform", "lowrank_tile", "pick", "round_bf16", "shrink_step",
-           "store_rne", "tile_of"]
+__all__ = ["bind_tiles", "dot_over_k", "hash_uniform", "lowrank_tile", "pick", "round_bf16",
+           "shrink_step", "store_rne", "tile_of"]
+
+
+def bind_tiles(namespace: dict, *names: str) -> None:
+    """Bind the helpers ``names`` of this module into ``namespace``, a kernel module's globals.
+
+    Triton resolves the functions a kernel calls among its module's globals: its interpreter
+    re-executes each kernel's source with those globals only, so closure variables would not
+    do.
+    """
+    for name in names:
+        namespace[name] = globals()[name]
 
 
 @triton.jit
