@@ -33,8 +33,27 @@ def test_prepared_layer_with_cute_is_unusable_off_hopper():
 
     x, w, bias, down, up, scale = _layer(100, 64, 48, 8, BF16, BF16)
     prep = PreparedLoraLinear(w, bias, down, up, cute=True)
-    assert not prep.usable and prep.cute
+    assert not prep.usable and not prep.cute
     assert not CuteLoraGemm.supports(w, up)  # on the CPU
+
+
+def test_a_kernel_that_cannot_be_built_leaves_the_layer_to_triton(monkeypatch):
+    import shuttle.kernels.lora_linear_cute as mod
+    from shuttle.kernels.lora_linear_tma import _cute_gemms
+
+    x, w, bias, down, up, scale = _layer(100, 64, 48, 8, BF16, BF16)
+
+    class Broken:
+        supports = staticmethod(lambda weight, up: True)
+
+        def __init__(self, *args):
+            raise RuntimeError("DSL: unsupported driver")
+    monkeypatch.setattr(mod, "cute_available", lambda device=None: True)
+    monkeypatch.setattr(mod, "CuteLoraGemm", Broken)
+    with pytest.warns(RuntimeWarning, match="unsupported driver.*Triton"):
+        assert _cute_gemms(w, bias, up) == {}
+    monkeypatch.setattr(Broken, "supports", staticmethod(lambda weight, up: False))
+    assert _cute_gemms(w, bias, up) == {}  # not taken: no warning, no build
 
 
 @pytest.mark.gpu
@@ -75,6 +94,6 @@ def test_gpu_prepared_cute_layer_agrees_with_triton():
     x, w, bias, down, up, scale = _layer(4096, 1536, 1536, 64, BF16, BF16, device="cuda")
     cute = PreparedLoraLinear(w, bias, down, up, cute=True)
     triton = PreparedLoraLinear(w, bias, down, up)
-    assert cute.usable and triton.usable
+    assert cute.usable and cute.cute and triton.usable and not triton.cute
     with torch.no_grad():
         _assert_one_ulp(cute(x, scale), triton(x, scale))

@@ -22,6 +22,7 @@ checked once; a call checks x alone.
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 
 import torch
@@ -171,9 +172,9 @@ class PreparedLoraLinear:
     result is theirs bit for bit.
 
     With ``cute=True`` the second kernel is the CuTe-DSL Hopper GEMM
-    (:mod:`shuttle.kernels.lora_linear_cute`; ``usable`` also needs the ``hopper`` extra and an
-    sm_90 device): the same operands, S included, and the same one rounding, by a
-    warp-specialized pipeline instead of Triton's.
+    (:mod:`shuttle.kernels.lora_linear_cute`) where it runs (the ``hopper`` extra, an sm_90
+    device; ``self.cute`` says whether it does): the same operands, S included, and the same one
+    rounding, by a warp-specialized pipeline instead of Triton's.
 
     ``usable`` is False where the TMA path does not apply to the fixed operands; a call answers
     None where it does not apply to x (few rows, another dtype or device, misaligned rows,
@@ -196,11 +197,7 @@ class PreparedLoraLinear:
             and tma_dtypes(weight, down, up) and tma_addressable(weight, down, up)
             and (bias is None or (bias.shape == (n,) and bias.is_contiguous()
                                   and bias.device == weight.device)))
-        if self.usable and cute:
-            from shuttle.kernels.lora_linear_cute import CuteLoraGemm, cute_available
-
-            self.usable = cute_available(weight.device) and CuteLoraGemm.supports(weight, up)
-        self.cute = cute
+        self.cute = False
         if not self.usable:
             return
         self._n, self._k, self._r = n, k, r
@@ -211,11 +208,8 @@ class PreparedLoraLinear:
                        for cfg in (FUSED_TMA_CONFIG, FUSED_TMA_NARROW_CONFIG)}
         self._cute: dict = {}
         if cute:
-            from shuttle.kernels.lora_gemm_sm90 import CUTE_TILES
-            from shuttle.kernels.lora_linear_cute import CuteLoraGemm
-
-            self._cute = {tile: CuteLoraGemm(weight, up, bias is not None, tile)
-                          for tile in CUTE_TILES}
+            self._cute = _cute_gemms(weight, bias, up)
+            self.cute = bool(self._cute)
 
     @staticmethod
     def _layout_of(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
@@ -259,6 +253,25 @@ class PreparedLoraLinear:
                 _launch_tma(x, weight, s, self.up, bias, None, out, self._sms,
                             self._fused[fused_tma_config(t, self._n, self._sms)])
         return out
+
+
+def _cute_gemms(weight: torch.Tensor, bias: torch.Tensor | None, up: torch.Tensor) -> dict:
+    """The CuTe kernel per tile for this layer, or {} where it does not run (no DSL, not sm_90,
+    operands it does not take, or a build that failed: then Triton's kernel serves, with a
+    warning saying why).
+    """
+    from shuttle.kernels.lora_gemm_sm90 import CUTE_TILES
+    from shuttle.kernels.lora_linear_cute import CuteLoraGemm, cute_available
+
+    if not (cute_available(weight.device) and CuteLoraGemm.supports(weight, up)):
+        return {}
+    try:
+        return {tile: CuteLoraGemm(weight, up, bias is not None, tile) for tile in CUTE_TILES}
+    except Exception as e:  # the DSL's own errors: a version or driver it does not take
+        warnings.warn(f"the CuTe LoRA kernel could not be built ({type(e).__name__}: {e}); "
+                      "the fused tier runs Triton's kernel instead", RuntimeWarning,
+                      stacklevel=3)
+        return {}
 
 
 def tma_dtypes(*tensors: torch.Tensor) -> bool:
