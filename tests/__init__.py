@@ -66,3 +66,15 @@ def assert_unchanged(model: torch.nn.Module, before: dict[str, torch.Tensor]) ->
     assert params.keys() == before.keys()
     for n, saved in before.items():
         assert_bits_equal(params[n], saved, n)
+
+
+def load_example(name: str):
+    """The module ``examples/<name>.py``, imported from its file (examples are not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
