@@ -5,13 +5,15 @@ An experiment, not a product path. ``k_exp`` is a copy of the fused TMA kernel
 shipped), before it (1), inside it behind a branch on the step (2), or drops it (3: the base
 GEMM alone); FLAT toggles the persistent loop's flattening; INT_ROUND stores bf16 by integer
 rounding (the interpreter's spelling) instead of the hardware conversion. Also the shrink's TMA
-and plain tile sweeps and ``lora_decode_linear``'s decode sweep.
+and plain tile sweeps, ``lora_decode_linear``'s decode sweep, and (group ``cute``, with the
+``hopper`` extra) the CuTe-DSL GEMM per tile against cuBLAS's base and Triton's fused kernel,
+with a rank-8 run standing in for its base GEMM alone.
 
 Every variant is captured in a CUDA graph and replayed (GPU time alone), interleaved with
 cuBLAS's base linear; the fused variants' outputs are checked against float32 math first.
 Writes docs/benchmarks/fused_breakdown.{json,md} (fused_breakdown_<group>.* for one group).
 
-    python benchmarks/fused_breakdown.py [large] [decode]
+    python benchmarks/fused_breakdown.py [large] [decode] [inline] [waves] [cute]
 """
 
 from __future__ import annotations
@@ -357,12 +359,41 @@ def decode(t, k, n, r, rounds):
         return graph_times(v, rounds), {"elements != reference": int((got != want).sum())}
 
 
+def cute(t, k, n, r, rounds):
+    from shuttle.kernels.lora_gemm_sm90 import CUTE_TILES
+    from shuttle.kernels.lora_linear_cute import CuteLoraGemm
+
+    x, w, b, a, u, scale = operands(t, k, n, r)
+    s = lora_shrink(x, a, scale)
+    out = torch.empty(t, n, device="cuda", dtype=torch.bfloat16)
+    s8, u8 = s[:, :8].contiguous(), u[:, :8].contiguous()
+    v = {"base cuBLAS": lambda: F.linear(x, w, b),
+         "fused Triton (shipped)": lambda: LL.lora_linear_fused(x, w, b, s, u)}
+    gemms = {}
+    for tile in CUTE_TILES:
+        label = f"CuTe {tile.m}x{tile.n}"
+        gemms[label] = CuteLoraGemm(w, u, True, tile)
+        gemms[f"{label}, rank 8 (~ its base GEMM)"] = CuteLoraGemm(w, u8, True, tile)
+        v[label] = lambda g=gemms[label]: g(x, w, b, s, out)
+        v[f"{label}, rank 8 (~ its base GEMM)"] = (
+            lambda g=gemms[f"{label}, rank 8 (~ its base GEMM)"]: g(x, w, b, s8, out))
+    ref = x.float() @ w.float().T + s.float() @ u.float().T + b.float()
+    errors = {}
+    with torch.no_grad():
+        for name, g in gemms.items():
+            if "rank 8" not in name:
+                g(x, w, b, s, out)
+                errors[name] = float((out.float() - ref).abs().max())
+        return graph_times(v, rounds), errors
+
+
 def main() -> None:
     harness.spin_up(2)
     results, rows = {}, []
     only = sys.argv[1:]  # e.g. "decode": that group alone
     groups = {"large": (LARGE, large, 15), "decode": (DECODE, decode, 30),
-              "inline": (INLINE, inline, 15), "waves": (WAVES, waves, 20)}
+              "inline": (INLINE, inline, 15), "waves": (WAVES, waves, 20),
+              "cute": ({**INLINE, **WAVES}, cute, 15)}
     for shapes, fn, rounds in (g for name, g in groups.items()
                                if name in only or (not only and name in ("large", "decode"))):
         for name, shape in shapes.items():
