@@ -20,8 +20,8 @@ first time a (device, dtype, row bucket, N, K, R, bias) key is seen, on the call
 and the forward asks for the eager choice, or for the graphs choice while a CUDA graph is being
 captured. A key's measurement is cached for the process (:data:`TIERS`); lossless wins unless
 another implementation is faster by more than :data:`MARGIN`, and stands in wherever nothing was
-measured (under ``torch.compile``, or a first call made during
-capture, when nothing can be timed).
+measured (off CUDA, under ``torch.compile``, while autograd records, or for a first call made
+during a capture, when nothing can be timed).
 """
 
 from __future__ import annotations
