@@ -27,9 +27,10 @@ __all__ = ["CuteLoraGemm", "cute_available", "cute_installed"]
 
 
 def cute_installed() -> bool:
-    """Whether the CuTe DSL (``pip install "shuttle[hopper]"``) can be imported."""
-    return importlib.util.find_spec("nvidia_cutlass_dsl") is not None or \
-        importlib.util.find_spec("cutlass") is not None
+    """Whether the CuTe DSL's wheel (``pip install "shuttle[hopper]"``) is installed (found,
+    not imported: importing the DSL takes about a second).
+    """
+    return importlib.util.find_spec("nvidia_cutlass_dsl") is not None
 
 
 def cute_available(device: torch.device | int | None = None) -> bool:
