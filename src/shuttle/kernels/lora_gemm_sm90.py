@@ -276,6 +276,8 @@ class _Kernel:
                                                      stages)
                 while work.is_valid_tile:
                     tm, tn = work.tile_idx[0], work.tile_idx[1]
+                    # The two loops stay written out: the DSL carries ``state`` through a loop
+                    # only where the kernel's own body advances it (a helper breaks the IR).
                     for kt in range(k_tiles):
                         ring.producer_acquire(state)
                         bar = ring.producer_get_barrier(state)
