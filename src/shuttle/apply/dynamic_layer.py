@@ -331,7 +331,7 @@ class LoRAHook(ModuleHook):
         """
         return (self.allow_cute and x.is_cuda and x.numel() > DECODE_MAX_T * x.shape[-1]
                 and x.dtype == self.down.dtype == self.up.dtype
-                and cute_available(x.device))
+                and cute_available(x.get_device()))
 
     def _exact(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         req = request_scale_value()

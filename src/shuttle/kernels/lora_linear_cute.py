@@ -39,8 +39,9 @@ def cute_available(device: torch.device | int | None = None) -> bool:
     """
     if not torch.cuda.is_available():
         return False
-    device = torch.device("cuda", device) if isinstance(device, int) else \
-        torch.device(device or "cuda")
+    if isinstance(device, int):  # the per-call form (x.get_device()): no device object made
+        return _available_on(device)
+    device = torch.device(device or "cuda")
     return _available_on(device.index if device.index is not None else
                          torch.cuda.current_device())
 
