@@ -90,9 +90,9 @@ def slowed(request, monkeypatch):
     else:
         copy_into = HostUnit.copy_into
 
-        def slow_copy(self, flat, views, non_blocking):
+        def slow_copy(self, flat, views, non_blocking, decoder=None):
             torch.cuda._sleep(SLEEP)  # queued on the copy stream, before the copy
-            copy_into(self, flat, views, non_blocking)
+            copy_into(self, flat, views, non_blocking, decoder)
 
         monkeypatch.setattr(HostUnit, "copy_into", slow_copy)
     return request.param
