@@ -43,9 +43,23 @@ def deterministic_attention():
     torch.cuda.empty_cache()
     # The budgets below count everything allocated (cuBLAS workspaces of earlier tests too).
     leftover = torch.cuda.memory_allocated()
-    assert leftover < 256 * 2**20, f"{leftover} bytes left on the GPU by earlier tests"
+    assert leftover < 256 * 2**20, (
+        f"{leftover} bytes left on the GPU by earlier tests; the largest live CUDA tensors: "
+        f"{live_cuda_tensors()}")
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):
         yield
+
+
+def live_cuda_tensors(top: int = 8) -> list[tuple[int, str, tuple]]:
+    """(bytes, type, shape) of the largest CUDA tensors the garbage collector can see."""
+    seen = []
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor) and obj.is_cuda:
+                seen.append((obj.untyped_storage().nbytes(), type(obj).__name__, tuple(obj.shape)))
+        except Exception:  # objects that fail isinstance or storage access: not ours
+            continue
+    return sorted(seen, reverse=True)[:top]
 
 
 def nbytes(module: torch.nn.Module) -> int:
