@@ -16,6 +16,12 @@ own; the worker loads, makes one warm-up call and --runs timed calls (wall clock
 synchronizations), and saves its output, compared with the resident pipeline's (a ``resident``
 worker: the same folder loaded by diffusers onto the device).
 
+Peers (--peers), each a cell of its own on the same folder, no host ceiling (none takes one):
+diffusers' group offloading (block level, one block per group, streamed) with its groups on
+disk (``offload_to_disk_path``); accelerate's ``disk_offload`` of every component; mmgp's
+profiles 4 and 5 with nothing quantized (``quantizeTransformer=False, extraModelsToQuantize=[]``,
+so the outputs compare).
+
 Per cell: seconds per image, peak VRAM, peak RSS, bytes read from disk per image
 (``/proc/self/io`` read_bytes: page-cache hits excluded, O_DIRECT included), load seconds,
 bit-identity with the resident output, and the bound max(compute, bytes copied to the device
@@ -58,12 +64,62 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--folder", type=Path, required=True, help="where the pipeline is written")
     p.add_argument("--vram", default="floor,4,6,8,12", help="GiB budgets, or 'floor'")
     p.add_argument("--host", default="8,16,none", help="GiB ceilings, or 'none'")
+    p.add_argument("--peers", default=",".join(PEERS),
+                   help="peer cells, comma-separated ('' for none): " + ", ".join(PEERS))
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default="consumer")
     p.add_argument("--worker", nargs=2, metavar=("VRAM", "HOST"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
+
+
+# -- the peers ----------------------------------------------------------------------------------
+# What a user with a small card would run instead, each loading the same folder. Their cells run
+# without a host ceiling (none of them takes one); peak RSS says what each needed.
+
+
+def _diffusers_disk(folder: Path, device: torch.device, scratch: Path):
+    """diffusers group offloading, block level, streamed, its offloaded groups on disk."""
+    import diffusers
+
+    pipe = diffusers.DiffusionPipeline.from_pretrained(folder, torch_dtype=torch.bfloat16)
+    pipe.enable_group_offload(onload_device=device, offload_device=torch.device("cpu"),
+                              offload_type="block_level", num_blocks_per_group=1,
+                              use_stream=device.type == "cuda",
+                              record_stream=device.type == "cuda",
+                              offload_to_disk_path=str(scratch / "diffusers"))
+    return pipe
+
+
+def _accelerate_disk(folder: Path, device: torch.device, scratch: Path):
+    """accelerate's disk_offload of every component (weights memory-mapped from its folder)."""
+    import accelerate
+    import diffusers
+
+    pipe = diffusers.DiffusionPipeline.from_pretrained(folder, torch_dtype=torch.bfloat16)
+    for name, module in pipe.components.items():
+        if isinstance(module, torch.nn.Module):
+            accelerate.disk_offload(module, scratch / "accelerate" / name, execution_device=device)
+    return pipe
+
+
+def _mmgp(profile_no: int):
+    def setup(folder: Path, device: torch.device, scratch: Path):
+        """mmgp's profile, the transformer and text encoders left in bf16 so outputs compare."""
+        import diffusers
+
+        pipe = diffusers.DiffusionPipeline.from_pretrained(folder, torch_dtype=torch.bfloat16)
+        from mmgp import offload  # after loading: importing it replaces safetensors.safe_open
+
+        offload.profile(pipe, profile_no=profile_no, quantizeTransformer=False,
+                        extraModelsToQuantize=[])
+        return pipe
+    return setup
+
+
+PEERS = {"diffusers_disk": _diffusers_disk, "accelerate_disk": _accelerate_disk,
+         "mmgp4": _mmgp(4), "mmgp5": _mmgp(5)}
 
 
 def gib(text: str) -> int | None:
@@ -140,12 +196,15 @@ def worker(args: argparse.Namespace) -> None:
     try:
         with e2e.RssSampler() as rss:
             t0 = time.perf_counter()
+            handle = None
             if vram == "resident":
                 import diffusers
 
                 pipe = diffusers.DiffusionPipeline.from_pretrained(
                     args.folder, torch_dtype=torch.bfloat16).to(device)
-                handle = None
+            elif vram in PEERS:
+                scratch = Path(args.folder).parent / f"{args.out}-scratch"
+                pipe = PEERS[vram](Path(args.folder), device, scratch)
             else:
                 from shuttle.integrations import diffusers as sd
 
@@ -192,7 +251,7 @@ def streamed(off) -> int:
 
 def run_worker(args: argparse.Namespace, vram: str, host: str) -> dict:
     cmd = [sys.executable, __file__, "--worker", vram, host, "--folder", str(args.folder),
-           "--runs", str(args.runs), "--device", args.device, "--out", args.out]
+           "--runs", str(args.runs), "--device", args.device, "--out", args.out, "--peers", ""]
     if args.smoke:
         cmd.append("--smoke")
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -237,11 +296,24 @@ def main(argv: list[str] | None = None) -> None:
                          if pinned else 0.0, row["disk_bytes_per_image"] / direct]
                 row["bound_s"] = max(terms)
                 row["of_bound"] = row["s_per_image"] / row["bound_s"] if row["bound_s"] else None
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            payload = {"env": env, "weights": weights, "pinned_bytes_per_s": pinned,
-                       "direct_bytes_per_s": direct, "rows": rows}
-            harness.write_results(args.out, payload, table(rows), "Consumer budgets")
+            record(args, rows, row, env, weights, pinned, direct)
+    for peer in filter(None, args.peers.split(",")):
+        drop_page_cache(args.folder)
+        row = run_worker(args, peer, "none")
+        path = keep / f"{peer}-none.pt"
+        if want is not None and path.is_file():
+            row["bit_identical"] = e2e.same_bits(torch.load(path), want)
+        record(args, rows, row, env, weights, pinned, direct)
+
+
+def record(args: argparse.Namespace, rows: list[dict], row: dict, env: dict, weights: int,
+           pinned: float | None, direct: float) -> None:
+    """Add ``row`` and rewrite the results (a run cut short keeps every finished cell)."""
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+    payload = {"env": env, "weights": weights, "pinned_bytes_per_s": pinned,
+               "direct_bytes_per_s": direct, "rows": rows}
+    harness.write_results(args.out, payload, table(rows), "Consumer budgets")
 
 
 def table(rows: list[dict]) -> str:
@@ -255,8 +327,8 @@ def table(rows: list[dict]) -> str:
              f(r.get("peak_rss") and r["peak_rss"] / GIB, ".2f"),
              f(r.get("disk_bytes_per_image") and r["disk_bytes_per_image"] / 1e9, ".2f"),
              f(r.get("load_s"), ".1f"),
-             r.get("bit_identical", r.get("refused", r.get("error", "-"))[:60]
-                   if "bit_identical" not in r else r["bit_identical"])]
+             r["bit_identical"] if "bit_identical" in r else
+             (r.get("refused") or r.get("error", "-").strip().splitlines()[-1])[:80]]
             for r in rows]
     return harness.markdown_table(head, body)
 
