@@ -319,6 +319,7 @@ class _Kernel:
                         cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4),
                                             elem), mma))
                 thr_r2s = r2s.get_slice(tidx - _THREADS_PER_WARPGROUP)
+                thr_c = mma.get_slice(tidx - _THREADS_PER_WARPGROUP)
                 r2s_dst = thr_r2s.partition_D(s_out)
                 r2s_acc = r2s.retile(acc)
                 sub_shape = cute.shape(thr_r2s.partition_S(s_out))[:3]
@@ -357,7 +358,9 @@ class _Kernel:
                         release.advance()
 
                     if cutlass.const_expr(has_bias):
-                        bias = thr_mma.partition_C(t_bias[(None, None, tm, tn)])
+                        # this thread's accumulator elements: the slice of its own thread
+                        # (thr_mma is the warpgroup's, right for shared-memory operands only)
+                        bias = thr_c.partition_C(t_bias[(None, None, tm, tn)])
                         for i in cutlass.range_constexpr(cute.size(acc)):
                             acc[i] = acc[i] + bias[i]
 
