@@ -18,6 +18,7 @@ The streamed step (Flux-dev at minimal VRAM and at half residency, against the b
 is ``benchmarks/offload.py --model flux --storage bf16,lossless``: the same run times both.
 
     PYTHONPATH=src python benchmarks/lossless.py                 # the H200 run
+    PYTHONPATH=src python benchmarks/lossless.py --parts decode  # the GPU part alone
     PYTHONPATH=src python benchmarks/lossless.py --smoke         # CPU: tiny shapes, no timing
 
 Writes docs/benchmarks/lossless.{json,md} (under $SHUTTLE_BENCH_OUT when set).
@@ -125,6 +126,7 @@ def decode_rows(shape: tuple[int, ...], rounds: int) -> list[dict]:
         "triton_decode": lambda i: reps[i % 4].decode_into(outs[i % 4], errors, blobs[i % 4]),
         "d2d_copy_bf16": lambda i: outs[i % 4].copy_(dense[(i + 1) % 4]),
     }
+    ratios = {"triton_decode": statistics.fmean(r.ratio for r in reps), "d2d_copy_bf16": 1.0}
     try:  # the other design: nvCOMP's byte-stream codecs on the same bf16 bytes
         from nvidia import nvcomp
 
@@ -133,13 +135,16 @@ def decode_rows(shape: tuple[int, ...], rounds: int) -> list[dict]:
             enc = [codec.encode(nvcomp.as_array(d.view(torch.uint8).view(-1))) for d in dense]
             variants[f"nvcomp_{algo}"] = (lambda i, codec=codec, enc=enc:
                                           codec.decode(enc[i % 4]))
+            ratios[f"nvcomp_{algo}"] = statistics.fmean(
+                torch.from_dlpack(e).numel() * torch.from_dlpack(e).element_size() / d.nbytes
+                for e, d in zip(enc, dense, strict=True))
     except Exception as e:  # not installed, or an API of another version: reported, not fatal
         print(f"nvcomp skipped: {type(e).__name__}: {e}")
     times = harness.interleaved(variants, rounds=rounds, warmup=5)
     nbytes = math.prod(shape) * 2
     return [{"variant": k, "median_ms": v["median_ms"],
              "gb_s_out": nbytes / GB / (v["median_ms"] / 1e3),
-             "code_ratio": reps[0].ratio} for k, v in times.items()]
+             "code_ratio": ratios.get(k)} for k, v in times.items()]
 
 
 def main() -> None:
@@ -147,19 +152,25 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, no timing")
     p.add_argument("--sample", type=int, default=2, help="tensors coded per distinct shape")
     p.add_argument("--rounds", type=int, default=50)
+    p.add_argument("--parts", default="ratio,decode",
+                   help="which parts: ratio (CPU coding, minutes at real sizes), decode (GPU)")
     args = p.parse_args()
-    rows, _ = ratio_rows(models(args.smoke), args.sample)
-    table = harness.markdown_table(
-        ["model", "bf16 GB", "coded GB", "ratio", "encode GB/s (CPU, one thread per tensor)"],
-        [[r["model"], f"{r['bf16_gb']:.2f}", f"{r['coded_gb']:.2f}", f"{r['ratio']:.3f}",
-          f"{r['encode_gb_s']:.2f}" if r["encode_gb_s"] else "-"] for r in rows])
-    payload: dict = {"ratio": rows}
-    if not args.smoke and torch.cuda.is_available():
+    parts = set(args.parts.split(","))
+    table, payload = "", {}
+    if "ratio" in parts:
+        rows, _ = ratio_rows(models(args.smoke), args.sample)
+        table = harness.markdown_table(
+            ["model", "bf16 GB", "coded GB", "ratio", "encode GB/s (CPU, one thread per tensor)"],
+            [[r["model"], f"{r['bf16_gb']:.2f}", f"{r['coded_gb']:.2f}", f"{r['ratio']:.3f}",
+              f"{r['encode_gb_s']:.2f}" if r["encode_gb_s"] else "-"] for r in rows])
+        payload["ratio"] = rows
+    if "decode" in parts and not args.smoke and torch.cuda.is_available():
         dec = decode_rows((3072, 12288), args.rounds)
         payload["decode"] = dec
-        table += "\n\n" + harness.markdown_table(
-            ["decoder (3072 x 12288 bf16)", "median ms", "GB/s of bf16 out"],
-            [[r["variant"], f"{r['median_ms']:.3f}", f"{r['gb_s_out']:.0f}"] for r in dec])
+        table += ("\n\n" if table else "") + harness.markdown_table(
+            ["decoder (3072 x 12288 bf16)", "median ms", "GB/s of bf16 out", "coded / raw"],
+            [[r["variant"], f"{r['median_ms']:.3f}", f"{r['gb_s_out']:.0f}",
+              "-" if r["code_ratio"] is None else f"{r['code_ratio']:.3f}"] for r in dec])
     if args.smoke:
         print(table)
         return
