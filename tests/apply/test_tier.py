@@ -225,3 +225,21 @@ def test_off_cuda_a_call_is_timed_by_the_clock_and_never_in_graphs():
     assert len(calls) == tier._WARMUP + tier._REPEATS * tier._BURST
     if not torch.cuda.is_available():
         assert tier.measure_call(lambda: None, True) == float("inf")
+
+
+@pytest.mark.gpu
+def test_gpu_measurements_hold_no_device_memory_per_key():
+    """Measuring many keys keeps the device memory of one capture stream, not one per key
+    (cuBLAS keeps a workspace for every stream a matmul ran on, for the process's life).
+    """
+    from shuttle.apply import tier
+
+    a = torch.randn(256, 256, device="cuda")
+    chooser = tier.TierChooser()
+    chooser.choose(_key(rows=1), {"lossless": lambda: a @ a})  # the one stream's workspace
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for rows in range(2, 10):
+        chooser.choose(_key(rows=rows), {"lossless": lambda: a @ a, "fused": lambda: a @ a.T})
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - before < 8 * 2**20

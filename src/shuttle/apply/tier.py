@@ -109,7 +109,7 @@ def measure_call(fn: Callable[[], object], graphs: bool) -> float:
     run = fn
     if graphs:
         graph = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream()
+        side = _capture_stream(stream.device)
         side.wait_stream(stream)
         with torch.cuda.stream(side):
             fn()  # warm on the side stream, as capture requires
@@ -134,6 +134,21 @@ def measure_call(fn: Callable[[], object], graphs: bool) -> float:
         end.synchronize()
         samples.append(start.elapsed_time(end) / 1e3 / _BURST)
     return statistics.median(samples)
+
+
+_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream measurements warm up and capture on, one per device: cuBLAS keeps a
+    workspace (32 MiB on Hopper, from the caching allocator, for the process's life) for every
+    stream a matmul ran on, so a fresh stream per measurement would hold device memory no plan
+    counts.
+    """
+    stream = _CAPTURE_STREAMS.get(device)
+    if stream is None:
+        stream = _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
 
 
 class TierChooser:
