@@ -24,6 +24,7 @@ so the outputs compare).
 
 Per cell: seconds per image, peak VRAM, peak RSS, bytes read from disk per image
 (``/proc/self/io`` read_bytes: page-cache hits excluded, O_DIRECT included), load seconds,
+load seconds over one plain read of the folder's files (its bytes at the O_DIRECT rate below),
 bit-identity with the resident output, and the bound max(compute, bytes copied to the device
 / pinned bandwidth, bytes from disk / O_DIRECT bandwidth): compute is the resident call's time,
 the bandwidths are measured in the same run (pinned host-to-device copies; O_DIRECT reads of
@@ -274,7 +275,8 @@ def main(argv: list[str] | None = None) -> None:
     # bytes per second (e2e.pinned_bandwidth gives GB/s), measured before any worker runs
     pinned = e2e.pinned_bandwidth() * 1e9 if args.device == "cuda" else None
     direct = direct_read_bandwidth(args.folder)
-    rows = [run_worker(args, "resident", "none")]
+    rows: list[dict] = []
+    record(args, rows, run_worker(args, "resident", "none"), env, weights, pinned, direct)
     compute = rows[0].get("s_per_image")
     keep = args.folder.parent / f"{args.out}-outputs"
     want = torch.load(keep / "resident-none.pt") if (keep / "resident-none.pt").is_file() else None
@@ -309,6 +311,8 @@ def main(argv: list[str] | None = None) -> None:
 def record(args: argparse.Namespace, rows: list[dict], row: dict, env: dict, weights: int,
            pinned: float | None, direct: float) -> None:
     """Add ``row`` and rewrite the results (a run cut short keeps every finished cell)."""
+    if "load_s" in row:  # against one plain read of the folder's files at the O_DIRECT rate
+        row["load_over_read"] = row["load_s"] / (weights / direct)
     rows.append(row)
     print(json.dumps(row), flush=True)
     payload = {"env": env, "weights": weights, "pinned_bytes_per_s": pinned,
@@ -321,12 +325,12 @@ def table(rows: list[dict]) -> str:
         return "-" if x is None else format(x, spec)
 
     head = ["VRAM", "host", "s/image", "of bound", "peak VRAM GiB", "peak RSS GiB",
-            "disk GB/image", "load s", "bit-identical"]
+            "disk GB/image", "load s", "load / read", "bit-identical"]
     body = [[r["vram"], r["host"], f(r.get("s_per_image"), ".2f"), f(r.get("of_bound"), ".2f"),
              f(r.get("peak_vram") and r["peak_vram"] / GIB, ".2f"),
              f(r.get("peak_rss") and r["peak_rss"] / GIB, ".2f"),
              f(r.get("disk_bytes_per_image") and r["disk_bytes_per_image"] / 1e9, ".2f"),
-             f(r.get("load_s"), ".1f"),
+             f(r.get("load_s"), ".1f"), f(r.get("load_over_read"), ".2f"),
              r["bit_identical"] if "bit_identical" in r else
              (r.get("refused") or r.get("error", "-").strip().splitlines()[-1])[:80]]
             for r in rows]
