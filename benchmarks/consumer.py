@@ -8,6 +8,9 @@ vram_budget=V, max_host_bytes=H)``: modules built on ``meta``, weights read stra
 files, what the host budget does not hold read from disk on every pass. One call: e2e.py's
 prompt, 1024x1024, 4 steps (``--smoke``: tiny components, 128x128, 2 steps).
 
+``--model wan14b`` runs a WanPipeline of Wan2.1-T2V-14B's shapes instead (40.3 GB; one call:
+480x832, 33 frames, 2 steps with guidance), the issue's row at 6 GiB VRAM and 16 GiB host.
+
 Cells: --vram (GiB; ``floor``: the smallest budget that runs, found from the
 ``BudgetTooSmallError`` of a budget below it) x --host (GiB; ``none``: no ceiling). Each cell
 runs in its own process (``consumer.py --worker V H``), so that its peak VRAM
@@ -34,6 +37,8 @@ the folder's largest file), the page cache dropped before each worker where allo
         --host 8,16,none                   # the H200 run
     PYTHONPATH=src python benchmarks/consumer.py --smoke --folder /tmp/flux-smoke \\
         --vram 0.01 --host 0.005,none --device cpu    # the plumbing, on the CPU
+    PYTHONPATH=src python benchmarks/consumer.py --model wan14b --folder /tmp/wan14b \
+        --vram 6 --host 16 --out consumer_wan14b
 
 Writes docs/benchmarks/<--out, default consumer>.{json,md} (under $SHUTTLE_BENCH_OUT when set).
 """
@@ -63,6 +68,8 @@ GIB = 2**30
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--folder", type=Path, required=True, help="where the pipeline is written")
+    p.add_argument("--model", choices=list(PIPELINES), default="flux",
+                   help="flux: FluxPipeline (Flux-dev); wan14b: WanPipeline (Wan2.1-14B shapes)")
     p.add_argument("--vram", default="floor,4,6,8,12", help="GiB budgets, or 'floor'")
     p.add_argument("--host", default="8,16,none", help="GiB ceilings, or 'none'")
     p.add_argument("--peers", default=",".join(PEERS),
@@ -123,6 +130,78 @@ PEERS = {"diffusers_disk": _diffusers_disk, "accelerate_disk": _accelerate_disk,
          "mmgp4": _mmgp(4), "mmgp5": _mmgp(5)}
 
 
+# -- the pipelines -------------------------------------------------------------------------------
+# Wan2.1-T2V-14B's shapes: the transformer at diffusers' defaults (40 blocks of width 5120, 28.6 GB
+# in bf16), UMT5-XXL (11.4 GB with its 256384-entry table), the Wan VAE. One call: 480x832, 33
+# frames (14040 tokens), 2 steps with classifier-free guidance (4 transformer passes).
+WAN_CALL = dict(height=480, width=832, frames=33, steps=2, guidance=5.0, max_sequence_length=512)
+WAN_CALL_SMOKE = dict(height=64, width=64, frames=5, steps=2, guidance=5.0, max_sequence_length=16)
+
+
+def wan_configs(smoke: bool) -> dict[str, dict]:
+    if smoke:
+        return {"transformer": dict(num_attention_heads=2, attention_head_dim=16, ffn_dim=64,
+                                    num_layers=2, text_dim=32, freq_dim=32),
+                "text_encoder": dict(d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2,
+                                     vocab_size=512, feed_forward_proj="gated-gelu"),
+                "vae": dict(base_dim=16, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1)}
+    return {"transformer": {},
+            "text_encoder": dict(d_model=4096, d_ff=10240, d_kv=64, num_heads=64, num_layers=24,
+                                 vocab_size=256384, feed_forward_proj="gated-gelu"),
+            "vae": {}}
+
+
+def build_wan(smoke: bool, pool: torch.Tensor):
+    """The WanPipeline, every component on the CPU in bf16 (e2e.py's random weights)."""
+    from diffusers import (
+        AutoencoderKLWan,
+        FlowMatchEulerDiscreteScheduler,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    cfg = wan_configs(smoke)
+    makers = {"transformer": lambda: WanTransformer3DModel(**cfg["transformer"]),
+              "text_encoder": lambda: UMT5EncoderModel(UMT5Config(**cfg["text_encoder"])),
+              "vae": lambda: AutoencoderKLWan(**cfg["vae"])}
+    parts = {name: e2e.materialize(make, pool, 7_919_993 * k)
+             for k, (name, make) in enumerate(makers.items())}
+    call = WAN_CALL_SMOKE if smoke else WAN_CALL
+    return WanPipeline(tokenizer=e2e.tokenizer(call["max_sequence_length"]),
+                       scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), **parts)
+
+
+def wan_call(pipe, device: torch.device, smoke: bool):
+    c = WAN_CALL_SMOKE if smoke else WAN_CALL
+
+    def call() -> dict:
+        g = torch.Generator(device).manual_seed(0)
+        with torch.no_grad():
+            frames = pipe(e2e.PROMPT, negative_prompt="blurry", height=c["height"],
+                          width=c["width"], num_frames=c["frames"],
+                          num_inference_steps=c["steps"], guidance_scale=c["guidance"],
+                          max_sequence_length=c["max_sequence_length"], generator=g,
+                          output_type="pt").frames
+        return {"frames": frames}
+
+    return call
+
+
+def wan_stats(out: dict) -> dict:
+    px = out["frames"].float()
+    return {"pixel_mean": px.mean().item(), "pixel_std": px.std().item(),
+            "pixels_nan": int(px.isnan().sum())}
+
+
+# name -> (build(smoke, pool), call(pipe, device, smoke), stats(out, smoke))
+PIPELINES = {
+    "flux": (e2e.build_flux, e2e.flux_call,
+             lambda out, smoke: e2e.output_stats("flux", out, smoke)),
+    "wan14b": (build_wan, wan_call, lambda out, smoke: wan_stats(out)),
+}
+
+
 def gib(text: str) -> int | None:
     return None if text in ("none", "resident") else int(float(text) * GIB)
 
@@ -130,10 +209,10 @@ def gib(text: str) -> int | None:
 # -- the folder ---------------------------------------------------------------------------------
 
 
-def write_folder(folder: Path, smoke: bool) -> int:
+def write_folder(folder: Path, model: str, smoke: bool) -> int:
     """Write the pipeline once (skipped when ``folder`` holds it); returns its weight bytes."""
     if not (folder / "model_index.json").is_file():
-        pipe = e2e.build_flux(smoke, e2e.make_pool())
+        pipe = PIPELINES[model][0](smoke, e2e.make_pool())
         pipe.save_pretrained(folder, safe_serialization=True, max_shard_size="5GB")
         del pipe
     return sum(p.stat().st_size for p in folder.glob("*/*.safetensors"))
@@ -165,13 +244,13 @@ def direct_read_bandwidth(folder: Path) -> float:
         fd = os.open(path, flags)
     except OSError:
         fd = os.open(path, os.O_RDONLY)
-    t0 = time.perf_counter()
+    t0, got = time.perf_counter(), 0
     try:
-        for offset in range(0, size, 2**23):
-            os.preadv(fd, [view], offset)
+        for offset in range(0, max(size, 2**23), 2**23):  # a small file: one short read
+            got += os.preadv(fd, [view], offset)
     finally:
         os.close(fd)
-    return size / (time.perf_counter() - t0)
+    return got / (time.perf_counter() - t0)
 
 
 # -- one cell -------------------------------------------------------------------------------------
@@ -214,7 +293,7 @@ def worker(args: argparse.Namespace) -> None:
                                                   max_host_bytes=gib(host), device=device)
             pipe.set_progress_bar_config(disable=True)
             row["load_s"] = time.perf_counter() - t0
-            call = e2e.flux_call(pipe, device, args.smoke)
+            call = PIPELINES[args.model][1](pipe, device, args.smoke)
             out, _, _ = e2e.timed_call(call, device)  # warm-up (the first call: at the floor)
             before = read_bytes()
             walls = []
@@ -231,7 +310,7 @@ def worker(args: argparse.Namespace) -> None:
                 row["host_bytes"] = handle.cache.used_bytes
         row["peak_rss"] = rss.peak
         torch.save({k: v.cpu() for k, v in out.items()}, keep / f"{vram}-{host}.pt")
-        row["stats"] = e2e.output_stats("flux", out, args.smoke)
+        row["stats"] = PIPELINES[args.model][2](out, args.smoke)
     except BudgetTooSmallError as e:
         row["refused"] = str(e)
         floor = re.search(r"at least (\d+) bytes", str(e)) or re.search(r"floor of .*?(\d+) bytes",
@@ -252,7 +331,8 @@ def streamed(off) -> int:
 
 def run_worker(args: argparse.Namespace, vram: str, host: str) -> dict:
     cmd = [sys.executable, __file__, "--worker", vram, host, "--folder", str(args.folder),
-           "--runs", str(args.runs), "--device", args.device, "--out", args.out, "--peers", ""]
+           "--runs", str(args.runs), "--device", args.device, "--out", args.out, "--peers", "",
+           "--model", args.model]
     if args.smoke:
         cmd.append("--smoke")
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -270,7 +350,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         worker(args)
         return
-    weights = write_folder(args.folder, args.smoke)
+    weights = write_folder(args.folder, args.model, args.smoke)
     env = harness.environment()
     # bytes per second (e2e.pinned_bandwidth gives GB/s), measured before any worker runs
     pinned = e2e.pinned_bandwidth() * 1e9 if args.device == "cuda" else None
