@@ -147,6 +147,25 @@ def test_the_code_is_the_same_bytes_every_time():
     assert torch.equal(LosslessTensor.encode_tensor(w).blob, LosslessTensor.encode_tensor(w).blob)
 
 
+def test_coding_slice_by_slice_gives_the_bytes_of_one_pass(monkeypatch):
+    """The encoder reads a tensor in slices of whole chunks (bounded temporaries); the code
+    does not depend on where the slices fall."""
+    from shuttle.kernels.exponent_decode import GROUP
+    from shuttle.weights import lossless
+
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.bfloat16, torch.float16):
+        w = (torch.randn(5 * GROUP + 123, generator=g) * 0.05).to(dtype)
+        whole = LosslessTensor.encode_tensor(w, always=True)
+        monkeypatch.setattr(lossless, "_CHUNK_GROUPS", 1)
+        monkeypatch.setattr(lossless, "_SLICE", 2 * GROUP)
+        sliced = LosslessTensor.encode_tensor(w, always=True)
+        monkeypatch.undo()
+        assert sliced.words == whole.words
+        assert torch.equal(sliced.blob, whole.blob)
+        assert torch.equal(sliced.decode().view(torch.int16), w.view(torch.int16))
+
+
 def test_a_device_out_of_memory_codes_on_the_cpu(monkeypatch):
     """A small card cannot hold coding's temporaries: the host codes the tensor instead."""
     w = (torch.randn(256, 512) * 0.02).bfloat16()
