@@ -162,7 +162,7 @@ def _split(v: torch.Tensor, bf16: bool) -> tuple[torch.Tensor, torch.Tensor]:
 def _malloc_trim() -> Callable[[int], int] | None:
     try:
         return ctypes.CDLL(None).malloc_trim  # glibc
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # another C library, or Windows
         return None
 
 
