@@ -7,6 +7,7 @@ import torch
 
 from shuttle.kernels.exponent_decode import (
     GROUP,
+    LANES,
     decode_exponents,
     decode_exponents_reference,
     group_checks,
@@ -54,3 +55,23 @@ def test_a_group_check_catches_any_single_changed_value():
         w = v.clone()
         w[k] = (w[k] + int(torch.randint(1, 2**16, (1,), generator=g))) % 2**16
         assert not torch.equal(group_checks(w), base), k
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_reference_decodes_slice_by_slice(dtype, monkeypatch):
+    """The reference decodes a few groups at a time (bounded temporaries): the values, and the
+    count of damaged groups, are those of one pass over every group.
+    """
+    from shuttle.kernels import exponent_decode
+
+    x = (torch.randn(4 * GROUP + 301) * 0.02).to(dtype)
+    rep = LosslessTensor.encode_tensor(x, always=True)
+    whole, whole_errors = _decode(decode_exponents_reference, rep)
+    monkeypatch.setattr(exponent_decode, "REFERENCE_GROUPS", 2)
+    sliced, errors = _decode(decode_exponents_reference, rep)
+    assert whole_errors == errors == 0
+    assert torch.equal(sliced, whole) and torch.equal(sliced, x.view(torch.int16))
+    p = rep.parts()
+    p.words[int(p.offsets[3 * LANES])] ^= 1 << 30  # group 3's first lane: in the second slice
+    _, errors = _decode(decode_exponents_reference, rep)
+    assert errors == 1

@@ -70,6 +70,9 @@ def decode_exponents_reference(words: torch.Tensor, offsets: torch.Tensor, lut: 
                                errors: torch.Tensor, bf16: bool) -> None:
     """Decode into ``out`` (int16, ``n`` values, flat) in PyTorch; see the module docstring.
 
+    Groups are decoded :data:`REFERENCE_GROUPS` at a time (each group's lanes read only their
+    own words), so the temporaries (about 50 bytes a value) are one slice's, not the tensor's.
+
     Args:
         words: int32 code words (the last one padding).
         offsets: int32 first word of each lane, and the end: ``groups * LANES + 1`` entries.
@@ -80,6 +83,27 @@ def decode_exponents_reference(words: torch.Tensor, offsets: torch.Tensor, lut: 
         errors: int32, one element: incremented once per group found wrong.
         bf16: the bfloat16 split (else float16's).
     """
+    n, groups = out.numel(), checks.numel()
+    for g0 in range(0, groups, REFERENCE_GROUPS):
+        g1 = min(groups, g0 + REFERENCE_GROUPS)
+        lanes = offsets[g0 * LANES:g1 * LANES + 1]
+        first, last = int(lanes[0]), int(lanes[-1])
+        # the slice's words and one more (a lane's last window may read one word past its end;
+        # those bits fall outside its codes)
+        span = words[first:min(last + 1, words.numel())]
+        lo, hi = g0 * GROUP, min(n, g1 * GROUP)
+        _decode_groups(span, lanes - first, lut, raw[lo:hi], checks[g0:g1], out[lo:hi],
+                       errors, bf16)
+
+
+# Groups per slice of the reference decoder: 2**21 values, about 100 MB of temporaries.
+REFERENCE_GROUPS = 64
+
+
+def _decode_groups(words: torch.Tensor, offsets: torch.Tensor, lut: torch.Tensor,
+                   raw: torch.Tensor, checks: torch.Tensor, out: torch.Tensor,
+                   errors: torch.Tensor, bf16: bool) -> None:
+    """:func:`decode_exponents_reference` over whole groups, ``words`` and ``offsets`` theirs."""
     n = out.numel()
     groups = checks.numel()
     lanes = groups * LANES
