@@ -17,9 +17,10 @@ from shuttle.errors import (
 )
 from shuttle.kernels import exponent_decode
 from shuttle.offload import ModelOffloader, StreamConfig
+from shuttle.offload.coded import STAGES, Decoder
 from shuttle.offload.residency import floor_bytes
 from tests import assert_bits_equal
-from tests.offload.models import TinyDiT
+from tests.offload.models import Block, TinyDiT
 
 MODES = {
     "whole": None,
@@ -105,7 +106,7 @@ def test_adapters_act_on_decoded_slots(cpu_copy, mode):
 def test_the_plan_counts_the_staging_buffer(cpu_copy):
     _, off = captured()
     stage = off.storage.stage_bytes
-    assert stage > 0
+    assert stage == STAGES * max(u.code.nbytes for u in off.storage.units if u.code is not None)
     floor = floor_bytes(off.storage)
     sizes = [u.layout.nbytes for u in off.storage.groups["blocks"]]
     single = [u.layout.nbytes for u in off.storage.groups["single"]]
@@ -168,6 +169,45 @@ def test_streamed_on_cuda_equal_the_resident_model(mode, monkeypatch):
         for _ in range(3):  # the ring refilled: decoded again on the copy stream
             assert_bits_equal(m(tokens().cuda()), want)
     assert off.storage.pinned
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("slow", ["decodes", "compute"])
+@pytest.mark.parametrize("mode", ["stream0", "stream2", "resident"])
+def test_decodes_on_their_own_stream_stay_exact_when_either_side_lags(mode, slow, monkeypatch):
+    """Each decode waits for its copy (and so for the slot's last reader), the block waits for
+    its decode, a staging buffer is refilled only after its decode: with the decode stream or
+    the blocks slowed by ~1 ms sleeps and 12 steps queued without a host sync, every output is
+    the resident model's. (A missing wait shows as a step reading a half-decoded or
+    overwritten slot.)
+    """
+    monkeypatch.undo()  # the Triton decoder
+    sleep = 1_000_000  # GPU cycles
+    if slow == "decodes":
+        unpack = Decoder._unpack
+
+        def slow_unpack(self, *args):
+            torch.cuda._sleep(sleep)  # queued on the decode stream, before the decode
+            unpack(self, *args)
+
+        monkeypatch.setattr(Decoder, "_unpack", slow_unpack)
+    else:
+        forward = Block.forward
+
+        def slow_forward(self, x):
+            torch.cuda._sleep(sleep)
+            return forward(self, x)
+
+        monkeypatch.setattr(Block, "forward", slow_forward)
+    ref, off = captured()
+    x = tokens().cuda()
+    with torch.no_grad():
+        want = copy.deepcopy(ref).cuda()(x)
+        with off.use("cuda", MODES[mode]) as m:
+            outs = [m(x) for _ in range(12)]
+            torch.cuda.synchronize()
+    for out in outs:
+        assert_bits_equal(out, want)
 
 
 @pytest.mark.parametrize("ceiling", ["tight", "half", "roomy"])

@@ -4,12 +4,22 @@ With ``compress="lossless"`` (:class:`~shuttle.offload.host_storage.HostStorage`
 bfloat16/float16 tensor of a unit that codes smaller
 (:class:`~shuttle.weights.lossless.LosslessTensor`, about 0.7x) is kept coded: the unit's host
 arena holds the coded blobs and the other tensors' raw bytes, packed (:class:`UnitCode`). A load
-copies that arena into a device staging buffer (one copy, ~0.7x the bytes over the bus), then,
-on the same stream, decodes each blob into its tensor's view of the slot and copies the raw
-tensors' bytes across (:class:`Decoder`); the slot's loaded event is recorded after both, so a
-block's kernels never see a half-decoded weight. The staging buffer is one per activation
-(loads run in order on the copy stream), sized by the largest coded unit; the residency plan
-counts it (``HostStorage.stage_bytes``).
+copies that arena into a device staging buffer (one copy, ~0.7x the bytes over the bus), then
+decodes each blob into its tensor's view of the slot and copies the raw tensors' bytes across
+(:class:`Decoder`); the slot's loaded event is recorded after both, so a block's kernels never
+see a half-decoded weight. On CUDA the decode runs on a stream of its own, so that the copy
+engine moves the next unit while this one decodes (serialized on the copy stream, a step would
+cost the copy plus the decode):
+
+    copy stream:    wait free[j] -> copy arena into stage j -> record filled[j]
+    decode stream:  wait filled[j] -> decode stage j into the slot -> record free[j], loaded[s]
+
+with :data:`STAGES` staging buffers used in turn, each sized by the largest coded unit; the
+residency plan counts them (``HostStorage.stage_bytes``). The decode stream waits on
+``filled[j]``, recorded after the copy stream waited for the slot's last reader, so it writes
+the slot only once that reader is done. Where adapters merge as slots land, the merge runs on
+the copy stream once the decode is done (the decode stream carries no matmuls, hence no cuBLAS
+workspace of its own).
 
 A damaged code is counted on the device (no synchronization per load); the activation checks
 the count when it ends and raises :class:`~shuttle.errors.CorruptCodeError`.
@@ -37,10 +47,13 @@ from shuttle.offload.survey import UnitSurvey, read_entry
 from shuttle.weights.lossless import CODED_DTYPES, LosslessTensor
 from shuttle.weights.lossless_file import CodedRef
 
-__all__ = ["Compression", "Decoder", "UnitCode", "check_compress", "codable", "code_arena",
-           "file_code", "fill_coded"]
+__all__ = ["STAGES", "Compression", "Decoder", "UnitCode", "check_compress", "codable",
+           "code_arena", "file_code", "fill_coded"]
 
 Compression = Literal["lossless"]
+
+# Staging buffers of an activation's decoder: one being filled while the other decodes.
+STAGES = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,37 +171,94 @@ def code_arena(layout: Layout, arena: torch.Tensor, eligible: Sequence[bool]
 
 
 class Decoder:
-    """The device side of one activation's coded loads: a staging buffer and an error count.
+    """The device side of one activation's coded loads: :data:`STAGES` staging buffers, the
+    decode stream, and an error count.
 
     Args:
         device: the activation's device.
-        nbytes: the largest coded arena that will be loaded.
-        copy_stream: the CUDA stream every load runs on (None: synchronous copies).
+        nbytes: device bytes for the staging buffers together (``HostStorage.stage_bytes``:
+            :data:`STAGES` times the largest coded arena that will be loaded).
+        copy_stream: the CUDA stream every load's copy runs on (None: synchronous copies,
+            decoded on the current stream).
     """
 
     def __init__(self, device: torch.device, nbytes: int,
                  copy_stream: torch.cuda.Stream | None = None):
-        self.stage = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        each = nbytes // STAGES
+        self.stages = [torch.empty(each, dtype=torch.uint8, device=device)
+                       for _ in range(STAGES)]
         self.errors = torch.zeros(1, dtype=torch.int32, device=device)
+        self.stream = decode_stream_of(device) if copy_stream is not None else None
+        self._copy_stream = copy_stream
+        cuda = self.stream is not None
+        self._filled = [torch.cuda.Event() if cuda else None for _ in range(STAGES)]
+        self._free = [torch.cuda.Event() if cuda else None for _ in range(STAGES)]
+        self._decoded = torch.cuda.Event() if cuda else None
+        self._next = 0
         if copy_stream is not None:
             # The new buffers may reuse memory that queued compute kernels still touch.
-            copy_stream.wait_stream(torch.cuda.current_stream(device))
+            current = torch.cuda.current_stream(device)
+            copy_stream.wait_stream(current)
+            self.stream.wait_stream(current)  # type: ignore[union-attr]
+
+    def stage(self) -> tuple[int, torch.Tensor]:
+        """The next staging buffer ``(index, buffer)``; on CUDA the current (copy) stream first
+        waits until the decode that last read it is done.
+        """
+        j, self._next = self._next, (self._next + 1) % STAGES
+        if self.stream is not None:
+            torch.cuda.current_stream(self.stages[j].device).wait_event(self._free[j])
+        return j, self.stages[j]
 
     def load(self, code: UnitCode, layout: Layout, arena: torch.Tensor, flat: torch.Tensor,
-             views: Sequence[torch.Tensor], non_blocking: bool) -> None:
-        """Queue the load of a coded unit (``arena``) into ``flat`` / ``views`` (its slot) on
-        the current stream: one copy of the arena into the staging buffer, then per entry a
-        decode or a device copy of its raw bytes.
-        """
-        self.stage[:code.nbytes].copy_(arena, non_blocking=non_blocking)
-        self.unpack(code, layout, flat, views)
+             views: Sequence[torch.Tensor], non_blocking: bool) -> torch.cuda.Stream | None:
+        """Queue the load of a coded unit (``arena``) into ``flat`` / ``views`` (its slot): one
+        copy of the arena into a staging buffer on the current stream, then per entry a decode
+        or a device copy of its raw bytes (:meth:`decode`).
 
-    def unpack(self, code: UnitCode, layout: Layout, flat: torch.Tensor,
-               views: Sequence[torch.Tensor]) -> None:
-        """Queue, on the current stream, the decode of the coded unit that the staging buffer
-        holds (copied there whole, or chunk by chunk from disk) into ``flat`` / ``views``.
+        Returns:
+            The stream whose queued work completes the slot (None: done in order on the
+            current stream).
         """
-        stage = self.stage[:code.nbytes]
+        j, stage = self.stage()
+        stage[:code.nbytes].copy_(arena, non_blocking=non_blocking)
+        return self.decode(j, code, layout, flat, views)
+
+    def decode(self, j: int, code: UnitCode, layout: Layout, flat: torch.Tensor,
+               views: Sequence[torch.Tensor]) -> torch.cuda.Stream | None:
+        """Queue the decode of the coded unit that staging buffer ``j`` holds (filled by work
+        queued so far on the current stream: copied whole, or from disk) into ``flat`` /
+        ``views``: on the decode stream on CUDA, else on the current stream.
+
+        Returns:
+            The decode stream (record the slot's loaded event there), or None.
+        """
+        if self.stream is None:
+            self._unpack(self.stages[j], code, layout, flat, views)
+            return None
+        self._filled[j].record(torch.cuda.current_stream(self.stages[j].device))
+        self.stream.wait_event(self._filled[j])
+        with torch.cuda.stream(self.stream):
+            self._unpack(self.stages[j], code, layout, flat, views)
+            self._free[j].record(self.stream)
+        return self.stream
+
+    def after_decode(self, stream: torch.cuda.Stream) -> None:
+        """Make ``stream`` wait for every decode queued so far (a merge that reads the slot)."""
+        if self.stream is not None:
+            self._decoded.record(self.stream)
+            stream.wait_event(self._decoded)
+
+    def join(self) -> None:
+        """Order later work on the current stream after every decode queued so far (before the
+        slots or the staging buffers are freed, or the error count is read).
+        """
+        if self.stream is not None:
+            torch.cuda.current_stream(self.stages[0].device).wait_stream(self.stream)
+
+    def _unpack(self, stage: torch.Tensor, code: UnitCode, layout: Layout, flat: torch.Tensor,
+                views: Sequence[torch.Tensor]) -> None:
+        stage = stage[:code.nbytes]
         for i, rep in enumerate(code.coded):
             at = code.offsets[i]
             if rep is None:
@@ -203,6 +273,7 @@ class Decoder:
         Raises:
             CorruptCodeError: the count of damaged groups is not zero.
         """
+        self.join()
         bad = int(self.errors.item())
         if bad:
             raise CorruptCodeError(
@@ -237,3 +308,16 @@ def check_compress(compress: Compression | None, host: str,
             f"compress={compress!r} codes the host arenas of host='pinned' storage without a "
             "host ceiling; drop compress, or use host='pinned' without max_host_bytes, or for "
             "the disk tier compress the checkpoint (`shuttle compress`) and capture from it")
+
+
+_DECODE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def decode_stream_of(device: torch.device) -> torch.cuda.Stream:
+    """The stream coded loads decode on, one per device for every activation (as the copy
+    stream: activations that share it are ordered by their events).
+    """
+    stream = _DECODE_STREAMS.get(device)
+    if stream is None:
+        stream = _DECODE_STREAMS[device] = torch.cuda.Stream(device)
+    return stream

@@ -51,6 +51,7 @@ from shuttle.errors import BudgetTooSmallError, HostBackingError
 from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.offload.arena import new_arena, register_pages, unregister_pages
 from shuttle.offload.coded import (
+    STAGES,
     Compression,
     Decoder,
     UnitCode,
@@ -158,22 +159,28 @@ class HostUnit:
         return self.code.decoded(self.layout, self.arena)
 
     def copy_into(self, flat: torch.Tensor, views: Sequence[torch.Tensor],
-                  non_blocking: bool, decoder: Decoder | None = None) -> None:
+                  non_blocking: bool, decoder: Decoder | None = None
+                  ) -> torch.cuda.Stream | None:
         """Copy the host tensors into a device buffer laid out by :attr:`layout`.
 
         One copy of the whole arena when there is one; one per tensor when adopted; a coded
         arena through ``decoder``. A unit on disk is loaded through its reader instead
         (:class:`~shuttle.offload.slots.SlotPool`).
+
+        Returns:
+            The stream whose queued work completes the buffer when that is not the current
+            one (a coded unit's decode stream), else None.
         """
         assert not self.on_disk, f"{self.name} is on disk: load it through its reader"
         if self.code is not None:
             assert decoder is not None and self.arena is not None, f"{self.name} is coded"
-            decoder.load(self.code, self.layout, self.arena, flat, views, non_blocking)
-        elif self.arena is not None:
+            return decoder.load(self.code, self.layout, self.arena, flat, views, non_blocking)
+        if self.arena is not None:
             flat.copy_(self.arena, non_blocking=non_blocking)
         else:
             for dst, src in zip(views, self.host_views, strict=True):
                 dst.copy_(src, non_blocking=non_blocking)
+        return None
 
 
 class HostNeeds(NamedTuple):
@@ -298,10 +305,10 @@ class HostStorage:
 
     @property
     def stage_bytes(self) -> int:
-        """Device bytes an activation stages coded units in: the largest coded arena (0 when
-        nothing is coded).
+        """Device bytes an activation stages coded units in: :data:`~shuttle.offload.coded.STAGES`
+        buffers of the largest coded arena (0 when nothing is coded).
         """
-        return max((u.code.nbytes for u in self.units if u.code is not None), default=0)
+        return STAGES * max((u.code.nbytes for u in self.units if u.code is not None), default=0)
 
     @property
     def staging(self) -> tuple[int, int]:

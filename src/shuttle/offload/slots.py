@@ -9,6 +9,9 @@ On CUDA, copies run on a side stream and ordering uses events only (no host sync
     copy stream:     wait freed[s] -> copy host arena into slot s -> record loaded[s]
     compute stream:  wait loaded[s] -> the block's kernels -> record freed[s]
 
+(a unit kept coded records ``loaded[s]`` on the decoder's stream, after its decode:
+:mod:`~shuttle.offload.coded`)
+
 so a slot is overwritten only after the kernels of its previous block were queued before
 ``freed[s]``, and a block's kernels start only after its bytes landed. Waiting on an event that
 was never recorded is a no-op, which makes the first use of each slot free of special cases.
@@ -148,10 +151,21 @@ class SlotPool:
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(self._freed[slot])
             # From pinned memory this returns at once; the DMA runs on the side stream.
-            unit.copy_into(flat, views, non_blocking=True, decoder=self.decoder)
-            if self.fold is not None:  # ordered after the copy on this stream
-                self.fold(unit, views)
-            self._loaded[slot].record(self._stream)
+            done = unit.copy_into(flat, views, non_blocking=True, decoder=self.decoder)
+            self._finish(slot, unit, views, done)
+
+    def _finish(self, slot: int, unit: HostUnit, views: list[torch.Tensor],
+                done: torch.cuda.Stream | None) -> None:
+        """On CUDA, with the copy stream current: the fold, then ``loaded[slot]``, after the
+        load's last work (on the copy stream, or a coded unit's decode stream ``done``).
+        """
+        assert self._stream is not None
+        if self.fold is not None:  # ordered after the copy (and the decode) on the copy stream
+            if done is not None:
+                self.decoder.after_decode(self._stream)  # type: ignore[union-attr]
+            self.fold(unit, views)
+            done = None
+        self._loaded[slot].record(done or self._stream)
 
     def wait_loaded(self, slot: int) -> None:
         """Make the current (compute) stream wait until ``slot``'s last load landed.
@@ -198,28 +212,31 @@ class SlotPool:
         # a coded unit lands in the decoder's staging buffer (in one piece: the host plan sizes
         # the staging ring so), decoded into the slot at the end
         assert unit.code is None or (first and last), f"{unit.name} read in pieces"
-        to = flat if unit.code is None else self.decoder.stage  # type: ignore[union-attr]
+        decoder = self.decoder
+        if unit.code is not None:
+            assert decoder is not None, f"{unit.name} is coded"
         if self._stream is None:
+            j, to = decoder.stage() if unit.code is not None else (0, flat)  # type: ignore[union-attr]
             for c in copies:
                 to[c.to:c.to + c.n].copy_(buffer[c.at:c.at + c.n])
             if last and unit.code is not None:
-                self.decoder.unpack(unit.code, unit.layout, flat, views)  # type: ignore[union-attr]
+                decoder.decode(j, unit.code, unit.layout, flat, views)  # type: ignore[union-attr]
             if last and self.fold is not None:
                 self.fold(unit, views)
             return
         with torch.cuda.stream(self._stream):
             if first:
                 self._stream.wait_event(self._freed[slot])
+            j, to = decoder.stage() if unit.code is not None else (0, flat)  # type: ignore[union-attr]
             for c in copies:  # from registered (pinned) memory: DMAs on the side stream
                 to[c.to:c.to + c.n].copy_(buffer[c.at:c.at + c.n], non_blocking=True)
             assert staged is not None
             staged.record(self._stream)
             if last:
+                done = None
                 if unit.code is not None:
-                    self.decoder.unpack(unit.code, unit.layout, flat, views)  # type: ignore[union-attr]
-                if self.fold is not None:
-                    self.fold(unit, views)
-                self._loaded[slot].record(self._stream)
+                    done = decoder.decode(j, unit.code, unit.layout, flat, views)  # type: ignore[union-attr]
+                self._finish(slot, unit, views, done)
 
     def close(self) -> None:
         """Drop the buffers; later work on the current stream is ordered after every copy.
@@ -234,6 +251,8 @@ class SlotPool:
         self._disk = [None] * len(self._disk)
         if self._stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        if self.decoder is not None:  # decodes in flight write into these slots
+            self.decoder.join()
         self.buffers, self.views = [], []
         if self._mixed is not None:
             self._mixed.clear()
