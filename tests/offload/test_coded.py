@@ -17,7 +17,7 @@ from shuttle.errors import (
 )
 from shuttle.kernels import exponent_decode
 from shuttle.offload import ModelOffloader, StreamConfig
-from shuttle.offload.coded import STAGES, Decoder
+from shuttle.offload.coded import DECODE_STREAM_ENV, Decoder, stages
 from shuttle.offload.residency import floor_bytes
 from tests import assert_bits_equal
 from tests.offload.models import Block, TinyDiT
@@ -106,7 +106,7 @@ def test_adapters_act_on_decoded_slots(cpu_copy, mode):
 def test_the_plan_counts_the_staging_buffer(cpu_copy):
     _, off = captured()
     stage = off.storage.stage_bytes
-    assert stage == STAGES * max(u.code.nbytes for u in off.storage.units if u.code is not None)
+    assert stage == stages() * max(u.code.nbytes for u in off.storage.units if u.code is not None)
     floor = floor_bytes(off.storage)
     sizes = [u.layout.nbytes for u in off.storage.groups["blocks"]]
     single = [u.layout.nbytes for u in off.storage.groups["single"]]
@@ -114,6 +114,18 @@ def test_the_plan_counts_the_staging_buffer(cpu_copy):
     off.plan_for(StreamConfig(prefetch=0, vram_budget=floor))
     with pytest.raises(BudgetTooSmallError):
         off.plan_for(StreamConfig(prefetch=0, vram_budget=floor - 1))
+
+
+def test_a_decode_stream_stages_in_two_buffers(cpu_copy, monkeypatch):
+    """With the decode stream on, the plan counts two staging buffers (one fills while the
+    other decodes), and outputs stay the resident model's."""
+    _, off = captured()
+    one = off.storage.stage_bytes
+    monkeypatch.setenv(DECODE_STREAM_ENV, "1")
+    assert off.storage.stage_bytes == 2 * one == 2 * off.storage.stage_unit_bytes
+    ref, off = captured()
+    with off.use("cpu", MODES["stream2"]) as m:
+        assert_bits_equal(m(tokens()), ref(tokens()))
 
 
 def test_a_damaged_host_code_is_refused_when_the_activation_ends(cpu_copy):
@@ -182,6 +194,7 @@ def test_decodes_on_their_own_stream_stay_exact_when_either_side_lags(mode, slow
     overwritten slot.)
     """
     monkeypatch.undo()  # the Triton decoder
+    monkeypatch.setenv(DECODE_STREAM_ENV, "1")
     sleep = 1_000_000  # GPU cycles
     if slow == "decodes":
         unpack = Decoder._unpack

@@ -57,8 +57,8 @@ class Activation:
         assert plan is not None
         copy_stream = copy_stream_of(device) if device.type == "cuda" else None
         fold = self.adapters.fold if self.adapters and self.adapters.merges else None
-        if storage.stage_bytes:
-            self.decoder = Decoder(device, storage.stage_bytes, copy_stream)
+        if storage.stage_unit_bytes:
+            self.decoder = Decoder(device, storage.stage_unit_bytes, copy_stream)
         rest = storage.rest
         if rest.layout.offsets:
             self._place_resident([rest], copy_stream, fold)

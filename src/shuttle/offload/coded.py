@@ -14,8 +14,10 @@ cost the copy plus the decode):
     copy stream:    wait free[j] -> copy arena into stage j -> record filled[j]
     decode stream:  wait filled[j] -> decode stage j into the slot -> record free[j], loaded[s]
 
-with :data:`STAGES` staging buffers used in turn, each sized by the largest coded unit; the
-residency plan counts them (``HostStorage.stage_bytes``). The decode stream waits on
+with :func:`stages` staging buffers used in turn, each sized by the largest coded unit; the
+residency plan counts them (``HostStorage.stage_bytes``). **Opt-in while it is verified on a
+GPU**: ``SHUTTLE_DECODE_STREAM=1`` (:data:`DECODE_STREAM_ENV`) turns it on; without it the decode
+runs on the copy stream after each copy, through one staging buffer. The decode stream waits on
 ``filled[j]``, recorded after the copy stream waited for the slot's last reader, so it writes
 the slot only once that reader is done. Where adapters merge as slots land, the merge runs on
 the copy stream once the decode is done (the decode stream carries no matmuls, hence no cuBLAS
@@ -36,6 +38,7 @@ model back).
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 from typing import Literal
 
@@ -47,13 +50,24 @@ from shuttle.offload.survey import UnitSurvey, read_entry
 from shuttle.weights.lossless import CODED_DTYPES, LosslessTensor
 from shuttle.weights.lossless_file import CodedRef
 
-__all__ = ["STAGES", "Compression", "Decoder", "UnitCode", "check_compress", "codable",
-           "code_arena", "file_code", "fill_coded"]
+__all__ = ["DECODE_STREAM_ENV", "Compression", "Decoder", "UnitCode", "check_compress",
+           "codable", "code_arena", "decode_stream_enabled", "file_code", "fill_coded", "stages"]
 
 Compression = Literal["lossless"]
 
-# Staging buffers of an activation's decoder: one being filled while the other decodes.
-STAGES = 2
+DECODE_STREAM_ENV = "SHUTTLE_DECODE_STREAM"
+
+
+def decode_stream_enabled() -> bool:
+    """Whether coded loads decode on a stream of their own (``SHUTTLE_DECODE_STREAM=1``)."""
+    return os.environ.get(DECODE_STREAM_ENV) == "1"
+
+
+def stages() -> int:
+    """Staging buffers of an activation's decoder: with a decode stream, one being filled while
+    the other decodes; else one.
+    """
+    return 2 if decode_stream_enabled() else 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,41 +185,42 @@ def code_arena(layout: Layout, arena: torch.Tensor, eligible: Sequence[bool]
 
 
 class Decoder:
-    """The device side of one activation's coded loads: :data:`STAGES` staging buffers, the
-    decode stream, and an error count.
+    """The device side of one activation's coded loads: :func:`stages` staging buffers, the
+    decode stream (where enabled), and an error count.
 
     Args:
         device: the activation's device.
-        nbytes: device bytes for the staging buffers together (``HostStorage.stage_bytes``:
-            :data:`STAGES` times the largest coded arena that will be loaded).
+        nbytes: the largest coded arena that will be loaded (each staging buffer's size).
         copy_stream: the CUDA stream every load's copy runs on (None: synchronous copies,
             decoded on the current stream).
     """
 
     def __init__(self, device: torch.device, nbytes: int,
                  copy_stream: torch.cuda.Stream | None = None):
-        each = nbytes // STAGES
-        self.stages = [torch.empty(each, dtype=torch.uint8, device=device)
-                       for _ in range(STAGES)]
+        overlap = copy_stream is not None and decode_stream_enabled()
+        n_stages = 2 if overlap else 1
+        self.stages = [torch.empty(nbytes, dtype=torch.uint8, device=device)
+                       for _ in range(n_stages)]
         self.errors = torch.zeros(1, dtype=torch.int32, device=device)
-        self.stream = decode_stream_of(device) if copy_stream is not None else None
-        self._copy_stream = copy_stream
+        # None: decoded on the current stream (the copy stream on CUDA), in order
+        self.stream = decode_stream_of(device) if overlap else None
         cuda = self.stream is not None
-        self._filled = [torch.cuda.Event() if cuda else None for _ in range(STAGES)]
-        self._free = [torch.cuda.Event() if cuda else None for _ in range(STAGES)]
+        self._filled = [torch.cuda.Event() if cuda else None for _ in range(n_stages)]
+        self._free = [torch.cuda.Event() if cuda else None for _ in range(n_stages)]
         self._decoded = torch.cuda.Event() if cuda else None
         self._next = 0
         if copy_stream is not None:
             # The new buffers may reuse memory that queued compute kernels still touch.
             current = torch.cuda.current_stream(device)
             copy_stream.wait_stream(current)
-            self.stream.wait_stream(current)  # type: ignore[union-attr]
+            if self.stream is not None:
+                self.stream.wait_stream(current)
 
     def stage(self) -> tuple[int, torch.Tensor]:
         """The next staging buffer ``(index, buffer)``; on CUDA the current (copy) stream first
         waits until the decode that last read it is done.
         """
-        j, self._next = self._next, (self._next + 1) % STAGES
+        j, self._next = self._next, (self._next + 1) % len(self.stages)
         if self.stream is not None:
             torch.cuda.current_stream(self.stages[j].device).wait_event(self._free[j])
         return j, self.stages[j]

@@ -51,7 +51,6 @@ from shuttle.errors import BudgetTooSmallError, HostBackingError
 from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.offload.arena import new_arena, register_pages, unregister_pages
 from shuttle.offload.coded import (
-    STAGES,
     Compression,
     Decoder,
     UnitCode,
@@ -60,6 +59,7 @@ from shuttle.offload.coded import (
     code_arena,
     file_code,
     fill_coded,
+    stages,
 )
 from shuttle.offload.disk_reader import IO_ALIGN, DiskReader, DiskSpans
 from shuttle.offload.layout import Layout
@@ -305,10 +305,15 @@ class HostStorage:
 
     @property
     def stage_bytes(self) -> int:
-        """Device bytes an activation stages coded units in: :data:`~shuttle.offload.coded.STAGES`
-        buffers of the largest coded arena (0 when nothing is coded).
+        """Device bytes an activation stages coded units in:
+        :func:`~shuttle.offload.coded.stages` buffers of :attr:`stage_unit_bytes` each.
         """
-        return STAGES * max((u.code.nbytes for u in self.units if u.code is not None), default=0)
+        return stages() * self.stage_unit_bytes
+
+    @property
+    def stage_unit_bytes(self) -> int:
+        """The largest coded arena: one staging buffer's bytes (0 when nothing is coded)."""
+        return max((u.code.nbytes for u in self.units if u.code is not None), default=0)
 
     @property
     def staging(self) -> tuple[int, int]:
