@@ -8,7 +8,7 @@ vram_budget=V, max_host_bytes=H)``: modules built on ``meta``, weights read stra
 files, what the host budget does not hold read from disk on every pass. One call: e2e.py's
 prompt, 1024x1024, 4 steps (``--smoke``: tiny components, 128x128, 2 steps).
 
-``--model wan14b`` runs a WanPipeline of Wan2.1-T2V-14B's shapes instead (40.3 GB; one call:
+``--model wan14b`` runs a WanPipeline of Wan2.1-T2V-14B's shapes instead (about 40 GB; one call:
 480x832, 33 frames, 2 steps with guidance), the issue's row at 6 GiB VRAM and 16 GiB host.
 
 Cells: --vram (GiB; ``floor``: the smallest budget that runs, found from the
@@ -131,8 +131,8 @@ PEERS = {"diffusers_disk": _diffusers_disk, "accelerate_disk": _accelerate_disk,
 
 
 # -- the pipelines -------------------------------------------------------------------------------
-# Wan2.1-T2V-14B's shapes: the transformer at diffusers' defaults (40 blocks of width 5120, 28.6 GB
-# in bf16), UMT5-XXL (11.4 GB with its 256384-entry table), the Wan VAE. One call: 480x832, 33
+# Wan2.1-T2V-14B's shapes: the transformer at diffusers' defaults (40 blocks of width 5120, ~28 GB
+# in bf16), UMT5-XXL (~11 GB with its 256384-entry table), the Wan VAE. One call: 480x832, 33
 # frames (14040 tokens), 2 steps with classifier-free guidance (4 transformer passes).
 WAN_CALL = dict(height=480, width=832, frames=33, steps=2, guidance=5.0, max_sequence_length=512)
 WAN_CALL_SMOKE = dict(height=64, width=64, frames=5, steps=2, guidance=5.0, max_sequence_length=16)
