@@ -140,6 +140,8 @@ def test_a_signal_during_merge_leaves_no_temporary_file(files, signum):
         import os, signal, sys
         from shuttle.formats import safetensors_writer
         from shuttle.cli import main
+        # Ctrl-C as in a terminal (a shell's background job starts with SIGINT ignored)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         write = safetensors_writer.SafetensorsWriter.write
         def killed(self, name, tensor):
             write(self, name, tensor)
