@@ -43,7 +43,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import torch
 
@@ -64,6 +64,7 @@ from shuttle.offload.coded import (
 from shuttle.offload.disk_reader import IO_ALIGN, DiskReader, DiskSpans
 from shuttle.offload.layout import Layout
 from shuttle.offload.spill import (
+    HostNeeds,
     arena_size,
     disk_spans,
     held_bytes,
@@ -181,20 +182,6 @@ class HostUnit:
             for dst, src in zip(views, self.host_views, strict=True):
                 dst.copy_(src, non_blocking=non_blocking)
         return None
-
-
-class HostNeeds(NamedTuple):
-    """Host bytes a model's capture needs (:meth:`HostStorage.needs`).
-
-    Attributes:
-        floor: the smallest ``max_host_bytes`` it can be captured under: the units that must
-            stay in host memory plus one staging buffer (their bytes alone if none can stay
-            on disk), or ``everything`` if that is less.
-        everything: host bytes with every unit in an arena (no staging needed).
-    """
-
-    floor: int
-    everything: int
 
 
 class HostStorage:

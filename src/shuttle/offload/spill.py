@@ -5,6 +5,8 @@ smallest host memory a storage needs (the units that must stay, plus one staging
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from shuttle.formats.safetensors_file import LazyTensor
@@ -14,7 +16,7 @@ from shuttle.offload.disk_reader import IO_ALIGN, DiskSpans
 from shuttle.offload.survey import UnitSurvey
 from shuttle.weights.lossless_file import CodedRef
 
-__all__ = ["MIN_STAGING", "arena_size", "disk_spans", "held_bytes", "host_floor",
+__all__ = ["MIN_STAGING", "HostNeeds", "arena_size", "disk_spans", "held_bytes", "host_floor",
            "on_disk_views", "spillable", "staging_floor"]
 
 MIN_STAGING = 16 * 2**20  # the smallest staging buffer a plan uses (smaller: chunks too small)
@@ -84,3 +86,17 @@ def spillable(s: UnitSurvey) -> bool:
     return s.layout.nbytes > 0 and all(
         (type(f) is LazyTensor or (isinstance(f, CodedRef) and type(f.blob) is LazyTensor))
         and f.dtype == s.layout.dtypes[i] for i, f in enumerate(s.files))
+
+
+class HostNeeds(NamedTuple):
+    """Host bytes a model's capture needs (:meth:`HostStorage.needs`).
+
+    Attributes:
+        floor: the smallest ``max_host_bytes`` it can be captured under: the units that must
+            stay in host memory plus one staging buffer (their bytes alone if none can stay
+            on disk), or ``everything`` if that is less.
+        everything: host bytes with every unit in an arena (no staging needed).
+    """
+
+    floor: int
+    everything: int
