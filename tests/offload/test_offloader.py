@@ -259,13 +259,35 @@ def test_every_activation_copies_on_one_stream_and_merges_leave_no_memory_behind
     lora = random_lora({"blocks.1.attn": (32, 32), "blocks.3.up": (128, 32)}, rank=4,
                        scale=0.3, seed=1)
     x = tokens().cuda()
-    streams, held = set(), []
-    for _ in range(4):
-        with off.use("cuda", StreamConfig(prefetch=1), loras=[(lora, 0.8)],
-                     mode="merge") as model, torch.no_grad():
-            model(x)
-            streams.update(id(p._stream) for p in off._active.pools)
-        torch.cuda.synchronize()
-        held.append(torch.cuda.memory_allocated())
+    streams, held, live = set(), [], []
+    torch.cuda.memory._record_memory_history(stacks="python")
+    try:
+        for _ in range(4):
+            with off.use("cuda", StreamConfig(prefetch=1), loras=[(lora, 0.8)],
+                         mode="merge") as model, torch.no_grad():
+                model(x)
+                streams.update(id(p._stream) for p in off._active.pools)
+            torch.cuda.synchronize()
+            held.append(torch.cuda.memory_allocated())
+            live.append(_live_blocks())
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
     assert len(streams) == 1
-    assert held[1:] == held[:1] * 3, f"device bytes held after each activation: {held}"
+    # the message names where each block left behind by the later activations was allocated
+    left = "\n".join(f"{size} B at {where}" for address, (size, where) in live[-1].items()
+                     if address not in live[0])
+    assert held[1:] == held[:1] * 3, f"device bytes held after each activation: {held}\n{left}"
+
+
+def _live_blocks() -> dict[int, tuple[int, str]]:
+    """Address -> (size, innermost shuttle/test frames) of every allocated CUDA block."""
+    out = {}
+    for segment in torch.cuda.memory._snapshot()["segments"]:
+        for block in segment.get("blocks", []):
+            if block.get("state") != "active_allocated":
+                continue
+            frames = [f"{f['filename'].rsplit('/', 2)[-1]}:{f['line']} {f['name']}"
+                      for f in block.get("frames", [])
+                      if "shuttle" in f["filename"] or "tests" in f["filename"]]
+            out[block["address"]] = (block["size"], " < ".join(frames[:6]))
+    return out
