@@ -21,11 +21,15 @@ Variants (--variants keeps those starting with the given comma-separated prefixe
     shuttle                      shuttle.integrations.{diffusers,transformers}.offload(...,
                                  vram_budget=None, prefetch=2): one component on the device at
                                  a time, the denoiser's (or the LLM's) blocks streamed
-    shuttle_<B>GiB               the same with vram_budget=B GiB (--budgets; flux 16,8,
-                                 llama 8,4): as many blocks resident as fit. Flux's T5 moves
-                                 whole (its first block, holding the relative attention bias,
-                                 differs from the others, so the blocks are no uniform list):
-                                 a budget below its 8.9 GiB is refused (BudgetTooSmallError)
+    shuttle_<B>GiB               the same with vram_budget=B GiB (--budgets; flux 16,8,4,
+                                 llama 8,4): as many blocks resident as fit; with a budget
+                                 the text encoders stream too (T5-XXL's blocks, its first
+                                 one holding the relative attention bias, share one ring
+                                 sized by the largest) and the VAE decodes tiled when its
+                                 activations would not fit
+    lossless, lossless_<B>GiB    shuttle and shuttle_<B>GiB with compress="lossless": the
+                                 bf16 weights held coded in pinned memory (about 0.67x the
+                                 bytes), copied coded and decoded on the device
     diffusers_group              (flux) pipe.enable_group_offload(block_level, 1 block per
                                  group, use_stream=True, record_stream=True)
     diffusers_model_cpu_offload  (flux) pipe.enable_model_cpu_offload()
@@ -90,7 +94,8 @@ from offload import GB, GIB, POOL, fill, pinned_bandwidth, rss_bytes  # noqa: E4
 
 ROW_MARK = "E2E_ROW "  # prefix of the worker's result line
 SCENARIOS = ("flux", "llama")
-BUDGETS = {"flux": "16,8", "llama": "8,4"}  # GiB, defaults of --budgets
+BUDGETS = {"flux": "16,8,4", "llama": "8,4"}  # GiB, defaults of --budgets
+SHUTTLE = ("shuttle", "lossless")  # the variants shuttle runs (lossless: compress="lossless")
 RUNS = {"flux": 3, "llama": 5}  # defaults of --runs
 SMOKE_FRACTIONS = (0.75, 0.5)  # --smoke budgets: fractions of the weight bytes
 EMBED_SCALE = 50.0  # embeddings: pool values (std 0.02) times this, std 1
@@ -111,7 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "reference runs too unless its output is in --keep already")
     p.add_argument("--budgets", default="",
                    help="VRAM budgets in GiB for shuttle_<B>GiB and accelerate_<B>GiB, "
-                        "comma-separated, for every scenario run (default flux 16,8; llama "
+                        "comma-separated, for every scenario run (default flux 16,8,4; llama "
                         "8,4; --smoke: 0.75 and 0.5 of the weight bytes)")
     p.add_argument("--runs", type=int, help="timed calls after 1 warm-up (flux 3, llama 5)")
     p.add_argument("--prefetch", type=int, default=2, help="shuttle's blocks loaded ahead")
@@ -141,7 +146,8 @@ def budgets_gib(scenario: str, args: argparse.Namespace) -> list[float]:
 def variants(scenario: str, args: argparse.Namespace) -> list[str]:
     """Every variant of ``scenario`` in run order (resident first), before --variants."""
     bs = budgets_gib(scenario, args)
-    out = ["resident", "shuttle", *(f"shuttle_{b:g}GiB" for b in bs)]
+    out = ["resident", *(f"{kind}{suffix}" for kind in SHUTTLE
+                         for suffix in ["", *(f"_{b:g}GiB" for b in bs)])]
     if scenario == "flux":
         out += ["diffusers_group", "diffusers_model_cpu_offload"]
     return out + [f"accelerate_{b:g}GiB" for b in bs]
@@ -153,7 +159,8 @@ def selected(variant: str, args: argparse.Namespace) -> bool:
 
 
 def budget_of(variant: str) -> float | None:
-    """B of ``shuttle_<B>GiB`` / ``accelerate_<B>GiB``; None for the others."""
+    """B of ``shuttle_<B>GiB`` / ``lossless_<B>GiB`` / ``accelerate_<B>GiB``; None for the
+    others."""
     tail = variant.rsplit("_", 1)[-1]
     return float(tail[:-3]) if tail.endswith("GiB") else None
 
@@ -448,7 +455,7 @@ def setup_variant(scenario: str, variant: str, target, device: torch.device,
     if variant == "resident":
         target.to(device)
         return {}
-    if variant.startswith("shuttle"):
+    if variant.startswith(SHUTTLE):
         budget = budget_of(variant)
         vram = None if budget is None else int(budget * GIB)
         host = int(1.5 * weight_bytes) + GIB  # a cap for shuttle's cache, not an allocation
@@ -456,9 +463,11 @@ def setup_variant(scenario: str, variant: str, target, device: torch.device,
             from shuttle.integrations import diffusers as integration
         else:
             from shuttle.integrations import transformers as integration
+        compress = "lossless" if variant.startswith("lossless") else None
         handle = integration.offload(target, max_host_bytes=host, vram_budget=vram,
-                                     device=device, prefetch=args.prefetch)
-        return {"_keep": handle, "max_host_bytes": host, "vram_budget": vram}
+                                     device=device, prefetch=args.prefetch, compress=compress)
+        return {"_keep": handle, "max_host_bytes": host, "vram_budget": vram,
+                "compress": compress}
     if variant == "diffusers_group":
         kw = dict(onload_device=device, offload_device=torch.device("cpu"),
                   offload_type="block_level", num_blocks_per_group=1, use_stream=True,
@@ -590,7 +599,7 @@ def worker(args: argparse.Namespace) -> None:
                                      "env": harness.environment()}), flush=True)
         return
     device = torch.device(args.device)
-    if variant.startswith("shuttle"):  # its activations and residency decisions
+    if variant.startswith(SHUTTLE):  # its activations and residency decisions
         logging.basicConfig(format="    %(name)s: %(message)s")
         logging.getLogger("shuttle").setLevel(logging.INFO)
     runs = args.runs if args.runs is not None else RUNS[scenario]
@@ -728,7 +737,7 @@ def fmt(x: float | None, spec: str) -> str:
 
 
 def nearest_shuttle(row: dict, rows: list[dict]) -> dict | None:
-    """The shuttle row of the same scenario whose peak VRAM is nearest ``row``'s."""
+    """The shuttle row (uncoded) of the same scenario whose peak VRAM is nearest ``row``'s."""
     vram = row.get("peak_vram_alloc_gib")
     cands = [r for r in rows if r["label"] == row["label"] and r["variant"].startswith("shuttle")
              and "call_s" in r and r.get("peak_vram_alloc_gib") is not None]
@@ -753,6 +762,7 @@ def table(rows: list[dict]) -> str:
                  {True: "yes", False: "**no**", None: "-"}[r.get("bit_identical")])
         if r.get("deterministic") is False:
             ident += " (own runs differ)"
+        # lossless rows are compared with plain shuttle too: what coding buys at that VRAM
         near = None if r["variant"].startswith("shuttle") else nearest_shuttle(r, rows)
         ratio = "-" if near is None else (
             f"{r['call_s'] / near['call_s']:.2f}x ({near['variant']})")
@@ -765,6 +775,7 @@ def table(rows: list[dict]) -> str:
 
 
 FAMILIES = {"resident": ("*", "black"), "shuttle": ("o", "tab:blue"),
+            "lossless": ("D", "tab:purple"),
             "diffusers": ("s", "tab:orange"), "accelerate": ("^", "tab:green")}
 
 
@@ -880,10 +891,14 @@ class Report:
             "runs from decode step 8), which would make bit-identity meaningless.",
             "",
             "shuttle: max_host_bytes 1.5x the weight bytes + 1 GiB (a cap, not an allocation), "
-            f"prefetch {self.args.prefetch}; the transformer (or the Llama's layers) streams, "
-            "the other components move whole (T5-XXL's first block holds the relative "
-            "attention bias, so its blocks are not one uniform list), so a budget below the "
-            "T5 encoder's 8.9 GiB is refused (BudgetTooSmallError). diffusers_group: the "
+            f"prefetch {self.args.prefetch}; the transformer (or the Llama's layers) streams; "
+            "without a budget the other components move whole, with one the text encoders "
+            "stream too (T5-XXL's blocks in one ring sized by its largest, the first, which "
+            "holds the relative attention bias) and the VAE decodes tiled where its "
+            "activations would not fit. lossless: the same with compress='lossless' (the "
+            "bf16 weights coded in pinned memory, decoded on the device as they land). "
+            "Call time vs shuttle compares it with the uncoded shuttle row of nearest peak "
+            "VRAM. diffusers_group: the "
             "pipeline-level enable_group_offload; the transformers text encoders have no "
             "top-level block list, so diffusers moves them whole. accelerate (flux): CLIP and "
             "the VAE on the device; the transformer mapped into the budget minus what is "
