@@ -7,7 +7,8 @@ Three parts, one run:
              values at a per-tensor scale (std 1/sqrt(fan_in) x a factor drawn in [0.5, 2]),
              coded by :class:`shuttle.weights.LosslessTensor` on the CPU. ``--sample`` tensors
              per distinct shape are coded and the rest counted at their shape's ratio.
-    decode   GPU decode throughput (GB/s of bf16 written) of the Triton decoder, on rotated
+    decode   GPU decode throughput (GB/s of bf16 written) of each Triton decoder (``triton_<name>``
+             for each of ``shuttle.kernels.exponent_decode.DECODE_KERNELS``), on rotated
              tensors of the Flux double block's largest shape, CUDA events after warm-up,
              median; beside it a device-to-device copy of the bf16 bytes (the memory ceiling)
              and, when ``nvidia.nvcomp`` imports, nvCOMP's ANS and Bitcomp decoders on the
@@ -27,6 +28,7 @@ Writes docs/benchmarks/lossless.{json,md} (under $SHUTTLE_BENCH_OUT when set).
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import statistics
 import sys
@@ -39,6 +41,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
+from shuttle.kernels.exponent_decode import DECODE_KERNELS, decode_exponents  # noqa: E402
 from shuttle.weights.lossless import LosslessTensor  # noqa: E402
 
 GB = 1e9
@@ -117,16 +120,26 @@ def decode_rows(shape: tuple[int, ...], rounds: int) -> list[dict]:
     blobs = [r.blob.cuda() for r in reps]
     outs = [torch.empty(shape, dtype=torch.bfloat16, device="cuda") for _ in range(4)]
     errors = torch.zeros(1, dtype=torch.int32, device="cuda")
-    for r, b, o, w in zip(reps, blobs, outs, sources, strict=True):
-        r.decode_into(o, errors, b)
-        if not torch.equal(o.cpu().view(torch.int16), w.view(torch.int16)) or errors.item():
-            raise SystemExit("GPU decode differs from the source")
+    parts = [r.parts(b) for r, b in zip(reps, blobs, strict=True)]
+
+    def decode(kernel: str, i: int) -> None:
+        p = parts[i % 4]
+        decode_exponents(p.words, p.offsets, p.lut, p.raw, p.checks,
+                         outs[i % 4].view(-1).view(torch.int16), errors, True, kernel=kernel)
+
+    variants, ratios = {}, {}
+    for kernel in DECODE_KERNELS:
+        for i, w in enumerate(sources):
+            outs[i].fill_(0)
+            decode(kernel, i)
+            if not torch.equal(outs[i].cpu().view(torch.int16), w.view(torch.int16)) \
+                    or errors.item():
+                raise SystemExit(f"the {kernel!r} GPU decode differs from the source")
+        variants[f"triton_{kernel}"] = functools.partial(decode, kernel)
+        ratios[f"triton_{kernel}"] = statistics.fmean(r.ratio for r in reps)
     dense = [w.cuda() for w in sources]
-    variants = {
-        "triton_decode": lambda i: reps[i % 4].decode_into(outs[i % 4], errors, blobs[i % 4]),
-        "d2d_copy_bf16": lambda i: outs[i % 4].copy_(dense[(i + 1) % 4]),
-    }
-    ratios = {"triton_decode": statistics.fmean(r.ratio for r in reps), "d2d_copy_bf16": 1.0}
+    variants["d2d_copy_bf16"] = lambda i: outs[i % 4].copy_(dense[(i + 1) % 4])
+    ratios["d2d_copy_bf16"] = 1.0
     try:  # the other design: nvCOMP's byte-stream codecs on the same bf16 bytes
         from nvidia import nvcomp
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from shuttle.kernels.exponent_decode import (
+    DECODE_KERNELS,
     GROUP,
     LANES,
     decode_exponents,
@@ -13,6 +16,8 @@ from shuttle.kernels.exponent_decode import (
     group_checks,
 )
 from shuttle.weights.lossless import LosslessTensor
+
+KERNELS = sorted(DECODE_KERNELS)
 
 
 def _decode(fn, rep: LosslessTensor) -> tuple[torch.Tensor, int]:
@@ -23,8 +28,9 @@ def _decode(fn, rep: LosslessTensor) -> tuple[torch.Tensor, int]:
     return out, int(errors)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_kernel_decodes_what_the_reference_decodes(dtype):
+def test_kernel_decodes_what_the_reference_decodes(dtype, kernel):
     # two groups, the second short; special values among Gaussian weights
     x = (torch.randn(GROUP + 301) * 0.02).to(dtype)
     x[:4] = torch.tensor([0.0, -0.0, float("inf"), float("nan")], dtype=dtype)
@@ -32,19 +38,35 @@ def test_kernel_decodes_what_the_reference_decodes(dtype):
     rep = LosslessTensor.encode_tensor(x)
     assert rep is not None
     want = x.view(torch.int16)
-    got, errors = _decode(decode_exponents, rep)
+    got, errors = _decode(functools.partial(decode_exponents, kernel=kernel), rep)
     ref, ref_errors = _decode(decode_exponents_reference, rep)
     assert errors == ref_errors == 0
     assert torch.equal(got, want) and torch.equal(ref, want)
 
 
-def test_kernel_counts_a_damaged_group():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_kernel_counts_a_damaged_group(kernel):
     x = (torch.randn(2000) * 0.1).to(torch.bfloat16)
     rep = LosslessTensor.encode_tensor(x, always=True)
     rep.parts().words[0] ^= 1 << 30  # the second bit of lane 0's first code
-    _, errors = _decode(decode_exponents, rep)
+    _, errors = _decode(functools.partial(decode_exponents, kernel=kernel), rep)
     _, ref_errors = _decode(decode_exponents_reference, rep)
     assert errors == ref_errors == 1
+
+
+@pytest.mark.parametrize("decode", [decode_exponents_reference,
+                                    *(functools.partial(decode_exponents, kernel=k)
+                                      for k in KERNELS)], ids=["reference", *KERNELS])
+def test_damaged_offsets_fail_the_checks_without_reading_past_the_words(decode):
+    # three groups; offsets pointing before the words, far past them, and at the padding word
+    x = (torch.randn(2 * GROUP + 500) * 0.02).to(torch.bfloat16)
+    rep = LosslessTensor.encode_tensor(x, always=True)
+    offsets = rep.parts().offsets
+    offsets[3] = -7
+    offsets[LANES + 5] = 2**30
+    offsets[2 * LANES] = rep.parts().words.numel() - 1
+    _, errors = _decode(decode, rep)
+    assert errors == 3
 
 
 def test_a_group_check_catches_any_single_changed_value():
@@ -75,3 +97,25 @@ def test_the_reference_decodes_slice_by_slice(dtype, monkeypatch):
     p.words[int(p.offsets[3 * LANES])] ^= 1 << 30  # group 3's first lane: in the second slice
     _, errors = _decode(decode_exponents_reference, rep)
     assert errors == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_kernels_decode_exactly_and_count_damaged_offsets(dtype, kernel):
+    x = (torch.randn(3 * GROUP * 40 + 123) * 0.02).to(dtype)
+    x[:4] = torch.tensor([0.0, -0.0, float("inf"), float("nan")], dtype=dtype)
+    rep = LosslessTensor.encode_tensor(x)
+    blob = rep.blob.cuda()
+    p = rep.parts(blob)
+    out = torch.empty(rep.numel, dtype=torch.int16, device="cuda")
+    errors = torch.zeros(1, dtype=torch.int32, device="cuda")
+    decode_exponents(p.words, p.offsets, p.lut, p.raw, p.checks, out, errors,
+                     dtype == torch.bfloat16, kernel=kernel)
+    assert int(errors) == 0 and torch.equal(out.cpu(), x.view(torch.int16))
+    p.offsets[3] = -7
+    p.offsets[LANES + 5] = 2**30  # far past the words: masked, not read
+    decode_exponents(p.words, p.offsets, p.lut, p.raw, p.checks, out, errors,
+                     dtype == torch.bfloat16, kernel=kernel)
+    torch.cuda.synchronize()
+    assert int(errors) == 2

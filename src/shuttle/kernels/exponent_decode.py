@@ -22,8 +22,18 @@ consumed exactly its words. Each group found wrong (a bad check, a lane over or 
 words, bits that start no code) adds one to ``errors[0]``: the caller raises, never the
 kernel, so a decode queued on a side stream needs no host synchronization.
 
-:func:`decode_exponents` runs the Triton kernel (CUDA, or the CPU interpreter) and
-:func:`decode_exponents_reference` the same decode in PyTorch on any device.
+:func:`decode_exponents` runs a Triton kernel (CUDA, or the CPU interpreter) and
+:func:`decode_exponents_reference` the same decode in PyTorch on any device. Two kernels decode
+the same streams, by how a lane finds its next bits (:data:`DECODE_KERNELS`):
+
+- ``"reload"`` reads the two words under its bit position at every step. A warp's 32 lanes
+  read 32 streams about 90 bytes apart, so each of those loads touches ~22 cache lines: with
+  the table lookup (~25 lines: a Huffman stream's next 12 bits are near uniform over the 8 KiB
+  table) that is ~70 L1 wavefronts per 32 values, which bounds the kernel (253 GB/s of bf16
+  out on the H200, docs/benchmarks/lossless.md).
+- ``"refill"`` keeps the next 33-64 bits of its stream in a 64-bit register and loads a word
+  only when 32 or fewer are left (about one step in twelve at ~2.7 bits a code): ~3 lanes of a
+  warp load per step instead of 32, twice. The table lookup stays.
 """
 
 from __future__ import annotations
@@ -34,8 +44,8 @@ import torch
 
 from shuttle.kernels.launch import interpreting, triton_available
 
-__all__ = ["LANES", "MAX_LEN", "STEPS", "decode_exponents", "decode_exponents_reference",
-           "group_checks"]
+__all__ = ["DECODE_KERNELS", "DEFAULT_KERNEL", "LANES", "MAX_LEN", "STEPS", "decode_exponents",
+           "decode_exponents_reference", "group_checks"]
 
 LANES = 128  # bitstreams decoded side by side by one program (one per thread)
 STEPS = 256  # symbols per lane: a group is LANES * STEPS = 32768 values
@@ -87,10 +97,13 @@ def decode_exponents_reference(words: torch.Tensor, offsets: torch.Tensor, lut: 
     for g0 in range(0, groups, REFERENCE_GROUPS):
         g1 = min(groups, g0 + REFERENCE_GROUPS)
         lanes = offsets[g0 * LANES:g1 * LANES + 1]
-        first, last = int(lanes[0]), int(lanes[-1])
+        # (clamped into the array: damaged offsets decode garbage that fails the checks)
+        top = words.numel() - 1
+        first = min(max(int(lanes[0]), 0), top)
+        last = min(max(int(lanes[-1]), first), top)
         # the slice's words and one more (a lane's last window may read one word past its end;
         # those bits fall outside its codes)
-        span = words[first:min(last + 1, words.numel())]
+        span = words[first:last + 1]
         lo, hi = g0 * GROUP, min(n, g1 * GROUP)
         _decode_groups(span, lanes - first, lut, raw[lo:hi], checks[g0:g1], out[lo:hi],
                        errors, bf16)
@@ -122,8 +135,8 @@ def _decode_groups(words: torch.Tensor, offsets: torch.Tensor, lut: torch.Tensor
     for i in range(STEPS):
         ok = valid[:, i, :].reshape(lanes)
         # index_select: advanced indexing (w_all[w]) is ~100x slower on the CPU
-        w0 = w_all.index_select(0, w.clamp(max=top))
-        w1 = w_all.index_select(0, (w + 1).clamp(max=top))
+        w0 = w_all.index_select(0, w.clamp(0, top))
+        w1 = w_all.index_select(0, (w + 1).clamp(0, top))
         window = ((w0 << b) | ((w1 >> 1) >> (31 - b))) & _MASK32
         entry = table.index_select(0, window >> (32 - MAX_LEN))
         length = torch.where(ok, entry & 15, 0)
@@ -150,7 +163,7 @@ def _kernel():
 
     @triton.jit
     def decode_kernel(words_ptr, offsets_ptr, lut_ptr, raw_ptr, checks_ptr, out_ptr,
-                      errors_ptr, n, BF16: tl.constexpr, LANES: tl.constexpr,
+                      errors_ptr, n, n_words, BF16: tl.constexpr, LANES: tl.constexpr,
                       STEPS: tl.constexpr, MAX_LEN: tl.constexpr):
         g = tl.program_id(0)
         j = tl.arange(0, LANES)
@@ -166,8 +179,11 @@ def _kernel():
             r = i * LANES + j
             k = base + r
             valid = k < n
-            w0 = tl.load(words_ptr + w, mask=valid, other=0).to(tl.uint32, bitcast=True)
-            w1 = tl.load(words_ptr + w + 1, mask=valid, other=0).to(tl.uint32, bitcast=True)
+            # masked to the array: a damaged offset or stream reads zeros (and fails its
+            # checks), never past the end
+            inside = valid & (w >= 0) & (w + 1 < n_words)
+            w0 = tl.load(words_ptr + w, mask=inside, other=0).to(tl.uint32, bitcast=True)
+            w1 = tl.load(words_ptr + w + 1, mask=inside, other=0).to(tl.uint32, bitcast=True)
             # the next 32 bits from bit b of word w; (w1 >> 1) >> (31 - b) is w1 >> (32 - b)
             # without a shift by 32 when b == 0
             window = (w0 << b) | ((w1 >> 1) >> (31 - b))
@@ -197,17 +213,90 @@ def _kernel():
     return decode_kernel
 
 
+@functools.cache
+def _refill_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def decode_refill_kernel(words_ptr, offsets_ptr, lut_ptr, raw_ptr, checks_ptr, out_ptr,
+                             errors_ptr, n, n_words, BF16: tl.constexpr, LANES: tl.constexpr,
+                             STEPS: tl.constexpr, MAX_LEN: tl.constexpr):
+        g = tl.program_id(0)
+        j = tl.arange(0, LANES)
+        lane = g * LANES + j
+        start = tl.load(offsets_ptr + lane)
+        end = tl.load(offsets_ptr + lane + 1)
+        # acc: the lane's next `have` bits, most significant first (33 <= have <= 64 before a
+        # step's code is read). Word loads are masked to the array: a damaged offset or stream
+        # reads zeros (and fails its checks), never past the end.
+        in0 = (start >= 0) & (start < n_words)
+        in1 = (start >= -1) & (start + 1 < n_words)
+        hi = tl.load(words_ptr + start, mask=in0, other=0).to(tl.uint32, bitcast=True)
+        lo = tl.load(words_ptr + start + 1, mask=in1, other=0).to(tl.uint32, bitcast=True)
+        acc = (hi.to(tl.uint64) << 32) | lo.to(tl.uint64)
+        w = start + 2
+        have = tl.full([LANES], 64, tl.int32)
+        bits = tl.zeros([LANES], dtype=tl.int32)  # consumed: at most STEPS * MAX_LEN
+        check = tl.zeros([LANES], dtype=tl.int32)
+        no_code = tl.zeros([LANES], dtype=tl.int32)
+        base = g.to(tl.int64) * (LANES * STEPS)
+        for i in range(STEPS):
+            r = i * LANES + j
+            k = base + r
+            valid = k < n
+            peek = (acc >> (64 - MAX_LEN)).to(tl.int32)
+            entry = tl.load(lut_ptr + peek, mask=valid, other=0).to(tl.int32)
+            length = tl.where(valid, entry & 15, 0)
+            no_code = no_code | (valid & (length == 0)).to(tl.int32)
+            sym = entry >> 4
+            acc = acc << length.to(tl.uint64)
+            have -= length
+            bits += length
+            need = have <= 32  # room for a whole word below the bits left
+            nxt = tl.load(words_ptr + w, mask=need & (w >= 0) & (w < n_words),
+                          other=0).to(tl.uint32, bitcast=True)
+            acc = acc | (nxt.to(tl.uint64) << tl.where(need, 32 - have, 0).to(tl.uint64))
+            have = tl.where(need, have + 32, have)
+            w = tl.where(need, w + 1, w)
+            low = tl.load(raw_ptr + k, mask=valid, other=0).to(tl.int32)
+            if BF16:  # noqa: SIM108 (a constexpr branch: compiled once per dtype)
+                v = ((low & 0x80) << 8) | (sym << 7) | (low & 0x7F)
+            else:
+                v = (sym << 8) | low
+            tl.store(out_ptr + k, v.to(tl.int16), mask=valid)
+            check += tl.where(valid, (v + 1) * (2 * r + 1), 0)  # int32: wraps mod 2**32
+        lane_bad = (((bits + 31) >> 5) != end - start).to(tl.int32) | no_code
+        total = tl.sum(check.to(tl.int64) & 0xFFFFFFFF) & 0xFFFFFFFF
+        expected = tl.load(checks_ptr + g).to(tl.int64) & 0xFFFFFFFF
+        wrong = (total != expected).to(tl.int32) + tl.max(lane_bad)
+        tl.atomic_add(errors_ptr, tl.minimum(wrong, 1))
+
+    return decode_refill_kernel
+
+
+# name -> kernel builder: see the module docstring
+DECODE_KERNELS = {"reload": _kernel, "refill": _refill_kernel}
+# the kernel decodes use; "refill" becomes it once the H200 measures it faster
+# (benchmarks/lossless.py --parts decode runs both)
+DEFAULT_KERNEL = "reload"
+
+
 def decode_exponents(words: torch.Tensor, offsets: torch.Tensor, lut: torch.Tensor,
                      raw: torch.Tensor, checks: torch.Tensor, out: torch.Tensor,
-                     errors: torch.Tensor, bf16: bool) -> None:
-    """:func:`decode_exponents_reference`'s decode by the Triton kernel where it runs (CUDA
+                     errors: torch.Tensor, bf16: bool, kernel: str | None = None) -> None:
+    """:func:`decode_exponents_reference`'s decode by a Triton kernel where it runs (CUDA
     tensors, or the CPU interpreter), else by the reference. Queued on the current stream;
     nothing is read back to the host.
+
+    ``kernel``: a name in :data:`DECODE_KERNELS` (default :data:`DEFAULT_KERNEL`).
     """
+    build = DECODE_KERNELS[kernel or DEFAULT_KERNEL]
     if out.numel() == 0:
         return
     if not triton_available() or not (out.is_cuda or interpreting()):
         decode_exponents_reference(words, offsets, lut, raw, checks, out, errors, bf16)
         return
-    _kernel()[(checks.numel(),)](words, offsets, lut, raw, checks, out, errors, out.numel(),
-                                 BF16=bf16, LANES=LANES, STEPS=STEPS, MAX_LEN=MAX_LEN)
+    build()[(checks.numel(),)](words, offsets, lut, raw, checks, out, errors, out.numel(),
+                               words.numel(), BF16=bf16, LANES=LANES, STEPS=STEPS,
+                               MAX_LEN=MAX_LEN)
