@@ -13,8 +13,10 @@ Per shape (tokens T, in K, out N, rank r), bf16 with bias:
     floor     max(extra bytes / copy bandwidth, extra FLOPs / GEMM rate) over the base time,
               with the ceilings of h200-limits.md (4213 GB/s read+write, 780 TFLOP/s)
 Then a whole small DiT forward (LoRA on every linear): merged vs each tier.
-Every variant is timed twice: eager (one call from an idle GPU, host time included) and
-captured in a CUDA graph (GPU work only).
+Every variant is timed three ways: eager (one call from an idle GPU, host time included), eager
+in bursts (BURST calls back to back between two events, per call: what a model's forward does,
+the host launching ahead while the GPU works; what the tier chooser measures) and captured in a
+CUDA graph (GPU work only).
 
 Writes docs/benchmarks/dynamic_lora.{json,md} after every shape (a cut-off run keeps its rows).
 """
@@ -41,6 +43,7 @@ SHAPES = {
     "llm_8b_prefill_mlp": (8192, 4096, 14336, 16),
 }
 COPY_GBS, GEMM_TFLOPS = 4213.0, 780.0
+BURST = 10  # calls per timed burst, as the tier chooser times them (shuttle.apply.tier)
 # The dynamic variants: name -> (quality, whether the CuTe kernel may run)
 TIERS = {"lossless": ("lossless", False), "fused": ("fused", False), "cute": ("fused", True),
          "auto": ("auto", True)}
@@ -101,6 +104,11 @@ def bench_shape(name: str, t: int, k: int, n: int, r: int, rounds: int) -> dict:
     names = ["naive", *mods]
     with torch.no_grad():
         timings = harness.interleaved(variants, rounds=rounds, warmup=3)
+        bursts = harness.interleaved(
+            {q: (lambda i, fn=fn: [fn(i + j) for j in range(BURST)]) for q, fn in variants.items()},
+            rounds=rounds, warmup=3)
+        burst = {q: {k: v / BURST for k, v in t.items() if k.endswith("_ms")}
+                 for q, t in bursts.items()}
         lin = base[0]
         ref = (xs[0].double() @ lin.weight.double().T + lin.bias.double()
                + 0.8 * s * (xs[0].double() @ a.double().T @ b.double().T))
@@ -123,15 +131,18 @@ def bench_shape(name: str, t: int, k: int, n: int, r: int, rounds: int) -> dict:
     for h in handles.values():
         h.detach()
     t_base = timings["base"]["median_ms"]
+    b_base = burst["base"]["median_ms"]
     if graph is not None:
         g_base = graph["base"]["median_ms"]
         graph = {"timings": graph,
                  "overhead_pct": {q: 100 * (graph[q]["median_ms"] - g_base) / g_base
                                   for q in names}}
     return {"shape": (t, k, n, r), "timings": timings, "rel_err_vs_float64": err,
-            "graph": graph,
+            "graph": graph, "burst_timings": burst,
             "overhead_pct": {q: 100 * (timings[q]["median_ms"] - t_base) / t_base
                              for q in names},
+            "burst_overhead_pct": {q: 100 * (burst[q]["median_ms"] - b_base) / b_base
+                                   for q in names},
             "floor_pct": 100 * floor_ms(t, k, n, r) / t_base,
             "graph_floor_pct": (100 * floor_ms(t, k, n, r) / graph["timings"]["base"]["median_ms"]
                                 if graph else None)}
@@ -188,21 +199,25 @@ def write(rows: dict, dit: dict | None) -> None:
     table_rows = []
     for name, r in rows.items():
         o, g = r["overhead_pct"], (r.get("graph") or {}).get("overhead_pct")
+        bo = r.get("burst_overhead_pct", {})
         gt = r.get("graph") and r["graph"]["timings"]["base"]["median_ms"]
         table_rows.append([
             name, str(r["shape"]), f"{r['timings']['base']['median_ms']:.3f}",
             *(f"{o[q]:.0f}" if q in o else "-" for q in names),
+            *(f"{bo[q]:.0f}" if q in bo else "-" for q in names),
             f"{gt:.3f}" if g else "-", *(f"{g[q]:.0f}" if g and q in g else "-" for q in names),
             f"{r['graph_floor_pct']:.1f}" if g else f"{r['floor_pct']:.1f}",
             *(f"{r['rel_err_vs_float64'][q]:.1e}" for q in names[1:]
               if q in r["rel_err_vs_float64"])])
     table = harness.markdown_table(
         ["shape", "(T, K, N, r)", "eager base ms", *(f"{q} %" for q in names),
-         "graph base ms", *(f"{q} %" for q in names), "floor %",
+         *(f"burst {q} %" for q in names), "graph base ms", *(f"{q} %" for q in names), "floor %",
          *(f"{q} err" for q in names[1:])], table_rows)
     notes = ("Overheads are (t - t_base) / t_base, medians of interleaved rounds. Eager: one call "
              "timed from an idle GPU (host Python and launch time included, as an eager script "
-             "runs a single layer). Graph: the same layers captured in CUDA graphs and replayed "
+             f"runs a single layer). Burst: {BURST} calls back to back between two events, per "
+             "call (a model's forward: the host launches ahead while the GPU works; what the "
+             "tier chooser measures). Graph: the same layers captured in CUDA graphs and replayed "
              "(the GPU work alone, as a server, torch.compile's cudagraphs or a long chain of "
              "layers whose launches run ahead runs them). Floor: against the graph base. "
              "fused: Triton's kernels; cute: the CuTe-DSL GEMM; auto: the default's pick.")
