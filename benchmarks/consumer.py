@@ -230,9 +230,11 @@ def drop_page_cache(folder: Path) -> bool:
     return True
 
 
-def direct_read_bandwidth(folder: Path) -> float:
-    """Bytes per second of O_DIRECT reads of the folder's largest file (8 MiB pieces)."""
-    path = max(folder.glob("*/*.safetensors"), key=lambda p: p.stat().st_size)
+def direct_read_bandwidth(where: Path) -> float:
+    """Bytes per second of O_DIRECT reads (8 MiB pieces) of ``where``: a file, or a diffusers
+    folder's largest weight file."""
+    path = where if where.is_file() else max(where.glob("*/*.safetensors"),
+                                             key=lambda p: p.stat().st_size)
     size = path.stat().st_size // 2**23 * 2**23
     buf = torch.empty(2**23 + 4096, dtype=torch.uint8)
     shift = (-buf.data_ptr()) % 4096
