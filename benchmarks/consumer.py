@@ -78,6 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default="consumer")
+    p.add_argument("--rows-from", type=Path, default=None,
+                   help="an earlier run's json: its cells not run now are kept (each row names "
+                        "the run it came from), so a grid can be completed over several runs")
     p.add_argument("--worker", nargs=2, metavar=("VRAM", "HOST"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -358,7 +361,9 @@ def main(argv: list[str] | None = None) -> None:
     pinned = e2e.pinned_bandwidth() * 1e9 if args.device == "cuda" else None
     direct = direct_read_bandwidth(args.folder)
     rows: list[dict] = []
-    record(args, rows, run_worker(args, "resident", "none"), env, weights, pinned, direct)
+    earlier = earlier_rows(args)
+    record(args, rows, run_worker(args, "resident", "none"), env, weights, pinned, direct,
+           earlier)
     compute = rows[0].get("s_per_image")
     keep = args.folder.parent / f"{args.out}-outputs"
     want = torch.load(keep / "resident-none.pt") if (keep / "resident-none.pt").is_file() else None
@@ -380,26 +385,47 @@ def main(argv: list[str] | None = None) -> None:
                          if pinned else 0.0, row["disk_bytes_per_image"] / direct]
                 row["bound_s"] = max(terms)
                 row["of_bound"] = row["s_per_image"] / row["bound_s"] if row["bound_s"] else None
-            record(args, rows, row, env, weights, pinned, direct)
+            record(args, rows, row, env, weights, pinned, direct, earlier)
     for peer in filter(None, args.peers.split(",")):
         drop_page_cache(args.folder)
         row = run_worker(args, peer, "none")
         path = keep / f"{peer}-none.pt"
         if want is not None and path.is_file():
             row["bit_identical"] = e2e.same_bits(torch.load(path), want)
-        record(args, rows, row, env, weights, pinned, direct)
+        record(args, rows, row, env, weights, pinned, direct, earlier)
+
+
+def earlier_rows(args: argparse.Namespace) -> list[dict]:
+    """The rows of ``--rows-from`` (each with the run it came from), or none."""
+    if args.rows_from is None:
+        return []
+    data = json.loads(args.rows_from.read_text())
+    return [{**r, "run": r.get("run") or {k: data["env"].get(k) for k in RUN_KEYS}}
+            for r in data["rows"]]
+
+
+RUN_KEYS = ("date", "device", "commit")  # what names the run a row came from
 
 
 def record(args: argparse.Namespace, rows: list[dict], row: dict, env: dict, weights: int,
-           pinned: float | None, direct: float) -> None:
-    """Add ``row`` and rewrite the results (a run cut short keeps every finished cell)."""
+           pinned: float | None, direct: float, earlier: list[dict] = ()) -> None:
+    """Add ``row`` and rewrite the results (a run cut short keeps every finished cell), with
+    the ``earlier`` rows of cells this run has not (re)run.
+    """
     if "load_s" in row:  # against one plain read of the folder's files at the O_DIRECT rate
         row["load_over_read"] = row["load_s"] / (weights / direct)
+    row["run"] = {k: env.get(k) for k in RUN_KEYS}
     rows.append(row)
     print(json.dumps(row), flush=True)
+    done = {(r["vram"], r["host"]) for r in rows}
+    kept = [r for r in earlier if (r["vram"], r["host"]) not in done]
+    runs = {json.dumps(r["run"], sort_keys=True) for r in [*kept, *rows]}
+    notes = ("" if len(runs) == 1 else
+             "Rows from several runs (the json names each row's): " + "; ".join(
+                 ", ".join(str(v) for v in json.loads(r).values()) for r in sorted(runs)) + ".")
     payload = {"env": env, "weights": weights, "pinned_bytes_per_s": pinned,
-               "direct_bytes_per_s": direct, "rows": rows}
-    harness.write_results(args.out, payload, table(rows), "Consumer budgets")
+               "direct_bytes_per_s": direct, "rows": [*kept, *rows]}
+    harness.write_results(args.out, payload, table([*kept, *rows]), "Consumer budgets", notes)
 
 
 def table(rows: list[dict]) -> str:
