@@ -9,11 +9,15 @@ import torch
 
 from shuttle.kernels.exponent_decode import (
     DECODE_KERNELS,
+    FIRST_BITS,
     GROUP,
     LANES,
+    MAX_LEN,
     decode_exponents,
     decode_exponents_reference,
     group_checks,
+    stored_table,
+    table_index,
 )
 from shuttle.weights.lossless import LosslessTensor
 
@@ -37,11 +41,30 @@ def test_kernel_decodes_what_the_reference_decodes(dtype, kernel):
     x[GROUP + 7] = torch.finfo(dtype).tiny / 4  # a subnormal
     rep = LosslessTensor.encode_tensor(x)
     assert rep is not None
+    # the rare symbols (the special values) get codes longer than the first-level table's
+    assert int((rep.parts().lut & 15).max()) > FIRST_BITS
     want = x.view(torch.int16)
     got, errors = _decode(functools.partial(decode_exponents, kernel=kernel), rep)
     ref, ref_errors = _decode(decode_exponents_reference, rep)
     assert errors == ref_errors == 0
     assert torch.equal(got, want) and torch.equal(ref, want)
+
+
+def test_the_stored_table_puts_every_short_code_in_its_first_entries():
+    from shuttle.weights.lossless import _canonical, code_lengths
+
+    counts = [0] * 256
+    for s, c in zip([120, 121, 119, 122, 118, 123, 0, 255, 117, 116],
+                    [900, 500, 400, 120, 60, 30, 4, 1, 1, 1], strict=True):
+        counts[s] = c
+    _, lut = _canonical(code_lengths(counts))
+    stored = stored_table(lut)
+    peeks = torch.arange(1 << MAX_LEN)
+    assert torch.equal(stored[table_index(peeks)], lut)
+    short = (lut & 15) <= FIRST_BITS
+    assert bool(short.any()) and bool((~short).any())
+    first = stored[peeks >> (MAX_LEN - FIRST_BITS)]
+    assert torch.equal(first[short], lut[short])
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

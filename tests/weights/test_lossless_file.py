@@ -100,9 +100,12 @@ def test_a_damaged_blob_is_refused_naming_the_tensor(files, tmp_path):
 def test_malformed_metadata_is_refused(tmp_path):
     state = _state()
     for meta, match in [("{", "malformed"),
-                        (json.dumps({"version": 2, "lanes": 128, "steps": 256, "max_len": 12,
-                                     "tensors": {}}), "layout"),
+                        # version 1 stored the lookup table in peek order
                         (json.dumps({"version": 1, "lanes": 128, "steps": 256, "max_len": 12,
+                                     "tensors": {}}), "compress the original again"),
+                        (json.dumps({"version": 2, "lanes": 256, "steps": 256, "max_len": 12,
+                                     "tensors": {}}), "layout"),
+                        (json.dumps({"version": 2, "lanes": 128, "steps": 256, "max_len": 12,
                                      "tensors": {"big.weight": {"dtype": "BF16",
                                                                 "shape": [160, 256],
                                                                 "words": 10}}}), "U8 tensor")]:

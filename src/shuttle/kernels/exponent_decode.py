@@ -11,9 +11,14 @@ A tensor of ``n`` values is cut into groups of ``LANES * STEPS`` values; lane ``
 lanes of a program read and write consecutive values at every step), and codes their symbols
 in a bitstream of its own that starts on a 32-bit word: ``offsets[lane]`` (int32, one per lane
 plus the end) is its first word in ``words`` (int32, most significant bit first, one zero word
-of padding at the end). Codes are at most ``MAX_LEN`` bits; ``lut[peek]`` (int16, ``2**MAX_LEN``
-entries) for the next ``MAX_LEN`` bits ``peek`` holds ``symbol << 4 | length`` (length 0: no
-code starts with these bits).
+of padding at the end). Codes are at most ``MAX_LEN`` bits; the table ``lut`` (int16,
+``2**MAX_LEN`` entries) holds, for the next ``MAX_LEN`` bits ``peek``, ``symbol << 4 | length``
+(length 0: no code starts with these bits) at :func:`table_index` ``(peek)``: the entries are
+stored with the peek's low ``MAX_LEN - FIRST_BITS`` bits major, so that the first
+``2**FIRST_BITS`` entries are the table of every code of at most ``FIRST_BITS`` bits (the entry
+of ``peek`` with those low bits zero is the same code's when the code is that short). A
+decoder may look there first, 512 bytes instead of 8 KiB of lines that a warp's lanes read at
+random, and go to the whole table only for the longer (rare) codes.
 
 Every group carries a check, ``sum((v_k + 1) * (2*r_k + 1)) mod 2**32`` over its values (``r``
 the value's index in the group): one wrong value changes it by an odd multiple of a nonzero
@@ -23,8 +28,8 @@ words, bits that start no code) adds one to ``errors[0]``: the caller raises, ne
 kernel, so a decode queued on a side stream needs no host synchronization.
 
 :func:`decode_exponents` runs a Triton kernel (CUDA, or the CPU interpreter) and
-:func:`decode_exponents_reference` the same decode in PyTorch on any device. Two kernels decode
-the same streams, by how a lane finds its next bits (:data:`DECODE_KERNELS`):
+:func:`decode_exponents_reference` the same decode in PyTorch on any device. The kernels decode
+the same streams, by how a lane finds its next bits and its code (:data:`DECODE_KERNELS`):
 
 - ``"reload"`` reads the two words under its bit position at every step. A warp's 32 lanes
   read 32 streams about 90 bytes apart, so each of those loads touches ~22 cache lines: with
@@ -34,6 +39,11 @@ the same streams, by how a lane finds its next bits (:data:`DECODE_KERNELS`):
 - ``"refill"`` keeps the next 33-64 bits of its stream in a 64-bit register and loads a word
   only when 32 or fewer are left (about one step in twelve at ~2.7 bits a code): ~3 lanes of a
   warp load per step instead of 32, twice. The table lookup stays.
+- ``"refill_first"`` is ``"refill"`` looking codes up in the table's first ``2**FIRST_BITS``
+  entries (4 cache lines), the whole table only for lanes whose code is longer.
+
+All three are kept until the H200 times them side by side (``benchmarks/lossless.py --parts
+decode``); the fastest then becomes :data:`DEFAULT_KERNEL` and the others go.
 """
 
 from __future__ import annotations
@@ -44,13 +54,16 @@ import torch
 
 from shuttle.kernels.launch import interpreting, triton_available
 
-__all__ = ["DECODE_KERNELS", "DEFAULT_KERNEL", "LANES", "MAX_LEN", "STEPS", "decode_exponents",
-           "decode_exponents_reference", "group_checks"]
+__all__ = ["DECODE_KERNELS", "DEFAULT_KERNEL", "FIRST_BITS", "LANES", "MAX_LEN", "STEPS",
+           "decode_exponents", "decode_exponents_reference", "group_checks", "stored_table",
+           "table_index"]
 
 LANES = 128  # bitstreams decoded side by side by one program (one per thread)
 STEPS = 256  # symbols per lane: a group is LANES * STEPS = 32768 values
 MAX_LEN = 12  # longest code in bits: the lookup table has 4096 entries
+FIRST_BITS = 8  # codes this short are found in the table's first 2**FIRST_BITS entries
 GROUP = LANES * STEPS
+_LOW = MAX_LEN - FIRST_BITS
 
 _MASK32 = 0xFFFFFFFF
 
@@ -60,6 +73,16 @@ def _join(sym: torch.Tensor, raw: torch.Tensor, bf16: bool) -> torch.Tensor:
     if bf16:
         return ((raw & 0x80) << 8) | (sym << 7) | (raw & 0x7F)
     return (sym << 8) | raw
+
+
+def table_index(peek: torch.Tensor | int) -> torch.Tensor | int:
+    """Where the entry of ``peek`` (the next ``MAX_LEN`` bits) lies in the stored table."""
+    return ((peek & ((1 << _LOW) - 1)) << FIRST_BITS) | (peek >> _LOW)
+
+
+def stored_table(lut: torch.Tensor) -> torch.Tensor:
+    """The table as stored (:func:`table_index` order) from ``lut`` indexed by the peek."""
+    return lut.view(1 << FIRST_BITS, 1 << _LOW).t().contiguous().view(-1)
 
 
 def group_checks(values: torch.Tensor) -> torch.Tensor:
@@ -138,7 +161,7 @@ def _decode_groups(words: torch.Tensor, offsets: torch.Tensor, lut: torch.Tensor
         w0 = w_all.index_select(0, w.clamp(0, top))
         w1 = w_all.index_select(0, (w + 1).clamp(0, top))
         window = ((w0 << b) | ((w1 >> 1) >> (31 - b))) & _MASK32
-        entry = table.index_select(0, window >> (32 - MAX_LEN))
+        entry = table.index_select(0, table_index(window >> (32 - MAX_LEN)))
         length = torch.where(ok, entry & 15, 0)
         no_code |= ok & (length == 0)
         sym[:, i, :] = (entry >> 4).view(groups, LANES)
@@ -164,7 +187,7 @@ def _kernel():
     @triton.jit
     def decode_kernel(words_ptr, offsets_ptr, lut_ptr, raw_ptr, checks_ptr, out_ptr,
                       errors_ptr, n, n_words, BF16: tl.constexpr, LANES: tl.constexpr,
-                      STEPS: tl.constexpr, MAX_LEN: tl.constexpr):
+                      STEPS: tl.constexpr, MAX_LEN: tl.constexpr, FIRST: tl.constexpr):
         g = tl.program_id(0)
         j = tl.arange(0, LANES)
         lane = g * LANES + j
@@ -188,7 +211,8 @@ def _kernel():
             # without a shift by 32 when b == 0
             window = (w0 << b) | ((w1 >> 1) >> (31 - b))
             peek = (window >> (32 - MAX_LEN)).to(tl.int32)
-            entry = tl.load(lut_ptr + peek, mask=valid, other=0).to(tl.int32)
+            at = ((peek & ((1 << (MAX_LEN - FIRST)) - 1)) << FIRST) | (peek >> (MAX_LEN - FIRST))
+            entry = tl.load(lut_ptr + at, mask=valid, other=0).to(tl.int32)
             length = tl.where(valid, entry & 15, 0)
             no_code = no_code | (valid & (length == 0)).to(tl.int32)
             sym = entry >> 4
@@ -221,7 +245,8 @@ def _refill_kernel():
     @triton.jit
     def decode_refill_kernel(words_ptr, offsets_ptr, lut_ptr, raw_ptr, checks_ptr, out_ptr,
                              errors_ptr, n, n_words, BF16: tl.constexpr, LANES: tl.constexpr,
-                             STEPS: tl.constexpr, MAX_LEN: tl.constexpr):
+                             STEPS: tl.constexpr, MAX_LEN: tl.constexpr, FIRST: tl.constexpr,
+                             TWO_LEVEL: tl.constexpr):
         g = tl.program_id(0)
         j = tl.arange(0, LANES)
         lane = g * LANES + j
@@ -246,7 +271,17 @@ def _refill_kernel():
             k = base + r
             valid = k < n
             peek = (acc >> (64 - MAX_LEN)).to(tl.int32)
-            entry = tl.load(lut_ptr + peek, mask=valid, other=0).to(tl.int32)
+            at = ((peek & ((1 << (MAX_LEN - FIRST)) - 1)) << FIRST) | (peek >> (MAX_LEN - FIRST))
+            if TWO_LEVEL:
+                # the first 2**FIRST entries: the codes of at most FIRST bits; the whole table
+                # only where the code is longer (or none starts here)
+                entry = tl.load(lut_ptr + (peek >> (MAX_LEN - FIRST)), mask=valid,
+                                other=0).to(tl.int32)
+                longer = valid & (((entry & 15) > FIRST) | ((entry & 15) == 0))
+                entry = tl.where(longer, tl.load(lut_ptr + at, mask=longer, other=0).to(tl.int32),
+                                 entry)
+            else:
+                entry = tl.load(lut_ptr + at, mask=valid, other=0).to(tl.int32)
             length = tl.where(valid, entry & 15, 0)
             no_code = no_code | (valid & (length == 0)).to(tl.int32)
             sym = entry >> 4
@@ -275,10 +310,10 @@ def _refill_kernel():
     return decode_refill_kernel
 
 
-# name -> kernel builder: see the module docstring
-DECODE_KERNELS = {"reload": _kernel, "refill": _refill_kernel}
-# the kernel decodes use; "refill" becomes it once the H200 measures it faster
-# (benchmarks/lossless.py --parts decode runs both)
+# name -> (kernel builder, its own compile-time arguments): see the module docstring
+DECODE_KERNELS = {"reload": (_kernel, {}), "refill": (_refill_kernel, {"TWO_LEVEL": False}),
+                  "refill_first": (_refill_kernel, {"TWO_LEVEL": True})}
+# the kernel decodes use: the one measured so far (see the module docstring)
 DEFAULT_KERNEL = "reload"
 
 
@@ -291,7 +326,7 @@ def decode_exponents(words: torch.Tensor, offsets: torch.Tensor, lut: torch.Tens
 
     ``kernel``: a name in :data:`DECODE_KERNELS` (default :data:`DEFAULT_KERNEL`).
     """
-    build = DECODE_KERNELS[kernel or DEFAULT_KERNEL]
+    build, constexprs = DECODE_KERNELS[kernel or DEFAULT_KERNEL]
     if out.numel() == 0:
         return
     if not triton_available() or not (out.is_cuda or interpreting()):
@@ -299,4 +334,4 @@ def decode_exponents(words: torch.Tensor, offsets: torch.Tensor, lut: torch.Tens
         return
     build()[(checks.numel(),)](words, offsets, lut, raw, checks, out, errors, out.numel(),
                                words.numel(), BF16=bf16, LANES=LANES, STEPS=STEPS,
-                               MAX_LEN=MAX_LEN)
+                               MAX_LEN=MAX_LEN, FIRST=FIRST_BITS, **constexprs)

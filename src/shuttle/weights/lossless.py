@@ -19,7 +19,8 @@ moves to the device, where :meth:`LosslessTensor.decode_into` decodes it.
 
 Blob layout (each part starts on a 16-byte boundary, in this order):
 
-    lut      int16[2**MAX_LEN]     symbol << 4 | code length, for the next MAX_LEN bits
+    lut      int16[2**MAX_LEN]     symbol << 4 | code length, for the next MAX_LEN bits, in the
+                                   order of ``exponent_decode.table_index`` (short codes first)
     checks   int32[groups]         per group of LANES * STEPS values
     offsets  int32[groups*LANES+1] first word of each lane's bitstream, then the end
     raw      uint8[n]              the low byte of each value (bfloat16: sign and mantissa)
@@ -46,6 +47,7 @@ from shuttle.kernels.exponent_decode import (
     STEPS,
     decode_exponents,
     group_checks,
+    stored_table,
 )
 from shuttle.kernels.rounding import Rounding, round_float
 from shuttle.weights.representation import WeightRepresentation, register_representation
@@ -137,7 +139,9 @@ def code_lengths(counts: list[int], max_len: int = MAX_LEN) -> list[int]:
 
 
 def _canonical(lengths: list[int]) -> tuple[list[int], torch.Tensor]:
-    """Canonical codes for ``lengths`` and the decoder's lookup table."""
+    """Canonical codes for ``lengths`` and the decoder's lookup table, indexed by the peek
+    (:func:`~shuttle.kernels.exponent_decode.stored_table` gives the order it is stored in).
+    """
     codes = [0] * len(lengths)
     lut = torch.zeros(1 << MAX_LEN, dtype=torch.int16)
     code, prev = 0, 0
@@ -290,7 +294,7 @@ class LosslessTensor(WeightRepresentation):
         rep = cls(torch.zeros(blob_nbytes(n, at), dtype=torch.uint8, device=device),
                   tensor.shape, tensor.dtype, at)
         p = rep.parts()
-        p.lut.copy_(lut)
+        p.lut.copy_(stored_table(lut))
         p.checks.copy_(torch.cat(checks))
         p.offsets.copy_(offsets.to(torch.int32))
         p.raw.copy_(raw)

@@ -4,7 +4,7 @@ A compressed checkpoint is a valid safetensors file: every coded tensor is store
 name as a ``U8`` tensor holding its :class:`~shuttle.weights.lossless.LosslessTensor` blob,
 every other tensor as it was, and ``__metadata__["shuttle.lossless"]`` says which are coded:
 
-    {"version": 1, "lanes": 128, "steps": 256, "max_len": 12,
+    {"version": 2, "lanes": 128, "steps": 256, "max_len": 12,
      "tensors": {"blocks.0.attn.qkv.weight": {"dtype": "BF16", "shape": [9216, 3072],
                                               "words": 1234567}, ...}}
 
@@ -43,7 +43,7 @@ __all__ = ["LOSSLESS_KEY", "CodedRef", "CompressReport", "compress_file", "coded
            "open_decoded"]
 
 LOSSLESS_KEY = "shuttle.lossless"
-_VERSION = 1
+_VERSION = 2  # 2: the lookup table stored short codes first (exponent_decode.table_index)
 _NAMES = {v: k for k, v in DTYPES.items()}
 
 
