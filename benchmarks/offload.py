@@ -114,6 +114,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "computed through shuttle.upcast_on_use), lossless (bf16 kept coded "
                         "in host memory, compress='lossless'); sections are named "
                         "<model>_<storage>")
+    p.add_argument("--decode-kernel", default="",
+                   help="lossless storage: the GPU decoder (a name of shuttle.kernels."
+                        "exponent_decode.DECODE_KERNELS; default: its DEFAULT_KERNEL)")
     p.add_argument("--out", default="offload", help="results name under docs/benchmarks/")
     return p.parse_args(argv)
 
@@ -446,8 +449,13 @@ class Report:
         self.write()
 
     def notes(self) -> str:
+        from shuttle.kernels import exponent_decode
+
         lines = [f"Pinned host->device bandwidth: {self.pinned_gbs:.1f} GB/s (one 2 GiB copy, "
                  "median of 10)."]
+        if "lossless" in self.args.storage:
+            lines.append(f"Lossless storage decoded by the {exponent_decode.DEFAULT_KERNEL!r} "
+                         "kernel.")
         for name, m in self.models.items():
             lines.append(f"{name}: {m['class']}({m['config']}), weights "
                          f"{m['weight_bytes'] / GB:.2f} GB, {m['tokens']} tokens; {m['rounds']} "
@@ -645,6 +653,12 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:
         sys.exit("benchmarks/offload.py needs diffusers and accelerate "
                  "(pip install diffusers accelerate)")
+    if args.decode_kernel:
+        from shuttle.kernels import exponent_decode
+
+        if args.decode_kernel not in exponent_decode.DECODE_KERNELS:
+            sys.exit(f"--decode-kernel: one of {sorted(exponent_decode.DECODE_KERNELS)}")
+        exponent_decode.DEFAULT_KERNEL = args.decode_kernel  # read at every decode
     pinned_gbs = pinned_bandwidth()
     print(f"pinned host->device: {pinned_gbs:.1f} GB/s", flush=True)
     report = Report(args, pinned_gbs)
