@@ -212,3 +212,17 @@ def test_gpu_codes_and_decodes_what_the_cpu_does(dtype, monkeypatch):
     damaged.parts().raw[5] ^= 1
     with pytest.raises(CorruptCodeError):
         damaged.decode()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_code_size_is_the_size_of_the_code(dtype):
+    """The sizes a compressed file's header is written with, found without coding."""
+    from shuttle.kernels.exponent_decode import GROUP
+
+    for w in [_gaussian(3 * GROUP + 77, dtype), _gaussian(1, dtype),
+              torch.randint(-2**15, 2**15, (5000,), dtype=torch.int16).view(dtype)]:
+        rep = LosslessTensor.encode_tensor(w)
+        size = LosslessTensor.code_size(w)
+        assert size == (None if rep is None else (rep.words, rep.blob.numel()))
+        forced = LosslessTensor.encode_tensor(w, always=True)
+        assert LosslessTensor.code_size(w, always=True) == (forced.words, forced.blob.numel())

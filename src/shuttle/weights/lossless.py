@@ -155,6 +155,22 @@ def _canonical(lengths: list[int]) -> tuple[list[int], torch.Tensor]:
     return codes, lut
 
 
+def _values(patterns: torch.Tensor, lo: int) -> torch.Tensor:
+    """The slice of int16 ``patterns`` at ``lo`` as 16-bit values, int32 in 0..65535."""
+    return patterns[lo:lo + _SLICE].to(torch.int32) & 0xFFFF
+
+
+def _code_of(patterns: torch.Tensor, bf16: bool) -> tuple[list[int], list[int]]:
+    """The symbols' counts in int16 ``patterns`` (one pass, slice by slice) and their code
+    lengths.
+    """
+    counts = torch.zeros(256, dtype=torch.int64, device=patterns.device)
+    for lo in range(0, patterns.numel(), _SLICE):
+        counts += torch.bincount(_split(_values(patterns, lo), bf16)[0], minlength=256)
+    counts_list = counts.tolist()
+    return counts_list, code_lengths(counts_list)
+
+
 def _split(v: torch.Tensor, bf16: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(symbol, raw byte) of 16-bit patterns ``v`` (int32 in 0..65535)."""
     if bf16:
@@ -256,15 +272,11 @@ class LosslessTensor(WeightRepresentation):
             return None
 
         def values(lo: int) -> torch.Tensor:  # one slice's 16-bit patterns, int32 in 0..65535
-            return patterns[lo:lo + _SLICE].to(torch.int32) & 0xFFFF
+            return _values(patterns, lo)
 
         # Two passes over the tensor, slice by slice: the symbols' counts (the code), then the
         # code itself; slices are whole chunks, so the bytes are those of a single pass.
-        counts = torch.zeros(256, dtype=torch.int64, device=device)
-        for lo in range(0, n, _SLICE):
-            counts += torch.bincount(_split(values(lo), bf16)[0], minlength=256)
-        counts = counts.tolist()
-        lengths = code_lengths(counts)
+        counts, lengths = _code_of(patterns, bf16)
         bits = sum(c * size for c, size in zip(counts, lengths, strict=True))
         if not always and blob_nbytes(n, -(-bits // 32)) >= n * 2:  # padding only adds
             return None
@@ -300,6 +312,47 @@ class LosslessTensor(WeightRepresentation):
         p.raw.copy_(raw)
         p.words[:at].copy_(torch.cat(pieces))
         return rep
+
+    @staticmethod
+    def code_size(tensor: torch.Tensor, *, always: bool = False,
+                  device: torch.device | str | None = None) -> tuple[int, int] | None:
+        """``(words, blob bytes)`` of the code :meth:`encode_tensor` would make of ``tensor``
+        (None where it would make none), found without making it: the symbols' counts give
+        the code lengths, and each lane's words are its codes' bits rounded up to 32. About a
+        fifth of coding's time (a file's header, written before its tensors, needs the sizes).
+        Computed on ``device`` as :meth:`encode_host` codes (default: the GPU when there is
+        one; the CPU where it has not the memory).
+        """
+        if tensor.dtype not in CODED_DTYPES:
+            raise ShuttleError(f"lossless coding takes bfloat16 or float16 tensors, not "
+                               f"{tensor.dtype}; keep it as it is")
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else tensor.device
+        if torch.device(device) != tensor.device:
+            try:
+                return LosslessTensor.code_size(tensor.to(device, non_blocking=True),
+                                                always=always, device=device)
+            except torch.OutOfMemoryError:
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                return LosslessTensor.code_size(tensor, always=always, device=tensor.device)
+        patterns = tensor.detach().reshape(-1).view(torch.int16)
+        n = patterns.numel()
+        if n == 0:
+            return None
+        bf16 = tensor.dtype == torch.bfloat16
+        _, lengths = _code_of(patterns, bf16)
+        size_of = torch.tensor(lengths, dtype=torch.int32, device=patterns.device)
+        words = 0
+        for lo in range(0, n, _SLICE):  # whole groups: a lane's words lie in one slice
+            size = size_of.index_select(0, _split(_values(patterns, lo), bf16)[0])
+            groups = -(-size.numel() // GROUP)
+            size = torch.nn.functional.pad(size, (0, groups * GROUP - size.numel()))
+            words += int(((size.view(groups, STEPS, LANES).sum(1, dtype=torch.int32) + 31)
+                          // 32).sum())
+        if not always and blob_nbytes(n, words) >= n * 2:
+            return None
+        return words, blob_nbytes(n, words)
 
     @classmethod
     def encode_host(cls, tensor: torch.Tensor, device: torch.device | str | None = None
