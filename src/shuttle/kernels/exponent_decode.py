@@ -117,11 +117,11 @@ def decode_exponents_reference(words: torch.Tensor, offsets: torch.Tensor, lut: 
         bf16: the bfloat16 split (else float16's).
     """
     n, groups = out.numel(), checks.numel()
+    top = words.numel() - 1
     for g0 in range(0, groups, REFERENCE_GROUPS):
         g1 = min(groups, g0 + REFERENCE_GROUPS)
         lanes = offsets[g0 * LANES:g1 * LANES + 1]
         # (clamped into the array: damaged offsets decode garbage that fails the checks)
-        top = words.numel() - 1
         first = min(max(int(lanes[0]), 0), top)
         last = min(max(int(lanes[-1]), first), top)
         # the slice's words and one more (a lane's last window may read one word past its end;

@@ -271,9 +271,6 @@ class LosslessTensor(WeightRepresentation):
         if n == 0:
             return None
 
-        def values(lo: int) -> torch.Tensor:  # one slice's 16-bit patterns, int32 in 0..65535
-            return _values(patterns, lo)
-
         # Two passes over the tensor, slice by slice: the symbols' counts (the code), then the
         # code itself; slices are whole chunks, so the bytes are those of a single pass.
         counts, lengths = _code_of(patterns, bf16)
@@ -287,7 +284,7 @@ class LosslessTensor(WeightRepresentation):
         pieces, starts, checks, at = [], [], [], 0
         step = _CHUNK_GROUPS * GROUP
         for lo in range(0, n, _SLICE):
-            flat = values(lo)
+            flat = _values(patterns, lo)
             sym, low = _split(flat, bf16)
             raw[lo:lo + flat.numel()].copy_(low)
             checks.append(group_checks(flat))
