@@ -38,6 +38,7 @@ import argparse
 import copy
 import gc
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -173,7 +174,7 @@ def main() -> None:
     disk_read: list[int] = []
     for r in range(1 + args.rounds):
         for name, (cfg, fn) in variants.items():
-            o, o_opt = offloaders.get(name, (None, None))
+            o, _ = offloaders.get(name, (None, None))
             if o is not None:
                 o.activate(device, cfg)
             read0 = o.storage.reader.bytes_read if name == "shuttle_disk" else 0
@@ -243,6 +244,8 @@ def main() -> None:
     harness.write_results("training_stream" + ("_smoke" if args.smoke else ""), payload, table,
                           "LoRA training with streamed blocks (benchmarks/training_stream.py)",
                           notes)
+    if disk is not None and not args.scratch:  # the checkpoint written for this run
+        shutil.rmtree(disk["folder"], ignore_errors=True)
     print(table)
     print(notes)
 
@@ -262,15 +265,15 @@ def on_disk(args: argparse.Namespace, pool: torch.Tensor, weight_bytes: int) -> 
               [*model.named_parameters(), *model.named_buffers()] if "lora_" not in n}
     save_file(frozen, str(path))
     del frozen
-    ceiling = int((args.disk_host_gib / 100 if args.smoke else args.disk_host_gib) * 2**30)
-    if args.smoke:  # a fraction of the tiny model: some blocks on disk
-        ceiling = weight_bytes // 3
+    # --smoke: a third of the tiny model's bytes, so that some blocks stay on disk
+    ceiling = weight_bytes // 3 if args.smoke else int(args.disk_host_gib * 2**30)
     file = SafetensorsFile(path)
     off = ModelOffloader.from_module(model, blocks=BLOCKS, trainable="device",
                                      sources={k: file.tensor_ref(k) for k in file},
                                      max_host_bytes=ceiling)
     opt = torch.optim.AdamW(off.on_device, lr=1e-5)
     return {"off": off, "opt": opt, "direct_bps": consumer.direct_read_bandwidth(path),
+            "folder": folder,
             "host_bytes": off.storage.host_bytes, "max_host_bytes": ceiling}
 
 
