@@ -184,7 +184,8 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # the sizes vary per tensor: one binary for all of them (no value or alignment compiled in)
+    @triton.jit(do_not_specialize=["n", "n_words"])
     def decode_kernel(words_ptr, offsets_ptr, lut_ptr, raw_ptr, checks_ptr, out_ptr,
                       errors_ptr, n, n_words, BF16: tl.constexpr, LANES: tl.constexpr,
                       STEPS: tl.constexpr, MAX_LEN: tl.constexpr, FIRST: tl.constexpr):
@@ -242,7 +243,7 @@ def _refill_kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n", "n_words"])
     def decode_refill_kernel(words_ptr, offsets_ptr, lut_ptr, raw_ptr, checks_ptr, out_ptr,
                              errors_ptr, n, n_words, BF16: tl.constexpr, LANES: tl.constexpr,
                              STEPS: tl.constexpr, MAX_LEN: tl.constexpr, FIRST: tl.constexpr,
