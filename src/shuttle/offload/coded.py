@@ -38,8 +38,9 @@ model back).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
@@ -164,11 +165,14 @@ def fill_coded(s: UnitSurvey, code: UnitCode, arena: torch.Tensor) -> None:
                 src.blob.load_into(arena[at:at + rep.blob.numel()])
 
 
-def code_arena(layout: Layout, arena: torch.Tensor, eligible: Sequence[bool]
+def code_arena(layout: Layout, arena: torch.Tensor, eligible: Sequence[bool],
+               alloc: Callable[[int], torch.Tensor] | None = None
                ) -> tuple[torch.Tensor, UnitCode] | None:
     """``arena`` (a unit's plain host arena, laid out by ``layout``) with its ``eligible``
-    bfloat16/float16 entries coded where that makes them smaller: a new (pageable) buffer and
-    its :class:`UnitCode`; None when nothing codes smaller.
+    bfloat16/float16 entries coded where that makes them smaller: the buffer ``alloc(nbytes)``
+    gave (at least ``nbytes``; default a pageable one of exactly that), filled in its first
+    ``nbytes``, and its :class:`UnitCode`; None when nothing codes smaller (nothing allocated).
+    The coded unit is written once, into the buffer that keeps it.
     """
     views = layout.views(arena)
     reps: list[LosslessTensor | None] = [
@@ -177,7 +181,7 @@ def code_arena(layout: Layout, arena: torch.Tensor, eligible: Sequence[bool]
     if all(r is None for r in reps):
         return None
     code = _pack(layout, reps)
-    coded = torch.empty(code.nbytes, dtype=torch.uint8)
+    coded = (alloc or functools.partial(torch.empty, dtype=torch.uint8))(code.nbytes)
     for v, rep, off in zip(views, reps, code.offsets, strict=True):
         src = rep.blob if rep is not None else v.reshape(-1).view(torch.uint8)
         coded[off:off + src.numel()].copy_(src)

@@ -472,22 +472,16 @@ class HostStorage:
             fill_coded(s, code, pages[:code.nbytes])
             pinned = pin and pages.numel() > 0 and register_pages(pages, self._registered)
             return pages[:code.nbytes], pages.numel(), pinned, code
-        n, plain = s.layout.nbytes, None
-        if self._compress:
-            plain = new_arena(n, pin=False)[:n]
-            fill_arena(s, plain)
-            coded = code_arena(s.layout, plain, codable(s))
-            if coded is not None:
-                plain, code = coded
-                n = code.nbytes
+        n = s.layout.nbytes
         pages = new_arena(n, pin)
-        arena = pages[:n]
-        if plain is None:
-            fill_arena(s, arena)
-        else:
-            arena.copy_(plain)
+        fill_arena(s, pages[:n])
+        if self._compress:  # coded straight into the arena that keeps it (plain: kept as is)
+            coded = code_arena(s.layout, pages[:n], codable(s), lambda size: new_arena(size, pin))
+            if coded is not None:
+                pages, code = coded
+                n = code.nbytes
         pinned = pin and pages.numel() > 0 and register_pages(pages, self._registered)
-        return arena, pages.numel(), pinned, code
+        return pages[:n], pages.numel(), pinned, code
 
     def _adopt(self, s: UnitSurvey) -> HostUnit:
         host = [adopted(src, s.layout, b) if src is not None else read_binding(b) if b.is_param
