@@ -44,7 +44,9 @@ computes through shuttle.upcast_on_use, diffusers_group through diffusers'
 enable_layerwise_casting) and reports the section as <model>_fp8. --storage lossless captures
 shuttle's offloader with compress="lossless" (the same bf16 weights, coded in host memory and
 decoded on the GPU; about 0.7x the bytes over the bus; issue 40); its rows add copied_bytes, and
-the bound stays the bf16 copy bound.
+the bound stays the bf16 copy bound. --storage lossless_stream is the same with the decodes on a
+stream of their own (SHUTTLE_DECODE_STREAM=1 for that section; lossless runs with it off), so
+one run compares the two.
     PYTHONPATH=src python benchmarks/offload.py --layers 4 --single-layers 8 --fractions 0.75
 
 Writes docs/benchmarks/<--out, default offload>.{json,md} (under $SHUTTLE_BENCH_OUT when set)
@@ -54,13 +56,15 @@ after every variant, so a cut-off run keeps its rows.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import itertools
+import os
 import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -112,7 +116,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--storage", default="bf16",
                    help="comma-separated block Linear weight storage: bf16, fp8 (float8 e4m3, "
                         "computed through shuttle.upcast_on_use), lossless (bf16 kept coded "
-                        "in host memory, compress='lossless'); sections are named "
+                        "in host memory, compress='lossless'), lossless_stream (the same, "
+                        "decoded on a stream of its own); sections are named "
                         "<model>_<storage>")
     p.add_argument("--decode-kernel", default="",
                    help="lossless storage: the GPU decoder (a name of shuttle.kernels."
@@ -575,7 +580,7 @@ def run_model(name: str, args: argparse.Namespace, report: Report, storage: str 
                 t = time.perf_counter()
                 offloader.append(shuttle.ModelOffloader.from_module(
                     model, blocks=blocks,
-                    compress="lossless" if storage == "lossless" else None))
+                    compress="lossless" if storage.startswith("lossless") else None))
                 capture_s.append(time.perf_counter() - t)
             off = offloader[0]
             t = time.perf_counter()
@@ -631,7 +636,7 @@ def run_model(name: str, args: argparse.Namespace, report: Report, storage: str 
                                num_blocks_per_group=1, use_stream=True, record_stream=True)
         return m, lambda: None, {"streamed_bytes": weight_bytes}
 
-    if storage != "lossless":  # the peers have no lossless storage: the bf16 rows stand
+    if not storage.startswith("lossless"):  # the peers have no lossless storage: bf16's stand
         record("diffusers_group", diffusers_group)
 
     def accelerate_cpu() -> tuple[nn.Module, Callable[[], None], dict]:
@@ -641,6 +646,22 @@ def run_model(name: str, args: argparse.Namespace, report: Report, storage: str 
 
     if storage == "bf16" and (name == "flux" or args.wan_accelerate):
         record("accelerate_cpu", accelerate_cpu, args.accelerate_rounds, 1)
+
+
+@contextlib.contextmanager
+def decode_stream(on: bool) -> Iterator[None]:
+    """Coded loads decode on their own stream (``on``) or on the copy stream, for a section."""
+    from shuttle.offload.coded import DECODE_STREAM_ENV
+
+    saved = os.environ.get(DECODE_STREAM_ENV)
+    os.environ[DECODE_STREAM_ENV] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(DECODE_STREAM_ENV, None)
+        else:
+            os.environ[DECODE_STREAM_ENV] = saved
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -664,7 +685,8 @@ def main(argv: list[str] | None = None) -> None:
     report = Report(args, pinned_gbs)
     for name in (["flux", "wan"] if args.model == "both" else [args.model]):
         for storage in args.storage.split(","):
-            run_model(name, args, report, storage)
+            with decode_stream(storage == "lossless_stream"):
+                run_model(name, args, report, storage)
             gc.collect()
             release_pinned_cache()
             torch.cuda.empty_cache()
