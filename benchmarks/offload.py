@@ -43,10 +43,10 @@ in one profiled steady-state step.
 computes through shuttle.upcast_on_use, diffusers_group through diffusers'
 enable_layerwise_casting) and reports the section as <model>_fp8. --storage lossless captures
 shuttle's offloader with compress="lossless" (the same bf16 weights, coded in host memory and
-decoded on the GPU; about 0.7x the bytes over the bus; issue 40); its rows add copied_bytes, and
-the bound stays the bf16 copy bound. --storage lossless_stream is the same with the decodes on a
-stream of their own (SHUTTLE_DECODE_STREAM=1 for that section; lossless runs with it off), so
-one run compares the two.
+decoded on the GPU on a stream of their own; about 0.7x the bytes over the bus; issue 40); its
+rows add copied_bytes, and the bound stays the bf16 copy bound. --storage lossless_serial is the
+same with the decodes on the copy stream after each copy (SHUTTLE_DECODE_STREAM=0 for that
+section), so one run compares the two.
     PYTHONPATH=src python benchmarks/offload.py --layers 4 --single-layers 8 --fractions 0.75
 
 Writes docs/benchmarks/<--out, default offload>.{json,md} (under $SHUTTLE_BENCH_OUT when set)
@@ -116,8 +116,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--storage", default="bf16",
                    help="comma-separated block Linear weight storage: bf16, fp8 (float8 e4m3, "
                         "computed through shuttle.upcast_on_use), lossless (bf16 kept coded "
-                        "in host memory, compress='lossless'), lossless_stream (the same, "
-                        "decoded on a stream of its own); sections are named "
+                        "in host memory, compress='lossless'), lossless_serial (the same, "
+                        "decoded on the copy stream); sections are named "
                         "<model>_<storage>")
     p.add_argument("--decode-kernel", default="",
                    help="lossless storage: the GPU decoder (a name of shuttle.kernels."
@@ -685,7 +685,7 @@ def main(argv: list[str] | None = None) -> None:
     report = Report(args, pinned_gbs)
     for name in (["flux", "wan"] if args.model == "both" else [args.model]):
         for storage in args.storage.split(","):
-            with decode_stream(storage == "lossless_stream"):
+            with decode_stream(storage != "lossless_serial"):
                 run_model(name, args, report, storage)
             gc.collect()
             release_pinned_cache()

@@ -116,13 +116,16 @@ def test_the_plan_counts_the_staging_buffer(cpu_copy):
         off.plan_for(StreamConfig(prefetch=0, vram_budget=floor - 1))
 
 
-def test_a_decode_stream_stages_in_two_buffers(cpu_copy, monkeypatch):
-    """With the decode stream on, the plan counts two staging buffers (one fills while the
-    other decodes), and outputs stay the resident model's."""
+def test_the_decode_stream_is_on_by_default_and_stages_in_two_buffers(cpu_copy, monkeypatch):
+    """By default the plan counts two staging buffers (one fills while the other decodes on
+    the decode stream); ``SHUTTLE_DECODE_STREAM=0`` counts one; outputs stay the resident
+    model's either way."""
+    monkeypatch.delenv(DECODE_STREAM_ENV, raising=False)
     _, off = captured()
-    one = off.storage.stage_bytes
-    monkeypatch.setenv(DECODE_STREAM_ENV, "1")
-    assert off.storage.stage_bytes == 2 * one == 2 * off.storage.stage_unit_bytes
+    two = off.storage.stage_bytes
+    assert two == 2 * off.storage.stage_unit_bytes > 0
+    monkeypatch.setenv(DECODE_STREAM_ENV, "0")
+    assert off.storage.stage_bytes == off.storage.stage_unit_bytes
     ref, off = captured()
     with off.use("cpu", MODES["stream2"]) as m:
         assert_bits_equal(m(tokens()), ref(tokens()))

@@ -28,22 +28,16 @@ words, bits that start no code) adds one to ``errors[0]``: the caller raises, ne
 kernel, so a decode queued on a side stream needs no host synchronization.
 
 :func:`decode_exponents` runs a Triton kernel (CUDA, or the CPU interpreter) and
-:func:`decode_exponents_reference` the same decode in PyTorch on any device. The kernels decode
-the same streams, by how a lane finds its next bits and its code (:data:`DECODE_KERNELS`):
-
-- ``"reload"`` reads the two words under its bit position at every step. A warp's 32 lanes
-  read 32 streams about 90 bytes apart, so each of those loads touches ~22 cache lines: with
-  the table lookup (~25 lines: a Huffman stream's next 12 bits are near uniform over the 8 KiB
-  table) that is ~70 L1 wavefronts per 32 values, which bounds the kernel (253 GB/s of bf16
-  out on the H200, docs/benchmarks/lossless.md).
-- ``"refill"`` keeps the next 33-64 bits of its stream in a 64-bit register and loads a word
-  only when 32 or fewer are left (about one step in twelve at ~2.7 bits a code): ~3 lanes of a
-  warp load per step instead of 32, twice. The table lookup stays.
-- ``"refill_first"`` is ``"refill"`` looking codes up in the table's first ``2**FIRST_BITS``
-  entries (4 cache lines), the whole table only for lanes whose code is longer.
-
-All three are kept until the H200 times them side by side (``benchmarks/lossless.py --parts
-decode``); the fastest then becomes :data:`DEFAULT_KERNEL` and the others go.
+:func:`decode_exponents_reference` the same decode in PyTorch on any device. In the kernel each
+lane keeps the next 33-64 bits of its stream in a 64-bit register and loads a word only when 32
+or fewer are left (about one step in twelve at ~2.7 bits a code), so a warp's loads touch a few
+cache lines a step instead of the ~22 that 32 lanes reading 32 streams ~90 bytes apart touch
+when each reloads the words under its bit position (L1 wavefronts, not DRAM, bound such a
+decoder). How a lane finds its code is the variant (:data:`DECODE_KERNELS`): ``"refill"`` (the
+default, the faster where measured: docs/benchmarks/lossless.md) reads the whole table;
+``"refill_first"`` reads its first ``2**FIRST_BITS`` entries (4 cache lines) and the whole
+table only for lanes whose code is longer: fewer lines a step for more instructions, within a
+few percent, so ``benchmarks/lossless.py --parts decode`` times both.
 """
 
 from __future__ import annotations
@@ -184,67 +178,8 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    # the sizes vary per tensor: one binary for all of them (no value or alignment compiled in)
     @triton.jit(do_not_specialize=["n", "n_words"])
     def decode_kernel(words_ptr, offsets_ptr, lut_ptr, raw_ptr, checks_ptr, out_ptr,
-                      errors_ptr, n, n_words, BF16: tl.constexpr, LANES: tl.constexpr,
-                      STEPS: tl.constexpr, MAX_LEN: tl.constexpr, FIRST: tl.constexpr):
-        g = tl.program_id(0)
-        j = tl.arange(0, LANES)
-        lane = g * LANES + j
-        start = tl.load(offsets_ptr + lane).to(tl.int64)
-        end = tl.load(offsets_ptr + lane + 1).to(tl.int64)
-        w = start
-        b = tl.zeros([LANES], dtype=tl.uint32)
-        check = tl.zeros([LANES], dtype=tl.int32)
-        no_code = tl.zeros([LANES], dtype=tl.int32)
-        base = g.to(tl.int64) * (LANES * STEPS)
-        for i in range(STEPS):
-            r = i * LANES + j
-            k = base + r
-            valid = k < n
-            # masked to the array: a damaged offset or stream reads zeros (and fails its
-            # checks), never past the end
-            inside = valid & (w >= 0) & (w + 1 < n_words)
-            w0 = tl.load(words_ptr + w, mask=inside, other=0).to(tl.uint32, bitcast=True)
-            w1 = tl.load(words_ptr + w + 1, mask=inside, other=0).to(tl.uint32, bitcast=True)
-            # the next 32 bits from bit b of word w; (w1 >> 1) >> (31 - b) is w1 >> (32 - b)
-            # without a shift by 32 when b == 0
-            window = (w0 << b) | ((w1 >> 1) >> (31 - b))
-            peek = (window >> (32 - MAX_LEN)).to(tl.int32)
-            at = ((peek & ((1 << (MAX_LEN - FIRST)) - 1)) << FIRST) | (peek >> (MAX_LEN - FIRST))
-            entry = tl.load(lut_ptr + at, mask=valid, other=0).to(tl.int32)
-            length = tl.where(valid, entry & 15, 0)
-            no_code = no_code | (valid & (length == 0)).to(tl.int32)
-            sym = entry >> 4
-            b = b + length.to(tl.uint32)
-            w = w + (b >> 5).to(tl.int64)
-            b = b & 31
-            low = tl.load(raw_ptr + k, mask=valid, other=0).to(tl.int32)
-            if BF16:  # noqa: SIM108 (a constexpr branch: compiled once per dtype)
-                v = ((low & 0x80) << 8) | (sym << 7) | (low & 0x7F)
-            else:
-                v = (sym << 8) | low
-            tl.store(out_ptr + k, v.to(tl.int16), mask=valid)
-            check += tl.where(valid, (v + 1) * (2 * r + 1), 0)  # int32: wraps mod 2**32
-        used = (w - start) + (b > 0).to(tl.int64)
-        lane_bad = (used != end - start).to(tl.int32) | no_code
-        # the lanes' sums as unsigned 32-bit values, added without wrapping, then wrapped
-        total = tl.sum(check.to(tl.int64) & 0xFFFFFFFF) & 0xFFFFFFFF
-        expected = tl.load(checks_ptr + g).to(tl.int64) & 0xFFFFFFFF
-        wrong = (total != expected).to(tl.int32) + tl.max(lane_bad)
-        tl.atomic_add(errors_ptr, tl.minimum(wrong, 1))
-
-    return decode_kernel
-
-
-@functools.cache
-def _refill_kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit(do_not_specialize=["n", "n_words"])
-    def decode_refill_kernel(words_ptr, offsets_ptr, lut_ptr, raw_ptr, checks_ptr, out_ptr,
                              errors_ptr, n, n_words, BF16: tl.constexpr, LANES: tl.constexpr,
                              STEPS: tl.constexpr, MAX_LEN: tl.constexpr, FIRST: tl.constexpr,
                              TWO_LEVEL: tl.constexpr):
@@ -308,14 +243,13 @@ def _refill_kernel():
         wrong = (total != expected).to(tl.int32) + tl.max(lane_bad)
         tl.atomic_add(errors_ptr, tl.minimum(wrong, 1))
 
-    return decode_refill_kernel
+    return decode_kernel
 
 
-# name -> (kernel builder, its own compile-time arguments): see the module docstring
-DECODE_KERNELS = {"reload": (_kernel, {}), "refill": (_refill_kernel, {"TWO_LEVEL": False}),
-                  "refill_first": (_refill_kernel, {"TWO_LEVEL": True})}
-# the kernel decodes use: the one measured so far (see the module docstring)
-DEFAULT_KERNEL = "reload"
+# name -> the kernel's compile-time arguments: see the module docstring
+DECODE_KERNELS = {"refill": {"TWO_LEVEL": False}, "refill_first": {"TWO_LEVEL": True}}
+# the one decodes use: the faster of the two where measured (docs/benchmarks/lossless.md)
+DEFAULT_KERNEL = "refill"
 
 
 def decode_exponents(words: torch.Tensor, offsets: torch.Tensor, lut: torch.Tensor,
@@ -327,12 +261,12 @@ def decode_exponents(words: torch.Tensor, offsets: torch.Tensor, lut: torch.Tens
 
     ``kernel``: a name in :data:`DECODE_KERNELS` (default :data:`DEFAULT_KERNEL`).
     """
-    build, constexprs = DECODE_KERNELS[kernel or DEFAULT_KERNEL]
+    constexprs = DECODE_KERNELS[kernel or DEFAULT_KERNEL]
     if out.numel() == 0:
         return
     if not triton_available() or not (out.is_cuda or interpreting()):
         decode_exponents_reference(words, offsets, lut, raw, checks, out, errors, bf16)
         return
-    build()[(checks.numel(),)](words, offsets, lut, raw, checks, out, errors, out.numel(),
-                               words.numel(), BF16=bf16, LANES=LANES, STEPS=STEPS,
-                               MAX_LEN=MAX_LEN, FIRST=FIRST_BITS, **constexprs)
+    _kernel()[(checks.numel(),)](words, offsets, lut, raw, checks, out, errors, out.numel(),
+                                 words.numel(), BF16=bf16, LANES=LANES, STEPS=STEPS,
+                                 MAX_LEN=MAX_LEN, FIRST=FIRST_BITS, **constexprs)

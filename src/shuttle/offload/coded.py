@@ -15,13 +15,14 @@ cost the copy plus the decode):
     decode stream:  wait filled[j] -> decode stage j into the slot -> record free[j], loaded[s]
 
 with :func:`stages` staging buffers used in turn, each sized by the largest coded unit; the
-residency plan counts them (``HostStorage.stage_bytes``). **Opt-in while it is verified on a
-GPU**: ``SHUTTLE_DECODE_STREAM=1`` (:data:`DECODE_STREAM_ENV`) turns it on; without it the decode
-runs on the copy stream after each copy, through one staging buffer. The decode stream waits on
-``filled[j]``, recorded after the copy stream waited for the slot's last reader, so it writes
-the slot only once that reader is done. Where adapters merge as slots land, the merge runs on
-the copy stream once the decode is done (the decode stream carries no matmuls, hence no cuBLAS
-workspace of its own).
+residency plan counts them (``HostStorage.stage_bytes``). ``SHUTTLE_DECODE_STREAM=0``
+(:data:`DECODE_STREAM_ENV`) turns the decode stream off: the decode then runs on the copy stream
+after each copy, through one staging buffer: one buffer less of VRAM, and a step that costs the
+coded copy plus the decode instead of the larger of the two (docs/lossless.md). The decode
+stream waits on ``filled[j]``, recorded after the copy stream waited for the slot's last reader,
+so it writes the slot only once that reader is done. Where adapters merge as slots land, the
+merge runs on the copy stream once the decode is done (the decode stream carries no matmuls,
+hence no cuBLAS workspace of its own).
 
 A damaged code is counted on the device (no synchronization per load); the activation checks
 the count when it ends and raises :class:`~shuttle.errors.CorruptCodeError`.
@@ -60,8 +61,10 @@ DECODE_STREAM_ENV = "SHUTTLE_DECODE_STREAM"
 
 
 def decode_stream_enabled() -> bool:
-    """Whether coded loads decode on a stream of their own (``SHUTTLE_DECODE_STREAM=1``)."""
-    return os.environ.get(DECODE_STREAM_ENV) == "1"
+    """Whether coded loads decode on a stream of their own: yes unless
+    ``SHUTTLE_DECODE_STREAM=0``.
+    """
+    return os.environ.get(DECODE_STREAM_ENV, "1") != "0"
 
 
 def stages() -> int:
