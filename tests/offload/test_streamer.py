@@ -4,13 +4,14 @@ the guard reads a streamer's slots through it (never its private state)."""
 
 from __future__ import annotations
 
+import gc
 import inspect
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from shuttle.errors import CheckpointRequiredError
+from shuttle.errors import ActivationError, CheckpointRequiredError
 from shuttle.offload import ModelOffloader, StreamConfig
 from shuttle.offload.streamer import SlotGuard, Streamer
 from tests.offload.models import TinyDiT
@@ -70,3 +71,20 @@ def test_the_guard_reads_a_streamer_through_the_protocol_only():
     with pytest.raises(CheckpointRequiredError, match="blocks.0 from a device slot"):
         unpack(pack(saved))
     assert pack(torch.zeros(2)) is not None  # a tensor outside the slots passes as is
+
+
+def test_the_guard_holds_its_streamer_weakly():
+    """The streamer owns its guard: a guard holding it strongly would make a cycle that keeps
+    an ended activation alive until a collection. A saved view unpacked after the streamer is
+    gone cannot be checked: the backward is refused."""
+    ring = _Ring({0: 1})
+    guard = SlotGuard(ring)  # type: ignore[arg-type]
+    saved = ring.pool.buffers[1][:2]
+    packed = guard.hooks(0).pack_hook(saved)
+    gc.disable()
+    try:
+        del ring  # no collection: freed only if nothing refers to it
+        with pytest.raises(ActivationError, match="activation has ended"):
+            guard.unpack(packed)
+    finally:
+        gc.enable()

@@ -46,12 +46,13 @@ but every tensor it saves that lies in a slot is checked when the backward unpac
 from __future__ import annotations
 
 import bisect
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from shuttle.errors import CheckpointRequiredError
+from shuttle.errors import ActivationError, CheckpointRequiredError
 from shuttle.hooks import HookGroup, ModuleHook
 from shuttle.offload.host_storage import HostUnit
 from shuttle.offload.slots import SlotPool
@@ -128,14 +129,24 @@ class SlotGuard:
     unless that slot still holds unit ``i`` (:meth:`Streamer.slot_of`), and frees the slot
     again after the backward's kernels (:meth:`Streamer.release_later`).
 
+    The guard holds its streamer weakly: the streamer owns the guard, and a strong reference
+    back would make a cycle that keeps an ended activation (its pools, its adapters' device
+    factors) alive until the garbage collector runs. A saved tensor unpacked after the
+    activation ended raises :class:`ActivationError` (its slot can no longer be checked).
+
     Args:
         streamer: the streamer whose slots are checked.
     """
 
     def __init__(self, streamer: Streamer):
-        self.streamer = streamer
+        self._streamer = weakref.ref(streamer)
         buffers = streamer.pool.buffers
         self.slots = {b.untyped_storage().data_ptr(): k for k, b in enumerate(buffers)}
+
+    @property
+    def streamer(self) -> Streamer | None:
+        """The guarded streamer; None once it is gone (its activation ended)."""
+        return self._streamer()
 
     def hooks(self, i: int) -> torch.autograd.graph.saved_tensors_hooks:
         """The hooks for unit ``i``'s forward."""
@@ -150,6 +161,11 @@ class SlotGuard:
         if not isinstance(x, _Saved):
             return x
         s = self.streamer
+        if s is None:
+            raise ActivationError(
+                "the backward reads streamed weights saved by a forward whose activation has "
+                "ended: run the backward inside the activation (before deactivate() or the end "
+                "of the use() block)")
         if s.slot_of(x.position) != x.slot:
             raise CheckpointRequiredError(
                 f"the backward reads weights of {s.units[x.position].name} from a device slot "
