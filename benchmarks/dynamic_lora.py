@@ -32,6 +32,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 import shuttle  # noqa: E402
+from shuttle.apply.tier import TIERS as CHOOSER  # noqa: E402
+from shuttle.apply.tier import row_bucket  # noqa: E402
 
 SHAPES = {
     "wan1.3b_attn": (32760, 1536, 1536, 128),
@@ -191,7 +193,23 @@ def bench_dit(rounds: int) -> dict:
     for h in handles:
         h.detach()
     return {"config": dims, "tokens": 4096, "rank": 64, "timings": timings,
-            "graph_timings": graph}
+            "graph_timings": graph, "picks": chooser_picks(rows=4096)}
+
+
+def chooser_picks(rows: int) -> list[dict]:
+    """What the tier chooser measured and picked for every layer shape it saw at ``rows``
+    rows: microseconds per call of each candidate, eagerly (bursts) and in graphs."""
+    def us(times: dict[str, float]) -> dict[str, float | None]:  # None: could not run so
+        return {q: round(t * 1e6, 1) if t != float("inf") else None for q, t in times.items()}
+
+    return [{"n": key.n, "k": key.k, "r": key.r, "bias": key.bias,
+             "eager_us": us(choice.eager), "graph_us": us(choice.graphs),
+             "eager_pick": choice.best(False), "graph_pick": choice.best(True)}
+            for key, choice in CHOOSER.choices.items() if key.rows == row_bucket(rows)]
+
+
+def _us(t: float | None) -> str:
+    return "-" if t is None else f"{t:.0f}"
 
 
 def write(rows: dict, dit: dict | None) -> None:
@@ -232,6 +250,14 @@ def write(rows: dict, dit: dict | None) -> None:
                 for q in t if q != "merged"))
         notes += (f"\n\nWhole DiT forward ({dit['config']}, {dit['tokens']} tokens, LoRA rank "
                   f"{dit['rank']} on every linear): " + "; ".join(lines) + ".")
+        if dit.get("picks"):
+            notes += ("\n\nThe tier chooser's measurements at its layers' shapes (us per call, "
+                      "eager bursts | graphs) and picks: " + "; ".join(
+                          f"{p['k']}->{p['n']}: " + ", ".join(
+                              f"{q} {_us(p['eager_us'].get(q))} | {_us(p['graph_us'].get(q))}"
+                              for q in p["eager_us"])
+                          + f" -> eager {p['eager_pick']}, graphs {p['graph_pick']}"
+                          for p in dit["picks"]) + ".")
     harness.write_results("dynamic_lora", {"shapes": rows, "dit": dit}, table,
                           "Dynamic LoRA overhead (benchmarks/dynamic_lora.py)", notes)
     print(table)
