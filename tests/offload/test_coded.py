@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -162,9 +163,7 @@ def test_training_on_the_host_is_refused_and_on_the_device_works(cpu_copy):
 
 
 @pytest.mark.parametrize("kw, match", [({"compress": "zstd"}, "expected 'lossless'"),
-                                       ({"compress": "lossless", "host": "adopt"}, "pinned"),
-                                       ({"compress": "lossless", "max_host_bytes": 10**9},
-                                        "max_host_bytes")])
+                                       ({"compress": "lossless", "host": "adopt"}, "pinned")])
 def test_compress_refuses_what_it_cannot_do(kw, match):
     m = model()
     before = {k: v.clone() for k, v in m.state_dict().items()}
@@ -256,3 +255,64 @@ def test_a_compressed_checkpoint_streams_from_disk_coded(cpu_copy, tmp_path, cei
         assert off.storage.host_bytes <= limit
     on_disk = [u for u in off.storage.units if u.on_disk]
     assert bool(on_disk) == (ceiling != "roomy")
+
+
+@pytest.mark.parametrize("ceiling", ["tight", "half", "coded_all"])
+def test_plain_files_under_a_ceiling_keep_the_host_tier_coded(cpu_copy, tmp_path, ceiling):
+    """compress with max_host_bytes, captured from a plain file: units on disk are sized, not
+    coded, at capture; the plan counts each arena at its coded size, the arenas a plan gives
+    are coded to exactly that size, and units left on disk are read plain. A ceiling that holds
+    the coded model but not the plain one keeps every unit in host memory; outputs bit for bit
+    the resident model's through every plan, and the same plan stays valid after the arenas
+    are filled.
+    """
+    from safetensors.torch import save_model
+
+    from shuttle.formats.safetensors_file import SafetensorsFile
+
+    ref = model()
+    save_model(ref, str(tmp_path / "plain.safetensors"))
+    file = SafetensorsFile(tmp_path / "plain.safetensors")
+
+    def capture(limit: int) -> ModelOffloader:
+        with torch.device("meta"):
+            empty = TinyDiT(dim=128, n_blocks=3, n_single=2, dtype=torch.bfloat16)
+        return ModelOffloader.from_module(empty, blocks=["blocks", "single"], compress="lossless",
+                                          sources={k: file.tensor_ref(k) for k in file},
+                                          max_host_bytes=limit)
+
+    roomy = capture(2**40)
+    everything = roomy.storage.host_bytes  # every unit coded in host memory
+    plain = ModelOffloader.from_module(copy.deepcopy(ref), blocks=["blocks", "single"])
+    assert everything < 0.8 * plain.storage.host_bytes
+    blocks = roomy.storage.groups["blocks"]
+    assert all(u.code is not None and u.code is u.planned for u in blocks)
+    assert all(u.arena.numel() == u.code.nbytes for u in blocks)  # as planned, to the byte
+    with pytest.raises(BudgetTooSmallError, match="give at least") as e:
+        capture(0)
+    floor = int(re.search(r"give at least (\d+) bytes", str(e.value)).group(1))
+    limit = {"tight": floor, "half": (floor + everything) // 2, "coded_all": everything}[ceiling]
+    off = capture(limit)
+    spilled = [u for u in off.storage.units if u.on_disk]
+    assert all(u.code is None for u in spilled)  # sized, not coded
+    assert any(u.planned is not None for u in spilled) or ceiling == "coded_all"
+    want = ref(tokens())
+    stage = off.storage.stage_unit_bytes  # the decoder's buffer: the largest planned arena
+    assert stage == max(u.planned.nbytes for u in off.storage.units if u.planned is not None)
+    plan = off.plan_for(StreamConfig(prefetch=1))
+    for stream in (StreamConfig(prefetch=1), StreamConfig(prefetch=0)):
+        with off.use("cpu", stream) as m:
+            assert_bits_equal(m(tokens()), want)
+            assert_bits_equal(m(tokens()), want)
+        assert off.storage.host_bytes <= limit
+    kept = [u for u in off.storage.units if u.spans is not None and not u.on_disk]
+    assert any(u.code is not None for u in kept) or ceiling == "tight"
+    assert all(u.code is u.planned and u.arena.numel() == (u.code or u.layout).nbytes
+               for u in kept)
+    with off.use("cpu", StreamConfig(prefetch=1), plan=plan) as m:  # planned before the fill
+        assert_bits_equal(m(tokens()), want)
+    on_disk = [u for u in off.storage.units if u.on_disk]
+    assert all(u.code is None for u in on_disk)  # read plain: the file holds them so
+    assert bool(on_disk) == (ceiling != "coded_all")
+    assert off.storage.host_bytes <= limit < plain.storage.host_bytes
+    assert off.storage.stage_unit_bytes == stage  # what the plans counted

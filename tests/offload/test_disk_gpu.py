@@ -3,7 +3,8 @@ outputs equal bit for bit to the resident model's.
 
 The first test runs blocks of real size (16 MiB each, bf16) through every kind of host tier:
 everything but the staging ring on disk, half of it pinned, and staging buffers smaller than a
-block (each load read in several chunks). The second makes a race between the reader, the copy
+block (each load read in several chunks), plain and with ``compress="lossless"`` (the pinned
+units kept coded, decoded on the device beside units read plain from disk). The second makes a race between the reader, the copy
 stream and the compute stream likely rather than lucky (as test_stress_gpu.py does for arenas):
 one side slowed with ``torch.cuda._sleep``, either every block's forward (copies run ahead: a
 copy that does not wait for its slot's last reader overwrites weights in use) or every copy out
@@ -66,11 +67,13 @@ def saved(tmp_path, model: nn.Module) -> SafetensorsFile:
     return SafetensorsFile(tmp_path / "model.safetensors")
 
 
-def captured(cls, file: SafetensorsFile, ceiling: int, dtype=None) -> ModelOffloader:
+def captured(cls, file: SafetensorsFile, ceiling: int, dtype=None, compress=None
+             ) -> ModelOffloader:
     with torch.device("meta"):
         model = cls() if dtype is None else cls().to(dtype)
     return ModelOffloader.from_module(model, blocks=["blocks"], max_host_bytes=ceiling,
-                                      sources={k: file.tensor_ref(k) for k in file})
+                                      sources={k: file.tensor_ref(k) for k in file},
+                                      compress=compress)
 
 
 BLOCK = 2 * DIM * HIDDEN * 2  # bytes of one block's matrices in bf16
@@ -85,8 +88,11 @@ TIERS = {  # ceiling, smallest staging buffer
                                     StreamConfig(prefetch=1, vram_budget=4 * BLOCK), None],
                          ids=["prefetch0", "prefetch2", "budget", "whole"])
 @pytest.mark.parametrize("tier", list(TIERS))
+@pytest.mark.parametrize("compress", [None, "lossless"])
 def test_streaming_from_disk_is_bit_identical_at_real_block_sizes(tmp_path, monkeypatch, tier,
-                                                                 stream):
+                                                                 stream, compress):
+    """With compress, the pinned units are kept coded (decoded on the device) beside units
+    read plain from the file."""
     ceiling, smallest = TIERS[tier]
     if smallest is not None:
         monkeypatch.setattr("shuttle.offload.spill.MIN_STAGING", smallest)
@@ -95,7 +101,7 @@ def test_streaming_from_disk_is_bit_identical_at_real_block_sizes(tmp_path, monk
     ref = Big().to(torch.bfloat16)
     file = saved(tmp_path, ref)
     ref = ref.cuda().eval()
-    off = captured(Big, file, ceiling, torch.bfloat16)
+    off = captured(Big, file, ceiling, torch.bfloat16, compress)
     g = torch.Generator().manual_seed(1)
     inputs = [torch.randn(2, 64, DIM, generator=g).to("cuda", torch.bfloat16) for _ in range(3)]
     want = references(ref, inputs)
@@ -107,6 +113,8 @@ def test_streaming_from_disk_is_bit_identical_at_real_block_sizes(tmp_path, monk
             assert storage.staging[1] < BLOCK  # a block is read in chunks
         outs = run_steps(model, inputs, steps=6)
         assert_all_equal(outs, want)
+        if compress and tier == "half":
+            assert any(u.code is not None and not u.on_disk for u in storage.units)
     assert storage.reader.bytes_read >= 2 * BLOCK
 
 

@@ -187,7 +187,9 @@ def from_pretrained(path_or_repo: str | os.PathLike[str], pipeline_cls: type | N
             ceiling.
         revision: the Hub revision of a repo id.
         compress: ``"lossless"``: the weights kept coded in host memory (see :func:`offload`);
-            not with ``max_host_bytes`` yet.
+            under ``max_host_bytes`` the units in host memory are kept coded (more fit) and
+            the others read from the files as they are (coded where ``shuttle compress``
+            wrote them).
         weights: component name -> a safetensors file to read its weights from instead of its
             folder (which then gives only its config): an original single-file checkpoint
             (``flux1-dev.safetensors``, ComfyUI's ``model.diffusion_model.`` keys), placed by

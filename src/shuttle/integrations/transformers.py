@@ -157,7 +157,9 @@ def from_pretrained(path_or_repo: str | os.PathLike[str], model_cls: type | None
             ceiling.
         revision: the Hub revision of a repo id.
         compress: ``"lossless"``: the weights kept coded in host memory (see :func:`offload`);
-            not with ``max_host_bytes`` yet.
+            under ``max_host_bytes`` the units in host memory are kept coded (more fit) and
+            the others read from the files as they are (coded where ``shuttle compress``
+            wrote them).
 
     Returns:
         ``(model, handle)``: ``model(...)`` and ``model.generate(...)`` work as for a model

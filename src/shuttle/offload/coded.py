@@ -53,7 +53,8 @@ from shuttle.weights.lossless import CODED_DTYPES, LosslessTensor
 from shuttle.weights.lossless_file import CodedRef
 
 __all__ = ["DECODE_STREAM_ENV", "Compression", "Decoder", "UnitCode", "check_compress",
-           "codable", "code_arena", "decode_stream_enabled", "file_code", "fill_coded", "stages"]
+           "codable", "code_arena", "decode_stream_enabled", "file_code", "fill_coded",
+           "plan_code", "stages"]
 
 Compression = Literal["lossless"]
 
@@ -131,14 +132,23 @@ class UnitCode:
         return out
 
 
+def _packed(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Where entries of ``sizes`` bytes start when packed in order at ``ALIGN``, and the total."""
+    offsets, at = [], 0
+    for size in sizes:
+        offsets.append(at)
+        at = -(-(at + size) // ALIGN) * ALIGN
+    return offsets, at
+
+
+def _raw_bytes(layout: Layout, i: int) -> int:
+    return layout.shapes[i].numel() * layout.dtypes[i].itemsize
+
+
 def _pack(layout: Layout, reps: Sequence[LosslessTensor | None]) -> UnitCode:
     """The code of a unit whose entries ``reps`` (None: raw) are packed in order."""
-    offsets, at = [], 0
-    for i, rep in enumerate(reps):
-        offsets.append(at)
-        size = (rep.blob.numel() if rep is not None
-                else layout.shapes[i].numel() * layout.dtypes[i].itemsize)
-        at = -(-(at + size) // ALIGN) * ALIGN
+    offsets, at = _packed([rep.blob.numel() if rep is not None else _raw_bytes(layout, i)
+                           for i, rep in enumerate(reps)])
     layout_only = tuple(r if r is None or r.blob.is_meta else dataclasses.replace(
         r, blob=torch.empty(r.blob.numel(), dtype=torch.uint8, device="meta")) for r in reps)
     return UnitCode(tuple(offsets), layout_only, at)
@@ -153,9 +163,38 @@ def file_code(s: UnitSurvey) -> UnitCode | None:
     return None if all(r is None for r in reps) else _pack(s.layout, reps)
 
 
+def plan_code(s: UnitSurvey) -> UnitCode | None:
+    """The code :func:`code_arena` would make of unit ``s``, found without coding: each
+    eligible tensor read from its source in turn and sized
+    (:meth:`~shuttle.weights.lossless.LosslessTensor.code_size`); None when nothing would code
+    smaller. A unit under a host ceiling is planned so while it waits on disk: the residency
+    plan counts the arena it would get, and :func:`fill_coded` writes it.
+    """
+    eligible = codable(s)
+    reps: list[LosslessTensor | None] = [None] * len(s.layout.offsets)
+    seen: set[int] = set()
+    with torch.no_grad():
+        for b, src in zip(s.sources, s.files, strict=True):
+            i = b.entry  # a tied tensor's entry is sized once
+            shape, dtype = s.layout.shapes[i], s.layout.dtypes[i]
+            if i in seen or not eligible[i] or dtype not in CODED_DTYPES:
+                continue
+            seen.add(i)
+            t = torch.empty(shape, dtype=dtype)
+            read_entry(b, src, t)
+            got = LosslessTensor.code_size(t)
+            if got is not None:
+                words, nbytes = got
+                reps[i] = LosslessTensor(torch.empty(nbytes, dtype=torch.uint8, device="meta"),
+                                         shape, dtype, words)
+    return None if all(r is None for r in reps) else _pack(s.layout, reps)
+
+
 def fill_coded(s: UnitSurvey, code: UnitCode, arena: torch.Tensor) -> None:
-    """Fill ``arena`` (``code.nbytes``) with unit ``s``: the coded tensors' blobs read from
-    their file as they are, the others' bytes (read from the file or the module).
+    """Fill ``arena`` (``code.nbytes``) with unit ``s`` as ``code`` lays it out: a coded
+    tensor's blob read from its file as it is (a compressed checkpoint's, :func:`file_code`) or
+    coded here from the tensor read (:func:`plan_code`'s, one tensor at a time: no plain copy
+    of the unit); the other tensors' bytes read from the file or the module.
     """
     with torch.no_grad():
         for b, src in zip(s.sources, s.files, strict=True):
@@ -163,9 +202,15 @@ def fill_coded(s: UnitSurvey, code: UnitCode, arena: torch.Tensor) -> None:
             rep = code.coded[i]
             if rep is None:
                 read_entry(b, src, code._raw(s.layout, arena, i))
-            else:
-                assert isinstance(src, CodedRef)
+            elif isinstance(src, CodedRef) and src.dtype == s.layout.dtypes[i]:
                 src.blob.load_into(arena[at:at + rep.blob.numel()])
+            else:
+                t = torch.empty(s.layout.shapes[i], dtype=s.layout.dtypes[i])
+                read_entry(b, src, t)
+                got = LosslessTensor.encode_host(t)
+                assert got is not None and got.words == rep.words, \
+                    f"{s.name}: entry {i} codes otherwise than its plan"
+                arena[at:at + got.blob.numel()].copy_(got.blob)
 
 
 def code_arena(layout: Layout, arena: torch.Tensor, eligible: Sequence[bool],
@@ -181,6 +226,10 @@ def code_arena(layout: Layout, arena: torch.Tensor, eligible: Sequence[bool],
     reps: list[LosslessTensor | None] = [
         LosslessTensor.encode_host(v) if ok and v.dtype in CODED_DTYPES else None
         for v, ok in zip(views, eligible, strict=True)]
+    # kept only where smaller than the raw bytes (the coder's own test is a bound on that;
+    # plan_code sizes by the same rule)
+    reps = [r if r is not None and r.blob.numel() < v.numel() * v.element_size() else None
+            for r, v in zip(reps, views, strict=True)]
     if all(r is None for r in reps):
         return None
     code = _pack(layout, reps)
@@ -315,21 +364,19 @@ def codable(s: UnitSurvey) -> list[bool]:
     return ok
 
 
-def check_compress(compress: Compression | None, host: str,
-                    max_host_bytes: int | None) -> None:
-    """Refuse a ``compress`` that host storage cannot honour with ``host`` and
-    ``max_host_bytes``.
+def check_compress(compress: Compression | None, host: str) -> None:
+    """Refuse a ``compress`` that host storage cannot honour with ``host``.
 
     Raises:
-        HostBackingError: an unknown ``compress``, or one with ``host="adopt"`` or a ceiling.
+        HostBackingError: an unknown ``compress``, or one with ``host="adopt"``.
     """
     if compress not in (None, "lossless"):
         raise HostBackingError(f"compress={compress!r}: expected 'lossless' or None")
-    if compress is not None and (host != "pinned" or max_host_bytes is not None):
+    if compress is not None and host != "pinned":
         raise HostBackingError(
-            f"compress={compress!r} codes the host arenas of host='pinned' storage without a "
-            "host ceiling; drop compress, or use host='pinned' without max_host_bytes, or for "
-            "the disk tier compress the checkpoint (`shuttle compress`) and capture from it")
+            f"compress={compress!r} codes the host arenas of host='pinned' storage; with "
+            f"host={host!r} the module's own tensors are kept as they are: drop compress, or "
+            "use host='pinned'")
 
 
 _DECODE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}

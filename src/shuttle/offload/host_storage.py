@@ -59,6 +59,7 @@ from shuttle.offload.coded import (
     code_arena,
     file_code,
     fill_coded,
+    plan_code,
     stages,
 )
 from shuttle.offload.disk_reader import IO_ALIGN, DiskReader, DiskSpans
@@ -109,6 +110,10 @@ class HostUnit:
         self.reader: DiskReader | None = None
         self.survey: UnitSurvey | None = None  # what to read it from (to fill an arena)
         self.code: UnitCode | None = None  # the arena is coded (compress="lossless")
+        # Under a ceiling: the code its file holds it in (read so from disk; None: plain), and
+        # with compress, the code an arena for it will hold (sized while it is on disk).
+        self.disk_code: UnitCode | None = None
+        self.planned: UnitCode | None = None
 
     @property
     def on_disk(self) -> bool:
@@ -216,7 +221,7 @@ class HostStorage:
     Raises:
         HostBackingError: a tensor that cannot be kept as asked (on ``meta`` with no source,
             or a source of another shape or of a dtype not converted), ``max_host_bytes``
-            with ``"adopt"``, or ``compress`` with ``"adopt"`` or ``max_host_bytes``.
+            with ``"adopt"``, or ``compress`` with ``"adopt"``.
         BlockLayoutError: a tensor spans two units (tied between a block and the rest, or
             between two blocks).
         BudgetTooSmallError: ``max_host_bytes`` cannot hold the units that must stay in host
@@ -231,7 +236,7 @@ class HostStorage:
                  skip: Sequence[torch.nn.Parameter] = (),
                  sources: Mapping[str, LazyTensor] | None = None,
                  max_host_bytes: int | None = None, compress: Compression | None = None):
-        check_compress(compress, host, max_host_bytes)
+        check_compress(compress, host)
         if max_host_bytes is not None and host == "adopt":
             raise HostBackingError(
                 "max_host_bytes with host='adopt': adopted tensors are the module's own (or "
@@ -288,7 +293,7 @@ class HostStorage:
         """Whether units that may stay on disk are coded in their files (each is then read
         in one piece: :func:`staging_floor`).
         """
-        return any(u.code is not None and u.spans is not None for u in self.units)
+        return any(u.disk_code is not None and u.spans is not None for u in self.units)
 
     @property
     def stage_bytes(self) -> int:
@@ -299,8 +304,12 @@ class HostStorage:
 
     @property
     def stage_unit_bytes(self) -> int:
-        """The largest coded arena: one staging buffer's bytes (0 when nothing is coded)."""
-        return max((u.code.nbytes for u in self.units if u.code is not None), default=0)
+        """The largest coded arena, held or planned (a unit on disk that an arena would keep
+        coded): one staging buffer's bytes, the same before and after the host tier changes
+        (0 when nothing is coded).
+        """
+        return max((c.nbytes for u in self.units for c in (u.code, u.planned) if c is not None),
+                   default=0)
 
     @property
     def staging(self) -> tuple[int, int]:
@@ -309,10 +318,10 @@ class HostStorage:
 
     def arena_bytes(self, unit: HostUnit) -> int:
         """Host bytes an arena for ``unit`` takes (whole pages when it will be pinned; its
-        code's bytes when it is kept coded).
+        code's bytes when it is kept coded, or will be: :attr:`HostUnit.planned`).
         """
-        held = unit.code.nbytes if unit.code is not None else unit.layout.nbytes
-        return arena_size(held, self._pin)
+        code = unit.code or unit.planned
+        return arena_size(code.nbytes if code is not None else unit.layout.nbytes, self._pin)
 
     def settle(self, pinned: Collection[str] | None, staging: tuple[int, int]) -> None:
         """Give arenas to the units named in ``pinned`` (read from their files), take them from
@@ -345,8 +354,8 @@ class HostStorage:
         self._set_staging(*staging)
         add = [u for u in self.units if u.on_disk and u.name in want]
         with ThreadPoolExecutor(_CAPTURE_WORKERS, thread_name_prefix="shuttle-pin") as pool:
-            for u, filled in zip(add, pool.map(lambda u: self._fill(u.survey, self._pin), add),
-                                 strict=True):
+            for u, filled in zip(add, pool.map(
+                    lambda u: self._fill(u.survey, self._pin, u.planned), add), strict=True):
                 self._keep(u, *filled)
         assert self.host_bytes <= self.max_host_bytes, \
             f"host tier of {self.host_bytes} bytes over max_host_bytes={self.max_host_bytes}"
@@ -391,21 +400,29 @@ class HostStorage:
         Workers allocate, fill and register arenas (copies and registration release the
         GIL); this thread binds each unit as soon as it is ready, in order, which frees its
         pageable originals: host memory holds at most a few units twice. A unit in ``spill``
-        starts on disk: its tensors point at maps of their files.
+        starts on disk: its tensors point at maps of their files (with ``compress``, it is read
+        once to size the coded arena a plan may give it: :func:`plan_code`).
         """
         if self.host == "adopt":
             return [self._adopt(s) for s in surveys]
         if any(sp is not None for sp in spans):
             self.reader = DiskReader()
+
+        def planned(i: int) -> UnitCode | None:  # on disk: sized for the arena it may get
+            s = surveys[i]
+            return plan_code(s) if self._compress and file_code(s) is None else None
+
         units = []
         with ThreadPoolExecutor(_CAPTURE_WORKERS, thread_name_prefix="shuttle-pin") as pool:
             filled = pool.map(lambda i: None if spans[i] else self._fill(surveys[i], pin),
                               range(len(surveys)))
-            for s, sp, got in zip(surveys, spans, filled, strict=True):
+            plans = pool.map(lambda i: planned(i) if spans[i] else None, range(len(surveys)))
+            for s, sp, got, plan in zip(surveys, spans, filled, plans, strict=True):
                 unit = HostUnit(s.name, s.layout, s.bindings, [], None)
                 if sp is not None:
                     unit.spans, unit.reader, unit.survey = sp, self.reader, s
-                    unit.code = file_code(s)
+                    unit.code = unit.disk_code = file_code(s)
+                    unit.planned = plan
                     unit.host_views = on_disk_views(s, unit.code)
                     unit.bind_host()
                 else:
@@ -429,6 +446,7 @@ class HostStorage:
 
     def _spill(self, unit: HostUnit) -> None:
         """Drop ``unit``'s arena: its tensors point at maps of their files again."""
+        unit.code = unit.disk_code  # read from disk as its file holds it
         unit.host_views = on_disk_views(unit.survey, unit.code)
         unit.bind_host()
         self._free(unit.arena)
@@ -461,13 +479,14 @@ class HostStorage:
             self._staging.append(pages)
         self.reader.set_buffers(self._staging, cuda=torch.cuda.is_available())
 
-    def _fill(self, s: UnitSurvey, pin: bool
+    def _fill(self, s: UnitSurvey, pin: bool, planned: UnitCode | None = None
               ) -> tuple[torch.Tensor, int, bool, UnitCode | None]:
         """A filled arena of exactly the unit's bytes (coded, with ``compress``, when that
-        makes it smaller); the bytes allocated; whether pinned; its code.
+        makes it smaller; as ``planned`` when the unit was sized on disk); the bytes
+        allocated; whether pinned; its code.
         """
-        code = file_code(s)
-        if code is not None:  # coded in its file: read as it is, no coding here
+        code = file_code(s) or planned
+        if code is not None:  # coded in its file (read as it is) or as planned
             pages = new_arena(code.nbytes, pin)
             fill_coded(s, code, pages[:code.nbytes])
             pinned = pin and pages.numel() > 0 and register_pages(pages, self._registered)

@@ -147,8 +147,10 @@ class ModelOffloader:
             compress: ``"lossless"``: keep the bfloat16/float16 weights coded in host memory
                 (about 0.7x the bytes, in host memory and over the bus) and decode them on the
                 device as they land, bit for bit (:mod:`shuttle.offload.coded`). Needs
-                ``host="pinned"`` and no ``max_host_bytes``. While inactive, coded weights read
-                as NaN on the host; activate to use them.
+                ``host="pinned"``. With ``max_host_bytes``, the arenas hold units coded (more
+                of them fit) and the units left on disk are read as their files hold them (a
+                file written by ``shuttle compress`` is read coded: fewer bytes from disk).
+                While inactive, coded weights read as NaN on the host; activate to use them.
 
         Raises:
             BlockPathError: a path names nothing, or not a non-empty block list, or two paths
@@ -157,7 +159,7 @@ class ModelOffloader:
                 blocks).
             HostBackingError: a tensor that cannot be kept as ``host`` asks,
                 ``max_host_bytes`` with ``host="adopt"``, or ``compress`` other than
-                ``"lossless"``, with ``host="adopt"`` or with ``max_host_bytes``.
+                ``"lossless"`` or with ``host="adopt"``.
             BudgetTooSmallError: ``max_host_bytes`` cannot hold the units that must stay in
                 host memory plus one staging buffer (the message names that floor).
             OffloadError: an unknown ``host``, a ``max_host_bytes`` that is not an integer
