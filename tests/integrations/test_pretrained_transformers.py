@@ -258,3 +258,34 @@ def test_a_compressed_checkpoint_streams_coded_from_its_file(tmp_path, shard, mo
     assert torch.equal(generate(model), generate(plain))
     handle.remove()
     plain_handle.remove()
+
+
+def test_plain_files_under_a_host_ceiling_stream_with_compress(tmp_path, monkeypatch):
+    """``compress="lossless"`` with ``max_host_bytes`` on plain files: under a ceiling below the
+    plain model's host bytes, the layers kept in host memory are coded, the rest read plain
+    from the files; logits and tokens bit for bit the plain model's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shuttle.kernels import exponent_decode
+
+    monkeypatch.setattr(exponent_decode, "interpreting", lambda: False)  # CPU: the reference
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=128, intermediate_size=512, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64)).to(torch.bfloat16).eval()
+    folder = save(ref, tmp_path / "plain")
+    plain, plain_handle = shuttle_transformers.from_pretrained(
+        folder, torch_dtype=torch.bfloat16, device="cpu", max_host_bytes=2**30)
+    everything = plain_handle.offloaders["model"].storage.host_bytes
+    ceiling = int(0.85 * everything)
+    model, handle = shuttle_transformers.from_pretrained(
+        folder, torch_dtype=torch.bfloat16, device="cpu", max_host_bytes=ceiling,
+        compress="lossless")
+    assert torch.equal(logits(model), logits(plain))
+    assert torch.equal(generate(model), generate(plain))
+    storage = handle.offloaders["model"].storage
+    assert storage.host_bytes <= ceiling
+    assert any(u.code is not None and not u.on_disk for u in storage.groups["model.layers"])
+    handle.remove()
+    plain_handle.remove()
