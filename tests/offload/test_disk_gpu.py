@@ -4,13 +4,13 @@ outputs equal bit for bit to the resident model's.
 The first test runs blocks of real size (16 MiB each, bf16) through every kind of host tier:
 everything but the staging ring on disk, half of it pinned, and staging buffers smaller than a
 block (each load read in several chunks), plain and with ``compress="lossless"`` (the pinned
-units kept coded, decoded on the device beside units read plain from disk). The second makes a race between the reader, the copy
-stream and the compute stream likely rather than lucky (as test_stress_gpu.py does for arenas):
-one side slowed with ``torch.cuda._sleep``, either every block's forward (copies run ahead: a
-copy that does not wait for its slot's last reader overwrites weights in use) or every copy out
-of a staging buffer (reads run ahead: a read that does not wait for the copies out of its buffer
-overwrites bytes still to be copied), 100 steps queued without a host synchronization, inputs
-rotating, each step's output compared at the end.
+units kept coded, decoded on the device beside units read plain from disk). The second makes a
+race between the reader, the copy stream and the compute stream likely rather than lucky (as
+test_stress_gpu.py does for arenas): one side slowed with ``torch.cuda._sleep``, either every
+block's forward (copies run ahead: a copy that does not wait for its slot's last reader
+overwrites weights in use) or every copy out of a staging buffer (reads run ahead: a read that
+does not wait for the copies out of its buffer overwrites bytes still to be copied), 100 steps
+queued without a host synchronization, inputs rotating, each step's output compared at the end.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from torch import nn
 import shuttle
 from shuttle import ModelCache, ModelSpec, StreamConfig
 from shuttle.offload import ModelOffloader
-from shuttle.offload.host_storage import HostUnit
+from shuttle.offload.host_unit import HostUnit
 
 pytestmark = pytest.mark.gpu
 

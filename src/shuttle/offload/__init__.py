@@ -1,7 +1,8 @@
 """Host storage, whole-model and block-streamed device residency, activation lifecycle."""
 
 from shuttle.offload.adapters import ActivationAdapters
-from shuttle.offload.host_storage import HostNeeds, HostStorage, HostUnit, Layout
+from shuttle.offload.host_storage import HostNeeds, HostStorage, Layout
+from shuttle.offload.host_unit import HostUnit
 from shuttle.offload.layer_streamer import LayerStreamer
 from shuttle.offload.offloader import CPU_COPY_ENV, ModelOffloader
 from shuttle.offload.residency import (

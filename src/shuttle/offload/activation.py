@@ -12,7 +12,8 @@ import torch
 from shuttle.offload.adapters import ActivationAdapters
 from shuttle.offload.coded import Decoder
 from shuttle.offload.compiled import BlockCompiler
-from shuttle.offload.host_storage import HostStorage, HostUnit, Layout
+from shuttle.offload.host_storage import HostStorage, Layout
+from shuttle.offload.host_unit import HostUnit
 from shuttle.offload.layer_streamer import LayerStreamer
 from shuttle.offload.residency import ResidencyPlan
 from shuttle.offload.slots import SlotPool

@@ -43,7 +43,8 @@ from shuttle.apply.plan import AdapterList, Contribution, Mode, plan_params
 from shuttle.apply.rounding import merge_seeds
 from shuttle.errors import OffloadError, UnsupportedLayerError
 from shuttle.hooks import add_hook, substituted
-from shuttle.offload.host_storage import HostStorage, HostUnit
+from shuttle.offload.host_storage import HostStorage
+from shuttle.offload.host_unit import HostUnit
 from shuttle.targets import KeyMapping, fused_modules
 from shuttle.weights.plain import is_plain_tensor
 

@@ -40,7 +40,7 @@ import torch
 
 from shuttle.errors import CheckpointRequiredError
 from shuttle.hooks import HookGroup
-from shuttle.offload.host_storage import HostUnit
+from shuttle.offload.host_unit import HostUnit
 from shuttle.offload.slots import SlotPool
 from shuttle.offload.streamer import SlotGuard, SlotHook, in_backward, outer_saved_hooks
 

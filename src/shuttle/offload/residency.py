@@ -32,7 +32,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from shuttle.errors import BudgetTooSmallError, OffloadError
 from shuttle.offload.disk_reader import IO_ALIGN
-from shuttle.offload.host_storage import HostStorage, HostUnit
+from shuttle.offload.host_storage import HostStorage
+from shuttle.offload.host_unit import HostUnit
 from shuttle.offload.spill import MIN_STAGING, staging_floor
 
 __all__ = ["ResidencyPlan", "ResidencyPolicy", "RingOnlyResidency", "SpreadResidency",

@@ -43,7 +43,8 @@ import torch
 
 from shuttle.offload.coded import Decoder
 from shuttle.offload.disk_reader import DiskLoad, DiskReader
-from shuttle.offload.host_storage import HostUnit, Layout
+from shuttle.offload.host_unit import HostUnit
+from shuttle.offload.layout import Layout
 
 __all__ = ["SlotPool"]
 

@@ -54,7 +54,7 @@ import torch
 
 from shuttle.errors import ActivationError, CheckpointRequiredError
 from shuttle.hooks import HookGroup, ModuleHook
-from shuttle.offload.host_storage import HostUnit
+from shuttle.offload.host_unit import HostUnit
 from shuttle.offload.slots import SlotPool
 
 __all__ = ["BlockStreamer", "SlotGuard", "SlotHook", "Streamer", "in_backward",

@@ -29,7 +29,8 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from shuttle.errors import PendingGradientError, StreamModeError
-from shuttle.offload.host_storage import HostStorage, HostUnit
+from shuttle.offload.host_storage import HostStorage
+from shuttle.offload.host_unit import HostUnit
 from shuttle.offload.slots import SlotPool
 from shuttle.offload.streamer import Streamer
 from shuttle.weights.dtensor import is_dtensor
