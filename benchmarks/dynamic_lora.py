@@ -12,7 +12,9 @@ Per shape (tokens T, in K, out N, rank r), bf16 with bias:
     auto      quality="auto", the default: the tier chooser's measured pick per shape
     floor     max(extra bytes / copy bandwidth, extra FLOPs / GEMM rate) over the base time,
               with the ceilings of h200-limits.md (4213 GB/s read+write, 780 TFLOP/s)
-Then a whole small DiT forward (LoRA on every linear): merged vs each tier.
+Then a whole small DiT forward (LoRA on every linear): merged vs each tier, eagerly, in a CUDA
+graph, and the host's time to issue one forward (above the graph's time, the eager forward is
+bound by the host), with the tier chooser's measurements and picks at its layers' shapes.
 Every variant is timed three ways: eager (one call from an idle GPU, host time included), eager
 in bursts (BURST calls back to back between two events, per call: what a model's forward does,
 the host launching ahead while the GPU works; what the tier chooser measures) and captured in a
@@ -24,6 +26,7 @@ Writes docs/benchmarks/dynamic_lora.{json,md} after every shape (a cut-off run k
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -187,13 +190,26 @@ def bench_dit(rounds: int) -> dict:
     with torch.no_grad():
         timings = harness.interleaved({q: (lambda i, m=m: m(xs[i % 2])) for q, m in
                                        models.items()}, rounds=rounds, warmup=3)
+        # the host's part: time to issue one forward from an idle GPU (no sync inside it)
+        host = harness.interleaved({q: (lambda i, m=m: m(xs[i % 2])) for q, m in
+                                    models.items()}, rounds=rounds, warmup=3, timer=_host_ms)
         graphs = {q: [_graphed(lambda m=m, x=x: m(x)) for x in xs] for q, m in models.items()}
         graph = harness.interleaved({q: (lambda i, g=g: g[i % 2].replay()) for q, g in
                                      graphs.items()}, rounds=rounds, warmup=3)
     for h in handles:
         h.detach()
     return {"config": dims, "tokens": 4096, "rank": 64, "timings": timings,
-            "graph_timings": graph, "picks": chooser_picks(rows=4096)}
+            "graph_timings": graph, "host_timings": host, "picks": chooser_picks(rows=4096)}
+
+
+def _host_ms(name: str, fn, i: int) -> float:
+    """Milliseconds the host takes to issue ``fn(i)`` (what it queues runs on meanwhile)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn(i)
+    ms = (time.perf_counter() - start) * 1e3
+    torch.cuda.synchronize()
+    return ms
 
 
 def chooser_picks(rows: int) -> list[dict]:
@@ -241,7 +257,8 @@ def write(rows: dict, dit: dict | None) -> None:
              "fused: Triton's kernels; cute: the CuTe-DSL GEMM; auto: the default's pick.")
     if dit:
         lines = []
-        for label, t in (("eager", dit["timings"]), ("CUDA graph", dit.get("graph_timings"))):
+        for label, t in (("eager", dit["timings"]), ("CUDA graph", dit.get("graph_timings")),
+                         ("host time to issue it", dit.get("host_timings"))):
             if not t:
                 continue
             m = t["merged"]["median_ms"]
