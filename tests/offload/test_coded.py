@@ -117,6 +117,23 @@ def test_the_plan_counts_the_staging_buffer(cpu_copy):
         off.plan_for(StreamConfig(prefetch=0, vram_budget=floor - 1))
 
 
+def test_a_budget_that_one_staging_buffer_fits_names_that_fix(cpu_copy, monkeypatch):
+    """Below the floor with the decode stream's two staging buffers but not with one: the
+    refusal names both floors and SHUTTLE_DECODE_STREAM=0, which then plans that budget."""
+    monkeypatch.delenv(DECODE_STREAM_ENV, raising=False)
+    _, off = captured()
+    unit = off.storage.stage_unit_bytes
+    two = floor_bytes(off.storage)
+    budget = two - unit // 2
+    with pytest.raises(BudgetTooSmallError) as e:
+        off.plan_for(StreamConfig(prefetch=0, vram_budget=budget))
+    msg = str(e.value)
+    assert f"floor of {two} bytes" in msg and f"{2 * unit} bytes of staging" in msg
+    assert f"SHUTTLE_DECODE_STREAM=0 (one staging buffer: a floor of {two - unit} bytes" in msg
+    monkeypatch.setenv(DECODE_STREAM_ENV, "0")
+    assert off.plan_for(StreamConfig(prefetch=0, vram_budget=budget)).device_bytes <= budget
+
+
 def test_the_decode_stream_is_on_by_default_and_stages_in_two_buffers(cpu_copy, monkeypatch):
     """By default the plan counts two staging buffers (one fills while the other decodes on
     the decode stream); ``SHUTTLE_DECODE_STREAM=0`` counts one; outputs stay the resident

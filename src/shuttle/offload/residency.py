@@ -435,7 +435,7 @@ def _spread_plan(storage: HostStorage, config: StreamConfig, grow: bool) -> Resi
                     config.prefetch, _spread(r, n_layers) if r else ())
     budget, res = config.vram_budget - config.activation_bytes, dict(none)
     if cost(res, 0) > budget:
-        raise BudgetTooSmallError(_below_floor(config, rest, cost(res, 0), n_layers))
+        raise BudgetTooSmallError(_below_floor(config, storage, rest, cost(res, 0), n_layers))
     p = next(q for q in range(config.prefetch, -1, -1) if cost(res, q) <= budget)
     if not grow:
         return plan(res, p, ())
@@ -455,17 +455,23 @@ def _spread_plan(storage: HostStorage, config: StreamConfig, grow: bool) -> Resi
     return plan(res, p, keep)
 
 
-def _below_floor(config: StreamConfig, rest: int, weights: int, n_layers: int) -> str:
+def _below_floor(config: StreamConfig, storage: HostStorage, rest: int, weights: int,
+                 n_layers: int) -> str:
     """The message of a budget below the floor: the floor in bytes and what it is made of."""
     floor = weights + config.activation_bytes
     what = " and of the largest layer" if n_layers else ""
     acts = (f" + {config.activation_bytes} bytes kept for activations (activation_bytes)"
             if config.activation_bytes else "")
+    stage, unit = storage.stage_bytes, storage.stage_unit_bytes
+    coded = (f" + {stage} bytes of staging for coded weights ({stage // unit} buffer(s) of the "
+             "largest coded unit)" if stage else "")
+    fix = (f"; or decode on the copy stream with SHUTTLE_DECODE_STREAM=0 (one staging buffer: "
+           f"a floor of {floor - (stage - unit)} bytes, a slower step)" if stage > unit else "")
     return (f"vram_budget={config.vram_budget} bytes is below this model's floor of {floor} "
-            f"bytes: {rest} bytes of non-block weights (and the staging of coded weights) + "
-            f"{weights - rest} bytes for one slot "
-            f"of each block group's largest block{what}{acts}; give at least {floor} bytes, "
-            "or list more of the model under block paths (smaller units lower the floor)")
+            f"bytes: {rest - stage} bytes of non-block weights{coded} + {weights - rest} bytes "
+            f"for one slot of each block group's largest block{what}{acts}; give at least "
+            f"{floor} bytes, or list more of the model under block paths (smaller units lower "
+            f"the floor){fix}")
 
 
 def check_given_plan(plan: ResidencyPlan, stream: StreamConfig | None,
