@@ -215,6 +215,20 @@ def test_a_host_budget_far_below_the_model_reads_the_rest_from_disk(tmp_path, mo
     handle.remove()
 
 
+def coded_llama(monkeypatch, layers: int):
+    """A small bf16 Llama (seeded) whose coded weights decode on the CPU by the reference."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shuttle.kernels import exponent_decode
+
+    monkeypatch.setattr(exponent_decode, "interpreting", lambda: False)  # CPU: the reference
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=128, intermediate_size=512, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64)).to(torch.bfloat16).eval()
+
+
 @pytest.mark.parametrize("shard", [None, "200KB"])
 def test_a_compressed_checkpoint_streams_coded_from_its_file(tmp_path, shard, monkeypatch):
     """``shuttle compress`` on each weight file; the model is built from the coded files, its
@@ -222,18 +236,10 @@ def test_a_compressed_checkpoint_streams_coded_from_its_file(tmp_path, shard, mo
     built from the plain files (a bf16 build keeps its rotary tables as the library makes them,
     which a cast of the saved model does not).
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from shuttle.kernels import exponent_decode
     from shuttle.weights import lossless
     from shuttle.weights.lossless_file import compress_file
 
-    monkeypatch.setattr(exponent_decode, "interpreting", lambda: False)  # CPU: the reference
-    torch.manual_seed(0)
-    ref = LlamaForCausalLM(LlamaConfig(
-        vocab_size=64, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=64)).to(torch.bfloat16).eval()
+    ref = coded_llama(monkeypatch, layers=2)
     folder = save(ref, tmp_path / "plain", **({"max_shard_size": shard} if shard else {}))
     coded = tmp_path / "coded"
     coded.mkdir()
@@ -264,16 +270,7 @@ def test_plain_files_under_a_host_ceiling_stream_with_compress(tmp_path, monkeyp
     """``compress="lossless"`` with ``max_host_bytes`` on plain files: under a ceiling below the
     plain model's host bytes, the layers kept in host memory are coded, the rest read plain
     from the files; logits and tokens bit for bit the plain model's."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from shuttle.kernels import exponent_decode
-
-    monkeypatch.setattr(exponent_decode, "interpreting", lambda: False)  # CPU: the reference
-    torch.manual_seed(0)
-    ref = LlamaForCausalLM(LlamaConfig(
-        vocab_size=64, hidden_size=128, intermediate_size=512, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=64)).to(torch.bfloat16).eval()
+    ref = coded_llama(monkeypatch, layers=3)
     folder = save(ref, tmp_path / "plain")
     plain, plain_handle = shuttle_transformers.from_pretrained(
         folder, torch_dtype=torch.bfloat16, device="cpu", max_host_bytes=2**30)
