@@ -226,10 +226,6 @@ def code_arena(layout: Layout, arena: torch.Tensor, eligible: Sequence[bool],
     reps: list[LosslessTensor | None] = [
         LosslessTensor.encode_host(v) if ok and v.dtype in CODED_DTYPES else None
         for v, ok in zip(views, eligible, strict=True)]
-    # kept only where smaller than the raw bytes (the coder's own test is a bound on that;
-    # plan_code sizes by the same rule)
-    reps = [r if r is not None and r.blob.numel() < v.numel() * v.element_size() else None
-            for r, v in zip(reps, views, strict=True)]
     if all(r is None for r in reps):
         return None
     code = _pack(layout, reps)
