@@ -24,12 +24,15 @@ def _key(rows=128):
 
 def _ranked(order, calls=None):
     """A measure ranking candidates by their place in ``order`` (first: fastest), the same
-    eagerly and in graphs unless ``order`` is a dict {graphs: order}."""
-    def measure(fn, graphs):
+    eagerly and in graphs unless ``order`` is a dict {graphs: order}; every candidate costs
+    the host the same."""
+    def measure(fn, mode):
         name = fn.name
         if calls is not None:
-            calls.append((name, graphs))
-        ranks = order[graphs] if isinstance(order, dict) else order
+            calls.append((name, mode))
+        if mode == "host":
+            return 0.0
+        ranks = order[mode == "graphs"] if isinstance(order, dict) else order
         return float(ranks.index(name))
     return measure
 
@@ -55,8 +58,9 @@ def test_the_fastest_candidate_wins_per_mode_and_is_measured_once():
     cands = _named(lossless=_noop(), fused=_noop())
     assert chooser.choose(_key(), cands) == "fused"
     assert chooser.choose(_key(), cands, graphs=True) == "lossless"
-    assert sorted(calls) == [("fused", False), ("fused", True), ("lossless", False),
-                             ("lossless", True)]
+    assert sorted(calls) == [("fused", "eager"), ("fused", "graphs"), ("fused", "host"),
+                             ("lossless", "eager"), ("lossless", "graphs"),
+                             ("lossless", "host")]
     assert chooser.known(_key(), graphs=False) == "fused"
     assert chooser.known(_key(256), graphs=False) is None  # another row bucket
     chooser.clear()
@@ -66,18 +70,42 @@ def test_the_fastest_candidate_wins_per_mode_and_is_measured_once():
 def test_lossless_wins_ties_and_near_ties_and_a_failing_candidate_is_dropped():
     from shuttle.apply.tier import MARGIN
 
-    chooser = TierChooser(lambda fn, graphs: 1.0)
+    chooser = TierChooser(lambda fn, mode: 1.0)
     assert chooser.choose(_key(), _named(fused=_noop(), lossless=_noop())) == "lossless"
     for fused, want in ((1 - MARGIN / 2, "lossless"), (1 - 2 * MARGIN, "fused")):
-        chooser = TierChooser(lambda fn, graphs, f=fused: f if fn.name == "fused" else 1.0)
+        chooser = TierChooser(lambda fn, mode, f=fused: f if fn.name == "fused" else 1.0)
         assert chooser.choose(_key(), _named(fused=_noop(), lossless=_noop())) == want
 
     def broken():
         raise RuntimeError("cannot launch")
-    chooser = TierChooser(lambda fn, graphs: fn() or 0.0)
+    chooser = TierChooser(lambda fn, mode: fn() or 0.0)
     assert chooser.choose(_key(), {"fused_cute": broken, "lossless": _noop()}) == "lossless"
+    assert set(chooser.choices[_key()].host) == {"lossless"}  # dropped in every mode
     with pytest.raises(RuntimeError, match="cannot launch"):
-        TierChooser(lambda fn, graphs: fn() or 0.0).choose(_key(), {"lossless": broken})
+        TierChooser(lambda fn, mode: fn() or 0.0).choose(_key(), {"lossless": broken})
+
+
+@pytest.mark.parametrize(("host_us", "eager_pick"), [
+    (60.0, "fused_cute"),   # no more host time than lossless's: the faster burst wins
+    (62.5, "fused_cute"),   # within MARGIN (3%) of lossless's 100 us call
+    (63.5, "fused"),        # beyond it: the next fastest that the host can afford
+])
+def test_eagerly_a_candidate_costing_the_host_more_than_lossless_is_not_picked(host_us,
+                                                                              eager_pick):
+    """A burst of one layer hides a slow launcher under the layer's own GPU time; in a
+    forward bound by the host it would not be hidden: eagerly, only candidates whose host
+    time is within MARGIN of lossless's call compete. In graphs the host does not count."""
+    us = {"eager": {"lossless": 100, "fused": 90, "fused_cute": 70},
+          "graphs": {"lossless": 100, "fused": 90, "fused_cute": 70},
+          "host": {"lossless": 60, "fused": 40, "fused_cute": host_us}}
+    chooser = TierChooser(lambda fn, mode: us[mode][fn.name] * 1e-6)
+    cands = _named(lossless=_noop(), fused=_noop(), fused_cute=_noop())
+    assert chooser.choose(_key(), cands) == eager_pick
+    assert chooser.known(_key(), graphs=True) == "fused_cute"
+    # nothing else under the host's bar: lossless
+    us["host"]["fused"] = 100
+    chooser.clear()
+    assert chooser.choose(_key(), cands) == ("fused_cute" if host_us <= 62.5 else "lossless")
 
 
 @pytest.mark.parametrize(("rows", "bucket"), [(1, 1), (2, 2), (3, 4), (64, 64), (65, 128),
@@ -119,9 +147,9 @@ def test_auto_runs_the_measured_fastest_and_layers_of_one_shape_share_it(monkeyp
     calls = []
     order = [fastest, "lossless" if fastest == "fused" else "fused"]
 
-    def measure(fn, graphs):
-        calls.append(graphs)
-        return float(order.index(names[fn]))
+    def measure(fn, mode):
+        calls.append(mode)
+        return 0.0 if mode == "host" else float(order.index(names[fn]))
     names: dict = {}
 
     chooser = TierChooser(measure, devices=("cuda", "cpu"))
@@ -142,14 +170,14 @@ def test_auto_runs_the_measured_fastest_and_layers_of_one_shape_share_it(monkeyp
                                 quality="lossless" if fastest == "fused" else "fused"):
             other = m(x)
     assert torch.equal(got, want) and not torch.equal(got, other)
-    # one key for both layers: two candidates, each timed eagerly and in graphs, once
-    assert len(chooser.choices) == 1 and len(calls) == 4
+    # one key for both layers: two candidates, each measured in every mode, once
+    assert len(chooser.choices) == 1 and len(calls) == 6
 
 
 @pytest.mark.skipif(not triton_available(), reason="the fused tier needs triton")
 def test_a_layer_keeps_its_pick_until_the_chooser_forgets(monkeypatch):
     calls = []
-    chooser = TierChooser(lambda fn, graphs: calls.append(graphs) or 1.0, devices=("cuda", "cpu"))
+    chooser = TierChooser(lambda fn, mode: calls.append(mode) or 1.0, devices=("cuda", "cpu"))
     monkeypatch.setattr(dynamic_layer, "TIERS", chooser)
     m, sd, x = _model()
     with torch.no_grad(), shuttle.apply_lora(m, [(sd, 0.8)], mode="dynamic"):
@@ -159,10 +187,10 @@ def test_a_layer_keeps_its_pick_until_the_chooser_forgets(monkeypatch):
         m(x)
         m(x[:90])  # 90 rows: the same power-of-two bucket as 100
         chooser.known = known
-        assert len(calls) == 4
+        assert len(calls) == 6
         chooser.clear()
         m(x)
-        assert len(calls) == 8  # measured again
+        assert len(calls) == 12  # measured again
 
 
 @pytest.mark.skipif(not triton_available(), reason="the fused tier needs triton")
@@ -192,6 +220,7 @@ def test_gpu_auto_measures_and_captures_in_a_graph():
         eager = m(x)
         (key, choice), = TIERS.choices.items()
         assert set(choice.eager) >= {"lossless", "fused"} and key.rows == 128
+        assert set(choice.host) == set(choice.eager) and all(t > 0 for t in choice.host.values())
         graph = torch.cuda.CUDAGraph()
         static_x = x.clone()
         side = torch.cuda.Stream()
@@ -216,15 +245,18 @@ def test_gpu_auto_measures_and_captures_in_a_graph():
     assert eager.shape == out.shape
 
 
-def test_off_cuda_a_call_is_timed_by_the_clock_and_never_in_graphs():
+@pytest.mark.parametrize("mode", ["eager", "host"])
+def test_off_cuda_a_call_is_timed_by_the_clock_and_never_in_graphs(mode):
     from shuttle.apply import tier
 
     calls = []
-    seconds = tier.measure_call(lambda: calls.append(1), False)
+    seconds = tier.measure_call(lambda: calls.append(1), mode)
     assert 0 < seconds < 1
     assert len(calls) == tier._WARMUP + tier._REPEATS * tier._BURST
     if not torch.cuda.is_available():
-        assert tier.measure_call(lambda: None, True) == float("inf")
+        assert tier.measure_call(lambda: None, "graphs") == float("inf")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        tier.measure_call(lambda: None, "graph")
 
 
 @pytest.mark.gpu

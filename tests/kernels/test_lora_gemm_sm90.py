@@ -55,6 +55,18 @@ def test_the_bias_is_read_only_when_the_layer_has_one(ptx_of):
     assert not re.search(r"\bld\.global[.\w]*", without)
 
 
+@needs_dsl
+def test_compiles_for_a_tvm_ffi_launch_on_the_cpu():
+    """The launch path the hopper extra takes (apache-tvm-ffi installed) compiles on the CPU:
+    its C function only exists where a GPU loads the program."""
+    from shuttle.kernels.lora_linear_cute import TVM_FFI_OPTION, tvm_ffi_installed
+
+    if not tvm_ffi_installed():
+        pytest.skip("apache-tvm-ffi not installed")
+    compiled = compile_lora_gemm(BF16, CUTE_TILES[0], True, 132, TVM_FFI_OPTION)
+    assert hasattr(compiled, "__tvm_ffi_object__")
+
+
 def test_a_missing_dsl_names_the_extra(monkeypatch):
     import sys
 

@@ -97,3 +97,31 @@ def test_gpu_prepared_cute_layer_agrees_with_triton():
     assert cute.usable and cute.cute and triton.usable and not triton.cute
     with torch.no_grad():
         _assert_one_ulp(cute(x, scale), triton(x, scale))
+
+
+@pytest.mark.gpu
+@needs_dsl
+def test_gpu_tvm_ffi_launch_equals_the_dsl_launcher(monkeypatch):
+    """Where apache-tvm-ffi is installed the kernel launches through its C function (integer
+    addresses, the stream's handle); the DSL's own launcher gives the same bits, also on a side
+    stream (the launch takes the current stream)."""
+    from shuttle.kernels import lora_linear_cute
+
+    if not cute_available():
+        pytest.skip("needs an sm_90 GPU")
+    if not lora_linear_cute.tvm_ffi_installed():
+        pytest.skip("needs apache-tvm-ffi (the hopper extra)")
+    x, w, bias, down, up, scale = _layer(4096, 1536, 1536, 64, BF16, BF16, device="cuda")
+    s = ((x.float() @ down.float().T) * scale).to(BF16)
+    ffi = CuteLoraGemm(w, up, True)
+    monkeypatch.setattr(lora_linear_cute, "tvm_ffi_installed", lambda: False)
+    dsl_launch = CuteLoraGemm(w, up, True)
+    assert ffi._ffi is not None and dsl_launch._ffi is None
+    want = dsl_launch(x, w, bias, s, torch.empty(4096, 1536, dtype=BF16, device="cuda"))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        got = ffi(x, w, bias, s, torch.full((4096, 1536), float("nan"), dtype=BF16,
+                                            device="cuda"))
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(got, want)

@@ -10,18 +10,25 @@ implementations measured fastest for that layer's shape on that device:
 
 Which is fastest depends on the shape (fused saves a pass over the output; its launches cost
 host time), on the device, and on how the model runs: eagerly a layer's host time can exceed
-its GPU time, under CUDA graphs only GPU time counts. So each candidate is timed both ways, the
-first time a (device, dtype, row bucket, N, K, R, bias) key is seen, on the call's own input:
+its GPU time, under CUDA graphs only GPU time counts. So each candidate is measured three ways,
+the first time a (device, dtype, row bucket, N, K, R, bias) key is seen, on the call's own
+input:
 
     eager    CUDA events around a burst of back-to-back calls (the host issuing them is part of
              the measurement: if it cannot keep up, the GPU idles and the events see it)
     graphs   the same burst captured once in a CUDA graph and replayed (GPU time alone)
+    host     the clock around the burst's issue alone (the host's time per call)
 
 and the forward asks for the eager choice, or for the graphs choice while a CUDA graph is being
-captured. A key's measurement is cached for the process (:data:`TIERS`); lossless wins unless
-another implementation is faster by more than :data:`MARGIN`, and stands in wherever nothing was
-measured (off CUDA, under ``torch.compile``, while autograd records, or for a first call made
-during a capture, when nothing can be timed).
+captured. The graphs choice is the fastest replay. The eager choice is the fastest burst among
+the candidates whose host time is no more than lossless's (within :data:`MARGIN` of lossless's
+call): a burst of one layer lets a slow launcher hide under the layer's own GPU time, but in a
+model whose forward is bound by the host (many small layers, or a small batch) every extra
+microsecond of host time is a microsecond of the forward. A key's measurement is cached for the
+process (:data:`TIERS`); lossless wins unless another implementation is faster by more than
+:data:`MARGIN`, and stands in wherever nothing was measured (off CUDA, under
+``torch.compile``, while autograd records, or for a first call made during a capture, when
+nothing can be timed).
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["MARGIN", "TIERS", "TierChoice", "TierChooser", "TierKey", "row_bucket"]
+__all__ = ["MARGIN", "MODES", "TIERS", "TierChoice", "TierChooser", "TierKey", "row_bucket"]
 
 # The implementations a Linear update can run by, in the order ties are broken.
 IMPLEMENTATIONS: tuple[str, ...] = ("lossless", "fused", "fused_cute")
@@ -41,6 +48,8 @@ IMPLEMENTATIONS: tuple[str, ...] = ("lossless", "fused", "fused_cute")
 # Another implementation replaces lossless only when it is this much faster (a relative
 # margin above the run-to-run spread of the bursts' medians).
 MARGIN = 0.03
+# What a candidate is measured by (the module docstring): seconds per call each.
+MODES: tuple[str, ...] = ("eager", "graphs", "host")
 _WARMUP = 3
 _BURST = 10
 _REPEATS = 5
@@ -61,18 +70,26 @@ class TierKey:
 
 @dataclasses.dataclass(frozen=True)
 class TierChoice:
-    """A key's measurement: seconds per call of each candidate, eagerly and in graphs (inf:
-    could not run that way), and the fastest of each.
+    """A key's measurement: seconds per call of each candidate eagerly, in graphs (inf: could
+    not run that way) and of host time (empty where it was not measured), and the fastest.
     """
 
     eager: dict[str, float]
     graphs: dict[str, float]
+    host: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def best(self, graphs: bool) -> str:
         """The fastest candidate; lossless unless another beats it by more than
-        :data:`MARGIN` (timing noise must not make the default slower than lossless).
+        :data:`MARGIN` (timing noise must not make the default slower than lossless), and
+        eagerly only among candidates that cost the host no more than lossless does.
         """
         times = self.graphs if graphs else self.eager
+        if not graphs and "lossless" in self.host:
+            # The host time lossless's call may grow by without the choice being a gamble
+            # on the model's GPU keeping the host's extra time hidden.
+            allowed = self.host["lossless"] + MARGIN * times["lossless"]
+            times = {name: t for name, t in times.items()
+                     if name == "lossless" or self.host.get(name, float("inf")) <= allowed}
         # min over the candidates in IMPLEMENTATIONS order: the first of equals wins
         fastest = min(times, key=lambda name: (times[name], IMPLEMENTATIONS.index(name)))
         if "lossless" in times and times[fastest] > times["lossless"] * (1 - MARGIN):
@@ -85,16 +102,22 @@ def row_bucket(rows: int) -> int:
     return 1 << max(0, rows - 1).bit_length()
 
 
-Measure = Callable[[Callable[[], object], bool], float]
+Measure = Callable[[Callable[[], object], str], float]
 
 
-def measure_call(fn: Callable[[], object], graphs: bool) -> float:
-    """Seconds per call of ``fn``: the median of several bursts of back-to-back calls, timed by
-    CUDA events on a CUDA device (eagerly or replayed from a captured graph) and by the clock
-    off CUDA (where there are no graphs: inf).
+def measure_call(fn: Callable[[], object], mode: str) -> float:
+    """Seconds per call of ``fn`` in ``mode`` (one of :data:`MODES`): the median of several
+    bursts of back-to-back calls, timed by CUDA events on a CUDA device (eagerly or replayed
+    from a captured graph), by the clock around the burst's issue for ``"host"``, and by the
+    clock off CUDA (where there are no graphs: inf).
     """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+    graphs = mode == "graphs"
     for _ in range(_WARMUP):
         fn()
+    if mode == "host":
+        return _host_seconds(fn)
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         if graphs:
             return float("inf")
@@ -136,6 +159,24 @@ def measure_call(fn: Callable[[], object], graphs: bool) -> float:
     return statistics.median(samples)
 
 
+def _host_seconds(fn: Callable[[], object]) -> float:
+    """The host's seconds per call of ``fn``: the clock around a burst's issue, the device
+    drained before each burst (a launch never waits for a full queue), the median of several.
+    """
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    samples = []
+    for _ in range(_REPEATS):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(_BURST):
+            fn()
+        samples.append((time.perf_counter() - start) / _BURST)
+    if cuda:
+        torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
 _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
@@ -155,8 +196,8 @@ class TierChooser:
     """Measurements per :class:`TierKey`, taken once each (see the module docstring).
 
     Args:
-        measure: ``measure(fn, graphs) -> seconds per call``; :func:`measure_call` by default
-            (tests pass their own).
+        measure: ``measure(fn, mode) -> seconds per call``, ``mode`` one of :data:`MODES`;
+            :func:`measure_call` by default (tests pass their own).
         devices: the device types whose calls are measured; elsewhere the forward runs
             lossless without measuring (off CUDA the fused kernels are Triton's interpreter,
             there for tests, never the faster one).
@@ -174,20 +215,23 @@ class TierChooser:
         """The fastest of ``candidates`` (name -> a call running that implementation on the
         layer's input) for ``key``, measuring them if ``key`` was not measured yet.
 
-        Candidates are measured eagerly and in graphs; a candidate that raises is dropped.
-        Only "lossless" is never dropped: it is what the forward runs without a measurement.
+        Candidates are measured in every mode of :data:`MODES`; a candidate that raises is
+        dropped. Only "lossless" is never dropped: it is what the forward runs without a
+        measurement.
         """
         choice = self.choices.get(key)
         if choice is None:
-            eager, in_graphs = {}, {}
+            times: dict[str, dict[str, float]] = {mode: {} for mode in MODES}
             for name, fn in candidates.items():
                 try:
-                    eager[name] = self.measure(fn, False)
-                    in_graphs[name] = self.measure(fn, True)
+                    measured = {mode: self.measure(fn, mode) for mode in MODES}
                 except Exception:
                     if name == "lossless":
                         raise
-            choice = self.choices[key] = TierChoice(eager, in_graphs)
+                    continue
+                for mode, seconds in measured.items():
+                    times[mode][name] = seconds
+            choice = self.choices[key] = TierChoice(**times)
         return choice.best(graphs)
 
     def known(self, key: TierKey, *, graphs: bool) -> str | None:

@@ -1,7 +1,10 @@
 """The fused LoRA linear's second kernel as the CuTe-DSL Hopper GEMM, for one layer.
 
 :class:`CuteLoraGemm` launches :mod:`shuttle.kernels.lora_gemm_sm90`'s compiled program with raw
-pointers and sizes (no per-call layout checks or DLPack conversion);
+pointers and sizes (no per-call layout checks or DLPack conversion), through Apache TVM FFI's C
+calling convention where ``apache-tvm-ffi`` is installed (the ``hopper`` extra brings it: the
+DSL's own Python launcher converts every argument in Python, which costs an eager model more
+host time per layer than the GEMM saves on the GPU);
 :class:`~shuttle.kernels.lora_linear_tma.PreparedLoraLinear` runs it after the Triton shrink.
 :func:`cute_available` says whether the DSL (``pip install "shuttle[hopper]"``) can be imported
 and the device is a Hopper (sm_90) GPU; the Triton kernels serve everywhere else.
@@ -11,6 +14,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -23,7 +28,7 @@ from shuttle.kernels.lora_gemm_sm90 import (
     numeric,
 )
 
-__all__ = ["CuteLoraGemm", "cute_available", "cute_installed"]
+__all__ = ["CuteLoraGemm", "cute_available", "cute_installed", "tvm_ffi_installed"]
 
 
 def cute_installed() -> bool:
@@ -84,7 +89,11 @@ class CuteLoraGemm:
         self._bias_of: tuple = ()  # (data_ptr, version) of the bias copied into self._bias
         self._fixed: tuple | None = None  # (weight address, its, B's and the bias's pointers)
         sms = torch.cuda.get_device_properties(weight.device).multi_processor_count
-        self._compiled = compile_lora_gemm(weight.dtype, tile, has_bias, sms)
+        # With TVM FFI the program is a C function taking addresses, sizes and the stream
+        # handle as Python ints (no DSL pointer objects, no Python-side argument packing).
+        self._ffi = _ffi_function(weight.dtype, tile, has_bias, sms)
+        self._compiled = None if self._ffi is not None else compile_lora_gemm(
+            weight.dtype, tile, has_bias, sms)
         d = dsl()
         self._elem, self._f32 = numeric(weight.dtype), d.cutlass.Float32
         self._ptr = functools.partial(d.make_ptr, mem_space=d.cute.AddressSpace.gmem,
@@ -121,6 +130,12 @@ class CuteLoraGemm:
             if not seen or seen != self._bias_of:
                 self._bias[:n].copy_(bias)
                 self._bias_of = seen
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        if self._ffi is not None:
+            bias_addr = self._bias.data_ptr() if self._bias is not None else self.up.data_ptr()
+            self._ffi(x.data_ptr(), weight.data_ptr(), s.data_ptr(), self.up.data_ptr(),
+                      bias_addr, out.data_ptr(), x.shape[0], n, k, r, stream)
+            return out
         # The fixed operands' pointers are made once (a DSL pointer costs microseconds of host
         # time), again when the weight's storage moves (an offloaded layer's slot).
         if self._fixed is None or self._fixed[0] != weight.data_ptr():
@@ -130,6 +145,28 @@ class CuteLoraGemm:
         _, w_ptr, u_ptr, bias_ptr = self._fixed
         self._compiled(
             ptr(elem, x.data_ptr()), w_ptr, ptr(elem, s.data_ptr()), u_ptr, bias_ptr,
-            ptr(elem, out.data_ptr()), x.shape[0], n, k, r,
-            self._stream_type(torch.cuda.current_stream(x.device).cuda_stream))
+            ptr(elem, out.data_ptr()), x.shape[0], n, k, r, self._stream_type(stream))
         return out
+
+
+TVM_FFI_OPTION = "--enable-tvm-ffi"
+
+
+def tvm_ffi_installed() -> bool:
+    """Whether Apache TVM FFI (``apache-tvm-ffi``, in the ``hopper`` extra) is installed: the
+    CuTe kernel is then compiled with ``--enable-tvm-ffi`` and launched through it.
+    """
+    return importlib.util.find_spec("tvm_ffi") is not None
+
+
+def _ffi_function(dtype: torch.dtype, tile: CuteTile, has_bias: bool,
+                  sms: int) -> Callable[..., Any] | None:
+    """The C-level TVM FFI function of the program compiled with :data:`TVM_FFI_OPTION` (it
+    takes pointers as integer addresses and the stream as its integer handle), or None where
+    TVM FFI is not installed or gives no function (then the DSL's own launcher serves).
+    """
+    if not tvm_ffi_installed():
+        return None
+    compiled = compile_lora_gemm(dtype, tile, has_bias, sms, options=TVM_FFI_OPTION)
+    get = getattr(compiled, "__tvm_ffi_object__", None)
+    return get() if get is not None else None
