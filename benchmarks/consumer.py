@@ -12,7 +12,9 @@ prompt, 1024x1024, 4 steps (``--smoke``: tiny components, 128x128, 2 steps).
 480x832, 33 frames, 2 steps with guidance), the issue's row at 6 GiB VRAM and 16 GiB host.
 
 Cells: --vram (GiB; ``floor``: the smallest budget that runs, found from the
-``BudgetTooSmallError`` of a budget below it) x --host (GiB; ``none``: no ceiling). Each cell
+``BudgetTooSmallError`` of a budget below it) x --host (GiB; ``none``: no ceiling; a host
+``H:lossless`` loads with ``compress="lossless"``: what the ceiling holds is kept coded, 1.5x as
+many units, and the rest is read plain from the files). Each cell
 runs in its own process (``consumer.py --worker V H``), so that its peak VRAM
 (``max_memory_allocated`` from the load on) and peak RSS (VmRSS sampled every 10 ms) are its
 own; the worker loads, makes one warm-up call and --runs timed calls (wall clock between device
@@ -71,7 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", choices=list(PIPELINES), default="flux",
                    help="flux: FluxPipeline (Flux-dev); wan14b: WanPipeline (Wan2.1-14B shapes)")
     p.add_argument("--vram", default="floor,4,6,8,12", help="GiB budgets, or 'floor'")
-    p.add_argument("--host", default="8,16,none", help="GiB ceilings, or 'none'")
+    p.add_argument("--host", default="8,16,none",
+                   help="GiB ceilings, or 'none'; a ':lossless' suffix codes what is held")
     p.add_argument("--peers", default=",".join(PEERS),
                    help="peer cells, comma-separated ('' for none): " + ", ".join(PEERS))
     p.add_argument("--runs", type=int, default=2)
@@ -209,6 +212,12 @@ def gib(text: str) -> int | None:
     return None if text in ("none", "resident") else int(float(text) * GIB)
 
 
+def host_cell(text: str) -> tuple[int | None, str | None]:
+    """A --host cell: (max_host_bytes, compress) of ``8``, ``none``, ``8:lossless``..."""
+    ceiling, _, compress = text.partition(":")
+    return gib(ceiling), compress or None
+
+
 # -- the folder ---------------------------------------------------------------------------------
 
 
@@ -293,9 +302,10 @@ def worker(args: argparse.Namespace) -> None:
             else:
                 from shuttle.integrations import diffusers as sd
 
+                ceiling, compress = host_cell(host)
                 pipe, handle = sd.from_pretrained(args.folder, torch_dtype=torch.bfloat16,
-                                                  vram_budget=gib(vram),
-                                                  max_host_bytes=gib(host), device=device)
+                                                  vram_budget=gib(vram), max_host_bytes=ceiling,
+                                                  compress=compress, device=device)
             pipe.set_progress_bar_config(disable=True)
             row["load_s"] = time.perf_counter() - t0
             call = PIPELINES[args.model][1](pipe, device, args.smoke)
@@ -325,12 +335,17 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def streamed(off) -> int:
-    """Device bytes an active offloader's call copies (each streamed block once; a module moved
-    whole: none)."""
+    """Device bytes an active offloader's call copies (each streamed block once, as it travels:
+    coded where its arena or its file holds it coded; a module moved whole: none)."""
     plan = off.plan
     if plan is None:
         return 0
-    return sum(u.layout.nbytes for g, units in off.storage.groups.items()
+
+    def travels(u) -> int:
+        code = u.code if u.code is not None else (u.disk_code if u.on_disk else None)
+        return code.nbytes if code is not None else u.layout.nbytes
+
+    return sum(travels(u) for g, units in off.storage.groups.items()
                for i, u in enumerate(units) if i not in plan.resident[g])
 
 
