@@ -276,3 +276,41 @@ def _recorded(read_rows, calls):
         calls.append((key, start, stop))
         return read_rows(self, key, start, stop, out)
     return wrapper
+
+
+def test_capture_fills_a_bounded_window_of_units_ahead_of_the_one_it_binds(monkeypatch):
+    """While one unit is slow to fill (a module moved whole: gigabytes), the workers must not
+    fill every later arena: each unit's pageable originals are freed only when it is bound, in
+    order, so arenas filled ahead hold the model twice. At most the window of units is filled
+    and not yet bound."""
+    import threading
+    import time
+
+    from shuttle.offload import host_storage
+
+    model = TinyDiT(n_blocks=12)
+    real_fill, real_keep = HostStorage._fill, HostStorage._keep
+    lock, state = threading.Lock(), {"filled": 0, "kept": 0, "ahead": 0}
+
+    def fill(self, s, pin, planned=None):
+        if s.name == "":  # the rest (the first unit) fills slowly: the others could run ahead
+            time.sleep(0.3)
+        got = real_fill(self, s, pin, planned)
+        with lock:
+            state["filled"] += 1
+            state["ahead"] = max(state["ahead"], state["filled"] - state["kept"])
+        return got
+
+    def keep(self, unit, *got):
+        with lock:
+            state["kept"] += 1
+        real_keep(self, unit, *got)
+
+    monkeypatch.setattr(HostStorage, "_fill", fill)
+    monkeypatch.setattr(HostStorage, "_keep", keep)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    storage = HostStorage(model, groups(model), "pinned")
+    assert state["kept"] == len(storage.units) > 2 * host_storage._CAPTURE_WORKERS
+    assert state["ahead"] <= host_storage._CAPTURE_WORKERS
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, want[k]), k

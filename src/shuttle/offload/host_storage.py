@@ -40,10 +40,11 @@ staging buffers and never exceeds the ceiling.
 
 from __future__ import annotations
 
+import collections
 import weakref
-from collections.abc import Collection, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Literal
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Literal, TypeVar
 
 import torch
 
@@ -87,9 +88,30 @@ HostBacking = Literal["pinned", "adopt"]
 
 _CAPTURE_WORKERS = 4  # arenas filled at once (more add little: docs/benchmarks/offload_capture.md)
 
+T = TypeVar("T")
+
 
 def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
+
+
+def _in_order(pool: ThreadPoolExecutor, fn: Callable[[int], T], count: int,
+              window: int = _CAPTURE_WORKERS) -> Iterator[T]:
+    """``fn(0) .. fn(count - 1)`` run on ``pool``, yielded in order, with at most ``window``
+    calls submitted and not yet yielded.
+
+    ``Executor.map`` submits every call at once: while the caller waits for one slow call (a
+    module moved whole, gigabytes in one unit), the other workers would fill every later
+    arena before the caller frees any unit's pageable originals, holding most of the model
+    twice. Bounded, host memory holds at most ``window`` units twice.
+    """
+    pending: collections.deque[Future[T]] = collections.deque()
+    for i in range(count):
+        if len(pending) == window:
+            yield pending.popleft().result()
+        pending.append(pool.submit(fn, i))
+    while pending:
+        yield pending.popleft().result()
 
 
 class HostStorage:
@@ -317,9 +339,9 @@ class HostStorage:
 
         units = []
         with ThreadPoolExecutor(_CAPTURE_WORKERS, thread_name_prefix="shuttle-pin") as pool:
-            filled = pool.map(lambda i: None if spans[i] else self._fill(surveys[i], pin),
-                              range(len(surveys)))
-            plans = pool.map(lambda i: planned(i) if spans[i] else None, range(len(surveys)))
+            filled = _in_order(pool, lambda i: None if spans[i] else self._fill(surveys[i], pin),
+                               len(surveys))
+            plans = _in_order(pool, lambda i: planned(i) if spans[i] else None, len(surveys))
             for s, sp, got, plan in zip(surveys, spans, filled, plans, strict=True):
                 unit = HostUnit(s.name, s.layout, s.bindings, [], None)
                 if sp is not None:
