@@ -117,6 +117,49 @@ def test_the_plan_counts_the_staging_buffer(cpu_copy):
         off.plan_for(StreamConfig(prefetch=0, vram_budget=floor - 1))
 
 
+@pytest.mark.parametrize("mode", ["whole", "stream0"])
+def test_a_module_moved_whole_is_staged_run_by_run(cpu_copy, monkeypatch, mode):
+    """The rest of a model (here all of it: no block lists, as a text encoder moved whole)
+    is not staged on the device in one piece: the decoder's buffers take its largest entry (or
+    RUN_BYTES) and the arena is copied and decoded run by run, bit for bit."""
+    from shuttle.offload import host_storage
+
+    monkeypatch.setattr(host_storage, "RUN_BYTES", 1)  # runs of one entry at least
+    ref = model()
+    off = ModelOffloader.from_module(copy.deepcopy(ref), compress="lossless")
+    rest = off.storage.rest
+    assert rest.code is not None and not off.storage.groups
+    largest = rest.code.largest_entry(rest.layout)
+    assert off.storage.stage_unit_bytes == largest < rest.code.nbytes // 4
+    staged = []
+    real = Decoder.stage
+
+    def stage(self):
+        staged.append(self.stages[0].numel())
+        return real(self)
+    monkeypatch.setattr(Decoder, "stage", stage)
+    with off.use("cpu", MODES[mode]) as m:
+        assert_bits_equal(m(tokens()), ref(tokens()))
+    runs = rest.code.pieces(rest.layout, largest)
+    assert len(staged) == len(runs) > 4 and set(staged) == {largest}
+
+
+def test_pieces_cover_the_arena_in_order_within_the_limit():
+    _, off = captured()
+    unit = next(u for u in off.storage.units if u.code is not None)
+    code, layout = unit.code, unit.layout
+    sizes = [code._size(layout, i) for i in range(len(code.offsets))]
+    for limit in (1, max(sizes), 3 * max(sizes), code.nbytes):
+        runs = code.pieces(layout, limit)
+        assert [i for _, _, entries in runs for i in entries] == list(range(len(sizes)))
+        for start, end, entries in runs:
+            assert start == code.offsets[entries[0]]
+            assert end == code.offsets[entries[-1]] + sizes[entries[-1]]
+            assert end - start <= limit or len(entries) == 1
+        if limit == code.nbytes:
+            assert len(runs) == 1
+
+
 def test_a_budget_that_one_staging_buffer_fits_names_that_fix(cpu_copy, monkeypatch):
     """Below the floor with the decode stream's two staging buffers but not with one: the
     refusal names both floors and SHUTTLE_DECODE_STREAM=0, which then plans that budget."""
@@ -200,6 +243,23 @@ def test_streamed_on_cuda_equal_the_resident_model(mode, monkeypatch):
         for _ in range(3):  # the ring refilled: decoded again on the copy stream
             assert_bits_equal(m(tokens().cuda()), want)
     assert off.storage.pinned
+
+
+@pytest.mark.gpu
+def test_a_module_moved_whole_on_cuda_is_staged_run_by_run(monkeypatch):
+    """Runs of one unit alternate between the two staging buffers on the decode stream: each
+    run's copy waits for the decode that last read its buffer."""
+    monkeypatch.undo()  # the Triton decoder
+    from shuttle.offload import host_storage
+
+    monkeypatch.setattr(host_storage, "RUN_BYTES", 1)
+    ref = model()
+    off = ModelOffloader.from_module(copy.deepcopy(ref), compress="lossless")
+    assert off.storage.stage_unit_bytes < off.storage.rest.code.nbytes // 4
+    want = ref.cuda()(tokens().cuda())
+    for _ in range(2):
+        with off.use("cuda") as m:
+            assert_bits_equal(m(tokens().cuda()), want)
 
 
 @pytest.mark.gpu

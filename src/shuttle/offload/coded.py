@@ -101,6 +101,27 @@ class UnitCode:
         at = self.offsets[i]
         return arena[at:at + self._size(layout, i)].view(layout.dtypes[i]).view(layout.shapes[i])
 
+    def pieces(self, layout: Layout, limit: int) -> list[tuple[int, int, range]]:
+        """The arena cut between entries into runs of at most ``limit`` bytes (an entry larger
+        than ``limit`` is a run of its own): ``(start, end, entries)`` per run, in order. A
+        coded unit larger than the decoder's staging buffer is loaded run by run.
+        """
+        runs: list[tuple[int, int, range]] = []
+        first = 0
+        for i in range(1, len(self.offsets) + 1):
+            end = self.offsets[i - 1] + self._size(layout, i - 1)
+            if i == len(self.offsets) or (self.offsets[i] + self._size(layout, i)
+                                          - self.offsets[first] > limit):
+                runs.append((self.offsets[first], end, range(first, i)))
+                first = i
+        return runs
+
+    def largest_entry(self, layout: Layout) -> int:
+        """Bytes of the unit's largest entry (coded or raw): the least a staging buffer takes
+        to load it run by run (:meth:`pieces`).
+        """
+        return max((self._size(layout, i) for i in range(len(self.offsets))), default=0)
+
     @staticmethod
     def placeholder(layout: Layout, i: int) -> torch.Tensor:
         """What coded entry ``i`` points at while inactive: a NaN of its dtype expanded to its
@@ -279,34 +300,47 @@ class Decoder:
 
     def load(self, code: UnitCode, layout: Layout, arena: torch.Tensor, flat: torch.Tensor,
              views: Sequence[torch.Tensor], non_blocking: bool) -> torch.cuda.Stream | None:
-        """Queue the load of a coded unit (``arena``) into ``flat`` / ``views`` (its slot): one
+        """Queue the load of a coded unit (``arena``) into ``flat`` / ``views`` (its slot): a
         copy of the arena into a staging buffer on the current stream, then per entry a decode
-        or a device copy of its raw bytes (:meth:`decode`).
+        or a device copy of its raw bytes (:meth:`decode`). A unit larger than a staging buffer
+        (a module moved whole) is copied and decoded run by run (:meth:`UnitCode.pieces`), the
+        staging buffers taking turns.
 
         Returns:
             The stream whose queued work completes the slot (None: done in order on the
             current stream).
         """
-        j, stage = self.stage()
-        stage[:code.nbytes].copy_(arena, non_blocking=non_blocking)
-        return self.decode(j, code, layout, flat, views)
+        size = self.stages[0].numel()
+        if code.nbytes <= size:
+            runs = [(0, code.nbytes, range(len(code.offsets)))]
+        else:
+            runs = code.pieces(layout, size)
+        done = None
+        for start, end, entries in runs:
+            j, stage = self.stage()
+            stage[:end - start].copy_(arena[start:end], non_blocking=non_blocking)
+            done = self.decode(j, code, layout, flat, views, entries, start)
+        return done
 
     def decode(self, j: int, code: UnitCode, layout: Layout, flat: torch.Tensor,
-               views: Sequence[torch.Tensor]) -> torch.cuda.Stream | None:
-        """Queue the decode of the coded unit that staging buffer ``j`` holds (filled by work
-        queued so far on the current stream: copied whole, or from disk) into ``flat`` /
-        ``views``: on the decode stream on CUDA, else on the current stream.
+               views: Sequence[torch.Tensor], entries: range | None = None,
+               start: int = 0) -> torch.cuda.Stream | None:
+        """Queue the decode of ``entries`` (default: all) of the coded unit whose arena bytes
+        from ``start`` staging buffer ``j`` holds (filled by work queued so far on the current
+        stream: copied, or read from disk) into ``flat`` / ``views``: on the decode stream on
+        CUDA, else on the current stream.
 
         Returns:
             The decode stream (record the slot's loaded event there), or None.
         """
+        entries = range(len(code.offsets)) if entries is None else entries
         if self.stream is None:
-            self._unpack(self.stages[j], code, layout, flat, views)
+            self._unpack(self.stages[j], code, layout, flat, views, entries, start)
             return None
         self._filled[j].record(torch.cuda.current_stream(self.stages[j].device))
         self.stream.wait_event(self._filled[j])
         with torch.cuda.stream(self.stream):
-            self._unpack(self.stages[j], code, layout, flat, views)
+            self._unpack(self.stages[j], code, layout, flat, views, entries, start)
             self._free[j].record(self.stream)
         return self.stream
 
@@ -324,10 +358,9 @@ class Decoder:
             torch.cuda.current_stream(self.stages[0].device).wait_stream(self.stream)
 
     def _unpack(self, stage: torch.Tensor, code: UnitCode, layout: Layout, flat: torch.Tensor,
-                views: Sequence[torch.Tensor]) -> None:
-        stage = stage[:code.nbytes]
-        for i, rep in enumerate(code.coded):
-            at = code.offsets[i]
+                views: Sequence[torch.Tensor], entries: range, start: int) -> None:
+        for i in entries:
+            rep, at = code.coded[i], code.offsets[i] - start
             if rep is None:
                 n = layout.shapes[i].numel() * layout.dtypes[i].itemsize
                 flat[layout.offsets[i]:layout.offsets[i] + n].copy_(stage[at:at + n])

@@ -90,6 +90,11 @@ _CAPTURE_WORKERS = 4  # arenas filled at once (more add little: docs/benchmarks/
 
 T = TypeVar("T")
 
+# A coded unit that is not a block (the rest of a model, often a module moved whole) is staged
+# on the device in runs of about this many bytes, not whole (two buffers of a whole T5-XXL's
+# code would be 12.8 GB of VRAM).
+RUN_BYTES = 256 * 2**20
+
 
 def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
@@ -229,12 +234,22 @@ class HostStorage:
 
     @property
     def stage_unit_bytes(self) -> int:
-        """The largest coded arena, held or planned (a unit on disk that an arena would keep
-        coded): one staging buffer's bytes, the same before and after the host tier changes
-        (0 when nothing is coded).
+        """One staging buffer's bytes: the largest coded arena, held or planned (a unit on
+        disk that an arena would keep coded), except the rest of the model, which often is a
+        module moved whole (gigabytes: T5-XXL without block lists) and loads from its arena
+        run by run (:meth:`~shuttle.offload.coded.UnitCode.pieces`) through a buffer of at
+        least :data:`RUN_BYTES` and its largest entry. The same before and after the host tier
+        changes; 0 when nothing is coded.
         """
-        return max((c.nbytes for u in self.units for c in (u.code, u.planned) if c is not None),
-                   default=0)
+        codes = [(u, c) for u in self.units for c in (u.code, u.planned, u.disk_code)
+                 if c is not None]
+        if not codes:
+            return 0
+        # A unit read coded from its file lands in one piece (the reader stages it whole).
+        whole = [c.nbytes for u, c in codes
+                 if u is not self.rest or (c is u.disk_code and u.spans is not None)]
+        runs = [max(min(c.nbytes, RUN_BYTES), c.largest_entry(u.layout)) for u, c in codes]
+        return max(whole + runs)
 
     @property
     def staging(self) -> tuple[int, int]:
