@@ -14,7 +14,8 @@ cost the copy plus the decode):
     copy stream:    wait free[j] -> copy arena into stage j -> record filled[j]
     decode stream:  wait filled[j] -> decode stage j into the slot -> record free[j], loaded[s]
 
-with :func:`stages` staging buffers used in turn, each sized by the largest coded unit; the
+with :func:`stages` staging buffers used in turn, each sized by the largest coded block (the
+rest of a model, often a module moved whole, loads run by run: :meth:`UnitCode.pieces`); the
 residency plan counts them (``HostStorage.stage_bytes``). ``SHUTTLE_DECODE_STREAM=0``
 (:data:`DECODE_STREAM_ENV`) turns the decode stream off: the decode then runs on the copy stream
 after each copy, through one staging buffer: one buffer less of VRAM, and a step that costs the
@@ -263,7 +264,8 @@ class Decoder:
 
     Args:
         device: the activation's device.
-        nbytes: the largest coded arena that will be loaded (each staging buffer's size).
+        nbytes: each staging buffer's size (``HostStorage.stage_unit_bytes``): a larger coded
+            arena loads run by run.
         copy_stream: the CUDA stream every load's copy runs on (None: synchronous copies,
             decoded on the current stream).
     """

@@ -464,7 +464,7 @@ def _below_floor(config: StreamConfig, storage: HostStorage, rest: int, weights:
             if config.activation_bytes else "")
     stage, unit = storage.stage_bytes, storage.stage_unit_bytes
     coded = (f" + {stage} bytes of staging for coded weights ({stage // unit} buffer(s) of the "
-             "largest coded unit)" if stage else "")
+             "largest coded block)" if stage else "")
     fix = (f"; or decode on the copy stream with SHUTTLE_DECODE_STREAM=0 (one staging buffer: "
            f"a floor of {floor - (stage - unit)} bytes, a slower step)" if stage > unit else "")
     return (f"vram_budget={config.vram_budget} bytes is below this model's floor of {floor} "
