@@ -214,6 +214,29 @@ def test_gpu_codes_and_decodes_what_the_cpu_does(dtype, monkeypatch):
         damaged.decode()
 
 
+def test_a_device_without_an_index_takes_a_tensor_on_any_device_of_its_type():
+    """code_size moves a host tensor to "cuda" and asks again: "cuda" must then count as where
+    the tensor is (torch.device("cuda") != torch.device("cuda", 0): compared as is, the
+    question never ended, a RecursionError on every machine with a GPU)."""
+    from shuttle.weights.lossless import _elsewhere
+
+    cuda0, cuda1, cpu = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu")
+    assert not _elsewhere(cuda0, "cuda") and not _elsewhere(cuda1, "cuda")
+    assert not _elsewhere(cuda0, "cuda:0") and _elsewhere(cuda0, "cuda:1")
+    assert _elsewhere(cpu, "cuda") and _elsewhere(cuda0, "cpu") and not _elsewhere(cpu, cpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_sizes_a_host_tensor_as_it_codes_it(dtype, monkeypatch):
+    """By default both size and code a host tensor on the GPU: the same words and bytes."""
+    monkeypatch.undo()
+    x = _gaussian(3 * 1024 * 1024 + 77, dtype)
+    rep = LosslessTensor.encode_host(x)
+    assert LosslessTensor.code_size(x) == (rep.words, rep.blob.numel())
+    assert LosslessTensor.code_size(x, device="cpu") == (rep.words, rep.blob.numel())
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_code_size_is_the_size_of_the_code(dtype):
     """The sizes a compressed file's header is written with, found without coding."""

@@ -160,6 +160,17 @@ def _values(patterns: torch.Tensor, lo: int) -> torch.Tensor:
     return patterns[lo:lo + _SLICE].to(torch.int32) & 0xFFFF
 
 
+def _elsewhere(at: torch.device, device: torch.device | str) -> bool:
+    """Whether a tensor on ``at`` is not on ``device``; a device without an index ("cuda")
+    takes a tensor on any device of its type (``torch.device("cuda") != torch.device("cuda",
+    0)``: compared as is, a tensor moved to "cuda" would never be found there).
+    """
+    device = torch.device(device)
+    if device.type != at.type:
+        return True
+    return device.index is not None and device.index != at.index
+
+
 def _code_of(patterns: torch.Tensor, bf16: bool) -> tuple[list[int], list[int]]:
     """The symbols' counts in int16 ``patterns`` (one pass, slice by slice) and their code
     lengths.
@@ -328,7 +339,7 @@ class LosslessTensor(WeightRepresentation):
                                f"{tensor.dtype}; keep it as it is")
         if device is None:
             device = "cuda" if torch.cuda.is_available() else tensor.device
-        if torch.device(device) != tensor.device:
+        if _elsewhere(tensor.device, device):
             try:
                 return LosslessTensor.code_size(tensor.to(device, non_blocking=True),
                                                 always=always, device=device)
