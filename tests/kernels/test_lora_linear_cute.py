@@ -125,3 +125,27 @@ def test_gpu_tvm_ffi_launch_equals_the_dsl_launcher(monkeypatch):
                                             device="cuda"))
     torch.cuda.current_stream().wait_stream(side)
     assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@needs_dsl
+def test_gpu_a_refused_tvm_ffi_launch_falls_back_to_the_dsl_launcher():
+    """An FFI that refuses the arguments (a version the DSL's program does not take) costs one
+    warning, then the DSL's own launcher serves every call: the same bits."""
+    from shuttle.kernels import lora_linear_cute
+
+    if not cute_available():
+        pytest.skip("needs an sm_90 GPU")
+    if not lora_linear_cute.tvm_ffi_installed():
+        pytest.skip("needs apache-tvm-ffi (the hopper extra)")
+    x, w, bias, down, up, scale = _layer(1024, 512, 512, 16, BF16, BF16, device="cuda")
+    s = ((x.float() @ down.float().T) * scale).to(BF16)
+    gemm = CuteLoraGemm(w, up, True)
+    want = gemm(x, w, bias, s, torch.empty(1024, 512, dtype=BF16, device="cuda")).clone()
+
+    def refuse(*args):
+        raise TypeError("an argument the function does not take")
+    gemm._ffi = refuse
+    with pytest.warns(RuntimeWarning, match="TVM FFI launch failed"):
+        got = gemm(x, w, bias, s, torch.empty(1024, 512, dtype=BF16, device="cuda"))
+    assert gemm._ffi is None and torch.equal(got, want)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -91,9 +92,9 @@ class CuteLoraGemm:
         sms = torch.cuda.get_device_properties(weight.device).multi_processor_count
         # With TVM FFI the program is a C function taking addresses, sizes and the stream
         # handle as Python ints (no DSL pointer objects, no Python-side argument packing).
-        self._ffi = _ffi_function(weight.dtype, tile, has_bias, sms)
-        self._compiled = None if self._ffi is not None else compile_lora_gemm(
-            weight.dtype, tile, has_bias, sms)
+        self._build = (weight.dtype, tile, has_bias, sms)
+        self._ffi = _ffi_function(*self._build)
+        self._compiled = None if self._ffi is not None else compile_lora_gemm(*self._build)
         d = dsl()
         self._elem, self._f32 = numeric(weight.dtype), d.cutlass.Float32
         self._ptr = functools.partial(d.make_ptr, mem_space=d.cute.AddressSpace.gmem,
@@ -133,9 +134,12 @@ class CuteLoraGemm:
         stream = torch.cuda.current_stream(x.device).cuda_stream
         if self._ffi is not None:
             bias_addr = self._bias.data_ptr() if self._bias is not None else self.up.data_ptr()
-            self._ffi(x.data_ptr(), weight.data_ptr(), s.data_ptr(), self.up.data_ptr(),
-                      bias_addr, out.data_ptr(), x.shape[0], n, k, r, stream)
-            return out
+            try:
+                self._ffi(x.data_ptr(), weight.data_ptr(), s.data_ptr(), self.up.data_ptr(),
+                          bias_addr, out.data_ptr(), x.shape[0], n, k, r, stream)
+                return out
+            except Exception as e:  # arguments refused before any launch: an FFI version
+                self._fall_back(e)  # the DSL's program does not take; its own launcher then
         # The fixed operands' pointers are made once (a DSL pointer costs microseconds of host
         # time), again when the weight's storage moves (an offloaded layer's slot).
         if self._fixed is None or self._fixed[0] != weight.data_ptr():
@@ -147,6 +151,15 @@ class CuteLoraGemm:
             ptr(elem, x.data_ptr()), w_ptr, ptr(elem, s.data_ptr()), u_ptr, bias_ptr,
             ptr(elem, out.data_ptr()), x.shape[0], n, k, r, self._stream_type(stream))
         return out
+
+
+    def _fall_back(self, error: Exception) -> None:
+        warnings.warn(f"the CuTe LoRA kernel's TVM FFI launch failed ({type(error).__name__}: "
+                      f"{error}); it launches through the DSL's own launcher from now on (more "
+                      "host time per call): uninstall apache-tvm-ffi, or install the version "
+                      "the DSL was built with", RuntimeWarning, stacklevel=3)
+        self._ffi = None
+        self._compiled = compile_lora_gemm(*self._build)
 
 
 TVM_FFI_OPTION = "--enable-tvm-ffi"
