@@ -99,6 +99,19 @@ def test_gpu_prepared_cute_layer_agrees_with_triton():
         _assert_one_ulp(cute(x, scale), triton(x, scale))
 
 
+def _ffi_layer(t, k, n, r):
+    """x, W, bias, S (the shrink's output) and B of a bf16 layer, where the TVM FFI launch can
+    run (else the test is skipped)."""
+    from shuttle.kernels import lora_linear_cute
+
+    if not cute_available():
+        pytest.skip("needs an sm_90 GPU")
+    if not lora_linear_cute.tvm_ffi_installed():
+        pytest.skip("needs apache-tvm-ffi (the hopper extra)")
+    x, w, bias, down, up, scale = _layer(t, k, n, r, BF16, BF16, device="cuda")
+    return x, w, bias, ((x.float() @ down.float().T) * scale).to(BF16), up
+
+
 @pytest.mark.gpu
 @needs_dsl
 def test_gpu_tvm_ffi_launch_equals_the_dsl_launcher(monkeypatch):
@@ -107,12 +120,7 @@ def test_gpu_tvm_ffi_launch_equals_the_dsl_launcher(monkeypatch):
     stream (the launch takes the current stream)."""
     from shuttle.kernels import lora_linear_cute
 
-    if not cute_available():
-        pytest.skip("needs an sm_90 GPU")
-    if not lora_linear_cute.tvm_ffi_installed():
-        pytest.skip("needs apache-tvm-ffi (the hopper extra)")
-    x, w, bias, down, up, scale = _layer(4096, 1536, 1536, 64, BF16, BF16, device="cuda")
-    s = ((x.float() @ down.float().T) * scale).to(BF16)
+    x, w, bias, s, up = _ffi_layer(4096, 1536, 1536, 64)
     ffi = CuteLoraGemm(w, up, True)
     monkeypatch.setattr(lora_linear_cute, "tvm_ffi_installed", lambda: False)
     dsl_launch = CuteLoraGemm(w, up, True)
@@ -132,14 +140,7 @@ def test_gpu_tvm_ffi_launch_equals_the_dsl_launcher(monkeypatch):
 def test_gpu_a_refused_tvm_ffi_launch_falls_back_to_the_dsl_launcher():
     """An FFI that refuses the arguments (a version the DSL's program does not take) costs one
     warning, then the DSL's own launcher serves every call: the same bits."""
-    from shuttle.kernels import lora_linear_cute
-
-    if not cute_available():
-        pytest.skip("needs an sm_90 GPU")
-    if not lora_linear_cute.tvm_ffi_installed():
-        pytest.skip("needs apache-tvm-ffi (the hopper extra)")
-    x, w, bias, down, up, scale = _layer(1024, 512, 512, 16, BF16, BF16, device="cuda")
-    s = ((x.float() @ down.float().T) * scale).to(BF16)
+    x, w, bias, s, up = _ffi_layer(1024, 512, 512, 16)
     gemm = CuteLoraGemm(w, up, True)
     want = gemm(x, w, bias, s, torch.empty(1024, 512, dtype=BF16, device="cuda")).clone()
 
