@@ -152,7 +152,6 @@ class CuteLoraGemm:
             ptr(elem, out.data_ptr()), x.shape[0], n, k, r, self._stream_type(stream))
         return out
 
-
     def _fall_back(self, error: Exception) -> None:
         warnings.warn(f"the CuTe LoRA kernel's TVM FFI launch failed ({type(error).__name__}: "
                       f"{error}); it launches through the DSL's own launcher from now on (more "
