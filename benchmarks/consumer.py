@@ -51,6 +51,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -83,7 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="consumer")
     p.add_argument("--rows-from", type=Path, default=None,
                    help="an earlier run's json: its cells not run now are kept (each row names "
-                        "the run it came from), so a grid can be completed over several runs")
+                        "the run it came from), so a grid can be completed over several runs "
+                        "(its resident row is reused where the folder still holds its output)")
     p.add_argument("--worker", nargs=2, metavar=("VRAM", "HOST"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -377,10 +379,14 @@ def main(argv: list[str] | None = None) -> None:
     direct = direct_read_bandwidth(args.folder)
     rows: list[dict] = []
     earlier = earlier_rows(args)
-    record(args, rows, run_worker(args, "resident", "none"), env, weights, pinned, direct,
-           earlier)
-    compute = rows[0].get("s_per_image")
     keep = args.folder.parent / f"{args.out}-outputs"
+    resident = [r for r in earlier if r["vram"] == "resident" and "s_per_image" in r]
+    if resident and (keep / "resident-none.pt").is_file():
+        compute = resident[0]["s_per_image"]  # a grid completed over several runs of one folder
+    else:
+        record(args, rows, run_worker(args, "resident", "none"), env, weights, pinned, direct,
+               earlier)
+        compute = rows[0].get("s_per_image")
     want = torch.load(keep / "resident-none.pt") if (keep / "resident-none.pt").is_file() else None
     vrams = args.vram.split(",")
     if "floor" in vrams:  # the smallest budget: what a budget of 1 GiB (or 1 MB) is told
@@ -404,6 +410,9 @@ def main(argv: list[str] | None = None) -> None:
     for peer in filter(None, args.peers.split(",")):
         drop_page_cache(args.folder)
         row = run_worker(args, peer, "none")
+        # a peer's disk copy of the weights (diffusers' groups, accelerate's folder) goes
+        # before the next peer writes its own: the device's disk holds the folder and one copy
+        shutil.rmtree(args.folder.parent / f"{args.out}-scratch", ignore_errors=True)
         path = keep / f"{peer}-none.pt"
         if want is not None and path.is_file():
             row["bit_identical"] = e2e.same_bits(torch.load(path), want)
