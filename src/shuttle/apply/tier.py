@@ -71,12 +71,13 @@ class TierKey:
 @dataclasses.dataclass(frozen=True)
 class TierChoice:
     """A key's measurement: seconds per call of each candidate eagerly, in graphs (inf: could
-    not run that way) and of host time (empty where it was not measured), and the fastest.
+    not run that way) and of host time, and the fastest. Every candidate is in all three
+    (lossless always: it is never dropped).
     """
 
     eager: dict[str, float]
     graphs: dict[str, float]
-    host: dict[str, float] = dataclasses.field(default_factory=dict)
+    host: dict[str, float]
 
     def best(self, graphs: bool) -> str:
         """The fastest candidate; lossless unless another beats it by more than
@@ -84,15 +85,15 @@ class TierChoice:
         eagerly only among candidates that cost the host no more than lossless does.
         """
         times = self.graphs if graphs else self.eager
-        if not graphs and "lossless" in self.host:
+        if not graphs:
             # The host time lossless's call may grow by without the choice being a gamble
             # on the model's GPU keeping the host's extra time hidden.
             allowed = self.host["lossless"] + MARGIN * times["lossless"]
             times = {name: t for name, t in times.items()
-                     if name == "lossless" or self.host.get(name, float("inf")) <= allowed}
+                     if name == "lossless" or self.host[name] <= allowed}
         # min over the candidates in IMPLEMENTATIONS order: the first of equals wins
         fastest = min(times, key=lambda name: (times[name], IMPLEMENTATIONS.index(name)))
-        if "lossless" in times and times[fastest] > times["lossless"] * (1 - MARGIN):
+        if times[fastest] > times["lossless"] * (1 - MARGIN):
             return "lossless"
         return fastest
 
