@@ -11,6 +11,7 @@ import shuttle
 from shuttle.cache import ModelCache
 from shuttle.errors import BudgetTooSmallError
 from shuttle.formats.safetensors_file import SafetensorsFile
+from shuttle.integrations.budgets import read_order
 from shuttle.integrations.handle import OffloadHandle
 from tests.offload.models import TinyDiT
 
@@ -33,12 +34,12 @@ def files(tmp_path):
     return refs, out
 
 
-def handle(refs, opened, budget, vram_budget=None):
+def handle(refs, opened, budget, vram_budget=None, blocks=None, hot=()):
     with torch.device("meta"):
         modules = {"transformer": TinyDiT(), "text_encoder": TinyDiT(n_blocks=2, n_single=1)}
     cache = ModelCache(budget)
-    h = OffloadHandle(modules, {"transformer": ["blocks", "single"]}, cache=cache, device="cpu",
-                      prefetch=1, vram_budget=vram_budget,
+    h = OffloadHandle(modules, blocks or {"transformer": ["blocks", "single"]}, cache=cache,
+                      device="cpu", prefetch=1, vram_budget=vram_budget, hot=hot,
                       sources={n: {k: f.tensor_ref(k) for k in f} for n, f in opened.items()})
     return h, modules, cache
 
@@ -77,6 +78,31 @@ def test_modules_beyond_the_budget_stream_from_their_files(tmp_path, monkeypatch
     assert all(s.reader.bytes_read > 0 for s in stores.values())
     h.remove()
     assert len(cache) == 0
+
+
+def test_read_order_puts_hot_modules_then_streamed_ones_first():
+    blocks = {"text_encoder_2": ["encoder.block"], "transformer": ["blocks"]}
+    names = ["text_encoder", "text_encoder_2", "transformer", "vae"]
+    assert read_order(names, blocks) == ["text_encoder_2", "transformer", "text_encoder", "vae"]
+    assert read_order(names, blocks, hot=["transformer"]) == [
+        "transformer", "text_encoder_2", "text_encoder", "vae"]
+
+
+def test_the_hot_module_gets_host_memory_before_an_encoder_that_streams_too(tmp_path):
+    # Both stream (as a pipeline's text encoder does under a VRAM budget) and the encoder comes
+    # first in the pipeline's order; the denoiser, read at every step, still gets the room
+    # (a budget where what is left after the floors makes neither whole).
+    refs, opened = files(tmp_path)
+    budget = sum(weights(m) for m in refs.values()) * 2 // 5
+    both = {"transformer": ["blocks", "single"], "text_encoder": ["blocks"]}
+    for hot, fed, starved in [(("transformer",), "transformer", "text_encoder"),
+                              (("text_encoder",), "text_encoder", "transformer")]:
+        h, modules, cache = handle(refs, opened, budget, blocks=both, hot=hot)
+        c = h._components
+        assert c[starved].share == c[starved].host_floor
+        assert c[fed].share > c[fed].host_floor
+        run(refs, modules, torch.randint(0, 64, (2, 9)))
+        h.remove()
 
 
 def test_modules_that_fit_are_kept_whole_in_host_memory(tmp_path):

@@ -214,6 +214,11 @@ def test_a_host_budget_far_below_the_pipeline_reads_the_rest_from_disk(saved, mo
                                                      vram_budget=vram_budget, prefetch=1,
                                                      max_host_bytes=budget)
     storages = [o.storage for o in handle.offloaders.values()]
+    shares = {n: (c.share, c.host_floor) for n, c in handle._components.items()}
+    # The denoiser, read at every step, is first in line for host memory: the text encoders
+    # (streamed too under a VRAM budget) stay at their floors while it does not fit whole.
+    assert shares["transformer"][0] > shares["transformer"][1]
+    assert all(share == floor for n, (share, floor) in shares.items() if n != "transformer")
     for _ in range(2):
         assert torch.equal(run_flux(pipe), latents)
         assert sum(s.host_bytes for s in storages) <= budget

@@ -154,7 +154,8 @@ def offload(pipe: Any, max_host_bytes: int | None = None, *, cache: ModelCache |
                          vram_budget=vram_budget, host=host, methods=methods,
                          attrs={"_hf_hook": _ExecutionDevice(torch.device(device))},
                          key_prefix=f"{type(pipe).__name__}@{id(pipe):x}", shrink=shrink,
-                         meter=meter, sources=sources, compress=compress)
+                         meter=meter, sources=sources, compress=compress,
+                         hot=[n for n in modules if n.startswith(DENOISERS)])
 
 
 def from_pretrained(path_or_repo: str | os.PathLike[str], pipeline_cls: type | None = None, *,

@@ -21,9 +21,10 @@ weights and reserve.
 **Host ceiling.** The cache's byte budget (``max_host_bytes`` of the integrations' ``offload``)
 bounds everything shuttle holds in host memory for the handle: arenas, staging buffers and
 adapters. Modules captured straight from their files (``sources=``) need not fit in it: when
-everything does not fit, each gets a share of the budget (at least its floor, then the modules
-with streamed blocks first, which read their weights every step, up to what they need to stay
-whole) as its ``max_host_bytes``, and what its share does not hold is read from its files at
+everything does not fit, each gets a share of the budget (at least its floor, then more for the
+modules read most often in a call first, up to what they need to stay whole: ``hot`` ones such
+as a pipeline's denoiser, then those with streamed blocks; see
+:func:`~shuttle.integrations.budgets.read_order`) as its ``max_host_bytes``, and what its share does not hold is read from its files at
 each load (:mod:`shuttle.offload.disk_reader`). Each share is charged to the cache (its floor
 with the module, the rest as a reservation beside it), and :meth:`OffloadHandle.set_loras`
 lowers the shares, down to the floors, when adapters need the room.
@@ -50,7 +51,7 @@ from shuttle.formats import LoRA
 from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.hooks import add_hook, remove_hook
 from shuttle.integrations.activations import ActivationMeter, CallShrinker, DeviceMeter, Reading
-from shuttle.integrations.budgets import SourcedSpec, check_device, host_shares
+from shuttle.integrations.budgets import SourcedSpec, check_device, host_shares, read_order
 from shuttle.integrations.component import ActivateHook, Active, Component, check_free, restore
 from shuttle.integrations.routing import route_lora
 from shuttle.offload import ModelOffloader, RingOnlyResidency, StreamConfig
@@ -91,6 +92,9 @@ class OffloadHandle:
             module may be built on the ``meta`` device and is filled from its files at capture
             (see :class:`~shuttle.offload.HostStorage`), and kept on disk beyond its share of
             the cache's budget (see the module docs); :meth:`remove` leaves it on ``meta``.
+        compress: ``"lossless"``: host copies kept coded (see :class:`~shuttle.ModelSpec`).
+        hot: names of the modules called most often (a pipeline's denoisers, once a step):
+            first in line for host memory when the modules do not all fit in it.
 
     Attributes:
         device: the compute device.
@@ -119,7 +123,7 @@ class OffloadHandle:
                  shrink: Mapping[str, CallShrinker] | None = None,
                  meter: ActivationMeter | None = None,
                  sources: Mapping[str, Mapping[str, LazyTensor]] | None = None,
-                 compress: Compression | None = None):
+                 compress: Compression | None = None, hot: Sequence[str] = ()):
         methods, attrs, classes = methods or {}, attrs or {}, classes or {}
         sources = sources or {}
         self.device = check_device(device)  # at offload time, not at the first call
@@ -138,7 +142,8 @@ class OffloadHandle:
         self._mode: Mode = "merge"
         self._routed: dict[int, tuple[LoRA, dict[str, LoRASpec]]] = {}  # id(lora) -> specs
         check_free(modules, methods, attrs, classes)
-        shares = host_shares(modules, blocks, host, sources, cache.available_bytes)
+        self._hot = tuple(hot)
+        shares = host_shares(modules, blocks, host, sources, cache.available_bytes, self._hot)
         try:
             for name, module in modules.items():
                 self._capture(name, module, tuple(blocks.get(name, ())), host, key_prefix,
@@ -332,12 +337,14 @@ class OffloadHandle:
 
     def _make_host_room(self, need: int) -> None:
         """Lower the host shares of modules with a disk tier until ``need`` more bytes fit in
-        the cache (adapters about to be loaded): the least often read modules first (those
-        without streamed blocks), each down to its floor; what no longer fits is read from its
-        files. A module that gives room is deactivated and its plan made again.
+        the cache (adapters about to be loaded): the least often read modules first (the
+        reverse of :func:`~shuttle.integrations.budgets.read_order`), each down to its floor;
+        what no longer fits is read from its files. A module that gives room is deactivated and
+        its plan made again.
         """
         short = need - self._cache.available_bytes
-        for name in sorted(self._components, key=lambda n: bool(self._components[n].paths)):
+        paths = {n: c.paths for n, c in self._components.items()}
+        for name in reversed(read_order(list(self._components), paths, self._hot)):
             c = self._components[name]
             if short <= 0:
                 break
