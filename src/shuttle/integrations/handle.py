@@ -24,10 +24,11 @@ adapters. Modules captured straight from their files (``sources=``) need not fit
 everything does not fit, each gets a share of the budget (at least its floor, then more for the
 modules read most often in a call first, up to what they need to stay whole: ``hot`` ones such
 as a pipeline's denoiser, then those with streamed blocks; see
-:func:`~shuttle.integrations.budgets.read_order`) as its ``max_host_bytes``, and what its share does not hold is read from its files at
-each load (:mod:`shuttle.offload.disk_reader`). Each share is charged to the cache (its floor
-with the module, the rest as a reservation beside it), and :meth:`OffloadHandle.set_loras`
-lowers the shares, down to the floors, when adapters need the room.
+:func:`~shuttle.integrations.budgets.read_order`) as its ``max_host_bytes``, and what its share
+does not hold is read from its files at each load (:mod:`shuttle.offload.disk_reader`). Each
+share is charged to the cache (its floor with the module, the rest as a reservation beside it),
+and :meth:`OffloadHandle.set_loras` lowers the shares, down to the floors, the least often read
+modules first, when adapters need the room.
 
 Uses are single-threaded: one call into the offloaded modules at a time.
 """
