@@ -11,11 +11,12 @@ prompt, 1024x1024, 4 steps (``--smoke``: tiny components, 128x128, 2 steps).
 ``--model wan14b`` runs a WanPipeline of Wan2.1-T2V-14B's shapes instead (about 40 GB; one call:
 480x832, 33 frames, 2 steps with guidance), the issue's row at 6 GiB VRAM and 16 GiB host.
 
-Cells: --vram (GiB; ``floor``: the smallest budget that runs, found from the
-``BudgetTooSmallError`` of a budget below it) x --host (GiB; ``none``: no ceiling; a host
-``H:lossless`` loads with ``compress="lossless"``: what the ceiling holds is kept coded, 1.5x as
-many units, and the rest is read plain from the files). Each cell
-runs in its own process (``consumer.py --worker V H``), so that its peak VRAM
+Cells: --vram (GiB; ``floor``: the smallest budget that runs with that host cell, 2% above
+the floor named by the ``BudgetTooSmallError`` of a budget below it, raised to the floor a
+refusal after the first call names when its activations do not fit) x --host (GiB; ``none``:
+no ceiling; a host ``H:lossless`` loads with ``compress="lossless"``: what the ceiling holds is
+kept coded, 1.5x as many units, and the rest is read plain from the files). Each cell runs in
+its own process (``consumer.py --worker V H``), so that its peak VRAM
 (``max_memory_allocated`` from the load on) and peak RSS (VmRSS sampled every 10 ms) are its
 own; the worker loads, makes one warm-up call and --runs timed calls (wall clock between device
 synchronizations), and saves its output, compared with the resident pipeline's (a ``resident``
@@ -31,9 +32,11 @@ Per cell: seconds per image, peak VRAM, peak RSS, bytes read from disk per image
 (``/proc/self/io`` read_bytes: page-cache hits excluded, O_DIRECT included), load seconds,
 load seconds over one plain read of the folder's files (its bytes at the O_DIRECT rate below),
 bit-identity with the resident output, and the bound max(compute, bytes copied to the device
-/ pinned bandwidth, bytes from disk / O_DIRECT bandwidth): compute is the resident call's time,
-the bandwidths are measured in the same run (pinned host-to-device copies; O_DIRECT reads of
-the folder's largest file), the page cache dropped before each worker where allowed.
+/ pinned bandwidth, bytes from disk / the disk's read ceiling): compute is the resident call's
+time, the bandwidths are measured in the same run (pinned host-to-device copies; O_DIRECT reads
+of the folder's largest file with 4 and 16 reads in flight, the better), the page cache
+dropped before each worker where allowed. Bytes copied to the device are what each call of an
+offloaded module streams by its plan at that call (modules moved whole not counted).
 
     PYTHONPATH=src python benchmarks/consumer.py --folder /tmp/flux --vram floor,4,6,8,12 \\
         --host 8,16,none                   # the H200 run
@@ -48,6 +51,7 @@ Writes docs/benchmarks/<--out, default consumer>.{json,md} (under $SHUTTLE_BENCH
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -245,28 +249,15 @@ def drop_page_cache(folder: Path) -> bool:
 
 
 def direct_read_bandwidth(where: Path) -> float:
-    """Bytes per second of O_DIRECT reads (8 MiB pieces) of ``where``: a file, or a diffusers
-    folder's largest weight file."""
+    """The disk's read ceiling in bytes per second: the best of the first 4 GiB of ``where`` (a
+    file, or a diffusers folder's largest weight file) read as the disk tier reads (O_DIRECT,
+    8 MiB pieces, ``shuttle.offload.disk_reader.read_bandwidth``) with its pool's 4 reads in
+    flight and with 16 (what a deeper queue gets from the same drive)."""
+    from shuttle.offload.disk_reader import read_bandwidth
+
     path = where if where.is_file() else max(where.glob("*/*.safetensors"),
                                              key=lambda p: p.stat().st_size)
-    size = path.stat().st_size // 2**23 * 2**23
-    buf = torch.empty(2**23 + 4096, dtype=torch.uint8)
-    shift = (-buf.data_ptr()) % 4096
-    import ctypes
-
-    view = memoryview((ctypes.c_ubyte * 2**23).from_address(buf.data_ptr() + shift)).cast("B")
-    flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
-    try:
-        fd = os.open(path, flags)
-    except OSError:
-        fd = os.open(path, os.O_RDONLY)
-    t0, got = time.perf_counter(), 0
-    try:
-        for offset in range(0, max(size, 2**23), 2**23):  # a small file: one short read
-            got += os.preadv(fd, [view], offset)
-    finally:
-        os.close(fd)
-    return got / (time.perf_counter() - t0)
+    return max(read_bandwidth(path, 4 * GIB, workers=w) for w in (4, 16))
 
 
 # -- one cell -------------------------------------------------------------------------------------
@@ -314,26 +305,49 @@ def worker(args: argparse.Namespace) -> None:
             out, _, _ = e2e.timed_call(call, device)  # warm-up (the first call: at the floor)
             before = read_bytes()
             walls = []
-            for _ in range(args.runs):
-                out, wall, _ = e2e.timed_call(call, device)
-                walls.append(wall)
+            with contextlib.ExitStack() as counting:
+                copied = [] if handle is None else count_streamed(handle, counting)
+                for _ in range(args.runs):
+                    out, wall, _ = e2e.timed_call(call, device)
+                    walls.append(wall)
             row["disk_bytes_per_image"] = (read_bytes() - before) / args.runs
             row["s_per_image"] = statistics.median(walls)
             if device.type == "cuda":
                 row["peak_vram"] = torch.cuda.max_memory_allocated(device)
             if handle is not None:
-                row["device_bytes_per_image"] = sum(
-                    streamed(off) for off in handle.offloaders.values())
+                row["device_bytes_per_image"] = sum(copied) / args.runs
                 row["host_bytes"] = handle.cache.used_bytes
         row["peak_rss"] = rss.peak
         torch.save({k: v.cpu() for k, v in out.items()}, keep / f"{vram}-{host}.pt")
         row["stats"] = PIPELINES[args.model][2](out, args.smoke)
     except BudgetTooSmallError as e:
         row["refused"] = str(e)
-        floor = re.search(r"at least (\d+) bytes", str(e)) or re.search(r"floor of .*?(\d+) bytes",
-                                                                        str(e))
-        row["floor_bytes"] = int(floor.group(1)) if floor else None
+        row["floor_bytes"] = vram_floor(str(e))
     print(ROW_MARK + json.dumps(row), flush=True)
+
+
+def vram_floor(refusal: str) -> int | None:
+    """The VRAM floor a ``BudgetTooSmallError`` names (None: it is about the host budget, or
+    names none): "give (a budget of) at least N bytes", "floor of ... N bytes", or the size of a
+    module that must move whole, "cannot hold 'vae' moved whole (N bytes)"."""
+    if not refusal.startswith("vram_budget"):
+        return None
+    found = (re.search(r"at least (\d+) bytes", refusal)
+             or re.search(r"floor of .*?(\d+) bytes", refusal)
+             or re.search(r"moved whole \((\d+) bytes\)", refusal))
+    return int(found.group(1)) if found else None
+
+
+def count_streamed(handle, stack: contextlib.ExitStack) -> list[int]:
+    """A list that gets, at the end of every call of one of ``handle``'s modules while
+    ``stack`` is open, the bytes its plan streamed in that call (:func:`streamed`)."""
+    copied: list[int] = []
+    for name, off in handle.offloaders.items():
+        module = handle._components[name].module
+        hook = module.register_forward_hook(
+            lambda *_, off=off: copied.append(streamed(off)) if off.plan is not None else None)
+        stack.callback(hook.remove)
+    return copied
 
 
 def streamed(off) -> int:
@@ -357,7 +371,9 @@ def run_worker(args: argparse.Namespace, vram: str, host: str) -> dict:
            "--model", args.model]
     if args.smoke:
         cmd.append("--smoke")
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    # on the CPU, through the copy path (slots and hooks as on CUDA), so that the plumbing runs
+    env = {**os.environ, "SHUTTLE_OFFLOAD_CPU_COPY": "1"} if args.device == "cpu" else None
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith(ROW_MARK):
             return json.loads(line[len(ROW_MARK):])
@@ -388,17 +404,11 @@ def main(argv: list[str] | None = None) -> None:
                earlier)
         compute = rows[0].get("s_per_image")
     want = torch.load(keep / "resident-none.pt") if (keep / "resident-none.pt").is_file() else None
-    vrams = args.vram.split(",")
-    if "floor" in vrams:  # the smallest budget: what a budget of 1 GiB (or 1 MB) is told
-        probe = run_worker(args, "0.001" if args.smoke else "1", "none")
-        floor = probe.get("floor_bytes")
-        vrams = [f"{floor * 1.02 / GIB:.3f}" if v == "floor" and floor else v for v in vrams
-                 if v != "floor" or floor]
-    for vram in vrams:
+    for vram in args.vram.split(","):
         for host in args.host.split(","):
             drop_page_cache(args.folder)
-            row = run_worker(args, vram, host)
-            path = keep / f"{vram}-{host}.pt"
+            row = run_floor(args, host) if vram == "floor" else run_worker(args, vram, host)
+            path = keep / f"{row['vram']}-{host}.pt"  # a floor cell: the budget it ran at
             if want is not None and path.is_file():
                 row["bit_identical"] = e2e.same_bits(torch.load(path), want)
             if "s_per_image" in row:
@@ -417,6 +427,25 @@ def main(argv: list[str] | None = None) -> None:
         if want is not None and path.is_file():
             row["bit_identical"] = e2e.same_bits(torch.load(path), want)
         record(args, rows, row, env, weights, pinned, direct, earlier)
+
+
+def run_floor(args: argparse.Namespace, host: str, tries: int = 3) -> dict:
+    """The cell at the smallest VRAM budget that runs with ``host``: 2% above the floor a budget
+    of 1 GiB (1 MB with --smoke) is told, raised to the floor a refusal names when a call's
+    measured activations do not fit beside the weights (each host cell has its own floor:
+    coded units need staging on the device)."""
+    row = run_worker(args, "0.001" if args.smoke else "1", host)
+    for _ in range(tries):
+        floor = row.get("floor_bytes")
+        if not floor:
+            return row
+        tried = row
+        drop_page_cache(args.folder)
+        row = run_worker(args, f"{floor * 1.02 / GIB:.6f}", host)
+        row["floor_tries"] = tried.get("floor_tries", 0) + 1
+        if row.get("floor_bytes") is not None and row["floor_bytes"] <= floor:
+            return row  # refused at a floor already given: no progress
+    return row
 
 
 def earlier_rows(args: argparse.Namespace) -> list[dict]:

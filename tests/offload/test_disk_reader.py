@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -10,7 +11,8 @@ import torch
 from shuttle.formats.safetensors_file import SafetensorsFile
 from shuttle.offload import Layout, SlotPool
 from shuttle.offload.arena import new_arena as _arena
-from shuttle.offload.disk_reader import _GAP, IO_ALIGN, DiskReader, DiskSpans
+from shuttle.errors import AdapterFileError
+from shuttle.offload.disk_reader import _GAP, IO_ALIGN, DiskReader, DiskSpans, read_bandwidth
 
 
 def checkpoint(tmp_path):
@@ -153,3 +155,37 @@ def test_a_pool_load_from_disk_lands_at_wait_loaded(cpu_copy, tmp_path, monkeypa
     want = [src.load() for src in unit.survey.files]
     assert all(torch.equal(g, w) for g, w in zip(pool.views[0], want, strict=True))
     pool.close()
+
+
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("workers", [1, 3])
+def test_read_bandwidth_reads_the_bytes_asked_in_pieces_on_its_workers(tmp_path, monkeypatch,
+                                                                       direct, workers):
+    # 2.5 pieces of 64 KiB: three reads, the last short; nbytes beyond the file reads it all.
+    monkeypatch.setattr("shuttle.offload.disk_reader._PIECE", 1 << 16)
+    path = tmp_path / "w.bin"
+    path.write_bytes(torch.randint(0, 255, (5 << 15,), dtype=torch.uint8).numpy().tobytes())
+    reads: list[tuple[int, int, str]] = []
+    pread = os.preadv
+
+    def counted(fd, views, offset):
+        got = pread(fd, views, offset)
+        reads.append((offset, got, threading.current_thread().name))
+        return got
+
+    monkeypatch.setattr(os, "preadv", counted)
+    speed = read_bandwidth(path, 1 << 30, workers=workers, direct=direct)
+    assert speed > 0
+    assert sorted(r[:2] for r in reads) == [(0, 1 << 16), (1 << 16, 1 << 16), (2 << 16, 1 << 15)]
+    assert len({r[2] for r in reads}) <= workers
+    reads.clear()
+    read_bandwidth(path, 1000, workers=workers, direct=direct)  # one block, rounded up
+    assert [r[:2] for r in reads] == [(0, IO_ALIGN)]
+
+
+def test_read_bandwidth_refuses_a_missing_file_and_bad_counts(tmp_path):
+    with pytest.raises(AdapterFileError, match="cannot be read"):
+        read_bandwidth(tmp_path / "missing.safetensors")
+    (tmp_path / "w.bin").write_bytes(b"x" * 4096)
+    with pytest.raises(ValueError, match="at least 1"):
+        read_bandwidth(tmp_path / "w.bin", workers=0)

@@ -8,8 +8,9 @@ What it shows (one row): the output against the resident model with the same ada
 host bytes shuttle holds (arenas, staging buffers, the adapter) against ``max_host_bytes``,
 and the time of a call against its bound: the larger of the bytes a call moves to the device
 over the pinned host-to-device bandwidth and the bytes it reads from disk over the disk's
-O_DIRECT read bandwidth, both measured here. On the CPU the same path runs through the CPU
-copy mode (slots and hooks as on CUDA; no device memory to report).
+read bandwidth as the disk tier reads (O_DIRECT, several reads in flight), both measured here.
+On the CPU the same path runs through the CPU copy mode (slots and hooks as on CUDA; no device
+memory to report).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from shuttle.cli.table import format_bytes
 from shuttle.formats.safetensors_file import SafetensorsFile
 from shuttle.integrations.handle import OffloadHandle
 from shuttle.offload import CPU_COPY_ENV, ModelOffloader
+from shuttle.offload.disk_reader import read_bandwidth
 
 __all__ = ["run_streaming"]
 
@@ -86,12 +88,11 @@ def run_streaming(device: str, model_cls: type[torch.nn.Module], g: torch.Genera
             streamed = _streamed_bytes(off)
             peak = torch.cuda.max_memory_allocated(device) if kind == "cuda" else None
             read = storage.reader.bytes_read if storage.reader is not None else 0
+            disk = read_bandwidth(root / "model.safetensors")  # as the disk tier reads it
         finally:
             handle.remove()
     seconds = statistics.median(times[1:])
     per_call = read / len(times)  # the first call reads as much as the others
-    with tempfile.TemporaryDirectory() as tmp:
-        disk = _direct_read_bandwidth(Path(tmp), (256 if kind == "cuda" else 32) * 2**20)
     bound = max(streamed / _pinned_bandwidth(device) if kind == "cuda" else 0.0,
                 per_call / disk)
     row = {
@@ -159,38 +160,6 @@ def _streamed_bytes(off: ModelOffloader) -> int:
     assert plan is not None
     return sum(u.layout.nbytes for g, units in off.storage.groups.items()
                for i, u in enumerate(units) if i not in plan.resident[g])
-
-
-def _direct_read_bandwidth(folder: Path, nbytes: int = 256 * 2**20) -> float:
-    """Bytes per second of reading a fresh ``nbytes`` file in 8 MiB pieces with ``O_DIRECT``
-    (buffered where the filesystem refuses it, as the disk tier does).
-    """
-    import ctypes
-
-    path = folder / "probe.bin"
-    with open(path, "wb") as f:
-        for _ in range(nbytes // 2**23):
-            f.write(os.urandom(2**23))
-        os.fsync(f.fileno())
-    buf = torch.empty(2**23 + 4096, dtype=torch.uint8)
-    at = buf.data_ptr() + (-buf.data_ptr()) % 4096
-    view = memoryview((ctypes.c_ubyte * 2**23).from_address(at)).cast("B")
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-    except OSError:
-        fd = os.open(path, os.O_RDONLY)
-    t0 = time.perf_counter()
-    try:
-        for offset in range(0, nbytes, 2**23):
-            try:
-                os.preadv(fd, [view], offset)
-            except OSError:  # O_DIRECT refused at the read: buffered from here on
-                os.close(fd)
-                fd = os.open(path, os.O_RDONLY)
-                os.preadv(fd, [view], offset)
-    finally:
-        os.close(fd)
-    return nbytes / (time.perf_counter() - t0)
 
 
 def _pinned_bandwidth(device: str) -> float:

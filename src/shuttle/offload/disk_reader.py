@@ -48,6 +48,7 @@ import errno
 import functools
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
@@ -58,7 +59,7 @@ from shuttle.errors import AdapterFileError, FileChangedError
 from shuttle.formats.safetensors_file import LazyTensor, SafetensorsFile
 from shuttle.offload.layout import ALIGN  # the alignment of tensors in a unit's layout
 
-__all__ = ["DiskLoad", "DiskReader", "DiskSpans", "IO_ALIGN"]
+__all__ = ["DiskLoad", "DiskReader", "DiskSpans", "IO_ALIGN", "read_bandwidth"]
 
 IO_ALIGN = 4096  # O_DIRECT alignment of file offsets, lengths and memory (any block device's)
 _GAP = 32 * 2**10  # read through gaps up to this many bytes rather than issue another request
@@ -395,6 +396,65 @@ class DiskReader:
                 f"{r.file.path}: became shorter while a model streamed from it (it has fewer "
                 f"bytes than its header describes); build the model again from the complete "
                 "file, and keep checkpoint files unchanged while a model streams from them.")
+
+
+def read_bandwidth(path: str | os.PathLike[str], nbytes: int = 2**30, *,
+                   workers: int = _WORKERS, direct: bool = True) -> float:
+    """Bytes per second reading the first ``nbytes`` of ``path`` (all of a smaller file) as the
+    disk tier reads: ``O_DIRECT`` where the filesystem allows, 8 MiB pieces, ``workers`` of
+    them in flight (its pool's size by default; more show what the device could give).
+
+    The ceiling against which a model streaming from ``path``'s disk is measured (the demo and
+    ``benchmarks/consumer.py``): one piece at a time reads an NVMe drive at a fraction of what
+    a queue of several gives.
+
+    Raises:
+        AdapterFileError: ``path`` cannot be opened or read.
+        ValueError: ``nbytes`` or ``workers`` below 1.
+    """
+    if nbytes < 1 or workers < 1:
+        raise ValueError(f"nbytes={nbytes}, workers={workers}: both must be at least 1")
+    try:
+        size = os.stat(path).st_size
+    except OSError as e:
+        raise AdapterFileError(f"{path}: cannot be read ({e.strerror})") from None
+    total = _round_up(min(nbytes, size), IO_ALIGN)  # O_DIRECT reads whole blocks
+    pieces = [(at, min(_PIECE, total - at)) for at in range(0, total, _PIECE)]
+    slots = torch.empty(workers * _PIECE + IO_ALIGN, dtype=torch.uint8)
+    base = slots.data_ptr() + (-slots.data_ptr()) % IO_ALIGN
+    local = threading.local()
+    free = collections.deque(range(workers))  # each thread reads into a slot of its own
+
+    def read(fd: int, piece: tuple[int, int]) -> int:
+        if not hasattr(local, "at"):
+            local.at = base + free.popleft() * _PIECE
+        view = memoryview((ctypes.c_ubyte * piece[1]).from_address(local.at))
+        return os.preadv(fd, [view], piece[0])
+
+    def run(flags: int) -> tuple[int, float]:
+        fd = os.open(path, flags)
+        try:
+            with ThreadPoolExecutor(workers, thread_name_prefix="shuttle-disk-probe") as pool:
+                t0 = time.perf_counter()
+                got = sum(pool.map(functools.partial(read, fd), pieces))
+                return got, time.perf_counter() - t0
+        finally:
+            os.close(fd)
+
+    try:
+        if direct and hasattr(os, "O_DIRECT"):
+            try:
+                got, seconds = run(os.O_RDONLY | os.O_DIRECT)
+            except OSError as e:  # refused at the open or the read (tmpfs): buffered instead
+                if e.errno != errno.EINVAL:
+                    raise
+                local, free = threading.local(), collections.deque(range(workers))
+                got, seconds = run(os.O_RDONLY)
+        else:
+            got, seconds = run(os.O_RDONLY)
+    except OSError as e:
+        raise AdapterFileError(f"{path}: reading failed ({e.strerror})") from None
+    return got / max(seconds, 1e-9)
 
 
 class _DirectRefused(Exception):
