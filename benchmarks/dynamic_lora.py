@@ -214,14 +214,14 @@ def _host_ms(name: str, fn, i: int) -> float:
 
 def chooser_picks(rows: int) -> list[dict]:
     """What the tier chooser measured and picked for every layer shape it saw at ``rows``
-    rows: microseconds per call of each candidate, eagerly (bursts), in graphs and of host
-    time."""
+    rows: microseconds per call of each candidate, eagerly (bursts), in graphs, of host time
+    and from an idle device."""
     def us(times: dict[str, float]) -> dict[str, float | None]:  # None: could not run so
         return {q: round(t * 1e6, 1) if t != float("inf") else None for q, t in times.items()}
 
     return [{"n": key.n, "k": key.k, "r": key.r, "bias": key.bias,
              "eager_us": us(choice.eager), "graph_us": us(choice.graphs),
-             "host_us": us(choice.host),
+             "host_us": us(choice.host), "idle_us": us(choice.idle),
              "eager_pick": choice.best(False), "graph_pick": choice.best(True)}
             for key, choice in CHOOSER.choices.items() if key.rows == row_bucket(rows)]
 
@@ -271,10 +271,11 @@ def write(rows: dict, dit: dict | None) -> None:
                   f"{dit['rank']} on every linear): " + "; ".join(lines) + ".")
         if dit.get("picks"):
             notes += ("\n\nThe tier chooser's measurements at its layers' shapes (us per call, "
-                      "eager bursts | graphs | host) and picks: " + "; ".join(
+                      "eager bursts | graphs | host | idle) and picks: " + "; ".join(
                           f"{p['k']}->{p['n']}: " + ", ".join(
                               f"{q} {_us(p['eager_us'].get(q))} | {_us(p['graph_us'].get(q))}"
                               f" | {_us(p.get('host_us', {}).get(q))}"
+                              f" | {_us(p.get('idle_us', {}).get(q))}"
                               for q in p["eager_us"])
                           + f" -> eager {p['eager_pick']}, graphs {p['graph_pick']}"
                           for p in dit["picks"]) + ".")

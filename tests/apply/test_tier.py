@@ -14,7 +14,7 @@ from torch import nn
 
 import shuttle
 import shuttle.apply.dynamic_layer as dynamic_layer
-from shuttle.apply.tier import TierChooser, TierKey, row_bucket
+from shuttle.apply.tier import MODES, TierChooser, TierKey, row_bucket
 from shuttle.kernels import triton_available
 
 
@@ -58,9 +58,8 @@ def test_the_fastest_candidate_wins_per_mode_and_is_measured_once():
     cands = _named(lossless=_noop(), fused=_noop())
     assert chooser.choose(_key(), cands) == "fused"
     assert chooser.choose(_key(), cands, graphs=True) == "lossless"
-    assert sorted(calls) == [("fused", "eager"), ("fused", "graphs"), ("fused", "host"),
-                             ("lossless", "eager"), ("lossless", "graphs"),
-                             ("lossless", "host")]
+    assert sorted(calls) == [(name, mode) for name in ("fused", "lossless")
+                             for mode in ("eager", "graphs", "host", "idle")]
     assert chooser.known(_key(), graphs=False) == "fused"
     assert chooser.known(_key(256), graphs=False) is None  # another row bucket
     chooser.clear()
@@ -97,7 +96,8 @@ def test_eagerly_a_candidate_costing_the_host_more_than_lossless_is_not_picked(h
     time is within MARGIN of lossless's call compete. In graphs the host does not count."""
     us = {"eager": {"lossless": 100, "fused": 90, "fused_cute": 70},
           "graphs": {"lossless": 100, "fused": 90, "fused_cute": 70},
-          "host": {"lossless": 60, "fused": 40, "fused_cute": host_us}}
+          "host": {"lossless": 60, "fused": 40, "fused_cute": host_us},
+          "idle": {"lossless": 100, "fused": 90, "fused_cute": 70}}
     chooser = TierChooser(lambda fn, mode: us[mode][fn.name] * 1e-6)
     cands = _named(lossless=_noop(), fused=_noop(), fused_cute=_noop())
     assert chooser.choose(_key(), cands) == eager_pick
@@ -106,6 +106,28 @@ def test_eagerly_a_candidate_costing_the_host_more_than_lossless_is_not_picked(h
     us["host"]["fused"] = 100
     chooser.clear()
     assert chooser.choose(_key(), cands) == ("fused_cute" if host_us <= 62.5 else "lossless")
+
+
+@pytest.mark.parametrize(("idle_us", "eager_pick"), [
+    (100.0, "fused_cute"),  # as fast as lossless from an idle device: the faster burst wins
+    (101.0, "fused"),       # slower: the next fastest that is not
+])
+def test_eagerly_a_candidate_slower_than_lossless_from_an_idle_device_is_not_picked(idle_us,
+                                                                                    eager_pick):
+    """A layer called on its own (or after a sync) waits for its launches in order: a tier
+    faster in a burst but slower from an idle device would make such a call slower than
+    lossless. In graphs the idle latency does not count."""
+    us = {"eager": {"lossless": 100, "fused": 90, "fused_cute": 70},
+          "graphs": {"lossless": 100, "fused": 90, "fused_cute": 70},
+          "host": {"lossless": 60, "fused": 60, "fused_cute": 60},
+          "idle": {"lossless": 100, "fused": 95, "fused_cute": idle_us}}
+    chooser = TierChooser(lambda fn, mode: us[mode][fn.name] * 1e-6)
+    cands = _named(lossless=_noop(), fused=_noop(), fused_cute=_noop())
+    assert chooser.choose(_key(), cands) == eager_pick
+    assert chooser.known(_key(), graphs=True) == "fused_cute"
+    us["idle"]["fused"] = 120
+    chooser.clear()
+    assert chooser.choose(_key(), cands) == ("fused_cute" if idle_us <= 100 else "lossless")
 
 
 @pytest.mark.parametrize(("rows", "bucket"), [(1, 1), (2, 2), (3, 4), (64, 64), (65, 128),
@@ -171,7 +193,7 @@ def test_auto_runs_the_measured_fastest_and_layers_of_one_shape_share_it(monkeyp
             other = m(x)
     assert torch.equal(got, want) and not torch.equal(got, other)
     # one key for both layers: two candidates, each measured in every mode, once
-    assert len(chooser.choices) == 1 and len(calls) == 6
+    assert len(chooser.choices) == 1 and len(calls) == 2 * len(MODES)
 
 
 @pytest.mark.skipif(not triton_available(), reason="the fused tier needs triton")
@@ -187,10 +209,10 @@ def test_a_layer_keeps_its_pick_until_the_chooser_forgets(monkeypatch):
         m(x)
         m(x[:90])  # 90 rows: the same power-of-two bucket as 100
         chooser.known = known
-        assert len(calls) == 6
+        assert len(calls) == 2 * len(MODES)  # two candidates, once each in every mode
         chooser.clear()
         m(x)
-        assert len(calls) == 12  # measured again
+        assert len(calls) == 4 * len(MODES)  # measured again
 
 
 @pytest.mark.skipif(not triton_available(), reason="the fused tier needs triton")
@@ -245,14 +267,15 @@ def test_gpu_auto_measures_and_captures_in_a_graph():
     assert eager.shape == out.shape
 
 
-@pytest.mark.parametrize("mode", ["eager", "host"])
+@pytest.mark.parametrize("mode", ["eager", "host", "idle"])
 def test_off_cuda_a_call_is_timed_by_the_clock_and_never_in_graphs(mode):
     from shuttle.apply import tier
 
     calls = []
     seconds = tier.measure_call(lambda: calls.append(1), mode)
     assert 0 < seconds < 1
-    assert len(calls) == tier._WARMUP + tier._REPEATS * tier._BURST
+    per_sample = 1 if mode == "idle" else tier._BURST  # idle: single calls, twice as many
+    assert len(calls) == tier._WARMUP + tier._REPEATS * (2 if mode == "idle" else 1) * per_sample
     if not torch.cuda.is_available():
         assert tier.measure_call(lambda: None, "graphs") == float("inf")
     with pytest.raises(ValueError, match="mode must be one of"):

@@ -8,10 +8,10 @@ import threading
 import pytest
 import torch
 
+from shuttle.errors import AdapterFileError
 from shuttle.formats.safetensors_file import SafetensorsFile
 from shuttle.offload import Layout, SlotPool
 from shuttle.offload.arena import new_arena as _arena
-from shuttle.errors import AdapterFileError
 from shuttle.offload.disk_reader import _GAP, IO_ALIGN, DiskReader, DiskSpans, read_bandwidth
 
 

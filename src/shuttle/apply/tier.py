@@ -10,7 +10,7 @@ implementations measured fastest for that layer's shape on that device:
 
 Which is fastest depends on the shape (fused saves a pass over the output; its launches cost
 host time), on the device, and on how the model runs: eagerly a layer's host time can exceed
-its GPU time, under CUDA graphs only GPU time counts. So each candidate is measured three ways,
+its GPU time, under CUDA graphs only GPU time counts. So each candidate is measured four ways,
 the first time a (device, dtype, row bucket, N, K, R, bias) key is seen, on the call's own
 input:
 
@@ -18,13 +18,19 @@ input:
              the measurement: if it cannot keep up, the GPU idles and the events see it)
     graphs   the same burst captured once in a CUDA graph and replayed (GPU time alone)
     host     the clock around the burst's issue alone (the host's time per call)
+    idle     CUDA events around one call issued to an idle device (its latency: the host's
+             issue until the last kernel's end, as a layer run on its own, or after a sync,
+             takes it)
 
 and the forward asks for the eager choice, or for the graphs choice while a CUDA graph is being
 captured. The graphs choice is the fastest replay. The eager choice is the fastest burst among
 the candidates whose host time is no more than lossless's (within :data:`MARGIN` of lossless's
-call): a burst of one layer lets a slow launcher hide under the layer's own GPU time, but in a
-model whose forward is bound by the host (many small layers, or a small batch) every extra
-microsecond of host time is a microsecond of the forward. A key's measurement is cached for the
+call) and whose idle latency is no more than lossless's: a burst of one layer lets a slow
+launcher hide under the layer's own GPU time, but in a model whose forward is bound by the host
+(many small layers, or a small batch) every extra microsecond of host time is a microsecond of
+the forward, and a call from an idle device waits for its launches in order (lossless's base
+GEMM starts computing while its update is issued; a fused tier's GEMM waits for the shrink's
+launch and its own). A key's measurement is cached for the
 process (:data:`TIERS`); lossless wins unless another implementation is faster by more than
 :data:`MARGIN`, and stands in wherever nothing was measured (off CUDA, under
 ``torch.compile``, while autograd records, or for a first call made during a capture, when
@@ -49,7 +55,7 @@ IMPLEMENTATIONS: tuple[str, ...] = ("lossless", "fused", "fused_cute")
 # margin above the run-to-run spread of the bursts' medians).
 MARGIN = 0.03
 # What a candidate is measured by (the module docstring): seconds per call each.
-MODES: tuple[str, ...] = ("eager", "graphs", "host")
+MODES: tuple[str, ...] = ("eager", "graphs", "host", "idle")
 _WARMUP = 3
 _BURST = 10
 _REPEATS = 5
@@ -71,26 +77,28 @@ class TierKey:
 @dataclasses.dataclass(frozen=True)
 class TierChoice:
     """A key's measurement: seconds per call of each candidate eagerly, in graphs (inf: could
-    not run that way) and of host time, and the fastest. Every candidate is in all three
-    (lossless always: it is never dropped).
+    not run that way), of host time and from an idle device, and the fastest. Every candidate
+    is in all four (lossless always: it is never dropped).
     """
 
     eager: dict[str, float]
     graphs: dict[str, float]
     host: dict[str, float]
+    idle: dict[str, float]
 
     def best(self, graphs: bool) -> str:
         """The fastest candidate; lossless unless another beats it by more than
         :data:`MARGIN` (timing noise must not make the default slower than lossless), and
-        eagerly only among candidates that cost the host no more than lossless does.
+        eagerly only among candidates that cost the host no more than lossless does and are
+        no slower from an idle device.
         """
         times = self.graphs if graphs else self.eager
         if not graphs:
             # The host time lossless's call may grow by without the choice being a gamble
             # on the model's GPU keeping the host's extra time hidden.
             allowed = self.host["lossless"] + MARGIN * times["lossless"]
-            times = {name: t for name, t in times.items()
-                     if name == "lossless" or self.host[name] <= allowed}
+            times = {name: t for name, t in times.items() if name == "lossless" or (
+                self.host[name] <= allowed and self.idle[name] <= self.idle["lossless"])}
         # min over the candidates in IMPLEMENTATIONS order: the first of equals wins
         fastest = min(times, key=lambda name: (times[name], IMPLEMENTATIONS.index(name)))
         if times[fastest] > times["lossless"] * (1 - MARGIN):
@@ -110,7 +118,8 @@ def measure_call(fn: Callable[[], object], mode: str) -> float:
     """Seconds per call of ``fn`` in ``mode`` (one of :data:`MODES`): the median of several
     bursts of back-to-back calls, timed by CUDA events on a CUDA device (eagerly or replayed
     from a captured graph), by the clock around the burst's issue for ``"host"``, and by the
-    clock off CUDA (where there are no graphs: inf).
+    clock off CUDA (where there are no graphs: inf); for ``"idle"`` the median of single calls
+    each issued to a drained device.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
@@ -119,6 +128,8 @@ def measure_call(fn: Callable[[], object], mode: str) -> float:
         fn()
     if mode == "host":
         return _host_seconds(fn)
+    if mode == "idle":
+        return _idle_seconds(fn)
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         if graphs:
             return float("inf")
@@ -175,6 +186,29 @@ def _host_seconds(fn: Callable[[], object]) -> float:
         samples.append((time.perf_counter() - start) / _BURST)
     if cuda:
         torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def _idle_seconds(fn: Callable[[], object]) -> float:
+    """Seconds of one call of ``fn`` issued to a drained device, from before its issue to its
+    last kernel's end (CUDA events; the clock off CUDA), the median of several calls.
+    """
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    samples = []
+    for _ in range(_REPEATS * 2):
+        if not cuda:
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+            continue
+        stream = torch.cuda.current_stream()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record(stream)
+        fn()
+        end.record(stream)
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3)
     return statistics.median(samples)
 
 
