@@ -248,16 +248,21 @@ def drop_page_cache(folder: Path) -> bool:
     return True
 
 
-def direct_read_bandwidth(where: Path) -> float:
-    """The disk's read ceiling in bytes per second: the best of the first 4 GiB of ``where`` (a
-    file, or a diffusers folder's largest weight file) read as the disk tier reads (O_DIRECT,
-    8 MiB pieces, ``shuttle.offload.disk_reader.read_bandwidth``) with its pool's 4 reads in
-    flight and with 16 (what a deeper queue gets from the same drive)."""
+def disk_rates(where: Path) -> dict[int, float]:
+    """Reads in flight -> bytes per second of the first 4 GiB of ``where`` (a file, or a
+    diffusers folder's largest weight file) read as the disk tier reads (O_DIRECT, 8 MiB pieces,
+    ``shuttle.offload.disk_reader.read_bandwidth``): one at a time, its pool's 4, and 16 (what
+    a deeper queue gets from the same drive)."""
     from shuttle.offload.disk_reader import read_bandwidth
 
     path = where if where.is_file() else max(where.glob("*/*.safetensors"),
                                              key=lambda p: p.stat().st_size)
-    return max(read_bandwidth(path, 4 * GIB, workers=w) for w in (4, 16))
+    return {w: read_bandwidth(path, 4 * GIB, workers=w) for w in (1, 4, 16)}
+
+
+def direct_read_bandwidth(where: Path) -> float:
+    """The disk's read ceiling in bytes per second: the best of :func:`disk_rates`."""
+    return max(disk_rates(where).values())
 
 
 # -- one cell -------------------------------------------------------------------------------------
@@ -392,7 +397,9 @@ def main(argv: list[str] | None = None) -> None:
     env = harness.environment()
     # bytes per second (e2e.pinned_bandwidth gives GB/s), measured before any worker runs
     pinned = e2e.pinned_bandwidth() * 1e9 if args.device == "cuda" else None
-    direct = direct_read_bandwidth(args.folder)
+    rates = disk_rates(args.folder)
+    env["disk_bytes_per_s_by_reads_in_flight"] = rates
+    direct = max(rates.values())
     rows: list[dict] = []
     earlier = earlier_rows(args)
     keep = args.folder.parent / f"{args.out}-outputs"
