@@ -30,13 +30,15 @@ so the outputs compare).
 
 Per cell: seconds per image, peak VRAM, peak RSS, bytes read from disk per image
 (``/proc/self/io`` read_bytes: page-cache hits excluded, O_DIRECT included), load seconds,
-load seconds over one plain read of the folder's files (its bytes at the O_DIRECT rate below),
-bit-identity with the resident output, and the bound max(compute, bytes copied to the device
-/ pinned bandwidth, bytes from disk / the disk's read ceiling): compute is the resident call's
-time, the bandwidths are measured in the same run (pinned host-to-device copies; O_DIRECT reads
-of the folder's largest file with 4 and 16 reads in flight, the better), the page cache
-dropped before each worker where allowed. Bytes copied to the device are what each call of an
-offloaded module streams by its plan at that call (modules moved whole not counted).
+load seconds over one plain read of the folder's files (its bytes at the disk's read ceiling
+below), bit-identity with the resident output, resident memory by kind after the load and
+after the calls (``/proc/self/status`` RssAnon/RssFile: what a cell holds beyond its
+ceiling), and the bound max(compute, bytes copied to the device / pinned bandwidth, bytes from
+disk / the disk's read ceiling): compute is the resident call's time, the bandwidths are
+measured in the same run (pinned host-to-device copies; O_DIRECT reads of the folder's largest
+file with 1, 4 and 16 reads in flight, the best), the page cache dropped before each worker
+where allowed. Bytes copied to the device are what each call of an offloaded module streams by
+its plan at that call (modules moved whole not counted).
 
     PYTHONPATH=src python benchmarks/consumer.py --folder /tmp/flux --vram floor,4,6,8,12 \\
         --host 8,16,none                   # the H200 run
@@ -268,6 +270,18 @@ def direct_read_bandwidth(where: Path) -> float:
 # -- one cell -------------------------------------------------------------------------------------
 
 
+def rss_parts() -> dict[str, int]:
+    """This process's resident bytes by kind now (``/proc/self/status``: RssAnon, anonymous
+    memory such as arenas and Python's heap; RssFile, mapped files such as CUDA's libraries;
+    RssShmem), so that a cell over its host ceiling shows what the rest is."""
+    parts = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(("RssAnon:", "RssFile:", "RssShmem:")):
+            name, value = line.split(":")
+            parts[name] = int(value.split()[0]) * 1024
+    return parts
+
+
 def read_bytes() -> int:
     """Bytes this process had read from storage (``/proc/self/io``)."""
     for line in Path("/proc/self/io").read_text().splitlines():
@@ -306,6 +320,7 @@ def worker(args: argparse.Namespace) -> None:
                                                   compress=compress, device=device)
             pipe.set_progress_bar_config(disable=True)
             row["load_s"] = time.perf_counter() - t0
+            row["rss_after_load"] = {**rss_parts(), "peak": rss.peak}
             call = PIPELINES[args.model][1](pipe, device, args.smoke)
             out, _, _ = e2e.timed_call(call, device)  # warm-up (the first call: at the floor)
             before = read_bytes()
@@ -323,6 +338,7 @@ def worker(args: argparse.Namespace) -> None:
                 row["device_bytes_per_image"] = sum(copied) / args.runs
                 row["host_bytes"] = handle.cache.used_bytes
         row["peak_rss"] = rss.peak
+        row["rss_after_calls"] = rss_parts()
         torch.save({k: v.cpu() for k, v in out.items()}, keep / f"{vram}-{host}.pt")
         row["stats"] = PIPELINES[args.model][2](out, args.smoke)
     except BudgetTooSmallError as e:
