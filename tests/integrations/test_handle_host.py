@@ -155,3 +155,28 @@ def test_adapters_get_room_from_the_shares(tmp_path, mode):
     assert cache.used_bytes <= budget
     assert sum(c.share for c in h._components.values()) < sum(shares.values())
     assert sum(off.storage.host_bytes for off in h.offloaders.values()) + lora.nbytes <= budget
+
+
+def test_adapters_take_room_from_the_least_often_read_module_first(tmp_path):
+    # Both stream and both hold more than their floors; the denoiser (hot) keeps its share.
+    refs, opened = files(tmp_path)
+    budget = sum(weights(m) for m in refs.values()) * 9 // 10
+    both = {"transformer": ["blocks", "single"], "text_encoder": ["blocks"]}
+    h, modules, cache = handle(refs, opened, budget, blocks=both, hot=("transformer",))
+    c = h._components
+    before = {n: c[n].share for n in c}
+    assert all(before[n] > c[n].host_floor for n in c)
+    g = torch.Generator().manual_seed(1)
+    lora = shuttle.load_lora({"transformer.blocks.1.up.diff":
+                              torch.randn(128, 32, generator=g) * 0.01})
+    assert cache.available_bytes < lora.nbytes < before["text_encoder"] - c["text_encoder"].host_floor
+    assert h.set_loras([(lora, 1.0)]) == {}
+    assert c["transformer"].share == before["transformer"]
+    assert c["text_encoder"].share < before["text_encoder"]
+    run_transformer = copy.deepcopy(refs["transformer"])
+    shuttle.merge_lora(run_transformer, [(lora, 1.0)])
+    x = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(modules["transformer"](x), run_transformer(x))
+        assert torch.equal(modules["text_encoder"](x), refs["text_encoder"](x))
+    h.remove()
