@@ -142,8 +142,9 @@ def bench_shape(name: str, t: int, k: int, n: int, r: int, rounds: int) -> dict:
         graph = {"timings": graph,
                  "overhead_pct": {q: 100 * (graph[q]["median_ms"] - g_base) / g_base
                                   for q in names}}
+    picks = [p for p in chooser_picks(rows=t) if (p["n"], p["k"], p["r"]) == (n, k, r)]
     return {"shape": (t, k, n, r), "timings": timings, "rel_err_vs_float64": err,
-            "graph": graph, "burst_timings": burst,
+            "graph": graph, "burst_timings": burst, "picks": picks,
             "overhead_pct": {q: 100 * (timings[q]["median_ms"] - t_base) / t_base
                              for q in names},
             "burst_overhead_pct": {q: 100 * (burst[q]["median_ms"] - b_base) / b_base
@@ -226,6 +227,16 @@ def chooser_picks(rows: int) -> list[dict]:
             for key, choice in CHOOSER.choices.items() if key.rows == row_bucket(rows)]
 
 
+def _picks(picks: list[dict]) -> str:
+    """The chooser's measurements and picks, one ``K->N: ...`` clause per key."""
+    return "; ".join(
+        f"{p['k']}->{p['n']}: " + ", ".join(
+            f"{q} {_us(p['eager_us'].get(q))} | {_us(p['graph_us'].get(q))}"
+            f" | {_us(p.get('host_us', {}).get(q))} | {_us(p.get('idle_us', {}).get(q))}"
+            for q in p["eager_us"])
+        + f" -> eager {p['eager_pick']}, graphs {p['graph_pick']}" for p in picks)
+
+
 def _us(t: float | None) -> str:
     return "-" if t is None else f"{t:.0f}"
 
@@ -271,14 +282,13 @@ def write(rows: dict, dit: dict | None) -> None:
                   f"{dit['rank']} on every linear): " + "; ".join(lines) + ".")
         if dit.get("picks"):
             notes += ("\n\nThe tier chooser's measurements at its layers' shapes (us per call, "
-                      "eager bursts | graphs | host | idle) and picks: " + "; ".join(
-                          f"{p['k']}->{p['n']}: " + ", ".join(
-                              f"{q} {_us(p['eager_us'].get(q))} | {_us(p['graph_us'].get(q))}"
-                              f" | {_us(p.get('host_us', {}).get(q))}"
-                              f" | {_us(p.get('idle_us', {}).get(q))}"
-                              for q in p["eager_us"])
-                          + f" -> eager {p['eager_pick']}, graphs {p['graph_pick']}"
-                          for p in dit["picks"]) + ".")
+                      "eager bursts | graphs | host | idle) and picks: "
+                      + _picks(dit["picks"]) + ".")
+    shape_picks = {name: r["picks"] for name, r in rows.items() if r.get("picks")}
+    if shape_picks:
+        notes += ("\n\nThe tier chooser at the table's shapes (us per call, eager bursts | "
+                  "graphs | host | idle) and its picks: " + "; ".join(
+                      f"{name} {_picks(p)}" for name, p in shape_picks.items()) + ".")
     harness.write_results("dynamic_lora", {"shapes": rows, "dit": dit}, table,
                           "Dynamic LoRA overhead (benchmarks/dynamic_lora.py)", notes)
     print(table)
