@@ -20,8 +20,10 @@ def _tokenizer():
                                    model_max_length=77)
 
 
-def tiny_flux():
-    """A FluxPipeline of random weights: 2 double and 3 single blocks, CLIP, T5, a 1-level VAE."""
+def tiny_flux(head_dim: int = 16, heads: int = 2, axes: tuple[int, int, int] = (4, 4, 8)):
+    """A FluxPipeline of random weights: 2 double and 3 single blocks, CLIP, T5, a 1-level VAE;
+    the transformer ``heads`` x ``head_dim`` wide (``axes``: its rotary dims, summing to
+    ``head_dim``)."""
     from diffusers import (
         AutoencoderKL,
         FlowMatchEulerDiscreteScheduler,
@@ -32,9 +34,9 @@ def tiny_flux():
 
     torch.manual_seed(0)
     transformer = FluxTransformer2DModel(
-        patch_size=1, in_channels=4, num_layers=2, num_single_layers=3, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
-        axes_dims_rope=[4, 4, 8])
+        patch_size=1, in_channels=4, num_layers=2, num_single_layers=3,
+        attention_head_dim=head_dim, num_attention_heads=heads, joint_attention_dim=32,
+        pooled_projection_dim=32, axes_dims_rope=list(axes))
     clip = CLIPTextModel(CLIPTextConfig(
         bos_token_id=0, eos_token_id=2, pad_token_id=1, hidden_size=32, intermediate_size=37,
         num_attention_heads=4, num_hidden_layers=2, vocab_size=16, projection_dim=32))

@@ -225,3 +225,59 @@ def test_a_host_budget_far_below_the_pipeline_reads_the_rest_from_disk(saved, mo
     assert torch.equal(run_flux(pipe, "pt"), pixels)
     assert sum(s.reader.bytes_read for s in storages if s.reader is not None) > 0
     handle.remove()
+
+
+@pytest.fixture(scope="module")
+def bf16_folders(tmp_path_factory):
+    """A tiny pipeline saved in bfloat16 (what `shuttle compress` codes; its transformer wide
+    enough that coding its tensors pays), and a copy of that folder with every weight file
+    written by `shuttle compress`."""
+    from shuttle.weights.lossless_file import compress_file
+
+    root = tmp_path_factory.mktemp("flux-bf16")
+    tiny_flux(head_dim=64, heads=4, axes=(16, 24, 24)).to(torch.bfloat16).save_pretrained(
+        root / "plain")
+    shutil.copytree(root / "plain", root / "coded",
+                    ignore=shutil.ignore_patterns("*.safetensors"))
+    for f in (root / "plain").glob("*/*.safetensors"):
+        compress_file(f, root / "coded" / f.parent.name / f.name, progress=False)
+    return root / "plain", root / "coded"
+
+
+def test_a_compressed_folder_streams_from_disk_with_fewer_bytes_read(bf16_folders,
+                                                                    monkeypatch):
+    # A pipeline folder whose files `shuttle compress` wrote, under a host ceiling: the units
+    # left on disk are read coded (about 0.7x the bytes), the outputs the plain folder's.
+    from shuttle.kernels import exponent_decode
+
+    monkeypatch.setattr(exponent_decode, "interpreting", lambda: False)  # CPU: the reference
+    monkeypatch.setattr("shuttle.offload.spill.MIN_STAGING", 4096)
+    monkeypatch.setattr("shuttle.offload.residency.MIN_STAGING", 4096)
+    budget = file_bytes(bf16_folders[0]) // 2
+    read, outs = {}, {}
+    for folder in bf16_folders:
+        pipe, handle = shuttle_diffusers.from_pretrained(
+            folder, torch_dtype=torch.bfloat16, device="cpu", prefetch=1,
+            vram_budget=24_000_000, max_host_bytes=budget)
+        storages = [o.storage for o in handle.offloaders.values()]
+        outs[folder.name] = run_flux(pipe), run_flux(pipe, "pt")
+        read[folder.name] = sum(s.reader.bytes_read for s in storages if s.reader is not None)
+        handle.remove()
+    assert all(torch.equal(a, b) for a, b in zip(outs["plain"], outs["coded"], strict=True))
+    assert 0 < read["coded"] < 0.8 * read["plain"]
+
+
+def test_a_budget_below_a_compressed_folders_floor_raises_and_changes_nothing(bf16_folders):
+    # Coded units need staging on the device, so the floor is higher than the plain folder's;
+    # below it the refusal is the typed error (cleaning up must not trip over units still
+    # coded on disk).
+    from shuttle.errors import BudgetTooSmallError
+
+    plain, coded = bf16_folders
+    budgets = {"vram_budget": 9_000_000, "max_host_bytes": file_bytes(plain) // 2}
+    pipe, handle = shuttle_diffusers.from_pretrained(plain, torch_dtype=torch.bfloat16,
+                                                     device="cpu", **budgets)
+    handle.remove()
+    with pytest.raises(BudgetTooSmallError, match="staging for coded weights"):
+        shuttle_diffusers.from_pretrained(coded, torch_dtype=torch.bfloat16, device="cpu",
+                                          **budgets)

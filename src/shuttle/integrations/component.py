@@ -107,6 +107,12 @@ def restore(storage: HostStorage, devices: dict[tuple[int, str, bool], torch.dev
             where: dict[int, torch.device] = {}
             for b in unit.bindings:  # tied tensors share an entry: they stay tied
                 where.setdefault(b.entry, devices[(id(b.module), b.name, b.is_param)])
+            if all(d.type == "meta" for d in where.values()):
+                # built to be filled from its files: back to meta without reading anything
+                # (a unit still on disk, coded there, has no host values to read)
+                empty = torch.empty(unit.layout.nbytes, dtype=torch.uint8, device="meta")
+                unit.bind(unit.layout.views(empty))
+                continue
             # a parameter going back to meta is replaced by bind() (tied names share one)
             unit.bind([v if storage.host == "adopt" and where[i].type == "cpu"
                        else v.to(where[i], copy=True) for i, v in enumerate(unit.host_tensors())])
