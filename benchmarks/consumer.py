@@ -15,12 +15,15 @@ Cells: --vram (GiB; ``floor``: the smallest budget that runs with that host cell
 the floor named by the ``BudgetTooSmallError`` of a budget below it, raised to the floor a
 refusal after the first call names when its activations do not fit) x --host (GiB; ``none``:
 no ceiling; a host ``H:lossless`` loads with ``compress="lossless"``: what the ceiling holds is
-kept coded, 1.5x as many units, and the rest is read plain from the files). Each cell runs in
-its own process (``consumer.py --worker V H``), so that its peak VRAM
-(``max_memory_allocated`` from the load on) and peak RSS (VmRSS sampled every 10 ms) are its
-own; the worker loads, makes one warm-up call and --runs timed calls (wall clock between device
-synchronizations), and saves its output, compared with the resident pipeline's (a ``resident``
-worker: the same folder loaded by diffusers onto the device).
+kept coded, 1.5x as many units, and the rest is read plain from the files; ``H:compressed``
+loads a copy of the folder whose weight files ``shuttle compress`` wrote, made once beside it:
+held and read coded, about 0.67x the bytes from disk; 22.7 GB more on the disk for Flux, so
+not beside the disk peers' copies on a 64 GiB disk). Each cell runs in its own process
+(``consumer.py --worker V H``), so that its peak VRAM (``max_memory_allocated`` from the load
+on) and peak RSS (VmRSS sampled every 10 ms) are its own; the worker loads, makes one warm-up
+call and --runs timed calls (wall clock between device synchronizations), and saves its
+output, compared with the resident pipeline's (a ``resident`` worker: the same folder loaded by
+diffusers onto the device).
 
 Peers (--peers), each a cell of its own on the same folder, no host ceiling (none takes one):
 diffusers' group offloading (block level, one block per group, streamed) with its groups on
@@ -220,10 +223,21 @@ def gib(text: str) -> int | None:
     return None if text in ("none", "resident") else int(float(text) * GIB)
 
 
+HOST_KINDS = ("lossless", "compressed")
+
+
 def host_cell(text: str) -> tuple[int | None, str | None]:
-    """A --host cell: (max_host_bytes, compress) of ``8``, ``none``, ``8:lossless``..."""
-    ceiling, _, compress = text.partition(":")
-    return gib(ceiling), compress or None
+    """A --host cell: (max_host_bytes, kind) of ``8``, ``none``, ``8:lossless``,
+    ``8:compressed``."""
+    ceiling, _, kind = text.partition(":")
+    if kind and kind not in HOST_KINDS:
+        raise SystemExit(f"--host {text!r}: the suffix is one of {HOST_KINDS}")
+    return gib(ceiling), kind or None
+
+
+def compressed_folder(folder: Path) -> Path:
+    """Where ``folder``'s compressed copy lies (:func:`write_compressed`)."""
+    return folder.parent / f"{folder.name}-compressed"
 
 
 # -- the folder ---------------------------------------------------------------------------------
@@ -236,6 +250,24 @@ def write_folder(folder: Path, model: str, smoke: bool) -> int:
         pipe.save_pretrained(folder, safe_serialization=True, max_shard_size="5GB")
         del pipe
     return sum(p.stat().st_size for p in folder.glob("*/*.safetensors"))
+
+
+def write_compressed(folder: Path) -> Path:
+    """A copy of the pipeline folder with every weight file written by ``shuttle compress``
+    (skipped when it is there): what a user streams with fewer bytes read from disk."""
+    from shuttle.weights.lossless_file import compress_file
+
+    out = compressed_folder(folder)
+    if (out / "model_index.json").is_file():
+        return out
+    part = out.parent / f"{out.name}.part"
+    shutil.rmtree(part, ignore_errors=True)
+    shutil.copytree(folder, part, ignore=shutil.ignore_patterns("*.safetensors"))
+    for f in sorted(folder.glob("*/*.safetensors")):
+        report = compress_file(f, part / f.parent.name / f.name, progress=False)
+        print(f"compressed {f.parent.name}/{f.name}: {report.ratio:.3f}x", flush=True)
+    part.rename(out)
+    return out
 
 
 def drop_page_cache(folder: Path) -> bool:
@@ -314,10 +346,12 @@ def worker(args: argparse.Namespace) -> None:
             else:
                 from shuttle.integrations import diffusers as sd
 
-                ceiling, compress = host_cell(host)
-                pipe, handle = sd.from_pretrained(args.folder, torch_dtype=torch.bfloat16,
+                ceiling, kind = host_cell(host)
+                folder = compressed_folder(args.folder) if kind == "compressed" else args.folder
+                pipe, handle = sd.from_pretrained(folder, torch_dtype=torch.bfloat16,
                                                   vram_budget=gib(vram), max_host_bytes=ceiling,
-                                                  compress=compress, device=device)
+                                                  compress="lossless" if kind == "lossless"
+                                                  else None, device=device)
             pipe.set_progress_bar_config(disable=True)
             row["load_s"] = time.perf_counter() - t0
             row["rss_after_load"] = {**rss_parts(), "peak": rss.peak}
@@ -410,6 +444,8 @@ def main(argv: list[str] | None = None) -> None:
         worker(args)
         return
     weights = write_folder(args.folder, args.model, args.smoke)
+    if any(host_cell(h)[1] == "compressed" for h in args.host.split(",")):
+        write_compressed(args.folder)
     env = harness.environment()
     # bytes per second (e2e.pinned_bandwidth gives GB/s), measured before any worker runs
     pinned = e2e.pinned_bandwidth() * 1e9 if args.device == "cuda" else None
@@ -430,6 +466,8 @@ def main(argv: list[str] | None = None) -> None:
     for vram in args.vram.split(","):
         for host in args.host.split(","):
             drop_page_cache(args.folder)
+            if host_cell(host)[1] == "compressed":
+                drop_page_cache(compressed_folder(args.folder))
             row = run_floor(args, host) if vram == "floor" else run_worker(args, vram, host)
             path = keep / f"{row['vram']}-{host}.pt"  # a floor cell: the budget it ran at
             if want is not None and path.is_file():
