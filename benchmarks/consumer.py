@@ -255,18 +255,12 @@ def write_folder(folder: Path, model: str, smoke: bool) -> int:
 def write_compressed(folder: Path) -> Path:
     """A copy of the pipeline folder with every weight file written by ``shuttle compress``
     (skipped when it is there): what a user streams with fewer bytes read from disk."""
-    from shuttle.weights.lossless_file import compress_file
+    from shuttle.weights.lossless_file import compress_folder
 
     out = compressed_folder(folder)
-    if (out / "model_index.json").is_file():
-        return out
-    part = out.parent / f"{out.name}.part"
-    shutil.rmtree(part, ignore_errors=True)
-    shutil.copytree(folder, part, ignore=shutil.ignore_patterns("*.safetensors"))
-    for f in sorted(folder.glob("*/*.safetensors")):
-        report = compress_file(f, part / f.parent.name / f.name, progress=False)
-        print(f"compressed {f.parent.name}/{f.name}: {report.ratio:.3f}x", flush=True)
-    part.rename(out)
+    if not (out / "model_index.json").is_file():
+        for report in compress_folder(folder, out, progress=False):
+            print(f"compressed {report.path}: {report.ratio:.3f}x", flush=True)
     return out
 
 

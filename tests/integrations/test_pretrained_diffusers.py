@@ -232,15 +232,12 @@ def bf16_folders(tmp_path_factory):
     """A tiny pipeline saved in bfloat16 (what `shuttle compress` codes; its transformer wide
     enough that coding its tensors pays), and a copy of that folder with every weight file
     written by `shuttle compress`."""
-    from shuttle.weights.lossless_file import compress_file
+    from shuttle.weights.lossless_file import compress_folder
 
     root = tmp_path_factory.mktemp("flux-bf16")
     tiny_flux(head_dim=64, heads=4, axes=(16, 24, 24)).to(torch.bfloat16).save_pretrained(
         root / "plain")
-    shutil.copytree(root / "plain", root / "coded",
-                    ignore=shutil.ignore_patterns("*.safetensors"))
-    for f in (root / "plain").glob("*/*.safetensors"):
-        compress_file(f, root / "coded" / f.parent.name / f.name, progress=False)
+    compress_folder(root / "plain", root / "coded", progress=False)
     return root / "plain", root / "coded"
 
 

@@ -140,3 +140,54 @@ def test_cli_compress_and_inspect(tmp_path, capsys):
     assert info["coded_ratio"] < 0.9
     assert main(["compress", str(src), str(out)]) == 2  # exists: a one-line error
     assert "exists" in capsys.readouterr().err
+
+
+def test_a_folder_is_compressed_file_by_file_and_the_rest_copied(tmp_path, capsys):
+    from shuttle.weights.lossless_file import compress_folder
+
+    src = tmp_path / "model"
+    (src / "transformer").mkdir(parents=True)
+    state = _state()
+    save_file(state, str(src / "transformer" / "model.safetensors"))
+    save_file({"plain": torch.arange(6.0)}, str(src / "extra.safetensors"))
+    (src / "model_index.json").write_text('{"_class_name": "X"}')
+    (src / "transformer" / "config.json").write_text("{}")
+    (src / "linked.json").symlink_to(src / "model_index.json")  # as a Hub cache snapshot
+    out = tmp_path / "coded"
+    reports = compress_folder(src, out, progress=False)
+    assert [r.path for r in reports] == [out / "extra.safetensors",
+                                         out / "transformer" / "model.safetensors"]
+    assert [r.coded for r in reports] == [0, 2]
+    for name in ("model_index.json", "transformer/config.json", "linked.json"):
+        assert (out / name).read_bytes() == (src / name).read_bytes()
+        assert not (out / name).is_symlink()
+    got = open_decoded(out / "transformer" / "model.safetensors")
+    for name, t in state.items():
+        assert_bits_equal(got.tensors[name].load(), t, name)
+    assert not list(tmp_path.glob(".*part"))
+    with pytest.raises(AdapterFileError, match="exists"):
+        compress_folder(src, out, progress=False)
+    with pytest.raises(AdapterFileError, match="inside it"):
+        compress_folder(src, src / "coded", progress=False)
+    with pytest.raises(AdapterFileError, match="not a folder"):
+        compress_folder(src / "transformer" / "config.json", tmp_path / "x", progress=False)
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "config.json").write_text("{}")
+    with pytest.raises(AdapterFileError, match="no .safetensors"):
+        compress_folder(tmp_path / "configs", tmp_path / "x", progress=False)
+    # the CLI takes a folder too
+    assert main(["compress", str(src), str(out), "--force", "--json"]) == 0
+    written = json.loads(capsys.readouterr().out)
+    assert written["files"] == 2 and written["coded"] == 2 and written["ratio"] < 1
+
+
+def test_a_folder_whose_file_fails_leaves_nothing_behind(tmp_path):
+    from shuttle.weights.lossless_file import compress_folder
+
+    src = tmp_path / "model"
+    src.mkdir()
+    save_file(_state(), str(src / "a.safetensors"))
+    compress_file(src / "a.safetensors", src / "b.safetensors", progress=False)  # coded already
+    with pytest.raises(ShuttleError, match="compressed already"):
+        compress_folder(src, tmp_path / "coded", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]

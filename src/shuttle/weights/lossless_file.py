@@ -20,6 +20,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -39,8 +40,8 @@ from shuttle.kernels.exponent_decode import LANES, MAX_LEN, STEPS
 from shuttle.patches.patch import materialize
 from shuttle.weights.lossless import CODED_DTYPES, LosslessTensor, blob_nbytes
 
-__all__ = ["LOSSLESS_KEY", "CodedRef", "CompressReport", "compress_file", "coded_entries",
-           "open_decoded"]
+__all__ = ["LOSSLESS_KEY", "CodedRef", "CompressReport", "compress_file", "compress_folder",
+           "coded_entries", "open_decoded"]
 
 LOSSLESS_KEY = "shuttle.lossless"
 _VERSION = 2  # 2: the lookup table stored short codes first (exponent_decode.table_index)
@@ -260,3 +261,59 @@ def compress_file(source: str | os.PathLike[str], out: str | os.PathLike[str], *
             raise
     return CompressReport(out, len(raw), len(coded), sum(r.nbytes for r in raw.values()),
                           writer.nbytes)
+
+
+def compress_folder(source: str | os.PathLike[str], out: str | os.PathLike[str], *,
+                    overwrite: bool = False, progress: bool = True) -> list[CompressReport]:
+    """Write a copy of the folder ``source`` (a diffusers pipeline, a transformers model, any
+    tree of checkpoints) to ``out`` with every ``.safetensors`` file compressed as
+    :func:`compress_file` does and every other file copied as it is (symlinks followed, as in
+    a Hugging Face cache snapshot). Tensor names and file names stay, so index files stay
+    valid and the integrations' ``from_pretrained`` loads ``out`` as it loads ``source``.
+
+    ``out`` appears complete or not at all (written beside it, then renamed).
+
+    Args:
+        source: the folder to read.
+        out: the folder to write (must not exist, unless ``overwrite``: then it is replaced).
+        overwrite: replace ``out`` if it exists.
+        progress: show a progress bar per file.
+
+    Returns:
+        One :class:`CompressReport` per weight file, in path order (``path`` under ``out``).
+
+    Raises:
+        AdapterFileError: ``source`` is not a folder or holds no ``.safetensors`` file, ``out``
+            exists (without ``overwrite``) or lies inside ``source`` (or is it).
+        ShuttleError: a weight file is compressed already.
+    """
+    src, out = Path(source), Path(out)
+    if not src.is_dir():
+        raise AdapterFileError(f"{src} is not a folder; pass a folder, or use compress_file "
+                               "for one file")
+    files = sorted(p for p in src.rglob("*") if p.is_file())
+    if not any(p.suffix == ".safetensors" for p in files):
+        raise AdapterFileError(f"{src} holds no .safetensors file: nothing to compress")
+    if out.resolve() == src.resolve() or src.resolve() in out.resolve().parents:
+        raise AdapterFileError(f"{out} is {src} or inside it; write the copy elsewhere")
+    if out.exists() and not overwrite:
+        raise AdapterFileError(f"{out} exists; pass overwrite=True (`--force`) to replace it")
+    part = out.parent / f".{out.name}.part"
+    shutil.rmtree(part, ignore_errors=True)
+    reports = []
+    try:
+        for f in files:
+            dest = part / f.relative_to(src)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            if f.suffix == ".safetensors":
+                report = compress_file(f, dest, progress=progress)
+                reports.append(dataclasses.replace(report, path=out / f.relative_to(src)))
+            else:
+                shutil.copyfile(f, dest)
+        if out.exists():
+            shutil.rmtree(out)
+        part.rename(out)
+    except BaseException:
+        shutil.rmtree(part, ignore_errors=True)
+        raise
+    return reports
