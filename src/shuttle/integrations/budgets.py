@@ -99,8 +99,9 @@ class SourcedSpec:
 def read_order(names: Sequence[str], blocks: Mapping[str, Sequence[str]],
                hot: Sequence[str] = ()) -> list[str]:
     """``names``, the modules whose weights are read most often in a call first: those in
-    ``hot`` (a pipeline's denoisers, run at every step), then those with streamed blocks, then
-    the ones moved whole (text encoders and autoencoders run once a call); in order within each.
+    ``hot`` (a pipeline's denoisers, run at every step), then the others with streamed blocks
+    (text encoders under a VRAM budget: run once a call), then the ones moved whole; in order
+    within each.
 
     Host memory goes to the first (:func:`host_shares`) and is taken back from the last
     (``OffloadHandle.set_loras``): a byte kept in host memory saves one disk read per call of
