@@ -169,6 +169,9 @@ def test_a_folder_is_compressed_file_by_file_and_the_rest_copied(tmp_path, capsy
         compress_folder(src, out, progress=False)
     with pytest.raises(AdapterFileError, match="inside it"):
         compress_folder(src, src / "coded", progress=False)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(AdapterFileError, match="is a file"):
+        compress_folder(src, tmp_path / "file", overwrite=True, progress=False)
     with pytest.raises(AdapterFileError, match="not a folder"):
         compress_folder(src / "transformer" / "config.json", tmp_path / "x", progress=False)
     (tmp_path / "configs").mkdir()

@@ -284,7 +284,7 @@ def compress_folder(source: str | os.PathLike[str], out: str | os.PathLike[str],
 
     Raises:
         AdapterFileError: ``source`` is not a folder or holds no ``.safetensors`` file, ``out``
-            exists (without ``overwrite``) or lies inside ``source`` (or is it).
+            exists (without ``overwrite``; or is a file), or lies inside ``source`` (or is it).
         ShuttleError: a weight file is compressed already.
     """
     src, out = Path(source), Path(out)
@@ -298,6 +298,8 @@ def compress_folder(source: str | os.PathLike[str], out: str | os.PathLike[str],
         raise AdapterFileError(f"{out} is {src} or inside it; write the copy elsewhere")
     if out.exists() and not overwrite:
         raise AdapterFileError(f"{out} exists; pass overwrite=True (`--force`) to replace it")
+    if out.exists() and not out.is_dir():
+        raise AdapterFileError(f"{out} is a file; the copy of a folder is a folder: name another")
     part = out.parent / f".{out.name}.part"
     shutil.rmtree(part, ignore_errors=True)
     reports = []
