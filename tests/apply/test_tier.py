@@ -84,6 +84,18 @@ def test_lossless_wins_ties_and_near_ties_and_a_failing_candidate_is_dropped():
         TierChooser(lambda fn, mode: fn() or 0.0).choose(_key(), {"lossless": broken})
 
 
+def _timed(**changed):
+    """(microseconds per mode and candidate, a chooser measuring them, the candidates): each
+    mode lossless 100, fused 90, cute 70 (host time 60 each), with ``changed``'s entries
+    (mode -> {candidate: us}) in place."""
+    us = {mode: {"lossless": 100, "fused": 90, "fused_cute": 70} for mode in MODES}
+    us["host"] = {"lossless": 60, "fused": 60, "fused_cute": 60}
+    for mode, entries in changed.items():
+        us[mode].update(entries)
+    chooser = TierChooser(lambda fn, mode: us[mode][fn.name] * 1e-6)
+    return us, chooser, _named(lossless=_noop(), fused=_noop(), fused_cute=_noop())
+
+
 @pytest.mark.parametrize(("host_us", "eager_pick"), [
     (60.0, "fused_cute"),   # no more host time than lossless's: the faster burst wins
     (62.5, "fused_cute"),   # within MARGIN (3%) of lossless's 100 us call
@@ -94,12 +106,7 @@ def test_eagerly_a_candidate_costing_the_host_more_than_lossless_is_not_picked(h
     """A burst of one layer hides a slow launcher under the layer's own GPU time; in a
     forward bound by the host it would not be hidden: eagerly, only candidates whose host
     time is within MARGIN of lossless's call compete. In graphs the host does not count."""
-    us = {"eager": {"lossless": 100, "fused": 90, "fused_cute": 70},
-          "graphs": {"lossless": 100, "fused": 90, "fused_cute": 70},
-          "host": {"lossless": 60, "fused": 40, "fused_cute": host_us},
-          "idle": {"lossless": 100, "fused": 90, "fused_cute": 70}}
-    chooser = TierChooser(lambda fn, mode: us[mode][fn.name] * 1e-6)
-    cands = _named(lossless=_noop(), fused=_noop(), fused_cute=_noop())
+    us, chooser, cands = _timed(host={"fused": 40, "fused_cute": host_us})
     assert chooser.choose(_key(), cands) == eager_pick
     assert chooser.known(_key(), graphs=True) == "fused_cute"
     # nothing else under the host's bar: lossless
@@ -117,12 +124,7 @@ def test_eagerly_a_candidate_slower_than_lossless_from_an_idle_device_is_not_pic
     """A layer called on its own (or after a sync) waits for its launches in order: a tier
     faster in a burst but slower from an idle device would make such a call slower than
     lossless. In graphs the idle latency does not count."""
-    us = {"eager": {"lossless": 100, "fused": 90, "fused_cute": 70},
-          "graphs": {"lossless": 100, "fused": 90, "fused_cute": 70},
-          "host": {"lossless": 60, "fused": 60, "fused_cute": 60},
-          "idle": {"lossless": 100, "fused": 95, "fused_cute": idle_us}}
-    chooser = TierChooser(lambda fn, mode: us[mode][fn.name] * 1e-6)
-    cands = _named(lossless=_noop(), fused=_noop(), fused_cute=_noop())
+    us, chooser, cands = _timed(idle={"fused": 95, "fused_cute": idle_us})
     assert chooser.choose(_key(), cands) == eager_pick
     assert chooser.known(_key(), graphs=True) == "fused_cute"
     us["idle"]["fused"] = 120
