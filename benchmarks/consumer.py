@@ -354,7 +354,7 @@ def worker(args: argparse.Namespace) -> None:
             before = read_bytes()
             walls = []
             with contextlib.ExitStack() as counting:
-                copied = [] if handle is None else count_streamed(handle, counting)
+                copied = [] if handle is None else count_streamed(handle, pipe, counting)
                 for _ in range(args.runs):
                     out, wall, _ = e2e.timed_call(call, device)
                     walls.append(wall)
@@ -387,13 +387,13 @@ def vram_floor(refusal: str) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def count_streamed(handle, stack: contextlib.ExitStack) -> list[int]:
-    """A list that gets, at the end of every call of one of ``handle``'s modules while
-    ``stack`` is open, the bytes its plan streamed in that call (:func:`streamed`)."""
+def count_streamed(handle, pipe, stack: contextlib.ExitStack) -> list[int]:
+    """A list that gets, at the end of every call of one of ``handle``'s modules (``pipe``'s
+    components of those names) while ``stack`` is open, the bytes its plan streamed in that
+    call (:func:`streamed`)."""
     copied: list[int] = []
     for name, off in handle.offloaders.items():
-        module = handle._components[name].module
-        hook = module.register_forward_hook(
+        hook = getattr(pipe, name).register_forward_hook(
             lambda *_, off=off: copied.append(streamed(off)) if off.plan is not None else None)
         stack.callback(hook.remove)
     return copied
