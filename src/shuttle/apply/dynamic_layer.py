@@ -113,6 +113,7 @@ class LoRAHook(ModuleHook):
         self.allow_cute = True
         # the "auto" picks: (the chooser's generation, {(row bucket, graphs, x's dtype): pick})
         self._picks: tuple[int, dict[tuple, str]] = (-1, {})
+        self._last: tuple[tuple | None, str] = (None, "lossless")  # (call's key, its pick)
         self._strengths = strengths
         self.scales = ScaleVector(strengths)  # the Linear tiers' per-rank-column scale
         self.layer = layer_kind(module)
@@ -216,6 +217,7 @@ class LoRAHook(ModuleHook):
                 setattr(owner, attr, t.to(device))
         self._prepared = {}
         self._picks = (-1, {})
+        self._last = (None, "lossless")
         self.residuals = {k: r.to(device) for k, r in self.residuals.items()}
         self.scales.moved()
         prepare_request_scale(device)
@@ -285,7 +287,8 @@ class LoRAHook(ModuleHook):
         (:mod:`shuttle.apply.tier`), lossless wherever nothing can be measured.
 
         A pick is kept on the hook per (row bucket, graphs, x's dtype), so a call after the
-        first asks a dict, not the chooser (eagerly the host's time per layer counts).
+        first asks a dict, not the chooser, and a call with the last call's shape compares one
+        key (eagerly the host's time per layer counts).
         """
         if self.quality == "fused":
             if not self._fused_ok(module, x):
@@ -296,15 +299,31 @@ class LoRAHook(ModuleHook):
                                                  or getattr(module.bias, "requires_grad", False)))):
             return "lossless"
         graphs = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        # The last call's pick when this one has its shape: a loop calls each layer with one
+        # shape, and one comparison costs less host time than the bucket's lookup.
+        call = (TIERS.generation, x.shape, graphs, x.dtype)
+        last, pick = self._last
+        if call == last:
+            return pick
+        return self._pick(module, x, overrides, inner, args, kwargs, graphs, call)
+
+    def _pick(self, module: torch.nn.Module, x: torch.Tensor,
+              overrides: dict[str, torch.Tensor], inner: Callable[..., Any], args: tuple,
+              kwargs: dict, graphs: bool, call: tuple) -> str:
+        """The "auto" pick for ``x``'s row bucket: kept per bucket, else measured; a pick
+        kept is also remembered for ``call`` (the next call of the same shape).
+        """
         at = (row_bucket(x.numel() // x.shape[-1]), graphs, x.dtype)
         if self._picks[0] == TIERS.generation:
             pick = self._picks[1].get(at)
             if pick is not None:
+                self._last = (call, pick)
                 return pick
         else:
             self._picks = (TIERS.generation, {})
         if x.device.type not in TIERS.devices or not self._fused_ok(module, x):
             self._picks[1][at] = "lossless"
+            self._last = (call, "lossless")
             return "lossless"
         cute = self._cute_ok(module, x)
         key = TierKey(str(x.device), x.dtype, at[0], module.weight.shape[0], x.shape[-1],
@@ -323,6 +342,7 @@ class LoRAHook(ModuleHook):
         if pick == "fused_cute" and not cute:  # measured on a layer that could run it
             pick = "fused"
         self._picks[1][at] = pick
+        self._last = (call, pick)
         return pick
 
     def _cute_ok(self, module: torch.nn.Module, x: torch.Tensor) -> bool:
