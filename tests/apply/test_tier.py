@@ -60,6 +60,8 @@ def test_the_fastest_candidate_wins_per_mode_and_is_measured_once():
     assert chooser.choose(_key(), cands, graphs=True) == "lossless"
     assert sorted(calls) == [(name, mode) for name in ("fused", "lossless")
                              for mode in ("eager", "graphs", "host", "idle")]
+    # side by side in time: every candidate in one mode before any in the next
+    assert [mode for _, mode in calls] == [mode for mode in MODES for _ in cands]
     assert chooser.known(_key(), graphs=False) == "fused"
     assert chooser.known(_key(256), graphs=False) is None  # another row bucket
     chooser.clear()
@@ -80,6 +82,11 @@ def test_lossless_wins_ties_and_near_ties_and_a_failing_candidate_is_dropped():
     chooser = TierChooser(lambda fn, mode: fn() or 0.0)
     assert chooser.choose(_key(), {"fused_cute": broken, "lossless": _noop()}) == "lossless"
     assert set(chooser.choices[_key()].host) == {"lossless"}  # dropped in every mode
+    # failing in a later mode only: dropped from the modes measured before it too
+    chooser = TierChooser(lambda fn, mode: (fn() or 0.5) if mode == "graphs" else 0.5)
+    assert chooser.choose(_key(), {"fused": broken, "lossless": _noop()}) == "lossless"
+    assert all(set(ts) == {"lossless"} for ts in (chooser.choices[_key()].eager,
+                                                   chooser.choices[_key()].graphs))
     with pytest.raises(RuntimeError, match="cannot launch"):
         TierChooser(lambda fn, mode: fn() or 0.0).choose(_key(), {"lossless": broken})
 

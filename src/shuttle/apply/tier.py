@@ -22,7 +22,9 @@ input:
              issue until the last kernel's end, as a layer run on its own, or after a sync,
              takes it)
 
-and the forward asks for the eager choice, or for the graphs choice while a CUDA graph is being
+each mode measuring every candidate in turn before the next mode begins (the device's clocks
+drift over a measurement: candidates compared in one mode are measured side by side), and the
+forward asks for the eager choice, or for the graphs choice while a CUDA graph is being
 captured. The graphs choice is the fastest replay. The eager choice is the fastest burst among
 the candidates whose host time is no more than lossless's (within :data:`MARGIN` of lossless's
 call) and whose idle latency is no more than lossless's: a burst of one layer lets a slow
@@ -256,16 +258,20 @@ class TierChooser:
         """
         choice = self.choices.get(key)
         if choice is None:
+            # Mode by mode, every candidate in turn: what the device's clocks do over the
+            # measurement (a long GEMM heats it) falls alike on the candidates one mode compares.
             times: dict[str, dict[str, float]] = {mode: {} for mode in MODES}
-            for name, fn in candidates.items():
-                try:
-                    measured = {mode: self.measure(fn, mode) for mode in MODES}
-                except Exception:
-                    if name == "lossless":
-                        raise
-                    continue
-                for mode, seconds in measured.items():
-                    times[mode][name] = seconds
+            live = dict(candidates)
+            for mode in MODES:
+                for name, fn in list(live.items()):
+                    try:
+                        times[mode][name] = self.measure(fn, mode)
+                    except Exception:
+                        if name == "lossless":
+                            raise
+                        del live[name]
+            times = {mode: {name: t for name, t in ts.items() if name in live}
+                     for mode, ts in times.items()}
             choice = self.choices[key] = TierChoice(**times)
         return choice.best(graphs)
 
