@@ -50,7 +50,9 @@ its plan at that call (modules moved whole not counted).
     PYTHONPATH=src python benchmarks/consumer.py --model wan14b --folder /tmp/wan14b \
         --vram 6 --host 16 --out consumer_wan14b
 
-Writes docs/benchmarks/<--out, default consumer>.{json,md} (under $SHUTTLE_BENCH_OUT when set).
+Writes docs/benchmarks/<--out, default consumer>.{json,md} (under $SHUTTLE_BENCH_OUT when set),
+and <--out>.png (seconds per image over the grid, a line per host ceiling, the peers at their
+peak VRAM) where matplotlib is installed; ``--plot JSON`` draws it from a run's json alone.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ GIB = 2**30
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--folder", type=Path, required=True, help="where the pipeline is written")
+    p.add_argument("--folder", type=Path, help="where the pipeline is written")
     p.add_argument("--model", choices=list(PIPELINES), default="flux",
                    help="flux: FluxPipeline (Flux-dev); wan14b: WanPipeline (Wan2.1-14B shapes)")
     p.add_argument("--vram", default="floor,4,6,8,12", help="GiB budgets, or 'floor'")
@@ -95,8 +97,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="an earlier run's json: its cells not run now are kept (each row names "
                         "the run it came from), so a grid can be completed over several runs "
                         "(its resident row is reused where the folder still holds its output)")
+    p.add_argument("--plot", type=Path, default=None, metavar="JSON",
+                   help="only draw <--out>.png (seconds per image over the grid) from a run's "
+                        "json; needs matplotlib (a grid run draws it too where it is installed)")
     p.add_argument("--worker", nargs=2, metavar=("VRAM", "HOST"), help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.folder is None and args.plot is None:
+        p.error("--folder is required (except with --plot)")
+    return args
 
 
 # -- the peers ----------------------------------------------------------------------------------
@@ -437,6 +445,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         worker(args)
         return
+    if args.plot is not None:
+        plot(json.loads(args.plot.read_text())["rows"], harness.OUT_DIR / f"{args.out}.png",
+             TITLES[args.model])
+        return
     weights = write_folder(args.folder, args.model, args.smoke)
     if any(host_cell(h)[1] == "compressed" for h in args.host.split(",")):
         write_compressed(args.folder)
@@ -482,6 +494,11 @@ def main(argv: list[str] | None = None) -> None:
         if want is not None and path.is_file():
             row["bit_identical"] = e2e.same_bits(torch.load(path), want)
         record(args, rows, row, env, weights, pinned, direct, earlier)
+    try:
+        plot(json.loads((harness.OUT_DIR / f"{args.out}.json").read_text())["rows"],
+             harness.OUT_DIR / f"{args.out}.png", TITLES[args.model])
+    except ImportError:
+        print("no plot: matplotlib is not installed (draw it later with --plot JSON)")
 
 
 def run_floor(args: argparse.Namespace, host: str, tries: int = 3) -> dict:
@@ -534,6 +551,55 @@ def record(args: argparse.Namespace, rows: list[dict], row: dict, env: dict, wei
     payload = {"env": env, "weights": weights, "pinned_bytes_per_s": pinned,
                "direct_bytes_per_s": direct, "rows": [*kept, *rows]}
     harness.write_results(args.out, payload, table([*kept, *rows]), "Consumer budgets", notes)
+
+
+HOST_STYLES = {"8": ("o", "tab:blue"), "16": ("s", "tab:green"), "none": ("^", "tab:gray"),
+               "8:lossless": ("D", "tab:purple"), "8:compressed": ("P", "tab:red")}
+PEER_STYLES = {"mmgp4": ("v", "tab:orange"), "mmgp5": ("<", "tab:orange"),
+               "diffusers_disk": ("X", "tab:brown"), "accelerate_disk": ("*", "tab:olive")}
+
+
+TITLES = {"flux": "FluxPipeline (Flux-dev), 1024x1024, 4 steps, weights on disk",
+          "wan14b": "WanPipeline (Wan2.1-14B shapes), 480x832, 33 frames, weights on disk"}
+
+
+def plot(rows: list[dict], path: Path, title: str = TITLES["flux"]) -> None:
+    """Seconds per image (log) over the VRAM budget, a line per host ceiling; each peer a
+    marker at its measured peak VRAM; the resident pipeline a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    ran = [r for r in rows if r.get("s_per_image")]
+    for r in ran:
+        if r["vram"] == "resident":
+            ax.axhline(r["s_per_image"], color="black", linestyle="--", linewidth=1,
+                       label=f"resident ({r['peak_vram'] / GIB:.0f} GiB VRAM)")
+    hosts = dict.fromkeys(r["host"] for r in ran if r["vram"] not in ("resident", *PEERS))
+    for host in hosts:
+        cells = sorted((float(r["vram"]), r["s_per_image"]) for r in ran
+                       if r["host"] == host and r["vram"] not in ("resident", *PEERS))
+        marker, color = HOST_STYLES.get(host, ("x", None))
+        label = "no host ceiling" if host == "none" else f"host {host.replace(':', ' GiB, ')}" \
+            + ("" if ":" in host else " GiB")
+        ax.plot(*zip(*cells, strict=True), marker=marker, color=color, label=label)
+    for r in ran:
+        if r["vram"] in PEERS:
+            marker, color = PEER_STYLES.get(r["vram"], ("x", None))
+            ax.scatter(r["peak_vram"] / GIB, r["s_per_image"], marker=marker, color=color,
+                       s=70, zorder=3, label=f"{r['vram']} (at its peak VRAM)")
+    ax.set_yscale("log")
+    ax.set_xlim(left=0)
+    ax.set_xlabel("VRAM budget (GiB; peers: their peak)")
+    ax.set_ylabel("seconds per image (log)")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def table(rows: list[dict]) -> str:
