@@ -21,9 +21,11 @@ held and read coded, about 0.67x the bytes from disk; 22.7 GB more on the disk f
 not beside the disk peers' copies on a 64 GiB disk). Each cell runs in its own process
 (``consumer.py --worker V H``), so that its peak VRAM (``max_memory_allocated`` from the load
 on) and peak RSS (VmRSS sampled every 10 ms) are its own; the worker loads, makes one warm-up
-call and --runs timed calls (wall clock between device synchronizations), and saves its
-output, compared with the resident pipeline's (a ``resident`` worker: the same folder loaded by
-diffusers onto the device).
+call (--warmup-steps denoising steps, 1 by default: the first call measures each module's
+activations and plans from them, and one step does what every step does) and --runs timed
+calls (wall clock between device synchronizations), and saves its output, compared with the
+resident pipeline's (a ``resident`` worker: the same folder loaded by diffusers onto the
+device).
 
 Peers (--peers), each a cell of its own on the same folder, no host ceiling (none takes one):
 diffusers' group offloading (block level, one block per group, streamed) with its groups on
@@ -46,7 +48,7 @@ its plan at that call (modules moved whole not counted).
     PYTHONPATH=src python benchmarks/consumer.py --folder /tmp/flux --vram floor,4,6,8,12 \\
         --host 8,16,none                   # the H200 run
     PYTHONPATH=src python benchmarks/consumer.py --smoke --folder /tmp/flux-smoke \\
-        --vram 0.01 --host 0.005,none --device cpu    # the plumbing, on the CPU
+        --vram floor,0.01 --host 0.01,none --device cpu    # the plumbing, on the CPU
     PYTHONPATH=src python benchmarks/consumer.py --model wan14b --folder /tmp/wan14b \
         --vram 6 --host 16 --out consumer_wan14b
 
@@ -90,6 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peers", default=",".join(PEERS),
                    help="peer cells, comma-separated ('' for none): " + ", ".join(PEERS))
     p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--warmup-steps", type=int, default=1,
+                   help="denoising steps of each cell's warm-up call (0: the timed call's): "
+                        "one step loads and measures what every step does")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default="consumer")
@@ -197,8 +202,10 @@ def build_wan(smoke: bool, pool: torch.Tensor):
                        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), **parts)
 
 
-def wan_call(pipe, device: torch.device, smoke: bool):
+def wan_call(pipe, device: torch.device, smoke: bool, steps: int | None = None):
     c = WAN_CALL_SMOKE if smoke else WAN_CALL
+    if steps is not None:
+        c = {**c, "steps": steps}
 
     def call() -> dict:
         g = torch.Generator(device).manual_seed(0)
@@ -358,7 +365,10 @@ def worker(args: argparse.Namespace) -> None:
             row["load_s"] = time.perf_counter() - t0
             row["rss_after_load"] = {**rss_parts(), "peak": rss.peak}
             call = PIPELINES[args.model][1](pipe, device, args.smoke)
-            out, _, _ = e2e.timed_call(call, device)  # warm-up (the first call: at the floor)
+            # warm-up (the first call: at the floor; it measures each module's activations)
+            warm = PIPELINES[args.model][1](pipe, device, args.smoke,
+                                            steps=args.warmup_steps or None)
+            e2e.timed_call(warm, device)
             before = read_bytes()
             walls = []
             with contextlib.ExitStack() as counting:
@@ -425,7 +435,7 @@ def streamed(off) -> int:
 def run_worker(args: argparse.Namespace, vram: str, host: str) -> dict:
     cmd = [sys.executable, __file__, "--worker", vram, host, "--folder", str(args.folder),
            "--runs", str(args.runs), "--device", args.device, "--out", args.out, "--peers", "",
-           "--model", args.model]
+           "--model", args.model, "--warmup-steps", str(args.warmup_steps)]
     if args.smoke:
         cmd.append("--smoke")
     # on the CPU, through the copy path (slots and hooks as on CUDA), so that the plumbing runs
@@ -575,8 +585,9 @@ def plot(rows: list[dict], path: Path, title: str = TITLES["flux"]) -> None:
     ran = [r for r in rows if r.get("s_per_image")]
     for r in ran:
         if r["vram"] == "resident":
+            vram = f" ({r['peak_vram'] / GIB:.0f} GiB VRAM)" if r.get("peak_vram") else ""
             ax.axhline(r["s_per_image"], color="black", linestyle="--", linewidth=1,
-                       label=f"resident ({r['peak_vram'] / GIB:.0f} GiB VRAM)")
+                       label=f"resident{vram}")
     hosts = dict.fromkeys(r["host"] for r in ran if r["vram"] not in ("resident", *PEERS))
     for host in hosts:
         cells = sorted((float(r["vram"]), r["s_per_image"]) for r in ran
@@ -586,7 +597,7 @@ def plot(rows: list[dict], path: Path, title: str = TITLES["flux"]) -> None:
             + ("" if ":" in host else " GiB")
         ax.plot(*zip(*cells, strict=True), marker=marker, color=color, label=label)
     for r in ran:
-        if r["vram"] in PEERS:
+        if r["vram"] in PEERS and r.get("peak_vram"):
             marker, color = PEER_STYLES.get(r["vram"], ("x", None))
             ax.scatter(r["peak_vram"] / GIB, r["s_per_image"], marker=marker, color=color,
                        s=70, zorder=3, label=f"{r['vram']} (at its peak VRAM)")

@@ -374,8 +374,12 @@ def smoke_bytes(scenario: str) -> int:
 # -- calls ------------------------------------------------------------------------------------
 
 
-def flux_call(pipe, device: torch.device, smoke: bool) -> Callable[[], dict]:
+def flux_call(pipe, device: torch.device, smoke: bool,
+              steps: int | None = None) -> Callable[[], dict]:
+    """One pipeline call (``steps``: denoising steps other than the scenario's)."""
     c = FLUX_CALL_SMOKE if smoke else FLUX_CALL
+    if steps is not None:
+        c = {**c, "steps": steps}
     last = c["steps"] - 1
 
     def call() -> dict:
