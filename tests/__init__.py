@@ -78,3 +78,25 @@ def load_example(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+class RecordedBar:
+    """tqdm's part that a capture's progress bar uses, recording what it is told."""
+
+    bars: list[RecordedBar] = []
+
+    def __init__(self, total, **kw):
+        self.total, self.n, self.desc = total, 0, kw.get("desc")
+        RecordedBar.bars.append(self)
+
+    def update(self, n):
+        self.n += n
+
+    def refresh(self):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

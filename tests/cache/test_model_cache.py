@@ -22,7 +22,7 @@ from shuttle.errors import (
     ResourceTooLargeError,
 )
 from shuttle.offload import CPU_COPY_ENV, ModelOffloader, StreamConfig
-from tests import lowrank_state
+from tests import RecordedBar, lowrank_state
 from tests.offload.models import TinyDiT
 
 PATHS = ("blocks", "single")
@@ -92,6 +92,28 @@ def test_use_by_key_and_adopted_host_bytes():
     with cache.lease("dit") as off:
         assert off.storage.host_bytes == 0
         assert cache.info("dit").nbytes == off.storage.weight_bytes > 0
+
+
+@pytest.mark.parametrize("host", ["pinned", "adopt"])
+def test_building_a_model_shows_its_bytes_as_they_are_captured(monkeypatch, host):
+    from shuttle.cache import specs
+
+    monkeypatch.setattr(specs, "tqdm", RecordedBar)
+    monkeypatch.setattr(RecordedBar, "bars", [])
+    monkeypatch.setattr(specs, "PROGRESS_MIN_BYTES", 0)
+    seen = []
+    original = ModelOffloader.from_module
+
+    def spy(*args, progress=None, **kw):  # the bar moves unit by unit, not in one step
+        return original(*args, progress=lambda n: (seen.append(n), progress(n)), **kw)
+    monkeypatch.setattr(ModelOffloader, "from_module", spy)
+    cache = ModelCache(max_bytes=2**24)
+    cache.register(ModelSpec("dit", Factory(), blocks="blocks", host=host))
+    with cache.lease("dit") as off:
+        weights = off.storage.weight_bytes
+    (bar,) = RecordedBar.bars
+    assert bar.desc == "pinning dit" and bar.n == bar.total == weights
+    assert len(seen) == (len(off.storage.units) if host == "pinned" else 0)
 
 
 def test_models_share_the_budget_and_evict_lru(caplog):

@@ -215,6 +215,30 @@ def test_a_host_budget_far_below_the_model_reads_the_rest_from_disk(tmp_path, mo
     handle.remove()
 
 
+@pytest.mark.parametrize("ceiling", [None, 3])
+def test_loading_shows_the_bytes_read_into_host_memory(tmp_path, monkeypatch, ceiling):
+    from shuttle.cache import specs
+    from tests import RecordedBar
+
+    monkeypatch.setattr(specs, "tqdm", RecordedBar)
+    monkeypatch.setattr(RecordedBar, "bars", [])
+    monkeypatch.setattr(specs, "PROGRESS_MIN_BYTES", 0)
+    monkeypatch.setattr("shuttle.offload.spill.MIN_STAGING", 4096)
+    monkeypatch.setattr("shuttle.offload.residency.MIN_STAGING", 4096)
+    ref = tiny_llama()
+    weights = sum(t.nbytes for t in ref.state_dict().values())
+    folder = save(ref, tmp_path / "m")
+    model, handle = shuttle_transformers.from_pretrained(
+        folder, device="cpu", max_host_bytes=None if ceiling is None else weights // ceiling)
+    (bar,) = RecordedBar.bars
+    storage = handle.offloaders["model"].storage
+    held = sum(u.layout.weight_bytes for u in storage.units if u.arena is not None)
+    # told unit by unit; it ends full at what was read (a ceiling leaves the rest on disk)
+    assert bar.desc.startswith("reading ") and 0 < bar.n == bar.total == held
+    assert (held < storage.weight_bytes) == (ceiling is not None)
+    handle.remove()
+
+
 def coded_llama(monkeypatch, layers: int):
     """A small bf16 Llama (seeded) whose coded weights decode on the CPU by the reference."""
     from transformers import LlamaConfig, LlamaForCausalLM

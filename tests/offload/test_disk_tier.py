@@ -102,6 +102,21 @@ def test_host_bytes_stay_under_the_ceiling_through_every_plan(cpu_copy, tmp_path
     assert len(seen) > 20 and all(used <= cap for used, cap in seen)
 
 
+@pytest.mark.parametrize("ceiling", list(CEILINGS))
+def test_progress_counts_the_units_read_into_host_memory_during_the_capture(cpu_copy, tmp_path,
+                                                                             ceiling):
+    _, file = saved(tmp_path)
+    told: list[int] = []
+    off = on_meta(file, CEILINGS[ceiling], progress=told.append)
+    held = [u for u in off.storage.units if u.arena is not None]
+    assert sorted(told) == sorted(u.layout.weight_bytes for u in held)
+    assert (len(held) == len(off.storage.units)) == (ceiling == "roomy")  # the rest on disk
+    assert bool(told) == (ceiling != "tight")  # tight: every unit left on disk
+    with torch.no_grad(), off.use("cpu", StreamConfig(prefetch=0)) as model:  # a new plan
+        model(tokens())
+    assert len(told) == len(held)  # reads after the capture are not its progress
+
+
 def test_streamed_units_are_pinned_before_resident_ones(cpu_copy, tmp_path):
     _, file = saved(tmp_path)
     off = on_meta(file, 10**9)

@@ -12,10 +12,11 @@ to call.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -30,7 +31,8 @@ from shuttle.offload.coded import Compression
 from shuttle.offload.host_storage import HostBacking
 from shuttle.patches import Patch
 
-__all__ = ["LoRASpec", "ModelSpec", "ObjectSpec", "Spec", "PROGRESS_MIN_BYTES", "module_bytes"]
+__all__ = ["LoRASpec", "ModelSpec", "ObjectSpec", "Spec", "PROGRESS_MIN_BYTES", "capture_bar",
+           "module_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -157,13 +159,10 @@ class ModelSpec:
         if not isinstance(model, torch.nn.Module):
             raise CacheError(f"ModelSpec({self.key!r}).factory returned a "
                              f"{type(model).__name__}, not an nn.Module")
-        weights = module_bytes(model)
-        # One step: from_module copies unit by unit but reports no progress of its own yet.
-        with tqdm(total=weights, unit="B", unit_scale=True, desc=f"pinning {self.key}",
-                  disable=True if weights < PROGRESS_MIN_BYTES else None) as bar:
+        with capture_bar(f"pinning {self.key}", module_bytes(model)) as bar:
             off = ModelOffloader.from_module(model, blocks=self.blocks, host=self.host,
-                                             sources=self.sources, compress=self.compress)
-            bar.update(weights)
+                                             sources=self.sources, compress=self.compress,
+                                             progress=bar.update)
         logger.info("built model %r: %d weight bytes, %d host bytes (%s, %d pinned) in %.2f s",
                     self.key, off.storage.weight_bytes, off.storage.host_bytes, self.host,
                     off.storage.pinned_bytes, time.perf_counter() - start)
@@ -239,6 +238,23 @@ def _cast(p: Patch, dtype: torch.dtype) -> Patch:
     if isinstance(inner, Patch):
         changes["inner"] = _cast(inner, dtype)
     return dataclasses.replace(p, **changes) if changes else p
+
+
+@contextlib.contextmanager
+def capture_bar(desc: str, total: int) -> Iterator[tqdm]:
+    """A progress bar of the bytes a capture reads into host memory (``from_module``'s
+    ``progress=bar.update``), shown on a terminal from :data:`PROGRESS_MIN_BYTES`; ``total`` is
+    what it expects to read. It ends full: units left on disk by a host ceiling, or adopted
+    rather than copied, are never read.
+    """
+    with tqdm(total=total, unit="B", unit_scale=True, desc=desc,
+              disable=True if total < PROGRESS_MIN_BYTES else None) as bar:
+        yield bar
+        if bar.n:
+            bar.total = bar.n
+            bar.refresh()
+        else:  # adopted, not copied: done at once
+            bar.update(bar.total)
 
 
 def module_bytes(module: torch.nn.Module) -> int:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from shuttle.cache import ModelCache
+from shuttle.cache.specs import capture_bar, module_bytes
 from shuttle.errors import BudgetTooSmallError, CacheError, DeviceUnavailableError
 from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.offload import ModelOffloader
@@ -84,10 +85,15 @@ class SourcedSpec:
         return self.max_host_bytes
 
     def build(self) -> ModelOffloader:
-        return ModelOffloader.from_module(self.module, blocks=self.blocks, host=self.host,
-                                          sources=self.sources,
-                                          max_host_bytes=self.max_host_bytes,
-                                          compress=self.compress)
+        weights = module_bytes(self.module)
+        # coded units hold more weight bytes than their arenas take: the ceiling bounds no count
+        expected = weights if self.max_host_bytes is None or self.compress else \
+            min(weights, self.max_host_bytes)
+        with capture_bar(f"reading {self.key}", expected) as bar:
+            return ModelOffloader.from_module(self.module, blocks=self.blocks, host=self.host,
+                                              sources=self.sources,
+                                              max_host_bytes=self.max_host_bytes,
+                                              compress=self.compress, progress=bar.update)
 
     def nbytes(self, value: ModelOffloader) -> int:
         s = value.storage

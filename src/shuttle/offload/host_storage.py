@@ -145,8 +145,10 @@ class HostStorage:
             tensor the files lack, or one converted or pieced together while read) get their
             arenas now. :meth:`settle` then gives arenas to the units a plan chooses.
         compress: ``"lossless"``: keep the bfloat16/float16 tensors that code smaller coded
-            in the arenas (``"pinned"`` only, no ``max_host_bytes``; see
-            :mod:`shuttle.offload.coded`); None: as they are.
+            in the arenas (``"pinned"`` only; see :mod:`shuttle.offload.coded`); None: as
+            they are.
+        progress: called with each unit's weight bytes when it gets its host copy (here, and
+            in :meth:`settle` while :attr:`progress` is set): a progress bar's ``update``.
 
     Raises:
         HostBackingError: a tensor that cannot be kept as asked (on ``meta`` with no source,
@@ -165,7 +167,8 @@ class HostStorage:
                  host: HostBacking = "pinned", layers: dict[str, torch.nn.Module] | None = None,
                  skip: Sequence[torch.nn.Parameter] = (),
                  sources: Mapping[str, LazyTensor] | None = None,
-                 max_host_bytes: int | None = None, compress: Compression | None = None):
+                 max_host_bytes: int | None = None, compress: Compression | None = None,
+                 progress: Callable[[int], None] | None = None):
         check_compress(compress, host)
         if max_host_bytes is not None and host == "adopt":
             raise HostBackingError(
@@ -184,6 +187,8 @@ class HostStorage:
         self._allocs: dict[int, tuple[int, bool]] = {}  # arena data_ptr -> (bytes, pinned)
         self._staging: list[torch.Tensor] = []
         self._compress = compress
+        # told the weight bytes of each unit given host memory (until the owner clears it)
+        self.progress = progress
         # Runs before the arenas are released (weakref callbacks precede clearing attributes).
         self._finalizer = weakref.finalize(self, unregister_pages, self._registered)
         surveys = [rest, *(u for us in surveyed.values() for u in us), *layer_units]
@@ -383,6 +388,8 @@ class HostStorage:
         unit.host_views = (unit.layout.views(arena) if code is None
                            else code.placeholders(unit.layout, arena))
         unit.bind_host()
+        if self.progress is not None:
+            self.progress(unit.layout.weight_bytes)
 
     def _spill(self, unit: HostUnit) -> None:
         """Drop ``unit``'s arena: its tensors point at maps of their files again."""

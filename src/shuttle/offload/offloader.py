@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -109,7 +109,8 @@ class ModelOffloader:
                     trainable: Literal["host", "device"] = "host",
                     sources: Mapping[str, LazyTensor] | None = None,
                     max_host_bytes: int | None = None,
-                    compress: Compression | None = None) -> ModelOffloader:
+                    compress: Compression | None = None,
+                    progress: Callable[[int], None] | None = None) -> ModelOffloader:
         """Capture ``model``'s parameters and buffers into host storage.
 
         Args:
@@ -151,6 +152,10 @@ class ModelOffloader:
                 of them fit) and the units left on disk are read as their files hold them (a
                 file written by ``shuttle compress`` is read coded: fewer bytes from disk).
                 While inactive, coded weights read as NaN on the host; activate to use them.
+            progress: called with the weight bytes of each unit as it is read into host
+                memory, during this call only (``tqdm(...).update``; the units a ceiling
+                leaves on disk are not): bytes summing to those of the units in host memory
+                when it returns.
 
         Raises:
             BlockPathError: a path names nothing, or not a non-empty block list, or two paths
@@ -184,11 +189,13 @@ class ModelOffloader:
                                "of bytes >= 0, or None (no ceiling)")
         groups, chosen, on_device = units_of(model, blocks, layers, trainable)
         storage = HostStorage(model, groups, host, chosen, skip=on_device, sources=sources,
-                              max_host_bytes=max_host_bytes, compress=compress)
+                              max_host_bytes=max_host_bytes, compress=compress,
+                              progress=progress)
         off = cls(model, groups, storage, chosen, on_device)
         if max_host_bytes is not None:  # until a plan says otherwise: as if everything streams
             default = off.plan_for(StreamConfig() if groups or chosen else None)
             storage.settle(default.pinned, default.staging)
+        storage.progress = None  # later plans' reads are not this load's
         return off
 
     @staticmethod
