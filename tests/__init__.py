@@ -6,6 +6,7 @@ mirror the package tree.
 payloads and -0 too).
 ``snapshot`` / ``assert_unchanged``: a model's parameters before a call that must not change
 them, and the check after it.
+``RecordedBar``: a stand-in for tqdm that records what a progress bar is told.
 """
 
 from __future__ import annotations
