@@ -10,6 +10,11 @@ Per shape (tokens T, in K, out N, rank r), bf16 with bias:
     cute      quality="fused" with the CuTe-DSL Hopper GEMM for the second kernel (the hopper
               extra; the K loop extended by the rank); absent without the extra
     auto      quality="auto", the default: the tier chooser's measured pick per shape
+    wide      an experiment, not a tier: one cuBLAS GEMM over [W; A] (the factor stored beside
+              the weight: x read once, where the fused tiers read it twice, in the shrink and
+              in the GEMM), then the scale on the rank columns and addmm_ of them onto the
+              output columns in place (lossless's roundings; the output keeps the row stride
+              N + r). Where K >> N (an FFN's down projection) x is the larger operand.
     floor     max(extra bytes / copy bandwidth, extra FLOPs / GEMM rate) over the base time,
               with the ceilings of h200-limits.md (4213 GB/s read+write, 780 TFLOP/s)
 Then a whole small DiT forward (LoRA on every linear): merged vs each tier, eagerly, in a CUDA
@@ -30,6 +35,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -104,9 +110,21 @@ def bench_shape(name: str, t: int, k: int, n: int, r: int, rounds: int) -> dict:
     def naive(i):
         return naive_on(xs[i % 2])
 
+    lin = base[0]
+    wcat = torch.cat([lin.weight.detach(), a]).contiguous()  # (N + r, K)
+    bcat = torch.cat([lin.bias.detach(), lin.bias.new_zeros(r)])
+    wide_scale = torch.full((r,), 0.8 * s, device="cuda", dtype=torch.float32)
+
+    def wide_on(x):
+        y = F.linear(x, wcat, bcat)  # [x W^T + bias | x A^T]
+        out, h = y[:, :n], y[:, n:]
+        h.mul_(wide_scale)  # float32 math, rounded once, in place
+        return out.addmm_(h, b.T)  # onto the output columns (ld = N + r)
+
     variants = {"base": lambda i: base(xs[i % 2]), "naive": naive,
+                "wide": lambda i: wide_on(xs[i % 2]),
                 **{q: (lambda i, m=m: m(xs[i % 2])) for q, m in mods.items()}}
-    names = ["naive", *mods]
+    names = ["naive", "wide", *mods]
     with torch.no_grad():
         timings = harness.interleaved(variants, rounds=rounds, warmup=3)
         bursts = harness.interleaved(
@@ -114,7 +132,6 @@ def bench_shape(name: str, t: int, k: int, n: int, r: int, rounds: int) -> dict:
             rounds=rounds, warmup=3)
         burst = {q: {k: v / BURST for k, v in t.items() if k.endswith("_ms")}
                  for q, t in bursts.items()}
-        lin = base[0]
         ref = (xs[0].double() @ lin.weight.double().T + lin.bias.double()
                + 0.8 * s * (xs[0].double() @ a.double().T @ b.double().T))
         err = {q: float((variants[q](0).double() - ref).norm() / ref.norm())
@@ -122,7 +139,7 @@ def bench_shape(name: str, t: int, k: int, n: int, r: int, rounds: int) -> dict:
     # The same variants captured in CUDA graphs and replayed: the GPU work alone, without the
     # host's Python and launch time (as a server or torch.compile's cudagraphs run a layer).
     # One graph per variant and input, so that inputs rotate without a copy in the timed span.
-    layers = {"base": base, "naive": lambda v: naive_on(v), **mods}
+    layers = {"base": base, "naive": lambda v: naive_on(v), "wide": lambda v: wide_on(v), **mods}
     graph = None
     try:
         graphs = {q: [_graphed(lambda m=m, x=x: m(x)) for x in xs] for q, m in layers.items()}
@@ -242,7 +259,8 @@ def _us(t: float | None) -> str:
 
 
 def write(rows: dict, dit: dict | None) -> None:
-    names = [q for q in ("naive", *TIERS) if any(q in r["overhead_pct"] for r in rows.values())]
+    names = [q for q in ("naive", "wide", *TIERS)
+             if any(q in r["overhead_pct"] for r in rows.values())]
     table_rows = []
     for name, r in rows.items():
         o, g = r["overhead_pct"], (r.get("graph") or {}).get("overhead_pct")
@@ -267,7 +285,9 @@ def write(rows: dict, dit: dict | None) -> None:
              "tier chooser measures). Graph: the same layers captured in CUDA graphs and replayed "
              "(the GPU work alone, as a server, torch.compile's cudagraphs or a long chain of "
              "layers whose launches run ahead runs them). Floor: against the graph base. "
-             "fused: Triton's kernels; cute: the CuTe-DSL GEMM; auto: the default's pick.")
+             "fused: Triton's kernels; cute: the CuTe-DSL GEMM; auto: the default's pick; "
+             "wide: an experiment (one GEMM over [W; A], then the update onto the output "
+             "columns), not a tier.")
     if dit:
         lines = []
         for label, t in (("eager", dit["timings"]), ("CUDA graph", dit.get("graph_timings")),
