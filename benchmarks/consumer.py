@@ -601,12 +601,8 @@ def plot(rows: list[dict], path: Path, title: str = TITLES["flux"]) -> None:
             marker, color = PEER_STYLES.get(r["vram"], ("x", None))
             ax.scatter(r["peak_vram"] / GIB, r["s_per_image"], marker=marker, color=color,
                        s=70, zorder=3, label=f"{r['vram']} (at its peak VRAM)")
-    ax.set_yscale("log")
-    ax.set_xlim(left=0)
-    ax.set_xlabel("VRAM budget (GiB; peers: their peak)")
-    ax.set_ylabel("seconds per image (log)")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
+    harness.time_axes(ax, "VRAM budget (GiB; peers: their peak)", "seconds per image (log)",
+                      title)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

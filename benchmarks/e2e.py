@@ -806,12 +806,7 @@ def plot(rows: list[dict], path: Path) -> None:
             seen.add(family)
             ax.annotate(r["variant"], (r["peak_vram_alloc_gib"], r["call_s"]),
                         textcoords="offset points", xytext=(5, 4), fontsize=8)
-        ax.set_yscale("log")
-        ax.set_xlim(left=0)
-        ax.set_xlabel("peak VRAM allocated (GiB)")
-        ax.set_ylabel("call time (s, log)")
-        ax.set_title(name)
-        ax.grid(True, which="both", alpha=0.3)
+        harness.time_axes(ax, "peak VRAM allocated (GiB)", "call time (s, log)", name)
         if seen:
             ax.legend(fontsize=8)
     fig.tight_layout()

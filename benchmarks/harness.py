@@ -145,6 +145,16 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> 
     return "\n".join(out)
 
 
+def time_axes(ax, xlabel: str, ylabel: str, title: str) -> None:
+    """A plot's axes as the benchmarks draw them: time on a log scale over an x from 0, gridded."""
+    ax.set_yscale("log")
+    ax.set_xlim(left=0)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+
+
 def write_results(name: str, payload: dict, table: str, title: str, notes: str = "") -> Path:
     """Write ``<name>.json`` and ``<name>.md`` under the results folder; return the .md path."""
     OUT_DIR.mkdir(parents=True, exist_ok=True)
