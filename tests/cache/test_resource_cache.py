@@ -133,8 +133,9 @@ def test_resize():
     assert cache.available_bytes == 80
     with pytest.raises(CacheError):
         cache.resize(-1)
-    with pytest.raises(CacheError):
-        ResourceCache(1.5)
+    with pytest.raises(CacheError, match="number of bytes"):
+        ResourceCache(float("nan"))
+    assert ResourceCache("1KiB").max_bytes == 1024  # budgets as users spell them
 
 
 class Custom:

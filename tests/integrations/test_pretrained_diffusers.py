@@ -15,7 +15,13 @@ import shutil
 import pytest
 import torch
 
-from shuttle.errors import AdapterFileError, DeviceUnavailableError
+from shuttle.errors import (
+    AdapterFileError,
+    CacheError,
+    DeviceUnavailableError,
+    InvalidOptionError,
+    OffloadError,
+)
 from shuttle.formats.safetensors_file import SafetensorsFile
 from shuttle.integrations import diffusers as shuttle_diffusers
 from tests.integrations.models import run_flux, tiny_flux
@@ -169,6 +175,30 @@ def test_a_missing_device_is_refused_before_the_files_are_looked_at(tmp_path, mo
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(DeviceUnavailableError):
         shuttle_diffusers.from_pretrained(tmp_path / "nowhere", device="cuda")
+
+
+@pytest.mark.parametrize(("kwargs", "error"), [
+    ({"torch_dtype": "bf8"}, InvalidOptionError),
+    ({"torch_dtype": torch.int64}, InvalidOptionError),
+    ({"vram_budget": "4 GiB VRAM"}, OffloadError), ({"vram_budget": True}, OffloadError),
+    ({"max_host_bytes": "-8GiB"}, CacheError)])
+def test_bad_arguments_are_refused_before_the_files_are_looked_at(tmp_path, kwargs, error):
+    with pytest.raises(error):
+        shuttle_diffusers.from_pretrained(tmp_path / "nowhere", device="cpu", **kwargs)
+
+
+def test_torch_dtype_and_budgets_by_name(tmp_path):
+    tiny_flux().save_pretrained(tmp_path)
+    named, handle = shuttle_diffusers.from_pretrained(
+        tmp_path, torch_dtype="bf16", vram_budget="400kB", max_host_bytes="1 GiB", device="cpu")
+    assert handle._vram_budget == 400_000 and handle._cache.max_bytes == 2**30
+    out = run_flux(named, "pt")
+    handle.remove()
+    pipe, handle = shuttle_diffusers.from_pretrained(tmp_path, torch_dtype=torch.bfloat16,
+                                                     device="cpu")
+    assert dtypes(named) == dtypes(pipe) and pipe.transformer.dtype == torch.bfloat16
+    assert torch.equal(out, run_flux(pipe, "pt"))
+    handle.remove()
 
 
 def test_variant_files_beside_the_weights_are_not_read(saved, tmp_path, monkeypatch):

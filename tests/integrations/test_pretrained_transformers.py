@@ -10,8 +10,10 @@ import torch
 
 from shuttle.errors import (
     AdapterFileError,
+    CacheError,
     CheckpointMismatchError,
     HostBackingError,
+    InvalidOptionError,
     MissingParameterError,
     OffloadError,
 )
@@ -181,6 +183,35 @@ def test_a_folder_without_config_or_architecture_is_refused(tmp_path):
     (tmp_path / "config.json").unlink()
     with pytest.raises(AdapterFileError, match="no config.json"):
         shuttle_transformers.from_pretrained(tmp_path, device="cpu")
+
+
+def test_budgets_and_torch_dtype_as_users_spell_them(tmp_path, monkeypatch):
+    monkeypatch.setattr("shuttle.offload.spill.MIN_STAGING", 4096)
+    monkeypatch.setattr("shuttle.offload.residency.MIN_STAGING", 4096)
+    ref = tiny_llama()
+    folder = save(ref, tmp_path / "m")
+    budget = sum(t.nbytes for t in ref.state_dict().values()) // 3
+    model, handle = shuttle_transformers.from_pretrained(
+        folder, device="cpu", torch_dtype="fp32", vram_budget="130kB",
+        max_host_bytes=f"{budget / 1000}kB")
+    assert model.dtype == torch.float32 and handle._vram_budget == 130_000
+    storage = handle.offloaders["model"].storage
+    assert torch.equal(logits(model), logits(ref))
+    assert storage.host_bytes <= budget
+    assert storage.reader.bytes_read > 0  # the host ceiling holds a third: the rest from disk
+    handle.remove()
+
+
+@pytest.mark.parametrize(("kwargs", "error"), [
+    ({"torch_dtype": "int8"}, InvalidOptionError),
+    ({"torch_dtype": torch.int8}, InvalidOptionError),
+    ({"vram_budget": "6 GB of VRAM"}, OffloadError),
+    ({"vram_budget": float("nan")}, OffloadError),
+    ({"max_host_bytes": -1}, CacheError), ({"max_host_bytes": "16GiB", "cache": None}, None)])
+def test_bad_arguments_are_refused_before_the_files_are_looked_at(tmp_path, kwargs, error):
+    # a folder that is not there: a refusal of the arguments comes first
+    with pytest.raises(error or AdapterFileError):
+        shuttle_transformers.from_pretrained(tmp_path / "nowhere", device="cpu", **kwargs)
 
 
 @pytest.mark.parametrize("vram_budget", [None, 130_000])

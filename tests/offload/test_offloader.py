@@ -237,10 +237,14 @@ def test_other_bad_inputs_raise_before_any_change():
         ModelOffloader.from_module(model, blocks=PATHS, host="mmap")
     with pytest.raises(HostBackingError, match="adopt"):
         ModelOffloader.from_module(TinyDiT().to("meta"), blocks=PATHS, host="adopt")
-    for bad in [dict(prefetch=-1), dict(resident=1.5), dict(resident=1, vram_budget=10)]:
+    for bad in [dict(prefetch=-1), dict(resident=1.5), dict(resident=1, vram_budget=10),
+                dict(vram_budget="10 G"), dict(vram_budget=-1e9)]:
         with pytest.raises(OffloadError):
             StreamConfig(**bad)
     assert_unchanged(model, before)
+    # a budget as users spell it, kept as whole bytes
+    assert StreamConfig(vram_budget="1.5MiB").vram_budget == 3 * 2**19
+    assert StreamConfig(vram_budget=2e6).vram_budget == 2_000_000
 
 
 def test_exports():

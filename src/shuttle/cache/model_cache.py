@@ -19,6 +19,7 @@ from shuttle.apply.auto import DEFAULT_THRESHOLD
 from shuttle.apply.dynamic_layer import Quality
 from shuttle.apply.plan import Mode, check_mode
 from shuttle.apply.strength import check_strength
+from shuttle.byte_count import ByteCount
 from shuttle.cache.policy import EvictionPolicy
 from shuttle.cache.resource_cache import ResourceCache
 from shuttle.cache.specs import LoRASpec, ModelSpec, Spec
@@ -43,11 +44,12 @@ class ModelCache(ResourceCache):
     For concurrent replicas, register separately built models under distinct keys.
 
     Args:
-        max_bytes: the host byte budget shared by every model and adapter.
+        max_bytes: the host byte budget shared by every model and adapter (bytes, or
+            ``"16GiB"``: see :func:`~shuttle.byte_count.byte_count`).
         policy: chooses victims among unleased entries (default LRU).
     """
 
-    def __init__(self, max_bytes: int, policy: EvictionPolicy | None = None):
+    def __init__(self, max_bytes: ByteCount, policy: EvictionPolicy | None = None):
         super().__init__(max_bytes, policy)
         self._in_use: set[Hashable] = set()  # model keys inside a use(); guarded by _cond
 

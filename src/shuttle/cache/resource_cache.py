@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Literal
 
+from shuttle.byte_count import ByteCount, byte_count
 from shuttle.cache.policy import CacheEntry, EvictionContext, EvictionPolicy, LRUEvictionPolicy
 from shuttle.cache.specs import Spec
 from shuttle.errors import (
@@ -83,9 +84,7 @@ def _same_spec(a: object, b: object) -> bool:
 
 
 def _check_max(max_bytes: object) -> int:
-    if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0:
-        raise CacheError(f"max_bytes={max_bytes!r}: expected an integer number of bytes >= 0")
-    return max_bytes
+    return byte_count(max_bytes, "max_bytes", CacheError)
 
 
 class ResourceCache:
@@ -94,14 +93,15 @@ class ResourceCache:
     Thread-safe: any method may be called from any thread.
 
     Args:
-        max_bytes: the budget, in bytes.
+        max_bytes: the budget, in bytes (or as :func:`~shuttle.byte_count.byte_count` reads
+            it: ``6e9``, ``"16GiB"``).
         policy: chooses victims among unleased entries (default :class:`LRUEvictionPolicy`).
 
     Raises:
-        CacheError: ``max_bytes`` is not an integer >= 0.
+        CacheError: ``max_bytes`` is not a number of bytes >= 0.
     """
 
-    def __init__(self, max_bytes: int, policy: EvictionPolicy | None = None):
+    def __init__(self, max_bytes: ByteCount, policy: EvictionPolicy | None = None):
         self._max = _check_max(max_bytes)
         self._policy: EvictionPolicy = policy if policy is not None else LRUEvictionPolicy()
         self._entries: dict[Hashable, _Entry] = {}
@@ -231,16 +231,16 @@ class ResourceCache:
         del dropped  # the values are released here, outside the lock
         return freed
 
-    def resize(self, max_bytes: int) -> None:
+    def resize(self, max_bytes: ByteCount) -> None:
         """Change the budget; shrinking evicts unleased entries as the policy chooses.
 
         Raises:
-            CacheError: ``max_bytes`` is not an integer >= 0.
+            CacheError: ``max_bytes`` is not a number of bytes >= 0.
             ResourceTooLargeError: leased and building entries alone exceed ``max_bytes``
                 (``required`` is their bytes); nothing is evicted and the budget is unchanged.
             EvictionPolicyError: the policy's answer was invalid (nothing changed).
         """
-        _check_max(max_bytes)
+        max_bytes = _check_max(max_bytes)
         with self._cond:
             dropped = self._free_locked(self._used - max_bytes, max_bytes,
                                         f"resize to {max_bytes} bytes")

@@ -11,15 +11,16 @@ from dataclasses import dataclass
 
 import torch
 
+from shuttle.byte_count import ByteCount, byte_count
 from shuttle.cache import ModelCache
 from shuttle.cache.specs import capture_bar, module_bytes
-from shuttle.errors import BudgetTooSmallError, CacheError, DeviceUnavailableError
+from shuttle.errors import BudgetTooSmallError, CacheError, DeviceUnavailableError, OffloadError
 from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.offload import ModelOffloader
 from shuttle.offload.coded import Compression
 from shuttle.offload.host_storage import HostBacking
 
-__all__ = ["SourcedSpec", "cache_for", "check_device", "host_shares", "read_order"]
+__all__ = ["SourcedSpec", "byte_budgets", "cache_for", "check_device", "host_shares", "read_order"]
 
 
 def check_device(device: str | torch.device, what: str = "device") -> torch.device:
@@ -53,6 +54,23 @@ def check_device(device: str | torch.device, what: str = "device") -> torch.devi
             f"{d.type}:0..{d.type}:{count - 1}; pass one of those."
         )
     return d
+
+
+def byte_budgets(vram_budget: ByteCount | None, max_host_bytes: ByteCount | None
+                 ) -> tuple[int | None, int | None]:
+    """``vram_budget`` and ``max_host_bytes`` as whole bytes (None stays None), read as
+    :func:`~shuttle.byte_count.byte_count` reads them (``6 * 2**30``, ``6e9``, ``"6GiB"``), so
+    that a bad one is refused before anything is built or read.
+
+    Raises:
+        OffloadError: a ``vram_budget`` that is not a number of bytes >= 0.
+        CacheError: a ``max_host_bytes`` that is not (as a new cache's budget refuses it).
+    """
+    vram = None if vram_budget is None else byte_count(vram_budget, "vram_budget",
+                                                       OffloadError)
+    host = None if max_host_bytes is None else byte_count(max_host_bytes, "max_host_bytes",
+                                                          CacheError)
+    return vram, host
 
 
 def cache_for(max_host_bytes: int | None, cache: ModelCache | None) -> ModelCache:

@@ -21,12 +21,13 @@ from typing import Any
 
 import torch
 
+from shuttle.byte_count import ByteCount
 from shuttle.cache import ModelCache
 from shuttle.errors import AdapterFileError, OffloadError
 from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.integrations.activations import ActivationMeter
 from shuttle.integrations.blocks import find_block_lists
-from shuttle.integrations.budgets import cache_for, check_device
+from shuttle.integrations.budgets import byte_budgets, cache_for, check_device
 from shuttle.integrations.handle import OffloadHandle
 from shuttle.integrations.pretrained import (
     NO_CEILING,
@@ -35,6 +36,7 @@ from shuttle.integrations.pretrained import (
     local_folder,
     match_sources,
     meta_parameters,
+    weights_dtype,
 )
 from shuttle.integrations.single_file import RowPieces, place_original
 from shuttle.integrations.transformers import empty_model
@@ -93,8 +95,8 @@ class _ExecutionDevice:
     execution_device: torch.device
 
 
-def offload(pipe: Any, max_host_bytes: int | None = None, *, cache: ModelCache | None = None,
-            vram_budget: int | None = None, device: str | torch.device = "cuda",
+def offload(pipe: Any, max_host_bytes: ByteCount | None = None, *, cache: ModelCache | None = None,
+            vram_budget: ByteCount | None = None, device: str | torch.device = "cuda",
             prefetch: int = 2, blocks: Mapping[str, Sequence[str]] | None = None,
             host: HostBacking = "pinned", meter: ActivationMeter | None = None,
             sources: Mapping[str, Mapping[str, LazyTensor]] | None = None,
@@ -104,6 +106,8 @@ def offload(pipe: Any, max_host_bytes: int | None = None, *, cache: ModelCache |
     Args:
         pipe: a ``diffusers.DiffusionPipeline``.
         max_host_bytes: host byte budget of a new cache for the components and adapters.
+            This and ``vram_budget`` are bytes, or as :func:`~shuttle.byte_count.byte_count`
+            reads them (``6e9``, ``"16GiB"``).
         cache: a :class:`~shuttle.ModelCache` to share instead (exclusive with
             ``max_host_bytes``).
         vram_budget: device bytes for the components active at once, weights and the running
@@ -140,6 +144,7 @@ def offload(pipe: Any, max_host_bytes: int | None = None, *, cache: ModelCache |
                                 "pip install diffusers")
     if not isinstance(pipe, diffusers.DiffusionPipeline):
         raise OffloadError(f"pipe is a {type(pipe).__name__}, not a diffusers.DiffusionPipeline")
+    vram_budget, max_host_bytes = byte_budgets(vram_budget, max_host_bytes)
     cache = cache_for(max_host_bytes, cache)
     modules = {n: m for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
     methods = {n: [a for a in ENTRY_METHODS if callable(getattr(type(m), a, None))]
@@ -159,8 +164,9 @@ def offload(pipe: Any, max_host_bytes: int | None = None, *, cache: ModelCache |
 
 
 def from_pretrained(path_or_repo: str | os.PathLike[str], pipeline_cls: type | None = None, *,
-                    torch_dtype: torch.dtype | None = None, vram_budget: int | None = None,
-                    max_host_bytes: int | None = None, cache: ModelCache | None = None,
+                    torch_dtype: torch.dtype | str | None = None,
+                    vram_budget: ByteCount | None = None, max_host_bytes: ByteCount | None = None,
+                    cache: ModelCache | None = None,
                     device: str | torch.device = "cuda", prefetch: int = 2,
                     blocks: Mapping[str, Sequence[str]] | None = None,
                     host: HostBacking = "pinned", revision: str | None = None,
@@ -182,7 +188,8 @@ def from_pretrained(path_or_repo: str | os.PathLike[str], pipeline_cls: type | N
         torch_dtype: the dtype of the floating-point weights (files of another floating dtype
             are converted while read). None: as ``DiffusionPipeline.from_pretrained``, float32
             for diffusers models and the config's dtype for transformers models. Modules
-            their library keeps in float32 (``_keep_in_fp32_modules``) stay float32.
+            their library keeps in float32 (``_keep_in_fp32_modules``) stay float32. A name
+            works too (``"bfloat16"``, ``"bf16"``, ``"fp16"``; ``"auto"``: None).
         vram_budget, max_host_bytes, cache, device, prefetch, blocks, host: as for
             :func:`offload`; with neither ``max_host_bytes`` nor ``cache``, a cache without a
             ceiling.
@@ -212,11 +219,14 @@ def from_pretrained(path_or_repo: str | os.PathLike[str], pipeline_cls: type | N
             ignores) or of another shape.
         MissingParameterError: a parameter that no file of its component holds.
         OffloadError: a pipeline or component class the installed diffusers lacks.
+        InvalidOptionError: a ``torch_dtype`` that is not a floating-point dtype or its name.
         Whatever :func:`offload` raises (budgets, devices).
     """
     diffusers = import_optional("diffusers", "shuttle.integrations.diffusers",
                                 "pip install diffusers")
-    check_device(device)
+    check_device(device)  # every argument checked before anything is read or built
+    vram_budget, max_host_bytes = byte_budgets(vram_budget, max_host_bytes)
+    torch_dtype = weights_dtype(torch_dtype)
     folder = local_folder(path_or_repo, revision, ["model_index.json"])
     index_file = folder / "model_index.json"
     if not index_file.is_file():

@@ -45,6 +45,7 @@ import torch
 
 from shuttle.apply.merge import MergeReport
 from shuttle.apply.plan import AdapterList, Mode, check_mode, normalize_loras
+from shuttle.byte_count import ByteCount
 from shuttle.cache import LoRASpec, ModelCache, ModelSpec, ObjectSpec
 from shuttle.cache.specs import module_bytes
 from shuttle.errors import BudgetTooSmallError
@@ -117,7 +118,8 @@ class OffloadHandle:
 
     def __init__(self, modules: Mapping[str, torch.nn.Module],
                  blocks: Mapping[str, Sequence[str]], *, cache: ModelCache,
-                 device: str | torch.device, prefetch: int = 2, vram_budget: int | None = None,
+                 device: str | torch.device, prefetch: int = 2,
+                 vram_budget: ByteCount | None = None,
                  host: HostBacking = "pinned", methods: Mapping[str, Sequence[str]] | None = None,
                  attrs: Mapping[str, Any] | None = None,
                  classes: Mapping[str, type] | None = None, key_prefix: str = "offloaded",
@@ -128,7 +130,8 @@ class OffloadHandle:
         methods, attrs, classes = methods or {}, attrs or {}, classes or {}
         sources = sources or {}
         self.device = check_device(device)  # at offload time, not at the first call
-        StreamConfig(prefetch=prefetch, vram_budget=vram_budget)  # validates both
+        # validates both; the budget as whole bytes
+        vram_budget = StreamConfig(prefetch=prefetch, vram_budget=vram_budget).vram_budget
         self.unmatched: dict[str, str] = {}
         self._cache = cache
         self._vram_budget = vram_budget

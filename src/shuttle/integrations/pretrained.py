@@ -33,14 +33,19 @@ from pathlib import Path
 
 import torch
 
-from shuttle.errors import AdapterFileError, CheckpointMismatchError, MissingParameterError
+from shuttle.errors import (
+    AdapterFileError,
+    CheckpointMismatchError,
+    InvalidOptionError,
+    MissingParameterError,
+)
 from shuttle.formats.hub import looks_like_repo_id
 from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.optional import import_optional
 from shuttle.weights.lossless_file import open_decoded
 
-__all__ = ["NO_CEILING", "file_tensors", "folder_tensors", "local_folder", "match_sources",
-           "meta_parameters", "read_dtype"]
+__all__ = ["DTYPE_NAMES", "NO_CEILING", "file_tensors", "folder_tensors", "local_folder",
+           "match_sources", "meta_parameters", "read_dtype", "weights_dtype"]
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +122,32 @@ def file_tensors(file: str | os.PathLike[str]) -> dict[str, LazyTensor]:
         CorruptFileError: its header is inconsistent.
     """
     return dict(open_decoded(file).tensors)  # type: ignore[arg-type]
+
+
+# torch_dtype as a string: transformers' and diffusers' names, and the short ones users type.
+DTYPE_NAMES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+               "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+               "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
+
+
+def weights_dtype(torch_dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """The floating-point dtype ``torch_dtype`` names (None and ``"auto"``: None, the
+    library's own choice); strings as :data:`DTYPE_NAMES` spells them, with or without
+    ``torch.``.
+
+    Raises:
+        InvalidOptionError: a name or dtype that is not one of those floating-point dtypes.
+    """
+    if torch_dtype is None or torch_dtype == "auto":
+        return None
+    dtype = (DTYPE_NAMES.get(torch_dtype.lower().removeprefix("torch."))
+             if isinstance(torch_dtype, str) else torch_dtype)
+    if dtype not in DTYPE_NAMES.values():
+        raise InvalidOptionError(
+            f"torch_dtype={torch_dtype!r}: expected torch.bfloat16, torch.float16 or "
+            f"torch.float32 (or one of {sorted(DTYPE_NAMES)}, or 'auto' for the library's "
+            "own choice); weights load in a floating-point dtype")
+    return dtype
 
 
 def read_dtype(tensors: Mapping[str, LazyTensor]) -> torch.dtype:

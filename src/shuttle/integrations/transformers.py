@@ -20,12 +20,13 @@ from typing import Any
 
 import torch
 
+from shuttle.byte_count import ByteCount
 from shuttle.cache import ModelCache
 from shuttle.errors import AdapterFileError, OffloadError
 from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.integrations.activations import ActivationMeter
 from shuttle.integrations.blocks import find_block_lists
-from shuttle.integrations.budgets import cache_for, check_device
+from shuttle.integrations.budgets import byte_budgets, cache_for, check_device
 from shuttle.integrations.handle import OffloadHandle
 from shuttle.integrations.pretrained import (
     NO_CEILING,
@@ -35,6 +36,7 @@ from shuttle.integrations.pretrained import (
     match_sources,
     meta_parameters,
     read_dtype,
+    weights_dtype,
 )
 from shuttle.offload.coded import Compression
 from shuttle.offload.host_storage import HostBacking
@@ -69,8 +71,8 @@ def _reporting_device(cls: type) -> type:
     return sub
 
 
-def offload(model: Any, max_host_bytes: int | None = None, *, cache: ModelCache | None = None,
-            vram_budget: int | None = None, device: str | torch.device = "cuda",
+def offload(model: Any, max_host_bytes: ByteCount | None = None, *, cache: ModelCache | None = None,
+            vram_budget: ByteCount | None = None, device: str | torch.device = "cuda",
             prefetch: int = 2, blocks: Sequence[str] | None = None,
             host: HostBacking = "pinned", meter: ActivationMeter | None = None,
             sources: Mapping[str, LazyTensor] | None = None,
@@ -80,6 +82,8 @@ def offload(model: Any, max_host_bytes: int | None = None, *, cache: ModelCache 
     Args:
         model: a ``transformers.PreTrainedModel`` (``LlamaForCausalLM``, ...).
         max_host_bytes: host byte budget of a new cache for the model and its adapters.
+            This and ``vram_budget`` are bytes, or as :func:`~shuttle.byte_count.byte_count`
+            reads them (``6e9``, ``"16GiB"``).
         cache: a :class:`~shuttle.ModelCache` to share instead (exclusive with
             ``max_host_bytes``).
         vram_budget: device bytes for the weights and the activations of each call (measured:
@@ -116,6 +120,7 @@ def offload(model: Any, max_host_bytes: int | None = None, *, cache: ModelCache 
     if not isinstance(model, transformers.PreTrainedModel):
         raise OffloadError(f"model is a {type(model).__name__}, not a "
                            "transformers.PreTrainedModel")
+    vram_budget, max_host_bytes = byte_budgets(vram_budget, max_host_bytes)
     cache = cache_for(max_host_bytes, cache)
     paths = find_block_lists(model) if blocks is None else list(blocks)
     device = torch.device(device)
@@ -130,8 +135,9 @@ def offload(model: Any, max_host_bytes: int | None = None, *, cache: ModelCache 
 
 
 def from_pretrained(path_or_repo: str | os.PathLike[str], model_cls: type | None = None, *,
-                    torch_dtype: torch.dtype | None = None, vram_budget: int | None = None,
-                    max_host_bytes: int | None = None, cache: ModelCache | None = None,
+                    torch_dtype: torch.dtype | str | None = None,
+                    vram_budget: ByteCount | None = None, max_host_bytes: ByteCount | None = None,
+                    cache: ModelCache | None = None,
                     device: str | torch.device = "cuda", prefetch: int = 2,
                     blocks: Sequence[str] | None = None, host: HostBacking = "pinned",
                     revision: str | None = None,
@@ -151,7 +157,8 @@ def from_pretrained(path_or_repo: str | os.PathLike[str], model_cls: type | None
         torch_dtype: the dtype of the floating-point weights (files of another floating dtype
             are converted while read); None: the config's dtype, else the files', as
             transformers' ``dtype="auto"``. Modules transformers keeps in float32 for this
-            dtype (``_keep_in_fp32_modules``) stay float32.
+            dtype (``_keep_in_fp32_modules``) stay float32. A name works too (``"bfloat16"``,
+            ``"bf16"``, ``"fp16"``; ``"auto"``: None).
         vram_budget, max_host_bytes, cache, device, prefetch, blocks, host: as for
             :func:`offload`; with neither ``max_host_bytes`` nor ``cache``, a cache without a
             ceiling.
@@ -173,11 +180,14 @@ def from_pretrained(path_or_repo: str | os.PathLike[str], model_cls: type | None
         MissingParameterError: a parameter that no file holds (tied ones are found under
             either name).
         OffloadError: no ``model_cls`` and no architecture in the config.
+        InvalidOptionError: a ``torch_dtype`` that is not a floating-point dtype or its name.
         Whatever :func:`offload` raises (budgets, devices).
     """
     import_optional("transformers", "shuttle.integrations.transformers",
                     "pip install transformers")
-    check_device(device)
+    check_device(device)  # every argument checked before anything is read or built
+    vram_budget, max_host_bytes = byte_budgets(vram_budget, max_host_bytes)
+    torch_dtype = weights_dtype(torch_dtype)
     folder = local_folder(path_or_repo, revision, _MODEL_FILES)
     model, sources = empty_model(folder, model_cls, torch_dtype)
     if max_host_bytes is None and cache is None:

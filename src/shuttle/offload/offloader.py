@@ -46,6 +46,7 @@ import torch
 from shuttle.apply.auto import DEFAULT_THRESHOLD, check_threshold
 from shuttle.apply.dynamic_layer import Quality
 from shuttle.apply.plan import AdapterList, Mode, check_mode, normalize_loras
+from shuttle.byte_count import ByteCount, byte_count
 from shuttle.errors import (
     AlreadyActiveError,
     BudgetTooSmallError,
@@ -108,7 +109,7 @@ class ModelOffloader:
                     layers: bool | Sequence[type[torch.nn.Module]] = False,
                     trainable: Literal["host", "device"] = "host",
                     sources: Mapping[str, LazyTensor] | None = None,
-                    max_host_bytes: int | None = None,
+                    max_host_bytes: ByteCount | None = None,
                     compress: Compression | None = None,
                     progress: Callable[[int], None] | None = None) -> ModelOffloader:
         """Capture ``model``'s parameters and buffers into host storage.
@@ -145,6 +146,7 @@ class ModelOffloader:
                 lack, parameters trained on the host) always stay in host memory. Arenas go
                 first to the units read most often; each activation's plan
                 (:meth:`plan_for`) says which (``plan.pinned``). None: everything in host memory.
+                Bytes, or as :func:`~shuttle.byte_count.byte_count` reads them (``"16GiB"``).
             compress: ``"lossless"``: keep the bfloat16/float16 weights coded in host memory
                 (about 0.7x the bytes, in host memory and over the bus) and decode them on the
                 device as they land, bit for bit (:mod:`shuttle.offload.coded`). Needs
@@ -167,8 +169,8 @@ class ModelOffloader:
                 ``"lossless"`` or with ``host="adopt"``.
             BudgetTooSmallError: ``max_host_bytes`` cannot hold the units that must stay in
                 host memory plus one staging buffer (the message names that floor).
-            OffloadError: an unknown ``host``, a ``max_host_bytes`` that is not an integer
-                >= 0, a ``layers`` that is not a bool or a sequence
+            OffloadError: an unknown ``host``, a ``max_host_bytes`` that is not a number of
+                bytes >= 0, a ``layers`` that is not a bool or a sequence
                 of module classes, ``layers`` that selects no module, a model under FSDP2,
                 or ``trainable="device"`` with trainable DTensor parameters.
             Nothing is changed when any of these is raised.
@@ -182,11 +184,8 @@ class ModelOffloader:
         if trainable not in ("host", "device"):
             raise OffloadError(f"trainable={trainable!r}: expected 'host' (captured and "
                                "streamed like the rest) or 'device' (kept on the device)")
-        if max_host_bytes is not None and (not isinstance(max_host_bytes, int)
-                                           or isinstance(max_host_bytes, bool)
-                                           or max_host_bytes < 0):
-            raise OffloadError(f"max_host_bytes={max_host_bytes!r}: expected an integer number "
-                               "of bytes >= 0, or None (no ceiling)")
+        if max_host_bytes is not None:
+            max_host_bytes = byte_count(max_host_bytes, "max_host_bytes", OffloadError)
         groups, chosen, on_device = units_of(model, blocks, layers, trainable)
         storage = HostStorage(model, groups, host, chosen, skip=on_device, sources=sources,
                               max_host_bytes=max_host_bytes, compress=compress,

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from shuttle.byte_count import ByteCount, byte_count
 from shuttle.errors import BudgetTooSmallError, OffloadError
 from shuttle.offload.disk_reader import IO_ALIGN
 from shuttle.offload.host_storage import HostStorage
@@ -53,6 +54,8 @@ class StreamConfig:
         vram_budget: device bytes for the activation: the weights (the rest of the model,
             resident blocks and ring slots) plus ``activation_bytes``. As many blocks as fit
             are made resident; when even ``prefetch`` is too deep for the budget it is lowered.
+            Bytes, or as :func:`~shuttle.byte_count.byte_count` reads them (``6e9``,
+            ``"6GiB"``); kept as an ``int``.
         compile: compile each block's forward with ``torch.compile`` (weight loading stays
             outside the graph; one compile per block class and shape): ``True`` for the
             default backend (inductor), or a backend (``"aot_eager"``, a callable).
@@ -69,7 +72,8 @@ class StreamConfig:
     (``prefetch + 1`` slots of the largest streamed layer) before any layer is made resident.
 
     Raises:
-        OffloadError: a negative or non-integer value, both ``resident`` and
+        OffloadError: a negative or non-integer count, a budget that is not a number of
+            bytes, both ``resident`` and
             ``vram_budget``, ``activation_bytes`` without ``vram_budget``, a ``compile`` that
             is neither a bool, a string nor callable, or a ``policy`` without a ``plan``
             method.
@@ -77,7 +81,7 @@ class StreamConfig:
 
     prefetch: int = 2
     resident: int | None = None
-    vram_budget: int | None = None
+    vram_budget: ByteCount | None = None
     compile: bool | str | Callable[..., Any] = False
     policy: ResidencyPolicy | None = None
     activation_bytes: int = 0
@@ -89,7 +93,11 @@ class StreamConfig:
         if not isinstance(self.compile, (bool, str)) and not callable(self.compile):
             raise OffloadError(f"StreamConfig.compile={self.compile!r}: expected a bool, a "
                                "backend name or a backend callable")
-        for name in ("prefetch", "resident", "vram_budget", "activation_bytes"):
+        for name in ("vram_budget", "activation_bytes"):
+            if getattr(self, name) is not None:  # frozen: set once, here, as an int
+                object.__setattr__(self, name, byte_count(getattr(self, name),
+                                                          f"StreamConfig.{name}", OffloadError))
+        for name in ("prefetch", "resident"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise OffloadError(f"StreamConfig.{name}={v!r}: expected an integer >= 0")
