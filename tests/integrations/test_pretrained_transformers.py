@@ -118,6 +118,27 @@ def test_an_auto_class_and_torch_dtype(tmp_path):
     handle.remove()
 
 
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_a_float8_checkpoint_is_widened_exactly_while_read(tmp_path, fp8):
+    from safetensors.torch import save_file
+
+    ref = tiny_llama()
+    save(ref, tmp_path)
+    # the checkpoint as fp8 files hold it: the projections' weights in float8, the rest as is
+    state = {k: v.to(fp8) if k.endswith("proj.weight") else v
+             for k, v in ref.state_dict().items()}
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            if n.endswith("proj.weight"):
+                p.copy_(p.to(fp8))  # each value rounded to float8 once, then exact in float32
+    model, handle = shuttle_transformers.from_pretrained(tmp_path, torch_dtype=torch.float32,
+                                                         device="cpu")
+    assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.float32
+    assert torch.equal(logits(model), logits(ref))
+    handle.remove()
+
+
 def test_modules_transformers_keeps_in_float32_stay_float32(tmp_path):
     from transformers import T5Config, T5EncoderModel
 

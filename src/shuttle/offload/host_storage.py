@@ -137,8 +137,9 @@ class HostStorage:
             instead of from the module, so a model built on the ``meta`` device is filled
             straight from its files (``"pinned"``: read once into the arena; ``"adopt"``: a
             private map of the file, no copy). Its shape must be the tensor's, and its
-            dtype too unless both are floating point (float16, bfloat16, float32, float64):
-            then it is converted while read, through pieces of at most 16 MiB (``"adopt"``
+            dtype too unless both are floating point (float16, bfloat16, float32, float64), or
+            the file's is float8 and the model's one of those (widened exactly): then it is
+            converted while read, through pieces of at most 16 MiB (``"adopt"``
             then holds a converted copy instead of a map).
         max_host_bytes: the ceiling on :attr:`host_bytes` (``"pinned"`` only). Units read from
             the files alone, as they are stored, start on disk; the others (:attr:`fixed`: a

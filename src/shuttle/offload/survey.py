@@ -24,12 +24,15 @@ from shuttle.weights.dtensor import is_dtensor, local_tensor
 from shuttle.weights.lossless_file import CodedRef
 from shuttle.weights.plain import is_plain_tensor
 
-__all__ = ["CASTABLE", "Binding", "UnitSurvey", "adopted", "fill_arena", "read_binding",
+__all__ = ["CASTABLE", "WIDENED", "Binding", "UnitSurvey", "adopted", "fill_arena", "read_binding",
            "read_entry", "survey_units"]
 
 # Floating-point dtypes a checkpoint tensor is converted between while read (``copy_``
 # rounds to nearest even, as ``load_state_dict`` and ``Tensor.to`` do).
 CASTABLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+# Float8 checkpoint tensors read into a wider floating model tensor: exact, every float8 value
+# (e4m3fn: 3 mantissa bits, |x| <= 448; e5m2: 2 bits, |x| <= 57344) is a float16 and bfloat16.
+WIDENED = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
 
 
 class Binding(NamedTuple):
@@ -254,22 +257,26 @@ def _names(model: torch.nn.Module) -> dict[tuple, list[str]]:
 def _file_of(t: torch.Tensor, key: tuple, named: dict[tuple, list[str]],
              files: Mapping[str, LazyTensor | CodedRef]) -> LazyTensor | CodedRef | None:
     """The checkpoint tensor that supplies ``t`` (under any of its names), checked to match:
-    the same shape, and the same dtype or two of :data:`CASTABLE` (converted while read).
+    the same shape, and the same dtype, or two of :data:`CASTABLE`, or a float8 tensor for a
+    float16, bfloat16 or float32 one (:data:`WIDENED`): converted while read.
 
     Raises:
         HostBackingError: the file's tensor has another shape, or a dtype that is not converted
-            (integers, float8: their values would need more than a cast).
+            (integers; float8 from a wider file tensor: its values would need rounding and a
+            scale).
     """
     for name in named.get(key, ()):
         src = files.get(name)
         if src is not None:
-            castable = src.dtype == t.dtype or {src.dtype, t.dtype} <= CASTABLE
+            castable = (src.dtype == t.dtype or {src.dtype, t.dtype} <= CASTABLE
+                        or (src.dtype in WIDENED and t.dtype in CASTABLE))
             if not castable or tuple(src.shape) != tuple(t.shape):
                 raise HostBackingError(
                     f"{name}: the checkpoint's {src.key!r} is {src.dtype} "
                     f"{tuple(src.shape)}, the model's tensor {t.dtype} {tuple(t.shape)}; build "
                     "the model with the checkpoint's config and dtype (floating-point tensors "
-                    f"convert between {sorted(str(d) for d in CASTABLE)} while read)")
+                    f"convert between {sorted(str(d) for d in CASTABLE)} while read, and "
+                    "float8 ones into any of those)")
             return src
     return None
 
