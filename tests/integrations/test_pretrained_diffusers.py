@@ -24,7 +24,7 @@ from shuttle.errors import (
 )
 from shuttle.formats.safetensors_file import SafetensorsFile
 from shuttle.integrations import diffusers as shuttle_diffusers
-from tests.integrations.models import run_flux, tiny_flux
+from tests.integrations.models import flux_lora, run_flux, tiny_flux
 
 pytest.importorskip("diffusers")
 
@@ -199,6 +199,72 @@ def test_torch_dtype_and_budgets_by_name(tmp_path):
     assert dtypes(named) == dtypes(pipe) and pipe.transformer.dtype == torch.bfloat16
     assert torch.equal(out, run_flux(pipe, "pt"))
     handle.remove()
+
+
+@pytest.fixture(scope="module")
+def fp8_folder(tmp_path_factory):
+    """A tiny Flux pipeline in bfloat16 whose transformer's file stores every 2-D weight in
+    float8_e4m3fn (as fp8 checkpoints do), and the latents diffusers' own loading gives."""
+    from diffusers import DiffusionPipeline
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path_factory.mktemp("fp8")
+    tiny_flux().to(torch.bfloat16).save_pretrained(folder)
+    (file,) = (folder / "transformer").glob("*.safetensors")
+    state = {k: t.to(torch.float8_e4m3fn) if t.dim() == 2 else t
+             for k, t in load_file(file).items()}
+    save_file(state, file, metadata={"format": "pt"})
+    ref = DiffusionPipeline.from_pretrained(folder, dtype=torch.bfloat16)  # widens at load
+    return folder, run_flux(ref), run_flux(ref, "pt")
+
+
+@pytest.mark.parametrize("host", [None, "disk"])
+def test_float8_weights_are_kept_as_stored_and_compute_in_torch_dtype(fp8_folder, monkeypatch,
+                                                                      host):
+    from diffusers import FluxTransformer2DModel
+
+    monkeypatch.setattr("shuttle.offload.spill.MIN_STAGING", 4096)
+    monkeypatch.setattr("shuttle.offload.residency.MIN_STAGING", 4096)
+    folder, latents, pixels = fp8_folder
+    ceiling = file_bytes(folder) // 2 if host == "disk" else None
+    pipe, handle = shuttle_diffusers.from_pretrained(
+        folder, torch_dtype=torch.bfloat16, device="cpu", max_host_bytes=ceiling, prefetch=1)
+    t = pipe.transformer
+    assert t.transformer_blocks[0].attn.to_q.weight.dtype == torch.float8_e4m3fn  # as stored
+    assert t.transformer_blocks[0].attn.to_q.bias.dtype == torch.bfloat16  # stored in bf16
+    assert t.dtype == torch.bfloat16  # what the pipeline casts its inputs to
+    assert torch.equal(run_flux(pipe), latents)  # bit-identical to diffusers' widened load
+    assert torch.equal(run_flux(pipe, "pt"), pixels)
+    storage = handle.offloaders["transformer"].storage
+    if host == "disk":
+        assert storage.reader.bytes_read > 0  # float8 bytes streamed from the file
+    handle.remove()
+    assert type(t) is FluxTransformer2DModel and t.transformer_blocks[0].attn.to_q.weight.is_meta
+    widened, handle = shuttle_diffusers.from_pretrained(folder, torch_dtype="bf16", device="cpu",
+                                                        float8="widen")
+    assert widened.transformer.transformer_blocks[0].attn.to_q.weight.dtype == torch.bfloat16
+    assert torch.equal(run_flux(widened), latents)
+    widened_bytes = handle.offloaders["transformer"].storage.host_bytes
+    handle.remove()
+    if host is None:
+        assert storage.host_bytes < widened_bytes  # float8 weights: fewer bytes held
+
+
+def test_a_dynamic_adapter_on_kept_float8_weights_equals_it_on_widened_ones(fp8_folder):
+    folder, _, _ = fp8_folder
+    outs = []
+    for float8 in ("keep", "widen"):
+        pipe, handle = shuttle_diffusers.from_pretrained(folder, torch_dtype=torch.bfloat16,
+                                                         device="cpu", float8=float8)
+        handle.set_loras([(flux_lora(), 0.8)], mode="dynamic")
+        outs.append(run_flux(pipe))
+        handle.remove()
+    assert torch.equal(*outs)
+
+
+def test_an_unknown_float8_choice_is_refused(tmp_path):
+    with pytest.raises(InvalidOptionError, match="float8='fp8'"):
+        shuttle_diffusers.from_pretrained(tmp_path, device="cpu", float8="fp8")
 
 
 def test_variant_files_beside_the_weights_are_not_read(saved, tmp_path, monkeypatch):

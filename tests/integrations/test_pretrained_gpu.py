@@ -78,6 +78,43 @@ def test_flux_from_its_files_is_the_resident_pipeline(flux_folder, share):
     handle.remove()
 
 
+def test_a_float8_flux_streams_its_float8_bytes_and_equals_diffusers_widened_load(
+        flux_folder, tmp_path):
+    """The transformer's 2-D weights rewritten in float8_e4m3fn (an fp8 release): shuttle keeps
+    them float8 (the Triton cast as each module runs) under a VRAM budget and a host ceiling
+    that sends blocks to disk; diffusers widens them at load and runs resident."""
+    import shutil
+
+    from diffusers import DiffusionPipeline
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "fp8"
+    shutil.copytree(flux_folder[0], folder)
+    files = sorted((folder / "transformer").glob("*.safetensors"))
+    for f in files:
+        save_file({k: t.to(torch.float8_e4m3fn) if t.dim() == 2 else t
+                   for k, t in load_file(f).items()}, f, metadata={"format": "pt"})
+    resident = DiffusionPipeline.from_pretrained(folder, dtype=torch.bfloat16).to("cuda")
+    ref = run_midsize_flux(resident)
+    del resident
+    torch.cuda.empty_cache()
+    fp8 = sum(f.stat().st_size for f in files)
+    pipe, handle = shuttle_diffusers.from_pretrained(
+        folder, torch_dtype=torch.bfloat16, vram_budget=int(0.6 * fp8), device="cuda",
+        max_host_bytes=int(0.5 * sum(p.stat().st_size for p in folder.glob("*/*.safetensors"))))
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(2):
+        assert torch.equal(run_midsize_flux(pipe), ref)
+    storage = handle.offloaders["transformer"].storage
+    assert storage.weight_bytes <= 0.6 * weight_bytes_of(flux_folder[0] / "transformer")
+    assert storage.reader is not None and storage.reader.bytes_read > 0
+    handle.remove()
+
+
+def weight_bytes_of(folder) -> int:
+    return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+
+
 @pytest.fixture(scope="module")
 def llama_folder(tmp_path_factory):
     """(folder of a mid-size bf16 Llama in shards, the logits of the same files loaded by

@@ -186,3 +186,22 @@ def test_a_file_in_the_model_s_own_names_for_a_transformers_component(saved, tmp
     wrong = write(tmp_path / "wrong.safetensors", {"x.weight": torch.zeros(1), **own})
     with pytest.raises(CheckpointMismatchError, match=r"wrong\.safetensors.*'x\.weight'"):
         shuttle_diffusers.from_pretrained(root, device="cpu", weights={"text_encoder_2": wrong})
+
+
+def test_an_original_float8_file_keeps_its_float8_weights(saved, tmp_path):
+    root, bfl, _ = saved
+    # as the fp8 releases of Flux hold it: the 2-D weights in float8_e4m3fn, the rest in bf16
+    file = write(tmp_path / "flux1-tiny-fp8.safetensors",
+                 {k: v.to(torch.float8_e4m3fn if v.dim() == 2 else torch.bfloat16)
+                  for k, v in bfl.items()})
+    outs = []
+    for float8 in ("keep", "widen"):
+        pipe, handle = shuttle_diffusers.from_pretrained(
+            root, device="cpu", torch_dtype=torch.bfloat16, weights={"transformer": file},
+            float8=float8)
+        to_q = pipe.transformer.transformer_blocks[0].attn.to_q.weight  # rows of a fused qkv
+        assert to_q.dtype == (torch.float8_e4m3fn if float8 == "keep" else torch.bfloat16)
+        assert pipe.transformer.dtype == torch.bfloat16
+        outs.append(run_flux(pipe))
+        handle.remove()
+    assert torch.equal(*outs)

@@ -17,6 +17,7 @@ from shuttle.hooks import ModuleHook, hooks_of
 from shuttle.integrations.activations import CallShrinker
 from shuttle.offload import ResidencyPlan
 from shuttle.offload.host_storage import HostStorage
+from shuttle.weights.upcast import Upcasting
 
 __all__ = ["Active", "ActivateHook", "Component", "check_free", "restore"]
 
@@ -35,6 +36,7 @@ class Component:
     wrapped: list[str] = field(default_factory=list)  # entry methods set on the instance
     attrs: list[str] = field(default_factory=list)  # instance attributes set by the handle
     own_class: type | None = None  # the module's class, while the handle gives it another
+    upcasting: Upcasting | None = None  # its float8 weights cast as each layer runs
     plan: ResidencyPlan | None = None  # chosen at capture, again as activations are measured
     paths: tuple[str, ...] = ()  # its block lists (empty: moved whole)
     floor: int = 0  # device weight bytes at its floor (nothing resident, one slot per list)

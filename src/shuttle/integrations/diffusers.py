@@ -17,13 +17,13 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 
 from shuttle.byte_count import ByteCount
 from shuttle.cache import ModelCache
-from shuttle.errors import AdapterFileError, OffloadError
+from shuttle.errors import AdapterFileError, InvalidOptionError, OffloadError
 from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.integrations.activations import ActivationMeter
 from shuttle.integrations.blocks import find_block_lists
@@ -43,9 +43,12 @@ from shuttle.integrations.transformers import empty_model
 from shuttle.offload.coded import Compression
 from shuttle.offload.host_storage import HostBacking
 from shuttle.optional import import_optional
+from shuttle.weights.fp8 import FP8_DTYPES
 
-__all__ = ["DENOISERS", "ENTRY_METHODS", "from_pretrained", "offload"]
+__all__ = ["DENOISERS", "ENTRY_METHODS", "Float8", "from_pretrained", "offload"]
 
+# What from_pretrained does with float8 parameters in a diffusers model's files.
+Float8 = Literal["keep", "widen"]
 # Component names whose block lists stream by default (prefixes: ``transformer_2`` too).
 DENOISERS = ("transformer", "unet")
 # Methods pipelines call instead of ``forward`` (a VAE's ``encode``/``decode``).
@@ -82,6 +85,24 @@ class _Tiling:
             setattr(self.vae, attr, value)
 
 
+_DTYPE_CLASSES: dict[tuple[type, torch.dtype], type] = {}
+
+
+def _computing_in(cls: type, dtype: torch.dtype) -> type:
+    """A subclass of ``cls`` (adding no state) whose ``dtype`` is ``dtype``: a model holding
+    float8 weights that compute in ``dtype`` reports it, as diffusers' layerwise casting makes
+    ``ModelMixin.dtype`` report its compute dtype (pipelines cast their inputs and embeddings
+    to a component's ``dtype``). One subclass per class and dtype, made once.
+    """
+    sub = _DTYPE_CLASSES.get((cls, dtype))
+    if sub is None:
+        sub = _DTYPE_CLASSES[cls, dtype] = type(cls.__name__, (cls,), {
+            "dtype": property(lambda self: dtype, doc="The dtype the model computes in."),
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+            "__doc__": cls.__doc__})
+    return sub
+
+
 @dataclass(frozen=True)
 class _ExecutionDevice:
     """Tells ``DiffusionPipeline._execution_device`` where the components compute.
@@ -100,7 +121,8 @@ def offload(pipe: Any, max_host_bytes: ByteCount | None = None, *, cache: ModelC
             prefetch: int = 2, blocks: Mapping[str, Sequence[str]] | None = None,
             host: HostBacking = "pinned", meter: ActivationMeter | None = None,
             sources: Mapping[str, Mapping[str, LazyTensor]] | None = None,
-            compress: Compression | None = None) -> OffloadHandle:
+            compress: Compression | None = None,
+            upcast: Mapping[str, torch.dtype] | None = None) -> OffloadHandle:
     """Put every ``nn.Module`` component of ``pipe`` under one shuttle cache.
 
     Args:
@@ -126,6 +148,10 @@ def offload(pipe: Any, max_host_bytes: ByteCount | None = None, *, cache: ModelC
             over the bus, bit for bit; docs/lossless.md). Needs ``host="pinned"``.
         sources: component name -> (qualified tensor name -> its tensor in a safetensors
             file), for components built on ``meta`` (see :func:`from_pretrained`).
+        upcast: component name -> the dtype a component holding float8 weights computes in
+            (each module runs with its float8 parameters cast to it,
+            :func:`~shuttle.upcast_on_use`; its ``dtype`` reports it while offloaded).
+            :func:`from_pretrained` passes it for the components whose files hold float8.
 
     Returns:
         The handle: ``set_loras``, ``deactivate``, ``remove`` (exact detach).
@@ -145,8 +171,12 @@ def offload(pipe: Any, max_host_bytes: ByteCount | None = None, *, cache: ModelC
     if not isinstance(pipe, diffusers.DiffusionPipeline):
         raise OffloadError(f"pipe is a {type(pipe).__name__}, not a diffusers.DiffusionPipeline")
     vram_budget, max_host_bytes = byte_budgets(vram_budget, max_host_bytes)
-    cache = cache_for(max_host_bytes, cache)
     modules = {n: m for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
+    unknown = sorted(set(upcast or {}) - set(modules))
+    if unknown:
+        raise OffloadError(f"upcast= names {unknown}, which are not module components of the "
+                           f"pipeline ({sorted(modules)})")
+    cache = cache_for(max_host_bytes, cache)
     methods = {n: [a for a in ENTRY_METHODS if callable(getattr(type(m), a, None))]
                for n, m in modules.items()}
     # With a budget every component but the autoencoders may stream (their plan decides).
@@ -159,7 +189,9 @@ def offload(pipe: Any, max_host_bytes: ByteCount | None = None, *, cache: ModelC
                          vram_budget=vram_budget, host=host, methods=methods,
                          attrs={"_hf_hook": _ExecutionDevice(torch.device(device))},
                          key_prefix=f"{type(pipe).__name__}@{id(pipe):x}", shrink=shrink,
-                         meter=meter, sources=sources, compress=compress,
+                         meter=meter, sources=sources, compress=compress, upcast=upcast,
+                         classes={n: _computing_in(type(modules[n]), d)
+                                  for n, d in (upcast or {}).items()},
                          hot=[n for n in modules if n.startswith(DENOISERS)])
 
 
@@ -171,7 +203,7 @@ def from_pretrained(path_or_repo: str | os.PathLike[str], pipeline_cls: type | N
                     blocks: Mapping[str, Sequence[str]] | None = None,
                     host: HostBacking = "pinned", revision: str | None = None,
                     weights: Mapping[str, str | os.PathLike[str]] | None = None,
-                    compress: Compression | None = None,
+                    compress: Compression | None = None, float8: Float8 = "keep",
                     **components: Any) -> tuple[Any, OffloadHandle]:
     """Build a diffusers pipeline straight from its files and offload it.
 
@@ -203,6 +235,14 @@ def from_pretrained(path_or_repo: str | os.PathLike[str], pipeline_cls: type | N
             (``flux1-dev.safetensors``, ComfyUI's ``model.diffusion_model.`` keys), placed by
             shuttle's family tables (:mod:`~shuttle.integrations.single_file`), or a file in
             the model's own names.
+        float8: what becomes of the parameters a diffusers model's files store in float8
+            (fp8 checkpoints): ``"keep"``, held as stored (half the bytes of bfloat16 in host
+            memory, read from disk and streamed) and cast to ``torch_dtype`` (float32 when
+            None) as each module runs (:func:`~shuttle.upcast_on_use`; the model's ``dtype``
+            reports ``torch_dtype``): the same values as widened ones, so the outputs are
+            those of a widening load; ``"widen"``: widened into the model's dtype while read
+            (exact; a module holding one is held in host memory, not read from disk).
+            Modules kept in float32 and transformers models (text encoders) always widen.
         components: components to use as given instead of reading them (``scheduler=...``,
             or a module already loaded: it is offloaded from its own tensors).
 
@@ -227,6 +267,10 @@ def from_pretrained(path_or_repo: str | os.PathLike[str], pipeline_cls: type | N
     check_device(device)  # every argument checked before anything is read or built
     vram_budget, max_host_bytes = byte_budgets(vram_budget, max_host_bytes)
     torch_dtype = weights_dtype(torch_dtype)
+    if float8 not in get_args(Float8):
+        raise InvalidOptionError(f"float8={float8!r}: expected 'keep' (float8 weights held "
+                                 "as stored, cast as each module runs) or 'widen' (converted "
+                                 "while read)")
     folder = local_folder(path_or_repo, revision, ["model_index.json"])
     index_file = folder / "model_index.json"
     if not index_file.is_file():
@@ -250,6 +294,7 @@ def from_pretrained(path_or_repo: str | os.PathLike[str], pipeline_cls: type | N
                                f"{index.get('_class_name')!r}; upgrade it or pass pipeline_cls=")
     modules: dict[str, torch.nn.Module] = {}
     sources: dict[str, dict[str, LazyTensor]] = {}
+    upcast: dict[str, torch.dtype] = {}
     for name, (library, class_name) in parts.items():
         cls = _component_class(library, class_name)
         if name in components or cls is None:
@@ -257,6 +302,9 @@ def from_pretrained(path_or_repo: str | os.PathLike[str], pipeline_cls: type | N
         if issubclass(cls, diffusers.ModelMixin):
             modules[name], sources[name] = _empty_model(cls, folder / name, torch_dtype,
                                                         weights.get(name))
+            compute = torch_dtype or torch.float32
+            if float8 == "keep" and _keep_float8(modules[name], sources[name], compute):
+                upcast[name] = compute
         else:
             modules[name], sources[name] = empty_model(folder / name, cls, torch_dtype,
                                                        weights.get(name))
@@ -265,7 +313,7 @@ def from_pretrained(path_or_repo: str | os.PathLike[str], pipeline_cls: type | N
         max_host_bytes = NO_CEILING
     handle = offload(pipe, max_host_bytes, cache=cache, vram_budget=vram_budget, device=device,
                      prefetch=prefetch, blocks=blocks, host=host, sources=sources,
-                     compress=compress)
+                     compress=compress, upcast=upcast)
     return pipe, handle
 
 
@@ -283,6 +331,25 @@ def _component_class(library: str, class_name: str) -> type | None:
         raise OffloadError(f"{library} {lib.__version__} has no {class_name!r} (named in "
                            f"model_index.json); upgrade {library}")
     return cls if isinstance(cls, type) and issubclass(cls, torch.nn.Module) else None
+
+
+def _keep_float8(model: torch.nn.Module, sources: Mapping[str, LazyTensor | RowPieces],
+                 dtype: torch.dtype) -> bool:
+    """Give ``model`` (on ``meta``) a float8 parameter wherever its files store that parameter
+    in float8 and the model built it in ``dtype``, its compute dtype (not a module its library
+    keeps in float32: those are widened into float32); whether any.
+
+    The values are the same as widened ones, so every module computes exactly as after a
+    widening load, and a block whose tensors all lie in its files as stored can stay on disk.
+    """
+    kept = False
+    for path, module in model.named_modules():
+        for leaf, p in module.named_parameters(recurse=False):
+            src = sources.get(f"{path}.{leaf}" if path else leaf)
+            if src is not None and src.dtype in FP8_DTYPES and p.dtype == dtype:
+                p.data = torch.empty(p.shape, dtype=src.dtype, device=p.device)  # still meta
+                kept = True
+    return kept
 
 
 def _empty_model(cls: type, folder: Path, torch_dtype: torch.dtype | None,

@@ -60,6 +60,7 @@ from shuttle.offload import ModelOffloader, RingOnlyResidency, StreamConfig
 from shuttle.offload.coded import Compression
 from shuttle.offload.host_storage import HostBacking
 from shuttle.offload.residency import floor_bytes
+from shuttle.weights.upcast import upcast_on_use
 
 __all__ = ["OffloadHandle"]
 
@@ -97,6 +98,9 @@ class OffloadHandle:
         compress: ``"lossless"``: host copies kept coded (see :class:`~shuttle.ModelSpec`).
         hot: names of the modules called most often (a pipeline's denoisers, once a step):
             first in line for host memory when the modules do not all fit in it.
+        upcast: name -> the dtype a module holding float8 weights computes in: each of its
+            layers runs with them cast to that dtype (:func:`~shuttle.upcast_on_use`; the
+            float8 bytes are what is held, read and streamed), undone by :meth:`remove`.
 
     Attributes:
         device: the compute device.
@@ -126,7 +130,8 @@ class OffloadHandle:
                  shrink: Mapping[str, CallShrinker] | None = None,
                  meter: ActivationMeter | None = None,
                  sources: Mapping[str, Mapping[str, LazyTensor]] | None = None,
-                 compress: Compression | None = None, hot: Sequence[str] = ()):
+                 compress: Compression | None = None, hot: Sequence[str] = (),
+                 upcast: Mapping[str, torch.dtype] | None = None):
         methods, attrs, classes = methods or {}, attrs or {}, classes or {}
         sources = sources or {}
         self.device = check_device(device)  # at offload time, not at the first call
@@ -155,6 +160,8 @@ class OffloadHandle:
                 self._components[name].shrink = (shrink or {}).get(name)
             for name, c in self._components.items():
                 self._install(c, methods.get(name, ()), attrs, classes.get(name))
+            for name, dtype in (upcast or {}).items():
+                self._components[name].upcasting = upcast_on_use(modules[name], dtype)
         except BaseException:
             self.remove()
             raise
@@ -249,6 +256,9 @@ class OffloadHandle:
         """
         self.deactivate()
         for c in self._components.values():
+            if c.upcasting is not None:
+                c.upcasting.remove()
+                c.upcasting = None
             if c.shrunk and c.shrink is not None:
                 c.shrink.restore()
                 c.shrunk = False
