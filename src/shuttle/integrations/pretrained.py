@@ -127,7 +127,8 @@ def file_tensors(file: str | os.PathLike[str]) -> dict[str, LazyTensor]:
 # torch_dtype as a string: transformers' and diffusers' names, and the short ones users type.
 DTYPE_NAMES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
                "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-               "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
+               "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+               "float64": torch.float64, "fp64": torch.float64, "double": torch.float64}
 
 
 def weights_dtype(torch_dtype: torch.dtype | str | None) -> torch.dtype | None:
@@ -144,9 +145,9 @@ def weights_dtype(torch_dtype: torch.dtype | str | None) -> torch.dtype | None:
              if isinstance(torch_dtype, str) else torch_dtype)
     if dtype not in DTYPE_NAMES.values():
         raise InvalidOptionError(
-            f"torch_dtype={torch_dtype!r}: expected torch.bfloat16, torch.float16 or "
-            f"torch.float32 (or one of {sorted(DTYPE_NAMES)}, or 'auto' for the library's "
-            "own choice); weights load in a floating-point dtype")
+            f"torch_dtype={torch_dtype!r}: expected torch.bfloat16, torch.float16, "
+            f"torch.float32 or torch.float64 (or one of {sorted(DTYPE_NAMES)}, or 'auto' for "
+            "the library's own choice); weights load in a floating-point dtype")
     return dtype
 
 
