@@ -8,6 +8,11 @@ vram_budget=V, max_host_bytes=H)``: modules built on ``meta``, weights read stra
 files, what the host budget does not hold read from disk on every pass. One call: e2e.py's
 prompt, 1024x1024, 4 steps (``--smoke``: tiny components, 128x128, 2 steps).
 
+``--model flux-fp8`` writes the same pipeline with its transformer's linear weights in
+float8_e4m3fn (an fp8 release, 12.0 GB of transformer): shuttle keeps them float8 in host
+memory, on disk and over the bus, computing in bf16 (``from_pretrained(float8="keep")``); the
+resident reference is diffusers' own load of that folder, which widens them to bf16.
+
 ``--model wan14b`` runs a WanPipeline of Wan2.1-T2V-14B's shapes instead (about 40 GB; one call:
 480x832, 33 frames, 2 steps with guidance), the issue's row at 6 GiB VRAM and 16 GiB host.
 
@@ -85,7 +90,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--folder", type=Path, help="where the pipeline is written")
     p.add_argument("--model", choices=list(PIPELINES), default="flux",
-                   help="flux: FluxPipeline (Flux-dev); wan14b: WanPipeline (Wan2.1-14B shapes)")
+                   help="flux: FluxPipeline (Flux-dev); flux-fp8: the same with its transformer's "
+                        "linear weights in float8 (an fp8 release; shuttle keeps them float8, "
+                        "the resident reference is diffusers' widening load); wan14b: "
+                        "WanPipeline (Wan2.1-14B shapes)")
     p.add_argument("--vram", default="floor,4,6,8,12", help="GiB budgets, or 'floor'")
     p.add_argument("--host", default="8,16,none",
                    help="GiB ceilings, or 'none'; a ':lossless' suffix codes what is held")
@@ -226,10 +234,23 @@ def wan_stats(out: dict) -> dict:
             "pixels_nan": int(px.isnan().sum())}
 
 
+def build_flux_fp8(smoke: bool, pool: torch.Tensor):
+    """e2e's FluxPipeline with its transformer's linear weights in float8_e4m3fn (rounded to
+    nearest), as the fp8 releases of Flux-dev hold them: 12.0 GB of transformer, not 23.8."""
+    pipe = e2e.build_flux(smoke, pool)
+    with torch.no_grad():
+        for m in pipe.transformer.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.weight.data = m.weight.data.to(torch.float8_e4m3fn)
+    return pipe
+
+
 # name -> (build(smoke, pool), call(pipe, device, smoke), stats(out, smoke))
 PIPELINES = {
     "flux": (e2e.build_flux, e2e.flux_call,
              lambda out, smoke: e2e.output_stats("flux", out, smoke)),
+    "flux-fp8": (build_flux_fp8, e2e.flux_call,
+                 lambda out, smoke: e2e.output_stats("flux", out, smoke)),
     "wan14b": (build_wan, wan_call, lambda out, smoke: wan_stats(out)),
 }
 
@@ -570,6 +591,8 @@ PEER_STYLES = {"mmgp4": ("v", "tab:orange"), "mmgp5": ("<", "tab:orange"),
 
 
 TITLES = {"flux": "FluxPipeline (Flux-dev), 1024x1024, 4 steps, weights on disk",
+          "flux-fp8": "FluxPipeline (Flux-dev, fp8 transformer), 1024x1024, 4 steps, weights "
+                      "on disk",
           "wan14b": "WanPipeline (Wan2.1-14B shapes), 480x832, 33 frames, weights on disk"}
 
 
