@@ -205,3 +205,17 @@ def test_an_original_float8_file_keeps_its_float8_weights(saved, tmp_path):
         outs.append(run_flux(pipe))
         handle.remove()
     assert torch.equal(*outs)
+
+
+@pytest.mark.parametrize("leaf", ["scale_weight", "weight_scale"])
+def test_a_scaled_float8_file_is_refused_naming_the_releases_that_load(saved, tmp_path, leaf):
+    root, bfl, _ = saved
+    tensors = {k: v.to(torch.float8_e4m3fn if v.dim() == 2 else torch.bfloat16)
+               for k, v in bfl.items()}
+    # ComfyUI's fp8_scaled layout: a float32 scale beside each float8 weight
+    tensors.update({k.removesuffix(".weight") + f".{leaf}": torch.ones(())
+                    for k, v in bfl.items() if v.dim() == 2})
+    file = write(tmp_path / "flux1-tiny-fp8-scaled.safetensors", tensors)
+    with pytest.raises(CheckpointMismatchError, match=rf"scaled fp8 checkpoint .*\.{leaf}'.*plain "
+                                                      r"fp8 one"):
+        shuttle_diffusers.from_pretrained(root, device="cpu", weights={"transformer": file})

@@ -42,10 +42,11 @@ from shuttle.errors import (
 from shuttle.formats.hub import looks_like_repo_id
 from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.optional import import_optional
+from shuttle.weights.fp8 import FP8_DTYPES
 from shuttle.weights.lossless_file import open_decoded
 
 __all__ = ["DTYPE_NAMES", "NO_CEILING", "file_tensors", "folder_tensors", "local_folder",
-           "match_sources", "meta_parameters", "read_dtype", "weights_dtype"]
+           "match_sources", "meta_parameters", "read_dtype", "unscaled", "weights_dtype"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,7 @@ def folder_tensors(folder: Path) -> dict[str, LazyTensor]:
     Raises:
         AdapterFileError: no safetensors weights, or several candidates.
         CorruptFileError: a header or index is inconsistent.
+        CheckpointMismatchError: a scaled fp8 checkpoint (see :func:`unscaled`).
     """
     indexes = sorted(folder.glob("*.safetensors.index.json"))
     files = sorted(p for p in folder.glob("*.safetensors") if "." not in p.stem)
@@ -111,7 +113,8 @@ def folder_tensors(folder: Path) -> dict[str, LazyTensor]:
             f"{folder}: no .safetensors weights"
             + (f" (only {', '.join(others)}); convert them to safetensors first" if others
                else "; pass a folder written by save_pretrained"))
-    return dict(open_decoded(indexes[0] if indexes else files[0]).tensors)  # type: ignore
+    path = indexes[0] if indexes else files[0]
+    return unscaled(dict(open_decoded(path).tensors), str(path))  # type: ignore[arg-type]
 
 
 def file_tensors(file: str | os.PathLike[str]) -> dict[str, LazyTensor]:
@@ -120,8 +123,35 @@ def file_tensors(file: str | os.PathLike[str]) -> dict[str, LazyTensor]:
     Raises:
         AdapterFileError: no such file, or not a ``.safetensors`` file.
         CorruptFileError: its header is inconsistent.
+        CheckpointMismatchError: a scaled fp8 checkpoint (see :func:`unscaled`).
     """
-    return dict(open_decoded(file).tensors)  # type: ignore[arg-type]
+    return unscaled(dict(open_decoded(file).tensors), str(file))  # type: ignore[arg-type]
+
+
+# Keys of the scale beside a float8 weight in scaled fp8 checkpoints (ComfyUI's "fp8_scaled"
+# files: ``<layer>.scale_weight``; its newer layout and llm-compressor's: ``<layer>.weight_scale``).
+_SCALE_LEAVES = ("scale_weight", "weight_scale")
+
+
+def unscaled(tensors: dict[str, LazyTensor], where: str) -> dict[str, LazyTensor]:
+    """``tensors``, refused when they are a scaled fp8 checkpoint: float8 weights whose true
+    values are the stored ones times a scale kept beside them, which a weight read alone would
+    get wrong.
+
+    Raises:
+        CheckpointMismatchError: a float8 ``<layer>.weight`` with a ``<layer>.scale_weight`` or
+            ``<layer>.weight_scale`` beside it.
+    """
+    scaled = [k for k in tensors if k.rpartition(".")[2] in _SCALE_LEAVES
+              and getattr(tensors.get(k.rpartition(".")[0] + ".weight"), "dtype", None)
+              in FP8_DTYPES]
+    if scaled:
+        raise CheckpointMismatchError(
+            f"{where}: a scaled fp8 checkpoint ({len(scaled)} float8 weights with a scale "
+            f"beside them, e.g. {scaled[0]!r}); shuttle reads float8 weights unscaled: use the "
+            "release in bf16/fp16 or the plain fp8 one (float8 weights alone, e.g. "
+            "*_fp8_e4m3fn.safetensors)")
+    return tensors
 
 
 # torch_dtype as a string: transformers' and diffusers' names, and the short ones users type.
