@@ -102,7 +102,6 @@ def test_a_float8_flux_streams_its_float8_bytes_and_equals_diffusers_widened_loa
     pipe, handle = shuttle_diffusers.from_pretrained(
         folder, torch_dtype=torch.bfloat16, vram_budget=int(0.6 * fp8), device="cuda",
         max_host_bytes=int(0.5 * sum(p.stat().st_size for p in folder.glob("*/*.safetensors"))))
-    torch.cuda.reset_peak_memory_stats()
     for _ in range(2):
         assert torch.equal(run_midsize_flux(pipe), ref)
     storage = handle.offloaders["transformer"].storage
