@@ -18,9 +18,11 @@ resident reference is diffusers' own load of that folder, which widens them to b
 
 Cells: --vram (GiB; ``floor``: the smallest budget that runs with that host cell, 2% above
 the floor named by the ``BudgetTooSmallError`` of a budget below it, raised to the floor a
-refusal after the first call names when its activations do not fit) x --host (GiB; ``none``:
-no ceiling; a host ``H:lossless`` loads with ``compress="lossless"``: what the ceiling holds is
-kept coded, 1.5x as many units, and the rest is read plain from the files; ``H:compressed``
+refusal after the first call names when its activations do not fit; a later host cell of the
+same kind starts from the floor an earlier one ran at, this run's or --rows-from's) x --host
+(GiB; ``none``: no ceiling; a host ``H:lossless`` loads with ``compress="lossless"``: what the
+ceiling holds is kept coded, 1.5x as many units, and the rest is read plain from the files;
+``H:compressed``
 loads a copy of the folder whose weight files ``shuttle compress`` wrote, made once beside it:
 held and read coded, about 0.67x the bytes from disk; 22.7 GB more on the disk for Flux, so
 not beside the disk peers' copies on a 64 GiB disk). Each cell runs in its own process
@@ -505,7 +507,8 @@ def main(argv: list[str] | None = None) -> None:
             drop_page_cache(args.folder)
             if host_cell(host)[1] == "compressed":
                 drop_page_cache(compressed_folder(args.folder))
-            row = run_floor(args, host) if vram == "floor" else run_worker(args, vram, host)
+            row = (run_floor(args, host, floor_hint([*earlier, *rows], host)) if vram == "floor"
+                   else run_worker(args, vram, host))
             path = keep / f"{row['vram']}-{host}.pt"  # a floor cell: the budget it ran at
             if want is not None and path.is_file():
                 row["bit_identical"] = e2e.same_bits(torch.load(path), want)
@@ -532,12 +535,28 @@ def main(argv: list[str] | None = None) -> None:
         print("no plot: matplotlib is not installed (draw it later with --plot JSON)")
 
 
-def run_floor(args: argparse.Namespace, host: str, tries: int = 3) -> dict:
+def floor_hint(rows: list[dict], host: str) -> int | None:
+    """The highest floor (bytes) a finished floor cell of ``host``'s kind (plain, lossless,
+    compressed) ran at, or None: where the next such cell's search starts. The weights and
+    activations on the device do not depend on the host ceiling, so this saves the searching
+    workers (a load and a first call each, half a minute to a minute at real size); a cell
+    whose own floor is lower runs at most 2% above the hint's."""
+    kind = host_cell(host)[1]
+    floors = [float(r["vram"]) * GIB / 1.02 for r in rows
+              if r.get("floor_tries") and "s_per_image" in r and host_cell(r["host"])[1] == kind]
+    return int(max(floors)) if floors else None
+
+
+def run_floor(args: argparse.Namespace, host: str, hint: int | None = None,
+              tries: int = 3) -> dict:
     """The cell at the smallest VRAM budget that runs with ``host``: 2% above the floor a budget
-    of 1 GiB (1 MB with --smoke) is told, raised to the floor a refusal names when a call's
-    measured activations do not fit beside the weights (each host cell has its own floor:
-    coded units need staging on the device)."""
-    row = run_worker(args, "0.001" if args.smoke else "1", host)
+    of 1 GiB (1 MB with --smoke) is told, or above ``hint`` (:func:`floor_hint`), raised to the
+    floor a refusal names when a call's measured activations do not fit beside the weights
+    (each kind of host cell has its own floor: coded units need staging on the device)."""
+    first = f"{hint * 1.02 / GIB:.6f}" if hint else "0.001" if args.smoke else "1"
+    row = run_worker(args, first, host)
+    if hint:
+        row["floor_tries"] = 1
     for _ in range(tries):
         floor = row.get("floor_bytes")
         if not floor:
