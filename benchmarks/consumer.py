@@ -22,10 +22,9 @@ refusal after the first call names when its activations do not fit; a later host
 same kind starts from the floor an earlier one ran at, this run's or --rows-from's) x --host
 (GiB; ``none``: no ceiling; a host ``H:lossless`` loads with ``compress="lossless"``: what the
 ceiling holds is kept coded, 1.5x as many units, and the rest is read plain from the files;
-``H:compressed``
-loads a copy of the folder whose weight files ``shuttle compress`` wrote, made once beside it:
-held and read coded, about 0.67x the bytes from disk; 22.7 GB more on the disk for Flux, so
-not beside the disk peers' copies on a 64 GiB disk). Each cell runs in its own process
+``H:compressed`` loads a copy of the folder whose weight files ``shuttle compress`` wrote, made
+once beside it: held and read coded, about 0.67x the bytes from disk; 22.7 GB more on the disk
+for Flux, so not beside the disk peers' copies on a 64 GiB disk). Each cell runs in its own process
 (``consumer.py --worker V H``), so that its peak VRAM (``max_memory_allocated`` from the load
 on) and peak RSS (VmRSS sampled every 10 ms) are its own; the worker loads, makes one warm-up
 call (--warmup-steps denoising steps, 1 by default: the first call measures each module's
