@@ -19,7 +19,26 @@ from shuttle.offload import ResidencyPlan
 from shuttle.offload.host_storage import HostStorage
 from shuttle.weights.upcast import Upcasting
 
-__all__ = ["Active", "ActivateHook", "Component", "check_free", "restore"]
+__all__ = ["Active", "ActivateHook", "Component", "check_free", "reporting", "restore"]
+
+_REPORTING: dict[tuple[type, str, Any], type] = {}
+
+
+def reporting(cls: type, name: str, fget: Callable[[Any], Any], doc: str,
+              key: Any = None) -> type:
+    """A subclass of ``cls`` (adding no state) whose property ``name`` is ``fget``: what an
+    offloaded module reports in place of what its class reads from its parameters (a
+    ``device``, a ``dtype``), which an instance attribute cannot shadow. The handle gives the
+    module this class (``classes=``) and its own back at ``remove()``. One subclass per
+    (``cls``, ``name``, ``key``), made once: ``key`` names what ``fget`` returns when it is a
+    constant.
+    """
+    sub = _REPORTING.get((cls, name, key))
+    if sub is None:
+        sub = _REPORTING[cls, name, key] = type(cls.__name__, (cls,), {
+            name: property(fget, doc=doc), "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+    return sub
 
 
 @dataclass

@@ -28,6 +28,7 @@ from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.integrations.activations import ActivationMeter
 from shuttle.integrations.blocks import find_block_lists
 from shuttle.integrations.budgets import byte_budgets, cache_for, check_device
+from shuttle.integrations.component import reporting
 from shuttle.integrations.handle import OffloadHandle
 from shuttle.integrations.pretrained import (
     NO_CEILING,
@@ -85,22 +86,13 @@ class _Tiling:
             setattr(self.vae, attr, value)
 
 
-_DTYPE_CLASSES: dict[tuple[type, torch.dtype], type] = {}
-
-
 def _computing_in(cls: type, dtype: torch.dtype) -> type:
-    """A subclass of ``cls`` (adding no state) whose ``dtype`` is ``dtype``: a model holding
-    float8 weights that compute in ``dtype`` reports it, as diffusers' layerwise casting makes
-    ``ModelMixin.dtype`` report its compute dtype (pipelines cast their inputs and embeddings
-    to a component's ``dtype``). One subclass per class and dtype, made once.
+    """``cls`` whose ``dtype`` is ``dtype``: a model holding float8 weights that compute in
+    ``dtype`` reports it, as diffusers' layerwise casting makes ``ModelMixin.dtype`` report its
+    compute dtype (pipelines cast their inputs and embeddings to a component's ``dtype``).
     """
-    sub = _DTYPE_CLASSES.get((cls, dtype))
-    if sub is None:
-        sub = _DTYPE_CLASSES[cls, dtype] = type(cls.__name__, (cls,), {
-            "dtype": property(lambda self: dtype, doc="The dtype the model computes in."),
-            "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-            "__doc__": cls.__doc__})
-    return sub
+    return reporting(cls, "dtype", lambda self: dtype, "The dtype the model computes in.",
+                     key=dtype)
 
 
 @dataclass(frozen=True)

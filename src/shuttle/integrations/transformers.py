@@ -27,6 +27,7 @@ from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.integrations.activations import ActivationMeter
 from shuttle.integrations.blocks import find_block_lists
 from shuttle.integrations.budgets import byte_budgets, cache_for, check_device
+from shuttle.integrations.component import reporting
 from shuttle.integrations.handle import OffloadHandle
 from shuttle.integrations.pretrained import (
     NO_CEILING,
@@ -49,26 +50,14 @@ _MODEL_FILES = ["config.json", "generation_config.json", "model.safetensors",
                 "model.safetensors.index.json", "model-*-of-*.safetensors"]
 
 _EXECUTION_DEVICE = "_shuttle_execution_device"
-_DEVICE_CLASSES: dict[type, type] = {}
 
 
 def _reporting_device(cls: type) -> type:
-    """A subclass of ``cls`` (adding no state) whose ``device`` is the compute device.
-
-    ``PreTrainedModel.device`` is a property reading the first parameter's device, so an
-    instance attribute cannot shadow it; the offloaded instance takes this class instead, and
-    its own class back at ``remove()``. One subclass per model class, made once.
+    """``cls`` whose ``device`` is the compute device (``PreTrainedModel.device`` reads the
+    first parameter's, which lives in host memory between calls).
     """
-    sub = _DEVICE_CLASSES.get(cls)
-    if sub is None:
-        def device(self: Any) -> torch.device:
-            return self.__dict__[_EXECUTION_DEVICE]
-
-        sub = _DEVICE_CLASSES[cls] = type(cls.__name__, (cls,), {
-            "device": property(device, doc="The device the offloaded model computes on."),
-            "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-            "__doc__": cls.__doc__})
-    return sub
+    return reporting(cls, "device", lambda self: self.__dict__[_EXECUTION_DEVICE],
+                     "The device the offloaded model computes on.")
 
 
 def offload(model: Any, max_host_bytes: ByteCount | None = None, *, cache: ModelCache | None = None,
