@@ -5,6 +5,7 @@ exact restore, gradient checkpointing, torch.compile, and the refusals."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 
 import pytest
@@ -289,6 +290,22 @@ def test_a_group_whose_members_see_different_tensors_turns_itself_off():
     assert not group.on
 
 
+def _checkpoint(model, reentrant: bool) -> None:
+    """transformers' activation checkpointing under the name of the installed version (5.25
+    renamed ``gradient_checkpointing_enable`` to ``activation_checkpointing_enable``)."""
+    kwargs = {"use_reentrant": reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+# TrainingArguments' switch for it, renamed in the same release
+_CHECKPOINTING_ARG = next(
+    (f.name for f in dataclasses.fields(transformers.TrainingArguments)
+     if f.name == "activation_checkpointing"), "gradient_checkpointing")
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_gradient_checkpointing_gives_the_same_gradients(reentrant, calls):
     """Both of torch's checkpoint modes (PEFT's prepare_model_for_kbit_training asks for the
@@ -297,7 +314,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(reentrant, calls):
     fast = copy.deepcopy(peft_model)
     accelerate(fast)
     for m in (peft_model, fast):
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        _checkpoint(m, reentrant)
         m.enable_input_require_grads()
         m.train()
     ids = torch.randint(0, 64, (2, 10))
@@ -412,7 +429,7 @@ def test_gpu_inductor_compiled_model_gives_peft_gradients(dtype, checkpointing, 
     assert all(p.dtype == torch.float32 for n, p in fast.named_parameters() if "lora_" in n)
     if checkpointing:
         for m in (peft_model, fast):
-            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            _checkpoint(m, reentrant=False)
             m.enable_input_require_grads()
     peft_model.train(), fast.train()
     compiled = torch.compile(fast)
@@ -576,7 +593,7 @@ def test_hf_trainer_with_gradient_checkpointing_trains_as_peft(calls, tmp_path):
         args = transformers.TrainingArguments(
             output_dir=str(tmp_path / key), per_device_train_batch_size=2, max_steps=4,
             learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
-            gradient_checkpointing=True, seed=0, data_seed=0, disable_tqdm=True)
+            seed=0, data_seed=0, disable_tqdm=True, **{_CHECKPOINTING_ARG: True})
         trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset)
         trainer.train()
         losses[key] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
