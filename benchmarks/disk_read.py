@@ -42,6 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 from shuttle.formats.safetensors_file import SafetensorsFile  # noqa: E402
+from shuttle.offload.arena import new_arena, register_pages  # noqa: E402
 from shuttle.offload.disk_reader import (  # noqa: E402
     IO_ALIGN,
     DiskReader,
@@ -55,10 +56,12 @@ Reader = Callable[[Path, int], float]  # (file, bytes to read) -> bytes per seco
 
 
 def aligned(nbytes: int, pin: bool = False) -> torch.Tensor:
-    """A CPU ``uint8`` buffer of ``nbytes`` whose address is ``IO_ALIGN``-aligned."""
-    raw = torch.empty(nbytes + IO_ALIGN, dtype=torch.uint8, pin_memory=pin)
-    skip = -raw.data_ptr() % IO_ALIGN
-    return raw[skip:skip + nbytes]
+    """A CPU ``uint8`` buffer of ``nbytes`` at an ``IO_ALIGN``-aligned address, allocated as
+    the disk tier allocates its staging buffers (an arena; with ``pin``, its pages locked)."""
+    buf = new_arena(nbytes, pin=True)[:nbytes]  # pin=True: page-aligned
+    if pin:
+        register_pages(buf, [])
+    return buf
 
 
 def write_file(path: Path, nbytes: int, unit: int, pool: torch.Tensor, salt: int) -> None:
