@@ -25,6 +25,7 @@ __all__ = [
     "EvictionPolicyError",
     "FileChangedError",
     "HostBackingError",
+    "HostMemoryError",
     "InvalidOptionError",
     "InvalidStrengthError",
     "MissingDependencyError",
@@ -211,6 +212,13 @@ class BlockLayoutError(OffloadError):
 class HostBackingError(OffloadError):
     """A tensor cannot be kept in host storage as asked (``host="adopt"`` with a non-CPU
     tensor, a meta tensor, a tensor subclass).
+    """
+
+
+class HostMemoryError(OffloadError):
+    """Host memory this machine does not have available: a load without ``max_host_bytes``
+    that would not fit, or ``max_host_bytes="auto"`` with nothing to give (the message names
+    the bytes needed and available).
     """
 
 

@@ -19,6 +19,7 @@ from shuttle.errors import (
     AdapterFileError,
     CacheError,
     DeviceUnavailableError,
+    HostMemoryError,
     InvalidOptionError,
     OffloadError,
 )
@@ -198,6 +199,29 @@ def test_torch_dtype_and_budgets_by_name(tmp_path):
                                                      device="cpu")
     assert dtypes(named) == dtypes(pipe) and pipe.transformer.dtype == torch.bfloat16
     assert torch.equal(out, run_flux(pipe, "pt"))
+    handle.remove()
+
+
+def test_no_ceiling_past_the_memory_available_is_refused_and_auto_fits(saved, monkeypatch):
+    """Without max_host_bytes the pipeline's weights must fit in what this machine has
+    available (refused before any weight is read, naming "auto"); "auto" holds what fits."""
+    from shuttle.integrations import budgets
+    from shuttle.offload.host_memory import HOST_RESERVE
+
+    monkeypatch.setattr("shuttle.offload.spill.MIN_STAGING", 4096)
+    monkeypatch.setattr("shuttle.offload.residency.MIN_STAGING", 4096)
+    folders, latents, _ = saved
+    room = file_bytes(folders["single"]) // 3
+    monkeypatch.setattr(budgets, "available_host_bytes", lambda: HOST_RESERVE + room)
+    calls = reads(monkeypatch)
+    with pytest.raises(HostMemoryError, match="max_host_bytes='auto'"):
+        shuttle_diffusers.from_pretrained(folders["single"], device="cpu")
+    assert not calls
+    pipe, handle = shuttle_diffusers.from_pretrained(folders["single"], device="cpu",
+                                                     max_host_bytes="auto")
+    assert handle._cache.max_bytes == room
+    assert torch.equal(run_flux(pipe), latents)
+    assert sum(o.storage.host_bytes for o in handle.offloaders.values()) <= room
     handle.remove()
 
 

@@ -8,15 +8,18 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shuttle.cache import ModelCache
 from shuttle.errors import (
     AdapterFileError,
     CacheError,
     CheckpointMismatchError,
     HostBackingError,
+    HostMemoryError,
     InvalidOptionError,
     MissingParameterError,
     OffloadError,
 )
+from shuttle.integrations import budgets
 from shuttle.integrations import transformers as shuttle_transformers
 from tests.integrations.models import tiny_llama
 
@@ -221,6 +224,62 @@ def test_budgets_and_torch_dtype_as_users_spell_them(tmp_path, monkeypatch):
     assert storage.host_bytes <= budget
     assert storage.reader.bytes_read > 0  # the host ceiling holds a third: the rest from disk
     handle.remove()
+
+
+def test_auto_holds_what_this_machine_has_available_and_reads_the_rest(tmp_path,
+                                                                       monkeypatch):
+    from shuttle.offload.host_memory import HOST_RESERVE
+
+    monkeypatch.setattr("shuttle.offload.spill.MIN_STAGING", 4096)
+    monkeypatch.setattr("shuttle.offload.residency.MIN_STAGING", 4096)
+    ref = tiny_llama()
+    folder = save(ref, tmp_path / "m")
+    room = sum(t.nbytes for t in ref.state_dict().values()) // 3
+    monkeypatch.setattr(budgets, "available_host_bytes", lambda: HOST_RESERVE + room)
+    model, handle = shuttle_transformers.from_pretrained(folder, device="cpu",
+                                                         max_host_bytes="auto")
+    storage = handle.offloaders["model"].storage
+    assert handle.cache.max_bytes == room
+    assert torch.equal(logits(model), logits(ref))
+    assert storage.host_bytes <= room and storage.reader.bytes_read > 0
+    handle.remove()
+
+
+def test_no_ceiling_past_the_memory_available_is_refused_before_a_byte_is_read(tmp_path,
+                                                                               monkeypatch):
+    from shuttle.offload.host_memory import HOST_RESERVE
+
+    ref = tiny_llama()
+    folder = save(ref, tmp_path / "m")
+    weights = sum(t.nbytes for t in ref.state_dict().values())
+    reads = []
+    monkeypatch.setattr(budgets.ModelOffloader, "from_module",
+                        lambda *a, **k: reads.append(a) or pytest.fail("read"))
+    monkeypatch.setattr(budgets, "available_host_bytes", lambda: HOST_RESERVE + weights - 1)
+    with pytest.raises(HostMemoryError, match="max_host_bytes='auto'"):
+        shuttle_transformers.from_pretrained(folder, device="cpu")
+    assert not reads
+    # a ceiling, a cache or coded weights (their size is known once coded): no refusal here
+    monkeypatch.undo()
+    monkeypatch.setattr(budgets, "available_host_bytes", lambda: HOST_RESERVE + weights - 1)
+    for kwargs in ({"max_host_bytes": weights}, {"cache": ModelCache(weights)},
+                   {"compress": "lossless"}):
+        model, handle = shuttle_transformers.from_pretrained(folder, device="cpu", **kwargs)
+        assert torch.equal(logits(model), logits(ref))
+        handle.remove()
+    # with room for it (and its buffers), as before: no ceiling
+    monkeypatch.setattr(budgets, "available_host_bytes", lambda: HOST_RESERVE + 2 * weights)
+    model, handle = shuttle_transformers.from_pretrained(folder, device="cpu")
+    assert handle.cache.max_bytes == budgets.NO_CEILING
+    handle.remove()
+
+
+@pytest.mark.parametrize("available", [None, 2**30])
+def test_auto_where_nothing_can_be_given_is_refused(tmp_path, monkeypatch, available):
+    monkeypatch.setattr(budgets, "available_host_bytes", lambda: available)
+    with pytest.raises(HostMemoryError, match="number of bytes"):
+        shuttle_transformers.from_pretrained(tmp_path / "nowhere", device="cpu",
+                                             max_host_bytes="auto")
 
 
 @pytest.mark.parametrize(("kwargs", "error"), [

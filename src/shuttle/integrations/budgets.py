@@ -1,12 +1,13 @@
 """What an offload is given before anything is captured: the device checked, the host budget
-as a cache, and, when modules built from their files do not all fit in that budget, each one's
-share of it (:func:`host_shares`) and the cache entry that captures it under its share
-(:class:`SourcedSpec`).
+read (``"auto"``: what this machine has available) and made a cache, and, when modules built
+from their files do not all fit in that budget, each one's share of it (:func:`host_shares`) and
+the cache entry that captures it under its share (:class:`SourcedSpec`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -14,13 +15,23 @@ import torch
 from shuttle.byte_count import ByteCount, byte_count
 from shuttle.cache import ModelCache
 from shuttle.cache.specs import capture_bar, module_bytes
-from shuttle.errors import BudgetTooSmallError, CacheError, DeviceUnavailableError, OffloadError
+from shuttle.errors import (
+    BudgetTooSmallError,
+    CacheError,
+    DeviceUnavailableError,
+    HostMemoryError,
+    OffloadError,
+)
 from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.offload import ModelOffloader
 from shuttle.offload.coded import Compression
+from shuttle.offload.host_memory import HOST_RESERVE, available_host_bytes
 from shuttle.offload.host_storage import HostBacking
 
-__all__ = ["SourcedSpec", "byte_budgets", "cache_for", "check_device", "host_shares", "read_order"]
+__all__ = ["NO_CEILING", "SourcedSpec", "byte_budgets", "cache_for", "check_device",
+           "check_host_room", "files_ceiling", "host_shares", "read_order"]
+
+NO_CEILING = sys.maxsize  # the budget of a cache without a ceiling
 
 
 def check_device(device: str | torch.device, what: str = "device") -> torch.device:
@@ -60,17 +71,79 @@ def byte_budgets(vram_budget: ByteCount | None, max_host_bytes: ByteCount | None
                  ) -> tuple[int | None, int | None]:
     """``vram_budget`` and ``max_host_bytes`` as whole bytes (None stays None), read as
     :func:`~shuttle.byte_count.byte_count` reads them (``6 * 2**30``, ``6e9``, ``"6GiB"``), so
-    that a bad one is refused before anything is built or read.
+    that a bad one is refused before anything is built or read. ``max_host_bytes="auto"``: the
+    host memory this machine has available now (:func:`~shuttle.offload.host_memory.
+    available_host_bytes`, within a container's limit) less ``HOST_RESERVE`` for the process
+    itself.
 
     Raises:
         OffloadError: a ``vram_budget`` that is not a number of bytes >= 0.
         CacheError: a ``max_host_bytes`` that is not (as a new cache's budget refuses it).
+        HostMemoryError: ``"auto"`` where the system does not say what is available, or where
+            less than the reserve is.
     """
     vram = None if vram_budget is None else byte_count(vram_budget, "vram_budget",
                                                        OffloadError)
+    if isinstance(max_host_bytes, str) and max_host_bytes.strip().lower() == "auto":
+        return vram, _auto_host_bytes()
     host = None if max_host_bytes is None else byte_count(max_host_bytes, "max_host_bytes",
                                                           CacheError)
     return vram, host
+
+
+def _auto_host_bytes() -> int:
+    available = available_host_bytes()
+    if available is None:
+        raise HostMemoryError("max_host_bytes='auto': this system does not say how much memory "
+                              "is available (no /proc/meminfo); give max_host_bytes as a number "
+                              "of bytes (\"12GiB\")")
+    if available <= HOST_RESERVE:
+        raise HostMemoryError(
+            f"max_host_bytes='auto': {_gb(available)} of host memory is available, no more "
+            f"than the {_gb(HOST_RESERVE)} kept for the process itself (CUDA, the libraries); "
+            "free memory (close other programs) or give max_host_bytes as a number of bytes")
+    return available - HOST_RESERVE
+
+
+def check_host_room(needed: int, who: str) -> None:
+    """Refuse to hold ``needed`` bytes of weights in host memory without a ceiling
+    (``max_host_bytes=None``) where this machine has not that much available beside
+    ``HOST_RESERVE``: pinned pages are never reclaimed, so such a load would end in the
+    out-of-memory killer, not in an error. Nothing is checked where the system does not say.
+
+    Raises:
+        HostMemoryError: naming the bytes needed and available, and the ceiling to give.
+    """
+    available = available_host_bytes()
+    if available is None or needed <= available - HOST_RESERVE:
+        return
+    raise HostMemoryError(
+        f"{who}: holding every weight in host memory (no max_host_bytes) takes {_gb(needed)}, "
+        f"and this machine has {_gb(available)} available, {_gb(HOST_RESERVE)} of it kept for "
+        "the process itself; pass max_host_bytes='auto' (hold what fits, read the rest from "
+        "the files on every pass) or a smaller number of bytes (\"8GiB\")")
+
+
+def files_ceiling(max_host_bytes: int | None, cache: ModelCache | None,
+                  modules: Iterable[torch.nn.Module], compress: Compression | None,
+                  who: str) -> int | None:
+    """The host budget of modules about to be read from their files: ``max_host_bytes`` as
+    given (with or without ``cache``); with neither, no ceiling (``NO_CEILING``), once
+    :func:`check_host_room` found room for their weights (bytes at their stored dtypes; coded
+    ones, ``compress``, take less than can be told before they are coded: not checked).
+
+    Raises:
+        HostMemoryError: no ceiling given, and the weights do not fit in what is available.
+    """
+    if max_host_bytes is not None or cache is not None:
+        return max_host_bytes
+    if compress is None:
+        check_host_room(sum(module_bytes(m) for m in modules), who)
+    return NO_CEILING
+
+
+def _gb(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
 
 
 def cache_for(max_host_bytes: int | None, cache: ModelCache | None) -> ModelCache:

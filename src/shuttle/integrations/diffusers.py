@@ -27,11 +27,10 @@ from shuttle.errors import AdapterFileError, InvalidOptionError, OffloadError
 from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.integrations.activations import ActivationMeter
 from shuttle.integrations.blocks import find_block_lists
-from shuttle.integrations.budgets import byte_budgets, cache_for, check_device
+from shuttle.integrations.budgets import byte_budgets, cache_for, check_device, files_ceiling
 from shuttle.integrations.component import reporting
 from shuttle.integrations.handle import OffloadHandle
 from shuttle.integrations.pretrained import (
-    NO_CEILING,
     file_tensors,
     folder_tensors,
     local_folder,
@@ -121,7 +120,8 @@ def offload(pipe: Any, max_host_bytes: ByteCount | None = None, *, cache: ModelC
         pipe: a ``diffusers.DiffusionPipeline``.
         max_host_bytes: host byte budget of a new cache for the components and adapters.
             This and ``vram_budget`` are bytes, or as :func:`~shuttle.byte_count.byte_count`
-            reads them (``6e9``, ``"16GiB"``).
+            reads them (``6e9``, ``"16GiB"``); ``"auto"``: the host memory available now
+            (within the process's cgroup limit) less 2 GiB for the process itself.
         cache: a :class:`~shuttle.ModelCache` to share instead (exclusive with
             ``max_host_bytes``).
         vram_budget: device bytes for the components active at once, weights and the running
@@ -152,6 +152,8 @@ def offload(pipe: Any, max_host_bytes: ByteCount | None = None, *, cache: ModelC
         MissingDependencyError: diffusers is not installed.
         OffloadError: ``pipe`` is not a ``DiffusionPipeline``, or is offloaded already.
         CacheError: both or neither of ``max_host_bytes`` and ``cache``.
+        HostMemoryError: ``max_host_bytes="auto"`` where the system does not say what is
+            available, or no more than 2 GiB is.
         ResourceTooLargeError: the components do not fit in the host budget.
         BudgetTooSmallError: ``vram_budget`` cannot hold a component as planned (raised by a
             call too, after it, when its measured activations do not fit beside the
@@ -216,7 +218,8 @@ def from_pretrained(path_or_repo: str | os.PathLike[str], pipeline_cls: type | N
             works too (``"bfloat16"``, ``"bf16"``, ``"fp16"``; ``"auto"``: None).
         vram_budget, max_host_bytes, cache, device, prefetch, blocks, host: as for
             :func:`offload`; with neither ``max_host_bytes`` nor ``cache``, a cache without a
-            ceiling.
+            ceiling, refused where the weights do not fit in the host memory available
+            (``max_host_bytes="auto"`` holds what fits and reads the rest from the files).
         revision: the Hub revision of a repo id.
         compress: ``"lossless"``: the weights kept coded in host memory (see :func:`offload`);
             under ``max_host_bytes`` the units in host memory are kept coded (more fit) and
@@ -252,6 +255,8 @@ def from_pretrained(path_or_repo: str | os.PathLike[str], pipeline_cls: type | N
         MissingParameterError: a parameter that no file of its component holds.
         OffloadError: a pipeline or component class the installed diffusers lacks.
         InvalidOptionError: a ``torch_dtype`` that is not a floating-point dtype or its name.
+        HostMemoryError: no ceiling given and the weights (at their stored dtypes) exceed
+            the host memory available less 2 GiB; or ``"auto"`` with nothing to give.
         Whatever :func:`offload` raises (budgets, devices).
     """
     diffusers = import_optional("diffusers", "shuttle.integrations.diffusers",
@@ -300,9 +305,9 @@ def from_pretrained(path_or_repo: str | os.PathLike[str], pipeline_cls: type | N
         else:
             modules[name], sources[name] = empty_model(folder / name, cls, torch_dtype,
                                                        weights.get(name))
+    max_host_bytes = files_ceiling(max_host_bytes, cache, modules.values(), compress,
+                                   "diffusers.from_pretrained")
     pipe = pipeline_cls.from_pretrained(folder, **modules, **components)
-    if max_host_bytes is None and cache is None:
-        max_host_bytes = NO_CEILING
     handle = offload(pipe, max_host_bytes, cache=cache, vram_budget=vram_budget, device=device,
                      prefetch=prefetch, blocks=blocks, host=host, sources=sources,
                      compress=compress, upcast=upcast)

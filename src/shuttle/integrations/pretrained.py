@@ -27,7 +27,6 @@ import contextlib
 import logging
 import os
 import re
-import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -45,13 +44,11 @@ from shuttle.optional import import_optional
 from shuttle.weights.fp8 import FP8_DTYPES
 from shuttle.weights.lossless_file import open_decoded
 
-__all__ = ["DTYPE_NAMES", "NO_CEILING", "file_tensors", "folder_tensors", "local_folder",
+__all__ = ["DTYPE_NAMES", "file_tensors", "folder_tensors", "local_folder",
            "match_sources", "meta_parameters", "read_dtype", "unscaled", "weights_dtype"]
 
 logger = logging.getLogger(__name__)
 
-# The host budget of from_pretrained(max_host_bytes=None, cache=None): no ceiling.
-NO_CEILING = sys.maxsize
 # Weight files of other formats, never downloaded (only safetensors are read).
 _OTHER_WEIGHTS = ("*.bin", "*.ckpt", "*.pt", "*.pth", "*.msgpack", "*.h5", "*.onnx",
                   "*.onnx_data", "*.pb", "*.gguf")

@@ -26,11 +26,10 @@ from shuttle.errors import AdapterFileError, OffloadError
 from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.integrations.activations import ActivationMeter
 from shuttle.integrations.blocks import find_block_lists
-from shuttle.integrations.budgets import byte_budgets, cache_for, check_device
+from shuttle.integrations.budgets import byte_budgets, cache_for, check_device, files_ceiling
 from shuttle.integrations.component import reporting
 from shuttle.integrations.handle import OffloadHandle
 from shuttle.integrations.pretrained import (
-    NO_CEILING,
     file_tensors,
     folder_tensors,
     local_folder,
@@ -72,7 +71,8 @@ def offload(model: Any, max_host_bytes: ByteCount | None = None, *, cache: Model
         model: a ``transformers.PreTrainedModel`` (``LlamaForCausalLM``, ...).
         max_host_bytes: host byte budget of a new cache for the model and its adapters.
             This and ``vram_budget`` are bytes, or as :func:`~shuttle.byte_count.byte_count`
-            reads them (``6e9``, ``"16GiB"``).
+            reads them (``6e9``, ``"16GiB"``); ``"auto"``: the host memory available now
+            (within the process's cgroup limit) less 2 GiB for the process itself.
         cache: a :class:`~shuttle.ModelCache` to share instead (exclusive with
             ``max_host_bytes``).
         vram_budget: device bytes for the weights and the activations of each call (measured:
@@ -100,6 +100,8 @@ def offload(model: Any, max_host_bytes: ByteCount | None = None, *, cache: Model
         MissingDependencyError: transformers is not installed.
         OffloadError: ``model`` is not a ``PreTrainedModel``, or is offloaded already.
         CacheError: both or neither of ``max_host_bytes`` and ``cache``.
+        HostMemoryError: ``max_host_bytes="auto"`` where the system does not say what is
+            available, or no more than 2 GiB is.
         ResourceTooLargeError: the model does not fit in the host budget.
         BudgetTooSmallError: ``vram_budget`` cannot hold the non-layer weights and one slot.
         On any error the model is as it was.
@@ -150,7 +152,8 @@ def from_pretrained(path_or_repo: str | os.PathLike[str], model_cls: type | None
             ``"bf16"``, ``"fp16"``; ``"auto"``: None).
         vram_budget, max_host_bytes, cache, device, prefetch, blocks, host: as for
             :func:`offload`; with neither ``max_host_bytes`` nor ``cache``, a cache without a
-            ceiling.
+            ceiling, refused where the weights do not fit in the host memory available
+            (``max_host_bytes="auto"`` holds what fits and reads the rest from the files).
         revision: the Hub revision of a repo id.
         compress: ``"lossless"``: the weights kept coded in host memory (see :func:`offload`);
             under ``max_host_bytes`` the units in host memory are kept coded (more fit) and
@@ -170,6 +173,8 @@ def from_pretrained(path_or_repo: str | os.PathLike[str], model_cls: type | None
             either name).
         OffloadError: no ``model_cls`` and no architecture in the config.
         InvalidOptionError: a ``torch_dtype`` that is not a floating-point dtype or its name.
+        HostMemoryError: no ceiling given and the weights (at their stored dtypes) exceed
+            the host memory available less 2 GiB; or ``"auto"`` with nothing to give.
         Whatever :func:`offload` raises (budgets, devices).
     """
     import_optional("transformers", "shuttle.integrations.transformers",
@@ -179,8 +184,8 @@ def from_pretrained(path_or_repo: str | os.PathLike[str], model_cls: type | None
     torch_dtype = weights_dtype(torch_dtype)
     folder = local_folder(path_or_repo, revision, _MODEL_FILES)
     model, sources = empty_model(folder, model_cls, torch_dtype)
-    if max_host_bytes is None and cache is None:
-        max_host_bytes = NO_CEILING
+    max_host_bytes = files_ceiling(max_host_bytes, cache, [model], compress,
+                                   "transformers.from_pretrained")
     handle = offload(model, max_host_bytes, cache=cache, vram_budget=vram_budget, device=device,
                      prefetch=prefetch, blocks=blocks, host=host, sources=sources,
                      compress=compress)
