@@ -148,3 +148,20 @@ def test_llama_from_its_files_is_the_resident_model(llama_folder, budget):
     plan = handle.offloaders["model"].plan  # active still: stays for the next call
     assert budget is None or plan.device_bytes <= budget
     handle.remove()
+
+
+def test_auto_budgets_take_what_the_device_and_host_have_free(llama_folder):
+    from shuttle.integrations.budgets import VRAM_RESERVE
+    from shuttle.offload.host_memory import HOST_RESERVE, available_host_bytes
+
+    folder, ids, logits, tokens = llama_folder
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    available = available_host_bytes()
+    model, handle = shuttle_transformers.from_pretrained(folder, vram_budget="auto",
+                                                         max_host_bytes="auto", device="cuda")
+    assert abs(handle._vram_budget - (free - max(VRAM_RESERVE, free // 10))) < 2**28
+    assert abs(handle.cache.max_bytes - (available - HOST_RESERVE)) < 2 * GIB
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, logits)
+    handle.remove()

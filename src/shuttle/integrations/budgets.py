@@ -28,10 +28,11 @@ from shuttle.offload.coded import Compression
 from shuttle.offload.host_memory import HOST_RESERVE, available_host_bytes
 from shuttle.offload.host_storage import HostBacking
 
-__all__ = ["NO_CEILING", "SourcedSpec", "byte_budgets", "cache_for", "check_device",
+__all__ = ["NO_CEILING", "VRAM_RESERVE", "SourcedSpec", "byte_budgets", "cache_for", "check_device",
            "check_host_room", "files_ceiling", "host_shares", "read_order"]
 
 NO_CEILING = sys.maxsize  # the budget of a cache without a ceiling
+VRAM_RESERVE = 2**29  # the least of a device's free memory vram_budget="auto" leaves unused
 
 
 def check_device(device: str | torch.device, what: str = "device") -> torch.device:
@@ -67,28 +68,54 @@ def check_device(device: str | torch.device, what: str = "device") -> torch.devi
     return d
 
 
-def byte_budgets(vram_budget: ByteCount | None, max_host_bytes: ByteCount | None
-                 ) -> tuple[int | None, int | None]:
+def byte_budgets(vram_budget: ByteCount | None, max_host_bytes: ByteCount | None,
+                 device: torch.device | None = None) -> tuple[int | None, int | None]:
     """``vram_budget`` and ``max_host_bytes`` as whole bytes (None stays None), read as
     :func:`~shuttle.byte_count.byte_count` reads them (``6 * 2**30``, ``6e9``, ``"6GiB"``), so
-    that a bad one is refused before anything is built or read. ``max_host_bytes="auto"``: the
-    host memory this machine has available now (:func:`~shuttle.offload.host_memory.
-    available_host_bytes`, within a container's limit) less ``HOST_RESERVE`` for the process
-    itself.
+    that a bad one is refused before anything is built or read.
+
+    ``"auto"`` is what the machine has free as the call starts: for ``max_host_bytes`` the
+    host memory available (:func:`~shuttle.offload.host_memory.available_host_bytes`, within a
+    container's limit) less ``HOST_RESERVE`` for the process itself; for ``vram_budget`` the
+    free memory of ``device`` (a CUDA device) less a tenth of it, at least ``VRAM_RESERVE``
+    (what the allocator's blocks lose to fragmentation, and libraries that allocate outside
+    it).
 
     Raises:
-        OffloadError: a ``vram_budget`` that is not a number of bytes >= 0.
+        OffloadError: a ``vram_budget`` that is not a number of bytes >= 0, or ``"auto"`` for
+            a device that is not CUDA, or with no more than the reserve free.
         CacheError: a ``max_host_bytes`` that is not (as a new cache's budget refuses it).
         HostMemoryError: ``"auto"`` where the system does not say what is available, or where
             less than the reserve is.
     """
-    vram = None if vram_budget is None else byte_count(vram_budget, "vram_budget",
-                                                       OffloadError)
-    if isinstance(max_host_bytes, str) and max_host_bytes.strip().lower() == "auto":
+    if _is_auto(vram_budget):
+        vram = _auto_vram_budget(device)
+    else:
+        vram = None if vram_budget is None else byte_count(vram_budget, "vram_budget",
+                                                           OffloadError)
+    if _is_auto(max_host_bytes):
         return vram, _auto_host_bytes()
     host = None if max_host_bytes is None else byte_count(max_host_bytes, "max_host_bytes",
                                                           CacheError)
     return vram, host
+
+
+def _is_auto(budget: ByteCount | None) -> bool:
+    return isinstance(budget, str) and budget.strip().lower() == "auto"
+
+
+def _auto_vram_budget(device: torch.device | None) -> int:
+    if device is None or device.type != "cuda":
+        raise OffloadError(f"vram_budget='auto' is the free memory of a CUDA device, and "
+                           f"device={str(device)!r} is not one; give vram_budget in bytes "
+                           "(\"6GiB\") or None")
+    free, _ = torch.cuda.mem_get_info(device)
+    reserve = max(VRAM_RESERVE, free // 10)
+    if free <= reserve:
+        raise OffloadError(f"vram_budget='auto': {_gb(free)} is free on {device}, no more than "
+                           f"the {_gb(reserve)} kept for the allocator; free device memory (other "
+                           "processes: nvidia-smi) or give vram_budget in bytes")
+    return free - reserve
 
 
 def _auto_host_bytes() -> int:

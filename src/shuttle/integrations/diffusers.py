@@ -120,8 +120,9 @@ def offload(pipe: Any, max_host_bytes: ByteCount | None = None, *, cache: ModelC
         pipe: a ``diffusers.DiffusionPipeline``.
         max_host_bytes: host byte budget of a new cache for the components and adapters.
             This and ``vram_budget`` are bytes, or as :func:`~shuttle.byte_count.byte_count`
-            reads them (``6e9``, ``"16GiB"``); ``"auto"``: the host memory available now
-            (within the process's cgroup limit) less 2 GiB for the process itself.
+            reads them (``6e9``, ``"16GiB"``); ``"auto"``: what the machine has free now
+            (the host memory available within the process's cgroup limit less 2 GiB; the
+            device's free memory less a tenth, at least 512 MiB).
         cache: a :class:`~shuttle.ModelCache` to share instead (exclusive with
             ``max_host_bytes``).
         vram_budget: device bytes for the components active at once, weights and the running
@@ -153,7 +154,8 @@ def offload(pipe: Any, max_host_bytes: ByteCount | None = None, *, cache: ModelC
         OffloadError: ``pipe`` is not a ``DiffusionPipeline``, or is offloaded already.
         CacheError: both or neither of ``max_host_bytes`` and ``cache``.
         HostMemoryError: ``max_host_bytes="auto"`` where the system does not say what is
-            available, or no more than 2 GiB is.
+            available, or no more than 2 GiB is (``vram_budget="auto"`` off CUDA or with no
+            more than its reserve free: ``OffloadError``).
         ResourceTooLargeError: the components do not fit in the host budget.
         BudgetTooSmallError: ``vram_budget`` cannot hold a component as planned (raised by a
             call too, after it, when its measured activations do not fit beside the
@@ -164,7 +166,8 @@ def offload(pipe: Any, max_host_bytes: ByteCount | None = None, *, cache: ModelC
                                 "pip install diffusers")
     if not isinstance(pipe, diffusers.DiffusionPipeline):
         raise OffloadError(f"pipe is a {type(pipe).__name__}, not a diffusers.DiffusionPipeline")
-    vram_budget, max_host_bytes = byte_budgets(vram_budget, max_host_bytes)
+    vram_budget, max_host_bytes = byte_budgets(vram_budget, max_host_bytes,
+                                               check_device(device))
     modules = {n: m for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
     unknown = sorted(set(upcast or {}) - set(modules))
     if unknown:
@@ -261,8 +264,8 @@ def from_pretrained(path_or_repo: str | os.PathLike[str], pipeline_cls: type | N
     """
     diffusers = import_optional("diffusers", "shuttle.integrations.diffusers",
                                 "pip install diffusers")
-    check_device(device)  # every argument checked before anything is read or built
-    vram_budget, max_host_bytes = byte_budgets(vram_budget, max_host_bytes)
+    target = check_device(device)  # every argument checked before anything is read or built
+    vram_budget, max_host_bytes = byte_budgets(vram_budget, max_host_bytes, target)
     torch_dtype = weights_dtype(torch_dtype)
     if float8 not in get_args(Float8):
         raise InvalidOptionError(f"float8={float8!r}: expected 'keep' (float8 weights held "

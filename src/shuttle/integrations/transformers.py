@@ -71,8 +71,9 @@ def offload(model: Any, max_host_bytes: ByteCount | None = None, *, cache: Model
         model: a ``transformers.PreTrainedModel`` (``LlamaForCausalLM``, ...).
         max_host_bytes: host byte budget of a new cache for the model and its adapters.
             This and ``vram_budget`` are bytes, or as :func:`~shuttle.byte_count.byte_count`
-            reads them (``6e9``, ``"16GiB"``); ``"auto"``: the host memory available now
-            (within the process's cgroup limit) less 2 GiB for the process itself.
+            reads them (``6e9``, ``"16GiB"``); ``"auto"``: what the machine has free now
+            (the host memory available within the process's cgroup limit less 2 GiB; the
+            device's free memory less a tenth, at least 512 MiB).
         cache: a :class:`~shuttle.ModelCache` to share instead (exclusive with
             ``max_host_bytes``).
         vram_budget: device bytes for the weights and the activations of each call (measured:
@@ -101,7 +102,8 @@ def offload(model: Any, max_host_bytes: ByteCount | None = None, *, cache: Model
         OffloadError: ``model`` is not a ``PreTrainedModel``, or is offloaded already.
         CacheError: both or neither of ``max_host_bytes`` and ``cache``.
         HostMemoryError: ``max_host_bytes="auto"`` where the system does not say what is
-            available, or no more than 2 GiB is.
+            available, or no more than 2 GiB is (``vram_budget="auto"`` off CUDA or with no
+            more than its reserve free: ``OffloadError``).
         ResourceTooLargeError: the model does not fit in the host budget.
         BudgetTooSmallError: ``vram_budget`` cannot hold the non-layer weights and one slot.
         On any error the model is as it was.
@@ -111,7 +113,8 @@ def offload(model: Any, max_host_bytes: ByteCount | None = None, *, cache: Model
     if not isinstance(model, transformers.PreTrainedModel):
         raise OffloadError(f"model is a {type(model).__name__}, not a "
                            "transformers.PreTrainedModel")
-    vram_budget, max_host_bytes = byte_budgets(vram_budget, max_host_bytes)
+    vram_budget, max_host_bytes = byte_budgets(vram_budget, max_host_bytes,
+                                               check_device(device))
     cache = cache_for(max_host_bytes, cache)
     paths = find_block_lists(model) if blocks is None else list(blocks)
     device = torch.device(device)
@@ -179,8 +182,8 @@ def from_pretrained(path_or_repo: str | os.PathLike[str], model_cls: type | None
     """
     import_optional("transformers", "shuttle.integrations.transformers",
                     "pip install transformers")
-    check_device(device)  # every argument checked before anything is read or built
-    vram_budget, max_host_bytes = byte_budgets(vram_budget, max_host_bytes)
+    target = check_device(device)  # every argument checked before anything is read or built
+    vram_budget, max_host_bytes = byte_budgets(vram_budget, max_host_bytes, target)
     torch_dtype = weights_dtype(torch_dtype)
     folder = local_folder(path_or_repo, revision, _MODEL_FILES)
     model, sources = empty_model(folder, model_cls, torch_dtype)
