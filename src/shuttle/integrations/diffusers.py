@@ -151,11 +151,12 @@ def offload(pipe: Any, max_host_bytes: ByteCount | None = None, *, cache: ModelC
 
     Raises:
         MissingDependencyError: diffusers is not installed.
-        OffloadError: ``pipe`` is not a ``DiffusionPipeline``, or is offloaded already.
+        OffloadError: ``pipe`` is not a ``DiffusionPipeline``, or is offloaded already;
+            ``vram_budget="auto"`` for a device that is not CUDA, or with no more than its
+            reserve free.
         CacheError: both or neither of ``max_host_bytes`` and ``cache``.
         HostMemoryError: ``max_host_bytes="auto"`` where the system does not say what is
-            available, or no more than 2 GiB is (``vram_budget="auto"`` off CUDA or with no
-            more than its reserve free: ``OffloadError``).
+            available, or no more than 2 GiB is.
         ResourceTooLargeError: the components do not fit in the host budget.
         BudgetTooSmallError: ``vram_budget`` cannot hold a component as planned (raised by a
             call too, after it, when its measured activations do not fit beside the

@@ -99,11 +99,12 @@ def offload(model: Any, max_host_bytes: ByteCount | None = None, *, cache: Model
 
     Raises:
         MissingDependencyError: transformers is not installed.
-        OffloadError: ``model`` is not a ``PreTrainedModel``, or is offloaded already.
+        OffloadError: ``model`` is not a ``PreTrainedModel``, or is offloaded already;
+            ``vram_budget="auto"`` for a device that is not CUDA, or with no more than its
+            reserve free.
         CacheError: both or neither of ``max_host_bytes`` and ``cache``.
         HostMemoryError: ``max_host_bytes="auto"`` where the system does not say what is
-            available, or no more than 2 GiB is (``vram_budget="auto"`` off CUDA or with no
-            more than its reserve free: ``OffloadError``).
+            available, or no more than 2 GiB is.
         ResourceTooLargeError: the model does not fit in the host budget.
         BudgetTooSmallError: ``vram_budget`` cannot hold the non-layer weights and one slot.
         On any error the model is as it was.
