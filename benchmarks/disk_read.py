@@ -64,17 +64,18 @@ def aligned(nbytes: int, pin: bool = False) -> torch.Tensor:
     return buf
 
 
-def write_file(path: Path, nbytes: int, unit: int, pool: torch.Tensor, salt: int) -> None:
+def write_file(path: Path, nbytes: int, unit: int, pool: torch.Tensor, buf: torch.Tensor,
+               salt: int) -> None:
     """``nbytes`` of random bytes at ``path`` as safetensors tensors ``u0``, ``u1``, ... of
     ``unit`` bytes each (uint8; the header padded so that the data starts at 4 KiB, every
-    tensor block-aligned), written past the page cache."""
+    tensor block-aligned), written past the page cache through ``buf`` (an aligned buffer of
+    ``pool``'s bytes: ``pool`` plus a salt, fresh bytes per piece and file)."""
     entries = ",".join(f'"u{i}":{{"dtype":"U8","shape":[{min(unit, nbytes - at)}],'
                        f'"data_offsets":[{at},{min(at + unit, nbytes)}]}}'
                        for i, at in enumerate(range(0, nbytes, unit)))
     header = ("{" + entries + "}").encode()
     assert len(header) <= IO_ALIGN - 8, "too many units for a one-block header"
     header += b" " * (IO_ALIGN - 8 - len(header))
-    buf = aligned(len(pool) * 8)
     words = buf.view(torch.int64)
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
     try:
@@ -83,14 +84,14 @@ def write_file(path: Path, nbytes: int, unit: int, pool: torch.Tensor, salt: int
     except OSError:  # tmpfs: buffered, then dropped from the cache below
         fd, direct = os.open(path, flags), False
     try:
-        head = aligned(IO_ALIGN)
+        head = buf[:IO_ALIGN]
         head.copy_(torch.frombuffer(bytearray(len(header).to_bytes(8, "little") + header),
                                     dtype=torch.uint8))
         os.pwrite(fd, memoryview(head.numpy()), 0)
         at = 0
         while at < nbytes:
-            torch.add(pool, salt * 1_000_003 + at, out=words)  # fresh bytes per piece and file
-            n = min(buf.numel(), nbytes - at)
+            torch.add(pool, salt * 1_000_003 + at, out=words)
+            n = min(words.numel() * 8, nbytes - at)
             os.pwrite(fd, memoryview(buf[:n].numpy()), IO_ALIGN + at)
             at += n
         os.fsync(fd)
@@ -229,6 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     args.folder.mkdir(parents=True, exist_ok=True)
     pool = torch.randint(-2**62, 2**62, (min(nbytes, 64 * MIB) // 8,), dtype=torch.int64,
                          generator=torch.Generator().manual_seed(0))
+    staging = aligned(len(pool) * 8)  # what each file is written through
     rates: dict[str, list[float]] = {name: [] for name in variants}
     order = list(variants)
     for r in range(args.rounds):
@@ -236,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
         files = {}
         for i, name in enumerate(order):  # written before any is read: no read-after-write
             files[name] = args.folder / f"read-{i}.safetensors"
-            write_file(files[name], nbytes, unit, pool, r * len(order) + i)
+            write_file(files[name], nbytes, unit, pool, staging, r * len(order) + i)
         for name in order:
             drop_cached(files[name])
             rates[name].append(variants[name](files[name], nbytes))

@@ -167,8 +167,8 @@ def offload(pipe: Any, max_host_bytes: ByteCount | None = None, *, cache: ModelC
                                 "pip install diffusers")
     if not isinstance(pipe, diffusers.DiffusionPipeline):
         raise OffloadError(f"pipe is a {type(pipe).__name__}, not a diffusers.DiffusionPipeline")
-    vram_budget, max_host_bytes = byte_budgets(vram_budget, max_host_bytes,
-                                               check_device(device))
+    device = check_device(device)
+    vram_budget, max_host_bytes = byte_budgets(vram_budget, max_host_bytes, device)
     modules = {n: m for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
     unknown = sorted(set(upcast or {}) - set(modules))
     if unknown:
@@ -185,7 +185,7 @@ def offload(pipe: Any, max_host_bytes: ByteCount | None = None, *, cache: ModelC
               if methods[n] and callable(getattr(m, "enable_tiling", None))}
     return OffloadHandle(modules, paths, cache=cache, device=device, prefetch=prefetch,
                          vram_budget=vram_budget, host=host, methods=methods,
-                         attrs={"_hf_hook": _ExecutionDevice(torch.device(device))},
+                         attrs={"_hf_hook": _ExecutionDevice(device)},
                          key_prefix=f"{type(pipe).__name__}@{id(pipe):x}", shrink=shrink,
                          meter=meter, sources=sources, compress=compress, upcast=upcast,
                          classes={n: _computing_in(type(modules[n]), d)

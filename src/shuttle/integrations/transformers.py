@@ -114,11 +114,10 @@ def offload(model: Any, max_host_bytes: ByteCount | None = None, *, cache: Model
     if not isinstance(model, transformers.PreTrainedModel):
         raise OffloadError(f"model is a {type(model).__name__}, not a "
                            "transformers.PreTrainedModel")
-    vram_budget, max_host_bytes = byte_budgets(vram_budget, max_host_bytes,
-                                               check_device(device))
+    device = check_device(device)
+    vram_budget, max_host_bytes = byte_budgets(vram_budget, max_host_bytes, device)
     cache = cache_for(max_host_bytes, cache)
     paths = find_block_lists(model) if blocks is None else list(blocks)
-    device = torch.device(device)
     return OffloadHandle({"model": model}, {"model": paths}, cache=cache, device=device,
                          prefetch=prefetch, vram_budget=vram_budget, host=host,
                          attrs={_EXECUTION_DEVICE: device},
