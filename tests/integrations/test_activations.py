@@ -13,10 +13,11 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from shuttle.errors import BudgetTooSmallError
 from shuttle.integrations import diffusers as shuttle_diffusers
-from shuttle.integrations.activations import DeviceMeter, Reading
+from shuttle.integrations.activations import DeviceMeter, Reading, meta_peak
 from shuttle.offload import ModelOffloader, floor_bytes
 from tests.integrations.models import run_flux, snapshot
 
@@ -208,6 +209,64 @@ def test_a_vae_too_large_even_tiled_raises(plain):
                                                   r"call \(shrunk\)"):
         run_flux(pipe, "pt")  # still too large when tiled
     handle.remove()
+
+
+@pytest.mark.parametrize(("side", "tiled"), [(256, True), (2, False)])
+def test_a_first_decode_predicted_not_to_fit_runs_tiled_from_the_start(plain, side, tiled):
+    ref, _, _ = plain
+    pipe = copy.deepcopy(ref)
+    vae = pipe.vae
+    seen = record(vae.decoder, lambda: vae.use_tiling)
+    handle = offload(pipe, 600_000, FakeMeter({"vae": 1000}))  # measured: it fits, tiled or not
+    z = torch.randn(1, vae.config.latent_channels, side, side)
+    vae.decode(z)  # (1, 4, 256, 256) float32 tensors, 1 MiB each, do not fit 600 kB
+    assert seen[0] is tiled  # decided before the call, from a prediction
+    handle.remove()
+
+
+def test_meta_peak_counts_the_storages_alive_at_once():
+    given = torch.empty(1000, device="meta")
+
+    def fn():
+        given.view(10, 100).add_(1)  # the caller's storage: a view and an in-place result
+        a = torch.empty(1000, device="meta")  # 4000 bytes
+        b = a * 2  # 8000 alive
+        b.view(10, 100).add_(1)  # no new storage
+        del a
+        c = b + 1  # b and c: 8000
+        return c.sum()
+
+    assert meta_peak(fn) == 8000 + 4
+
+
+def test_meta_peak_counts_attention_as_a_fused_kernel_allocates_it():
+    q, k, v = (torch.empty(1, 2, 256, 8, device="meta", dtype=torch.bfloat16) for _ in range(3))
+    # the math fallback would hold (1, 2, 256, 256) scores; fused kernels only the output
+    assert meta_peak(lambda: F.scaled_dot_product_attention(q, k, v)) == 2 * 256 * 8 * 2
+
+
+def test_a_vae_predicts_its_own_call_on_a_meta_twin():
+    from diffusers import AutoencoderKL
+
+    from shuttle.integrations.diffusers import _Tiling
+
+    torch.manual_seed(0)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=2,
+                        block_out_channels=(4, 8), down_block_types=("DownEncoderBlock2D",) * 2,
+                        up_block_types=("UpDecoderBlock2D",) * 2, norm_num_groups=2)
+    vae = vae.to(torch.bfloat16).eval()
+    before = {n: p.clone() for n, p in vae.state_dict().items()}
+    tiling = _Tiling(vae)
+    z = torch.randn(1, 2, 16, 16, dtype=torch.bfloat16)
+    with torch.no_grad():  # the same operators on real tensors: the same bytes
+        assert tiling.predict("decode", (z,), {"return_dict": False}) == meta_peak(
+            lambda: vae.decode(z, return_dict=False))
+    larger = tiling.predict("decode", (torch.randn(1, 2, 32, 32, dtype=torch.bfloat16),), {})
+    assert 3.9 < larger / tiling.predict("decode", (z,), {}) <= 4  # linear in the pixels
+    assert all(torch.equal(p, before[n]) for n, p in vae.state_dict().items())
+    assert all(p.device.type == "cpu" for p in vae.parameters())
+    assert tiling.predict("no_such_method", (z,), {}) is None
+    assert _Tiling(torch.nn.Conv2d(2, 3, 1)).predict("forward", (z,), {}) is None  # no config
 
 
 def test_tiling_uses_tiles_of_512_pixels_and_restores_the_vae(plain):

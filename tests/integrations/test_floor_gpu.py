@@ -8,6 +8,9 @@ lists whose blocks differ stream, and outputs stay the resident model's bit for 
 * A T5 encoder with T5-XXL's block width (its first block holds the relative attention bias, so
   the block list is not uniform) streamed through one ring at budgets below its size: equal to
   the resident encoder, peak within the budget, the ring sized by the largest streamed block.
+* Flux's autoencoder decoding 1024x1024 at budgets below and above its untiled activations:
+  within the budget from its first call (tiling decided from the call's prediction on
+  ``meta``), and the resident decode bit for bit where it runs untiled.
 * The device meter on real allocations: exact when a call sets the process peak, a lower bound
   (the largest sample) otherwise.
 
@@ -168,6 +171,55 @@ def test_a_t5_encoder_whose_first_block_differs_streams_within_its_budget(t5, gi
     kept = set(plan.resident["encoder.block"])
     assert slot == max(b for i, b in enumerate(sizes) if i not in kept)
     assert plan.device_bytes + handle.reserves["model"] <= vram
+    handle.remove()
+
+
+@pytest.fixture(scope="module")
+def flux_vae():
+    """(Flux's autoencoder at its real size, bf16, on the CPU; 1024x1024 latents; the resident
+    decode)."""
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(0)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16, layers_per_block=2,
+                        block_out_channels=(128, 256, 512, 512), sample_size=1024,
+                        down_block_types=("DownEncoderBlock2D",) * 4,
+                        up_block_types=("UpDecoderBlock2D",) * 4, use_quant_conv=False,
+                        use_post_quant_conv=False).to(torch.bfloat16).eval()
+    z = torch.randn(1, 16, 128, 128, dtype=torch.bfloat16)
+    resident = copy.deepcopy(vae).to("cuda")
+    with torch.no_grad():
+        ref = resident.decode(z.cuda()).sample
+    del resident
+    gc.collect()
+    torch.cuda.empty_cache()
+    return vae, z, ref
+
+
+# 1 GiB beside its weights: less than an untiled 1024x1024 decode allocates (its tensors alone
+# hold 1.5 GiB at once), more than a tiled one; 4 GiB: room for the untiled decode.
+@pytest.mark.parametrize(("gib", "tiled"), [(1.0, True), (4.0, False)])
+def test_a_vae_decode_stays_within_its_budget_from_its_first_call(flux_vae, gib, tiled, request):
+    from diffusers import DiffusionPipeline
+
+    class VaeOnly(DiffusionPipeline):
+        def __init__(self, vae):
+            super().__init__()
+            self.register_modules(vae=vae)
+
+    original, z, ref = flux_vae
+    vae = copy.deepcopy(original)
+    vram = int(gib * GIB) + nbytes(vae)  # the VAE moves whole: its floor is its weights
+    before = torch.cuda.memory_allocated()
+    handle = shuttle_diffusers.offload(VaeOnly(vae), max_host_bytes=4 * GIB, vram_budget=vram,
+                                       device="cuda")
+    request.addfinalizer(handle.remove)
+    for call in range(2):
+        with torch.no_grad():
+            out, peak = peak_of(lambda: vae.decode(z.cuda()).sample, before)
+        assert peak <= vram, f"call {call}: peak {peak} bytes over vram_budget={vram}"
+        assert vae.use_tiling is tiled, f"call {call}"  # decided before the first call
+        assert torch.equal(out, ref) or tiled  # a tiled decode blends its tiles' seams
     handle.remove()
 
 

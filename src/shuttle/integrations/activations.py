@@ -38,6 +38,17 @@ small growth (a KV cache that grows per token re-plans once per margin, not per 
 attention that materializes its score matrix (the math kernel, L x L per head) can exceed it:
 such a call usually sets a new process peak, which is then read exactly.
 
+**Before a first call that may not fit.** Measuring a call means running it, and a call whose
+activations do not fit beside the module's floor (a VAE decoding 1024x1024 pixels untiled
+under a 1.5 GiB budget) would go over the budget once before its shrinker is switched on. So a
+module with a :class:`CallShrinker` is asked first to ``predict`` its first call: diffusers'
+autoencoders run the call on a twin of themselves built on ``meta`` (no data, no device), and
+:func:`meta_peak` counts the bytes its tensors hold at once; when that prediction plus the
+margin does not fit, the call runs shrunk from the start. The count is of tensor bytes only
+(no allocator rounding, no cuDNN workspaces), with attention counted as a fused kernel
+allocates it (its output): a lower estimate than the device's, which the margin and the
+measurement of the call itself complete.
+
 On devices without CUDA memory statistics (the CPU test path) a reading is 0 bytes with no
 margin: nothing is reserved. Tests pass their own meter (any object with ``measure``) to feed
 the planner numbers.
@@ -46,16 +57,25 @@ the planner numbers.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
+import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["ActivationMeter", "CallShrinker", "DeviceMeter", "Reading"]
+__all__ = ["ActivationMeter", "CallShrinker", "DeviceMeter", "Reading", "margin", "meta_peak"]
 
 MARGIN_MIN = 64 * 2**20  # bytes
 MARGIN_SHARE = 0.10
+
+
+def margin(peak: int) -> int:
+    """The bytes added to an activation peak for what its measurement may miss (module docs)."""
+    return max(MARGIN_MIN, int(MARGIN_SHARE * peak))
 
 
 @dataclass
@@ -95,11 +115,18 @@ class CallShrinker(Protocol):
     """Makes a module's calls allocate less device memory, at some cost (a VAE's tiled and
     sliced decoding): ``enable()`` when its activations do not fit the budget beside its
     weights, ``restore()`` the module's own settings when the handle is removed.
+    ``predict(method, args, kwargs)`` gives the activation bytes the call
+    ``module.method(*args, **kwargs)`` would allocate as the module is set now, without running
+    it on the device (None: it cannot tell), so that a first call that would not fit is shrunk
+    before it runs.
     """
 
     def enable(self) -> None: ...
 
     def restore(self) -> None: ...
+
+    def predict(self, method: str, args: tuple[Any, ...],
+                kwargs: Mapping[str, Any]) -> int | None: ...
 
 
 class DeviceMeter:
@@ -130,7 +157,58 @@ class DeviceMeter:
         if after > before:  # this call set the process peak: its top is the call's own
             reading.peak = after - start
         reading.peak = max(reading.peak, 0)
-        reading.margin = max(MARGIN_MIN, int(MARGIN_SHARE * reading.peak))
+        reading.margin = margin(reading.peak)
+
+
+def meta_peak(fn: Callable[[], object]) -> int:
+    """The most bytes that tensors created inside ``fn()`` hold at once.
+
+    Meant for ``fn`` computing on ``meta`` tensors (shapes and dtypes only, nothing allocated):
+    each operator's new outputs are counted until their storages are freed; views, in-place
+    results and the tensors ``fn`` is given are not. ``F.scaled_dot_product_attention`` counts
+    its output only, as the fused kernels allocate it (the math fallback's (L, S) scores per head
+    are what they avoid).
+    """
+    with _FusedAttention(), _LiveBytes() as live:
+        fn()
+    return live.peak
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Sums the bytes of the storages operators create while they are alive; keeps the peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}  # storage id -> (ref, bytes)
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        rets = func._schema.returns
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        # one return per output, or one list return (Tensor[]) for all of them
+        fresh = [r.alias_info is None for r in rets] if len(rets) == len(outs) else (
+            [bool(rets) and rets[0].alias_info is None] * len(outs))
+        for t, new in zip(outs, fresh, strict=True):
+            if isinstance(t, torch.Tensor) and new:  # a storage of its own, not a view
+                storage = t.untyped_storage()
+                ref = StorageWeakRef(storage)
+                self.live[ref.cdata] = (ref, storage.nbytes())
+        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
+        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+        return out
+
+
+class _FusedAttention(TorchFunctionMode):
+    """``F.scaled_dot_product_attention`` as a fused kernel allocates: its (..., L, Ev) output."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            q = args[0] if args else kwargs["query"]
+            v = args[2] if len(args) > 2 else kwargs["value"]
+            return q.new_empty((*q.shape[:-1], v.shape[-1]))
+        return func(*args, **kwargs)
 
 
 def _allocated(device: torch.device, which: str) -> int:

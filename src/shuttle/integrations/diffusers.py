@@ -7,12 +7,14 @@ the device when the pipeline calls it (``pipe.text_encoder(...)``, ``pipe.transf
 ``vram_budget`` the text encoders (every component but the autoencoders) are captured with their
 block lists too and stream as far as the budget asks (all resident when they fit); the
 autoencoders move whole and decode tiled (diffusers' own ``enable_tiling``/``enable_slicing``)
-only once their measured activations do not fit the budget beside their weights.
+only when their activations do not fit the budget beside their weights: predicted before their
+first call by running it on a ``meta`` twin, measured on every call.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -20,12 +22,13 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 from shuttle.byte_count import ByteCount
 from shuttle.cache import ModelCache
 from shuttle.errors import AdapterFileError, InvalidOptionError, OffloadError
 from shuttle.formats.safetensors_file import LazyTensor
-from shuttle.integrations.activations import ActivationMeter
+from shuttle.integrations.activations import ActivationMeter, meta_peak
 from shuttle.integrations.blocks import find_block_lists
 from shuttle.integrations.budgets import byte_budgets, cache_for, check_device, files_ceiling
 from shuttle.integrations.component import reporting
@@ -45,6 +48,8 @@ from shuttle.offload.host_storage import HostBacking
 from shuttle.optional import import_optional
 from shuttle.weights.fp8 import FP8_DTYPES
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["DENOISERS", "ENTRY_METHODS", "Float8", "from_pretrained", "offload"]
 
 # What from_pretrained does with float8 parameters in a diffusers model's files.
@@ -60,7 +65,8 @@ _TILE = 512
 
 class _Tiling:
     """Diffusers' own tiled and sliced decoding of ``vae`` (tiles of at most ``_TILE`` pixels),
-    switched on when its activations do not fit; ``restore`` puts its settings back.
+    switched on when its activations do not fit; ``restore`` puts its settings back;
+    ``predict`` runs a call on a twin of ``vae`` built on ``meta`` from its config.
     """
 
     _SETTINGS = ("use_tiling", "use_slicing", "tile_sample_min_size", "tile_latent_min_size")
@@ -68,6 +74,43 @@ class _Tiling:
     def __init__(self, vae: torch.nn.Module):
         self.vae = vae
         self.saved: dict[str, Any] = {}
+        self.twin: torch.nn.Module | None = None
+
+    def predict(self, method: str, args: tuple[Any, ...],
+                kwargs: Mapping[str, Any]) -> int | None:
+        """The activation bytes of ``vae.method(*args, **kwargs)`` at its current settings
+        (:func:`~shuttle.integrations.activations.meta_peak` over the twin's call); None when
+        the VAE cannot be built from its config or the call does not run on ``meta``.
+        """
+        try:
+            twin = self._twin()
+            for attr in self._SETTINGS:
+                if hasattr(self.vae, attr):
+                    setattr(twin, attr, getattr(self.vae, attr))
+            call = getattr(twin, method)
+            on_meta = tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, dict(kwargs)))
+            with torch.no_grad():
+                return meta_peak(lambda: call(*on_meta[0], **on_meta[1]))
+        except Exception as e:  # noqa: BLE001 (a prediction only: the call is measured anyway)
+            logger.info("%s.%s: no prediction of its activations (%s: %s); its first call is "
+                        "measured as it runs", type(self.vae).__name__, method,
+                        type(e).__name__, e)
+            return None
+
+    def _twin(self) -> torch.nn.Module:
+        """``vae``'s architecture on ``meta``, each parameter in the dtype ``vae`` computes
+        its own in (float8 storage computes in the model's reported dtype).
+        """
+        if self.twin is None:
+            with torch.device("meta"):
+                twin = type(self.vae).from_config(self.vae.config)
+            own = dict(self.vae.named_parameters())
+            compute = getattr(self.vae, "dtype", torch.float32)
+            for name, p in twin.named_parameters():
+                dtype = own[name].dtype if name in own else compute
+                p.data = p.data.to(compute if dtype in FP8_DTYPES else dtype)
+            self.twin = twin.eval()
+        return self.twin
 
     def enable(self) -> None:
         vae = self.vae

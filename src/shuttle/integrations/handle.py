@@ -14,7 +14,9 @@ weights are planned within the budget less the activations measured on its calls
 streamed, none resident) with the other modules off the device; the call is measured and the
 module planned again through ``plan_for``, and again whenever a later call outgrows its
 reserve. A module whose activations do not fit beside its floor gets a shrinker's help when it
-has one (tiled VAE decoding), else :class:`~shuttle.errors.BudgetTooSmallError` names its floor.
+has one (tiled VAE decoding; asked before a first call, whose activations it predicts, as well
+as after any call that went over), else :class:`~shuttle.errors.BudgetTooSmallError` names its
+floor.
 While a module runs, the others stay on the device only as far as their weights fit beside its
 weights and reserve.
 
@@ -52,7 +54,13 @@ from shuttle.errors import BudgetTooSmallError
 from shuttle.formats import LoRA
 from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.hooks import add_hook, remove_hook
-from shuttle.integrations.activations import ActivationMeter, CallShrinker, DeviceMeter, Reading
+from shuttle.integrations.activations import (
+    ActivationMeter,
+    CallShrinker,
+    DeviceMeter,
+    Reading,
+    margin,
+)
 from shuttle.integrations.budgets import SourcedSpec, check_device, host_shares, read_order
 from shuttle.integrations.component import ActivateHook, Active, Component, check_free, restore
 from shuttle.integrations.routing import route_lora
@@ -394,8 +402,10 @@ class OffloadHandle:
             c.attrs.append(attr)
 
     def _call(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        self._enter(name)
         c = self._components[name]
+        if self._vram_budget is not None and c.reserve is None:
+            self._foresee(c, getattr(fn, "__name__", "forward"), args, kwargs)
+        self._enter(name)
         self._running[name] = self._running.get(name, 0) + 1
         try:
             if self._vram_budget is None:  # nothing to plan against: nothing measured
@@ -406,6 +416,28 @@ class OffloadHandle:
             self._running[name] -= 1
         self._learn(c, reading)
         return out
+
+    def _foresee(self, c: Component, method: str, args: tuple[Any, ...],
+                 kwargs: Mapping[str, Any]) -> None:
+        """Shrink ``c``'s calls before a call that is not measured yet when its shrinker
+        predicts activations that do not fit beside ``c``'s floor: without it, that call would
+        go over the budget once before being measured. A prediction gets the margin a
+        measurement gets on CUDA (none elsewhere, where nothing is measured).
+        """
+        if c.shrink is None or c.shrunk:
+            return
+        predicted = c.shrink.predict(method, args, kwargs)
+        budget = self._vram_budget
+        assert budget is not None
+        if predicted is None:
+            return
+        if predicted + (margin(predicted) if self.device.type == "cuda" else 0) <= budget - c.floor:
+            return
+        c.shrink.enable()
+        c.shrunk = True
+        logger.info("%s.%s: %d bytes of activations predicted do not fit beside its %d weight "
+                    "bytes in vram_budget=%d: its calls are shrunk (e.g. tiled decoding)",
+                    c.name, method, predicted, c.floor, budget)
 
     def _learn(self, c: Component, reading: Reading) -> None:
         """Plan ``c`` again when ``reading`` is its first or outgrows its reserve.
