@@ -224,6 +224,15 @@ def test_a_first_decode_predicted_not_to_fit_runs_tiled_from_the_start(plain, si
     handle.remove()
 
 
+def test_a_prediction_counts_twice_its_bytes_and_the_margin_on_cuda_only():
+    from shuttle.integrations import activations
+    from shuttle.integrations.activations import predicted_reserve
+
+    assert predicted_reserve(10**9, torch.device("cuda")) == 2 * 10**9 + 10**8
+    assert predicted_reserve(1000, torch.device("cuda")) == 2000 + activations.MARGIN_MIN
+    assert predicted_reserve(1000, torch.device("cpu")) == 1000  # nothing measured there
+
+
 def test_meta_peak_counts_the_storages_alive_at_once():
     given = torch.empty(1000, device="meta")
 

@@ -59,7 +59,7 @@ from shuttle.integrations.activations import (
     CallShrinker,
     DeviceMeter,
     Reading,
-    margin,
+    predicted_reserve,
 )
 from shuttle.integrations.budgets import SourcedSpec, check_device, host_shares, read_order
 from shuttle.integrations.component import ActivateHook, Active, Component, check_free, restore
@@ -420,9 +420,9 @@ class OffloadHandle:
     def _foresee(self, c: Component, method: str, args: tuple[Any, ...],
                  kwargs: Mapping[str, Any]) -> None:
         """Shrink ``c``'s calls before a call that is not measured yet when its shrinker
-        predicts activations that do not fit beside ``c``'s floor: without it, that call would
-        go over the budget once before being measured. A prediction gets the margin a
-        measurement gets on CUDA (none elsewhere, where nothing is measured).
+        predicts activations that do not fit beside ``c``'s floor
+        (:func:`~shuttle.integrations.activations.predicted_reserve`): without it, that call
+        would go over the budget once before being measured.
         """
         if c.shrink is None or c.shrunk:
             return
@@ -431,7 +431,7 @@ class OffloadHandle:
         assert budget is not None
         if predicted is None:
             return
-        if predicted + (margin(predicted) if self.device.type == "cuda" else 0) <= budget - c.floor:
+        if predicted_reserve(predicted, self.device) <= budget - c.floor:
             return
         c.shrink.enable()
         c.shrunk = True
