@@ -100,6 +100,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="GiB ceilings, or 'none'; a ':lossless' suffix codes what is held")
     p.add_argument("--peers", default=",".join(PEERS),
                    help="peer cells, comma-separated ('' for none): " + ", ".join(PEERS))
+    p.add_argument("--peer-scratch", type=Path, default=None,
+                   help="where the disk peers write their copy of the weights (default: "
+                        "<out>-scratch beside --folder); a disk without room for the folder and "
+                        "a copy can use a tmpfs (/dev/shm): the peers then read at RAM speed, "
+                        "and their times are lower bounds (each row names its file system)")
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--warmup-steps", type=int, default=1,
                    help="denoising steps of each cell's warm-up call (0: the timed call's): "
@@ -167,6 +172,30 @@ def _mmgp(profile_no: int):
 
 PEERS = {"diffusers_disk": _diffusers_disk, "accelerate_disk": _accelerate_disk,
          "mmgp4": _mmgp(4), "mmgp5": _mmgp(5)}
+
+
+def peer_scratch(args: argparse.Namespace) -> Path:
+    """The folder the disk peers write their copy of the weights into (removed after each)."""
+    return args.peer_scratch or Path(args.folder).parent / f"{args.out}-scratch"
+
+
+def file_system(path: Path) -> str:
+    """The type of the file system ``path`` is (or would be) on: /proc/mounts' longest
+    mount point above it ("unknown" where there is no /proc/mounts)."""
+    path = Path(os.path.abspath(path))
+    best, kind = "", "unknown"
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return kind
+    for line in mounts:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        if (path == Path(point) or Path(point) in path.parents) and len(point) > len(best):
+            best, kind = point, fields[2]
+    return kind
 
 
 # -- the pipelines -------------------------------------------------------------------------------
@@ -376,7 +405,9 @@ def worker(args: argparse.Namespace) -> None:
                 pipe = diffusers.DiffusionPipeline.from_pretrained(
                     args.folder, torch_dtype=torch.bfloat16).to(device)
             elif vram in PEERS:
-                scratch = Path(args.folder).parent / f"{args.out}-scratch"
+                scratch = peer_scratch(args)
+                if vram.endswith("_disk"):
+                    row["peer_scratch_fs"] = file_system(scratch)
                 pipe = PEERS[vram](Path(args.folder), device, scratch)
             else:
                 from shuttle.integrations import diffusers as sd
@@ -464,6 +495,8 @@ def run_worker(args: argparse.Namespace, vram: str, host: str) -> dict:
            "--model", args.model, "--warmup-steps", str(args.warmup_steps)]
     if args.smoke:
         cmd.append("--smoke")
+    if args.peer_scratch is not None:
+        cmd += ["--peer-scratch", str(args.peer_scratch)]
     # on the CPU, through the copy path (slots and hooks as on CUDA), so that the plumbing runs
     env = {**os.environ, "SHUTTLE_OFFLOAD_CPU_COPY": "1"} if args.device == "cpu" else None
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
@@ -526,7 +559,7 @@ def main(argv: list[str] | None = None) -> None:
         row = run_worker(args, peer, "none")
         # a peer's disk copy of the weights (diffusers' groups, accelerate's folder) goes
         # before the next peer writes its own: the device's disk holds the folder and one copy
-        shutil.rmtree(args.folder.parent / f"{args.out}-scratch", ignore_errors=True)
+        shutil.rmtree(peer_scratch(args), ignore_errors=True)
         path = keep / f"{peer}-none.pt"
         if want is not None and path.is_file():
             row["bit_identical"] = e2e.same_bits(torch.load(path), want)
@@ -660,7 +693,9 @@ def table(rows: list[dict]) -> str:
 
     head = ["VRAM", "host", "s/image", "of bound", "peak VRAM GiB", "peak RSS GiB",
             "RSS at start GiB", "disk GB/image", "load s", "load / read", "bit-identical"]
-    body = [[r["vram"], r["host"], f(r.get("s_per_image"), ".2f"), f(r.get("of_bound"), ".2f"),
+    body = [[r["vram"], r["host"] + (f" (its copy on {r['peer_scratch_fs']})"
+                                     if r.get("peer_scratch_fs") else ""),
+             f(r.get("s_per_image"), ".2f"), f(r.get("of_bound"), ".2f"),
              f(r.get("peak_vram") and r["peak_vram"] / GIB, ".2f"),
              f(r.get("peak_rss") and r["peak_rss"] / GIB, ".2f"),
              f(r.get("rss_base") and sum(r["rss_base"].values()) / GIB, ".2f"),
