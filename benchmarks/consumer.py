@@ -49,7 +49,9 @@ disk / the disk's read ceiling): compute is the resident call's time, the bandwi
 measured in the same run (pinned host-to-device copies; O_DIRECT reads of the folder's largest
 file with 1, 4 and 16 reads in flight, the best), the page cache dropped before each worker
 where allowed. Bytes copied to the device are what each call of an offloaded module streams by
-its plan at that call (modules moved whole not counted).
+its plan at that call and what each activation places (its non-block weights and resident
+blocks; a module moved whole, all of it): a module is activated again at each image when
+another took its room.
 
     PYTHONPATH=src python benchmarks/consumer.py --folder /tmp/flux --vram floor,4,6,8,12 \\
         --host 8,16,none                   # the H200 run
@@ -463,30 +465,50 @@ def vram_floor(refusal: str) -> int | None:
 
 
 def count_streamed(handle, pipe, stack: contextlib.ExitStack) -> list[int]:
-    """A list that gets, at the end of every call of one of ``handle``'s modules (``pipe``'s
-    components of those names) while ``stack`` is open, the bytes its plan streamed in that
-    call (:func:`streamed`)."""
+    """A list that gets, while ``stack`` is open, the bytes each of ``handle``'s modules
+    (``pipe``'s components of those names) copies to the device: at the end of every call what
+    its plan streamed in that call (:func:`streamed`), and at every activation what it placed
+    (:func:`placed`: a module is activated again after another took its room)."""
     copied: list[int] = []
     for name, off in handle.offloaders.items():
         hook = getattr(pipe, name).register_forward_hook(
             lambda *_, off=off: copied.append(streamed(off)) if off.plan is not None else None)
         stack.callback(hook.remove)
+
+        def activate(*args, off=off, original=off.activate, **kwargs):
+            model = original(*args, **kwargs)
+            copied.append(placed(off))
+            return model
+
+        off.activate = activate  # an instance attribute over the method, until the stack ends
+        stack.callback(off.__dict__.pop, "activate", None)
     return copied
 
 
+def travels(u) -> int:
+    """Bytes unit ``u`` copies to the device: coded where its arena or its file holds it coded."""
+    code = u.code if u.code is not None else (u.disk_code if u.on_disk else None)
+    return code.nbytes if code is not None else u.layout.nbytes
+
+
 def streamed(off) -> int:
-    """Device bytes an active offloader's call copies (each streamed block once, as it travels:
-    coded where its arena or its file holds it coded; a module moved whole: none)."""
+    """Device bytes an active offloader's call copies: each streamed block once."""
     plan = off.plan
     if plan is None:
         return 0
-
-    def travels(u) -> int:
-        code = u.code if u.code is not None else (u.disk_code if u.on_disk else None)
-        return code.nbytes if code is not None else u.layout.nbytes
-
     return sum(travels(u) for g, units in off.storage.groups.items()
                for i, u in enumerate(units) if i not in plan.resident[g])
+
+
+def placed(off) -> int:
+    """Device bytes an activation copies: the non-block weights and the resident blocks (a
+    module moved whole: all of it)."""
+    plan = off.plan
+    s = off.storage
+    if plan is None:
+        return sum(travels(u) for u in s.units)
+    return travels(s.rest) + sum(travels(u) for g, units in s.groups.items()
+                                 for i, u in enumerate(units) if i in plan.resident[g])
 
 
 def run_worker(args: argparse.Namespace, vram: str, host: str) -> dict:
