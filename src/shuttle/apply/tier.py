@@ -22,8 +22,10 @@ input:
              issue until the last kernel's end, as a layer run on its own, or after a sync,
              takes it)
 
-each mode measuring every candidate in turn before the next mode begins (the device's clocks
-drift over a measurement: candidates compared in one mode are measured side by side), and the
+each mode measuring every candidate before the next mode begins, in two rounds of opposite
+order (A B C, then C B A) whose mean is kept: the device's clocks drift over a measurement (a
+long GEMM heats it, power limits step in), a candidate always measured last would carry the
+drift alone, and over the mirrored rounds a steady drift adds the same to every candidate. The
 forward asks for the eager choice, or for the graphs choice while a CUDA graph is being
 captured. The graphs choice is the fastest replay. The eager choice is the fastest burst among
 the candidates whose host time is no more than lossless's (within :data:`MARGIN` of lossless's
@@ -60,7 +62,7 @@ MARGIN = 0.03
 MODES: tuple[str, ...] = ("eager", "graphs", "host", "idle")
 _WARMUP = 3
 _BURST = 10
-_REPEATS = 5
+_REPEATS = 3  # bursts per measure() call; a candidate gets two such calls per mode
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,20 +260,23 @@ class TierChooser:
         """
         choice = self.choices.get(key)
         if choice is None:
-            # Mode by mode, every candidate in turn: what the device's clocks do over the
-            # measurement (a long GEMM heats it) falls alike on the candidates one mode compares.
-            times: dict[str, dict[str, float]] = {mode: {} for mode in MODES}
+            # Mode by mode, in two rounds of mirrored order (see the module docs): a steady
+            # drift of the device's clocks adds the same to each candidate's mean.
+            samples: dict[str, dict[str, list[float]]] = {mode: {} for mode in MODES}
             live = dict(candidates)
             for mode in MODES:
-                for name, fn in list(live.items()):
-                    try:
-                        times[mode][name] = self.measure(fn, mode)
-                    except Exception:
-                        if name == "lossless":
-                            raise
-                        del live[name]
-            times = {mode: {name: t for name, t in ts.items() if name in live}
-                     for mode, ts in times.items()}
+                for mirrored in (False, True):
+                    for name in list(live)[::-1] if mirrored else list(live):
+                        try:
+                            t = self.measure(live[name], mode)
+                        except Exception:
+                            if name == "lossless":
+                                raise
+                            del live[name]
+                            continue
+                        samples[mode].setdefault(name, []).append(t)
+            times = {mode: {name: statistics.fmean(ts) for name, ts in by.items() if name in live}
+                     for mode, by in samples.items()}
             choice = self.choices[key] = TierChoice(**times)
         return choice.best(graphs)
 
