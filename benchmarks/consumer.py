@@ -176,6 +176,59 @@ PEERS = {"diffusers_disk": _diffusers_disk, "accelerate_disk": _accelerate_disk,
          "mmgp4": _mmgp(4), "mmgp5": _mmgp(5)}
 
 
+def load(args: argparse.Namespace, vram: str, host: str, device: torch.device, row: dict,
+         since) -> tuple:
+    """The cell's pipeline and shuttle's handle (None for the resident and peer cells)."""
+    if vram == "resident":
+        import diffusers
+
+        row["load_import_s"] = since()
+        return diffusers.DiffusionPipeline.from_pretrained(
+            args.folder, torch_dtype=torch.bfloat16).to(device), None
+    if vram in PEERS:
+        scratch = peer_scratch(args)
+        if vram.endswith("_disk"):
+            row["peer_scratch_fs"] = file_system(scratch)
+        return PEERS[vram](Path(args.folder), device, scratch), None
+    from shuttle.integrations import diffusers as sd
+
+    row["load_import_s"] = since()
+    ceiling, kind = host_cell(host)
+    folder = compressed_folder(args.folder) if kind == "compressed" else args.folder
+    return sd.from_pretrained(folder, torch_dtype=torch.bfloat16, vram_budget=gib(vram),
+                              max_host_bytes=ceiling,
+                              compress="lossless" if kind == "lossless" else None,
+                              device=device)
+
+
+@contextlib.contextmanager
+def load_log(row: dict, keep: int = 24):
+    """Times the load: yields ``since()`` (seconds since the block began) and puts the first
+    ``keep`` of shuttle's INFO log lines inside the block in ``row["load_log"]`` as
+    [seconds, message] (each component's capture ends with one), so that a slow load says
+    where its time went."""
+    import logging
+
+    t0 = time.perf_counter()
+    lines: list = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if len(lines) < keep:
+                lines.append([round(time.perf_counter() - t0, 3), record.getMessage()[:160]])
+
+    log = logging.getLogger("shuttle")
+    handler, level = Keep(logging.INFO), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        yield lambda: time.perf_counter() - t0
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+        row["load_log"] = lines
+
+
 def peer_scratch(args: argparse.Namespace) -> Path:
     """The folder the disk peers write their copy of the weights into (removed after each)."""
     return args.peer_scratch or Path(args.folder).parent / f"{args.out}-scratch"
@@ -400,26 +453,8 @@ def worker(args: argparse.Namespace) -> None:
     try:
         with e2e.RssSampler() as rss:
             t0 = time.perf_counter()
-            handle = None
-            if vram == "resident":
-                import diffusers
-
-                pipe = diffusers.DiffusionPipeline.from_pretrained(
-                    args.folder, torch_dtype=torch.bfloat16).to(device)
-            elif vram in PEERS:
-                scratch = peer_scratch(args)
-                if vram.endswith("_disk"):
-                    row["peer_scratch_fs"] = file_system(scratch)
-                pipe = PEERS[vram](Path(args.folder), device, scratch)
-            else:
-                from shuttle.integrations import diffusers as sd
-
-                ceiling, kind = host_cell(host)
-                folder = compressed_folder(args.folder) if kind == "compressed" else args.folder
-                pipe, handle = sd.from_pretrained(folder, torch_dtype=torch.bfloat16,
-                                                  vram_budget=gib(vram), max_host_bytes=ceiling,
-                                                  compress="lossless" if kind == "lossless"
-                                                  else None, device=device)
+            with load_log(row) as since:
+                pipe, handle = load(args, vram, host, device, row, since)
             pipe.set_progress_bar_config(disable=True)
             row["load_s"] = time.perf_counter() - t0
             row["rss_after_load"] = {**rss_parts(), "peak": rss.peak}

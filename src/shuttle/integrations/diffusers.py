@@ -355,6 +355,8 @@ def from_pretrained(path_or_repo: str | os.PathLike[str], pipeline_cls: type | N
     max_host_bytes = files_ceiling(max_host_bytes, cache, modules.values(), compress,
                                    "diffusers.from_pretrained")
     pipe = pipeline_cls.from_pretrained(folder, **modules, **components)
+    logger.info("%s: %s built, modules %s on meta; reading their weights", folder,
+                pipeline_cls.__name__, sorted(modules))
     handle = offload(pipe, max_host_bytes, cache=cache, vram_budget=vram_budget, device=device,
                      prefetch=prefetch, blocks=blocks, host=host, sources=sources,
                      compress=compress, upcast=upcast)
