@@ -1,10 +1,12 @@
-"""One module under an :class:`~shuttle.integrations.handle.OffloadHandle`: its bookkeeping,
-the hook that activates it on call, the checks before it is taken and how it is given back.
+"""One module under an :class:`~shuttle.integrations.handle.OffloadHandle`: its bookkeeping
+(and what its calls' activations teach it), the hook that activates it on call, the checks
+before it is taken and how it is given back.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,14 +14,16 @@ from typing import Any
 import torch
 
 from shuttle.cache import ModelSpec
-from shuttle.errors import OffloadError
+from shuttle.errors import BudgetTooSmallError, OffloadError
 from shuttle.hooks import ModuleHook, hooks_of
-from shuttle.integrations.activations import CallShrinker
+from shuttle.integrations.activations import CallShrinker, Reading, predicted_reserve
 from shuttle.offload import ResidencyPlan
 from shuttle.offload.host_storage import HostStorage
 from shuttle.weights.upcast import Upcasting
 
 __all__ = ["Active", "ActivateHook", "Component", "check_free", "reporting", "restore"]
+
+logger = logging.getLogger(__name__)
 
 _REPORTING: dict[tuple[type, str, Any], type] = {}
 
@@ -71,6 +75,60 @@ class Component:
     def need(self) -> int:
         """Device weight bytes while active."""
         return self.plan.device_bytes if self.plan is not None else 0
+
+    def foresee(self, budget: int, device: torch.device, method: str, args: tuple[Any, ...],
+                kwargs: Mapping[str, Any]) -> None:
+        """Shrink the module's calls before a call that is not measured yet when its shrinker
+        predicts activations that do not fit beside its floor in ``budget``
+        (:func:`~shuttle.integrations.activations.predicted_reserve`): without it, that call
+        would go over the budget once before being measured.
+        """
+        if self.shrink is None or self.shrunk:
+            return
+        predicted = self.shrink.predict(method, args, kwargs)
+        if predicted is None or predicted_reserve(predicted, device) <= budget - self.floor:
+            return
+        self.shrink.enable()
+        self.shrunk = True
+        logger.info("%s.%s: %d bytes of activations predicted do not fit beside its %d weight "
+                    "bytes in vram_budget=%d: its calls are shrunk (e.g. tiled decoding)",
+                    self.name, method, predicted, self.floor, budget)
+
+    def learn(self, reading: Reading, budget: int) -> bool:
+        """Take in a call's measured activations: True when the module must be planned again
+        with its new reserve (its first reading, or one over the reserve). Activations that do
+        not fit beside its floor shrink its calls instead, when a shrinker is left (False: the
+        next call is measured afresh).
+
+        Raises:
+            BudgetTooSmallError: the activations do not fit beside the floor and no shrinker is
+                left to try.
+        """
+        if self.reserve is not None and reading.peak <= self.reserve:
+            return False
+        room = budget - self.floor  # what the floor leaves for activations
+        if reading.peak > room:
+            if self.shrink is not None and not self.shrunk:
+                self.shrink.enable()
+                self.shrunk, self.reserve = True, None  # measured afresh on its next call
+                logger.info("%s: %d bytes of activations do not fit beside its %d weight bytes "
+                            "in vram_budget=%d: its calls are shrunk (e.g. tiled decoding)",
+                            self.name, reading.peak, self.floor, budget)
+                return False
+            floor = self.floor + reading.peak
+            weights = ("its non-block weights and one slot of each block list's largest block"
+                       if self.paths else "moved whole")
+            raise BudgetTooSmallError(
+                f"vram_budget={budget} bytes is below the floor of {self.name!r}, {floor} bytes: "
+                f"{self.floor} bytes of weights ({weights}) + {reading.peak} bytes of "
+                f"activations measured on its last call{' (shrunk)' if self.shrunk else ''}, "
+                f"which went over the budget. Give a budget of at least {floor} bytes, or make "
+                "its calls smaller (a smaller image or batch, fewer tokens)"
+                + ("" if self.paths else
+                   f", or stream {self.name!r}: give its block lists in blocks="))
+        # The margin is capped by the room: the measured peak itself fits there.
+        self.reserve = min(reading.reserve, room)
+        return True
 
 
 @dataclass

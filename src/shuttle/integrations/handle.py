@@ -54,13 +54,7 @@ from shuttle.errors import BudgetTooSmallError
 from shuttle.formats import LoRA
 from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.hooks import add_hook, remove_hook
-from shuttle.integrations.activations import (
-    ActivationMeter,
-    CallShrinker,
-    DeviceMeter,
-    Reading,
-    predicted_reserve,
-)
+from shuttle.integrations.activations import ActivationMeter, CallShrinker, DeviceMeter, Reading
 from shuttle.integrations.budgets import SourcedSpec, check_device, host_shares, read_order
 from shuttle.integrations.component import ActivateHook, Active, Component, check_free, restore
 from shuttle.integrations.routing import route_lora
@@ -404,7 +398,8 @@ class OffloadHandle:
     def _call(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         c = self._components[name]
         if self._vram_budget is not None and c.reserve is None:
-            self._foresee(c, getattr(fn, "__name__", "forward"), args, kwargs)
+            c.foresee(self._vram_budget, self.device, getattr(fn, "__name__", "forward"), args,
+                      kwargs)
         self._enter(name)
         self._running[name] = self._running.get(name, 0) + 1
         try:
@@ -417,60 +412,14 @@ class OffloadHandle:
         self._learn(c, reading)
         return out
 
-    def _foresee(self, c: Component, method: str, args: tuple[Any, ...],
-                 kwargs: Mapping[str, Any]) -> None:
-        """Shrink ``c``'s calls before a call that is not measured yet when its shrinker
-        predicts activations that do not fit beside ``c``'s floor
-        (:func:`~shuttle.integrations.activations.predicted_reserve`): without it, that call
-        would go over the budget once before being measured.
-        """
-        if c.shrink is None or c.shrunk:
-            return
-        predicted = c.shrink.predict(method, args, kwargs)
-        budget = self._vram_budget
-        assert budget is not None
-        if predicted is None:
-            return
-        if predicted_reserve(predicted, self.device) <= budget - c.floor:
-            return
-        c.shrink.enable()
-        c.shrunk = True
-        logger.info("%s.%s: %d bytes of activations predicted do not fit beside its %d weight "
-                    "bytes in vram_budget=%d: its calls are shrunk (e.g. tiled decoding)",
-                    c.name, method, predicted, c.floor, budget)
-
     def _learn(self, c: Component, reading: Reading) -> None:
-        """Plan ``c`` again when ``reading`` is its first or outgrows its reserve.
-
-        Raises:
-            BudgetTooSmallError: the measured activations do not fit beside ``c``'s floor (and
-                no shrinker is left to try).
+        """Plan ``c`` again when ``reading`` is its first or outgrows its reserve
+        (:meth:`Component.learn`), and take it off the device if its plan changed.
         """
-        if c.reserve is not None and reading.peak <= c.reserve:
-            return
         budget = self._vram_budget
         assert budget is not None
-        room = budget - c.floor  # what the floor leaves for activations
-        if reading.peak > room:
-            if c.shrink is not None and not c.shrunk:
-                c.shrink.enable()
-                c.shrunk, c.reserve = True, None  # measured afresh on its next call
-                logger.info("%s: %d bytes of activations do not fit beside its %d weight bytes "
-                            "in vram_budget=%d: its calls are shrunk (e.g. tiled decoding)",
-                            c.name, reading.peak, c.floor, budget)
-                return
-            floor = c.floor + reading.peak
-            weights = ("its non-block weights and one slot of each block list's largest block"
-                       if c.paths else "moved whole")
-            raise BudgetTooSmallError(
-                f"vram_budget={budget} bytes is below the floor of {c.name!r}, {floor} bytes: "
-                f"{c.floor} bytes of weights ({weights}) + {reading.peak} bytes of activations "
-                f"measured on its last call{' (shrunk)' if c.shrunk else ''}, which went over "
-                f"the budget. Give a budget of at least {floor} bytes, or make its calls "
-                "smaller (a smaller image or batch, fewer tokens)"
-                + ("" if c.paths else f", or stream {c.name!r}: give its block lists in blocks="))
-        # The margin is capped by the room: the measured peak itself fits there.
-        c.reserve = min(reading.reserve, room)
+        if not c.learn(reading, budget):
+            return
         self._replan(c)
         active = self._active.get(c.name)
         logger.info("%s: %d bytes of activations measured, %d reserved; %d weight bytes "
