@@ -246,6 +246,9 @@ def test_meta_peak_counts_the_storages_alive_at_once():
         return c.sum()
 
     assert meta_peak(fn) == 8000 + 4
+    pair = [given, given]
+    assert meta_peak(lambda: torch._foreach_add(pair, 1.0)) == 8000  # one list return, two new
+    assert meta_peak(lambda: torch.split(given, 10)) == 0  # a list of views
 
 
 def test_meta_peak_counts_attention_as_a_fused_kernel_allocates_it():
