@@ -595,7 +595,7 @@ def main(argv: list[str] | None = None) -> None:
                earlier)
         compute = rows[0].get("s_per_image")
     want = torch.load(keep / "resident-none.pt") if (keep / "resident-none.pt").is_file() else None
-    for vram in args.vram.split(","):
+    for vram in filter(None, args.vram.split(",")):
         for host in args.host.split(","):
             drop_page_cache(args.folder)
             if host_cell(host)[1] == "compressed":
