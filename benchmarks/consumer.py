@@ -40,7 +40,9 @@ profiles 4 and 5 with nothing quantized (``quantizeTransformer=False, extraModel
 so the outputs compare).
 
 Per cell: seconds per image, peak VRAM, peak RSS, bytes read from disk per image
-(``/proc/self/io`` read_bytes: page-cache hits excluded, O_DIRECT included), load seconds,
+(``/proc/self/io`` read_bytes: page-cache hits excluded, O_DIRECT included), load seconds
+(the pipeline's and its components' classes imported first, as every row's process does:
+diffusers imports them lazily, seconds of module imports recorded apart as ``import_s``),
 load seconds over one plain read of the folder's files (its bytes at the disk's read ceiling
 below), bit-identity with the resident output, resident memory by kind after the load and
 after the calls (``/proc/self/status`` RssAnon/RssFile: what a cell holds beyond its
@@ -176,13 +178,26 @@ PEERS = {"diffusers_disk": _diffusers_disk, "accelerate_disk": _accelerate_disk,
          "mmgp4": _mmgp(4), "mmgp5": _mmgp(5)}
 
 
-def load(args: argparse.Namespace, vram: str, host: str, device: torch.device, row: dict,
-         since) -> tuple:
+def import_classes(folder: Path) -> None:
+    """Import the pipeline's and its components' classes (diffusers imports them lazily,
+    pulling in most of diffusers and transformers: seconds that any load in a fresh process
+    pays, whoever reads the weights), so that a cell's load time is the load's own."""
+    import importlib
+
+    index = json.loads((Path(folder) / "model_index.json").read_text())
+    getattr(importlib.import_module("diffusers"), index["_class_name"])
+    for value in index.values():
+        if isinstance(value, list) and len(value) == 2 and value[0] in ("diffusers",
+                                                                        "transformers"):
+            getattr(importlib.import_module(value[0]), value[1])
+
+
+def load(args: argparse.Namespace, vram: str, host: str, device: torch.device, row: dict
+         ) -> tuple:
     """The cell's pipeline and shuttle's handle (None for the resident and peer cells)."""
     if vram == "resident":
         import diffusers
 
-        row["load_import_s"] = since()
         return diffusers.DiffusionPipeline.from_pretrained(
             args.folder, torch_dtype=torch.bfloat16).to(device), None
     if vram in PEERS:
@@ -192,7 +207,6 @@ def load(args: argparse.Namespace, vram: str, host: str, device: torch.device, r
         return PEERS[vram](Path(args.folder), device, scratch), None
     from shuttle.integrations import diffusers as sd
 
-    row["load_import_s"] = since()
     ceiling, kind = host_cell(host)
     folder = compressed_folder(args.folder) if kind == "compressed" else args.folder
     return sd.from_pretrained(folder, torch_dtype=torch.bfloat16, vram_budget=gib(vram),
@@ -203,10 +217,9 @@ def load(args: argparse.Namespace, vram: str, host: str, device: torch.device, r
 
 @contextlib.contextmanager
 def load_log(row: dict, keep: int = 24):
-    """Times the load: yields ``since()`` (seconds since the block began) and puts the first
-    ``keep`` of shuttle's INFO log lines inside the block in ``row["load_log"]`` as
-    [seconds, message] (each component's capture ends with one), so that a slow load says
-    where its time went."""
+    """Puts the first ``keep`` of shuttle's INFO log lines inside the block in
+    ``row["load_log"]`` as [seconds since the block began, message] (each component's capture
+    ends with one), so that a slow load says where its time went."""
     import logging
 
     t0 = time.perf_counter()
@@ -222,7 +235,7 @@ def load_log(row: dict, keep: int = 24):
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     try:
-        yield lambda: time.perf_counter() - t0
+        yield
     finally:
         log.removeHandler(handler)
         log.setLevel(level)
@@ -448,13 +461,16 @@ def worker(args: argparse.Namespace) -> None:
     keep.mkdir(exist_ok=True)
     if device.type == "cuda":
         torch.zeros(1, device=device)  # CUDA's context and libraries, before any weight
+    t0 = time.perf_counter()
+    import_classes(args.folder)
+    row["import_s"] = time.perf_counter() - t0
     # the process before the pipeline (imports, CUDA's context): what the host ceiling excludes
     row["rss_base"] = rss_parts()
     try:
         with e2e.RssSampler() as rss:
             t0 = time.perf_counter()
-            with load_log(row) as since:
-                pipe, handle = load(args, vram, host, device, row, since)
+            with load_log(row):
+                pipe, handle = load(args, vram, host, device, row)
             pipe.set_progress_bar_config(disable=True)
             row["load_s"] = time.perf_counter() - t0
             row["rss_after_load"] = {**rss_parts(), "peak": rss.peak}

@@ -53,6 +53,42 @@ def tiny_flux(head_dim: int = 16, heads: int = 2, axes: tuple[int, int, int] = (
                         transformer=transformer, vae=vae)
 
 
+def tiny_wan():
+    """A WanPipeline of random weights in bfloat16 (2 blocks, UMT5, Wan's VAE): saved and
+    loaded with ``torch_dtype=torch.bfloat16``, diffusers keeps the blocks' norms and
+    scale-shift tables in float32 beside the bfloat16 files."""
+    from diffusers import (
+        AutoencoderKLWan,
+        FlowMatchEulerDiscreteScheduler,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    torch.manual_seed(0)
+    transformer = WanTransformer3DModel(num_attention_heads=2, attention_head_dim=16,
+                                        ffn_dim=64, num_layers=2, text_dim=32, freq_dim=32)
+    umt5 = UMT5EncoderModel(UMT5Config(d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2,
+                                       vocab_size=16, feed_forward_proj="gated-gelu"))
+    vae = AutoencoderKLWan(base_dim=16, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1)
+    with torch.no_grad():
+        for p in transformer.parameters():  # its output layers start at zero
+            p.normal_(0, 0.1)
+    for m in (transformer, umt5, vae):
+        m.eval()
+    pipe = WanPipeline(tokenizer=_tokenizer(), text_encoder=umt5, transformer=transformer,
+                       vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0))
+    return pipe.to(torch.bfloat16)
+
+
+def run_wan(pipe) -> torch.Tensor:
+    """Two denoising steps of 5 frames of 32x32, seeded; decoded frames."""
+    with torch.no_grad():
+        return pipe("a red cat", negative_prompt="blue dog", height=32, width=32, num_frames=5,
+                    num_inference_steps=2, max_sequence_length=16, output_type="pt",
+                    generator=torch.Generator().manual_seed(0)).frames
+
+
 def run_flux(pipe, output_type: str = "latent") -> torch.Tensor:
     """Two denoising steps of a 16x16 image, seeded; latents or decoded pixels."""
     with torch.no_grad():

@@ -24,7 +24,9 @@ test_e2e_gpu.py).
 from __future__ import annotations
 
 import copy
+import functools
 import gc
+import re
 
 import pytest
 import torch
@@ -92,6 +94,36 @@ def flux():
     gc.collect()
     torch.cuda.empty_cache()
     return pipe, ref
+
+
+def test_a_flux_pipeline_at_its_floor_peaks_within_it(flux, request):
+    """The smallest budget that runs, found as a user does (each refusal names a floor): the
+    margins are cut to nothing there, so the caller's tensors (latents, prompt embeddings,
+    the decoded image) must be counted with the call's own."""
+    from shuttle.errors import BudgetTooSmallError
+
+    original, _ = flux
+    vram = 1
+    for _ in range(6):
+        pipe = copy.deepcopy(original)
+        before = torch.cuda.memory_allocated()
+        try:
+            handle = shuttle_diffusers.offload(pipe, max_host_bytes=16 * GIB, vram_budget=vram,
+                                               device="cuda", prefetch=2)
+        except BudgetTooSmallError as e:
+            vram = int(re.search(r"at least (\d+) bytes", str(e)).group(1))
+            continue
+        try:
+            for call in range(2):
+                _, peak = peak_of(functools.partial(run_midsize_flux, pipe), before)
+                assert peak <= vram, f"call {call}: peak {peak} bytes over vram_budget={vram}"
+            break
+        except BudgetTooSmallError as e:
+            vram = int(re.search(r"at least (\d+) bytes", str(e)).group(1))
+        finally:
+            handle.remove()
+    else:
+        pytest.fail(f"no budget ran after six floors (last {vram} bytes)")
 
 
 @pytest.mark.parametrize("share", [0.6, 0.9])

@@ -25,7 +25,7 @@ from shuttle.errors import (
 )
 from shuttle.formats.safetensors_file import SafetensorsFile
 from shuttle.integrations import diffusers as shuttle_diffusers
-from tests.integrations.models import flux_lora, run_flux, tiny_flux
+from tests.integrations.models import flux_lora, run_flux, run_wan, tiny_flux, tiny_wan
 
 pytest.importorskip("diffusers")
 
@@ -344,6 +344,30 @@ def test_a_host_budget_far_below_the_pipeline_reads_the_rest_from_disk(saved, mo
         assert sum(s.host_bytes for s in storages) <= budget
     assert torch.equal(run_flux(pipe, "pt"), pixels)
     assert sum(s.reader.bytes_read for s in storages if s.reader is not None) > 0
+    handle.remove()
+
+
+def test_modules_kept_in_float32_beside_bfloat16_files_stream_from_disk(tmp_path, monkeypatch):
+    # Wan's blocks hold norms and a scale-shift table that diffusers keeps in float32 while
+    # the folder stores them in bfloat16: converted once and held beside each block, the
+    # rest of which is still read from the files at every step.
+    from diffusers import DiffusionPipeline
+
+    monkeypatch.setattr("shuttle.offload.spill.MIN_STAGING", 4096)
+    monkeypatch.setattr("shuttle.offload.residency.MIN_STAGING", 4096)
+    tiny_wan().save_pretrained(tmp_path)
+    ref = DiffusionPipeline.from_pretrained(tmp_path, torch_dtype=torch.bfloat16)
+    assert ref.transformer.blocks[0].scale_shift_table.dtype == torch.float32
+    budget = file_bytes(tmp_path) // 3
+    pipe, handle = shuttle_diffusers.from_pretrained(tmp_path, torch_dtype=torch.bfloat16,
+                                                     device="cpu", vram_budget=600_000,
+                                                     prefetch=1, max_host_bytes=budget)
+    blocks = handle.offloaders["transformer"].storage.groups["blocks"]
+    assert all(u.side for u in blocks) and any(u.on_disk for u in blocks)
+    assert all(t.dtype == torch.float32 for u in blocks for t in u.side.values())
+    for _ in range(2):
+        assert torch.equal(run_wan(pipe), run_wan(ref))
+        assert sum(o.storage.host_bytes for o in handle.offloaders.values()) <= budget
     handle.remove()
 
 

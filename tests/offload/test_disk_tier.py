@@ -15,7 +15,7 @@ from shuttle.errors import BudgetTooSmallError, FileChangedError, HostBackingErr
 from shuttle.formats.safetensors_file import SafetensorsFile
 from shuttle.offload import HostStorage, ModelOffloader, StreamConfig
 from shuttle.offload.disk_reader import DiskReader
-from tests.offload.models import RESIDENCY_MODES, TinyDiT
+from tests.offload.models import RESIDENCY_MODES, Block, TinyDiT
 
 PATHS = ["blocks", "single"]
 # All on disk but the fixed minimum; about half pinned; everything pinned.
@@ -140,30 +140,62 @@ def test_streamed_units_are_pinned_before_resident_ones(cpu_copy, tmp_path):
 
 def test_a_ceiling_below_the_floor_names_it_and_changes_nothing(tmp_path):
     _, file = saved(tmp_path)
-    sources = {k: file.tensor_ref(k) for k in file}
-    del sources["blocks.0.scale"]  # blocks.0 holds a tensor the file lacks: never on disk
+    sources = {k: file.tensor_ref(k) for k in file if not k.startswith("blocks.0.")}
 
-    def build():
+    def build():  # blocks.0's tensors are in no file: it stays in host memory whole
         with torch.device("meta"):
             model = TinyDiT()
-        model.blocks[0].scale = torch.ones(32)
+        model.blocks[0] = Block(32, 128)
         return model
 
     model = build()
     with pytest.raises(BudgetTooSmallError, match=r"give at least (\d+) bytes") as e:
         ModelOffloader.from_module(model, blocks=PATHS, sources=sources, max_host_bytes=1000)
     assert "blocks.0" in str(e.value)
-    assert all(p.is_meta for p in model.parameters())  # nothing was captured
+    assert all(p.is_meta for b in model.blocks[1:] for p in b.parameters())  # nothing captured
     floor = int(re.search(r"give at least (\d+) bytes", str(e.value)).group(1))
     with pytest.raises(BudgetTooSmallError, match=f"give at least {floor} bytes"):
         ModelOffloader.from_module(build(), blocks=PATHS, sources=sources,
                                    max_host_bytes=floor - 1)
     off = ModelOffloader.from_module(model, blocks=PATHS, sources=sources, max_host_bytes=floor)
     assert off.storage.host_bytes <= floor
-    assert not off.storage.groups["blocks"][0].on_disk  # kept: its scale is in no file
+    assert not off.storage.groups["blocks"][0].on_disk  # kept: its tensors are in no file
     assert all(u.on_disk for u in off.storage.groups["single"])
     for stream in (None, StreamConfig(prefetch=2)):  # every plan fits the floor
         assert off.plan_for(stream).host_bytes <= floor
+
+
+@pytest.mark.parametrize("mode", list(RESIDENCY_MODES))
+def test_tensors_the_files_hold_otherwise_stay_beside_a_unit_on_disk(cpu_copy, tmp_path, mode):
+    # blocks.1's attention weight is stored in bfloat16 for a float32 model (as diffusers keeps
+    # some modules in float32 beside bfloat16 files) and blocks.2's scale is in no file: both
+    # units still stream from the file, those two tensors held on the side.
+    ref = TinyDiT()
+    with torch.no_grad():
+        ref.blocks[1].attn.weight.copy_(ref.blocks[1].attn.weight.bfloat16().float())
+    stored = copy.deepcopy(ref)
+    stored.blocks[1].attn.weight = torch.nn.Parameter(ref.blocks[1].attn.weight.bfloat16())
+    _, file = saved(tmp_path, stored)
+    sources = {k: file.tensor_ref(k) for k in file if k != "blocks.2.scale"}
+    with torch.device("meta"):
+        model = TinyDiT()
+    model.blocks[2].scale = ref.blocks[2].scale.clone()
+    off = ModelOffloader.from_module(model, blocks=PATHS, sources=sources,
+                                     max_host_bytes=CEILINGS["tight"])
+    storage = off.storage
+    blocks = storage.groups["blocks"]
+    assert all(u.on_disk for u in [*blocks, *storage.groups["single"]])
+    assert [len(u.side) for u in blocks] == [0, 1, 1, 0, 0]
+    assert blocks[1].side[next(iter(blocks[1].side))].dtype == torch.float32
+    assert storage.side_bytes > 0 and storage.host_bytes <= CEILINGS["tight"]
+    x = tokens()
+    with torch.no_grad():
+        want = ref(x)
+        for _ in range(2):  # the second pass reads the slots again, over other units' bytes
+            with off.use("cpu", RESIDENCY_MODES[mode]) as m:
+                assert torch.equal(m(x), want)
+                assert storage.host_bytes == off.plan.host_bytes <= CEILINGS["tight"]
+        assert torch.equal(off.model(x), want)  # inactive: the file maps and the side tensors
 
 
 @pytest.mark.parametrize("bad", [-1, float("nan"), True, "8G"])
@@ -552,8 +584,15 @@ def test_host_needs_states_the_floor_and_everything_without_capturing(tmp_path):
     assert all(p.is_meta for p in model.parameters())  # nothing captured
     assert needs.floor == floor_of(lambda c: ModelOffloader.from_module(
         build(), blocks=PATHS, sources=sources, max_host_bytes=c))
-    full = ModelOffloader.from_module(build(), blocks=PATHS, sources=sources)
+    # everything: every unit in an arena, beside the side arena a ceiling allocates (blocks.0's
+    # scale, in no file); without a ceiling there is no side arena
+    full = ModelOffloader.from_module(build(), blocks=PATHS, sources=sources,
+                                      max_host_bytes=needs.everything)
     assert needs.everything == full.storage.host_bytes > needs.floor
+    side = full.storage.side_bytes
+    assert not any(u.on_disk for u in full.storage.units) and side >= 128
+    free = ModelOffloader.from_module(build(), blocks=PATHS, sources=sources)
+    assert free.storage.host_bytes == needs.everything - side and free.storage.side_bytes == 0
 
 
 def test_a_ceiling_of_everything_keeps_everything_in_memory(cpu_copy, tmp_path):

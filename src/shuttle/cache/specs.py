@@ -241,16 +241,17 @@ def _cast(p: Patch, dtype: torch.dtype) -> Patch:
 
 
 @contextlib.contextmanager
-def capture_bar(desc: str, total: int) -> Iterator[tqdm]:
+def capture_bar(desc: str, total: int, adopting: bool = True) -> Iterator[tqdm]:
     """A progress bar of the bytes a capture reads into host memory (``from_module``'s
     ``progress=bar.update``), shown on a terminal from :data:`PROGRESS_MIN_BYTES`; ``total`` is
     what it expects to read. It ends full: units left on disk by a host ceiling, or adopted
-    rather than copied, are never read.
+    rather than copied, are never read (``adopting``: a capture that read nothing adopted
+    everything, done at once; else it left everything on disk and ends at 0).
     """
     with tqdm(total=total, unit="B", unit_scale=True, desc=desc,
               disable=True if total < PROGRESS_MIN_BYTES else None) as bar:
         yield bar
-        if bar.n:
+        if bar.n or not adopting:
             bar.total = bar.n
             bar.refresh()
         else:  # adopted, not copied: done at once

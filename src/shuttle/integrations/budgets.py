@@ -207,7 +207,7 @@ class SourcedSpec:
         # coded units hold more weight bytes than their arenas take: the ceiling bounds no count
         expected = weights if self.max_host_bytes is None or self.compress else \
             min(weights, self.max_host_bytes)
-        with capture_bar(f"reading {self.key}", expected) as bar:
+        with capture_bar(f"reading {self.key}", expected, self.host == "adopt") as bar:
             return ModelOffloader.from_module(self.module, blocks=self.blocks, host=self.host,
                                               sources=self.sources,
                                               max_host_bytes=self.max_host_bytes,

@@ -137,6 +137,9 @@ class OffloadHandle:
         methods, attrs, classes = methods or {}, attrs or {}, classes or {}
         sources = sources or {}
         self.device = check_device(device)  # at offload time, not at the first call
+        # what the process held on the device before (not this handle's to count: _outside)
+        self._before = (torch.cuda.memory_allocated(self.device)
+                        if self.device.type == "cuda" else 0)
         # validates both; the budget as whole bytes
         vram_budget = StreamConfig(prefetch=prefetch, vram_budget=vram_budget).vram_budget
         self.unmatched: dict[str, str] = {}
@@ -405,12 +408,26 @@ class OffloadHandle:
         try:
             if self._vram_budget is None:  # nothing to plan against: nothing measured
                 return fn(*args, **kwargs)
+            outside = self._outside()
             with self._meter.measure(name, self.device, c.reserve is None) as reading:
                 out = fn(*args, **kwargs)
         finally:
             self._running[name] -= 1
+        if outside:  # the caller's tensors count against the budget as the call's own do
+            reading = Reading(reading.peak + outside, reading.margin)
         self._learn(c, reading)
         return out
+
+    def _outside(self) -> int:
+        """Device bytes allocated since the handle was made beside the weights of the active
+        modules, as a call begins: the caller's tensors (a pipeline's latents and prompt
+        embeddings, the image a decode returns into), which a meter counts from the call's
+        start and the budget must hold as well. 0 off CUDA, where nothing is measured.
+        """
+        if self.device.type != "cuda":
+            return 0
+        held = sum(a.need for a in self._active.values())
+        return max(0, torch.cuda.memory_allocated(self.device) - self._before - held)
 
     def _learn(self, c: Component, reading: Reading) -> None:
         """Plan ``c`` again when ``reading`` is its first or outgrows its reserve

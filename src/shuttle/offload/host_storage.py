@@ -32,10 +32,13 @@ checkpoint file may be kept *on disk*: no arena, only where its tensors lie in t
 (:class:`~shuttle.offload.disk_reader.DiskSpans`); its parameters point at a private map of the
 file while inactive (nothing read until touched), and each load reads it through the storage's
 staging ring (:class:`~shuttle.offload.disk_reader.DiskReader`). Which units keep arenas and how
-large the ring is are the residency plan's host tier, applied by :meth:`HostStorage.settle`; the
-units that cannot be re-read from a file (a tensor the files lack, e.g. a non-persistent buffer,
-or a parameter that trains on the host) always keep theirs. ``host_bytes`` counts arenas and
-staging buffers and never exceeds the ceiling.
+large the ring is are the residency plan's host tier, applied by :meth:`HostStorage.settle`. A
+unit's few tensors that its files do not hold as it does (another dtype, a non-persistent
+buffer) stay in host memory while it is on disk, in one small *side* arena
+(:func:`~shuttle.offload.spill.side_entries`), and are copied after each of its loads; units
+with nothing to read from a file, or a parameter that trains on the host, always keep their
+arenas. ``host_bytes`` counts arenas, the side arena and staging buffers and never exceeds the
+ceiling.
 """
 
 from __future__ import annotations
@@ -72,6 +75,8 @@ from shuttle.offload.spill import (
     held_bytes,
     host_floor,
     on_disk_views,
+    side_entries,
+    side_layout,
     spillable,
 )
 from shuttle.offload.survey import (
@@ -79,6 +84,7 @@ from shuttle.offload.survey import (
     adopted,
     fill_arena,
     read_binding,
+    read_entry,
     survey_units,
 )
 
@@ -183,6 +189,8 @@ class HostStorage:
         self.pinned_bytes = 0  # of which page-locked
         self.max_host_bytes = max_host_bytes
         self.reader: DiskReader | None = None  # the disk tier's reader (with a ceiling)
+        self.side_bytes = 0  # host bytes of the side entries of the units that may be on disk
+        self._side_arena: torch.Tensor | None = None
         self._pin = host == "pinned" and torch.cuda.is_available()
         self._registered: list[int] = []
         self._allocs: dict[int, tuple[int, bool]] = {}  # arena data_ptr -> (bytes, pinned)
@@ -323,7 +331,9 @@ class HostStorage:
         spans = [disk_spans(s) if spillable(s) else None for s in surveys]
         pin = torch.cuda.is_available()
         fixed, stage = host_floor(surveys, spans, pin)
-        everything = sum(arena_size(held_bytes(s), pin) for s in surveys)
+        side = arena_size(sum(side_layout(s).nbytes for s, sp in zip(surveys, spans, strict=True)
+                              if sp is not None), pin)
+        everything = side + sum(arena_size(held_bytes(s), pin) for s in surveys)
         return HostNeeds(min(fixed + stage, everything), everything)
 
     def _check_floor(self, surveys: list[UnitSurvey], spans: list[DiskSpans | None],
@@ -335,8 +345,9 @@ class HostStorage:
                     zip(surveys, spans, strict=True) if sp is None and s.layout.nbytes]
             raise BudgetTooSmallError(
                 f"max_host_bytes={ceiling} bytes cannot hold the {held} bytes that must stay in "
-                f"host memory ({kept[:4]}: units with tensors the checkpoint files lack, such as "
-                f"non-persistent buffers) plus a staging buffer of {stage} bytes: give at least "
+                f"host memory (units with no tensor in the checkpoint files: {kept[:4]}; and "
+                f"tensors the files hold in another dtype or lack, such as non-persistent "
+                f"buffers) plus a staging buffer of {stage} bytes: give at least "
                 f"{held + stage} bytes, or supply those tensors from files (sources=)")
 
     def _capture_all(self, surveys: list[UnitSurvey], pin: bool,
@@ -353,6 +364,7 @@ class HostStorage:
             return [self._adopt(s) for s in surveys]
         if any(sp is not None for sp in spans):
             self.reader = DiskReader()
+        sides = self._sides(surveys, spans, pin)
 
         def planned(i: int) -> UnitCode | None:  # on disk: sized for the arena it may get
             s = surveys[i]
@@ -369,12 +381,41 @@ class HostStorage:
                     unit.spans, unit.reader, unit.survey = sp, self.reader, s
                     unit.code = unit.disk_code = file_code(s)
                     unit.planned = plan
-                    unit.host_views = on_disk_views(s, unit.code)
+                    unit.side = sides[len(units)]
+                    unit.host_views = on_disk_views(s, unit.code, unit.side)
                     unit.bind_host()
                 else:
                     self._keep(unit, *got)  # the pageable originals are freed here
                 units.append(unit)
         return units
+
+    def _sides(self, surveys: list[UnitSurvey], spans: list[DiskSpans | None], pin: bool
+               ) -> list[dict[int, torch.Tensor]]:
+        """Per unit that may be on disk, its side entries (:func:`side_entries`) as views of
+        one arena, filled (converted) from their sources.
+        """
+        layouts = [side_layout(s) if sp is not None else None
+                   for s, sp in zip(surveys, spans, strict=True)]
+        total = sum(lay.nbytes for lay in layouts if lay is not None)
+        if not total:
+            return [{} for _ in surveys]
+        arena = new_arena(total, pin)
+        sides, at = [], 0
+        for s, lay in zip(surveys, layouts, strict=True):
+            entries = side_entries(s) if lay is not None else []
+            views = lay.views(arena[at:at + lay.nbytes]) if entries else []
+            with torch.no_grad():
+                for i, view in zip(entries, views, strict=True):
+                    read_entry(s.sources[i], s.files[i], view)
+            sides.append(dict(zip(entries, views, strict=True)))
+            at += lay.nbytes if entries else 0
+        pinned = pin and register_pages(arena, self._registered)
+        self._allocs[arena.data_ptr()] = (arena.numel(), pinned)
+        self.side_bytes = arena.numel()
+        self.host_bytes += arena.numel()
+        self.pinned_bytes += arena.numel() if pinned else 0
+        self._side_arena = arena
+        return sides
 
     def _keep(self, unit: HostUnit, arena: torch.Tensor, allocated: int, pinned: bool,
               code: UnitCode | None = None) -> None:
@@ -395,7 +436,7 @@ class HostStorage:
     def _spill(self, unit: HostUnit) -> None:
         """Drop ``unit``'s arena: its tensors point at maps of their files again."""
         unit.code = unit.disk_code  # read from disk as its file holds it
-        unit.host_views = on_disk_views(unit.survey, unit.code)
+        unit.host_views = on_disk_views(unit.survey, unit.code, unit.side)
         unit.bind_host()
         self._free(unit.arena)
         unit.arena = None

@@ -32,6 +32,9 @@ class HostUnit:
         # A unit that can be re-read from its files (a host ceiling): where its tensors lie,
         # and the reader that loads it while it has no arena.
         self.spans: DiskSpans | None = None
+        # its side entries (layout entry -> host tensor): what a read of its files does not
+        # give as the unit holds it (shuttle.offload.spill.side_entries), copied after a load
+        self.side: dict[int, torch.Tensor] = {}
         self.reader: DiskReader | None = None
         self.survey: UnitSurvey | None = None  # what to read it from (to fill an arena)
         self.code: UnitCode | None = None  # the arena is coded (compress="lossless")

@@ -280,8 +280,10 @@ def _check_host_tier(plan: ResidencyPlan, storage: HostStorage, who: str) -> Non
 
 
 def _host_cost(storage: HostStorage, pinned: list[HostUnit], staging: tuple[int, int]) -> int:
+    """Host bytes of the arenas of ``pinned``, the staging ring and the side entries."""
     n, size = staging
-    return sum(storage.arena_bytes(u) for u in pinned) + n * -(-size // IO_ALIGN) * IO_ALIGN
+    return (storage.side_bytes + sum(storage.arena_bytes(u) for u in pinned)
+            + n * -(-size // IO_ALIGN) * IO_ALIGN)
 
 
 def plan_host(storage: HostStorage, plan: ResidencyPlan) -> ResidencyPlan:
@@ -303,11 +305,12 @@ def plan_host(storage: HostStorage, plan: ResidencyPlan) -> ResidencyPlan:
     if ceiling is None:
         return plan
     fixed = storage.fixed
-    if sum(storage.arena_bytes(u) for u in storage.units) <= ceiling:  # everything fits
+    if storage.side_bytes + sum(storage.arena_bytes(u) for u in storage.units) <= ceiling:
+        # everything fits
         return dataclasses.replace(plan, pinned=frozenset(u.name for u in storage.units),
                                    staging=(0, 0), host_bytes=_host_cost(storage,
                                                                          storage.units, (0, 0)))
-    used = sum(storage.arena_bytes(u) for u in fixed)
+    used = storage.side_bytes + sum(storage.arena_bytes(u) for u in fixed)
     order = _hot_first(storage, plan)
     by_size = sorted(order, key=lambda u: -u.spans.nbytes)  # type: ignore[union-attr]
     want = plan.prefetch + 1
@@ -324,7 +327,8 @@ def plan_host(storage: HostStorage, plan: ResidencyPlan) -> ResidencyPlan:
     whole = storage.coded_on_disk
     staging = _fit_staging(ceiling - used, largest(), want, whole)
     if staging is None:
-        floor = sum(storage.arena_bytes(u) for u in fixed) + staging_floor(largest(), whole)
+        floor = (storage.side_bytes + sum(storage.arena_bytes(u) for u in fixed)
+                 + staging_floor(largest(), whole))
         raise BudgetTooSmallError(
             f"max_host_bytes={ceiling} bytes cannot hold the units that must stay in host "
             f"memory plus one staging buffer: give at least {floor} bytes")

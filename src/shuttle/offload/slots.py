@@ -220,6 +220,9 @@ class SlotPool:
             j, to = decoder.stage() if unit.code is not None else (0, flat)  # type: ignore[union-attr]
             for c in copies:
                 to[c.to:c.to + c.n].copy_(buffer[c.at:c.at + c.n])
+            if last:
+                for i, t in unit.side.items():
+                    views[i].copy_(t)
             if last and unit.code is not None:
                 decoder.decode(j, unit.code, unit.layout, flat, views)  # type: ignore[union-attr]
             if last and self.fold is not None:
@@ -234,6 +237,8 @@ class SlotPool:
             assert staged is not None
             staged.record(self._stream)
             if last:
+                for i, t in unit.side.items():  # after every run (one may span a side entry)
+                    views[i].copy_(t, non_blocking=True)
                 done = None
                 if unit.code is not None:
                     done = decoder.decode(j, unit.code, unit.layout, flat, views)  # type: ignore[union-attr]

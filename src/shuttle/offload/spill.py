@@ -13,11 +13,12 @@ from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.offload.arena import PAGE
 from shuttle.offload.coded import UnitCode, file_code
 from shuttle.offload.disk_reader import IO_ALIGN, DiskSpans
+from shuttle.offload.layout import Layout
 from shuttle.offload.survey import UnitSurvey
 from shuttle.weights.lossless_file import CodedRef
 
 __all__ = ["MIN_STAGING", "HostNeeds", "arena_size", "disk_spans", "held_bytes", "host_floor",
-           "on_disk_views", "spillable", "staging_floor"]
+           "on_disk_views", "side_entries", "side_layout", "spillable", "staging_floor"]
 
 MIN_STAGING = 16 * 2**20  # the smallest staging buffer a plan uses (smaller: chunks too small)
 
@@ -42,11 +43,14 @@ def arena_size(nbytes: int, pin: bool) -> int:
 
 def disk_spans(s: UnitSurvey) -> DiskSpans:
     """Where unit ``s``'s bytes lie in its files, placed as its arena holds them (a unit
-    coded in its file: its blobs and raw bytes as its code packs them).
+    coded in its file: its blobs and raw bytes as its code packs them); its side entries
+    (:func:`side_entries`) are not read.
     """
     code = file_code(s)
     if code is None:
-        return DiskSpans([(s.layout.offsets[i], f) for i, f in enumerate(s.files)])
+        side = set(side_entries(s))
+        return DiskSpans([(s.layout.offsets[i], f) for i, f in enumerate(s.files)
+                          if i not in side])
     return DiskSpans([(code.offsets[i], f.blob if isinstance(f, CodedRef) else f)
                       for i, f in enumerate(s.files)])
 
@@ -57,35 +61,64 @@ def held_bytes(s: UnitSurvey) -> int:
     return code.nbytes if code is not None else s.layout.nbytes
 
 
-def on_disk_views(s: UnitSurvey, code: UnitCode | None) -> list[torch.Tensor]:
+def on_disk_views(s: UnitSurvey, code: UnitCode | None,
+                  side: dict[int, torch.Tensor]) -> list[torch.Tensor]:
     """What an on-disk unit's tensors point at: private maps of their files (nothing read
-    until touched); a coded tensor NaN (see :mod:`shuttle.offload.coded`).
+    until touched); a coded tensor NaN (see :mod:`shuttle.offload.coded`); a side entry its
+    host tensor in ``side``.
     """
-    return [code.placeholder(s.layout, i) if code is not None and code.coded[i] is not None
+    return [side[i] if i in side else code.placeholder(s.layout, i)
+            if code is not None and code.coded[i] is not None
             else f.load() for i, f in enumerate(s.files)]
 
 
 def host_floor(surveys: list[UnitSurvey], spans: list[DiskSpans | None], pin: bool
            ) -> tuple[int, int]:
-    """(bytes of the units that stay in host memory, bytes of the smallest staging ring)."""
+    """(bytes of the units that stay in host memory and of the side entries of those that
+    may not, bytes of the smallest staging ring).
+    """
     fixed = sum(arena_size(held_bytes(s), pin) for s, sp in zip(surveys, spans, strict=True)
                 if sp is None)
+    fixed += arena_size(sum(side_layout(s).nbytes for s, sp in zip(surveys, spans, strict=True)
+                            if sp is not None), pin)
     whole = any(sp is not None and file_code(s) is not None
                 for s, sp in zip(surveys, spans, strict=True))
     return fixed, staging_floor(max((sp.nbytes for sp in spans if sp is not None), default=0),
                                 whole)
 
 
-def spillable(s: UnitSurvey) -> bool:
-    """Whether unit ``s`` can be read again from its files whenever needed: every tensor lies
-    in a file as it is stored, one span of bytes in the model's dtype (one converted or pieced
-    together from rows while read stays in host memory; so does a unit whose host copy an
-    optimizer step changed: :func:`~shuttle.offload.training.host_step` makes it fixed). A
-    tensor coded in its file (``shuttle compress``) is read coded: its blob is that span.
+def _as_stored(f: LazyTensor | CodedRef | None, dtype: torch.dtype) -> bool:
+    """Whether a file tensor is one span of bytes in ``dtype`` (a coded one: its blob)."""
+    return (type(f) is LazyTensor or (isinstance(f, CodedRef) and type(f.blob) is LazyTensor)
+            ) and f.dtype == dtype
+
+
+def side_entries(s: UnitSurvey) -> list[int]:
+    """The entries of unit ``s`` that its files do not hold as the unit does: stored in
+    another dtype (a module diffusers keeps in float32 beside bfloat16 files, converted while
+    read), pieced together from rows, or not in the files at all (a non-persistent buffer).
+    While the unit is on disk they stay in host memory, converted once (its *side*: a few small
+    tensors beside the bytes read on every load); a unit coded in its file has none.
     """
-    return s.layout.nbytes > 0 and all(
-        (type(f) is LazyTensor or (isinstance(f, CodedRef) and type(f.blob) is LazyTensor))
-        and f.dtype == s.layout.dtypes[i] for i, f in enumerate(s.files))
+    return [i for i, f in enumerate(s.files) if not _as_stored(f, s.layout.dtypes[i])]
+
+
+def side_layout(s: UnitSurvey) -> Layout:
+    """Where unit ``s``'s side entries lie in its part of the storage's side arena."""
+    return Layout.of([(s.layout.dtypes[i], s.layout.shapes[i]) for i in side_entries(s)])
+
+
+def spillable(s: UnitSurvey) -> bool:
+    """Whether unit ``s`` can be read again from its files whenever needed: its tensors lie
+    in files as they are stored, one span of bytes in the model's dtype each, but for its side
+    entries (:func:`side_entries`), which stay in host memory. A unit whose host copy an
+    optimizer step changed stays there whole (:func:`~shuttle.offload.training.host_step`
+    makes it fixed). A tensor coded in its file (``shuttle compress``) is read coded: its blob
+    is that span, and a coded unit has no side entries.
+    """
+    side = side_entries(s)
+    return (s.layout.nbytes > 0 and len(side) < len(s.files)
+            and (not side or file_code(s) is None))
 
 
 class HostNeeds(NamedTuple):
@@ -95,7 +128,8 @@ class HostNeeds(NamedTuple):
         floor: the smallest ``max_host_bytes`` it can be captured under: the units that must
             stay in host memory plus one staging buffer (their bytes alone if none can stay
             on disk), or ``everything`` if that is less.
-        everything: host bytes with every unit in an arena (no staging needed).
+        everything: host bytes with every unit in an arena (no staging needed), and the
+            side arena a ceiling allocates (:func:`side_entries`).
     """
 
     floor: int
