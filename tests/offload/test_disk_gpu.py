@@ -118,6 +118,60 @@ def test_streaming_from_disk_is_bit_identical_at_real_block_sizes(tmp_path, monk
     assert storage.reader.bytes_read >= 2 * BLOCK
 
 
+class Float32NormBlock(Block):
+    """Its norm kept in float32 beside bf16 matrices (as diffusers keeps Wan's)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x.float()).to(x.dtype)
+        return x + self.down(torch.nn.functional.gelu(self.up(h)))
+
+
+class KeptFloat32(Big):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Float32NormBlock() for _ in range(N_BLOCKS))
+
+
+def kept_float32(model: KeptFloat32) -> KeptFloat32:
+    model.to(torch.bfloat16)
+    for b in model.blocks:
+        b.norm.float()
+    return model
+
+
+@pytest.mark.parametrize("stream", [StreamConfig(prefetch=0), StreamConfig(prefetch=2)],
+                         ids=["prefetch0", "prefetch2"])
+@pytest.mark.parametrize("tier", ["disk", "chunks"])
+def test_tensors_held_beside_units_on_disk_land_after_their_reads(tmp_path, monkeypatch, tier,
+                                                                  stream):
+    """Each block's float32 norm, stored in bf16, is held on the side and copied into the
+    slot after the block's read (on the copy stream, after every run out of staging)."""
+    ceiling, smallest = TIERS[tier]
+    if smallest is not None:
+        monkeypatch.setattr("shuttle.offload.spill.MIN_STAGING", smallest)
+        monkeypatch.setattr("shuttle.offload.residency.MIN_STAGING", smallest)
+    torch.manual_seed(0)
+    ref = KeptFloat32()
+    with torch.no_grad():
+        for b in ref.blocks:  # random norms, exact in bf16
+            b.norm.weight.normal_(1, 0.2)
+            b.norm.bias.normal_(0, 0.2)
+    file = saved(tmp_path, ref.to(torch.bfloat16))
+    ref = kept_float32(ref).cuda().eval()
+    with torch.device("meta"):
+        model = kept_float32(KeptFloat32())
+    off = ModelOffloader.from_module(model, blocks=["blocks"], max_host_bytes=ceiling,
+                                     sources={k: file.tensor_ref(k) for k in file})
+    g = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(2, 64, DIM, generator=g).to("cuda", torch.bfloat16) for _ in range(3)]
+    want = references(ref, inputs)
+    with off.use("cuda", stream) as m:
+        blocks = off.storage.groups["blocks"]
+        assert all(len(u.side) == 2 for u in blocks) and sum(u.on_disk for u in blocks) >= 4
+        assert off.storage.host_bytes <= ceiling
+        assert_all_equal(run_steps(m, inputs, steps=6), want)
+
+
 @pytest.fixture(params=["slow_compute", "slow_copies"])
 def slowed(request, monkeypatch):
     """Block forwards slowed, or every copy out of a staging buffer (on the copy stream)."""
