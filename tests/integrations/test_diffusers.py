@@ -9,6 +9,7 @@ within float32 tolerance.
 from __future__ import annotations
 
 import copy
+import re
 import sys
 
 import pytest
@@ -122,6 +123,30 @@ def test_budgets_too_small_raise_and_change_nothing(plain):
     for name, snap in before.items():
         assert_restored(getattr(pipe, name), snap)
     assert torch.equal(run_flux(pipe), latents)
+
+
+def test_each_refusal_names_a_floor_the_next_budget_can_take(plain):
+    # A user finds the smallest budget that runs by following the floors the refusals name
+    # (a module moved whole, block lists, measured activations: each says "at least N bytes").
+    ref, latents, _ = plain
+    vram, named = 1, []
+    for _ in range(8):
+        pipe = copy.deepcopy(ref)
+        try:
+            handle = shuttle_diffusers.offload(pipe, max_host_bytes=2**22, vram_budget=vram,
+                                               device="cpu")
+            got = run_flux(pipe)
+        except BudgetTooSmallError as e:
+            floor = re.search(r"at least (\d+) bytes", str(e))
+            assert floor is not None and int(floor.group(1)) > vram, str(e)
+            vram = int(floor.group(1))
+            named.append(vram)
+            continue
+        handle.remove()
+        break
+    else:
+        pytest.fail(f"no budget ran after the floors {named}")
+    assert named and torch.equal(got, latents)
 
 
 def test_a_missing_diffusers_names_the_package(monkeypatch):

@@ -316,8 +316,9 @@ class OffloadHandle:
         c.floor = floor_bytes(off.storage) if paths else c.need
         if not paths and budget is not None and c.need > budget:
             raise BudgetTooSmallError(
-                f"vram_budget={budget} bytes cannot hold {name!r} moved whole ({c.need} bytes):"
-                f" raise it, or stream {name!r} by giving its block lists in blocks=")
+                f"vram_budget={budget} bytes cannot hold {name!r} moved whole: give at least "
+                f"{c.need} bytes (its weights; its activations are measured on its first "
+                f"call), or stream {name!r} by giving its block lists in blocks=")
         logger.info("%s: %s%s", name, f"streams {list(paths)} ({c.need} device bytes)" if paths
                     else f"moves whole ({c.need} device bytes)",
                     "" if c.share is None else f", {c.share} host bytes at most (the rest read "
