@@ -371,6 +371,16 @@ def test_modules_kept_in_float32_beside_bfloat16_files_stream_from_disk(tmp_path
     handle.remove()
 
 
+def test_a_float32_folder_asked_in_bfloat16_under_a_small_ceiling_says_what_to_do(saved):
+    from shuttle.errors import BudgetTooSmallError
+
+    folders, _, _ = saved  # float32 files: converted while read, held in host memory
+    with pytest.raises(BudgetTooSmallError, match="another dtype.*save_pretrained"):
+        shuttle_diffusers.from_pretrained(folders["single"], torch_dtype=torch.bfloat16,
+                                          device="cpu",
+                                          max_host_bytes=file_bytes(folders["single"]) // 8)
+
+
 @pytest.fixture(scope="module")
 def bf16_folders(tmp_path_factory):
     """A tiny pipeline saved in bfloat16 (what `shuttle compress` codes; its transformer wide

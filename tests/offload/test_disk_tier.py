@@ -198,6 +198,23 @@ def test_tensors_the_files_hold_otherwise_stay_beside_a_unit_on_disk(cpu_copy, t
         assert torch.equal(off.model(x), want)  # inactive: the file maps and the side tensors
 
 
+def test_a_floor_raised_by_files_of_another_dtype_says_how_to_stream_them(tmp_path):
+    # A float32 checkpoint captured as bfloat16: every tensor is converted while read, so no
+    # unit can be read again from the file; the refusal says so and what to do.
+    _, file = saved(tmp_path)
+    sources = {k: file.tensor_ref(k) for k in file}
+    with torch.device("meta"):
+        model = TinyDiT(dtype=torch.bfloat16)
+    needs = ModelOffloader.host_needs(model, blocks=PATHS, sources=sources)
+    assert 0 < needs.converted <= needs.everything
+    with pytest.raises(BudgetTooSmallError, match="another dtype") as e:
+        ModelOffloader.from_module(model, blocks=PATHS, sources=sources, max_host_bytes=50_000)
+    assert "save_pretrained" in str(e.value) and f"{needs.converted} of those bytes" in str(e.value)
+    with torch.device("meta"):  # stored as computed: nothing held for that reason
+        same = TinyDiT()
+    assert ModelOffloader.host_needs(same, blocks=PATHS, sources=sources).converted == 0
+
+
 @pytest.mark.parametrize("bad", [-1, float("nan"), True, "8G"])
 def test_bad_ceilings_are_refused(tmp_path, bad):
     _, file = saved(tmp_path)

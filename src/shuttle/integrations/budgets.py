@@ -27,6 +27,7 @@ from shuttle.offload import ModelOffloader
 from shuttle.offload.coded import Compression
 from shuttle.offload.host_memory import HOST_RESERVE, available_host_bytes
 from shuttle.offload.host_storage import HostBacking
+from shuttle.offload.spill import convert_hint
 
 __all__ = ["NO_CEILING", "VRAM_RESERVE", "SourcedSpec", "byte_budgets", "cache_for", "check_device",
            "check_host_room", "files_ceiling", "host_shares", "read_order"]
@@ -258,7 +259,8 @@ def host_shares(modules: Mapping[str, torch.nn.Module], blocks: Mapping[str, Seq
         raise BudgetTooSmallError(
             f"max_host_bytes: {budget} free bytes in the cache cannot hold the modules' host "
             f"floors {floors} (what must stay in host memory plus a staging buffer): give at "
-            f"least {sum(floors.values())} bytes")
+            f"least {sum(floors.values())} bytes"
+            + convert_hint(sum(x.converted for n, x in needs.items() if n in sources)))
     left = budget - sum(floors.values())
     shares = dict(floors)
     for n in read_order([n for n in modules if n in sources], blocks, hot):

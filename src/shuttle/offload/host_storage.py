@@ -71,11 +71,13 @@ from shuttle.offload.layout import Layout
 from shuttle.offload.spill import (
     HostNeeds,
     arena_size,
+    convert_hint,
+    converted_bytes,
     disk_spans,
+    fill_sides,
     held_bytes,
     host_floor,
     on_disk_views,
-    side_entries,
     side_layout,
     spillable,
 )
@@ -84,7 +86,6 @@ from shuttle.offload.survey import (
     adopted,
     fill_arena,
     read_binding,
-    read_entry,
     survey_units,
 )
 
@@ -334,7 +335,8 @@ class HostStorage:
         side = arena_size(sum(side_layout(s).nbytes for s, sp in zip(surveys, spans, strict=True)
                               if sp is not None), pin)
         everything = side + sum(arena_size(held_bytes(s), pin) for s in surveys)
-        return HostNeeds(min(fixed + stage, everything), everything)
+        return HostNeeds(min(fixed + stage, everything), everything,
+                         converted_bytes(surveys, spans))
 
     def _check_floor(self, surveys: list[UnitSurvey], spans: list[DiskSpans | None],
                      ceiling: int) -> None:
@@ -345,10 +347,11 @@ class HostStorage:
                     zip(surveys, spans, strict=True) if sp is None and s.layout.nbytes]
             raise BudgetTooSmallError(
                 f"max_host_bytes={ceiling} bytes cannot hold the {held} bytes that must stay in "
-                f"host memory (units with no tensor in the checkpoint files: {kept[:4]}; and "
-                f"tensors the files hold in another dtype or lack, such as non-persistent "
+                f"host memory (units that cannot be read again from their files: {kept[:4]}; "
+                f"and tensors the files hold in another dtype or lack, such as non-persistent "
                 f"buffers) plus a staging buffer of {stage} bytes: give at least "
-                f"{held + stage} bytes, or supply those tensors from files (sources=)")
+                f"{held + stage} bytes, or supply those tensors from files (sources=)"
+                + convert_hint(converted_bytes(surveys, spans)))
 
     def _capture_all(self, surveys: list[UnitSurvey], pin: bool,
                      spans: list[DiskSpans | None]) -> list[HostUnit]:
@@ -391,30 +394,17 @@ class HostStorage:
 
     def _sides(self, surveys: list[UnitSurvey], spans: list[DiskSpans | None], pin: bool
                ) -> list[dict[int, torch.Tensor]]:
-        """Per unit that may be on disk, its side entries (:func:`side_entries`) as views of
-        one arena, filled (converted) from their sources.
+        """Per unit, its side entries (:func:`~shuttle.offload.spill.fill_sides`), their arena
+        registered and counted.
         """
-        layouts = [side_layout(s) if sp is not None else None
-                   for s, sp in zip(surveys, spans, strict=True)]
-        total = sum(lay.nbytes for lay in layouts if lay is not None)
-        if not total:
-            return [{} for _ in surveys]
-        arena = new_arena(total, pin)
-        sides, at = [], 0
-        for s, lay in zip(surveys, layouts, strict=True):
-            entries = side_entries(s) if lay is not None else []
-            views = lay.views(arena[at:at + lay.nbytes]) if entries else []
-            with torch.no_grad():
-                for i, view in zip(entries, views, strict=True):
-                    read_entry(s.sources[i], s.files[i], view)
-            sides.append(dict(zip(entries, views, strict=True)))
-            at += lay.nbytes if entries else 0
-        pinned = pin and register_pages(arena, self._registered)
-        self._allocs[arena.data_ptr()] = (arena.numel(), pinned)
-        self.side_bytes = arena.numel()
-        self.host_bytes += arena.numel()
-        self.pinned_bytes += arena.numel() if pinned else 0
-        self._side_arena = arena
+        arena, sides = fill_sides(surveys, spans, pin)
+        if arena is not None:
+            pinned = pin and register_pages(arena, self._registered)
+            self._allocs[arena.data_ptr()] = (arena.numel(), pinned)
+            self.side_bytes = arena.numel()
+            self.host_bytes += arena.numel()
+            self.pinned_bytes += arena.numel() if pinned else 0
+            self._side_arena = arena
         return sides
 
     def _keep(self, unit: HostUnit, arena: torch.Tensor, allocated: int, pinned: bool,

@@ -10,15 +10,16 @@ from typing import NamedTuple
 import torch
 
 from shuttle.formats.safetensors_file import LazyTensor
-from shuttle.offload.arena import PAGE
+from shuttle.offload.arena import PAGE, new_arena
 from shuttle.offload.coded import UnitCode, file_code
 from shuttle.offload.disk_reader import IO_ALIGN, DiskSpans
 from shuttle.offload.layout import Layout
-from shuttle.offload.survey import UnitSurvey
+from shuttle.offload.survey import UnitSurvey, read_entry
 from shuttle.weights.lossless_file import CodedRef
 
-__all__ = ["MIN_STAGING", "HostNeeds", "arena_size", "disk_spans", "held_bytes", "host_floor",
-           "on_disk_views", "side_entries", "side_layout", "spillable", "staging_floor"]
+__all__ = ["MIN_STAGING", "HostNeeds", "arena_size", "convert_hint", "converted_bytes",
+           "disk_spans", "fill_sides", "held_bytes", "host_floor", "on_disk_views", "side_entries",
+           "side_layout", "spillable", "staging_floor"]
 
 MIN_STAGING = 16 * 2**20  # the smallest staging buffer a plan uses (smaller: chunks too small)
 
@@ -108,6 +109,30 @@ def side_layout(s: UnitSurvey) -> Layout:
     return Layout.of([(s.layout.dtypes[i], s.layout.shapes[i]) for i in side_entries(s)])
 
 
+def fill_sides(surveys: list[UnitSurvey], spans: list[DiskSpans | None], pin: bool
+               ) -> tuple[torch.Tensor | None, list[dict[int, torch.Tensor]]]:
+    """One arena (``new_arena``; None when there is nothing to hold) with the side entries of
+    every unit that may be on disk (``spans[i]`` not None), filled from their sources,
+    converted where their dtype differs; per unit, entry -> its view (empty for the others).
+    """
+    layouts = [side_layout(s) if sp is not None else None
+               for s, sp in zip(surveys, spans, strict=True)]
+    total = sum(lay.nbytes for lay in layouts if lay is not None)
+    if not total:
+        return None, [{} for _ in surveys]
+    arena = new_arena(total, pin)
+    sides, at = [], 0
+    for s, lay in zip(surveys, layouts, strict=True):
+        entries = side_entries(s) if lay is not None else []
+        views = lay.views(arena[at:at + lay.nbytes]) if entries else []
+        with torch.no_grad():
+            for i, view in zip(entries, views, strict=True):
+                read_entry(s.sources[i], s.files[i], view)
+        sides.append(dict(zip(entries, views, strict=True)))
+        at += lay.nbytes if entries else 0
+    return arena, sides
+
+
 def spillable(s: UnitSurvey) -> bool:
     """Whether unit ``s`` can be read again from its files whenever needed: its tensors lie
     in files as they are stored, one span of bytes in the model's dtype each, but for its side
@@ -134,3 +159,22 @@ class HostNeeds(NamedTuple):
 
     floor: int
     everything: int
+    converted: int = 0  # of floor: bytes held only because their files store another dtype
+
+
+def converted_bytes(surveys: list[UnitSurvey], spans: list[DiskSpans | None]) -> int:
+    """Bytes of the units that stay in host memory only because their files store their
+    tensors in another dtype than the model's (converted while read: a float32 release loaded
+    in bfloat16): saved in the model's dtype they would stream from disk.
+    """
+    return sum(s.layout.nbytes for s, sp in zip(surveys, spans, strict=True)
+               if sp is None and any(type(f) is LazyTensor and f.dtype != s.layout.dtypes[i]
+                                     for i, f in enumerate(s.files)))
+
+
+def convert_hint(converted: int) -> str:
+    """What a refusal adds when ``converted`` bytes (:func:`converted_bytes`) raised a floor."""
+    return (f"; {converted} of those bytes stay in host memory only because the files store "
+            "them in another dtype than the model computes in (converted while read): save the "
+            "checkpoint once in that dtype (load it, then save_pretrained) and they stream "
+            "from disk" if converted else "")
