@@ -78,7 +78,7 @@ from shuttle.offload.spill import (
     held_bytes,
     host_floor,
     on_disk_views,
-    side_layout,
+    side_size,
     spillable,
 )
 from shuttle.offload.survey import (
@@ -332,9 +332,8 @@ class HostStorage:
         spans = [disk_spans(s) if spillable(s) else None for s in surveys]
         pin = torch.cuda.is_available()
         fixed, stage = host_floor(surveys, spans, pin)
-        side = arena_size(sum(side_layout(s).nbytes for s, sp in zip(surveys, spans, strict=True)
-                              if sp is not None), pin)
-        everything = side + sum(arena_size(held_bytes(s), pin) for s in surveys)
+        everything = side_size(surveys, spans, pin) + sum(arena_size(held_bytes(s), pin)
+                                                          for s in surveys)
         return HostNeeds(min(fixed + stage, everything), everything,
                          converted_bytes(surveys, spans))
 

@@ -19,7 +19,7 @@ from shuttle.weights.lossless_file import CodedRef
 
 __all__ = ["MIN_STAGING", "HostNeeds", "arena_size", "convert_hint", "converted_bytes",
            "disk_spans", "fill_sides", "held_bytes", "host_floor", "on_disk_views", "side_entries",
-           "side_layout", "spillable", "staging_floor"]
+           "side_layout", "side_size", "spillable", "staging_floor"]
 
 MIN_STAGING = 16 * 2**20  # the smallest staging buffer a plan uses (smaller: chunks too small)
 
@@ -80,8 +80,7 @@ def host_floor(surveys: list[UnitSurvey], spans: list[DiskSpans | None], pin: bo
     """
     fixed = sum(arena_size(held_bytes(s), pin) for s, sp in zip(surveys, spans, strict=True)
                 if sp is None)
-    fixed += arena_size(sum(side_layout(s).nbytes for s, sp in zip(surveys, spans, strict=True)
-                            if sp is not None), pin)
+    fixed += side_size(surveys, spans, pin)
     whole = any(sp is not None and file_code(s) is not None
                 for s, sp in zip(surveys, spans, strict=True))
     return fixed, staging_floor(max((sp.nbytes for sp in spans if sp is not None), default=0),
@@ -107,6 +106,12 @@ def side_entries(s: UnitSurvey) -> list[int]:
 def side_layout(s: UnitSurvey) -> Layout:
     """Where unit ``s``'s side entries lie in its part of the storage's side arena."""
     return Layout.of([(s.layout.dtypes[i], s.layout.shapes[i]) for i in side_entries(s)])
+
+
+def side_size(surveys: list[UnitSurvey], spans: list[DiskSpans | None], pin: bool) -> int:
+    """Host bytes of the side arena (:func:`fill_sides`) of a capture under a ceiling."""
+    return arena_size(sum(side_layout(s).nbytes for s, sp in zip(surveys, spans, strict=True)
+                          if sp is not None), pin)
 
 
 def fill_sides(surveys: list[UnitSurvey], spans: list[DiskSpans | None], pin: bool
