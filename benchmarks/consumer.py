@@ -732,7 +732,7 @@ def plot(rows: list[dict], path: Path, title: str = TITLES["flux"]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(11, 5))
     ran = [r for r in rows if r.get("s_per_image")]
     for r in ran:
         if r["vram"] == "resident":
@@ -751,10 +751,11 @@ def plot(rows: list[dict], path: Path, title: str = TITLES["flux"]) -> None:
         if r["vram"] in PEERS and r.get("peak_vram"):
             marker, color = PEER_STYLES.get(r["vram"], ("x", None))
             ax.scatter(r["peak_vram"] / GIB, r["s_per_image"], marker=marker, color=color,
-                       s=70, zorder=3, label=f"{r['vram']} (at its peak VRAM)")
+                       s=70, zorder=3, label=f"{r['vram']} (at its peak VRAM"
+                       + (f"; its copy on {fs}" if (fs := r.get("peer_scratch_fs")) else "") + ")")
     harness.time_axes(ax, "VRAM budget (GiB; peers: their peak)", "seconds per image (log)",
                       title)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the points
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
