@@ -304,13 +304,11 @@ def plan_host(storage: HostStorage, plan: ResidencyPlan) -> ResidencyPlan:
     ceiling = storage.max_host_bytes
     if ceiling is None:
         return plan
-    fixed = storage.fixed
-    if storage.side_bytes + sum(storage.arena_bytes(u) for u in storage.units) <= ceiling:
-        # everything fits
+    everything = _host_cost(storage, storage.units, (0, 0))
+    if everything <= ceiling:
         return dataclasses.replace(plan, pinned=frozenset(u.name for u in storage.units),
-                                   staging=(0, 0), host_bytes=_host_cost(storage,
-                                                                         storage.units, (0, 0)))
-    used = storage.side_bytes + sum(storage.arena_bytes(u) for u in fixed)
+                                   staging=(0, 0), host_bytes=everything)
+    held = used = _host_cost(storage, storage.fixed, (0, 0))  # with the side arena
     order = _hot_first(storage, plan)
     by_size = sorted(order, key=lambda u: -u.spans.nbytes)  # type: ignore[union-attr]
     want = plan.prefetch + 1
@@ -327,8 +325,7 @@ def plan_host(storage: HostStorage, plan: ResidencyPlan) -> ResidencyPlan:
     whole = storage.coded_on_disk
     staging = _fit_staging(ceiling - used, largest(), want, whole)
     if staging is None:
-        floor = (storage.side_bytes + sum(storage.arena_bytes(u) for u in fixed)
-                 + staging_floor(largest(), whole))
+        floor = held + staging_floor(largest(), whole)
         raise BudgetTooSmallError(
             f"max_host_bytes={ceiling} bytes cannot hold the units that must stay in host "
             f"memory plus one staging buffer: give at least {floor} bytes")
