@@ -205,7 +205,8 @@ def test_a_vae_too_large_even_tiled_raises(plain):
     pipe = copy.deepcopy(ref)
     handle = offload(pipe, budget, FakeMeter({"vae": budget}))
     run_flux(pipe, "pt")
-    with pytest.raises(BudgetTooSmallError, match="'vae'.*activations measured on its last "
+    with pytest.raises(BudgetTooSmallError, match="'vae'.*activations and of the caller's "
+                                                  r"tensors beside them measured on its last "
                                                   r"call \(shrunk\)"):
         run_flux(pipe, "pt")  # still too large when tiled
     handle.remove()

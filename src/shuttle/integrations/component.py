@@ -121,7 +121,8 @@ class Component:
             raise BudgetTooSmallError(
                 f"vram_budget={budget} bytes is below the floor of {self.name!r}, {floor} bytes: "
                 f"{self.floor} bytes of weights ({weights}) + {reading.peak} bytes of "
-                f"activations measured on its last call{' (shrunk)' if self.shrunk else ''}, "
+                f"activations and of the caller's tensors beside them measured on its last "
+                f"call{' (shrunk)' if self.shrunk else ''}, "
                 f"which went over the budget. Give a budget of at least {floor} bytes, or make "
                 "its calls smaller (a smaller image or batch, fewer tokens)"
                 + ("" if self.paths else

@@ -16,7 +16,9 @@ module planned again through ``plan_for``, and again whenever a later call outgr
 reserve. A module whose activations do not fit beside its floor gets a shrinker's help when it
 has one (tiled VAE decoding; asked before a first call, whose activations it predicts, as well
 as after any call that went over), else :class:`~shuttle.errors.BudgetTooSmallError` names its
-floor.
+floor. What the caller holds on the device as a call begins (a pipeline's latents and prompt
+embeddings) counts with the call's activations: the budget bounds everything allocated since
+the handle was made.
 While a module runs, the others stay on the device only as far as their weights fit beside its
 weights and reserve.
 
@@ -401,15 +403,15 @@ class OffloadHandle:
 
     def _call(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         c = self._components[name]
+        outside = self._outside()  # the same before and after _enter: it counts active weights
         if self._vram_budget is not None and c.reserve is None:
-            c.foresee(self._vram_budget, self.device, getattr(fn, "__name__", "forward"), args,
-                      kwargs)
+            c.foresee(self._vram_budget - outside, self.device,
+                      getattr(fn, "__name__", "forward"), args, kwargs)
         self._enter(name)
         self._running[name] = self._running.get(name, 0) + 1
         try:
             if self._vram_budget is None:  # nothing to plan against: nothing measured
                 return fn(*args, **kwargs)
-            outside = self._outside()
             with self._meter.measure(name, self.device, c.reserve is None) as reading:
                 out = fn(*args, **kwargs)
         finally:
