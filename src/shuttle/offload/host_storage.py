@@ -191,7 +191,6 @@ class HostStorage:
         self.max_host_bytes = max_host_bytes
         self.reader: DiskReader | None = None  # the disk tier's reader (with a ceiling)
         self.side_bytes = 0  # host bytes of the side entries of the units that may be on disk
-        self._side_arena: torch.Tensor | None = None
         self._pin = host == "pinned" and torch.cuda.is_available()
         self._registered: list[int] = []
         self._allocs: dict[int, tuple[int, bool]] = {}  # arena data_ptr -> (bytes, pinned)
@@ -394,7 +393,7 @@ class HostStorage:
     def _sides(self, surveys: list[UnitSurvey], spans: list[DiskSpans | None], pin: bool
                ) -> list[dict[int, torch.Tensor]]:
         """Per unit, its side entries (:func:`~shuttle.offload.spill.fill_sides`), their arena
-        registered and counted.
+        registered and counted (its views in the units keep it alive).
         """
         arena, sides = fill_sides(surveys, spans, pin)
         if arena is not None:
@@ -403,7 +402,6 @@ class HostStorage:
             self.side_bytes = arena.numel()
             self.host_bytes += arena.numel()
             self.pinned_bytes += arena.numel() if pinned else 0
-            self._side_arena = arena
         return sides
 
     def _keep(self, unit: HostUnit, arena: torch.Tensor, allocated: int, pinned: bool,
