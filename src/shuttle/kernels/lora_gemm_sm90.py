@@ -471,12 +471,11 @@ class _Kernel:
                             epi_sync.arrive_and_wait()
                         done = done + subs
                         if cutlass.const_expr(shrink):  # noqa: SIM102
-                            if job == s_jobs - 1:  # noqa: SIM102
-                                if warp == store_warp:
-                                    # S in memory before the producer's TMA reads it back
-                                    cute.arch.cp_async_bulk_wait_group(0, read=False)
-                                    cute.arch.fence_proxy("async.global")
-                                    s_ready.arrive()
+                            if job == s_jobs - 1 and warp == store_warp:
+                                # S in memory before the producer's TMA reads it back
+                                cute.arch.cp_async_bulk_wait_group(0, read=False)
+                                cute.arch.fence_proxy("async.global")
+                                s_ready.arrive()
                     tiles.advance_to_next_work()
                     work = tiles.get_current_work()
                 stores.producer_tail()
