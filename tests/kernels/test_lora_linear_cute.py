@@ -114,6 +114,8 @@ def test_gpu_the_shrink_form_matches_reference(tile, dtype, t, k, n, r):
     """The kernel computing S itself: partial tiles everywhere, R past a column tile, row
     tiles split over several work units (each computing its S); the scale written in place is
     seen by the next call."""
+    from shuttle.kernels.lora_linear_cute import shrink_groups
+
     if not cute_available():
         pytest.skip("needs an sm_90 GPU")
     x, w, bias, down, up, scale = _layer(t, k, n, r, dtype, dtype, device="cuda")

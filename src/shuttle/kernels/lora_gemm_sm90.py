@@ -336,8 +336,7 @@ class _Kernel:
                             ring.producer_commit(state)
                             state.advance()
                         if job >= s_jobs:
-                            # (a compile-time test apart from the run-time one: the DSL's rule)
-                            if cutlass.const_expr(shrink):  # noqa: SIM102
+                            if cutlass.const_expr(shrink):
                                 if job == s_jobs:
                                     # this unit's S stored (the store warp arrives)
                                     s_ready.arrive_and_wait()
@@ -470,12 +469,13 @@ class _Kernel:
                                 stores.producer_acquire()
                             epi_sync.arrive_and_wait()
                         done = done + subs
-                        if cutlass.const_expr(shrink):  # noqa: SIM102
-                            if job == s_jobs - 1 and warp == store_warp:
-                                # S in memory before the producer's TMA reads it back
-                                cute.arch.cp_async_bulk_wait_group(0, read=False)
-                                cute.arch.fence_proxy("async.global")
-                                s_ready.arrive()
+                        if cutlass.const_expr(shrink):
+                            if job == s_jobs - 1:
+                                if warp == store_warp:
+                                    # S in memory before the producer's TMA reads it back
+                                    cute.arch.cp_async_bulk_wait_group(0, read=False)
+                                    cute.arch.fence_proxy("async.global")
+                                    s_ready.arrive()
                     tiles.advance_to_next_work()
                     work = tiles.get_current_work()
                 stores.producer_tail()
