@@ -103,21 +103,18 @@ def _stages(tile: CuteTile, epi_tile: tuple[int, int], elem_bytes: int, smem: in
 
 
 class _Kernel:
-    """The DSL program for one (dtype, tile, bias or not, SM count, shrink or not); see the
-    module docstring.
+    """The DSL program for one (dtype, tile, bias or not, SM count); see the module docstring.
 
     ``__call__`` is the host-side ``@cute.jit`` function (tensors from raw pointers, TMA
     descriptors, shared-memory layouts, the grid), ``kernel`` the device function; the layouts
     and the shared-storage struct built by the first are attributes the second reads.
     """
 
-    def __init__(self, dtype: torch.dtype, tile: CuteTile, has_bias: bool, sms: int,
-                 shrink: bool):
+    def __init__(self, dtype: torch.dtype, tile: CuteTile, has_bias: bool, sms: int):
         self.dtype = dtype
         self.tile = tile
         self.has_bias = has_bias
         self.sms = sms
-        self.shrink = shrink
         self.consumers = tile.consumers
         self.threads = (1 + self.consumers) * _THREADS_PER_WARPGROUP
         self.elem = numeric(dtype)
@@ -127,34 +124,24 @@ class _Kernel:
         d = dsl()
         cutlass, cute, utils, sm90 = d.cutlass, d.cute, d.utils, d.sm90
         cpasync = cute.nvgpu.cpasync
-        tile, consumers, elem, shrink = self.tile, self.consumers, self.elem, self.shrink
+        tile, consumers, elem = self.tile, self.consumers, self.elem
         layout_k = utils.LayoutEnum.ROW_MAJOR  # every operand K-major, out N-major
         kernel = self.device()
         this = self
 
         @cute.jit
-        def launch(x_ptr: cute.Pointer, w_ptr: cute.Pointer, a_ptr: cute.Pointer,
-                   s_ptr: cute.Pointer, u_ptr: cute.Pointer, scale_ptr: cute.Pointer,
-                   bias_ptr: cute.Pointer, out_ptr: cute.Pointer, t: cutlass.Int32,
-                   n: cutlass.Int32, k: cutlass.Int32, r: cutlass.Int32,
-                   groups: cutlass.Int32, stream: Any):
-            # Row-major (K-major) operands: x (T, K), W (N, K), A (R, K), B (N, R); out (T, N).
-            # S: (T, R) given, or with the shrink (groups * T padded to whole row tiles, R),
-            # one copy per group of column tiles (each group computes its own).
-            m_blocks = (t + tile.m - 1) // tile.m
-            tiles_n = (n + tile.n - 1) // tile.n
-            per = (tiles_n + groups - 1) // groups  # column tiles per work unit
-            s_rows = groups * m_blocks * tile.m if shrink else t
+        def launch(x_ptr: cute.Pointer, w_ptr: cute.Pointer, s_ptr: cute.Pointer,
+                   u_ptr: cute.Pointer, bias_ptr: cute.Pointer, out_ptr: cute.Pointer,
+                   t: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, r: cutlass.Int32,
+                   stream: Any):
+            # Row-major (K-major) operands: x (T, K), W (N, K), S (T, R), B (N, R); out (T, N).
             m_x = cute.make_tensor(x_ptr, cute.make_layout((t, k), stride=(k, 1)))
             m_w = cute.make_tensor(w_ptr, cute.make_layout((n, k), stride=(k, 1)))
-            m_a = cute.make_tensor(a_ptr, cute.make_layout((r, k), stride=(k, 1)))
-            m_s = cute.make_tensor(s_ptr, cute.make_layout((s_rows, r), stride=(r, 1)))
+            m_s = cute.make_tensor(s_ptr, cute.make_layout((t, r), stride=(r, 1)))
             m_u = cute.make_tensor(u_ptr, cute.make_layout((n, r), stride=(r, 1)))
             m_out = cute.make_tensor(out_ptr, cute.make_layout((t, n), stride=(n, 1)))
-            # The float32 bias and per-rank scale, broadcast over rows (stride 0), padded to
-            # whole column tiles (read without a bound check).
+            # The float32 bias, broadcast over rows (stride 0), padded to whole column tiles.
             m_bias = cute.make_tensor(bias_ptr, cute.make_layout((t, n), stride=(0, 1)))
-            m_scale = cute.make_tensor(scale_ptr, cute.make_layout((t, r), stride=(0, 1)))
 
             this.mma = sm90.make_trivial_tiled_mma(
                 elem, elem, layout_k.sm90_mma_major_mode(), layout_k.sm90_mma_major_mode(),
@@ -170,26 +157,20 @@ class _Kernel:
                                                       _EPI_STAGES)
             a_one = cute.slice_(this.a_smem, (None, None, 0))
             b_one = cute.slice_(this.b_smem, (None, None, 0))
-            epi_one = cute.slice_(this.epi_smem, (None, None, 0))
-            load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
+            load = cpasync.CopyBulkTensorTileG2SOp()
             tma_x, g_x = cpasync.make_tiled_tma_atom(load, m_x, a_one, (tile.m, tile.k))
             tma_s, g_s = cpasync.make_tiled_tma_atom(load, m_s, a_one, (tile.m, tile.k))
             tma_w, g_w = cpasync.make_tiled_tma_atom(load, m_w, b_one, (tile.n, tile.k))
             tma_u, g_u = cpasync.make_tiled_tma_atom(load, m_u, b_one, (tile.n, tile.k))
-            tma_out, g_out = cpasync.make_tiled_tma_atom(store, m_out, epi_one, this.epi_tile)
-            if cutlass.const_expr(shrink):
-                # A streams as a W whose rows are the ranks (past R: TMA's zero fill); S is
-                # stored like an output tile, its columns past R clipped.
-                tma_a, g_a = cpasync.make_tiled_tma_atom(load, m_a, b_one, (tile.n, tile.k))
-                tma_st, g_st = cpasync.make_tiled_tma_atom(store, m_s, epi_one, this.epi_tile)
-            else:
-                tma_a, g_a, tma_st, g_st = tma_w, g_w, tma_out, g_out
+            tma_out, g_out = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), m_out,
+                cute.slice_(this.epi_smem, (None, None, 0)), this.epi_tile)
 
-            # Work units (row tile, group of `per` column tiles), consecutive CTAs taking
-            # consecutive groups of one row tile: that row block of x is read from memory once
-            # and W, re-read per row tile, stays in L2.
-            sched = utils.PersistentTileSchedulerParams((m_blocks, groups, 1), (1, 1, 1), 1,
-                                                        False)
+            tiles = cute.zipped_divide(m_out, tiler=(tile.m, tile.n))
+            tiles_mn = tiles[(0, (None, None))].shape
+            # Consecutive CTAs take consecutive column tiles of one row block: the row block of
+            # x is read from memory once and W, re-read per row block, stays in L2.
+            sched = utils.PersistentTileSchedulerParams((*tiles_mn, 1), (1, 1, 1), 1, False)
             grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, this.sms)
 
             @cute.struct
@@ -203,9 +184,8 @@ class _Kernel:
                     cute.struct.MemRange[elem, cute.cosize(this.epi_smem)], _SMEM_ALIGN]
 
             this.shared = Shared
-            kernel(this.mma, tma_x, g_x, tma_w, g_w, tma_a, g_a, tma_s, g_s, tma_u, g_u,
-                   tma_out, g_out, tma_st, g_st, m_bias, m_scale, this.a_smem, this.b_smem,
-                   this.epi_smem, sched, k, r, m_blocks, tiles_n, per).launch(
+            kernel(this.mma, tma_x, g_x, tma_w, g_w, tma_s, g_s, tma_u, g_u, tma_out, g_out,
+                   m_bias, this.a_smem, this.b_smem, this.epi_smem, sched, k, r).launch(
                 grid=grid, block=[this.threads, 1, 1], cluster=(1, 1, 1),
                 min_blocks_per_mp=1, stream=stream)
 
@@ -217,7 +197,6 @@ class _Kernel:
         cutlass, cute, pipeline, utils, sm90 = d.cutlass, d.cute, d.pipeline, d.utils, d.sm90
         cpasync, warpgroup = cute.nvgpu.cpasync, cute.nvgpu.warpgroup
         tile, consumers, has_bias, elem = self.tile, self.consumers, self.has_bias, self.elem
-        shrink = self.shrink
         consumer_threads = consumers * _THREADS_PER_WARPGROUP
         producer_warp = 0
         store_warp = 4  # the first warp of the first consumer warpgroup issues the stores
@@ -225,22 +204,17 @@ class _Kernel:
 
         @cute.kernel
         def kernel(mma: cute.TiledMma, tma_x: cute.CopyAtom, g_x: cute.Tensor,
-                   tma_w: cute.CopyAtom, g_w: cute.Tensor, tma_a: cute.CopyAtom,
-                   g_a: cute.Tensor, tma_s: cute.CopyAtom, g_s: cute.Tensor,
-                   tma_u: cute.CopyAtom, g_u: cute.Tensor, tma_out: cute.CopyAtom,
-                   g_out: cute.Tensor, tma_st: cute.CopyAtom, g_st: cute.Tensor,
-                   m_bias: cute.Tensor, m_scale: cute.Tensor, a_smem: cute.ComposedLayout,
-                   b_smem: cute.ComposedLayout, epi_smem: cute.ComposedLayout,
-                   sched_params: Any, k: cutlass.Int32, r: cutlass.Int32,
-                   m_blocks: cutlass.Int32, tiles_n: cutlass.Int32, per: cutlass.Int32):
+                   tma_w: cute.CopyAtom, g_w: cute.Tensor, tma_s: cute.CopyAtom,
+                   g_s: cute.Tensor, tma_u: cute.CopyAtom, g_u: cute.Tensor,
+                   tma_out: cute.CopyAtom, g_out: cute.Tensor, m_bias: cute.Tensor,
+                   a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout,
+                   epi_smem: cute.ComposedLayout, sched_params: Any, k: cutlass.Int32,
+                   r: cutlass.Int32):
             tidx, _, _ = cute.arch.thread_idx()
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             if warp == producer_warp:
                 for atom in (tma_x, tma_w, tma_s, tma_u, tma_out):
                     cpasync.prefetch_descriptor(atom)
-                if cutlass.const_expr(shrink):
-                    cpasync.prefetch_descriptor(tma_a)
-                    cpasync.prefetch_descriptor(tma_st)
 
             stages = this.stages
             a_one = cute.slice_(a_smem, (None, None, 0))
@@ -256,9 +230,6 @@ class _Kernel:
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
                                                          consumers * 4),
                 tx_count=tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
-            # The shrink's S stored (store warp) before the producer loads it back: named
-            # barrier 2, the producer warp and the store warp.
-            s_ready = pipeline.NamedBarrier(barrier_id=2, num_threads=64)
             s_a = storage.a.get_tensor(a_smem.outer, swizzle=a_smem.inner)
             s_b = storage.b.get_tensor(b_smem.outer, swizzle=b_smem.inner)
             s_out = storage.out.get_tensor(epi_smem.outer, swizzle=epi_smem.inner)
@@ -267,12 +238,9 @@ class _Kernel:
             t_x = cute.local_tile(g_x, (tile.m, tile.k), (None, None))
             t_s = cute.local_tile(g_s, (tile.m, tile.k), (None, None))
             t_w = cute.local_tile(g_w, (tile.n, tile.k), (None, None))
-            t_a = cute.local_tile(g_a, (tile.n, tile.k), (None, None))
             t_u = cute.local_tile(g_u, (tile.n, tile.k), (None, None))
             t_out = cute.local_tile(g_out, (tile.m, tile.n), (None, None))
-            t_st = cute.local_tile(g_st, (tile.m, tile.n), (None, None))
             t_bias = cute.local_tile(m_bias, (tile.m, tile.n), (None, None))
-            t_scale = cute.local_tile(m_scale, (tile.m, tile.n), (None, None))
             one = cute.make_layout(1)
             sa = cute.group_modes(s_a, 0, 2)
             sb = cute.group_modes(s_b, 0, 2)
@@ -282,14 +250,10 @@ class _Kernel:
                                                    cute.group_modes(t_s, 0, 2))
             w_smem, w_glob = cpasync.tma_partition(tma_w, 0, one, sb,
                                                    cute.group_modes(t_w, 0, 2))
-            a_smem_p, a_glob = cpasync.tma_partition(tma_a, 0, one, sb,
-                                                     cute.group_modes(t_a, 0, 2))
             u_smem, u_glob = cpasync.tma_partition(tma_u, 0, one, sb,
                                                    cute.group_modes(t_u, 0, 2))
             k_tiles = (k + tile.k - 1) // tile.k
             r_tiles = (r + tile.k - 1) // tile.k
-            # The shrink's jobs per work unit: S's column tiles (one unless R > tile.n).
-            s_jobs = (r + tile.n - 1) // tile.n if shrink else 0
 
             warpgroup_idx = cute.arch.make_warp_uniform(tidx // _THREADS_PER_WARPGROUP)
             thr_mma = mma.get_slice(
@@ -304,58 +268,40 @@ class _Kernel:
             if warpgroup_idx == 0:
                 cute.arch.warpgroup_reg_dealloc(40)
             if warp == producer_warp:
-                # Producer, per work unit: the shrink's x/A pairs (its jobs), then per column
-                # tile the x/W pairs and the S/B pairs, into the ring.
+                # Producer: per output tile, the x/W pairs then the S/B pairs into the ring.
                 tiles = utils.StaticPersistentTileScheduler.create(
                     sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
                 work = tiles.initial_work_tile_info()
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                      stages)
                 while work.is_valid_tile:
-                    tm, tg = work.tile_idx[0], work.tile_idx[1]
-                    n_first = tg * per
-                    n_end = n_first + per
-                    if n_end > tiles_n:
-                        n_end = tiles_n
-                    s_row = tg * m_blocks + tm if shrink else tm
-                    # The loops stay written out: the DSL carries ``state`` through a loop
+                    tm, tn = work.tile_idx[0], work.tile_idx[1]
+                    # The two loops stay written out: the DSL carries ``state`` through a loop
                     # only where the kernel's own body advances it (a helper breaks the IR).
-                    for job in range(s_jobs + n_end - n_first):
-                        tn = n_first + job - s_jobs
-                        for kt in range(k_tiles):
-                            ring.producer_acquire(state)
-                            bar = ring.producer_get_barrier(state)
-                            cute.copy(tma_x, x_glob[(None, tm, kt)],
-                                      x_smem[(None, state.index)], tma_bar_ptr=bar)
-                            if job < s_jobs:
-                                cute.copy(tma_a, a_glob[(None, job, kt)],
-                                          a_smem_p[(None, state.index)], tma_bar_ptr=bar)
-                            else:
-                                cute.copy(tma_w, w_glob[(None, tn, kt)],
-                                          w_smem[(None, state.index)], tma_bar_ptr=bar)
-                            ring.producer_commit(state)
-                            state.advance()
-                        if job >= s_jobs:
-                            if cutlass.const_expr(shrink):
-                                if job == s_jobs:
-                                    # this unit's S stored (the store warp arrives)
-                                    s_ready.arrive_and_wait()
-                                    cute.arch.fence_proxy("async.global")
-                            for rt in range(r_tiles):
-                                ring.producer_acquire(state)
-                                bar = ring.producer_get_barrier(state)
-                                cute.copy(tma_s, s_glob[(None, s_row, rt)],
-                                          s_smem[(None, state.index)], tma_bar_ptr=bar)
-                                cute.copy(tma_u, u_glob[(None, tn, rt)],
-                                          u_smem[(None, state.index)], tma_bar_ptr=bar)
-                                ring.producer_commit(state)
-                                state.advance()
+                    for kt in range(k_tiles):
+                        ring.producer_acquire(state)
+                        bar = ring.producer_get_barrier(state)
+                        cute.copy(tma_x, x_glob[(None, tm, kt)], x_smem[(None, state.index)],
+                                  tma_bar_ptr=bar)
+                        cute.copy(tma_w, w_glob[(None, tn, kt)], w_smem[(None, state.index)],
+                                  tma_bar_ptr=bar)
+                        ring.producer_commit(state)
+                        state.advance()
+                    for rt in range(r_tiles):
+                        ring.producer_acquire(state)
+                        bar = ring.producer_get_barrier(state)
+                        cute.copy(tma_s, s_glob[(None, tm, rt)], s_smem[(None, state.index)],
+                                  tma_bar_ptr=bar)
+                        cute.copy(tma_u, u_glob[(None, tn, rt)], u_smem[(None, state.index)],
+                                  tma_bar_ptr=bar)
+                        ring.producer_commit(state)
+                        state.advance()
                     tiles.advance_to_next_work()
                     work = tiles.get_current_work()
                 ring.producer_tail(state)
 
             if warpgroup_idx > 0:
-                # Consumers: wgmma over each job's K loop, then its epilogue.
+                # Consumers: wgmma over the whole extended K loop, then the epilogue.
                 cute.arch.warpgroup_reg_alloc(232)
                 tiles = utils.StaticPersistentTileScheduler.create(
                     sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
@@ -364,6 +310,7 @@ class _Kernel:
                 release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                        stages)
                 k_blocks = cute.size(frag_a, mode=[2])
+                steps = k_tiles + r_tiles
 
                 # Epilogue copies: accumulator registers -> shared (stmatrix) -> global (TMA).
                 r2s = cute.make_tiled_copy_S(
@@ -384,98 +331,62 @@ class _Kernel:
                     producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
                                                              consumer_threads))
                 epi_sync = pipeline.NamedBarrier(barrier_id=1, num_threads=consumer_threads)
-                epi_s = cute.group_modes(s_out, 0, 2)
-                done = cutlass.Int32(0)  # epilogue sub-tiles stored so far (the ring's index)
 
                 while work.is_valid_tile:
-                    tm, tg = work.tile_idx[0], work.tile_idx[1]
-                    n_first = tg * per
-                    n_end = n_first + per
-                    if n_end > tiles_n:
-                        n_end = tiles_n
-                    s_row = tg * m_blocks + tm if shrink else tm
-                    for job in range(s_jobs + n_end - n_first):
-                        tn = n_first + job - s_jobs
-                        steps = k_tiles
-                        if job >= s_jobs:
-                            steps = k_tiles + r_tiles
-                        read.reset_count()
-                        release.reset_count()
-                        acc.fill(0.0)
-                        mma.set(warpgroup.Field.ACCUMULATE, True)
-                        warpgroup.fence()
-                        # One wgmma group in flight: step i's stage is released once step
-                        # i + 1's group is issued and step i's has completed.
-                        for step in range(steps):
-                            ring.consumer_wait(read)
-                            for kb in cutlass.range_constexpr(k_blocks):
-                                at = (None, None, kb, read.index)
-                                cute.gemm(mma, acc, frag_a[at], frag_b[at], acc)
-                            warpgroup.commit_group()
-                            read.advance()
-                            if step > 0:
-                                warpgroup.wait_group(1)
-                                ring.consumer_release(release)
-                                release.advance()
-                        warpgroup.wait_group(0)
-                        if steps > 0:
+                    tm, tn = work.tile_idx[0], work.tile_idx[1]
+                    read.reset_count()
+                    release.reset_count()
+                    acc.fill(0.0)
+                    mma.set(warpgroup.Field.ACCUMULATE, True)
+                    warpgroup.fence()
+                    # One wgmma group in flight: step i's stage is released once step i + 1's
+                    # group is issued and step i's has completed.
+                    for step in range(steps):
+                        ring.consumer_wait(read)
+                        for kb in cutlass.range_constexpr(k_blocks):
+                            at = (None, None, kb, read.index)
+                            cute.gemm(mma, acc, frag_a[at], frag_b[at], acc)
+                        warpgroup.commit_group()
+                        read.advance()
+                        if step > 0:
+                            warpgroup.wait_group(1)
                             ring.consumer_release(release)
                             release.advance()
+                    warpgroup.wait_group(0)
+                    if steps > 0:
+                        ring.consumer_release(release)
+                        release.advance()
 
-                        if job < s_jobs:
-                            # S = (x @ A.T) * scale, rounded once below
-                            scale = thr_c.partition_C(t_scale[(None, None, 0, job)])
-                            for i in cutlass.range_constexpr(cute.size(acc)):
-                                acc[i] = acc[i] * scale[i]
-                        else:
-                            if cutlass.const_expr(has_bias):
-                                # this thread's accumulator elements: the slice of its own
-                                # thread (thr_mma is the warpgroup's, right for shared-memory
-                                # operands only)
-                                bias = thr_c.partition_C(t_bias[(None, None, tm, tn)])
-                                for i in cutlass.range_constexpr(cute.size(acc)):
-                                    acc[i] = acc[i] + bias[i]
+                    if cutlass.const_expr(has_bias):
+                        # this thread's accumulator elements: the slice of its own thread
+                        # (thr_mma is the warpgroup's, right for shared-memory operands only)
+                        bias = thr_c.partition_C(t_bias[(None, None, tm, tn)])
+                        for i in cutlass.range_constexpr(cute.size(acc)):
+                            acc[i] = acc[i] + bias[i]
 
-                        # Epilogue, one sub-tile at a time through _EPI_STAGES buffers, to
-                        # the output tile (tm, tn) or the shrink's S tile (s_row, job).
-                        out_tiles = cute.zipped_divide(t_out[(None, None, tm, tn)],
-                                                       this.epi_tile)
-                        smem_part, glob_part = cpasync.tma_partition(
-                            tma_out, 0, one, epi_s, out_tiles)
-                        st_tiles = cute.zipped_divide(t_st[(None, None, s_row, job)],
-                                                      this.epi_tile)
-                        st_smem, st_glob = cpasync.tma_partition(tma_st, 0, one, epi_s,
-                                                                 st_tiles)
-                        subs = cute.size(out_tiles, mode=[1])
-                        sub_grid = out_tiles.shape[1]
-                        sub_layout = cute.make_layout(sub_grid, stride=(sub_grid[1], 1))
-                        for sub in cutlass.range_constexpr(subs):
-                            for v in cutlass.range_constexpr(sub_size):
-                                sub_f32[v] = r2s_acc[sub * sub_size + v]
-                            sub_out.store(sub_f32.load().to(elem))
-                            buf = (done + sub) % _EPI_STAGES
-                            cute.copy(r2s, sub_out, r2s_dst[(None, None, None, buf)])
-                            # the stmatrix writes visible to the TMA store's async proxy
-                            cute.arch.fence_proxy("async.shared", space="cta")
-                            epi_sync.arrive_and_wait()
-                            if warp == store_warp:
-                                at = sub_layout.get_hier_coord(sub)
-                                if job < s_jobs:
-                                    cute.copy(tma_st, st_smem[(None, buf)], st_glob[(None, at)])
-                                else:
-                                    cute.copy(tma_out, smem_part[(None, buf)],
-                                              glob_part[(None, at)])
-                                stores.producer_commit()
-                                stores.producer_acquire()
-                            epi_sync.arrive_and_wait()
-                        done = done + subs
-                        if cutlass.const_expr(shrink):
-                            if job == s_jobs - 1:
-                                if warp == store_warp:
-                                    # S in memory before the producer's TMA reads it back
-                                    cute.arch.cp_async_bulk_wait_group(0, read=False)
-                                    cute.arch.fence_proxy("async.global")
-                                    s_ready.arrive()
+                    # Epilogue, one sub-tile at a time through a ring of _EPI_STAGES buffers.
+                    out_tiles = cute.zipped_divide(t_out[(None, None, tm, tn)], this.epi_tile)
+                    smem_part, glob_part = cpasync.tma_partition(
+                        tma_out, 0, one, cute.group_modes(s_out, 0, 2), out_tiles)
+                    subs = cute.size(out_tiles, mode=[1])
+                    sub_grid = out_tiles.shape[1]
+                    sub_layout = cute.make_layout(sub_grid, stride=(sub_grid[1], 1))
+                    done = tiles.num_tiles_executed * subs
+                    for sub in cutlass.range_constexpr(subs):
+                        for v in cutlass.range_constexpr(sub_size):
+                            sub_f32[v] = r2s_acc[sub * sub_size + v]
+                        sub_out.store(sub_f32.load().to(elem))
+                        buf = (done + sub) % _EPI_STAGES
+                        cute.copy(r2s, sub_out, r2s_dst[(None, None, None, buf)])
+                        # the stmatrix writes visible to the TMA store's async proxy
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        epi_sync.arrive_and_wait()
+                        if warp == store_warp:
+                            cute.copy(tma_out, smem_part[(None, buf)],
+                                      glob_part[(None, sub_layout.get_hier_coord(sub))])
+                            stores.producer_commit()
+                            stores.producer_acquire()
+                        epi_sync.arrive_and_wait()
                     tiles.advance_to_next_work()
                     work = tiles.get_current_work()
                 stores.producer_tail()
@@ -485,10 +396,9 @@ class _Kernel:
 
 @functools.cache
 def compile_lora_gemm(dtype: torch.dtype, tile: CuteTile, has_bias: bool, sms: int,
-                      options: str = "", shrink: bool = False) -> Any:
+                      options: str = "") -> Any:
     """The compiled kernel for ``dtype`` operands, ``tile`` and ``sms`` persistent CTAs (once
-    per process per arguments; compiling takes a second or two, a call microseconds); with
-    ``shrink`` the program computes S itself (see the module docstring).
+    per process per arguments; compiling takes a second or two, a call microseconds).
 
     Compiles for sm_90a with or without a GPU, so the CPU tests check that the program is well
     formed. ``options``: more of the DSL's compile options (``"--keep-ptx --dump-dir D"`` keeps
@@ -498,14 +408,13 @@ def compile_lora_gemm(dtype: torch.dtype, tile: CuteTile, has_bias: bool, sms: i
         raise TypeError(f"the CuTe LoRA kernel takes bfloat16 or float16 operands, not {dtype}")
     d = dsl()
     cute, cutlass = d.cute, d.cutlass
-    elem, f32 = numeric(dtype), cutlass.Float32
+    elem = numeric(dtype)
     gmem = cute.AddressSpace.gmem
     ptr = functools.partial(d.make_ptr, value=0, mem_space=gmem, assumed_align=16)
-    kernel = _Kernel(dtype, tile, has_bias, sms, shrink)
+    kernel = _Kernel(dtype, tile, has_bias, sms)
     from cuda.bindings import driver
 
-    sizes = [cutlass.Int32(v) for v in (1, 8, 8, 8, 1)]  # t, n, k, r, groups
     return cute.compile(
-        kernel.host(), ptr(elem), ptr(elem), ptr(elem), ptr(elem), ptr(elem), ptr(f32),
-        ptr(f32), ptr(elem), *sizes, driver.CUstream(0),
-        options=f"--gpu-arch sm_90a {options}".strip())
+        kernel.host(), ptr(elem), ptr(elem), ptr(elem), ptr(elem), ptr(cutlass.Float32),
+        ptr(elem), cutlass.Int32(1), cutlass.Int32(8), cutlass.Int32(8), cutlass.Int32(8),
+        driver.CUstream(0), options=f"--gpu-arch sm_90a {options}".strip())
