@@ -39,8 +39,8 @@ __all__ = ["CUTE_DTYPES", "CUTE_TILES", "CuteTile", "compile_lora_gemm", "dsl", 
 @dataclasses.dataclass(frozen=True)
 class CuteTile:
     """One CTA's output tile (``m`` x ``n``) and its K step; ``consumers`` warpgroups share the
-    ``m`` rows (two for 128-row tiles wider than 128 columns, whose accumulator would otherwise
-    spill registers).
+    ``m`` rows, 64 each (a wgmma instruction's rows): one warpgroup over 128 rows would issue
+    both halves' instructions in turn and hold both accumulators.
     """
 
     m: int = 128
@@ -49,7 +49,7 @@ class CuteTile:
 
     @property
     def consumers(self) -> int:
-        return 2 if self.m > 64 and self.n > 128 else 1
+        return self.m // 64
 
 
 # The tiles tried by the tier chooser: 128 x 256 fills the SMs' rounds at long sequences,
