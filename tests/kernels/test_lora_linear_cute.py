@@ -44,16 +44,17 @@ def test_a_kernel_that_cannot_be_built_leaves_the_layer_to_triton(monkeypatch):
     x, w, bias, down, up, scale = _layer(100, 64, 48, 8, BF16, BF16)
 
     class Broken:
-        supports = staticmethod(lambda weight, up: True)
+        supports = staticmethod(lambda weight, up, down=None, tile=None: True)
 
         def __init__(self, *args):
             raise RuntimeError("DSL: unsupported driver")
     monkeypatch.setattr(mod, "cute_available", lambda device=None: True)
     monkeypatch.setattr(mod, "CuteLoraGemm", Broken)
     with pytest.warns(RuntimeWarning, match="unsupported driver.*Triton"):
-        assert _cute_gemms(w, bias, up) == {}
-    monkeypatch.setattr(Broken, "supports", staticmethod(lambda weight, up: False))
-    assert _cute_gemms(w, bias, up) == {}  # not taken: no warning, no build
+        assert _cute_gemms(w, bias, down, up) == {}
+    monkeypatch.setattr(Broken, "supports",
+                        staticmethod(lambda weight, up, down=None, tile=None: False))
+    assert _cute_gemms(w, bias, down, up) == {}  # not taken: no warning, no build
 
 
 @pytest.mark.gpu
@@ -84,6 +85,75 @@ def test_gpu_matches_reference(tile, dtype, t, k, n, r):
     _assert_one_ulp(out, lora_linear_fused_reference(x, w, bias, s, up))
 
 
+def _ulp(v):
+    """The larger gap to v's two neighbours, in float64."""
+    return torch.maximum(*((torch.nextafter(v, torch.full_like(v, inf)).double()
+                            - v.double()).abs() for inf in (torch.inf, -torch.inf)))
+
+
+def _assert_within_s_rounding(got, x, w, bias, down, up, scale):
+    """``got`` is the fused layer with S computed in the kernel: S's float32 accumulation may
+    round a few of its elements to the neighbouring value, so each output may differ from the
+    reference by one ulp of its own plus what one ulp of every S element moves it by."""
+    s_low = ((x.double() @ down.double().T) * scale.double()).to(got.dtype)
+    want = lora_linear_fused_reference(x, w, bias, s_low, up)
+    bound = _ulp(want) + _ulp(s_low) @ up.double().abs().T + 1e-5 * float(want.abs().max())
+    diff = (got.double() - want.double()).abs()
+    assert bool((diff <= bound).all()), float((diff / bound).max())
+
+
+@pytest.mark.gpu
+@needs_dsl
+@pytest.mark.parametrize("tile", CUTE_TILES, ids=lambda t: f"{t.m}x{t.n}")
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+@pytest.mark.parametrize(("t", "k", "n", "r"), [
+    (300, 200, 136, 24), (4096, 1536, 1536, 128), (129, 64, 520, 8),
+    (1000, 320, 1000, 64),  # an odd count of row tiles: the last S tile covers one
+    (20000, 256, 4096, 16)])  # many S tiles, read ahead of their rows
+def test_gpu_the_shrink_form_matches_reference(tile, dtype, t, k, n, r):
+    """The kernel computing S among its units: partial tiles everywhere; three calls in a row
+    on new inputs (each call's readers reset the flags for the next); the scale written in
+    place is seen by the next call."""
+    if not cute_available():
+        pytest.skip("needs an sm_90 GPU")
+    x, w, bias, down, up, scale = _layer(t, k, n, r, dtype, dtype, device="cuda")
+    for b in (bias, None):
+        gemm = CuteLoraGemm(w, up, b is not None, tile, down)
+        assert gemm.shrink
+        for seed in range(3):
+            xi = x if seed == 0 else torch.randn_like(x)
+            out = torch.full((t, n), float("nan"), dtype=dtype, device="cuda")
+            gemm(xi, w, b, scale, out)
+            torch.cuda.synchronize()
+            _assert_within_s_rounding(out, xi, w, b, down, up, scale)
+    assert not gemm._flags.any()  # reset by each S tile's last reader
+    with torch.no_grad():
+        scale.mul_(-2.0)
+    gemm(x, w, None, scale, out)
+    _assert_within_s_rounding(out, x, w, None, down, up, scale)
+
+
+@pytest.mark.gpu
+@needs_dsl
+def test_gpu_the_shrink_form_replays_in_a_cuda_graph():
+    """Captured once, replayed on new inputs: the flags a replay finds are the zeros the last
+    one left."""
+    if not cute_available():
+        pytest.skip("needs an sm_90 GPU")
+    x, w, bias, down, up, scale = _layer(5000, 512, 1536, 32, BF16, BF16, device="cuda")
+    gemm = CuteLoraGemm(w, up, True, CUTE_TILES[0], down)
+    out = torch.empty(5000, 1536, dtype=BF16, device="cuda")
+    gemm(x, w, bias, scale, out)  # the work list made, the program loaded
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemm(x, w, bias, scale, out)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_within_s_rounding(out, x, w, bias, down, up, scale)
+
+
 @pytest.mark.gpu
 @needs_dsl
 def test_gpu_prepared_cute_layer_agrees_with_triton():
@@ -96,7 +166,14 @@ def test_gpu_prepared_cute_layer_agrees_with_triton():
     triton = PreparedLoraLinear(w, bias, down, up)
     assert cute.usable and cute.cute and triton.usable and not triton.cute
     with torch.no_grad():
-        _assert_one_ulp(cute(x, scale), triton(x, scale))
+        _assert_within_s_rounding(cute(x, scale), x, w, bias, down, up, scale)
+        _assert_within_s_rounding(triton(x, scale), x, w, bias, down, up, scale)
+    # past 128 ranks the kernel takes S from Triton's shrink
+    x, w, bias, down, up, scale = _layer(4096, 512, 1536, 136, BF16, BF16, device="cuda")
+    wide = PreparedLoraLinear(w, bias, down, up, cute=True)
+    assert wide.cute and not any(g.shrink for g in wide._cute.values())
+    with torch.no_grad():
+        _assert_within_s_rounding(wide(x, scale), x, w, bias, down, up, scale)
 
 
 def _ffi_layer(t, k, n, r):

@@ -27,6 +27,7 @@ from shuttle.kernels.lora_gemm_sm90 import (
     compile_lora_gemm,
     dsl,
     numeric,
+    shrink_work_list,
 )
 
 __all__ = ["CuteLoraGemm", "cute_available", "cute_installed", "tvm_ffi_installed"]
@@ -58,11 +59,19 @@ def _available_on(index: int) -> bool:
 
 
 class CuteLoraGemm:
-    """``out = x @ W.T + S @ B.T + bias`` by the CuTe kernel for one layer's shape and factor B
+    """``out = x @ W.T + S @ B.T + bias`` by the CuTe kernel for one layer's shape and factors
     (checked once here; a call checks nothing but takes its operands as given).
 
-    The bias is added from a float32 copy padded to whole column tiles, refreshed when the
-    layer's bias is another tensor or was written in place (its version counter).
+    Built with the down factor A (``down``, rank at most ``tile.m``), the kernel computes
+    ``S = (x @ A.T) * scale`` itself (S tiles among its work units, each read by the output
+    tiles of its rows once a flag says it is in memory:
+    :mod:`~shuttle.kernels.lora_gemm_sm90`) and a call passes the per-rank ``scale``;
+    without it a call passes S, computed beforehand.
+
+    The bias and the scale are read from float32 copies padded to whole tiles, refreshed when
+    the caller's tensor is another one or was written in place (its version counter). The
+    shrink form's flags are this object's: calls of one layer on two streams at once would
+    share them (a model runs a layer on one stream).
 
     Args:
         weight: W (N, K), bfloat16 or float16, contiguous, on a Hopper GPU (its shape and dtype
@@ -70,86 +79,144 @@ class CuteLoraGemm:
         up: B (N, R), W's dtype, contiguous.
         has_bias: whether calls pass a bias.
         tile: the CTA tile (:data:`CUTE_TILES`).
+        down: A (R, K), W's dtype, contiguous: the kernel computes S.
 
     Raises:
         ValueError: operands the kernel does not take (another dtype or device, sizes not a
-            multiple of 8, non-contiguous rows); check :meth:`supports` first.
+            multiple of 8, non-contiguous rows, a rank over ``tile.m`` with ``down``); check
+            :meth:`supports` first.
     """
 
     def __init__(self, weight: torch.Tensor, up: torch.Tensor, has_bias: bool,
-                 tile: CuteTile = CUTE_TILES[0]) -> None:
-        if not self.supports(weight, up):
+                 tile: CuteTile = CUTE_TILES[0], down: torch.Tensor | None = None) -> None:
+        if not self.supports(weight, up, down, tile):
+            shapes = f", A {tuple(down.shape)} {down.dtype}" if down is not None else ""
             raise ValueError(
-                f"the CuTe LoRA kernel takes contiguous 16-bit W (N, K) and B (N, R) on one "
-                f"CUDA device with N, K, R multiples of 8; got W {tuple(weight.shape)} "
-                f"{weight.dtype}, B {tuple(up.shape)} {up.dtype}")
-        self.up, self.tile, self.m, self.n = up, tile, tile.m, tile.n
-        self._shape = (*weight.shape, up.shape[1])  # N, K, R
-        self._bias = torch.zeros(-(-weight.shape[0] // tile.n) * tile.n, dtype=torch.float32,
-                                 device=weight.device) if has_bias else None
+                f"the CuTe LoRA kernel takes contiguous 16-bit W (N, K), B (N, R) and A (R, K) "
+                f"on one CUDA device with N, K, R multiples of 8 (R at most {tile.m} with A); "
+                f"got W {tuple(weight.shape)} {weight.dtype}, B {tuple(up.shape)} "
+                f"{up.dtype}{shapes}")
+        self.up, self.down, self.tile, self.m, self.n = up, down, tile, tile.m, tile.n
+        self.shrink = down is not None
+        n, k = weight.shape
+        self._shape = (n, k, up.shape[1])  # N, K, R
+        device = weight.device
+        self._bias = torch.zeros(-(-n // tile.n) * tile.n, dtype=torch.float32,
+                                 device=device) if has_bias else None
         self._bias_of: tuple = ()  # (data_ptr, version) of the bias copied into self._bias
-        self._fixed: tuple | None = None  # (weight address, its, B's and the bias's pointers)
-        sms = torch.cuda.get_device_properties(weight.device).multi_processor_count
+        self._scale = torch.zeros(tile.m, dtype=torch.float32,
+                                  device=device) if self.shrink else None
+        self._scale_of: tuple = ()
+        # The shrink's flags (two int32 per S tile, zero between calls: each call's last
+        # reader of a tile resets them) and work lists per row count.
+        self._flags = torch.zeros(0, dtype=torch.int32, device=device)
+        self._lists: dict[int, tuple[torch.Tensor, int, int]] = {}
+        self._spare = up.data_ptr()  # the address an operand the form does not read gets
+        self._fixed: tuple | None = None  # (weight address, the fixed operands' DSL pointers)
+        self._sms = torch.cuda.get_device_properties(device).multi_processor_count
         # With TVM FFI the program is a C function taking addresses, sizes and the stream
         # handle as Python ints (no DSL pointer objects, no Python-side argument packing).
-        self._build = (weight.dtype, tile, has_bias, sms)
+        self._build = (weight.dtype, tile, has_bias, self._sms, self.shrink)
         self._ffi = _ffi_function(*self._build)
-        self._compiled = None if self._ffi is not None else compile_lora_gemm(*self._build)
+        self._compiled = None if self._ffi is not None else self._compile()
         d = dsl()
-        self._elem, self._f32 = numeric(weight.dtype), d.cutlass.Float32
+        self._elem, self._f32, self._i32 = numeric(weight.dtype), d.cutlass.Float32, \
+            d.cutlass.Int32
         self._ptr = functools.partial(d.make_ptr, mem_space=d.cute.AddressSpace.gmem,
                                       assumed_align=16)
         from cuda.bindings import driver
 
         self._stream_type = driver.CUstream
 
+    def _compile(self) -> Any:
+        dtype, tile, has_bias, sms, shrink = self._build
+        return compile_lora_gemm(dtype, tile, has_bias, sms, shrink=shrink)
+
     @staticmethod
-    def supports(weight: torch.Tensor, up: torch.Tensor) -> bool:
-        """Whether W and B are operands the kernel takes (see the class docstring)."""
+    def supports(weight: torch.Tensor, up: torch.Tensor, down: torch.Tensor | None = None,
+                 tile: CuteTile = CUTE_TILES[0]) -> bool:
+        """Whether W, B (and A) are operands the kernel takes (see the class docstring)."""
+        factors = (up,) if down is None else (up, down)
         return (weight.dim() == 2 and up.dim() == 2 and weight.dtype in CUTE_DTYPES
-                and up.dtype == weight.dtype and weight.is_cuda and up.device == weight.device
-                and weight.is_contiguous() and up.is_contiguous()
+                and weight.is_cuda and weight.is_contiguous()
+                and all(f.dtype == weight.dtype and f.device == weight.device
+                        and f.is_contiguous() and f.data_ptr() % 16 == 0 for f in factors)
                 and up.shape[0] == weight.shape[0]
+                and (down is None or (down.shape == (up.shape[1], weight.shape[1])
+                                      and up.shape[1] <= tile.m))
                 and all(s % 8 == 0 for s in (*weight.shape, up.shape[1]))
-                and weight.data_ptr() % 16 == 0 and up.data_ptr() % 16 == 0)
+                and weight.data_ptr() % 16 == 0)
+
+    def work_list(self, t: int) -> tuple[torch.Tensor, int, int]:
+        """The shrink form's work list for ``t`` rows (on the device, made once per row
+        count), its units and its S tiles; see :func:`shrink_work_list`.
+        """
+        got = self._lists.get(t)
+        if got is None:
+            n, k, _ = self._shape
+            m_blocks, tiles_n = -(-t // self.m), -(-n // self.n)
+            per_s = self.n // self.m
+            s_blocks = -(-m_blocks // per_s)
+            # S tiles run ahead of their readers by about one round of the SMs, as far as
+            # their rows of x stay in L2 until read again
+            ahead = max(1, min(-(-self._sms // (per_s * tiles_n)),
+                               _L2_AHEAD_BYTES // (self.n * k * self.up.element_size())))
+            codes = shrink_work_list(m_blocks, tiles_n, per_s, ahead)
+            table = torch.tensor(codes, dtype=torch.int32, device=self.up.device)
+            if self._flags.numel() < 2 * s_blocks:
+                self._flags = torch.zeros(2 * s_blocks, dtype=torch.int32,
+                                          device=self.up.device)
+            got = self._lists[t] = (table, len(codes), s_blocks)
+        return got
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 s: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Write ``x @ weight.T + s @ B.T + bias`` into ``out`` (T, N) on the current stream.
+                 operand: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Write ``x @ weight.T + S @ B.T + bias`` into ``out`` (T, N) on the current stream.
 
-        ``x`` (T, K), ``s`` (T, R) and ``out`` contiguous, ``weight`` of the shape and layout
-        this was built for, all of W's dtype and device and 16-byte aligned (the caller checks:
-        nothing is checked here); ``bias`` (N,) where built with one.
+        ``operand``: S (T, R), the shrink's output; with the shrink form (built with ``down``)
+        the float32 per-rank ``scale`` (R,) instead, ``S = (x @ A.T) * scale``.
+
+        ``x`` (T, K), S and ``out`` contiguous, ``weight`` of the shape and layout this was
+        built for, all of W's dtype and device and 16-byte aligned (the caller checks: nothing
+        is checked here); ``bias`` (N,) where built with one.
         """
         n, k, r = self._shape
-        ptr, elem = self._ptr, self._elem
+        t = x.shape[0]
         if self._bias is not None:
-            try:
-                seen = (bias.data_ptr(), bias._version)
-            except RuntimeError:  # an inference tensor keeps no version: copy every call
-                seen = ()
-            if not seen or seen != self._bias_of:
-                self._bias[:n].copy_(bias)
-                self._bias_of = seen
+            self._bias_of = _refresh(self._bias, bias, self._bias_of)
+        if self.shrink:
+            self._scale_of = _refresh(self._scale, operand, self._scale_of)
+            table, units, s_blocks = self.work_list(t)
+            s = torch.empty(s_blocks * self.n, r, dtype=x.dtype, device=x.device)
+            addrs = (self.down.data_ptr(), s.data_ptr(), self._scale.data_ptr(),
+                     table.data_ptr(), self._flags.data_ptr())
+        else:
+            units, s_blocks = -(-t // self.m) * -(-n // self.n), 1
+            spare = self._spare
+            addrs = (spare, operand.data_ptr(), spare, spare, spare)
+        down_addr, s_addr, scale_addr, table_addr, flags_addr = addrs
+        bias_addr = self._bias.data_ptr() if self._bias is not None else self._spare
         stream = torch.cuda.current_stream(x.device).cuda_stream
         if self._ffi is not None:
-            bias_addr = self._bias.data_ptr() if self._bias is not None else self.up.data_ptr()
             try:
-                self._ffi(x.data_ptr(), weight.data_ptr(), s.data_ptr(), self.up.data_ptr(),
-                          bias_addr, out.data_ptr(), x.shape[0], n, k, r, stream)
+                self._ffi(x.data_ptr(), weight.data_ptr(), down_addr, s_addr,
+                          self.up.data_ptr(), scale_addr, bias_addr, out.data_ptr(),
+                          table_addr, flags_addr, t, n, k, r, units, s_blocks, stream)
                 return out
             except Exception as e:  # arguments refused before any launch: an FFI version
                 self._fall_back(e)  # the DSL's program does not take; its own launcher then
         # The fixed operands' pointers are made once (a DSL pointer costs microseconds of host
         # time), again when the weight's storage moves (an offloaded layer's slot).
+        ptr, elem, f32, i32 = self._ptr, self._elem, self._f32, self._i32
         if self._fixed is None or self._fixed[0] != weight.data_ptr():
-            bias_ptr = self._bias.data_ptr() if self._bias is not None else self.up.data_ptr()
             self._fixed = (weight.data_ptr(), ptr(elem, weight.data_ptr()),
-                           ptr(elem, self.up.data_ptr()), ptr(self._f32, bias_ptr))
-        _, w_ptr, u_ptr, bias_ptr = self._fixed
+                           ptr(elem, down_addr), ptr(elem, self.up.data_ptr()),
+                           ptr(f32, scale_addr), ptr(f32, bias_addr), ptr(i32, flags_addr))
+        _, w_ptr, a_ptr, u_ptr, scale_ptr, bias_ptr, flags_ptr = self._fixed
         self._compiled(
-            ptr(elem, x.data_ptr()), w_ptr, ptr(elem, s.data_ptr()), u_ptr, bias_ptr,
-            ptr(elem, out.data_ptr()), x.shape[0], n, k, r, self._stream_type(stream))
+            ptr(elem, x.data_ptr()), w_ptr, a_ptr, ptr(elem, s_addr), u_ptr, scale_ptr,
+            bias_ptr, ptr(elem, out.data_ptr()), ptr(i32, table_addr), flags_ptr, t, n, k, r,
+            units, s_blocks, self._stream_type(stream))
         return out
 
     def _fall_back(self, error: Exception) -> None:
@@ -158,7 +225,25 @@ class CuteLoraGemm:
                       "host time per call): uninstall apache-tvm-ffi, or install the version "
                       "the DSL was built with", RuntimeWarning, stacklevel=3)
         self._ffi = None
-        self._compiled = compile_lora_gemm(*self._build)
+        self._compiled = self._compile()
+
+
+# How many bytes of x the S tiles may read ahead of their readers (x's rows are read again by
+# the output tiles of those rows: they should still be in L2, 50 MB on an H100).
+_L2_AHEAD_BYTES = 16 << 20
+
+
+def _refresh(padded: torch.Tensor, source: torch.Tensor, seen: tuple) -> tuple:
+    """Copy ``source`` into the head of its padded float32 copy unless it is the tensor, at the
+    version, last copied (``seen``); the (data_ptr, version) now copied.
+    """
+    try:
+        now = (source.data_ptr(), source._version)
+    except RuntimeError:  # an inference tensor keeps no version: copy every call
+        now = ()
+    if not now or now != seen:
+        padded[:source.shape[0]].copy_(source)
+    return now
 
 
 TVM_FFI_OPTION = "--enable-tvm-ffi"
@@ -171,14 +256,14 @@ def tvm_ffi_installed() -> bool:
     return importlib.util.find_spec("tvm_ffi") is not None
 
 
-def _ffi_function(dtype: torch.dtype, tile: CuteTile, has_bias: bool,
-                  sms: int) -> Callable[..., Any] | None:
+def _ffi_function(dtype: torch.dtype, tile: CuteTile, has_bias: bool, sms: int,
+                  shrink: bool) -> Callable[..., Any] | None:
     """The C-level TVM FFI function of the program compiled with :data:`TVM_FFI_OPTION` (it
     takes pointers as integer addresses and the stream as its integer handle), or None where
     TVM FFI is not installed or gives no function (then the DSL's own launcher serves).
     """
     if not tvm_ffi_installed():
         return None
-    compiled = compile_lora_gemm(dtype, tile, has_bias, sms, options=TVM_FFI_OPTION)
+    compiled = compile_lora_gemm(dtype, tile, has_bias, sms, TVM_FFI_OPTION, shrink)
     get = getattr(compiled, "__tvm_ffi_object__", None)
     return get() if get is not None else None

@@ -171,10 +171,11 @@ class PreparedLoraLinear:
     checks x alone and launches the same two kernels with the same configurations, so its
     result is theirs bit for bit.
 
-    With ``cute=True`` the second kernel is the CuTe-DSL Hopper GEMM
-    (:mod:`shuttle.kernels.lora_linear_cute`) where it runs (the ``hopper`` extra, an sm_90
-    device; ``self.cute`` says whether it does): the same operands, S included, and the same one
-    rounding, by a warp-specialized pipeline instead of Triton's.
+    With ``cute=True`` the CuTe-DSL Hopper GEMM (:mod:`shuttle.kernels.lora_linear_cute`) runs
+    where it can (the ``hopper`` extra, an sm_90 device; ``self.cute`` says whether it does):
+    one kernel computing S among its own work units (x read from memory once), or after
+    Triton's shrink for ranks over 128; the same roundings (S once, the output once) by a
+    warp-specialized pipeline instead of Triton's.
 
     ``usable`` is False where the TMA path does not apply to the fixed operands; a call answers
     None where it does not apply to x (few rows, another dtype or device, misaligned rows,
@@ -208,7 +209,7 @@ class PreparedLoraLinear:
                        for cfg in (FUSED_TMA_CONFIG, FUSED_TMA_NARROW_CONFIG)}
         self._cute: dict = {}
         if cute:
-            self._cute = _cute_gemms(weight, bias, up)
+            self._cute = _cute_gemms(weight, bias, down, up)
             self.cute = bool(self._cute)
 
     @staticmethod
@@ -239,15 +240,20 @@ class PreparedLoraLinear:
                 or (torch.is_grad_enabled()
                     and any(a is not None and a.requires_grad for a in (x, weight, bias, scale)))):
             return None
-        s = torch.empty(t, self._r, dtype=x.dtype, device=x.device)
         out = torch.empty(t, self._n, dtype=x.dtype, device=x.device)
+        gemm = None
+        if self._cute:
+            wide, narrow = self._cute
+            fill = _round_fill(t, self._n, wide.m, wide.n, self._sms)
+            gemm = self._cute[wide if fill >= FILL_FOR_WIDE_TILES else narrow]
+            if gemm.shrink:  # one kernel, S among its units
+                with on_device_of(x):
+                    return gemm(x, weight, bias, scale, out)
+        s = torch.empty(t, self._r, dtype=x.dtype, device=x.device)
         ensure_allocator()
         with on_device_of(x):
             _launch_tma(x, self.down, None, None, None, scale, s, self._sms, self._shrink)
-            if self._cute:
-                wide, narrow = self._cute
-                fill = _round_fill(t, self._n, wide.m, wide.n, self._sms)
-                gemm = self._cute[wide if fill >= FILL_FOR_WIDE_TILES else narrow]
+            if gemm is not None:
                 gemm(x, weight, bias, s, out)
             else:
                 _launch_tma(x, weight, s, self.up, bias, None, out, self._sms,
@@ -255,10 +261,12 @@ class PreparedLoraLinear:
         return out
 
 
-def _cute_gemms(weight: torch.Tensor, bias: torch.Tensor | None, up: torch.Tensor) -> dict:
-    """The CuTe kernel per tile for this layer, or {} where it does not run (no DSL, not sm_90,
-    operands it does not take, or a build that failed: then Triton's kernel serves, with a
-    warning saying why).
+def _cute_gemms(weight: torch.Tensor, bias: torch.Tensor | None, down: torch.Tensor,
+                up: torch.Tensor) -> dict:
+    """The CuTe kernel per tile for this layer (computing S itself where the rank allows,
+    else after Triton's shrink), or {} where it does not run (no DSL, not sm_90, operands it
+    does not take, or a build that failed: then Triton's kernels serve, with a warning saying
+    why).
     """
     from shuttle.kernels.lora_gemm_sm90 import CUTE_TILES
     from shuttle.kernels.lora_linear_cute import CuteLoraGemm, cute_available
@@ -266,7 +274,10 @@ def _cute_gemms(weight: torch.Tensor, bias: torch.Tensor | None, up: torch.Tenso
     if not (cute_available(weight.device) and CuteLoraGemm.supports(weight, up)):
         return {}
     try:
-        return {tile: CuteLoraGemm(weight, up, bias is not None, tile) for tile in CUTE_TILES}
+        return {tile: CuteLoraGemm(weight, up, bias is not None, tile,
+                                   down if CuteLoraGemm.supports(weight, up, down, tile)
+                                   else None)
+                for tile in CUTE_TILES}
     except Exception as e:  # the DSL's own errors: a version or driver it does not take
         warnings.warn(f"the CuTe LoRA kernel could not be built ({type(e).__name__}: {e}); "
                       "the fused tier runs Triton's kernel instead", RuntimeWarning,
