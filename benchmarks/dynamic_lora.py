@@ -9,6 +9,8 @@ Per shape (tokens T, in K, out N, rank r), bf16 with bias:
               x W^T + S B^T
     cute      quality="fused" with the CuTe-DSL Hopper GEMM for the second kernel (the hopper
               extra; the K loop extended by the rank); absent without the extra
+    cute1     one CuTe kernel, the shrink among its own work units (S tiles ahead of the
+              output tiles reading them: x read from memory once; ranks up to 128)
     auto      quality="auto", the default: the tier chooser's measured pick per shape
     wide      an experiment, not a tier: one cuBLAS GEMM over [W; A] (the factor stored beside
               the weight: x read once, where the fused tiers read it twice, in the shrink and
@@ -57,21 +59,23 @@ COPY_GBS, GEMM_TFLOPS = 4213.0, 780.0
 BURST = 10  # calls per timed burst, as the tier chooser times them (shuttle.apply.tier)
 # The dynamic variants: name -> (quality, whether the CuTe kernel may run)
 TIERS = {"lossless": ("lossless", False), "fused": ("fused", False), "cute": ("fused", True),
-         "auto": ("auto", True)}
+         "cute1": ("fused", "fused_cute_shrink"), "auto": ("auto", True)}
 
 
 def tiers() -> dict[str, tuple[str, bool]]:
     """The variants this machine runs (cute only with the extra on an sm_90 GPU)."""
     from shuttle.kernels.lora_linear_cute import cute_available
 
-    return {q: v for q, v in TIERS.items() if q != "cute" or cute_available()}
+    return {q: v for q, v in TIERS.items() if not q.startswith("cute") or cute_available()}
 
 
 def attach(model: nn.Module, sd: dict, strength: float, variant: tuple[str, bool]):
     quality, cute = variant
     handle = shuttle.attach_lora(model, [(sd, strength)], quality=quality)
     for hook in handle.hooks.values():
-        hook.allow_cute = cute
+        hook.allow_cute = bool(cute)
+        if isinstance(cute, str):
+            hook.cute_form = cute
     return handle
 
 
@@ -285,7 +289,8 @@ def write(rows: dict, dit: dict | None) -> None:
              "tier chooser measures). Graph: the same layers captured in CUDA graphs and replayed "
              "(the GPU work alone, as a server, torch.compile's cudagraphs or a long chain of "
              "layers whose launches run ahead runs them). Floor: against the graph base. "
-             "fused: Triton's kernels; cute: the CuTe-DSL GEMM; auto: the default's pick; "
+             "fused: Triton's kernels; cute: the CuTe-DSL GEMM; cute1: one CuTe kernel, the "
+             "shrink included; auto: the default's pick; "
              "wide: an experiment (one GEMM over [W; A], then the update onto the output "
              "columns), not a tier.")
     if dit:

@@ -59,6 +59,7 @@ from shuttle.errors import UnsupportedLayerError, UnsupportedPlacementError
 from shuttle.hooks import ModuleHook, substituted
 from shuttle.kernels import interpreting, lora_linear_fused, lora_shrink, triton_available
 from shuttle.kernels.lora_decode import DECODE_MAX_T, lora_decode_add, lora_decode_linear
+from shuttle.kernels.lora_gemm_sm90 import CUTE_SHRINK_MAX_RANK
 from shuttle.kernels.lora_linear_cute import cute_available
 from shuttle.kernels.lora_linear_tma import PreparedLoraLinear
 from shuttle.patches import PATCH_KINDS, LowRank, Patch
@@ -108,9 +109,11 @@ class LoRAHook(ModuleHook):
                  quality: Quality, pad_rank: int | None = None):
         self.name = name
         self.quality = quality
-        # False: the fused tier keeps to Triton's kernels where the CuTe one could run
-        # (benchmarks/dynamic_lora.py times the two side by side)
+        # False: the fused tier keeps to Triton's kernels where the CuTe one could run; and
+        # which CuTe form quality="fused" runs (benchmarks/dynamic_lora.py times them side by
+        # side)
         self.allow_cute = True
+        self.cute_form = "fused_cute"
         # the "auto" picks: (the chooser's generation, {(row bucket, graphs, x's dtype): pick})
         self._picks: tuple[int, dict[tuple, str]] = (-1, {})
         self._last: tuple[tuple | None, str] = (None, "lossless")  # (call's key, its pick)
@@ -168,7 +171,7 @@ class LoRAHook(ModuleHook):
         self.down = self.up = None
         self.scales.base_scale = self.scales.col_adapter = None
         # the fused tier's checked operands, per second kernel (True: CuTe, False: Triton)
-        self._prepared: dict[bool, PreparedLoraLinear] = {}
+        self._prepared: dict[str, PreparedLoraLinear] = {}
         if not self.layer.tiers or not self.slots:
             return
         w = module.weight
@@ -267,7 +270,7 @@ class LoRAHook(ModuleHook):
                 x is not None:
             impl = self._implementation(module, x, overrides, inner, args, kwargs)
             if impl != "lossless":
-                return self._fused(module, x, overrides, cute=impl == "fused_cute")
+                return self._fused(module, x, overrides, impl)
         if overrides:
             with substituted(module, overrides):
                 out = inner(*args, **kwargs)
@@ -293,7 +296,7 @@ class LoRAHook(ModuleHook):
         if self.quality == "fused":
             if not self._fused_ok(module, x):
                 return "lossless"
-            return "fused_cute" if self._cute_ok(module, x) else "fused"
+            return self.cute_form if self._cute_ok(module, x) else "fused"
         if (overrides or torch.compiler.is_compiling()
                 or (torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad
                                                  or getattr(module.bias, "requires_grad", False)))):
@@ -334,12 +337,16 @@ class LoRAHook(ModuleHook):
                 return "lossless"
             candidates: dict[str, Callable[[], object]] = {
                 "lossless": lambda: self._lossless(x, inner(*args, **kwargs)),
-                "fused": lambda: self._fused(module, x, overrides, cute=False)}
+                "fused": lambda: self._fused(module, x, overrides, "fused")}
             if cute:
-                candidates["fused_cute"] = lambda: self._fused(module, x, overrides, cute=True)
+                candidates["fused_cute"] = lambda: self._fused(module, x, overrides,
+                                                               "fused_cute")
+                if self.down.shape[0] <= CUTE_SHRINK_MAX_RANK:  # else the same as fused_cute
+                    candidates["fused_cute_shrink"] = lambda: self._fused(
+                        module, x, overrides, "fused_cute_shrink")
             with torch.no_grad():
                 pick = TIERS.choose(key, candidates)
-        if pick == "fused_cute" and not cute:  # measured on a layer that could run it
+        if pick.startswith("fused_cute") and not cute:  # measured on a layer that could
             pick = "fused"
         self._picks[1][at] = pick
         self._last = (call, pick)
@@ -409,7 +416,11 @@ class LoRAHook(ModuleHook):
                 and x.dtype in (torch.bfloat16, torch.float16, torch.float32))
 
     def _fused(self, module: torch.nn.Linear, x: torch.Tensor,
-               overrides: dict[str, torch.Tensor], *, cute: bool = False) -> torch.Tensor:
+               overrides: dict[str, torch.Tensor], impl: str = "fused") -> torch.Tensor:
+        """The update by a fused implementation (``impl``: :data:`~shuttle.apply.tier.
+        IMPLEMENTATIONS` less lossless); the CuTe ones fall back to Triton's kernels where
+        they cannot take the call.
+        """
         weight, bias = module.weight, module.bias
         w, b = overrides.get("weight", weight), overrides.get("bias", bias)
         x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
@@ -423,10 +434,11 @@ class LoRAHook(ModuleHook):
             if w is weight and b is bias:  # no per-call residual overrides
                 # The Hopper path with the layer's operands checked once (host time: the
                 # functions below check every operand on every call).
-                prep = self._prepared.get(cute)
+                prep = self._prepared.get(impl)
                 if prep is None or not prep.fits(w, b):
-                    prep = self._prepared[cute] = PreparedLoraLinear(w, b, self.down, self.up,
-                                                                     cute=cute)
+                    prep = self._prepared[impl] = PreparedLoraLinear(
+                        w, b, self.down, self.up, cute=impl.startswith("fused_cute"),
+                        one_kernel=impl == "fused_cute_shrink")
                 if prep.usable:
                     out = prep(x2d, scale)
             if out is None:

@@ -7,6 +7,9 @@ implementations measured fastest for that layer's shape on that device:
     fused        the Triton kernels: the shrink, then one kernel over x W^T and S B^T
     fused_cute   the same with the CuTe-DSL Hopper GEMM for the second kernel (the ``hopper``
                  extra on an sm_90 device)
+    fused_cute_shrink
+                 one CuTe-DSL kernel computing the shrink among its own work units (x read
+                 from memory once; ranks up to 128)
 
 Which is fastest depends on the shape (fused saves a pass over the output; its launches cost
 host time), on the device, and on how the model runs: eagerly a layer's host time can exceed
@@ -53,7 +56,7 @@ import torch
 __all__ = ["MARGIN", "MODES", "TIERS", "TierChoice", "TierChooser", "TierKey", "row_bucket"]
 
 # The implementations a Linear update can run by, in the order ties are broken.
-IMPLEMENTATIONS: tuple[str, ...] = ("lossless", "fused", "fused_cute")
+IMPLEMENTATIONS: tuple[str, ...] = ("lossless", "fused", "fused_cute", "fused_cute_shrink")
 
 # Another implementation replaces lossless only when it is this much faster (a relative
 # margin above the run-to-run spread of the bursts' medians).

@@ -34,8 +34,8 @@ from typing import Any
 import torch
 
 __all__ = [
-    "CUTE_DTYPES", "CUTE_TILES", "CuteTile", "compile_lora_gemm", "dsl", "numeric",
-    "shrink_work_list",
+    "CUTE_DTYPES", "CUTE_SHRINK_MAX_RANK", "CUTE_TILES", "CuteTile", "compile_lora_gemm", "dsl",
+    "numeric", "shrink_work_list",
 ]
 
 
@@ -60,6 +60,8 @@ class CuteTile:
 CUTE_TILES: tuple[CuteTile, ...] = (CuteTile(128, 256, 64), CuteTile(128, 128, 64))
 
 CUTE_DTYPES = (torch.bfloat16, torch.float16)
+# The most ranks the kernel's own shrink takes: an S tile's ranks are its M rows.
+CUTE_SHRINK_MAX_RANK = min(tile.m for tile in CUTE_TILES)
 _THREADS_PER_WARPGROUP = 128
 _EPI_STAGES = 4
 _BARRIER_BYTES = 1024  # the pipeline's mbarriers, rounded up

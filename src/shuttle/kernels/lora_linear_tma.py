@@ -171,11 +171,12 @@ class PreparedLoraLinear:
     checks x alone and launches the same two kernels with the same configurations, so its
     result is theirs bit for bit.
 
-    With ``cute=True`` the CuTe-DSL Hopper GEMM (:mod:`shuttle.kernels.lora_linear_cute`) runs
-    where it can (the ``hopper`` extra, an sm_90 device; ``self.cute`` says whether it does):
-    one kernel computing S among its own work units (x read from memory once), or after
-    Triton's shrink for ranks over 128; the same roundings (S once, the output once) by a
-    warp-specialized pipeline instead of Triton's.
+    With ``cute=True`` the second kernel is the CuTe-DSL Hopper GEMM
+    (:mod:`shuttle.kernels.lora_linear_cute`) where it runs (the ``hopper`` extra, an sm_90
+    device; ``self.cute`` says whether it does), the same roundings (S once, the output once)
+    by a warp-specialized pipeline instead of Triton's; with ``one_kernel=True`` too, that
+    kernel computes S itself among its work units (x read from memory once; ranks up to 128,
+    else after Triton's shrink).
 
     ``usable`` is False where the TMA path does not apply to the fixed operands; a call answers
     None where it does not apply to x (few rows, another dtype or device, misaligned rows,
@@ -183,7 +184,7 @@ class PreparedLoraLinear:
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, down: torch.Tensor,
-                 up: torch.Tensor, *, cute: bool = False) -> None:
+                 up: torch.Tensor, *, cute: bool = False, one_kernel: bool = False) -> None:
         # The layer's weight and bias weakly (a replaced parameter is not kept alive here); the
         # factors strongly (the caller's own tensors).
         self._weight = weakref.ref(weight)
@@ -209,7 +210,7 @@ class PreparedLoraLinear:
                        for cfg in (FUSED_TMA_CONFIG, FUSED_TMA_NARROW_CONFIG)}
         self._cute: dict = {}
         if cute:
-            self._cute = _cute_gemms(weight, bias, down, up)
+            self._cute = _cute_gemms(weight, bias, down if one_kernel else None, up)
             self.cute = bool(self._cute)
 
     @staticmethod
@@ -261,12 +262,12 @@ class PreparedLoraLinear:
         return out
 
 
-def _cute_gemms(weight: torch.Tensor, bias: torch.Tensor | None, down: torch.Tensor,
+def _cute_gemms(weight: torch.Tensor, bias: torch.Tensor | None, down: torch.Tensor | None,
                 up: torch.Tensor) -> dict:
-    """The CuTe kernel per tile for this layer (computing S itself where the rank allows,
-    else after Triton's shrink), or {} where it does not run (no DSL, not sm_90, operands it
-    does not take, or a build that failed: then Triton's kernels serve, with a warning saying
-    why).
+    """The CuTe kernel per tile for this layer (computing S itself given ``down`` where the
+    rank allows, else after Triton's shrink), or {} where it does not run (no DSL, not sm_90,
+    operands it does not take, or a build that failed: then Triton's kernels serve, with a
+    warning saying why).
     """
     from shuttle.kernels.lora_gemm_sm90 import CUTE_TILES
     from shuttle.kernels.lora_linear_cute import CuteLoraGemm, cute_available
@@ -275,8 +276,8 @@ def _cute_gemms(weight: torch.Tensor, bias: torch.Tensor | None, down: torch.Ten
         return {}
     try:
         return {tile: CuteLoraGemm(weight, up, bias is not None, tile,
-                                   down if CuteLoraGemm.supports(weight, up, down, tile)
-                                   else None)
+                                   down if down is not None
+                                   and CuteLoraGemm.supports(weight, up, down, tile) else None)
                 for tile in CUTE_TILES}
     except Exception as e:  # the DSL's own errors: a version or driver it does not take
         warnings.warn(f"the CuTe LoRA kernel could not be built ({type(e).__name__}: {e}); "
