@@ -221,6 +221,31 @@ def test_auto_runs_the_measured_fastest_and_layers_of_one_shape_share_it(monkeyp
 
 
 @pytest.mark.skipif(not triton_available(), reason="the fused tier needs triton")
+@pytest.mark.parametrize(("rank", "shrink"), [(8, True), (136, False)])
+def test_where_cute_runs_its_one_kernel_form_competes_up_to_128_ranks(monkeypatch, rank,
+                                                                      shrink):
+    """The candidates where the CuTe kernel can take the call: its two-kernel form always, its
+    one-kernel form (the shrink among its work units) only for ranks it takes."""
+    seen = []
+
+    def choose(key, candidates, *, graphs=False):
+        seen.append(set(candidates))
+        return "lossless"
+    chooser = TierChooser(_ranked(["lossless"]), devices=("cuda", "cpu"))
+    chooser.choose = choose
+    monkeypatch.setattr(dynamic_layer, "TIERS", chooser)
+    monkeypatch.setattr(dynamic_layer.LoRAHook, "_cute_ok", lambda self, module, x: True)
+    g = torch.Generator().manual_seed(1)
+    m = nn.Sequential(nn.Linear(32, 64)).bfloat16()
+    sd = {"0.lora_A.weight": torch.randn(rank, 32, generator=g).bfloat16(),
+          "0.lora_B.weight": torch.randn(64, rank, generator=g).bfloat16()}
+    with torch.no_grad(), shuttle.apply_lora(m, [(sd, 0.8)], mode="dynamic"):
+        m(torch.randn(100, 32, generator=g).bfloat16())
+    assert seen == [{"lossless", "fused", "fused_cute"} | ({"fused_cute_shrink"} if shrink
+                                                           else set())]
+
+
+@pytest.mark.skipif(not triton_available(), reason="the fused tier needs triton")
 def test_a_layer_keeps_its_pick_until_the_chooser_forgets(monkeypatch):
     calls = []
     chooser = TierChooser(lambda fn, mode: calls.append(mode) or 1.0, devices=("cuda", "cpu"))
@@ -285,7 +310,8 @@ def test_gpu_auto_measures_and_captures_in_a_graph():
             m, [(sd, 0.8)], mode="dynamic",
             quality="lossless" if best == "lossless" else "fused") as h:
         for hook in h.hooks.values():
-            hook.allow_cute = best == "fused_cute"
+            hook.allow_cute = best.startswith("fused_cute")
+            hook.cute_form = best if hook.allow_cute else hook.cute_form
         want = m(x)
     assert torch.equal(out, want)
     assert eager.shape == out.shape

@@ -157,10 +157,11 @@ class CuteLoraGemm:
             m_blocks, tiles_n = -(-t // self.m), -(-n // self.n)
             per_s = self.n // self.m
             s_blocks = -(-m_blocks // per_s)
-            # S tiles run ahead of their readers by about one round of the SMs, as far as
-            # their rows of x stay in L2 until read again
-            ahead = max(1, min(-(-self._sms // (per_s * tiles_n)),
-                               _L2_AHEAD_BYTES // (self.n * k * self.up.element_size())))
+            # Placed `ahead` S tiles early, an S tile precedes its first reader by (ahead - 1)
+            # S tiles' readers: at least a round of the SMs and a quarter (CTAs drift), so
+            # that it is done when read, as far as its rows of x stay in L2 until read again.
+            rounds = -(-5 * self._sms // (4 * per_s * tiles_n)) + 1
+            ahead = max(1, min(rounds, _L2_AHEAD_BYTES // (self.n * k * self.up.element_size())))
             codes = shrink_work_list(m_blocks, tiles_n, per_s, ahead)
             table = torch.tensor(codes, dtype=torch.int32, device=self.up.device)
             if self._flags.numel() < 2 * s_blocks:
