@@ -296,12 +296,12 @@ def test_gpu_fused_layer_launches_from_checked_operands_and_follows_its_weight()
             return lora_linear_fused(x, lin.weight, lin.bias, s, hook.up)
 
         got = model(x)
-        prep = hook._prepared[False]
+        prep = hook._prepared["fused"]
         assert prep.usable
         assert torch.equal(got, functions())
         lin.weight.data = lin.weight.data * 2  # a storage swap, as offloading does
         got = model(x)
-        assert hook._prepared[False] is not prep and torch.equal(got, functions())
+        assert hook._prepared["fused"] is not prep and torch.equal(got, functions())
         handle.detach()
 
 
