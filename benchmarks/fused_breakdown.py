@@ -360,7 +360,7 @@ def decode(t, k, n, r, rounds):
 
 
 def cute(t, k, n, r, rounds):
-    from shuttle.kernels.lora_gemm_sm90 import CUTE_TILES
+    from shuttle.kernels.cute_dsl import CUTE_TILES
     from shuttle.kernels.lora_linear_cute import CuteLoraGemm
 
     x, w, b, a, u, scale = operands(t, k, n, r)

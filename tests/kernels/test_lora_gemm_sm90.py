@@ -12,7 +12,8 @@ import re
 
 import pytest
 
-from shuttle.kernels.lora_gemm_sm90 import CUTE_TILES, compile_lora_gemm, dsl
+from shuttle.kernels.cute_dsl import CUTE_TILES
+from shuttle.kernels.lora_gemm_sm90 import compile_lora_gemm
 from shuttle.kernels.lora_linear_cute import cute_installed
 from tests.kernels.test_lora_linear import BF16, FP16
 
@@ -55,35 +56,6 @@ def test_compiles_for_hopper_on_the_cpu(tile, dtype, ptx_type, shrink, ptx_of):
     assert [bool(re.search(h, ptx)) for h in handoff] == [shrink] * len(handoff)
 
 
-def test_the_shrink_work_list_puts_each_s_tile_before_its_readers():
-    """Each output tile once; each S tile once, ``ahead`` S tiles before the first output tile
-    of its rows (or at the start), never after one: a CTA waiting on an S tile waits on a unit
-    taken earlier."""
-    from shuttle.kernels.lora_gemm_sm90 import _S_UNIT, _UNIT_FIELD, shrink_work_list
-
-    for m_blocks, tiles_n, per_s, ahead in [(7, 3, 2, 2), (256, 6, 2, 11), (1, 1, 1, 1),
-                                            (5, 2, 1, 9), (34, 15, 2, 5)]:
-        codes = shrink_work_list(m_blocks, tiles_n, per_s, ahead)
-        s_at = {c - _S_UNIT: i for i, c in enumerate(codes) if c >= _S_UNIT}
-        tiles = [(i, divmod(c, _UNIT_FIELD)) for i, c in enumerate(codes) if c < _S_UNIT]
-        s_blocks = -(-m_blocks // per_s)
-        assert sorted(s_at) == list(range(s_blocks))
-        assert sorted(mn for _, mn in tiles) == [(m, n) for m in range(m_blocks)
-                                                 for n in range(tiles_n)]
-        first_reader = {}
-        for i, (m, _) in tiles:
-            first_reader.setdefault(m // per_s, i)
-        for j, at in s_at.items():
-            assert at < first_reader[j]
-            # ahead S tiles' readers come between it and its own first reader
-            between = {m // per_s for i, (m, _) in tiles if at < i < first_reader[j]}
-            assert len(between) <= ahead
-        assert codes[:min(ahead, s_blocks)] == [_S_UNIT + j for j in range(min(ahead,
-                                                                               s_blocks))]
-    with pytest.raises(ValueError, match="fields"):
-        shrink_work_list(_UNIT_FIELD, 1, 2, 1)
-
-
 @needs_dsl
 def test_the_bias_is_read_only_when_the_layer_has_one(ptx_of):
     tile = CUTE_TILES[0]
@@ -102,13 +74,3 @@ def test_compiles_for_a_tvm_ffi_launch_on_the_cpu():
         pytest.skip("apache-tvm-ffi not installed")
     compiled = compile_lora_gemm(BF16, CUTE_TILES[0], True, 132, TVM_FFI_OPTION)
     assert hasattr(compiled, "__tvm_ffi_object__")
-
-
-def test_a_missing_dsl_names_the_extra(monkeypatch):
-    import sys
-
-    from shuttle.errors import MissingDependencyError
-
-    monkeypatch.setitem(sys.modules, "cutlass", None)  # import cutlass -> ImportError
-    with pytest.raises(MissingDependencyError, match=r"shuttle\[hopper\]"):
-        dsl.__wrapped__()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shuttle.kernels import lora_linear_fused_reference
-from shuttle.kernels.lora_gemm_sm90 import CUTE_TILES
+from shuttle.kernels.cute_dsl import CUTE_TILES
 from shuttle.kernels.lora_linear_cute import CuteLoraGemm, cute_available, cute_installed
 from tests.kernels.test_lora_linear import BF16, FP16, _assert_one_ulp, _layer
 

@@ -11,97 +11,46 @@ shared-memory pipeline (the zero fill of TMA past K or R makes the partial tiles
 consumer warpgroups never see the seam. At rank 128 over K = 1536 that is 8.3% more MMA work
 than the base product.
 
+With ``shrink`` the kernel computes S too, so x is read from memory once: among its work units
+are S tiles, ``S^T = (A @ x.T) * scale`` over ``tile.n`` tokens (A's ranks, zero past R, are the
+M rows: R <= tile.m), stored transposed into S's memory; the output tiles of those rows load it
+back once its flag is set. The store warp waits until the tile's bulk stores are complete and
+releases the flag (gpu scope); a reader's producer acquires it before its S/B loads, and the
+last reader resets it for the next launch (graph replays included). The work list
+(:mod:`~shuttle.kernels.lora_gemm_units`) places each S tile ahead of its readers: a CTA waits
+only on a unit taken earlier, so with every CTA resident (one per SM) there is no deadlock.
+
 The form is CUTLASS's Hopper persistent GEMM, expressed in the CuTe DSL (``nvidia-cutlass-dsl``,
 the ``hopper`` extra): one producer warp issuing TMA bulk copies into a ring of ``stages``
-buffers, one or two consumer warpgroups issuing ``wgmma`` out of shared memory, a static
-persistent tile scheduler (one CTA per SM walking the output tiles, so one tile's epilogue
-overlaps the next tile's loads), and a TMA-store epilogue through shared memory. The bias is
-added to the float32 accumulator from a float32 copy padded to whole tiles (read without a
+buffers, two consumer warpgroups issuing ``wgmma`` out of shared memory, a static persistent
+scheduler (one CTA per SM walking the units, so one unit's epilogue overlaps the next one's
+loads), and a TMA-store epilogue through shared memory. The bias (and the shrink's scale) are
+applied to the float32 accumulator from float32 copies padded to whole tiles (read without a
 bound check).
 
-:func:`compile_lora_gemm` compiles it once per (dtype, tile shape, bias or not, SM count);
-:class:`~shuttle.kernels.lora_linear_cute.CuteLoraGemm` launches it for a layer.
+:func:`compile_lora_gemm` compiles it once per (dtype, tile shape, bias or not, SM count,
+shrink or not); :class:`~shuttle.kernels.lora_linear_cute.CuteLoraGemm` launches it for a layer.
 """
 
 # No `from __future__ import annotations`: the DSL reads the jit functions' annotations as
 # objects (cute.Tensor, cutlass.Int32), which live in closures, not in this module's globals.
-import dataclasses
 import functools
-import importlib.util
-import types
 from typing import Any
 
 import torch
 
-__all__ = [
-    "CUTE_DTYPES", "CUTE_SHRINK_MAX_RANK", "CUTE_TILES", "CuteTile", "compile_lora_gemm", "dsl",
-    "numeric", "shrink_work_list",
-]
+from shuttle.kernels.cute_dsl import CUTE_DTYPES, CUTE_TILES, CuteTile, dsl, numeric
+from shuttle.kernels.lora_gemm_units import unit_of
+
+__all__ = ["CUTE_SHRINK_MAX_RANK", "compile_lora_gemm"]
 
 
-@dataclasses.dataclass(frozen=True)
-class CuteTile:
-    """One CTA's output tile (``m`` x ``n``) and its K step; ``consumers`` warpgroups share the
-    ``m`` rows, 64 each (a wgmma instruction's rows): one warpgroup over 128 rows would issue
-    both halves' instructions in turn and hold both accumulators.
-    """
-
-    m: int = 128
-    n: int = 256
-    k: int = 64
-
-    @property
-    def consumers(self) -> int:
-        return self.m // 64
-
-
-# The tiles tried by the tier chooser: 128 x 256 fills the SMs' rounds at long sequences,
-# 128 x 128 at shorter ones (the same trade as the Triton kernel's two configurations).
-CUTE_TILES: tuple[CuteTile, ...] = (CuteTile(128, 256, 64), CuteTile(128, 128, 64))
-
-CUTE_DTYPES = (torch.bfloat16, torch.float16)
 # The most ranks the kernel's own shrink takes: an S tile's ranks are its M rows.
 CUTE_SHRINK_MAX_RANK = min(tile.m for tile in CUTE_TILES)
 _THREADS_PER_WARPGROUP = 128
 _EPI_STAGES = 4
 _BARRIER_BYTES = 1024  # the pipeline's mbarriers, rounded up
 _SMEM_ALIGN = 1024  # swizzled shared-memory buffers start on 1 KiB
-# The shrink's work list: one int32 per unit, an S tile's index + _S_UNIT, or an output tile's
-# row tile * _UNIT_FIELD + its column tile.
-_S_UNIT = 1 << 30
-_UNIT_FIELD = 1 << 15
-
-
-@functools.cache
-def dsl() -> Any:
-    """The DSL's modules, imported on first use (an optional dependency)."""
-    from shuttle.optional import import_optional
-
-    install = 'pip install "shuttle[hopper]"'
-    # The wheel puts its packages on sys.path through a .pth file; an install with --target
-    # (no site processing) needs the path added here.
-    pkg = importlib.util.find_spec("nvidia_cutlass_dsl")
-    if pkg is not None and importlib.util.find_spec("cutlass") is None:
-        import os
-        import sys
-
-        for root in pkg.submodule_search_locations or ():
-            sys.path.insert(0, os.path.join(root, "dsl_packages"))
-    cutlass = import_optional("cutlass", "the CuTe fused LoRA kernel", install)
-    import cutlass.cute as cute
-    import cutlass.pipeline as pipeline
-    import cutlass.utils as utils
-    import cutlass.utils.hopper_helpers as sm90
-    from cutlass.cute.runtime import make_ptr
-
-    return types.SimpleNamespace(cutlass=cutlass, cute=cute, pipeline=pipeline, utils=utils,
-                                 sm90=sm90, make_ptr=make_ptr)
-
-
-def numeric(dtype: torch.dtype) -> Any:
-    """The DSL's element type for a torch dtype (bfloat16 or float16)."""
-    cutlass = dsl().cutlass
-    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
 
 
 def _stages(tile: CuteTile, epi_tile: tuple[int, int], elem_bytes: int, smem: int) -> int:
@@ -109,17 +58,6 @@ def _stages(tile: CuteTile, epi_tile: tuple[int, int], elem_bytes: int, smem: in
     ab = (tile.m + tile.n) * tile.k * elem_bytes
     epi = epi_tile[0] * epi_tile[1] * elem_bytes * _EPI_STAGES
     return (smem - _BARRIER_BYTES - epi - 2 * _SMEM_ALIGN) // ab
-
-
-def _unit(u: Any, table: Any, tiles_n: Any, shrink: bool) -> tuple:
-    """(S tile or not, row tile, column tile) of work unit ``u`` (traced into the kernel; an S
-    tile's column tile is its index, tile.n tokens each): the shrink's work list says, else the
-    units are the output tiles in row-major order.
-    """
-    if shrink:
-        code = table[u]
-        return code >= _S_UNIT, (code // _UNIT_FIELD) % _UNIT_FIELD, code % _UNIT_FIELD
-    return False, u // tiles_n, u % tiles_n
 
 
 class _Kernel:
@@ -349,7 +287,7 @@ class _Kernel:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                      stages)
                 while work.is_valid_tile:
-                    is_s, tm, tn = _unit(work.tile_idx[0], m_table, tiles_n, shrink)
+                    is_s, tm, tn = unit_of(work.tile_idx[0], m_table, tiles_n, shrink)
                     steps = k_tiles + r_tiles
                     if is_s:
                         steps = k_tiles
@@ -463,7 +401,7 @@ class _Kernel:
                 sub_layout = cute.make_layout(sub_grid, stride=(sub_grid[1], 1))
 
                 while work.is_valid_tile:
-                    is_s, tm, tn = _unit(work.tile_idx[0], m_table, tiles_n, shrink)
+                    is_s, tm, tn = unit_of(work.tile_idx[0], m_table, tiles_n, shrink)
                     steps = k_tiles + r_tiles
                     if is_s:
                         steps = k_tiles
@@ -556,28 +494,6 @@ class _Kernel:
                 stores.producer_tail()
 
         return kernel
-
-
-def shrink_work_list(m_blocks: int, tiles_n: int, per_s: int, ahead: int) -> list[int]:
-    """The shrink form's units in the order CTAs take them: output tiles row block by row
-    block (``tiles_n`` column tiles each), with each S tile (``per_s`` row blocks' S) placed
-    ``ahead`` S tiles before the first of its readers.
-
-    Codes as the kernel reads them: an S tile ``j`` is ``_S_UNIT + j``, output tile (m, n)
-    ``m * _UNIT_FIELD + n``. Every S tile precedes its readers, so a CTA waiting for one waits
-    for a unit another CTA has already taken (all CTAs are resident): no deadlock.
-    """
-    if m_blocks >= _UNIT_FIELD or tiles_n >= _UNIT_FIELD:
-        raise ValueError(f"{m_blocks} row tiles x {tiles_n} column tiles: the work list's "
-                         f"fields take fewer than {_UNIT_FIELD} each")
-    s_blocks = -(-m_blocks // per_s)
-    codes = [_S_UNIT + j for j in range(min(ahead, s_blocks))]
-    for j in range(s_blocks):
-        for m in range(j * per_s, min((j + 1) * per_s, m_blocks)):
-            codes.extend(m * _UNIT_FIELD + n for n in range(tiles_n))
-        if j + ahead < s_blocks:
-            codes.append(_S_UNIT + j + ahead)
-    return codes
 
 
 @functools.cache

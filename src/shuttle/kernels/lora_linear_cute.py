@@ -5,7 +5,8 @@ pointers and sizes (no per-call layout checks or DLPack conversion), through Apa
 calling convention where ``apache-tvm-ffi`` is installed (the ``hopper`` extra brings it: the
 DSL's own Python launcher converts every argument in Python, which costs an eager model more
 host time per layer than the GEMM saves on the GPU);
-:class:`~shuttle.kernels.lora_linear_tma.PreparedLoraLinear` runs it after the Triton shrink.
+:class:`~shuttle.kernels.lora_linear_tma.PreparedLoraLinear` runs it after the Triton shrink,
+or alone where it computes S itself (its shrink form).
 :func:`cute_available` says whether the DSL (``pip install "shuttle[hopper]"``) can be imported
 and the device is a Hopper (sm_90) GPU; the Triton kernels serve everywhere else.
 """
@@ -20,15 +21,9 @@ from typing import Any
 
 import torch
 
-from shuttle.kernels.lora_gemm_sm90 import (
-    CUTE_DTYPES,
-    CUTE_TILES,
-    CuteTile,
-    compile_lora_gemm,
-    dsl,
-    numeric,
-    shrink_work_list,
-)
+from shuttle.kernels.cute_dsl import CUTE_DTYPES, CUTE_TILES, CuteTile, dsl, numeric
+from shuttle.kernels.lora_gemm_sm90 import compile_lora_gemm
+from shuttle.kernels.lora_gemm_units import shrink_work_list
 
 __all__ = ["CuteLoraGemm", "cute_available", "cute_installed", "tvm_ffi_installed"]
 

@@ -269,7 +269,7 @@ def _cute_gemms(weight: torch.Tensor, bias: torch.Tensor | None, down: torch.Ten
     operands it does not take, or a build that failed: then Triton's kernels serve, with a
     warning saying why).
     """
-    from shuttle.kernels.lora_gemm_sm90 import CUTE_TILES
+    from shuttle.kernels.cute_dsl import CUTE_TILES
     from shuttle.kernels.lora_linear_cute import CuteLoraGemm, cute_available
 
     if not (cute_available(weight.device) and CuteLoraGemm.supports(weight, up)):

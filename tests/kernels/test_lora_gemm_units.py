@@ -1,0 +1,34 @@
+"""The CuTe LoRA GEMM's work units: the order that lets output tiles wait on S tiles safely."""
+
+from __future__ import annotations
+
+import pytest
+
+from shuttle.kernels.lora_gemm_units import S_UNIT, UNIT_FIELD, shrink_work_list
+
+
+def test_the_shrink_work_list_puts_each_s_tile_before_its_readers():
+    """Each output tile once; each S tile once, ``ahead`` S tiles before the first output tile
+    of its rows (or at the start), never after one: a CTA waiting on an S tile waits on a unit
+    taken earlier."""
+    for m_blocks, tiles_n, per_s, ahead in [(7, 3, 2, 2), (256, 6, 2, 11), (1, 1, 1, 1),
+                                            (5, 2, 1, 9), (34, 15, 2, 5)]:
+        codes = shrink_work_list(m_blocks, tiles_n, per_s, ahead)
+        s_at = {c - S_UNIT: i for i, c in enumerate(codes) if c >= S_UNIT}
+        tiles = [(i, divmod(c, UNIT_FIELD)) for i, c in enumerate(codes) if c < S_UNIT]
+        s_blocks = -(-m_blocks // per_s)
+        assert sorted(s_at) == list(range(s_blocks))
+        assert sorted(mn for _, mn in tiles) == [(m, n) for m in range(m_blocks)
+                                                 for n in range(tiles_n)]
+        first_reader = {}
+        for i, (m, _) in tiles:
+            first_reader.setdefault(m // per_s, i)
+        for j, at in s_at.items():
+            assert at < first_reader[j]
+            # ahead S tiles' readers come between it and its own first reader
+            between = {m // per_s for i, (m, _) in tiles if at < i < first_reader[j]}
+            assert len(between) <= ahead
+        assert codes[:min(ahead, s_blocks)] == [S_UNIT + j for j in range(min(ahead,
+                                                                               s_blocks))]
+    with pytest.raises(ValueError, match="fields"):
+        shrink_work_list(UNIT_FIELD, 1, 2, 1)
