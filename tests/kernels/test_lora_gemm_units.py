@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from shuttle.kernels.lora_gemm_units import S_UNIT, UNIT_FIELD, shrink_work_list
+from shuttle.kernels.lora_gemm_units import (
+    L2_AHEAD_BYTES,
+    S_UNIT,
+    UNIT_FIELD,
+    s_tiles_ahead,
+    shrink_work_list,
+)
 
 
 def test_the_shrink_work_list_puts_each_s_tile_before_its_readers():
@@ -32,3 +38,24 @@ def test_the_shrink_work_list_puts_each_s_tile_before_its_readers():
                                                                                s_blocks))]
     with pytest.raises(ValueError, match="fields"):
         shrink_work_list(UNIT_FIELD, 1, 2, 1)
+
+
+@pytest.mark.parametrize(("readers", "x_bytes"), [(12, 786432), (112, 2 << 20), (30, 1966080),
+                                                  (70, 786432), (1, 1)])
+def test_an_s_tile_is_placed_a_round_and_a_quarter_before_its_first_reader(readers, x_bytes):
+    """Where L2 can hold the rows of x the S tiles read meanwhile, at least 1.25 rounds of the
+    SMs' units separate an S tile from its first reader (else its readers, running in its
+    round, wait for it); never more x than L2_AHEAD_BYTES read ahead."""
+    sms, per_s = 132, 2
+    tiles_n = max(1, readers // per_s)
+    ahead = s_tiles_ahead(sms, per_s * tiles_n, x_bytes)
+    codes = shrink_work_list(per_s * (ahead + 8), tiles_n, per_s, ahead)
+    at = {c - S_UNIT: i for i, c in enumerate(codes) if c >= S_UNIT}
+    first = {}
+    for i, c in enumerate(codes):
+        if c < S_UNIT:
+            first.setdefault(c // UNIT_FIELD // per_s, i)
+    gaps = [first[j] - at[j] for j in at if j >= ahead]  # past the prelude
+    assert (ahead - 1) * x_bytes <= L2_AHEAD_BYTES or ahead == 1
+    if (ahead + 1) * x_bytes <= L2_AHEAD_BYTES:  # L2 did not limit it
+        assert min(gaps) >= 1.25 * sms

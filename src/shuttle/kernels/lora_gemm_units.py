@@ -10,12 +10,29 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["S_UNIT", "UNIT_FIELD", "shrink_work_list", "unit_of"]
+__all__ = ["L2_AHEAD_BYTES", "S_UNIT", "UNIT_FIELD", "s_tiles_ahead", "shrink_work_list",
+           "unit_of"]
 
 # A unit's code: an S tile's index + S_UNIT, or an output tile's row tile * UNIT_FIELD + its
 # column tile.
 S_UNIT = 1 << 30
 UNIT_FIELD = 1 << 15
+# How many bytes of x the S tiles may read ahead of their readers (the output tiles read those
+# rows again: they should still be in L2, 50 MB on an H100, beside the weight's tiles).
+L2_AHEAD_BYTES = 16 << 20
+
+
+def s_tiles_ahead(sms: int, readers: int, x_bytes: int) -> int:
+    """How many S tiles the work list places ahead (``ahead`` of :func:`shrink_work_list`) for
+    ``sms`` CTAs, ``readers`` output tiles per S tile and ``x_bytes`` of x per S tile.
+
+    Placed ``ahead`` S tiles early, an S tile precedes its first reader by ``ahead - 1`` S
+    tiles' readers: at least a round of the SMs and a quarter (CTAs drift apart), so that it is
+    done when read, as far as the rows of x it read stay in L2 until read again
+    (:data:`L2_AHEAD_BYTES`).
+    """
+    rounds = -(-5 * sms // (4 * readers)) + 1
+    return max(1, min(rounds, L2_AHEAD_BYTES // x_bytes))
 
 
 def shrink_work_list(m_blocks: int, tiles_n: int, per_s: int, ahead: int) -> list[int]:

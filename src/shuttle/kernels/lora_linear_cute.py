@@ -23,7 +23,7 @@ import torch
 
 from shuttle.kernels.cute_dsl import CUTE_DTYPES, CUTE_TILES, CuteTile, dsl, numeric
 from shuttle.kernels.lora_gemm_sm90 import compile_lora_gemm
-from shuttle.kernels.lora_gemm_units import shrink_work_list
+from shuttle.kernels.lora_gemm_units import s_tiles_ahead, shrink_work_list
 
 __all__ = ["CuteLoraGemm", "cute_available", "cute_installed", "tvm_ffi_installed"]
 
@@ -152,11 +152,7 @@ class CuteLoraGemm:
             m_blocks, tiles_n = -(-t // self.m), -(-n // self.n)
             per_s = self.n // self.m
             s_blocks = -(-m_blocks // per_s)
-            # Placed `ahead` S tiles early, an S tile precedes its first reader by (ahead - 1)
-            # S tiles' readers: at least a round of the SMs and a quarter (CTAs drift), so
-            # that it is done when read, as far as its rows of x stay in L2 until read again.
-            rounds = -(-5 * self._sms // (4 * per_s * tiles_n)) + 1
-            ahead = max(1, min(rounds, _L2_AHEAD_BYTES // (self.n * k * self.up.element_size())))
+            ahead = s_tiles_ahead(self._sms, per_s * tiles_n, self.n * k * self.up.element_size())
             codes = shrink_work_list(m_blocks, tiles_n, per_s, ahead)
             table = torch.tensor(codes, dtype=torch.int32, device=self.up.device)
             if self._flags.numel() < 2 * s_blocks:
@@ -222,11 +218,6 @@ class CuteLoraGemm:
                       "the DSL was built with", RuntimeWarning, stacklevel=3)
         self._ffi = None
         self._compiled = self._compile()
-
-
-# How many bytes of x the S tiles may read ahead of their readers (x's rows are read again by
-# the output tiles of those rows: they should still be in L2, 50 MB on an H100).
-_L2_AHEAD_BYTES = 16 << 20
 
 
 def _refresh(padded: torch.Tensor, source: torch.Tensor, seen: tuple) -> tuple:
