@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from shuttle.kernels.lora_gemm_units import (
     L2_AHEAD_BYTES,
@@ -59,3 +60,27 @@ def test_an_s_tile_is_placed_a_round_and_a_quarter_before_its_first_reader(reade
     assert (ahead - 1) * x_bytes <= L2_AHEAD_BYTES or ahead == 1
     if (ahead + 1) * x_bytes <= L2_AHEAD_BYTES:  # L2 did not limit it
         assert min(gaps) >= 1.25 * sms
+
+
+def test_work_lists_are_made_once_kept_to_a_capacity_and_never_made_in_a_capture():
+    """One list per (rows, shape), shared; the least recently used dropped past the capacity,
+    except lists a capture used (a replay reads them); none made while capturing; one flags
+    buffer, zero, sized for the longest list."""
+    from shuttle.kernels.lora_gemm_units import WorkLists
+
+    lists = WorkLists(torch.device("cpu"), capacity=2)
+    a = lists.get(10, 3, 2, 2)
+    assert lists.get(10, 3, 2, 2) is a and len(lists) == 1
+    table, units, s_blocks = a
+    assert table.tolist() == shrink_work_list(10, 3, 2, 2) and units == 10 * 3 + 5
+    assert s_blocks == 5
+    assert lists.flags.shape == (2 * UNIT_FIELD,) and not lists.flags.any()
+    flags = lists.flags
+    assert lists.get(11, 3, 2, 2, capturing=True) is None and len(lists) == 1  # none made
+    assert lists.get(10, 3, 2, 2, capturing=True) is a  # used by a capture: kept
+    lists.get(12, 3, 2, 2)
+    lists.get(13, 3, 2, 2)
+    lists.get(14, 3, 2, 2)  # evicts 12: capacity 2 besides the captured
+    assert len(lists) == 3 and lists.get(10, 3, 2, 2, capturing=True) is a
+    assert lists.get(12, 3, 2, 2, capturing=True) is None
+    assert lists.flags is flags  # one buffer for every list

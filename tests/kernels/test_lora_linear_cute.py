@@ -126,7 +126,7 @@ def test_gpu_the_shrink_form_matches_reference(tile, dtype, t, k, n, r):
             gemm(xi, w, b, scale, out)
             torch.cuda.synchronize()
             _assert_within_s_rounding(out, xi, w, b, down, up, scale)
-    assert not gemm._flags.any()  # reset by each S tile's last reader
+    assert not gemm._lists.flags.any()  # reset by each S tile's last reader
     with torch.no_grad():
         scale.mul_(-2.0)
     gemm(x, w, None, scale, out)
@@ -152,6 +152,23 @@ def test_gpu_the_shrink_form_replays_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         _assert_within_s_rounding(out, x, w, bias, down, up, scale)
+    # a row count first seen during a capture: no work list is made there; the kernel
+    # launches nothing and the prepared layer runs Triton's kernels for that call
+    from shuttle.kernels import PreparedLoraLinear
+
+    prep = PreparedLoraLinear(w, bias, down, up, cute=True, one_kernel=True)
+    assert prep.cute and all(g.shrink for g in prep._cute.values())
+    x2 = torch.randn(3001, 512, dtype=BF16, device="cuda")
+    PreparedLoraLinear(w, bias, down, up)(x2, scale)  # Triton's kernels compiled, not captured
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        assert gemm(x2, w, bias, scale, torch.empty(3001, 1536, dtype=BF16,
+                                                    device="cuda")) is None
+        got = prep(x2, scale)
+    graph.replay()
+    torch.cuda.synchronize()
+    _assert_within_s_rounding(got, x2, w, bias, down, up, scale)
 
 
 @pytest.mark.gpu
@@ -162,7 +179,7 @@ def test_gpu_prepared_cute_layer_agrees_with_triton():
     if not cute_available():
         pytest.skip("needs an sm_90 GPU")
     x, w, bias, down, up, scale = _layer(4096, 1536, 1536, 64, BF16, BF16, device="cuda")
-    cute = PreparedLoraLinear(w, bias, down, up, cute=True)
+    cute = PreparedLoraLinear(w, bias, down, up, cute=True, one_kernel=True)
     triton = PreparedLoraLinear(w, bias, down, up)
     assert cute.usable and cute.cute and triton.usable and not triton.cute
     with torch.no_grad():
@@ -170,7 +187,7 @@ def test_gpu_prepared_cute_layer_agrees_with_triton():
         _assert_within_s_rounding(triton(x, scale), x, w, bias, down, up, scale)
     # past 128 ranks the kernel takes S from Triton's shrink
     x, w, bias, down, up, scale = _layer(4096, 512, 1536, 136, BF16, BF16, device="cuda")
-    wide = PreparedLoraLinear(w, bias, down, up, cute=True)
+    wide = PreparedLoraLinear(w, bias, down, up, cute=True, one_kernel=True)
     assert wide.cute and not any(g.shrink for g in wide._cute.values())
     with torch.no_grad():
         _assert_within_s_rounding(wide(x, scale), x, w, bias, down, up, scale)

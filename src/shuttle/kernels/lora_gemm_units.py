@@ -8,10 +8,13 @@ a work list of int32 codes, puts each S tile early enough that its readers seldo
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
-__all__ = ["L2_AHEAD_BYTES", "S_UNIT", "UNIT_FIELD", "s_tiles_ahead", "shrink_work_list",
-           "unit_of"]
+import torch
+
+__all__ = ["L2_AHEAD_BYTES", "S_UNIT", "UNIT_FIELD", "WorkLists", "s_tiles_ahead",
+           "shrink_work_list", "unit_of"]
 
 # A unit's code: an S tile's index + S_UNIT, or an output tile's row tile * UNIT_FIELD + its
 # column tile.
@@ -66,3 +69,55 @@ def unit_of(u: Any, table: Any, tiles_n: Any, shrink: bool) -> tuple:
         code = table[u]
         return code >= S_UNIT, (code // UNIT_FIELD) % UNIT_FIELD, code % UNIT_FIELD
     return False, u // tiles_n, u % tiles_n
+
+
+class WorkLists:
+    """The shrink form's work lists on one device, shared by every layer of a shape, and the
+    flags their S tiles raise.
+
+    A list depends on (row tiles, column tiles, row tiles per S tile, ``ahead``): one per
+    distinct row count and layer shape, made on first use. Made lists are kept up to
+    ``capacity`` in least-recently-used order, except those a CUDA graph captured (a replay
+    reads the list by its address: it stays for the process). None is made while a graph is
+    being captured (an upload is no operation a capture takes): :meth:`get` answers None and
+    the caller runs another path for that call.
+
+    The flags are one buffer per device for every list and layer, ``2 * UNIT_FIELD`` int32
+    (two per S tile, the most a list has), made with the first list: zero between launches
+    (each S tile's last reader resets its own), so launches in one stream order share it.
+    """
+
+    def __init__(self, device: torch.device, capacity: int = 256) -> None:
+        self.device = device
+        self.capacity = capacity
+        self.flags: torch.Tensor | None = None
+        self._lists: collections.OrderedDict[tuple, tuple[torch.Tensor, int, int]] = \
+            collections.OrderedDict()
+        self._captured: dict[tuple, tuple[torch.Tensor, int, int]] = {}
+
+    def get(self, m_blocks: int, tiles_n: int, per_s: int, ahead: int, *,
+            capturing: bool = False) -> tuple[torch.Tensor, int, int] | None:
+        """(the list on the device, its units, its S tiles); None while ``capturing`` where
+        the list was not made before.
+        """
+        key = (m_blocks, tiles_n, per_s, ahead)
+        got = self._captured.get(key) or self._lists.get(key)
+        if got is None:
+            if capturing:
+                return None
+            codes = shrink_work_list(m_blocks, tiles_n, per_s, ahead)
+            if self.flags is None:
+                self.flags = torch.zeros(2 * UNIT_FIELD, dtype=torch.int32, device=self.device)
+            got = (torch.tensor(codes, dtype=torch.int32, device=self.device), len(codes),
+                   -(-m_blocks // per_s))
+            self._lists[key] = got
+            while len(self._lists) > self.capacity:
+                self._lists.popitem(last=False)
+        elif key in self._lists:
+            self._lists.move_to_end(key)
+            if capturing:  # kept for the process: a replay reads it
+                self._captured[key] = self._lists.pop(key)
+        return got
+
+    def __len__(self) -> int:
+        return len(self._lists) + len(self._captured)

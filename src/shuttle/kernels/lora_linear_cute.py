@@ -23,7 +23,7 @@ import torch
 
 from shuttle.kernels.cute_dsl import CUTE_DTYPES, CUTE_TILES, CuteTile, dsl, numeric
 from shuttle.kernels.lora_gemm_sm90 import compile_lora_gemm
-from shuttle.kernels.lora_gemm_units import s_tiles_ahead, shrink_work_list
+from shuttle.kernels.lora_gemm_units import WorkLists, s_tiles_ahead
 
 __all__ = ["CuteLoraGemm", "cute_available", "cute_installed", "tvm_ffi_installed"]
 
@@ -65,8 +65,9 @@ class CuteLoraGemm:
 
     The bias and the scale are read from float32 copies padded to whole tiles, refreshed when
     the caller's tensor is another one or was written in place (its version counter). The
-    shrink form's flags are this object's: calls of one layer on two streams at once would
-    share them (a model runs a layer on one stream).
+    shrink form's work lists and flags are the device's (:class:`~shuttle.kernels.
+    lora_gemm_units.WorkLists`): its launches must follow one another, as one stream orders
+    them (a model runs its layers on one stream).
 
     Args:
         weight: W (N, K), bfloat16 or float16, contiguous, on a Hopper GPU (its shape and dtype
@@ -102,13 +103,13 @@ class CuteLoraGemm:
         self._scale = torch.zeros(tile.m, dtype=torch.float32,
                                   device=device) if self.shrink else None
         self._scale_of: tuple = ()
-        # The shrink's flags (two int32 per S tile, zero between calls: each call's last
-        # reader of a tile resets them) and work lists per row count.
-        self._flags = torch.zeros(0, dtype=torch.int32, device=device)
-        self._lists: dict[int, tuple[torch.Tensor, int, int]] = {}
         self._spare = up.data_ptr()  # the address an operand the form does not read gets
         self._fixed: tuple | None = None  # (weight address, the fixed operands' DSL pointers)
         self._sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self._lists = _work_lists(device) if self.shrink else None
+        per_s, tiles_n = tile.n // tile.m, -(-n // tile.n)  # a list's shape but for its rows
+        self._list_of = (tiles_n, per_s, s_tiles_ahead(self._sms, per_s * tiles_n,
+                                                       tile.n * k * up.element_size()))
         # With TVM FFI the program is a C function taking addresses, sizes and the stream
         # handle as Python ints (no DSL pointer objects, no Python-side argument packing).
         self._build = (weight.dtype, tile, has_bias, self._sms, self.shrink)
@@ -142,27 +143,15 @@ class CuteLoraGemm:
                 and all(s % 8 == 0 for s in (*weight.shape, up.shape[1]))
                 and weight.data_ptr() % 16 == 0)
 
-    def work_list(self, t: int) -> tuple[torch.Tensor, int, int]:
-        """The shrink form's work list for ``t`` rows (on the device, made once per row
-        count), its units and its S tiles; see :func:`shrink_work_list`.
+    def work_list(self, t: int, capturing: bool = False) -> tuple[torch.Tensor, int, int] | None:
+        """The shrink form's work list for ``t`` rows, its units and its S tiles
+        (:class:`~shuttle.kernels.lora_gemm_units.WorkLists`); None while ``capturing`` a CUDA
+        graph where it was not made before (then call another path).
         """
-        got = self._lists.get(t)
-        if got is None:
-            n, k, _ = self._shape
-            m_blocks, tiles_n = -(-t // self.m), -(-n // self.n)
-            per_s = self.n // self.m
-            s_blocks = -(-m_blocks // per_s)
-            ahead = s_tiles_ahead(self._sms, per_s * tiles_n, self.n * k * self.up.element_size())
-            codes = shrink_work_list(m_blocks, tiles_n, per_s, ahead)
-            table = torch.tensor(codes, dtype=torch.int32, device=self.up.device)
-            if self._flags.numel() < 2 * s_blocks:
-                self._flags = torch.zeros(2 * s_blocks, dtype=torch.int32,
-                                          device=self.up.device)
-            got = self._lists[t] = (table, len(codes), s_blocks)
-        return got
+        return self._lists.get(-(-t // self.m), *self._list_of, capturing=capturing)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 operand: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+                 operand: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
         """Write ``x @ weight.T + S @ B.T + bias`` into ``out`` (T, N) on the current stream.
 
         ``operand``: S (T, R), the shrink's output; with the shrink form (built with ``down``)
@@ -170,22 +159,27 @@ class CuteLoraGemm:
 
         ``x`` (T, K), S and ``out`` contiguous, ``weight`` of the shape and layout this was
         built for, all of W's dtype and device and 16-byte aligned (the caller checks: nothing
-        is checked here); ``bias`` (N,) where built with one.
+        is checked here); ``bias`` (N,) where built with one. None, launching nothing, where
+        the shrink form is called during a CUDA graph capture for a row count it has no work
+        list for (none is made during a capture: run another path for that call).
         """
         n, k, r = self._shape
         t = x.shape[0]
-        if self._bias is not None:
-            self._bias_of = _refresh(self._bias, bias, self._bias_of)
         if self.shrink:
+            got = self.work_list(t, torch.cuda.is_current_stream_capturing())
+            if got is None:
+                return None
+            table, units, s_blocks = got
             self._scale_of = _refresh(self._scale, operand, self._scale_of)
-            table, units, s_blocks = self.work_list(t)
             s = torch.empty(s_blocks * self.n, r, dtype=x.dtype, device=x.device)
             addrs = (self.down.data_ptr(), s.data_ptr(), self._scale.data_ptr(),
-                     table.data_ptr(), self._flags.data_ptr())
+                     table.data_ptr(), self._lists.flags.data_ptr())
         else:
             units, s_blocks = -(-t // self.m) * -(-n // self.n), 1
             spare = self._spare
             addrs = (spare, operand.data_ptr(), spare, spare, spare)
+        if self._bias is not None:
+            self._bias_of = _refresh(self._bias, bias, self._bias_of)
         down_addr, s_addr, scale_addr, table_addr, flags_addr = addrs
         bias_addr = self._bias.data_ptr() if self._bias is not None else self._spare
         stream = torch.cuda.current_stream(x.device).cuda_stream
@@ -218,6 +212,12 @@ class CuteLoraGemm:
                       "the DSL was built with", RuntimeWarning, stacklevel=3)
         self._ffi = None
         self._compiled = self._compile()
+
+
+@functools.cache
+def _work_lists(device: torch.device) -> WorkLists:
+    """The shrink form's work lists and flags of one device (shared by its layers)."""
+    return WorkLists(device)
 
 
 def _refresh(padded: torch.Tensor, source: torch.Tensor, seen: tuple) -> tuple:

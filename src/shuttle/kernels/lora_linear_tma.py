@@ -247,9 +247,11 @@ class PreparedLoraLinear:
             wide, narrow = self._cute
             fill = _round_fill(t, self._n, wide.m, wide.n, self._sms)
             gemm = self._cute[wide if fill >= FILL_FOR_WIDE_TILES else narrow]
-            if gemm.shrink:  # one kernel, S among its units
+            if gemm.shrink:  # one kernel, S among its units (None: not in this capture)
                 with on_device_of(x):
-                    return gemm(x, weight, bias, scale, out)
+                    if gemm(x, weight, bias, scale, out) is not None:
+                        return out
+                gemm = None  # Triton's kernels for this call
         s = torch.empty(t, self._r, dtype=x.dtype, device=x.device)
         ensure_allocator()
         with on_device_of(x):
