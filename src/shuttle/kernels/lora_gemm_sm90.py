@@ -428,7 +428,9 @@ class _Kernel:
                         ring.consumer_release(release)
                         release.advance()
 
-                    # Epilogue, one sub-tile at a time through a ring of _EPI_STAGES buffers.
+                    # Epilogue, one sub-tile at a time through a ring of _EPI_STAGES buffers:
+                    # written out for each kind of unit (their copies' layouts differ, and the
+                    # DSL takes no helper closing over the kernel's values in staged code).
                     done = tiles.num_tiles_executed * subs
                     if is_s:
                         # S^T = (A x^T) * scale (per rank: per row here), rounded once, stored
