@@ -170,7 +170,7 @@ class LoRAHook(ModuleHook):
         """Concatenate the Linear slots' factors: down (R, K), up (N, R) zero outside rows."""
         self.down = self.up = None
         self.scales.base_scale = self.scales.col_adapter = None
-        # the fused tier's checked operands, per second kernel (True: CuTe, False: Triton)
+        # the fused tier's checked operands, per implementation ("fused", "fused_cute"...)
         self._prepared: dict[str, PreparedLoraLinear] = {}
         if not self.layer.tiers or not self.slots:
             return
