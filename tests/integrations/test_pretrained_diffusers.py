@@ -375,7 +375,7 @@ def test_a_float32_folder_asked_in_bfloat16_under_a_small_ceiling_says_what_to_d
     from shuttle.errors import BudgetTooSmallError
 
     folders, _, _ = saved  # float32 files: converted while read, held in host memory
-    with pytest.raises(BudgetTooSmallError, match="another dtype.*save_pretrained"):
+    with pytest.raises(BudgetTooSmallError, match="another dtype.*shuttle cast"):
         shuttle_diffusers.from_pretrained(folders["single"], torch_dtype=torch.bfloat16,
                                           device="cpu",
                                           max_host_bytes=file_bytes(folders["single"]) // 8)

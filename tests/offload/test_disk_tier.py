@@ -209,7 +209,7 @@ def test_a_floor_raised_by_files_of_another_dtype_says_how_to_stream_them(tmp_pa
     assert 0 < needs.converted <= needs.everything
     with pytest.raises(BudgetTooSmallError, match="another dtype") as e:
         ModelOffloader.from_module(model, blocks=PATHS, sources=sources, max_host_bytes=50_000)
-    assert "save_pretrained" in str(e.value) and f"{needs.converted} of those bytes" in str(e.value)
+    assert "shuttle cast" in str(e.value) and f"{needs.converted} of those bytes" in str(e.value)
     with torch.device("meta"):  # stored as computed: nothing held for that reason
         same = TinyDiT()
     assert ModelOffloader.host_needs(same, blocks=PATHS, sources=sources).converted == 0

@@ -1,5 +1,5 @@
 """The ``shuttle`` command: ``inspect``, ``convert``, ``merge``, ``extract``, ``compress``,
-``demo``.
+``cast``, ``demo``.
 
 Each subcommand is a thin front over the library: parsing arguments and printing. Exit status:
 0 success, 2 a usage or input error (one line on stderr, no traceback), 130/143/129 interrupted
@@ -17,14 +17,14 @@ from collections.abc import Iterator, Sequence
 from types import FrameType
 
 import shuttle
-from shuttle.cli import compress, convert, demo, extract, inspect, merge
+from shuttle.cli import cast, compress, convert, demo, extract, inspect, merge
 from shuttle.errors import ShuttleError
 
 __all__ = ["main"]
 
 _COMMANDS = {
     "inspect": inspect, "convert": convert, "merge": merge, "extract": extract,
-    "compress": compress, "demo": demo,
+    "compress": compress, "cast": cast, "demo": demo,
 }
 
 

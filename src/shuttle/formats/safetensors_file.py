@@ -67,6 +67,11 @@ class LazyTensor:
     def nbytes(self) -> int:
         return self.shape.numel() * self.dtype.itemsize
 
+    @property
+    def path(self) -> Path:
+        """The file the tensor lies in."""
+        return self._file.path
+
     def load_rows(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``[start, stop)`` of the tensor (along its first dimension) in memory of their
         own, or read into the CPU ``uint8`` buffer ``out``, reading only their bytes (a rank's

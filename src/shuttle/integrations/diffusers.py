@@ -50,7 +50,8 @@ from shuttle.weights.fp8 import FP8_DTYPES
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DENOISERS", "ENTRY_METHODS", "Float8", "from_pretrained", "offload"]
+__all__ = ["DENOISERS", "ENTRY_METHODS", "Float8", "empty_components", "from_pretrained",
+           "offload"]
 
 # What from_pretrained does with float8 parameters in a diffusers model's files.
 Float8 = Literal["keep", "widen"]
@@ -321,8 +322,7 @@ def from_pretrained(path_or_repo: str | os.PathLike[str], pipeline_cls: type | N
         raise AdapterFileError(f"{folder}: no model_index.json; pass a folder written by a "
                                "diffusers pipeline's save_pretrained")
     index = json.loads(index_file.read_text())
-    parts = {n: v for n, v in index.items() if not n.startswith("_") and isinstance(v, list)
-             and len(v) == 2 and v[0] is not None}
+    parts = _model_parts(index)
     weights = dict(weights or {})
     folder = local_folder(path_or_repo, revision,
                           [f"{n}/config.json" if n in weights else f"{n}/*" for n in parts],
@@ -361,6 +361,33 @@ def from_pretrained(path_or_repo: str | os.PathLike[str], pipeline_cls: type | N
                      prefetch=prefetch, blocks=blocks, host=host, sources=sources,
                      compress=compress, upcast=upcast)
     return pipe, handle
+
+
+def _model_parts(index: Mapping[str, Any]) -> dict[str, list[str]]:
+    """The components a ``model_index.json`` names: name -> [library, class name]."""
+    return {n: v for n, v in index.items() if not n.startswith("_") and isinstance(v, list)
+            and len(v) == 2 and v[0] is not None}
+
+
+def empty_components(folder: Path, torch_dtype: torch.dtype | None
+                     ) -> list[tuple[torch.nn.Module, dict[str, LazyTensor | RowPieces]]]:
+    """Each module component of the pipeline ``folder`` on ``meta``, built as
+    :func:`from_pretrained` builds it, with its file tensors (what
+    :func:`shuttle.integrations.cast.cast` reads dtypes from).
+    """
+    diffusers = import_optional("diffusers", "shuttle.integrations.diffusers",
+                                "pip install diffusers")
+    built = []
+    for name, (library, class_name) in _model_parts(
+            json.loads((folder / "model_index.json").read_text())).items():
+        cls = _component_class(library, class_name)
+        if cls is None:
+            continue
+        if issubclass(cls, diffusers.ModelMixin):
+            built.append(_empty_model(cls, folder / name, torch_dtype))
+        else:
+            built.append(empty_model(folder / name, cls, torch_dtype))
+    return built
 
 
 def _component_class(library: str, class_name: str) -> type | None:

@@ -180,6 +180,7 @@ def converted_bytes(surveys: list[UnitSurvey], spans: list[DiskSpans | None]) ->
 def convert_hint(converted: int) -> str:
     """What a refusal adds when ``converted`` bytes (:func:`converted_bytes`) raised a floor."""
     return (f"; {converted} of those bytes stay in host memory only because the files store "
-            "them in another dtype than the model computes in (converted while read): save the "
-            "checkpoint once in that dtype (load it, then save_pretrained) and they stream "
-            "from disk" if converted else "")
+            "them in another dtype than the model computes in (converted while read): write "
+            "the folder once in the model's dtypes (`shuttle cast FOLDER OUT --dtype <the "
+            "torch_dtype>`, one tensor in memory at a time) and load OUT: they stream from "
+            "disk" if converted else "")
