@@ -11,7 +11,12 @@ import json
 import pytest
 import torch
 
-from shuttle.errors import AdapterFileError, BudgetTooSmallError, ShuttleError
+from shuttle.errors import (
+    AdapterFileError,
+    BudgetTooSmallError,
+    InvalidOptionError,
+    ShuttleError,
+)
 from shuttle.formats.safetensors_file import SafetensorsFile
 from shuttle.integrations.cast import cast
 from tests.integrations.models import run_wan, tiny_llama, tiny_wan
@@ -119,6 +124,9 @@ def test_bad_targets_and_folders_are_refused_and_nothing_is_written(wan32, tmp_p
     (tmp_path / "plain" / "notes.txt").write_text("no model here")
     with pytest.raises(AdapterFileError, match="neither a diffusers pipeline"):
         cast(tmp_path / "plain", tmp_path / "out", progress=False)
+    for bad in (None, "int8", torch.int8):
+        with pytest.raises(InvalidOptionError):
+            cast(wan32, tmp_path / "out", bad, progress=False)
     assert not (tmp_path / "out").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plain", "taken"]
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from shuttle.errors import AdapterFileError, ShuttleError
+from shuttle.errors import AdapterFileError, InvalidOptionError, ShuttleError
 from shuttle.formats.safetensors_file import LazyTensor, SafetensorsFile
 from shuttle.formats.safetensors_writer import SafetensorsWriter
 from shuttle.integrations.pretrained import local_folder, weights_dtype
@@ -75,13 +75,14 @@ def cast(path_or_repo: str | os.PathLike[str], out: str | os.PathLike[str],
             ``overwrite``), is a file, or lies inside the source.
         ShuttleError: a weight file coded by ``shuttle compress`` (cast the folder it was made
             from, then compress the copy).
-        InvalidOptionError: a ``torch_dtype`` that is not a floating-point dtype.
+        InvalidOptionError: a ``torch_dtype`` that is not a floating-point dtype (or None).
         Whatever building the model on ``meta`` raises (a class the installed library lacks, a
         checkpoint that does not match it).
     """
     dtype = weights_dtype(torch_dtype)
     if dtype is None:
-        raise AdapterFileError("torch_dtype=None: name the dtype the copy is for")
+        raise InvalidOptionError("torch_dtype=None: name the dtype the copy will be loaded in "
+                                 "(torch.bfloat16, 'float16', ...)")
     folder = local_folder(path_or_repo, revision, ["*"])
     return cast_folder(folder, out, model_dtypes(folder, dtype), overwrite=overwrite,
                        progress=progress)
