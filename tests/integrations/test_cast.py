@@ -140,3 +140,20 @@ def test_a_compressed_folder_is_refused(tmp_path):
     with pytest.raises(ShuttleError, match="shuttle compress"):
         cast(tmp_path / "coded", tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_cast_that_fails_midway_leaves_no_folder(wan32, tmp_path, monkeypatch):
+    from shuttle.integrations import cast as cast_module
+
+    done = []
+
+    def failing(*args):
+        if done:
+            raise OSError("disk full")
+        done.append(1)
+        return original(*args)
+    original = cast_module._cast_file
+    monkeypatch.setattr(cast_module, "_cast_file", failing)
+    with pytest.raises(OSError, match="disk full"):
+        cast(wan32, tmp_path / "out", progress=False)
+    assert list(tmp_path.iterdir()) == []  # neither the folder nor its partial copy

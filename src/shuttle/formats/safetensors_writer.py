@@ -10,23 +10,26 @@ elements first so that every tensor starts aligned to its element size.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import math
 import os
+import shutil
 import struct
 import sys
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
 import torch
 
+from shuttle.errors import AdapterFileError
 from shuttle.formats.safetensors_file import DTYPES
 
-__all__ = ["TEMP_PREFIX", "SafetensorsWriter", "create_temp", "publish_mode",
+__all__ = ["TEMP_PREFIX", "SafetensorsWriter", "create_temp", "publish_mode", "staged_folder",
            "remove_stale_temps"]
 
 # Every temporary file shuttle writes beside an output starts with this, so that one a killed
@@ -116,6 +119,35 @@ class SafetensorsWriter:
             self.close()
         else:
             self._file.close()  # incomplete: the caller deletes the file
+
+
+@contextlib.contextmanager
+def staged_folder(source: Path, out: Path, overwrite: bool) -> Iterator[Path]:
+    """The folder to write a copy of the folder ``source`` into: published as ``out`` when the
+    block ends normally (replacing it, with ``overwrite``), removed otherwise, so that ``out``
+    appears complete or not at all.
+
+    Raises:
+        AdapterFileError: ``out`` is ``source`` or inside it, exists (without ``overwrite``),
+            or is a file.
+    """
+    if out.resolve() == source.resolve() or source.resolve() in out.resolve().parents:
+        raise AdapterFileError(f"{out} is {source} or inside it; write the copy elsewhere")
+    if out.exists() and not overwrite:
+        raise AdapterFileError(f"{out} exists; pass overwrite=True (`--force`) to replace it")
+    if out.exists() and not out.is_dir():
+        raise AdapterFileError(f"{out} is a file; the copy of a folder is a folder: name another")
+    part = out.parent / f".{out.name}.part"
+    shutil.rmtree(part, ignore_errors=True)
+    try:
+        part.mkdir(parents=True)
+        yield part
+        if out.exists():
+            shutil.rmtree(out)
+        part.rename(out)
+    except BaseException:
+        shutil.rmtree(part, ignore_errors=True)
+        raise
 
 
 def create_temp(final: str | os.PathLike[str]) -> Path:

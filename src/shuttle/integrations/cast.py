@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from shuttle.errors import AdapterFileError, InvalidOptionError, ShuttleError
 from shuttle.formats.safetensors_file import LazyTensor, SafetensorsFile
-from shuttle.formats.safetensors_writer import SafetensorsWriter
+from shuttle.formats.safetensors_writer import SafetensorsWriter, staged_folder
 from shuttle.integrations.pretrained import local_folder, weights_dtype
 from shuttle.weights.lossless_file import LOSSLESS_KEY
 
@@ -125,23 +125,15 @@ def cast_folder(source: str | os.PathLike[str], out: str | os.PathLike[str], pla
     src, out = Path(source), Path(out)
     if not src.is_dir():
         raise AdapterFileError(f"{src} is not a folder; pass a model or pipeline folder")
-    if out.resolve() == src.resolve() or src.resolve() in out.resolve().parents:
-        raise AdapterFileError(f"{out} is {src} or inside it; write the copy elsewhere")
-    if out.exists() and not (overwrite and out.is_dir()):
-        raise AdapterFileError(f"{out} exists" + ("; pass overwrite=True (`--force`) to "
-                                                  "replace it" if out.is_dir() else
-                                                  " and is a file: name a folder"))
     files = sorted(p for p in src.rglob("*") if p.is_file())
     weights = [p for p in files if p.suffix == ".safetensors"]
     for p in weights:
         if LOSSLESS_KEY in SafetensorsFile(p).metadata:
             raise ShuttleError(f"{p} was written by `shuttle compress`; cast the folder it was "
                                "made from, then compress the copy")
-    part = out.parent / f".{out.name}.part"
-    shutil.rmtree(part, ignore_errors=True)
     counts = [0, 0, 0, 0]  # tensors cast, tensors, bytes before, bytes after
     written: dict[str, int] = {}  # a weight file (relative) -> its tensor bytes now
-    try:
+    with staged_folder(src, out, overwrite) as part:
         for f in files:
             rel = f.relative_to(src).as_posix()
             dest = part / rel
@@ -155,12 +147,6 @@ def cast_folder(source: str | os.PathLike[str], out: str | os.PathLike[str], pla
             if f.name.endswith(".safetensors.index.json"):
                 _write_index(f, part / f.relative_to(src), written,
                              f.parent.relative_to(src))
-        if out.exists():
-            shutil.rmtree(out)
-        part.rename(out)
-    except BaseException:
-        shutil.rmtree(part, ignore_errors=True)
-        raise
     return CastReport(out, len(weights), *counts)
 
 

@@ -35,7 +35,12 @@ from shuttle.formats.model_checkpoint import (
     refuse_overwrite,
 )
 from shuttle.formats.safetensors_file import DTYPES, SafetensorsFile
-from shuttle.formats.safetensors_writer import SafetensorsWriter, create_temp, publish_mode
+from shuttle.formats.safetensors_writer import (
+    SafetensorsWriter,
+    create_temp,
+    publish_mode,
+    staged_folder,
+)
 from shuttle.kernels.exponent_decode import LANES, MAX_LEN, STEPS
 from shuttle.patches.patch import materialize
 from shuttle.weights.lossless import CODED_DTYPES, LosslessTensor, blob_nbytes
@@ -294,16 +299,8 @@ def compress_folder(source: str | os.PathLike[str], out: str | os.PathLike[str],
     files = sorted(p for p in src.rglob("*") if p.is_file())
     if not any(p.suffix == ".safetensors" for p in files):
         raise AdapterFileError(f"{src} holds no .safetensors file: nothing to compress")
-    if out.resolve() == src.resolve() or src.resolve() in out.resolve().parents:
-        raise AdapterFileError(f"{out} is {src} or inside it; write the copy elsewhere")
-    if out.exists() and not overwrite:
-        raise AdapterFileError(f"{out} exists; pass overwrite=True (`--force`) to replace it")
-    if out.exists() and not out.is_dir():
-        raise AdapterFileError(f"{out} is a file; the copy of a folder is a folder: name another")
-    part = out.parent / f".{out.name}.part"
-    shutil.rmtree(part, ignore_errors=True)
     reports = []
-    try:
+    with staged_folder(src, out, overwrite) as part:
         for f in files:
             dest = part / f.relative_to(src)
             dest.parent.mkdir(parents=True, exist_ok=True)
@@ -312,10 +309,4 @@ def compress_folder(source: str | os.PathLike[str], out: str | os.PathLike[str],
                 reports.append(dataclasses.replace(report, path=out / f.relative_to(src)))
             else:
                 shutil.copyfile(f, dest)
-        if out.exists():
-            shutil.rmtree(out)
-        part.rename(out)
-    except BaseException:
-        shutil.rmtree(part, ignore_errors=True)
-        raise
     return reports
