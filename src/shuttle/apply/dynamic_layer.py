@@ -21,9 +21,8 @@ up_i: (N, r_i), s_i = strength_i * alpha_i / r_i * request scale):
               (shuttle.kernels.lora_decode): launches, not bytes, are the cost there.
     fused     S = (x @ down.T) * s in float32 (one kernel), then one kernel whose float32
               accumulator runs over x @ W.T and S @ up.T, adds the bias and writes out once
-              (the CuTe-DSL Hopper GEMM where it runs, else Triton's).
-              At most 64 tokens (decode): a split-K shrink, then the base GEMM, the update and
-              the bias in one kernel (lora_decode_linear).
+              (the CuTe-DSL Hopper GEMM where it runs, which can compute S itself, else
+              Triton's). At most 64 tokens: a split-K shrink, then lora_decode_linear.
 
 ``"auto"`` runs each call by lossless or fused (Triton's or CuTe's), whichever measured fastest
 for the layer's shape and device (:mod:`shuttle.apply.tier`).
@@ -109,11 +108,9 @@ class LoRAHook(ModuleHook):
                  quality: Quality, pad_rank: int | None = None):
         self.name = name
         self.quality = quality
-        # False: the fused tier keeps to Triton's kernels where the CuTe one could run; and
-        # which CuTe form quality="fused" runs (benchmarks/dynamic_lora.py times them side by
-        # side)
-        self.allow_cute = True
-        self.cute_form = "fused_cute"
+        # Triton's kernels only (False), and the CuTe form quality="fused" runs (set by
+        # benchmarks/dynamic_lora.py, which times them side by side)
+        self.allow_cute, self.cute_form = True, "fused_cute"
         # the "auto" picks: (the chooser's generation, {(row bucket, graphs, x's dtype): pick})
         self._picks: tuple[int, dict[tuple, str]] = (-1, {})
         self._last: tuple[tuple | None, str] = (None, "lossless")  # (call's key, its pick)
@@ -170,8 +167,7 @@ class LoRAHook(ModuleHook):
         """Concatenate the Linear slots' factors: down (R, K), up (N, R) zero outside rows."""
         self.down = self.up = None
         self.scales.base_scale = self.scales.col_adapter = None
-        # the fused tier's checked operands, per implementation ("fused", "fused_cute"...)
-        self._prepared: dict[str, PreparedLoraLinear] = {}
+        self._prepared: dict[str, PreparedLoraLinear] = {}  # per fused implementation
         if not self.layer.tiers or not self.slots:
             return
         w = module.weight
@@ -289,14 +285,12 @@ class LoRAHook(ModuleHook):
         where it applies, else Triton's; under ``"auto"`` the measured fastest
         (:mod:`shuttle.apply.tier`), lossless wherever nothing can be measured.
 
-        A pick is kept on the hook per (row bucket, graphs, x's dtype), so a call after the
-        first asks a dict, not the chooser, and a call with the last call's shape compares one
-        key (eagerly the host's time per layer counts).
+        A pick is kept per (row bucket, graphs, x's dtype): later calls ask a dict, not the
+        chooser; a call of the last call's shape compares one key (eagerly, host time counts).
         """
         if self.quality == "fused":
-            if not self._fused_ok(module, x):
-                return "lossless"
-            return self.cute_form if self._cute_ok(module, x) else "fused"
+            return ("lossless" if not self._fused_ok(module, x)
+                    else self.cute_form if self._cute_ok(module, x) else "fused")
         if (overrides or torch.compiler.is_compiling()
                 or (torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad
                                                  or getattr(module.bias, "requires_grad", False)))):
@@ -339,11 +333,9 @@ class LoRAHook(ModuleHook):
                 "lossless": lambda: self._lossless(x, inner(*args, **kwargs)),
                 "fused": lambda: self._fused(module, x, overrides, "fused")}
             if cute:
-                candidates["fused_cute"] = lambda: self._fused(module, x, overrides,
-                                                               "fused_cute")
-                if self.down.shape[0] <= CUTE_SHRINK_MAX_RANK:  # else the same as fused_cute
-                    candidates["fused_cute_shrink"] = lambda: self._fused(
-                        module, x, overrides, "fused_cute_shrink")
+                forms = ("fused_cute", "fused_cute_shrink")  # the second: ranks it takes
+                for f in forms[:2 if self.down.shape[0] <= CUTE_SHRINK_MAX_RANK else 1]:
+                    candidates[f] = lambda f=f: self._fused(module, x, overrides, f)
             with torch.no_grad():
                 pick = TIERS.choose(key, candidates)
         if pick.startswith("fused_cute") and not cute:  # measured on a layer that could
@@ -417,10 +409,7 @@ class LoRAHook(ModuleHook):
 
     def _fused(self, module: torch.nn.Linear, x: torch.Tensor,
                overrides: dict[str, torch.Tensor], impl: str = "fused") -> torch.Tensor:
-        """The update by a fused implementation (``impl``: :data:`~shuttle.apply.tier.
-        IMPLEMENTATIONS` less lossless); the CuTe ones fall back to Triton's kernels where
-        they cannot take the call.
-        """
+        """The update by the fused implementation ``impl`` (CuTe's fall back to Triton's)."""
         weight, bias = module.weight, module.bias
         w, b = overrides.get("weight", weight), overrides.get("bias", bias)
         x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])

@@ -21,7 +21,7 @@ __all__ = ["L2_AHEAD_BYTES", "S_UNIT", "UNIT_FIELD", "WorkLists", "s_tiles_ahead
 S_UNIT = 1 << 30
 UNIT_FIELD = 1 << 15
 # How many bytes of x the S tiles may read ahead of their readers (the output tiles read those
-# rows again: they should still be in L2, 50 MB on an H100, beside the weight's tiles).
+# rows again: they should still be in L2, beside the weight's tiles: tens of MB on Hopper).
 L2_AHEAD_BYTES = 16 << 20
 
 
