@@ -13,12 +13,9 @@ than the base product.
 
 With ``shrink`` the kernel computes S too, so x is read from memory once: among its work units
 are S tiles, ``S^T = (A @ x.T) * scale`` over ``tile.n`` tokens (A's ranks, zero past R, are the
-M rows: R <= tile.m), stored transposed into S's memory; the output tiles of those rows load it
-back once its flag is set. The store warp waits until the tile's bulk stores are complete and
-releases the flag (gpu scope); a reader's producer acquires it before its S/B loads, and the
-last reader resets it for the next launch (graph replays included). The work list
-(:mod:`~shuttle.kernels.lora_gemm_units`) places each S tile ahead of its readers: a CTA waits
-only on a unit taken earlier, so with every CTA resident (one per SM) there is no deadlock.
+M rows: R <= tile.m), stored transposed into S's memory and read back by the output tiles of
+those rows once its flag is set (:mod:`~shuttle.kernels.lora_gemm_units`: the handoff, and
+the order that makes it deadlock-free).
 
 The form is CUTLASS's Hopper persistent GEMM, expressed in the CuTe DSL (``nvidia-cutlass-dsl``,
 the ``hopper`` extra): one producer warp issuing TMA bulk copies into a ring of ``stages``

@@ -2,8 +2,12 @@
 
 Without the shrink the units are the output tiles, row tile by row tile. With it, the kernel
 also computes S in units of its own (S tiles: ``tile.n`` tokens' S each), which the output tiles
-of those rows read back once a flag says the tile is in memory; the order, fixed on the host as
-a work list of int32 codes, puts each S tile early enough that its readers seldom wait.
+of those rows read back once a flag says the tile is in memory: the S tile's store warp waits
+until its bulk stores are complete and releases the flag (gpu scope); a reader's producer
+acquires it before its S/B loads, and the tile's last reader resets it for the next launch
+(graph replays included). The order, fixed on the host as a work list of int32 codes, puts each
+S tile before its readers, early enough that they seldom wait: a CTA only ever waits on a unit
+taken before its own, so with every CTA resident (one per SM) there is no deadlock.
 """
 
 from __future__ import annotations
