@@ -1,8 +1,9 @@
-"""The CuTe-DSL program of the fused LoRA linear's Hopper GEMM, compiled on the CPU.
+"""The CuTe-DSL program of the fused LoRA linear's Hopper GEMM (its launcher and its device kernel,
+``lora_gemm_sm90_device``), compiled on the CPU.
 
 The DSL compiles the kernel for sm_90a without a GPU, so these tests check the program it emits:
-the warpgroup MMA at the tile's shape, one producer warpgroup beside the consumers, five TMA
-descriptors (x, W, S, B and the output), the bias read only where asked. Its numerics are
+the warpgroup MMA at the tile's shape, one producer warpgroup beside the consumers, eight TMA
+descriptors, the shrink's handoff only in its form, the bias read only where asked. Its numerics are
 checked on the H200 (tests/kernels/test_lora_linear_cute.py).
 """
 
