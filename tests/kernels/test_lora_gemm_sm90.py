@@ -55,6 +55,9 @@ def test_compiles_for_hopper_on_the_cpu(tile, dtype, ptx_type, shrink, ptx_of):
     handoff = [r"stmatrix\.sync\.aligned\.m8n8\.x4\.trans", r"cp\.async\.bulk\.wait_group\s+0",
                r"atom\.global\.release\.add", r"ld\.acquire\.gpu\.global", r"st\.global\.b32"]
     assert [bool(re.search(h, ptx)) for h in handoff] == [shrink] * len(handoff)
+    # a row tile reads one S tile, or two where S tiles (tile.n tokens) straddle row tiles
+    spans = 0 if not shrink else 1 if tile.n % tile.m == 0 else 2
+    assert len(re.findall(r"ld\.acquire\.gpu\.global", ptx)) == spans
 
 
 @needs_dsl

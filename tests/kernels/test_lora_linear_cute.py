@@ -135,13 +135,14 @@ def test_gpu_the_shrink_form_matches_reference(tile, dtype, t, k, n, r):
 
 @pytest.mark.gpu
 @needs_dsl
-def test_gpu_the_shrink_form_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("tile", CUTE_TILES, ids=lambda t: f"{t.m}x{t.n}")
+def test_gpu_the_shrink_form_replays_in_a_cuda_graph(tile):
     """Captured once, replayed on new inputs: the flags a replay finds are the zeros the last
-    one left."""
+    one left (with 128 x 192 tiles, S tiles read by row tiles straddling two)."""
     if not cute_available():
         pytest.skip("needs an sm_90 GPU")
     x, w, bias, down, up, scale = _layer(5000, 512, 1536, 32, BF16, BF16, device="cuda")
-    gemm = CuteLoraGemm(w, up, True, CUTE_TILES[0], down)
+    gemm = CuteLoraGemm(w, up, True, tile, down)
     out = torch.empty(5000, 1536, dtype=BF16, device="cuda")
     gemm(x, w, bias, scale, out)  # the work list made, the program loaded
     graph = torch.cuda.CUDAGraph()

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CUTE_DTYPES", "CUTE_TILES", "CuteTile", "dsl", "numeric"]
+__all__ = ["CUTE_DTYPES", "CUTE_TILES", "CuteTile", "best_tile", "dsl", "numeric"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,15 +25,35 @@ class CuteTile:
     m: int = 128
     n: int = 256
     k: int = 64
+    # Time per output element relative to 128 x 256 at full rounds (what :func:`best_tile`
+    # weighs): a warpgroup's 64 x n wgmma reads its B operand from shared memory once per 64
+    # rows, so narrower tiles move more bytes per multiply-add.
+    cost: float = dataclasses.field(default=1.0, compare=False)
 
     @property
     def consumers(self) -> int:
         return self.m // 64
 
 
-# The tiles tried by the tier chooser: 128 x 256 fills the SMs' rounds at long sequences,
-# 128 x 128 at shorter ones (the same trade as the Triton kernel's two configurations).
-CUTE_TILES: tuple[CuteTile, ...] = (CuteTile(128, 256, 64), CuteTile(128, 128, 64))
+# The tiles a layer's calls choose among by their rows (:func:`best_tile`): the widest costs
+# least per element; the narrower ones fill the SMs' rounds better (1536 columns at 4096 rows:
+# 192 tiles of 128 x 256 fill 73% of two rounds of 132 SMs, 256 tiles of 128 x 192 97%).
+CUTE_TILES: tuple[CuteTile, ...] = (CuteTile(128, 256, 64), CuteTile(128, 192, 64, cost=1.03),
+                                    CuteTile(128, 128, 64, cost=1.18))
+
+
+@functools.lru_cache(maxsize=1024)  # asked per call: a lookup costs less host time
+def best_tile(t: int, n: int, sms: int, shrink: bool = False) -> CuteTile:
+    """The tile of :data:`CUTE_TILES` whose units finish first for ``t`` rows and ``n`` columns
+    on ``sms`` SMs: rounds of units (output tiles, and S tiles with the ``shrink``) times a
+    unit's cost. Ties go to the earlier tile.
+    """
+    def finish(tile: CuteTile) -> float:
+        rows = -(-t // tile.m)
+        units = rows * -(-n // tile.n) + (-(-rows * tile.m // tile.n) if shrink else 0)
+        return -(-units // sms) * tile.m * tile.n * tile.cost
+
+    return min(CUTE_TILES, key=finish)
 
 CUTE_DTYPES = (torch.bfloat16, torch.float16)
 

@@ -27,7 +27,9 @@ def device_kernel(spec: Any) -> Any:
     cpasync, warpgroup = cute.nvgpu.cpasync, cute.nvgpu.warpgroup
     tile, consumers, has_bias, elem = spec.tile, spec.consumers, spec.has_bias, spec.elem
     shrink = spec.shrink
-    row_tiles = tile.n // tile.m  # row tiles per S tile
+    # The S tiles a row tile reads: one where an S tile's tokens (tile.n) are whole row tiles,
+    # else up to two (a row tile straddling their boundary).
+    spans = 1 if tile.n % tile.m == 0 else 2
     consumer_threads = consumers * THREADS_PER_WARPGROUP
     producer_warp = 0
     store_warp = 4  # the first warp of the first consumer warpgroup issues the stores
@@ -102,7 +104,7 @@ def device_kernel(spec: Any) -> Any:
         r_tiles = (r + tile.k - 1) // tile.k
         m_blocks = (t + tile.m - 1) // tile.m
         tiles_n = (n + tile.n - 1) // tile.n
-        s_blocks = (m_blocks + row_tiles - 1) // row_tiles
+        s_blocks = (m_blocks * tile.m + tile.n - 1) // tile.n
 
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
         thr_mma = mma.get_slice(
@@ -135,24 +137,28 @@ def device_kernel(spec: Any) -> Any:
                 for step in range(steps):
                     if cutlass.const_expr(shrink):  # noqa: SIM102 (the DSL's rule)
                         if step == k_tiles:
-                            # Wait until the S tile holding these rows is in memory; the
-                            # last of its readers resets its flags for the next launch.
+                            # Wait until the S tiles holding these rows are in memory;
+                            # the last of an S tile's readers (the output tiles of every
+                            # row tile it spans) resets its flags for the next launch.
                             if lane == 0:
-                                j = tm // row_tiles
-                                ready = (m_flags.iterator + j).llvm_ptr
-                                seen = (m_flags.iterator + s_blocks + j).llvm_ptr
-                                got = cutlass.Int32(0)
-                                while got == 0:
-                                    got = cute.arch.load(ready, cutlass.Int32,
-                                                         sem="acquire", scope="gpu")
-                                rows = m_blocks - j * row_tiles
-                                if rows > row_tiles:
-                                    rows = row_tiles
-                                before = cute.arch.atomic_add(
-                                    seen, cutlass.Int32(1), sem="relaxed", scope="gpu")
-                                if before == rows * tiles_n - 1:
-                                    cute.arch.store(ready, cutlass.Int32(0))
-                                    cute.arch.store(seen, cutlass.Int32(0))
+                                for i in cutlass.range_constexpr(spans):
+                                    j = tm * tile.m // tile.n + i
+                                    if j * tile.n < (tm + 1) * tile.m:
+                                        ready = (m_flags.iterator + j).llvm_ptr
+                                        seen = (m_flags.iterator + s_blocks + j).llvm_ptr
+                                        got = cutlass.Int32(0)
+                                        while got == 0:
+                                            got = cute.arch.load(ready, cutlass.Int32,
+                                                                 sem="acquire", scope="gpu")
+                                        last = (j * tile.n + tile.n - 1) // tile.m
+                                        if last > m_blocks - 1:
+                                            last = m_blocks - 1
+                                        readers = (last - j * tile.n // tile.m + 1) * tiles_n
+                                        before = cute.arch.atomic_add(
+                                            seen, cutlass.Int32(1), sem="relaxed", scope="gpu")
+                                        if before == readers - 1:
+                                            cute.arch.store(ready, cutlass.Int32(0))
+                                            cute.arch.store(seen, cutlass.Int32(0))
                             cute.arch.sync_warp()
                             cute.arch.fence_proxy("async.global")
                     ring.producer_acquire(state)

@@ -107,9 +107,10 @@ class CuteLoraGemm:
         self._fixed: tuple | None = None  # (weight address, the fixed operands' DSL pointers)
         self._sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._lists = _work_lists(device) if self.shrink else None
-        per_s, tiles_n = tile.n // tile.m, -(-n // tile.n)  # a list's shape but for its rows
-        self._list_of = (tiles_n, per_s, s_tiles_ahead(self._sms, per_s * tiles_n,
-                                                       tile.n * k * up.element_size()))
+        tiles_n = -(-n // tile.n)  # a list's shape but for its rows
+        self._list_of = (tiles_n, tile.m, tile.n,
+                         s_tiles_ahead(self._sms, tiles_n * tile.n / tile.m,
+                                       tile.n * k * up.element_size()))
         # With TVM FFI the program is a C function taking addresses, sizes and the stream
         # handle as Python ints (no DSL pointer objects, no Python-side argument packing).
         self._build = (weight.dtype, tile, has_bias, self._sms, self.shrink)

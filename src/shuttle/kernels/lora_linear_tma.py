@@ -27,6 +27,7 @@ import weakref
 
 import torch
 
+from shuttle.kernels.cute_dsl import best_tile
 from shuttle.kernels.launch import (
     CompiledLaunch,
     cdiv,
@@ -212,6 +213,8 @@ class PreparedLoraLinear:
         if cute:
             self._cute = _cute_gemms(weight, bias, down if one_kernel else None, up)
             self.cute = bool(self._cute)
+        # S among the CuTe kernel's units (its tile picked counting them)
+        self._one_kernel = any(gemm.shrink for gemm in self._cute.values())
 
     @staticmethod
     def _layout_of(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
@@ -244,9 +247,7 @@ class PreparedLoraLinear:
         out = torch.empty(t, self._n, dtype=x.dtype, device=x.device)
         gemm = None
         if self._cute:
-            wide, narrow = self._cute
-            fill = _round_fill(t, self._n, wide.m, wide.n, self._sms)
-            gemm = self._cute[wide if fill >= FILL_FOR_WIDE_TILES else narrow]
+            gemm = self._cute[best_tile(t, self._n, self._sms, self._one_kernel)]
             if gemm.shrink:  # one kernel, S among its units (None: not in this capture)
                 with on_device_of(x):
                     if gemm(x, weight, bias, scale, out) is not None:
