@@ -84,13 +84,18 @@ def test_a_steady_drift_of_the_clocks_favours_no_candidate():
 
 
 def test_lossless_wins_ties_and_near_ties_and_a_failing_candidate_is_dropped():
-    from shuttle.apply.tier import MARGIN
+    from shuttle.apply.tier import GRAPHS_MARGIN, MARGIN
 
     chooser = TierChooser(lambda fn, mode: 1.0)
     assert chooser.choose(_key(), _named(fused=_noop(), lossless=_noop())) == "lossless"
-    for fused, want in ((1 - MARGIN / 2, "lossless"), (1 - 2 * MARGIN, "fused")):
+    assert chooser.known(_key(), graphs=True) == "lossless"
+    # eagerly within MARGIN, in graphs within the narrower GRAPHS_MARGIN
+    for fused, eager, graphs in ((1 - GRAPHS_MARGIN / 2, "lossless", "lossless"),
+                                 (1 - 2 * GRAPHS_MARGIN, "lossless", "fused"),
+                                 (1 - 2 * MARGIN, "fused", "fused")):
         chooser = TierChooser(lambda fn, mode, f=fused: f if fn.name == "fused" else 1.0)
-        assert chooser.choose(_key(), _named(fused=_noop(), lossless=_noop())) == want
+        assert chooser.choose(_key(), _named(fused=_noop(), lossless=_noop())) == eager
+        assert chooser.known(_key(), graphs=True) == graphs
 
     def broken():
         raise RuntimeError("cannot launch")
@@ -104,6 +109,19 @@ def test_lossless_wins_ties_and_near_ties_and_a_failing_candidate_is_dropped():
                                                    chooser.choices[_key()].graphs))
     with pytest.raises(RuntimeError, match="cannot launch"):
         TierChooser(lambda fn, mode: fn() or 0.0).choose(_key(), {"lossless": broken})
+
+
+def test_lossless_runs_before_anything_is_timed():
+    """The device is warmed by lossless's call first (an idle device boosts its first
+    milliseconds, which would favour whatever is measured first), once per key."""
+    events = []
+    chooser = TierChooser(lambda fn, mode: events.append((fn.name, mode)) or 1.0,
+                          warm=lambda fn: events.append((fn.name, "warm")))
+    cands = _named(fused=_noop(), lossless=_noop())
+    chooser.choose(_key(), cands)
+    chooser.choose(_key(), cands)
+    assert events[0] == ("lossless", "warm") and events.count(("lossless", "warm")) == 1
+    assert len(events) == 1 + 2 * 2 * len(MODES)
 
 
 def _timed(**changed):

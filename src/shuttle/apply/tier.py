@@ -29,6 +29,8 @@ each mode measuring every candidate before the next mode begins, in two rounds o
 order (A B C, then C B A) whose mean is kept: the device's clocks drift over a measurement (a
 long GEMM heats it, power limits step in), a candidate always measured last would carry the
 drift alone, and over the mirrored rounds a steady drift adds the same to every candidate. The
+drift is steepest first (an idle device boosts its first milliseconds): lossless runs for
+:data:`WARM_SECONDS` before anything is timed. The
 forward asks for the eager choice, or for the graphs choice while a CUDA graph is being
 captured. The graphs choice is the fastest replay. The eager choice is the fastest burst among
 the candidates whose host time is no more than lossless's (within :data:`MARGIN` of lossless's
@@ -37,11 +39,10 @@ launcher hide under the layer's own GPU time, but in a model whose forward is bo
 (many small layers, or a small batch) every extra microsecond of host time is a microsecond of
 the forward, and a call from an idle device waits for its launches in order (lossless's base
 GEMM starts computing while its update is issued; a fused tier's GEMM waits for the shrink's
-launch and its own). A key's measurement is cached for the
-process (:data:`TIERS`); lossless wins unless another implementation is faster by more than
-:data:`MARGIN`, and stands in wherever nothing was measured (off CUDA, under
-``torch.compile``, while autograd records, or for a first call made during a capture, when
-nothing can be timed).
+launch and its own). A key's measurement is cached for the process (:data:`TIERS`); lossless
+wins unless another implementation is faster by more than :data:`MARGIN` (:data:`GRAPHS_MARGIN`
+in graphs), and stands in wherever nothing was measured (off CUDA, under ``torch.compile``,
+while autograd records, or for a first call made during a capture, when nothing can be timed).
 """
 
 from __future__ import annotations
@@ -53,17 +54,23 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["MARGIN", "MODES", "TIERS", "TierChoice", "TierChooser", "TierKey", "row_bucket"]
+__all__ = ["GRAPHS_MARGIN", "MARGIN", "MODES", "TIERS", "WARM_SECONDS", "TierChoice",
+           "TierChooser", "TierKey", "row_bucket", "warm_device"]
 
 # The implementations a Linear update can run by, in the order ties are broken.
 IMPLEMENTATIONS: tuple[str, ...] = ("lossless", "fused", "fused_cute", "fused_cute_shrink")
 
 # Another implementation replaces lossless only when it is this much faster (a relative
-# margin above the run-to-run spread of the bursts' medians).
+# margin above the run-to-run spread of the bursts' medians): eagerly, where the host's
+# timing is part of the measurement; in graphs, GPU time alone, whose replays spread less.
 MARGIN = 0.03
+GRAPHS_MARGIN = 0.01
 # What a candidate is measured by (the module docstring): seconds per call each.
 MODES: tuple[str, ...] = ("eager", "graphs", "host", "idle")
 _WARMUP = 3
+# Seconds of back-to-back calls before a key's measurement: a device that was idle runs its
+# first milliseconds of work at boost clocks, which would favour whatever is measured first.
+WARM_SECONDS = 0.05
 _BURST = 10
 _REPEATS = 3  # bursts per measure() call; a candidate gets two such calls per mode
 
@@ -95,9 +102,9 @@ class TierChoice:
 
     def best(self, graphs: bool) -> str:
         """The fastest candidate; lossless unless another beats it by more than
-        :data:`MARGIN` (timing noise must not make the default slower than lossless), and
-        eagerly only among candidates that cost the host no more than lossless does and are
-        no slower from an idle device.
+        :data:`MARGIN` (in graphs :data:`GRAPHS_MARGIN`: timing noise must not make the
+        default slower than lossless), and eagerly only among candidates that cost the host
+        no more than lossless does and are no slower from an idle device.
         """
         times = self.graphs if graphs else self.eager
         if not graphs:
@@ -108,7 +115,7 @@ class TierChoice:
                 self.host[name] <= allowed and self.idle[name] <= self.idle["lossless"])}
         # min over the candidates in IMPLEMENTATIONS order: the first of equals wins
         fastest = min(times, key=lambda name: (times[name], IMPLEMENTATIONS.index(name)))
-        if times[fastest] > times["lossless"] * (1 - MARGIN):
+        if times[fastest] > times["lossless"] * (1 - (GRAPHS_MARGIN if graphs else MARGIN)):
             return "lossless"
         return fastest
 
@@ -219,6 +226,19 @@ def _idle_seconds(fn: Callable[[], object]) -> float:
     return statistics.median(samples)
 
 
+def warm_device(fn: Callable[[], object]) -> None:
+    """Call ``fn`` back to back for :data:`WARM_SECONDS` on a CUDA device (nothing off CUDA),
+    so that the measurements after it start at the clocks a busy device settles at.
+    """
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return
+    deadline = time.perf_counter() + WARM_SECONDS
+    while time.perf_counter() < deadline:
+        for _ in range(_BURST):
+            fn()
+        torch.cuda.synchronize()
+
+
 _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
@@ -243,12 +263,16 @@ class TierChooser:
         devices: the device types whose calls are measured; elsewhere the forward runs
             lossless without measuring (off CUDA the fused kernels are Triton's interpreter,
             there for tests, never the faster one).
+        warm: ``warm(fn)``, run with lossless's call before a key's measurement
+            (:func:`warm_device` by default; None: no warm-up).
     """
 
     def __init__(self, measure: Measure = measure_call,
-                 devices: tuple[str, ...] = ("cuda",)) -> None:
+                 devices: tuple[str, ...] = ("cuda",),
+                 warm: Callable[[Callable[[], object]], None] | None = warm_device) -> None:
         self.measure = measure
         self.devices = devices
+        self.warm = warm
         self.choices: dict[TierKey, TierChoice] = {}
         self.generation = 0  # moves on clear(): whoever keeps picks asks again
 
@@ -267,6 +291,8 @@ class TierChooser:
             # drift of the device's clocks adds the same to each candidate's mean.
             samples: dict[str, dict[str, list[float]]] = {mode: {} for mode in MODES}
             live = dict(candidates)
+            if self.warm is not None:
+                self.warm(live["lossless"])
             for mode in MODES:
                 for mirrored in (False, True):
                     for name in list(live)[::-1] if mirrored else list(live):

@@ -47,7 +47,8 @@ def s_tiles_ahead(sms: int, readers: float, x_bytes: int) -> int:
 
 def s_tiles_of(m: int, tile_m: int, tile_n: int) -> range:
     """The S tiles (``tile_n`` tokens each) that row tile ``m`` (``tile_m`` rows) reads: one,
-    or two where it straddles their boundary (``tile_n`` not a multiple of ``tile_m``)."""
+    or two where it straddles their boundary (``tile_n`` not a multiple of ``tile_m``).
+    """
     return range(m * tile_m // tile_n, (m * tile_m + tile_m - 1) // tile_n + 1)
 
 
