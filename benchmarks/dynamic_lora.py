@@ -22,10 +22,11 @@ Per shape (tokens T, in K, out N, rank r), bf16 with bias:
 Then a whole small DiT forward (LoRA on every linear): merged vs each tier, eagerly, in a CUDA
 graph, and the host's time to issue one forward (above the graph's time, the eager forward is
 bound by the host), with the tier chooser's measurements and picks at its layers' shapes.
-Every variant is timed three ways: eager (one call from an idle GPU, host time included), eager
+Every variant is timed four ways: eager (one call from an idle GPU, host time included), eager
 in bursts (BURST calls back to back between two events, per call: what a model's forward does,
-the host launching ahead while the GPU works; what the tier chooser measures) and captured in a
-CUDA graph (GPU work only).
+the host launching ahead while the GPU works; what the tier chooser measures), captured in a
+CUDA graph (GPU work only, one call per replay) and BURST calls captured in one graph (GPU work
+at the clocks a chain of layers sustains).
 
 Writes docs/benchmarks/dynamic_lora.{json,md} after every shape (a cut-off run keeps its rows).
 """
@@ -144,13 +145,22 @@ def bench_shape(name: str, t: int, k: int, n: int, r: int, rounds: int) -> dict:
     # host's Python and launch time (as a server or torch.compile's cudagraphs run a layer).
     # One graph per variant and input, so that inputs rotate without a copy in the timed span.
     layers = {"base": base, "naive": lambda v: naive_on(v), "wide": lambda v: wide_on(v), **mods}
-    graph = None
+    graph = graph_burst = None
     try:
         graphs = {q: [_graphed(lambda m=m, x=x: m(x)) for x in xs] for q, m in layers.items()}
         with torch.no_grad():
             graph = harness.interleaved(
                 {q: (lambda i, g=g: g[i % 2].replay()) for q, g in graphs.items()},
                 rounds=rounds, warmup=3)
+        del graphs
+        # BURST calls in one graph (_burst: the graph's pool holds two outputs at a time):
+        # the clocks a chain of layers sustains, where a single replay after an idle gap runs
+        # at the clocks the GPU boosts to first.
+        graphs = {q: _graphed(_burst(m, xs)) for q, m in layers.items()}
+        with torch.no_grad():
+            got = harness.interleaved({q: (lambda i, g=g: g.replay()) for q, g in graphs.items()},
+                                      rounds=rounds, warmup=3)
+        graph_burst = {q: {"median_ms": t["median_ms"] / BURST} for q, t in got.items()}
         del graphs
     except RuntimeError as e:  # a variant that cannot be captured: recorded, run goes on
         print(f"{name}: CUDA graph capture failed: {e}", flush=True)
@@ -163,9 +173,14 @@ def bench_shape(name: str, t: int, k: int, n: int, r: int, rounds: int) -> dict:
         graph = {"timings": graph,
                  "overhead_pct": {q: 100 * (graph[q]["median_ms"] - g_base) / g_base
                                   for q in names}}
+    if graph_burst is not None:
+        gb_base = graph_burst["base"]["median_ms"]
+        graph_burst = {"timings": graph_burst,
+                       "overhead_pct": {q: 100 * (graph_burst[q]["median_ms"] - gb_base) / gb_base
+                                        for q in names}}
     picks = [p for p in chooser_picks(rows=t) if (p["n"], p["k"], p["r"]) == (n, k, r)]
     return {"shape": (t, k, n, r), "timings": timings, "rel_err_vs_float64": err,
-            "graph": graph, "burst_timings": burst, "picks": picks,
+            "graph": graph, "graph_burst": graph_burst, "burst_timings": burst, "picks": picks,
             "overhead_pct": {q: 100 * (timings[q]["median_ms"] - t_base) / t_base
                              for q in names},
             "burst_overhead_pct": {q: 100 * (burst[q]["median_ms"] - b_base) / b_base
@@ -173,6 +188,16 @@ def bench_shape(name: str, t: int, k: int, n: int, r: int, rounds: int) -> dict:
             "floor_pct": 100 * floor_ms(t, k, n, r) / t_base,
             "graph_floor_pct": (100 * floor_ms(t, k, n, r) / graph["timings"]["base"]["median_ms"]
                                 if graph else None)}
+
+
+def _burst(layer, xs: list[torch.Tensor]):
+    """BURST calls of ``layer``, inputs alternating, each output dropped once the next exists."""
+    def run():
+        out = None
+        for j in range(BURST):
+            out = layer(xs[j % 2])
+        return out
+    return run
 
 
 def _graphed(fn) -> torch.cuda.CUDAGraph:
@@ -270,17 +295,20 @@ def write(rows: dict, dit: dict | None) -> None:
         o, g = r["overhead_pct"], (r.get("graph") or {}).get("overhead_pct")
         bo = r.get("burst_overhead_pct", {})
         gt = r.get("graph") and r["graph"]["timings"]["base"]["median_ms"]
+        gb = (r.get("graph_burst") or {}).get("overhead_pct")
         table_rows.append([
             name, str(r["shape"]), f"{r['timings']['base']['median_ms']:.3f}",
             *(f"{o[q]:.0f}" if q in o else "-" for q in names),
             *(f"{bo[q]:.0f}" if q in bo else "-" for q in names),
             f"{gt:.3f}" if g else "-", *(f"{g[q]:.0f}" if g and q in g else "-" for q in names),
+            *(f"{gb[q]:.0f}" if gb and q in gb else "-" for q in names),
             f"{r['graph_floor_pct']:.1f}" if g else f"{r['floor_pct']:.1f}",
             *(f"{r['rel_err_vs_float64'][q]:.1e}" for q in names[1:]
               if q in r["rel_err_vs_float64"])])
     table = harness.markdown_table(
         ["shape", "(T, K, N, r)", "eager base ms", *(f"{q} %" for q in names),
-         *(f"burst {q} %" for q in names), "graph base ms", *(f"{q} %" for q in names), "floor %",
+         *(f"burst {q} %" for q in names), "graph base ms", *(f"{q} %" for q in names),
+         *(f"graph burst {q} %" for q in names), "floor %",
          *(f"{q} err" for q in names[1:])], table_rows)
     notes = ("Overheads are (t - t_base) / t_base, medians of interleaved rounds. Eager: one call "
              "timed from an idle GPU (host Python and launch time included, as an eager script "
@@ -288,7 +316,10 @@ def write(rows: dict, dit: dict | None) -> None:
              "call (a model's forward: the host launches ahead while the GPU works; what the "
              "tier chooser measures). Graph: the same layers captured in CUDA graphs and replayed "
              "(the GPU work alone, as a server, torch.compile's cudagraphs or a long chain of "
-             "layers whose launches run ahead runs them). Floor: against the graph base. "
+             "layers whose launches run ahead runs them), one call per replay. Graph burst: "
+             f"{BURST} calls in one graph, per call (the clocks a chain of layers sustains; a "
+             "single replay after an idle gap runs at the clocks the GPU boosts to first). "
+             "Floor: against the graph base. "
              "fused: Triton's kernels; cute: the CuTe-DSL GEMM; cute1: one CuTe kernel, the "
              "shrink included; auto: the default's pick; "
              "wide: an experiment (one GEMM over [W; A], then the update onto the output "
