@@ -71,12 +71,14 @@ def test_prepared_layer_needs_cuda_and_tracks_its_operands():
 def test_gpu_prepared_layer_is_the_functions_bit_for_bit():
     from shuttle.kernels import PreparedLoraLinear
 
-    x, w, bias, down, up, scale = _layer(300, 512, 384, 32, BF16, BF16, device="cuda")
-    prep = PreparedLoraLinear(w, bias, down, up)
-    assert prep.usable and prep.fits(w, bias)
-    want = lora_linear_fused(x, w, bias, lora_shrink(x, down, scale), up)
-    for _ in range(2):  # the second launch of each kernel: its compiled binary
-        assert torch.equal(prep(x, scale), want)
+    # a short x (lora_shrink's pointer kernel) and a wide one (its TMA kernel)
+    for k in (4160, 512):
+        x, w, bias, down, up, scale = _layer(300, k, 384, 32, BF16, BF16, device="cuda")
+        prep = PreparedLoraLinear(w, bias, down, up)
+        assert prep.usable and prep.fits(w, bias)
+        want = lora_linear_fused(x, w, bias, lora_shrink(x, down, scale), up)
+        for _ in range(2):  # the second launch of each kernel: its compiled binary
+            assert torch.equal(prep(x, scale), want)
     # x that the Hopper path does not take: the caller uses the functions.
     assert prep(x[:64], scale) is None  # few rows
     assert prep(x.half(), scale) is None

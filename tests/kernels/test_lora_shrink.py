@@ -38,3 +38,52 @@ def test_shrink_split_k_matches_reference():
     want = lora_shrink_reference(x, down, scale)
     for split in (2, 3, 9):  # 9 > the 5 K steps: clamped to one K step per split
         _assert_one_ulp(lora_shrink(x, down, scale, config=(16, 16, 16, 1, 1, split)), want)
+
+
+def test_short_inputs_take_the_pointer_kernel_where_the_tma_kernel_would_run(monkeypatch):
+    """On Hopper an x of at most 8192 rows and 4096 features takes SHRINK_SHORT_CONFIG (the TMA
+    kernel's start is a large share of such a call); longer or wider ones the TMA kernel;
+    ``tma`` and ``config`` given are kept."""
+    import importlib
+
+    import torch
+
+    from shuttle.kernels.lora_linear_tma import SHRINK_TMA_CONFIG
+
+    mod = importlib.import_module("shuttle.kernels.lora_shrink")  # the package exports a function
+
+    calls = []
+    monkeypatch.setattr(mod, "interpreting", lambda: False)
+    monkeypatch.setattr(mod, "use_kernel", lambda *args: True)
+    monkeypatch.setattr(mod, "tma_addressable", lambda *args: True)
+    monkeypatch.setattr(mod, "_launch", lambda x, down, scale, out, cfg, *rest:
+                        calls.append(("pointer", cfg)))
+    monkeypatch.setattr(mod, "linear_tma", lambda *args: calls.append(("tma", args[-1])))
+
+    def kernel(t, k, **kwargs):
+        x, down = torch.empty(t, k, dtype=BF16), torch.empty(64, k, dtype=BF16)
+        mod.lora_shrink(x, down, torch.ones(64), **kwargs)
+        return calls[-1]
+
+    assert mod.short_shrink(8192, 4096) and not mod.short_shrink(8193, 64)
+    assert not mod.short_shrink(64, 4104)
+    assert kernel(4096, 1536) == ("pointer", mod.SHRINK_SHORT_CONFIG)
+    assert kernel(8192, 4096) == ("pointer", mod.SHRINK_SHORT_CONFIG)
+    assert kernel(4096, 6144) == ("tma", SHRINK_TMA_CONFIG)
+    assert kernel(8200, 1536) == ("tma", SHRINK_TMA_CONFIG)
+    assert kernel(4096, 1536, tma=True) == ("tma", SHRINK_TMA_CONFIG)
+    assert kernel(4096, 1536, tma=False) == ("pointer", mod.SHRINK_CUDA_CONFIG)
+    assert kernel(4096, 1536, config=(32, 64, 64, 4, 2, 1)) == ("pointer", (32, 64, 64, 4, 2, 1))
+
+
+def test_the_short_launch_matches_reference():
+    """launch_short_shrink (the prepared Hopper layer's short shrink) writes what lora_shrink
+    would (here under the interpreter, its configuration's blocks over partial tiles)."""
+    import torch
+
+    from shuttle.kernels.lora_shrink import launch_short_shrink
+
+    x, _, _, down, _, scale = _layer(70, 200, 8, 24, BF16, BF16)
+    out = torch.full((70, 24), float("nan"), dtype=BF16)
+    launch_short_shrink(x, down, scale, out)
+    _assert_one_ulp(out, lora_shrink_reference(x, down, scale))

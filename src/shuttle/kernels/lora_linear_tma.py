@@ -206,6 +206,11 @@ class PreparedLoraLinear:
         self._n, self._k, self._r = n, k, r
         self._dtype, self._device = weight.dtype, weight.get_device()
         self._shrink = _tma_constexprs(SHRINK_TMA_CONFIG, r, 0, False, True, weight.dtype, True)
+        # lora_shrink's choice for short inputs, the same kernel (imported here: that module
+        # imports this one)
+        from shuttle.kernels.lora_shrink import launch_short_shrink, short_shrink
+
+        self._short_shrink = short_shrink, launch_short_shrink
         self._sms = sm_count(self._device)
         self._fused = {cfg: _tma_constexprs(cfg, n, r, bias is not None, False, weight.dtype, True)
                        for cfg in (FUSED_TMA_CONFIG, FUSED_TMA_NARROW_CONFIG)}
@@ -255,8 +260,12 @@ class PreparedLoraLinear:
                 gemm = None  # Triton's kernels for this call
         s = torch.empty(t, self._r, dtype=x.dtype, device=x.device)
         ensure_allocator()
+        short, launch_short = self._short_shrink
         with on_device_of(x):
-            _launch_tma(x, self.down, None, None, None, scale, s, self._sms, self._shrink)
+            if short(t, self._k):
+                launch_short(x, self.down, scale, s)
+            else:
+                _launch_tma(x, self.down, None, None, None, scale, s, self._sms, self._shrink)
             if gemm is not None:
                 gemm(x, weight, bias, s, out)
             else:

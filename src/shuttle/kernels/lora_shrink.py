@@ -11,7 +11,10 @@ rounds once; :func:`shuttle.kernels.lora_linear.lora_linear_fused` then adds ``S
 base GEMM. The scale is applied to the rank-wide S, not to the wide output. Where the (T, R)
 tiles alone cannot fill the SMs, programs split K: float32 partial sums, reduced, scaled and
 rounded on the host. For T > 64 on Hopper the shrink runs on the TMA kernel of
-:mod:`shuttle.kernels.lora_linear_tma` (the ranks as output columns, ``scale`` as column scale).
+:mod:`shuttle.kernels.lora_linear_tma` (the ranks as output columns, ``scale`` as column scale),
+except for short inputs (:func:`short_shrink`: at most 8192 rows of at most 4096 features), where
+this module's kernel with :data:`SHRINK_SHORT_CONFIG` runs: x is a few MB there, and the
+persistent TMA kernel's start (its descriptors made on the device) is a large share of the call.
 
 Numerics and the fallback to :func:`lora_shrink_reference`: as for every LoRA linear kernel
 (:mod:`shuttle.kernels.lora_launch`).
@@ -42,7 +45,9 @@ from shuttle.kernels.lora_launch import (
 from shuttle.kernels.lora_linear_tma import SHRINK_TMA_CONFIG, linear_tma, tma_dtypes
 from shuttle.kernels.tma import tma_addressable
 
-__all__ = ["SHRINK_CUDA_CONFIG", "ShrinkConfig", "lora_shrink", "lora_shrink_reference"]
+__all__ = ["SHORT_SHRINK_K", "SHORT_SHRINK_ROWS", "SHRINK_CUDA_CONFIG", "SHRINK_SHORT_CONFIG",
+           "ShrinkConfig", "launch_short_shrink", "lora_shrink", "lora_shrink_reference",
+           "short_shrink"]
 
 
 class ShrinkConfig(NamedTuple):
@@ -62,6 +67,17 @@ class ShrinkConfig(NamedTuple):
 SHRINK_CUDA_CONFIG = ShrinkConfig(64, 128, 64, 4, 4, 0)
 # Under the interpreter: small blocks so that test shapes span several tiles and rank steps.
 _SHRINK_INTERPRET_CONFIG = ShrinkConfig(16, 16, 16, 1, 1, 1)
+# Where x is short and narrow (short_shrink) on Hopper, in place of the TMA kernel: at 4096 rows
+# of 1536 features 0.6-0.7x its time, at 1024 rows of up to 4096 0.65-0.9x; beyond 4096
+# features the TMA kernel's deeper pipeline wins (1.04-1.2x at 6144 and more).
+SHRINK_SHORT_CONFIG = ShrinkConfig(64, 128, 128, 4, 3, 1)
+SHORT_SHRINK_ROWS = 8192
+SHORT_SHRINK_K = 4096
+
+
+def short_shrink(t: int, k: int) -> bool:
+    """Whether x (t, k) takes :data:`SHRINK_SHORT_CONFIG` instead of the TMA kernel."""
+    return t <= SHORT_SHRINK_ROWS and k <= SHORT_SHRINK_K
 
 
 # ----------------------------------------------------------------------------------------------
@@ -147,11 +163,12 @@ def lora_shrink(x: torch.Tensor, down: torch.Tensor, scale: torch.Tensor,
         down: (R, K) down factor(s), of x's dtype or float32.
         scale: (R,) per-rank scale (float32), e.g. strength x alpha / rank for each adapter's ranks.
         config: a :class:`ShrinkConfig` (or the same 6-tuple) to override
-            :data:`SHRINK_CUDA_CONFIG` (or the small interpreter blocks).
+            :data:`SHRINK_CUDA_CONFIG` (:data:`SHRINK_SHORT_CONFIG` for a short input on
+            Hopper, or the small interpreter blocks).
         tma: use the Hopper TMA kernel
             (:data:`~shuttle.kernels.lora_linear_tma.SHRINK_TMA_CONFIG`); default: where it
-            applies (see :func:`~shuttle.kernels.lora_linear.lora_linear_fused`) and R is a
-            multiple of 8.
+            applies (see :func:`~shuttle.kernels.lora_linear.lora_linear_fused`), R is a
+            multiple of 8 and x is not short (:func:`short_shrink`).
 
     Returns:
         (T, R) in x's dtype when ``down`` has x's dtype, else float32 (a float32 adapter on bf16
@@ -175,12 +192,16 @@ def lora_shrink(x: torch.Tensor, down: torch.Tensor, scale: torch.Tensor,
     x, down = unit_stride(x), unit_stride(down)
     scale = scale.to(torch.float32).contiguous()
     out_dtype = _shrink_out_dtype(x, down)
-    if tma or (tma is None and not interpret and t > SMALL_T
-               and tma_dtypes(x, down) and tma_addressable(x, down) and r % 8 == 0):
+    hopper = (not interpret and t > SMALL_T and tma_dtypes(x, down) and tma_addressable(x, down)
+              and r % 8 == 0)
+    if tma or (tma is None and hopper and not short_shrink(t, k)):
         out = torch.empty(t, r, dtype=out_dtype, device=x.device)
         linear_tma(x, down, None, None, None, scale, out, SHRINK_TMA_CONFIG)
         return out
-    cfg = ShrinkConfig(*(config or (_SHRINK_INTERPRET_CONFIG if interpret else SHRINK_CUDA_CONFIG)))
+    if config is None:
+        config = (_SHRINK_INTERPRET_CONFIG if interpret else
+                  SHRINK_SHORT_CONFIG if hopper and tma is None else SHRINK_CUDA_CONFIG)
+    cfg = ShrinkConfig(*config)
     bt = cfg.block_t
     br = min(max(16, cfg.block_r), max(16, next_power_of_2(r)))
     bk = fit_step(cfg.block_k, bt, br, x.element_size(), down.element_size(), cfg.num_stages)
@@ -196,12 +217,37 @@ def lora_shrink(x: torch.Tensor, down: torch.Tensor, scale: torch.Tensor,
         out = torch.empty(split, t, r, dtype=torch.float32, device=x.device)
     else:
         out = torch.empty(1, t, r, dtype=out_dtype, device=x.device)
-    with on_device_of(x):
-        _kernel()[(cdiv(t, bt), cdiv(r, br), split)](
-            x, down, scale, out, t, r, k, per_split * bk, x.stride(0), down.stride(0),
-            out.stride(1), out.stride(0),
-            BT=bt, BR=br, BK=bk, SPLIT=split, IEEE=ieee_dot(x.dtype, down.dtype, interpret),
-            EVEN_K=k % bk == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _launch(x, down, scale, out, cfg, br, bk, per_split * bk, interpret)
     if split > 1:
         return out.sum(0).mul_(scale).to(out_dtype)
     return out[0]
+
+
+def launch_short_shrink(x: torch.Tensor, down: torch.Tensor, scale: torch.Tensor,
+                        out: torch.Tensor) -> None:
+    """Write ``(x @ down.T) * scale`` into ``out`` (T, R) by :data:`SHRINK_SHORT_CONFIG`, as
+    :func:`lora_shrink` does for a :func:`short_shrink` input (bit for bit), on operands the
+    caller checked: contiguous 16-bit x and ``down`` of one dtype, a float32 ``scale``.
+    """
+    cfg = SHRINK_SHORT_CONFIG
+    k, r = x.shape[1], down.shape[0]
+    br = min(max(16, cfg.block_r), max(16, next_power_of_2(r)))
+    bk = fit_step(cfg.block_k, cfg.block_t, br, x.element_size(), down.element_size(),
+                  cfg.num_stages)
+    # CPU tensors run only in the interpreter (its float32 dots for 16-bit operands)
+    _launch(x, down, scale, out.unsqueeze(0), cfg, br, bk, max(1, cdiv(k, bk)) * bk,
+            not x.is_cuda)
+
+
+def _launch(x: torch.Tensor, down: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
+            cfg: ShrinkConfig, br: int, bk: int, k_per_split: int, interpret: bool) -> None:
+    """The kernel over ``out`` (splits, T, R): ``k_per_split`` features per split."""
+    t, k = x.shape
+    r = down.shape[0]
+    with on_device_of(x):
+        _kernel()[(cdiv(t, cfg.block_t), cdiv(r, br), out.shape[0])](
+            x, down, scale, out, t, r, k, k_per_split, x.stride(0), down.stride(0),
+            out.stride(1), out.stride(0),
+            BT=cfg.block_t, BR=br, BK=bk, SPLIT=out.shape[0],
+            IEEE=ieee_dot(x.dtype, down.dtype, interpret), EVEN_K=k % bk == 0,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
