@@ -3,8 +3,8 @@
 Without the shrink the units are the output tiles, row tile by row tile. With it, the kernel
 also computes S in units of its own (S tiles: ``tile.n`` tokens' S each), which the output tiles
 of those rows read back once a flag says the tile is in memory (a row tile straddling two S
-tiles, where ``tile.n`` is no multiple of ``tile.m``, waits for both): the S tile's store warp waits
-until its bulk stores are complete and releases the flag (gpu scope); a reader's producer
+tiles, where ``tile.n`` is no multiple of ``tile.m``, waits for both): the S tile's store warp
+waits until its bulk stores are complete and releases the flag (gpu scope); a reader's producer
 acquires it before its S/B loads, and the tile's last reader resets it for the next launch
 (graph replays included). The order, fixed on the host as a work list of int32 codes, puts each
 S tile before its readers, early enough that they seldom wait: a CTA only ever waits on a unit
@@ -98,12 +98,11 @@ class WorkLists:
     flags their S tiles raise.
 
     A list depends on (row tiles, column tiles, the tile's rows, its columns (an S tile's
-    tokens), ``ahead``): one per
-    distinct row count and layer shape, made on first use. Made lists are kept up to
-    ``capacity`` in least-recently-used order, except those a CUDA graph captured (a replay
-    reads the list by its address: it stays for the process). None is made while a graph is
-    being captured (an upload is no operation a capture takes): :meth:`get` answers None and
-    the caller runs another path for that call.
+    tokens), ``ahead``): one per distinct row count and layer shape, made on first use. Made
+    lists are kept up to ``capacity`` in least-recently-used order, except those a CUDA graph
+    captured (a replay reads the list by its address: it stays for the process). None is made
+    while a graph is being captured (an upload is no operation a capture takes): :meth:`get`
+    answers None and the caller runs another path for that call.
 
     The flags are one buffer per device for every list and layer, ``2 * UNIT_FIELD`` int32
     (two per S tile, the most a list has), made with the first list: zero between launches
