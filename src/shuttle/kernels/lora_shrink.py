@@ -67,9 +67,10 @@ class ShrinkConfig(NamedTuple):
 SHRINK_CUDA_CONFIG = ShrinkConfig(64, 128, 64, 4, 4, 0)
 # Under the interpreter: small blocks so that test shapes span several tiles and rank steps.
 _SHRINK_INTERPRET_CONFIG = ShrinkConfig(16, 16, 16, 1, 1, 1)
-# Where x is short and narrow (short_shrink) on Hopper, in place of the TMA kernel: at 4096 rows
-# of 1536 features 0.6-0.7x its time, at 1024 rows of up to 4096 0.65-0.9x; beyond 4096
-# features the TMA kernel's deeper pipeline wins (1.04-1.2x at 6144 and more).
+# Where x is short and narrow (short_shrink) on Hopper, in place of the TMA kernel: a call there
+# reads a few MB, and the persistent TMA kernel's start (its descriptors made on the device) is
+# a large share of it; past 4096 features the TMA kernel's deeper pipeline wins
+# (docs/benchmarks.md, the dynamic LoRA section).
 SHRINK_SHORT_CONFIG = ShrinkConfig(64, 128, 128, 4, 3, 1)
 SHORT_SHRINK_ROWS = 8192
 SHORT_SHRINK_K = 4096
