@@ -12,6 +12,7 @@ and undoes a scoped merge bit for bit.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 
 import torch
@@ -39,15 +40,8 @@ def adapter() -> dict[str, torch.Tensor]:
             "2.lora_B.weight": torch.randn(6, 4, generator=g) * 0.3}
 
 
-def main() -> None:
+def check(device: str) -> None:
     """Shard, merge, check against the single-process merge, undo a scoped merge."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cuda", action="store_true")
-    args = parser.parse_args()
-    device = "cuda" if args.cuda else "cpu"
-    if args.cuda:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if args.cuda else "gloo")
     mesh = init_device_mesh(device, (dist.get_world_size(),))
     rank = dist.get_rank()
 
@@ -71,6 +65,22 @@ def main() -> None:
     if rank == 0:
         print(f"merged {len(report.applied)} weights into row and column shards on "
               f"{dist.get_world_size()} ranks: equal to the single-process merge")
+
+
+def main() -> None:
+    """One rank's run: the process group, the check, the group's teardown."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cuda", action="store_true")
+    args = parser.parse_args()
+    device = "cuda" if args.cuda else "cpu"
+    if args.cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if args.cuda else "gloo")
+    check(device)
+    # The sharded tensors and their mesh freed (check's locals, and cycles among them) before
+    # the group goes: left to the interpreter's exit, their destructors can run after the
+    # group's, and a gloo thread still joinable then aborts the process.
+    gc.collect()
     # Every rank done with its collectives before any tears the group down: a rank that leaves
     # first closes connections a peer's gloo threads may still read (they abort the process).
     dist.barrier()
