@@ -58,6 +58,9 @@ SHAPES = {
 }
 COPY_GBS, GEMM_TFLOPS = 4213.0, 780.0
 BURST = 10  # calls per timed burst, as the tier chooser times them (shuttle.apply.tier)
+# One call from an idle GPU spreads most (its clocks, the host's launches): the eager column
+# takes this many times the rounds of the others (cheap: one call each).
+EAGER_ROUNDS = 4
 # The dynamic variants: name -> (quality, whether the CuTe kernel may run)
 TIERS = {"lossless": ("lossless", False), "fused": ("fused", False), "cute": ("fused", True),
          "cute1": ("fused", "fused_cute_shrink"), "auto": ("auto", True)}
@@ -131,7 +134,7 @@ def bench_shape(name: str, t: int, k: int, n: int, r: int, rounds: int) -> dict:
                 **{q: (lambda i, m=m: m(xs[i % 2])) for q, m in mods.items()}}
     names = ["naive", "wide", *mods]
     with torch.no_grad():
-        timings = harness.interleaved(variants, rounds=rounds, warmup=3)
+        timings = harness.interleaved(variants, rounds=EAGER_ROUNDS * rounds, warmup=3)
         bursts = harness.interleaved(
             {q: (lambda i, fn=fn: [fn(i + j) for j in range(BURST)]) for q, fn in variants.items()},
             rounds=rounds, warmup=3)
@@ -236,7 +239,7 @@ def bench_dit(rounds: int) -> dict:
     xs = [torch.randn(1, 16, 128, 128, device="cuda").bfloat16() for _ in range(2)]  # 4096 tok
     with torch.no_grad():
         timings = harness.interleaved({q: (lambda i, m=m: m(xs[i % 2])) for q, m in
-                                       models.items()}, rounds=rounds, warmup=3)
+                                       models.items()}, rounds=EAGER_ROUNDS * rounds, warmup=3)
         # the host's part: time to issue one forward from an idle GPU (no sync inside it)
         host = harness.interleaved({q: (lambda i, m=m: m(xs[i % 2])) for q, m in
                                     models.items()}, rounds=rounds, warmup=3, timer=_host_ms)
@@ -312,9 +315,10 @@ def write(rows: dict, dit: dict | None) -> None:
          *(f"{q} err" for q in names[1:])], table_rows)
     notes = ("Overheads are (t - t_base) / t_base, medians of interleaved rounds. Eager: one call "
              "timed from an idle GPU (host Python and launch time included, as an eager script "
-             f"runs a single layer). Burst: {BURST} calls back to back between two events, per "
-             "call (a model's forward: the host launches ahead while the GPU works; what the "
-             "tier chooser measures). Graph: the same layers captured in CUDA graphs and replayed "
+             f"runs a single layer; {EAGER_ROUNDS}x the rounds of the other columns). Burst: "
+             f"{BURST} calls back to back between two events, per call (a model's forward: "
+             "the host launches ahead while the GPU works; what the tier chooser measures). "
+             "Graph: the same layers captured in CUDA graphs and replayed "
              "(the GPU work alone, as a server, torch.compile's cudagraphs or a long chain of "
              "layers whose launches run ahead runs them), one call per replay. Graph burst: "
              f"{BURST} calls in one graph, per call (the clocks a chain of layers sustains; a "

@@ -305,6 +305,42 @@ def test_gpu_fused_layer_launches_from_checked_operands_and_follows_its_weight()
         handle.detach()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("quality", ["fused", "auto"])
+def test_gpu_fused_layer_takes_a_transposed_input_by_its_prepared_path(quality, monkeypatch):
+    # A residual stream kept transposed ((B, K, T) viewed as (B, T, K): features strided) is
+    # copied once and runs the prepared kernels, as a contiguous x does, bit for bit.
+    import shuttle.apply.dynamic_layer as dynamic_layer
+    from shuttle.apply.tier import TIERS
+
+    g = torch.Generator().manual_seed(5)
+    model = nn.Sequential(nn.Linear(256, 384)).cuda().bfloat16()
+    sd = _lora_sd("0", 384, 256, 16, g, alpha=8.0)
+    x = torch.randn(1, 256, 300, generator=g).cuda().bfloat16().transpose(1, 2)
+    assert x.stride(-1) != 1
+    with torch.no_grad():
+        handle = shuttle.attach_lora(model, [(sd, 0.7)], quality="fused")
+        hooks_of(model[0])[0].allow_cute = False  # Triton's kernels on both sides
+        want = model(x.contiguous())
+        handle.detach()
+        TIERS.clear()
+        handle = shuttle.attach_lora(model, [(sd, 0.7)], quality=quality)
+        hooks_of(model[0])[0].allow_cute = False
+
+        def unprepared(*args, **kwargs):
+            raise AssertionError("a strided x left the prepared path")
+
+        monkeypatch.setattr(dynamic_layer, "lora_linear_fused", unprepared)
+        got = model(x)
+        if quality == "auto":  # the chooser measured the fused candidate (none was dropped)
+            (choice,) = TIERS.choices.values()
+            assert "fused" in choice.graphs and "fused" in choice.eager
+            got = hooks_of(model[0])[0]._fused(model[0], x, {}, "fused")
+        assert torch.equal(got, want)
+        handle.detach()
+        TIERS.clear()
+
+
 def _flux_model(layout: str, h: int, mlp: int, inp: int) -> nn.Module:
     """A one-block Flux skeleton (float32): BFL's fused ``img_attn.qkv`` and ``linear1``, or
     diffusers' separate ``to_q/to_k/to_v`` and ``proj_mlp`` (what the Flux name table needs)."""

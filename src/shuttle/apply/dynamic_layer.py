@@ -413,6 +413,8 @@ class LoRAHook(ModuleHook):
         weight, bias = module.weight, module.bias
         w, b = overrides.get("weight", weight), overrides.get("bias", bias)
         x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        # x with strided features (a transposed residual stream) copied once here, not per kernel
+        x2d = x2d if x2d.stride(-1) == 1 else x2d.contiguous()
         scale = self.scales(x.device)
         if x2d.shape[0] <= DECODE_MAX_T and x.dtype == self.down.dtype == self.up.dtype:
             # A few tokens (decode): a split-K shrink, then one kernel for the base, the update
@@ -431,9 +433,7 @@ class LoRAHook(ModuleHook):
                 if prep.usable:
                     out = prep(x2d, scale)
             if out is None:
-                # Triton's shrink: on the H200 as fast as cuBLAS's skinny GEMM plus a scale
-                # kernel, or faster (docs/benchmarks.md); S keeps float32 math for float32
-                # factors.
+                # Triton's kernels (S keeps float32 math for float32 factors)
                 out = lora_linear_fused(x2d, w, b, lora_shrink(x2d, self.down, scale), self.up)
         return out if x2d is x else out.view(*x.shape[:-1], w.shape[0])
 
