@@ -29,10 +29,14 @@ class CuteTile:
     # weighs): a warpgroup's 64 x n wgmma reads its B operand from shared memory once per 64
     # rows, so narrower tiles move more bytes per multiply-add.
     cost: float = dataclasses.field(default=1.0, compare=False)
+    # Ping-pong: each of two warpgroups takes its own units (the whole m x n tile, its
+    # accumulator n registers a thread), their main loops in turn, so one's epilogue runs
+    # under the other's main loop; else both share each unit, 64 rows each.
+    pingpong: bool = False
 
     @property
     def consumers(self) -> int:
-        return self.m // 64
+        return 2 if self.pingpong else self.m // 64
 
 
 # The tiles a layer's calls choose among by their rows (:func:`best_tile`): the widest costs

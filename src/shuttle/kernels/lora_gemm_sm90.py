@@ -115,10 +115,11 @@ class _Kernel:
 
             this.mma = sm90.make_trivial_tiled_mma(
                 elem, elem, layout_k.sm90_mma_major_mode(), layout_k.sm90_mma_major_mode(),
-                cutlass.Float32, (consumers, 1, 1), tiler_mn=(64, tile.n))
+                cutlass.Float32, (1 if tile.pingpong else consumers, 1, 1),
+                tiler_mn=(64, tile.n))
             tile_mnk = (tile.m, tile.n, tile.k)
             this.epi_tile = sm90.compute_tile_shape_or_override(
-                tile_mnk, elem, is_cooperative=consumers == 2)
+                tile_mnk, elem, is_cooperative=consumers == 2 and not tile.pingpong)
             this.stages = _stages(tile, this.epi_tile, this.dtype.itemsize,
                                   utils.get_smem_capacity_in_bytes("sm_90"))
             this.a_smem = sm90.make_smem_layout_a(layout_k, tile_mnk, elem, this.stages)

@@ -26,14 +26,30 @@ def device_kernel(spec: Any) -> Any:
     cutlass, cute, pipeline, utils, sm90 = d.cutlass, d.cute, d.pipeline, d.utils, d.sm90
     cpasync, warpgroup = cute.nvgpu.cpasync, cute.nvgpu.warpgroup
     tile, consumers, has_bias, elem = spec.tile, spec.consumers, spec.has_bias, spec.elem
-    shrink = spec.shrink
+    shrink, pingpong = spec.shrink, tile.pingpong
     # The S tiles a row tile reads: one where an S tile's tokens (tile.n) are whole row tiles,
     # else up to two (a row tile straddling their boundary).
     spans = 1 if tile.n % tile.m == 0 else 2
-    consumer_threads = consumers * THREADS_PER_WARPGROUP
+    # The threads of one unit: both consumer warpgroups, or with ping-pong one of them.
+    unit_threads = THREADS_PER_WARPGROUP * (1 if pingpong else consumers)
     producer_warp = 0
-    store_warp = 4  # the first warp of the first consumer warpgroup issues the stores
     this = spec
+
+    @cute.jit
+    def steps_of(work: Any, table: Any, last_unit: Any, tiles_n: Any, k_tiles: Any,
+                 r_tiles: Any) -> Any:
+        # the ring stages of ``work``: an output tile's K and rank steps, an S tile's K
+        # steps, none past the last unit
+        u = work.tile_idx[0]
+        if u > last_unit:
+            u = last_unit
+        is_s, _, _ = unit_of(u, table, tiles_n, shrink)
+        steps = cutlass.Int32(k_tiles + r_tiles)
+        if is_s:
+            steps = cutlass.Int32(k_tiles)
+        if not work.is_valid_tile:
+            steps = cutlass.Int32(0)
+        return steps
 
     @cute.kernel
     def kernel(mma: cute.TiledMma, tma_x: cute.CopyAtom, g_x: cute.Tensor,
@@ -69,7 +85,7 @@ def device_kernel(spec: Any) -> Any:
             barrier_storage=storage.barriers.data_ptr(), num_stages=stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                     consumers * 4),
+                                                     unit_threads // 32),
             tx_count=tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
         s_a = storage.a.get_tensor(a_smem.outer, swizzle=a_smem.inner)
         s_b = storage.b.get_tensor(b_smem.outer, swizzle=b_smem.inner)
@@ -107,9 +123,10 @@ def device_kernel(spec: Any) -> Any:
         s_blocks = (m_blocks * tile.m + tile.n - 1) // tile.n
 
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
-        thr_mma = mma.get_slice(
-            cute.make_layout(consumers, stride=THREADS_PER_WARPGROUP)(
-                warpgroup_idx - 1))
+        # a unit's thread index: from its first consumer thread (ping-pong: of its warpgroup)
+        utid = (tidx - THREADS_PER_WARPGROUP) % unit_threads
+        thr_mma = mma.get_slice(0 if pingpong else cute.make_layout(
+            consumers, stride=THREADS_PER_WARPGROUP)(warpgroup_idx - 1))
         frag_a = mma.make_fragment_A(thr_mma.partition_A(s_a))
         frag_b = mma.make_fragment_B(thr_mma.partition_B(s_b))
         acc_shape = thr_mma.partition_C(t_out[(None, None, 0, 0)]).shape
@@ -202,16 +219,32 @@ def device_kernel(spec: Any) -> Any:
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                    stages)
             k_blocks = cute.size(frag_a, mode=[2])
+            me = warpgroup_idx - 1  # ping-pong: the second warpgroup takes the odd units
+            is_store = warp == 4 + 4 * me if pingpong else warp == 4  # issues the stores
+            last_unit = cute.size(m_table) - 1
+            # Ping-pong turns (named barriers, both warpgroups' threads): main loops (ids 3,
+            # 4) and epilogues (5, 6; they share the epilogue's buffers) alternate.
+            turn_threads = 2 * THREADS_PER_WARPGROUP
+            if cutlass.const_expr(pingpong):
+                if me == 1:
+                    # the first warpgroup goes first; the second skips its first unit's stages
+                    pipeline.NamedBarrier(barrier_id=3, num_threads=turn_threads).arrive()
+                    pipeline.NamedBarrier(barrier_id=5, num_threads=turn_threads).arrive()
+                skip = me * steps_of(work, m_table, last_unit, tiles_n, k_tiles, r_tiles)
+                read.advance(skip)
+                release.advance(skip)
+                tiles.advance_to_next_work(advance_count=me)
+                work = tiles.get_current_work()
 
             # Epilogue copies: accumulator registers -> shared (stmatrix) -> global (TMA);
             # an S tile's through the transposing stmatrix into an M-major buffer.
-            thr_c = mma.get_slice(tidx - THREADS_PER_WARPGROUP)
+            thr_c = mma.get_slice(utid)
             r2s = cute.make_tiled_copy_S(
                 sm90.get_smem_store_op(utils.LayoutEnum.ROW_MAJOR, elem, cutlass.Float32),
                 cute.make_tiled_copy_C_atom(
                     cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4),
                                         elem), mma))
-            thr_r2s = r2s.get_slice(tidx - THREADS_PER_WARPGROUP)
+            thr_r2s = r2s.get_slice(utid)
             r2s_dst = thr_r2s.partition_D(s_out)
             r2s_acc = r2s.retile(acc)
             sub_shape = cute.shape(thr_r2s.partition_S(s_out))[:3]
@@ -225,7 +258,7 @@ def device_kernel(spec: Any) -> Any:
                     cute.make_tiled_copy_C_atom(
                         cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(True, 4),
                                             elem), mma))
-                thr_r2s_t = r2s_t.get_slice(tidx - THREADS_PER_WARPGROUP)
+                thr_r2s_t = r2s_t.get_slice(utid)
                 r2s_dst_t = thr_r2s_t.partition_D(s_out_t)
                 r2s_acc_t = r2s_t.retile(acc)
                 sub_shape_t = cute.shape(thr_r2s_t.partition_S(s_out_t))[:3]
@@ -238,8 +271,9 @@ def device_kernel(spec: Any) -> Any:
             stores = pipeline.PipelineTmaStore.create(
                 num_stages=EPI_STAGES,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                         consumer_threads))
-            epi_sync = pipeline.NamedBarrier(barrier_id=1, num_threads=consumer_threads)
+                                                         unit_threads))
+            epi_sync = pipeline.NamedBarrier(barrier_id=1 + me if pingpong else 1,
+                                             num_threads=unit_threads)
             out_sub = cute.zipped_divide(t_out[(None, None, 0, 0)], this.epi_tile)
             subs = cute.size(out_sub, mode=[1])
             sub_grid = out_sub.shape[1]
@@ -254,6 +288,9 @@ def device_kernel(spec: Any) -> Any:
                 release.reset_count()
                 acc.fill(0.0)
                 mma.set(warpgroup.Field.ACCUMULATE, True)
+                if cutlass.const_expr(pingpong):  # this warpgroup's turn at the tensor cores
+                    pipeline.NamedBarrier(barrier_id=3 + me,
+                                          num_threads=turn_threads).arrive_and_wait()
                 warpgroup.fence()
                 # One wgmma group in flight: step i's stage is released once step i + 1's
                 # group is issued and step i's has completed.
@@ -268,10 +305,15 @@ def device_kernel(spec: Any) -> Any:
                         warpgroup.wait_group(1)
                         ring.consumer_release(release)
                         release.advance()
+                if cutlass.const_expr(pingpong):  # the other warpgroup's main loop may start
+                    pipeline.NamedBarrier(barrier_id=4 - me, num_threads=turn_threads).arrive()
                 warpgroup.wait_group(0)
                 if steps > 0:
                     ring.consumer_release(release)
                     release.advance()
+                if cutlass.const_expr(pingpong):
+                    pipeline.NamedBarrier(barrier_id=5 + me,
+                                          num_threads=turn_threads).arrive_and_wait()
 
                 # Epilogue, one sub-tile at a time through a ring of EPI_STAGES buffers:
                 # written out for each kind of unit (their copies' layouts differ, and the
@@ -294,13 +336,13 @@ def device_kernel(spec: Any) -> Any:
                         cute.copy(r2s_t, sub_out_t, r2s_dst_t[(None, None, None, buf)])
                         cute.arch.fence_proxy("async.shared", space="cta")
                         epi_sync.arrive_and_wait()
-                        if warp == store_warp:
+                        if is_store:
                             cute.copy(tma_st, smem_part[(None, buf)],
                                       glob_part[(None, sub_layout.get_hier_coord(sub))])
                             stores.producer_commit()
                             stores.producer_acquire()
                         epi_sync.arrive_and_wait()
-                    if warp == store_warp:
+                    if is_store:
                         # S in memory (each lane's stores complete, not only read) before
                         # its flag tells the readers' TMA loads
                         cute.arch.cp_async_bulk_wait_group(0, read=False)
@@ -330,14 +372,26 @@ def device_kernel(spec: Any) -> Any:
                         # the stmatrix writes visible to the TMA store's async proxy
                         cute.arch.fence_proxy("async.shared", space="cta")
                         epi_sync.arrive_and_wait()
-                        if warp == store_warp:
+                        if is_store:
                             cute.copy(tma_out, smem_part[(None, buf)],
                                       glob_part[(None, sub_layout.get_hier_coord(sub))])
                             stores.producer_commit()
                             stores.producer_acquire()
                         epi_sync.arrive_and_wait()
+                if cutlass.const_expr(pingpong):
+                    # the buffers read by this epilogue's stores before the other's may write
+                    if is_store:
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                    pipeline.NamedBarrier(barrier_id=6 - me, num_threads=turn_threads).arrive()
                 tiles.advance_to_next_work()
                 work = tiles.get_current_work()
+                if cutlass.const_expr(pingpong):  # the other warpgroup's unit: its stages
+                    skip = steps_of(work, m_table, last_unit, tiles_n, k_tiles, r_tiles)
+                    read.advance(skip)
+                    release.advance(skip)
+                    tiles.advance_to_next_work()
+                    work = tiles.get_current_work()
             stores.producer_tail()
 
     return kernel
+
