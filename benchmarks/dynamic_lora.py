@@ -63,7 +63,8 @@ BURST = 10  # calls per timed burst, as the tier chooser times them (shuttle.app
 EAGER_ROUNDS = 4
 # The dynamic variants: name -> (quality, whether the CuTe kernel may run)
 TIERS = {"lossless": ("lossless", False), "fused": ("fused", False), "cute": ("fused", True),
-         "cute1": ("fused", "fused_cute_shrink"), "auto": ("auto", True)}
+         "cute1": ("fused", "fused_cute_shrink"), "cutepp": ("fused", "fused_cute_pingpong"),
+         "auto": ("auto", True)}
 
 
 def tiers() -> dict[str, tuple[str, bool]]:

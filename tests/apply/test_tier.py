@@ -259,8 +259,8 @@ def test_where_cute_runs_its_one_kernel_form_competes_up_to_128_ranks(monkeypatc
           "0.lora_B.weight": torch.randn(64, rank, generator=g).bfloat16()}
     with torch.no_grad(), shuttle.apply_lora(m, [(sd, 0.8)], mode="dynamic"):
         m(torch.randn(100, 32, generator=g).bfloat16())
-    assert seen == [{"lossless", "fused", "fused_cute"} | ({"fused_cute_shrink"} if shrink
-                                                           else set())]
+    assert seen == [{"lossless", "fused", "fused_cute", "fused_cute_pingpong"}
+                    | ({"fused_cute_shrink"} if shrink else set())]
 
 
 @pytest.mark.skipif(not triton_available(), reason="the fused tier needs triton")

@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from shuttle.kernels.cute_dsl import CUTE_TILES
+from shuttle.kernels.cute_dsl import CUTE_TILES, PINGPONG_TILES
 from shuttle.kernels.lora_gemm_sm90 import compile_lora_gemm
 from shuttle.kernels.lora_linear_cute import cute_installed
 from tests.kernels.test_lora_linear import BF16, FP16
@@ -33,7 +33,8 @@ def ptx_of(tmp_path_factory):
 
 @needs_dsl
 @pytest.mark.parametrize("shrink", [False, True], ids=["s-given", "shrink"])
-@pytest.mark.parametrize("tile", CUTE_TILES, ids=lambda t: f"{t.m}x{t.n}")
+@pytest.mark.parametrize("tile", CUTE_TILES + PINGPONG_TILES,
+                         ids=lambda t: f"{t.m}x{t.n}" + ("-pingpong" if t.pingpong else ""))
 @pytest.mark.parametrize(("dtype", "ptx_type"), [(BF16, "bf16"), (FP16, "f16")])
 def test_compiles_for_hopper_on_the_cpu(tile, dtype, ptx_type, shrink, ptx_of):
     ptx = ptx_of(dtype, tile, True, shrink)
@@ -58,6 +59,24 @@ def test_compiles_for_hopper_on_the_cpu(tile, dtype, ptx_type, shrink, ptx_of):
     # a row tile reads one S tile, or two where S tiles (tile.n tokens) straddle row tiles
     spans = 0 if not shrink else 1 if tile.n % tile.m == 0 else 2
     assert len(re.findall(r"ld\.acquire\.gpu\.global", ptx)) == spans
+
+
+@needs_dsl
+@pytest.mark.parametrize("shrink", [False, True], ids=["s-given", "shrink"])
+def test_pingpong_warpgroups_take_turns_and_end_their_epilogues_alone(shrink, ptx_of):
+    """Ping-pong: each warpgroup waits for its turn at the main loop and at the epilogue
+    (256-thread named barriers: its own threads and the other's arrival) and hands the turn on
+    (bar.arrive); its epilogue's sub-tile barriers hold its 128 threads alone. The cooperative
+    tile has one 256-thread epilogue barrier and no turns."""
+    def barriers(ptx):
+        return (len(re.findall(r"bar\.sync\s+%r\d+, 256", ptx)),
+                len(re.findall(r"bar\.arrive\s+(?:%r\d+|\d+), 256", ptx)),
+                bool(re.search(r"bar\.sync\s+%r\d+, 128", ptx)),
+                bool(re.search(r"bar\.sync\s+1, 256", ptx)))
+    pong = ptx_of(BF16, PINGPONG_TILES[0], True, shrink)
+    # two turns waited (main loop, epilogue); two handed on, and the second warpgroup's start
+    assert barriers(pong) == (2, 4, True, False)
+    assert barriers(ptx_of(BF16, CUTE_TILES[1], True, shrink)) == (0, 0, False, True)
 
 
 @needs_dsl

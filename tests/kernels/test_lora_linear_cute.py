@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shuttle.kernels import lora_linear_fused_reference
-from shuttle.kernels.cute_dsl import CUTE_TILES
+from shuttle.kernels.cute_dsl import CUTE_TILES, PINGPONG_TILES
 from shuttle.kernels.lora_linear_cute import CuteLoraGemm, cute_available, cute_installed
 from tests.kernels.test_lora_linear import BF16, FP16, _assert_one_ulp, _layer
 
@@ -51,15 +51,19 @@ def test_a_kernel_that_cannot_be_built_leaves_the_layer_to_triton(monkeypatch):
     monkeypatch.setattr(mod, "cute_available", lambda device=None: True)
     monkeypatch.setattr(mod, "CuteLoraGemm", Broken)
     with pytest.warns(RuntimeWarning, match="unsupported driver.*Triton"):
-        assert _cute_gemms(w, bias, down, up) == {}
+        assert _cute_gemms(w, bias, down, up, CUTE_TILES) == {}
     monkeypatch.setattr(Broken, "supports",
                         staticmethod(lambda weight, up, down=None, tile=None: False))
-    assert _cute_gemms(w, bias, down, up) == {}  # not taken: no warning, no build
+    assert _cute_gemms(w, bias, down, up, CUTE_TILES) == {}  # not taken: no warning, no build
+
+
+def _tile_id(tile):
+    return f"{tile.m}x{tile.n}" + ("-pingpong" if tile.pingpong else "")
 
 
 @pytest.mark.gpu
 @needs_dsl
-@pytest.mark.parametrize("tile", CUTE_TILES, ids=lambda t: f"{t.m}x{t.n}")
+@pytest.mark.parametrize("tile", CUTE_TILES + PINGPONG_TILES, ids=_tile_id)
 @pytest.mark.parametrize("dtype", [BF16, FP16])
 @pytest.mark.parametrize(("t", "k", "n", "r"), [(300, 200, 136, 24), (4096, 1536, 1536, 128),
                                                 (129, 64, 520, 8)])
@@ -104,7 +108,7 @@ def _assert_within_s_rounding(got, x, w, bias, down, up, scale):
 
 @pytest.mark.gpu
 @needs_dsl
-@pytest.mark.parametrize("tile", CUTE_TILES, ids=lambda t: f"{t.m}x{t.n}")
+@pytest.mark.parametrize("tile", CUTE_TILES + PINGPONG_TILES, ids=_tile_id)
 @pytest.mark.parametrize("dtype", [BF16, FP16])
 @pytest.mark.parametrize(("t", "k", "n", "r"), [
     (300, 200, 136, 24), (4096, 1536, 1536, 128), (129, 64, 520, 8),
@@ -135,7 +139,7 @@ def test_gpu_the_shrink_form_matches_reference(tile, dtype, t, k, n, r):
 
 @pytest.mark.gpu
 @needs_dsl
-@pytest.mark.parametrize("tile", CUTE_TILES, ids=lambda t: f"{t.m}x{t.n}")
+@pytest.mark.parametrize("tile", CUTE_TILES + PINGPONG_TILES, ids=_tile_id)
 def test_gpu_the_shrink_form_replays_in_a_cuda_graph(tile):
     """Captured once, replayed on new inputs: the flags a replay finds are the zeros the last
     one left (with 128 x 192 tiles, S tiles read by row tiles straddling two)."""
@@ -176,6 +180,7 @@ def test_gpu_the_shrink_form_replays_in_a_cuda_graph(tile):
 @needs_dsl
 def test_gpu_prepared_cute_layer_agrees_with_triton():
     from shuttle.kernels import PreparedLoraLinear
+    from shuttle.kernels.lora_shrink import launch_short_shrink
 
     if not cute_available():
         pytest.skip("needs an sm_90 GPU")
@@ -186,6 +191,16 @@ def test_gpu_prepared_cute_layer_agrees_with_triton():
     with torch.no_grad():
         _assert_within_s_rounding(cute(x, scale), x, w, bias, down, up, scale)
         _assert_within_s_rounding(triton(x, scale), x, w, bias, down, up, scale)
+    # the ping-pong tile (after Triton's shrink): the cooperative 128 x 192 tile's bits
+    pong = PreparedLoraLinear(w, bias, down, up, cute=True, pingpong=True)
+    coop = CuteLoraGemm(w, up, True, CUTE_TILES[1])
+    assert pong.cute and [tile.pingpong for tile in pong._cute] == [True]
+    with torch.no_grad():
+        got = pong(x, scale)
+        s = torch.empty(4096, 64, dtype=BF16, device="cuda")
+        launch_short_shrink(x, down, scale, s)
+        want = coop(x, w, bias, s, torch.empty_like(got))
+    assert torch.equal(got, want)
     # past 128 ranks the kernel takes S from Triton's shrink
     x, w, bias, down, up, scale = _layer(4096, 512, 1536, 136, BF16, BF16, device="cuda")
     wide = PreparedLoraLinear(w, bias, down, up, cute=True, one_kernel=True)

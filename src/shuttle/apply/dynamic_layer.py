@@ -108,8 +108,7 @@ class LoRAHook(ModuleHook):
                  quality: Quality, pad_rank: int | None = None):
         self.name = name
         self.quality = quality
-        # Triton's kernels only (False), and the CuTe form quality="fused" runs (set by
-        # benchmarks/dynamic_lora.py, which times them side by side)
+        # Triton's only (False), and the CuTe form "fused" runs (benchmarks/dynamic_lora.py)
         self.allow_cute, self.cute_form = True, "fused_cute"
         # the "auto" picks: (the chooser's generation, {(row bucket, graphs, x's dtype): pick})
         self._picks: tuple[int, dict[tuple, str]] = (-1, {})
@@ -333,8 +332,9 @@ class LoRAHook(ModuleHook):
                 "lossless": lambda: self._lossless(x, inner(*args, **kwargs)),
                 "fused": lambda: self._fused(module, x, overrides, "fused")}
             if cute:
-                forms = ("fused_cute", "fused_cute_shrink")  # the second: ranks it takes
-                for f in forms[:2 if self.down.shape[0] <= CUTE_SHRINK_MAX_RANK else 1]:
+                # the one-kernel form (last) takes ranks up to CUTE_SHRINK_MAX_RANK
+                forms = ("fused_cute", "fused_cute_pingpong", "fused_cute_shrink")
+                for f in forms[:3 if self.down.shape[0] <= CUTE_SHRINK_MAX_RANK else 2]:
                     candidates[f] = lambda f=f: self._fused(module, x, overrides, f)
             with torch.no_grad():
                 pick = TIERS.choose(key, candidates)
@@ -423,13 +423,13 @@ class LoRAHook(ModuleHook):
         else:
             out = None
             if w is weight and b is bias:  # no per-call residual overrides
-                # The Hopper path with the layer's operands checked once (host time: the
-                # functions below check every operand on every call).
+                # The Hopper path, the layer's operands checked once (the functions: per call)
                 prep = self._prepared.get(impl)
                 if prep is None or not prep.fits(w, b):
                     prep = self._prepared[impl] = PreparedLoraLinear(
                         w, b, self.down, self.up, cute=impl.startswith("fused_cute"),
-                        one_kernel=impl == "fused_cute_shrink")
+                        one_kernel=impl == "fused_cute_shrink",
+                        pingpong=impl == "fused_cute_pingpong")
                 if prep.usable:
                     out = prep(x2d, scale)
             if out is None:

@@ -10,6 +10,9 @@ implementations measured fastest for that layer's shape on that device:
     fused_cute_shrink
                  one CuTe-DSL kernel computing the shrink among its own work units (x read
                  from memory once; ranks up to 128)
+    fused_cute_pingpong
+                 fused_cute with the ping-pong tile (one warpgroup's epilogue under the
+                 other's main loop: faster at short reductions, slower at long ones)
 
 Which is fastest depends on the shape (fused saves a pass over the output; its launches cost
 host time), on the device, and on how the model runs: eagerly a layer's host time can exceed
@@ -58,7 +61,8 @@ __all__ = ["GRAPHS_MARGIN", "MARGIN", "MODES", "TIERS", "WARM_SECONDS", "TierCho
            "TierChooser", "TierKey", "row_bucket", "warm_device"]
 
 # The implementations a Linear update can run by, in the order ties are broken.
-IMPLEMENTATIONS: tuple[str, ...] = ("lossless", "fused", "fused_cute", "fused_cute_shrink")
+IMPLEMENTATIONS: tuple[str, ...] = ("lossless", "fused", "fused_cute", "fused_cute_shrink",
+                                    "fused_cute_pingpong")
 
 # Another implementation replaces lossless only when it is this much faster (a relative
 # margin above the run-to-run spread of the bursts' medians): eagerly, where the host's

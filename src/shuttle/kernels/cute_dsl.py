@@ -12,14 +12,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["CUTE_DTYPES", "CUTE_TILES", "CuteTile", "best_tile", "dsl", "numeric"]
+__all__ = ["CUTE_DTYPES", "CUTE_TILES", "PINGPONG_TILES", "CuteTile", "best_tile", "dsl",
+           "numeric"]
 
 
 @dataclasses.dataclass(frozen=True)
 class CuteTile:
     """One CTA's output tile (``m`` x ``n``) and its K step; ``consumers`` warpgroups share the
-    ``m`` rows, 64 each (a wgmma instruction's rows): one warpgroup over 128 rows would issue
-    both halves' instructions in turn and hold both accumulators.
+    ``m`` rows, 64 each (a wgmma instruction's rows), or with ``pingpong`` take turns, each over
+    all ``m`` rows of its own units (both halves' instructions, both accumulators).
     """
 
     m: int = 128
@@ -44,20 +45,27 @@ class CuteTile:
 # 192 tiles of 128 x 256 fill 73% of two rounds of 132 SMs, 256 tiles of 128 x 192 97%).
 CUTE_TILES: tuple[CuteTile, ...] = (CuteTile(128, 256, 64), CuteTile(128, 192, 64, cost=1.03),
                                     CuteTile(128, 128, 64, cost=1.18))
+# The ping-pong tiles: their epilogues hidden, but one warpgroup's main loop runs slower per K
+# step than two sharing a tile, so they win at short reductions and lose at long ones (and at
+# some widths): not weighed by cost, measured per layer shape by the tier chooser as a form of
+# its own (``fused_cute_pingpong``). 128 x 192: the widest whose accumulator (n registers a
+# thread) fits beside the main loop's.
+PINGPONG_TILES: tuple[CuteTile, ...] = (CuteTile(128, 192, 64, pingpong=True),)
 
 
 @functools.lru_cache(maxsize=1024)  # asked per call: a lookup costs less host time
-def best_tile(t: int, n: int, sms: int, shrink: bool = False) -> CuteTile:
-    """The tile of :data:`CUTE_TILES` whose units finish first for ``t`` rows and ``n`` columns
-    on ``sms`` SMs: rounds of units (output tiles, and S tiles with the ``shrink``) times a
-    unit's cost. Ties go to the earlier tile.
+def best_tile(t: int, n: int, sms: int, shrink: bool = False,
+              tiles: tuple[CuteTile, ...] = CUTE_TILES) -> CuteTile:
+    """The tile of ``tiles`` whose units finish first for ``t`` rows and ``n`` columns on
+    ``sms`` SMs: rounds of units (output tiles, and S tiles with the ``shrink``) times a unit's
+    cost. Ties go to the earlier tile.
     """
     def finish(tile: CuteTile) -> float:
         rows = -(-t // tile.m)
         units = rows * -(-n // tile.n) + (-(-rows * tile.m // tile.n) if shrink else 0)
         return -(-units // sms) * tile.m * tile.n * tile.cost
 
-    return min(CUTE_TILES, key=finish)
+    return min(tiles, key=finish)
 
 CUTE_DTYPES = (torch.bfloat16, torch.float16)
 

@@ -27,7 +27,7 @@ import weakref
 
 import torch
 
-from shuttle.kernels.cute_dsl import best_tile
+from shuttle.kernels.cute_dsl import CUTE_TILES, PINGPONG_TILES, best_tile
 from shuttle.kernels.launch import (
     CompiledLaunch,
     cdiv,
@@ -177,7 +177,8 @@ class PreparedLoraLinear:
     device; ``self.cute`` says whether it does), the same roundings (S once, the output once)
     by a warp-specialized pipeline instead of Triton's; with ``one_kernel=True`` too, that
     kernel computes S itself among its work units (x read from memory once; ranks up to 128,
-    else after Triton's shrink).
+    else after Triton's shrink); with ``pingpong=True`` instead, that kernel is the ping-pong
+    tile's (:data:`~shuttle.kernels.cute_dsl.PINGPONG_TILES`), after Triton's shrink.
 
     ``usable`` is False where the TMA path does not apply to the fixed operands; a call answers
     None where it does not apply to x (few rows, another dtype or device, misaligned rows,
@@ -185,7 +186,8 @@ class PreparedLoraLinear:
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, down: torch.Tensor,
-                 up: torch.Tensor, *, cute: bool = False, one_kernel: bool = False) -> None:
+                 up: torch.Tensor, *, cute: bool = False, one_kernel: bool = False,
+                 pingpong: bool = False) -> None:
         # The layer's weight and bias weakly (a replaced parameter is not kept alive here); the
         # factors strongly (the caller's own tensors).
         self._weight = weakref.ref(weight)
@@ -215,8 +217,10 @@ class PreparedLoraLinear:
         self._fused = {cfg: _tma_constexprs(cfg, n, r, bias is not None, False, weight.dtype, True)
                        for cfg in (FUSED_TMA_CONFIG, FUSED_TMA_NARROW_CONFIG)}
         self._cute: dict = {}
+        self._tiles = PINGPONG_TILES if pingpong else CUTE_TILES
         if cute:
-            self._cute = _cute_gemms(weight, bias, down if one_kernel else None, up)
+            self._cute = _cute_gemms(weight, bias, down if one_kernel and not pingpong else None,
+                                     up, self._tiles)
             self.cute = bool(self._cute)
         # S among the CuTe kernel's units (its tile picked counting them)
         self._one_kernel = any(gemm.shrink for gemm in self._cute.values())
@@ -252,7 +256,7 @@ class PreparedLoraLinear:
         out = torch.empty(t, self._n, dtype=x.dtype, device=x.device)
         gemm = None
         if self._cute:
-            gemm = self._cute[best_tile(t, self._n, self._sms, self._one_kernel)]
+            gemm = self._cute[best_tile(t, self._n, self._sms, self._one_kernel, self._tiles)]
             if gemm.shrink:  # one kernel, S among its units (None: not in this capture)
                 with on_device_of(x):
                     if gemm(x, weight, bias, scale, out) is not None:
@@ -275,13 +279,12 @@ class PreparedLoraLinear:
 
 
 def _cute_gemms(weight: torch.Tensor, bias: torch.Tensor | None, down: torch.Tensor | None,
-                up: torch.Tensor) -> dict:
+                up: torch.Tensor, tiles: tuple) -> dict:
     """The CuTe kernel per tile for this layer (computing S itself given ``down`` where the
     rank allows, else after Triton's shrink), or {} where it does not run (no DSL, not sm_90,
     operands it does not take, or a build that failed: then Triton's kernels serve, with a
     warning saying why).
     """
-    from shuttle.kernels.cute_dsl import CUTE_TILES
     from shuttle.kernels.lora_linear_cute import CuteLoraGemm, cute_available
 
     if not (cute_available(weight.device) and CuteLoraGemm.supports(weight, up)):
@@ -290,7 +293,7 @@ def _cute_gemms(weight: torch.Tensor, bias: torch.Tensor | None, down: torch.Ten
         return {tile: CuteLoraGemm(weight, up, bias is not None, tile,
                                    down if down is not None
                                    and CuteLoraGemm.supports(weight, up, down, tile) else None)
-                for tile in CUTE_TILES}
+                for tile in tiles}
     except Exception as e:  # the DSL's own errors: a version or driver it does not take
         warnings.warn(f"the CuTe LoRA kernel could not be built ({type(e).__name__}: {e}); "
                       "the fused tier runs Triton's kernel instead", RuntimeWarning,
