@@ -12,7 +12,7 @@ implementations measured fastest for that layer's shape on that device:
                  from memory once; ranks up to 128)
     fused_cute_pingpong
                  fused_cute with the ping-pong tile (one warpgroup's epilogue under the
-                 other's main loop: faster at short reductions, slower at long ones)
+                 other's main loop: faster or slower by the shape and the card's clocks)
 
 Which is fastest depends on the shape (fused saves a pass over the output; its launches cost
 host time), on the device, and on how the model runs: eagerly a layer's host time can exceed

@@ -280,10 +280,10 @@ class PreparedLoraLinear:
 
 def _cute_gemms(weight: torch.Tensor, bias: torch.Tensor | None, down: torch.Tensor | None,
                 up: torch.Tensor, tiles: tuple) -> dict:
-    """The CuTe kernel per tile for this layer (computing S itself given ``down`` where the
-    rank allows, else after Triton's shrink), or {} where it does not run (no DSL, not sm_90,
-    operands it does not take, or a build that failed: then Triton's kernels serve, with a
-    warning saying why).
+    """The CuTe kernel for this layer per tile of ``tiles`` (computing S itself given ``down``
+    where the rank allows, else after Triton's shrink), or {} where it does not run (no DSL,
+    not sm_90, operands it does not take, or a build that failed: then Triton's kernels serve,
+    with a warning saying why).
     """
     from shuttle.kernels.lora_linear_cute import CuteLoraGemm, cute_available
 
