@@ -17,6 +17,7 @@ from shuttle.kernels.cute_dsl import CUTE_TILES, PINGPONG_TILES
 from shuttle.kernels.lora_gemm_sm90 import compile_lora_gemm
 from shuttle.kernels.lora_linear_cute import cute_installed
 from tests.kernels.test_lora_linear import BF16, FP16
+from tests.kernels.test_lora_linear_cute import tile_id
 
 needs_dsl = pytest.mark.skipif(not cute_installed(), reason="nvidia-cutlass-dsl not installed")
 
@@ -33,8 +34,7 @@ def ptx_of(tmp_path_factory):
 
 @needs_dsl
 @pytest.mark.parametrize("shrink", [False, True], ids=["s-given", "shrink"])
-@pytest.mark.parametrize("tile", CUTE_TILES + PINGPONG_TILES,
-                         ids=lambda t: f"{t.m}x{t.n}" + ("-pingpong" if t.pingpong else ""))
+@pytest.mark.parametrize("tile", CUTE_TILES + PINGPONG_TILES, ids=tile_id)
 @pytest.mark.parametrize(("dtype", "ptx_type"), [(BF16, "bf16"), (FP16, "f16")])
 def test_compiles_for_hopper_on_the_cpu(tile, dtype, ptx_type, shrink, ptx_of):
     ptx = ptx_of(dtype, tile, True, shrink)

@@ -57,13 +57,14 @@ def test_a_kernel_that_cannot_be_built_leaves_the_layer_to_triton(monkeypatch):
     assert _cute_gemms(w, bias, down, up, CUTE_TILES) == {}  # not taken: no warning, no build
 
 
-def _tile_id(tile):
+def tile_id(tile):
+    """A CuTe tile's test id: its shape, and whether it is a ping-pong tile."""
     return f"{tile.m}x{tile.n}" + ("-pingpong" if tile.pingpong else "")
 
 
 @pytest.mark.gpu
 @needs_dsl
-@pytest.mark.parametrize("tile", CUTE_TILES + PINGPONG_TILES, ids=_tile_id)
+@pytest.mark.parametrize("tile", CUTE_TILES + PINGPONG_TILES, ids=tile_id)
 @pytest.mark.parametrize("dtype", [BF16, FP16])
 @pytest.mark.parametrize(("t", "k", "n", "r"), [(300, 200, 136, 24), (4096, 1536, 1536, 128),
                                                 (129, 64, 520, 8)])
@@ -108,7 +109,7 @@ def _assert_within_s_rounding(got, x, w, bias, down, up, scale):
 
 @pytest.mark.gpu
 @needs_dsl
-@pytest.mark.parametrize("tile", CUTE_TILES + PINGPONG_TILES, ids=_tile_id)
+@pytest.mark.parametrize("tile", CUTE_TILES + PINGPONG_TILES, ids=tile_id)
 @pytest.mark.parametrize("dtype", [BF16, FP16])
 @pytest.mark.parametrize(("t", "k", "n", "r"), [
     (300, 200, 136, 24), (4096, 1536, 1536, 128), (129, 64, 520, 8),
@@ -139,7 +140,7 @@ def test_gpu_the_shrink_form_matches_reference(tile, dtype, t, k, n, r):
 
 @pytest.mark.gpu
 @needs_dsl
-@pytest.mark.parametrize("tile", CUTE_TILES + PINGPONG_TILES, ids=_tile_id)
+@pytest.mark.parametrize("tile", CUTE_TILES + PINGPONG_TILES, ids=tile_id)
 def test_gpu_the_shrink_form_replays_in_a_cuda_graph(tile):
     """Captured once, replayed on new inputs: the flags a replay finds are the zeros the last
     one left (with 128 x 192 tiles, S tiles read by row tiles straddling two)."""
