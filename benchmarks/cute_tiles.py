@@ -40,20 +40,12 @@ TILES = {"c256": CUTE_TILES[0], "c192": CUTE_TILES[1], "p192": PINGPONG_TILES[0]
 BURST = 10  # calls per graph: the clocks a chain of layers sustains
 
 
-def _graphed(fn) -> torch.cuda.CUDAGraph:
-    """BURST calls of ``fn`` captured in one CUDA graph after a warm-up on a side stream."""
-    def burst():
+def _burst(fn):
+    """BURST calls of ``fn``: the unit each graph captures."""
+    def run():
         for _ in range(BURST):
             fn()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        burst()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        burst()
-    return graph
+    return run
 
 
 def bench_shape(t: int, k: int, n: int, r: int, rounds: int) -> dict:
@@ -84,7 +76,7 @@ def bench_shape(t: int, k: int, n: int, r: int, rounds: int) -> dict:
     equal = {form: bool(torch.equal(outs[f"p192_{form}"], outs[f"c192_{form}"]))
              for form in ("sg", "sh")}
     with torch.no_grad():
-        graphs = {q: _graphed(fn) for q, fn in fns.items()}
+        graphs = {q: harness.graphed(_burst(fn), warmup=1) for q, fn in fns.items()}
         timed = harness.interleaved({q: (lambda i, g=g: g.replay()) for q, g in graphs.items()},
                                     rounds=rounds, warmup=2)
     us = {q: 1e3 * v["median_ms"] / BURST for q, v in timed.items()}

@@ -151,7 +151,8 @@ def bench_shape(name: str, t: int, k: int, n: int, r: int, rounds: int) -> dict:
     layers = {"base": base, "naive": lambda v: naive_on(v), "wide": lambda v: wide_on(v), **mods}
     graph = graph_burst = None
     try:
-        graphs = {q: [_graphed(lambda m=m, x=x: m(x)) for x in xs] for q, m in layers.items()}
+        graphs = {q: [harness.graphed(lambda m=m, x=x: m(x)) for x in xs]
+                  for q, m in layers.items()}
         with torch.no_grad():
             graph = harness.interleaved(
                 {q: (lambda i, g=g: g[i % 2].replay()) for q, g in graphs.items()},
@@ -160,7 +161,7 @@ def bench_shape(name: str, t: int, k: int, n: int, r: int, rounds: int) -> dict:
         # BURST calls in one graph (_burst: the graph's pool holds two outputs at a time):
         # the clocks a chain of layers sustains, where a single replay after an idle gap runs
         # at the clocks the GPU boosts to first.
-        graphs = {q: _graphed(_burst(m, xs)) for q, m in layers.items()}
+        graphs = {q: harness.graphed(_burst(m, xs)) for q, m in layers.items()}
         with torch.no_grad():
             got = harness.interleaved({q: (lambda i, g=g: g.replay()) for q, g in graphs.items()},
                                       rounds=rounds, warmup=3)
@@ -204,20 +205,6 @@ def _burst(layer, xs: list[torch.Tensor]):
     return run
 
 
-def _graphed(fn) -> torch.cuda.CUDAGraph:
-    """``fn`` captured in a CUDA graph after warm-up on a side stream (as PyTorch documents)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.no_grad():
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g), torch.no_grad():
-        fn()
-    return g
-
-
 def bench_dit(rounds: int) -> dict:
     from shuttle.cli.demo import DemoDiT
 
@@ -244,7 +231,8 @@ def bench_dit(rounds: int) -> dict:
         # the host's part: time to issue one forward from an idle GPU (no sync inside it)
         host = harness.interleaved({q: (lambda i, m=m: m(xs[i % 2])) for q, m in
                                     models.items()}, rounds=rounds, warmup=3, timer=_host_ms)
-        graphs = {q: [_graphed(lambda m=m, x=x: m(x)) for x in xs] for q, m in models.items()}
+        graphs = {q: [harness.graphed(lambda m=m, x=x: m(x)) for x in xs]
+                  for q, m in models.items()}
         graph = harness.interleaved({q: (lambda i, g=g: g[i % 2].replay()) for q, g in
                                      graphs.items()}, rounds=rounds, warmup=3)
     for h in handles:

@@ -175,25 +175,12 @@ def run_exp(x, w, s, u, b, out, mode, flat=True, stages=3, int_round=False, bt=1
                     INT_ROUND=int_round, num_warps=warps)
 
 
-def graphed(fn) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
-
-
 def graph_times(variants: dict, rounds: int) -> dict[str, float]:
     """Median ms of each variant's graph replay, interleaved; variants that fail are reported."""
     graphs = {}
     for name, fn in variants.items():
         try:
-            graphs[name] = graphed(fn)
+            graphs[name] = harness.graphed(fn)
         except Exception as e:  # noqa: BLE001 - an experiment: record and go on
             print(f"{name}: failed: {str(e)[:200]}", flush=True)
     timings = harness.interleaved({q: (lambda i, g=g: g.replay()) for q, g in graphs.items()},

@@ -138,6 +138,21 @@ def interleaved(variants: dict[str, Callable[[int], object]], rounds: int = 20,
                 "rounds": len(v)} for k, v in samples.items()}
 
 
+def graphed(fn: Callable[[], object], warmup: int = 3) -> torch.cuda.CUDAGraph:
+    """``fn`` captured in a CUDA graph after ``warmup`` calls on a side stream (as PyTorch
+    documents: the warm-up's lazy initializations stay out of the capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        fn()
+    return graph
+
+
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A GitHub markdown table."""
     out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
