@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
+from fused_breakdown import operands  # noqa: E402
 from shuttle.kernels.cute_dsl import CUTE_TILES, PINGPONG_TILES  # noqa: E402
 from shuttle.kernels.lora_linear_cute import CuteLoraGemm, cute_available  # noqa: E402
 from shuttle.kernels.lora_linear_tma import PreparedLoraLinear  # noqa: E402
@@ -49,13 +50,7 @@ def _burst(fn):
 
 
 def bench_shape(t: int, k: int, n: int, r: int, rounds: int) -> dict:
-    torch.manual_seed(0)
-    x = torch.randn(t, k, device="cuda").bfloat16()
-    w = (torch.randn(n, k, device="cuda") / k**0.5).bfloat16()
-    bias = torch.randn(n, device="cuda").bfloat16()
-    down = (torch.randn(r, k, device="cuda") / k**0.5).bfloat16()
-    up = (torch.randn(n, r, device="cuda") * 0.05).bfloat16()
-    scale = torch.full((r,), 0.4, device="cuda")
+    x, w, bias, down, up, scale = operands(t, k, n, r)
     s = lora_shrink(x, down, scale)
     xs, wu = torch.cat([x, s], 1), torch.cat([w, up], 1)
     ref = x.double() @ w.double().T + bias.double() + s.double() @ up.double().T

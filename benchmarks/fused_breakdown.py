@@ -189,6 +189,7 @@ def graph_times(variants: dict, rounds: int) -> dict[str, float]:
 
 
 def operands(t, k, n, r):
+    """x (T, K), W (N, K), bias, A (R, K), B (N, R) in bf16 and a float32 (R,) scale, seeded."""
     torch.manual_seed(0)
     x = torch.randn(t, k, device="cuda").bfloat16()
     w = (torch.randn(n, k, device="cuda") / k**0.5).bfloat16()
