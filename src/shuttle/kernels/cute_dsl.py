@@ -46,11 +46,10 @@ class CuteTile:
 CUTE_TILES: tuple[CuteTile, ...] = (CuteTile(128, 256, 64), CuteTile(128, 192, 64, cost=1.03),
                                     CuteTile(128, 128, 64, cost=1.18))
 # The ping-pong tiles: their epilogues hidden, but one warpgroup's main loop runs slower per K
-# step than two sharing a tile, and a card at its power limit clocks lower the busier its
-# tensor cores: which wins depends on the shape and on the card's state, so they are not
-# weighed by a cost but measured per layer shape by the tier chooser, as a form of its own
-# (``fused_cute_pingpong``). 128 x 192: the widest whose accumulator (n registers a thread)
-# fits beside the main loop's.
+# step than two sharing a tile, so they win at short reductions and lose at long ones, and the
+# same shape has gone both ways between runs on one card: they are not weighed by a cost but
+# measured per layer shape by the tier chooser, as a form of its own (``fused_cute_pingpong``).
+# 128 x 192: the widest whose accumulator (n registers a thread) fits beside the main loop's.
 PINGPONG_TILES: tuple[CuteTile, ...] = (CuteTile(128, 192, 64, pingpong=True),)
 
 
