@@ -1,6 +1,6 @@
 """The per-module hook of a dynamic adapter: the update added at forward time, weights untouched.
 
-Low-rank patches on a Linear run in one of three tiers (x: (..., K), down_i: (r_i, K),
+Low-rank patches on a Linear run in one of these tiers (x: (..., K), down_i: (r_i, K),
 up_i: (N, r_i), s_i = strength_i * alpha_i / r_i * request scale):
 
     exact     out = base(x); per adapter d = x @ down_i.T @ up_i.T, then d * (alpha/r), d * m,
@@ -23,9 +23,8 @@ up_i: (N, r_i), s_i = strength_i * alpha_i / r_i * request scale):
               accumulator runs over x @ W.T and S @ up.T, adds the bias and writes out once
               (the CuTe-DSL Hopper GEMM where it runs, which can compute S itself, else
               Triton's). At most 64 tokens: a split-K shrink, then lora_decode_linear.
-
-``"auto"`` runs each call by lossless or fused (Triton's or CuTe's), whichever measured fastest
-for the layer's shape and device (:mod:`shuttle.apply.tier`).
+    auto      each call by lossless or a fused form, whichever measured fastest for the
+              layer's shape and device (:mod:`shuttle.apply.tier`).
 
 Low-rank patches on Conv and Embedding layers go through the patch's own residual (its conv or
 lookup), in the dtype the tier would use on a Linear (exact: the promotion of the input's, or an
@@ -108,8 +107,7 @@ class LoRAHook(ModuleHook):
                  quality: Quality, pad_rank: int | None = None):
         self.name = name
         self.quality = quality
-        # Triton's only (False), and the CuTe form "fused" runs (benchmarks/dynamic_lora.py)
-        self.allow_cute, self.cute_form = True, "fused_cute"
+        self.allow_cute, self.cute_form = True, "fused_cute"  # may CuTe run; "fused"'s CuTe form
         # the "auto" picks: (the chooser's generation, {(row bucket, graphs, x's dtype): pick})
         self._picks: tuple[int, dict[tuple, str]] = (-1, {})
         self._last: tuple[tuple | None, str] = (None, "lossless")  # (call's key, its pick)
@@ -261,11 +259,12 @@ class LoRAHook(ModuleHook):
                                          self.scales(self.down.device)) if self.slots else out
         overrides = self._overrides(module)
         x = args[0] if args else None
+        capturing = None  # whether a CUDA graph is being captured, once asked (see ScaleVector)
         if self.layer.tiers and self.slots and self.quality in ("fused", "auto") and \
                 x is not None:
-            impl = self._implementation(module, x, overrides, inner, args, kwargs)
+            impl, capturing = self._implementation(module, x, overrides, inner, args, kwargs)
             if impl != "lossless":
-                return self._fused(module, x, overrides, impl)
+                return self._fused(module, x, overrides, impl, capturing)
         if overrides:
             with substituted(module, overrides):
                 out = inner(*args, **kwargs)
@@ -274,34 +273,33 @@ class LoRAHook(ModuleHook):
         if not self.slots:
             return out
         if self.layer.tiers:
-            return self._exact(x, out) if self.quality == "exact" else self._lossless(x, out)
+            return (self._exact(x, out) if self.quality == "exact"
+                    else self._lossless(x, out, capturing))
         return self._residuals(module, x, out)
 
     def _implementation(self, module: torch.nn.Module, x: torch.Tensor,
                         overrides: dict[str, torch.Tensor], inner: Callable[..., Any],
-                        args: tuple, kwargs: dict) -> str:
-        """Which implementation runs this call's update: under ``"fused"`` the CuTe kernel
-        where it applies, else Triton's; under ``"auto"`` the measured fastest
-        (:mod:`shuttle.apply.tier`), lossless wherever nothing can be measured.
-
-        A pick is kept per (row bucket, graphs, x's dtype): later calls ask a dict, not the
-        chooser; a call of the last call's shape compares one key (eagerly, host time counts).
+                        args: tuple, kwargs: dict) -> tuple[str, bool | None]:
+        """This call's implementation (``"fused"``: CuTe's where it applies, else Triton's;
+        ``"auto"``: the measured fastest, lossless where nothing can be measured), and whether a
+        CUDA graph is being captured where that was asked (else None). A pick is kept per (row
+        bucket, graphs, x's dtype); a call of the last call's shape compares one key.
         """
         if self.quality == "fused":
             return ("lossless" if not self._fused_ok(module, x)
-                    else self.cute_form if self._cute_ok(module, x) else "fused")
+                    else self.cute_form if self._cute_ok(module, x) else "fused"), None
         if (overrides or torch.compiler.is_compiling()
                 or (torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad
                                                  or getattr(module.bias, "requires_grad", False)))):
-            return "lossless"
+            return "lossless", None
         graphs = x.is_cuda and torch.cuda.is_current_stream_capturing()
         # The last call's pick when this one has its shape: a loop calls each layer with one
         # shape, and one comparison costs less host time than the bucket's lookup.
         call = (TIERS.generation, x.shape, graphs, x.dtype)
         last, pick = self._last
-        if call == last:
-            return pick
-        return self._pick(module, x, overrides, inner, args, kwargs, graphs, call)
+        if call != last:
+            pick = self._pick(module, x, overrides, inner, args, kwargs, graphs, call)
+        return pick, graphs
 
     def _pick(self, module: torch.nn.Module, x: torch.Tensor,
               overrides: dict[str, torch.Tensor], inner: Callable[..., Any], args: tuple,
@@ -374,8 +372,9 @@ class LoRAHook(ModuleHook):
                 out = torch.cat([out[..., :r0], out[..., r0:r1] + d, out[..., r1:]], dim=-1)
         return out
 
-    def _lossless(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        scale = self.scales(x.device)
+    def _lossless(self, x: torch.Tensor, out: torch.Tensor, capturing: bool | None = None
+                  ) -> torch.Tensor:
+        scale = self.scales(x.device, capturing)
         if (x.is_cuda and self.in_place and out.is_contiguous()
                 and x.numel() <= DECODE_MAX_T * x.shape[-1]
                 and x.dtype == out.dtype == self.down.dtype == self.up.dtype):
@@ -408,14 +407,15 @@ class LoRAHook(ModuleHook):
                 and x.dtype in (torch.bfloat16, torch.float16, torch.float32))
 
     def _fused(self, module: torch.nn.Linear, x: torch.Tensor,
-               overrides: dict[str, torch.Tensor], impl: str = "fused") -> torch.Tensor:
+               overrides: dict[str, torch.Tensor], impl: str = "fused",
+               capturing: bool | None = None) -> torch.Tensor:
         """The update by the fused implementation ``impl`` (CuTe's fall back to Triton's)."""
         weight, bias = module.weight, module.bias
         w, b = overrides.get("weight", weight), overrides.get("bias", bias)
         x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         # x with strided features (a transposed residual stream) copied once here, not per kernel
         x2d = x2d if x2d.stride(-1) == 1 else x2d.contiguous()
-        scale = self.scales(x.device)
+        scale = self.scales(x.device, capturing)
         if x2d.shape[0] <= DECODE_MAX_T and x.dtype == self.down.dtype == self.up.dtype:
             # A few tokens (decode): a split-K shrink, then one kernel for the base, the update
             # and the bias, bound by reading W (shuttle.kernels.lora_decode).

@@ -64,11 +64,17 @@ class ScaleVector:
     def _product(self, device: torch.device, request: torch.Tensor) -> torch.Tensor:
         return self.base_scale * self.strengths.tensor(device)[self.col_adapter] * request
 
-    def __call__(self, device: torch.device) -> torch.Tensor:
-        """(R,) float32: alpha/r * strength * request per rank column, on ``device``."""
-        if torch.compiler.is_compiling():  # traced once: reads the shared tensors
-            return self._product(device, request_scale(device))
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    def __call__(self, device: torch.device, capturing: bool | None = None) -> torch.Tensor:
+        """(R,) float32: alpha/r * strength * request per rank column, on ``device``.
+
+        ``capturing``: whether a CUDA graph is being captured on ``device``'s stream, where the
+        caller asked already (it is then not compiling); None: asked here.
+        """
+        if capturing is None:
+            if torch.compiler.is_compiling():  # traced once: reads the shared tensors
+                return self._product(device, request_scale(device))
+            capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if capturing:
             # Replayed without Python: the graph reads this layer's own vector, which every
             # later change of its attachment's strengths or of the shared scale rewrites in
             # place (it follows them, see shuttle.apply.scale). One computed since the last
