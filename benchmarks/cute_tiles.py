@@ -65,8 +65,9 @@ def bench_shape(t: int, k: int, n: int, r: int, rounds: int) -> dict:
             outs[f"{name}_{form}"] = out.clone()
             err[f"{name}_{form}"] = float((out.double() - ref).norm() / ref.norm())
             fns[f"{name}_{form}"] = (lambda g=gemm, o=out, op=operand: g(x, w, bias, op, o))
-    for name, kwargs in (("prepared_cute", {}), ("prepared_pingpong", {"pingpong": True})):
-        prep = PreparedLoraLinear(w, bias, down, up, cute=True, **kwargs)
+    for name, form in (("prepared_cute", "fused_cute"),
+                       ("prepared_pingpong", "fused_cute_pingpong")):
+        prep = PreparedLoraLinear(w, bias, down, up, form)
         fns[name] = (lambda p=prep: p(x, scale))
     equal = {form: bool(torch.equal(outs[f"p192_{form}"], outs[f"c192_{form}"]))
              for form in ("sg", "sh")}

@@ -32,7 +32,7 @@ def test_prepared_layer_with_cute_is_unusable_off_hopper():
     from shuttle.kernels import PreparedLoraLinear
 
     x, w, bias, down, up, scale = _layer(100, 64, 48, 8, BF16, BF16)
-    prep = PreparedLoraLinear(w, bias, down, up, cute=True)
+    prep = PreparedLoraLinear(w, bias, down, up, "fused_cute")
     assert not prep.usable and not prep.cute
     assert not CuteLoraGemm.supports(w, up)  # on the CPU
 
@@ -162,7 +162,7 @@ def test_gpu_the_shrink_form_replays_in_a_cuda_graph(tile):
     # launches nothing and the prepared layer runs Triton's kernels for that call
     from shuttle.kernels import PreparedLoraLinear
 
-    prep = PreparedLoraLinear(w, bias, down, up, cute=True, one_kernel=True)
+    prep = PreparedLoraLinear(w, bias, down, up, "fused_cute_shrink")
     assert prep.cute and all(g.shrink for g in prep._cute.values())
     x2 = torch.randn(3001, 512, dtype=BF16, device="cuda")
     PreparedLoraLinear(w, bias, down, up)(x2, scale)  # Triton's kernels compiled, not captured
@@ -186,14 +186,14 @@ def test_gpu_prepared_cute_layer_agrees_with_triton():
     if not cute_available():
         pytest.skip("needs an sm_90 GPU")
     x, w, bias, down, up, scale = _layer(4096, 1536, 1536, 64, BF16, BF16, device="cuda")
-    cute = PreparedLoraLinear(w, bias, down, up, cute=True, one_kernel=True)
+    cute = PreparedLoraLinear(w, bias, down, up, "fused_cute_shrink")
     triton = PreparedLoraLinear(w, bias, down, up)
     assert cute.usable and cute.cute and triton.usable and not triton.cute
     with torch.no_grad():
         _assert_within_s_rounding(cute(x, scale), x, w, bias, down, up, scale)
         _assert_within_s_rounding(triton(x, scale), x, w, bias, down, up, scale)
     # the ping-pong tile (after Triton's shrink): the cooperative 128 x 192 tile's bits
-    pong = PreparedLoraLinear(w, bias, down, up, cute=True, pingpong=True)
+    pong = PreparedLoraLinear(w, bias, down, up, "fused_cute_pingpong")
     coop = CuteLoraGemm(w, up, True, CUTE_TILES[1])
     assert pong.cute and [tile.pingpong for tile in pong._cute] == [True]
     with torch.no_grad():
@@ -204,7 +204,7 @@ def test_gpu_prepared_cute_layer_agrees_with_triton():
     assert torch.equal(got, want)
     # past 128 ranks the kernel takes S from Triton's shrink
     x, w, bias, down, up, scale = _layer(4096, 512, 1536, 136, BF16, BF16, device="cuda")
-    wide = PreparedLoraLinear(w, bias, down, up, cute=True, one_kernel=True)
+    wide = PreparedLoraLinear(w, bias, down, up, "fused_cute_shrink")
     assert wide.cute and not any(g.shrink for g in wide._cute.values())
     with torch.no_grad():
         _assert_within_s_rounding(wide(x, scale), x, w, bias, down, up, scale)

@@ -109,3 +109,11 @@ def test_fused_tiles_narrow_where_wide_ones_fill_the_sms_poorly():
     assert fused_tma_config(4096, 6144, 132) == FUSED_TMA_CONFIG
     assert fused_tma_config(32760, 1536, 132) == FUSED_TMA_CONFIG
     assert fused_tma_config(128, 1536, 132) == FUSED_TMA_NARROW_CONFIG  # 6 tiles of 132
+
+
+def test_a_prepared_layer_names_the_forms_it_takes():
+    from shuttle.kernels import PreparedLoraLinear
+
+    w, down, up = torch.zeros(16, 32), torch.zeros(8, 32), torch.zeros(16, 8)
+    with pytest.raises(ValueError, match="form must be one of"):
+        PreparedLoraLinear(w, None, down, up, "cute")

@@ -57,12 +57,13 @@ from collections.abc import Callable
 
 import torch
 
+from shuttle.kernels.lora_linear_tma import FUSED_FORMS
+
 __all__ = ["GRAPHS_MARGIN", "MARGIN", "MODES", "TIERS", "WARM_SECONDS", "TierChoice",
            "TierChooser", "TierKey", "row_bucket", "warm_device"]
 
 # The implementations a Linear update can run by, in the order ties are broken.
-IMPLEMENTATIONS: tuple[str, ...] = ("lossless", "fused", "fused_cute", "fused_cute_shrink",
-                                    "fused_cute_pingpong")
+IMPLEMENTATIONS: tuple[str, ...] = ("lossless", *FUSED_FORMS)
 
 # Another implementation replaces lossless only when it is this much faster (a relative
 # margin above the run-to-run spread of the bursts' medians): eagerly, where the host's

@@ -43,6 +43,7 @@ from shuttle.kernels.tma import ensure_allocator, tma_addressable
 __all__ = [
     "FILL_FOR_WIDE_TILES",
     "FUSED_TMA_CONFIG",
+    "FUSED_FORMS",
     "FUSED_TMA_NARROW_CONFIG",
     "SHRINK_TMA_CONFIG",
     "PreparedLoraLinear",
@@ -50,6 +51,11 @@ __all__ = [
     "linear_tma",
     "tma_dtypes",
 ]
+
+# What a PreparedLoraLinear runs (the fused tiers of shuttle.apply.tier): Triton's shrink and
+# fused GEMM; the CuTe GEMM after that shrink; the CuTe GEMM computing S among its units; the
+# ping-pong tile's CuTe GEMM after the shrink.
+FUSED_FORMS = ("fused", "fused_cute", "fused_cute_shrink", "fused_cute_pingpong")
 
 # Defaults for sm_90 (132 SMs, 227 KiB shared memory per block).
 # The Hopper (TMA, persistent) kernel for T > 64: at the Wan2.1, Z-Image and 8B-prefill shapes
@@ -172,13 +178,14 @@ class PreparedLoraLinear:
     checks x alone and launches the same two kernels with the same configurations, so its
     result is theirs bit for bit.
 
-    With ``cute=True`` the second kernel is the CuTe-DSL Hopper GEMM
-    (:mod:`shuttle.kernels.lora_linear_cute`) where it runs (the ``hopper`` extra, an sm_90
-    device; ``self.cute`` says whether it does), the same roundings (S once, the output once)
-    by a warp-specialized pipeline instead of Triton's; with ``one_kernel=True`` too, that
-    kernel computes S itself among its work units (x read from memory once; ranks up to 128,
-    else after Triton's shrink); with ``pingpong=True`` instead, that kernel is the ping-pong
-    tile's (:data:`~shuttle.kernels.cute_dsl.PINGPONG_TILES`), after Triton's shrink.
+    ``form`` (one of :data:`FUSED_FORMS`, the fused tiers' names) says what runs: ``"fused"``
+    Triton's two kernels; ``"fused_cute"`` the CuTe-DSL Hopper GEMM
+    (:mod:`shuttle.kernels.lora_linear_cute`) for the second, where it runs (the ``hopper``
+    extra, an sm_90 device; ``self.cute`` says whether it does), the same roundings (S once, the
+    output once) by a warp-specialized pipeline; ``"fused_cute_shrink"`` that kernel computing S
+    itself among its work units (x read from memory once; ranks up to 128, else after Triton's
+    shrink); ``"fused_cute_pingpong"`` the ping-pong tile's GEMM
+    (:data:`~shuttle.kernels.cute_dsl.PINGPONG_TILES`) after Triton's shrink.
 
     ``usable`` is False where the TMA path does not apply to the fixed operands; a call answers
     None where it does not apply to x (few rows, another dtype or device, misaligned rows,
@@ -186,8 +193,9 @@ class PreparedLoraLinear:
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, down: torch.Tensor,
-                 up: torch.Tensor, *, cute: bool = False, one_kernel: bool = False,
-                 pingpong: bool = False) -> None:
+                 up: torch.Tensor, form: str = "fused") -> None:
+        if form not in FUSED_FORMS:
+            raise ValueError(f"form must be one of {FUSED_FORMS}, not {form!r}")
         # The layer's weight and bias weakly (a replaced parameter is not kept alive here); the
         # factors strongly (the caller's own tensors).
         self._weight = weakref.ref(weight)
@@ -217,9 +225,9 @@ class PreparedLoraLinear:
         self._fused = {cfg: _tma_constexprs(cfg, n, r, bias is not None, False, weight.dtype, True)
                        for cfg in (FUSED_TMA_CONFIG, FUSED_TMA_NARROW_CONFIG)}
         self._cute: dict = {}
-        self._tiles = PINGPONG_TILES if pingpong else CUTE_TILES
-        if cute:
-            self._cute = _cute_gemms(weight, bias, down if one_kernel and not pingpong else None,
+        self._tiles = PINGPONG_TILES if form == "fused_cute_pingpong" else CUTE_TILES
+        if form != "fused":
+            self._cute = _cute_gemms(weight, bias, down if form == "fused_cute_shrink" else None,
                                      up, self._tiles)
             self.cute = bool(self._cute)
         # S among the CuTe kernel's units (its tile picked counting them)
