@@ -36,17 +36,22 @@ def device_kernel(spec: Any) -> Any:
     this = spec
 
     @cute.jit
+    def unit_steps(is_s: Any, k_tiles: Any, r_tiles: Any) -> Any:
+        # the ring stages of a unit: an output tile's K and rank steps, an S tile's K steps
+        steps = cutlass.Int32(k_tiles + r_tiles)
+        if is_s:
+            steps = cutlass.Int32(k_tiles)
+        return steps
+
+    @cute.jit
     def steps_of(work: Any, table: Any, last_unit: Any, tiles_n: Any, k_tiles: Any,
                  r_tiles: Any) -> Any:
-        # the ring stages of ``work``: an output tile's K and rank steps, an S tile's K
-        # steps, none past the last unit
+        # the ring stages of ``work`` (none past the last unit)
         u = work.tile_idx[0]
         if u > last_unit:
             u = last_unit
         is_s, _, _ = unit_of(u, table, tiles_n, shrink)
-        steps = cutlass.Int32(k_tiles + r_tiles)
-        if is_s:
-            steps = cutlass.Int32(k_tiles)
+        steps = unit_steps(is_s, k_tiles, r_tiles)
         if not work.is_valid_tile:
             steps = cutlass.Int32(0)
         return steps
@@ -146,9 +151,7 @@ def device_kernel(spec: Any) -> Any:
                                                  stages)
             while work.is_valid_tile:
                 is_s, tm, tn = unit_of(work.tile_idx[0], m_table, tiles_n, shrink)
-                steps = k_tiles + r_tiles
-                if is_s:
-                    steps = k_tiles
+                steps = unit_steps(is_s, k_tiles, r_tiles)
                 # The loop stays written out: the DSL carries ``state`` through a loop
                 # only where the kernel's own body advances it (a helper breaks the IR).
                 for step in range(steps):
@@ -281,9 +284,7 @@ def device_kernel(spec: Any) -> Any:
 
             while work.is_valid_tile:
                 is_s, tm, tn = unit_of(work.tile_idx[0], m_table, tiles_n, shrink)
-                steps = k_tiles + r_tiles
-                if is_s:
-                    steps = k_tiles
+                steps = unit_steps(is_s, k_tiles, r_tiles)
                 read.reset_count()
                 release.reset_count()
                 acc.fill(0.0)
