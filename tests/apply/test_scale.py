@@ -290,3 +290,32 @@ def test_a_scope_closed_in_another_context_still_leaves_the_shared_scale():
     with pytest.raises(ValueError, match="different Context"):
         gen.close()
     assert float(shared_request_scale(torch.device("cpu"))) == 1.0
+
+
+def test_a_scale_vector_told_of_a_capture_hands_out_the_vector_later_changes_rewrite(monkeypatch):
+    # The auto tier asks once per call whether a CUDA graph is being captured and passes the
+    # answer on: told so, the vector must not ask again, and must hand out the layer's own
+    # vector, which a later strength change rewrites in place (what a replay reads).
+    from shuttle.apply.scale_vector import ScaleVector
+    from shuttle.apply.strength import Strengths
+
+    strengths = Strengths([0.5])
+    vector = ScaleVector(strengths)
+    vector.base_scale, vector.col_adapter = torch.tensor([2.0, 4.0]), torch.tensor([0, 0])
+    cpu = torch.device("cpu")
+    eager = vector(cpu, capturing=False)
+    assert eager.tolist() == [1.0, 2.0]
+
+    def asked(*args, **kwargs):
+        raise AssertionError("asked again")
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "is_current_stream_capturing", asked)
+        m.setattr(torch.compiler, "is_compiling", asked)
+        captured = vector(cpu, capturing=True)
+    assert captured is not eager and captured.tolist() == [1.0, 2.0]
+    strengths.set({0: 0.25})
+    assert captured.tolist() == [0.5, 1.0]  # rewritten in place for the graph's replays
+    assert eager.tolist() == [1.0, 2.0]  # the eager vector is never written
+    assert vector(cpu, capturing=True) is captured
+    assert vector(cpu, capturing=False).tolist() == [0.5, 1.0]

@@ -366,3 +366,23 @@ def test_gpu_measurements_hold_no_device_memory_per_key():
         chooser.choose(_key(rows=rows), {"lossless": lambda: a @ a, "fused": lambda: a @ a.T})
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() - before < 8 * 2**20
+
+
+def test_auto_hands_its_capture_answer_to_the_scale_vector(monkeypatch):
+    # The auto tier asks whether a CUDA graph is being captured once per call, for its pick,
+    # and the scale vector takes that answer instead of asking again (host time per layer).
+    from shuttle.apply.scale_vector import ScaleVector
+
+    told = []
+    call = ScaleVector.__call__
+
+    def spy(self, device, capturing=None):
+        told.append(capturing)
+        return call(self, device, capturing)
+
+    monkeypatch.setattr(ScaleVector, "__call__", spy)
+    m, sd, x = _model()
+    with torch.no_grad(), shuttle.apply_lora(m, [(sd, 0.8)], mode="dynamic"):
+        m(x)
+        m(x)
+    assert told == [False] * 4  # two layers, two calls: each told, none left to ask
