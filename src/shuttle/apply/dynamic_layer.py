@@ -426,8 +426,8 @@ class LoRAHook(ModuleHook):
                 # The Hopper path, the layer's operands checked once (the functions: per call)
                 prep = self._prepared.get(impl)
                 if prep is None or not prep.fits(w, b):
-                    prep = self._prepared[impl] = PreparedLoraLinear(w, b, self.down, self.up,
-                                                                     impl)
+                    prep = PreparedLoraLinear(w, b, self.down, self.up, impl)
+                    self._prepared[impl] = prep
                 if prep.usable:
                     out = prep(x2d, scale)
             if out is None:

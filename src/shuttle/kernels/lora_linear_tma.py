@@ -42,8 +42,8 @@ from shuttle.kernels.tma import ensure_allocator, tma_addressable
 
 __all__ = [
     "FILL_FOR_WIDE_TILES",
-    "FUSED_TMA_CONFIG",
     "FUSED_FORMS",
+    "FUSED_TMA_CONFIG",
     "FUSED_TMA_NARROW_CONFIG",
     "SHRINK_TMA_CONFIG",
     "PreparedLoraLinear",
