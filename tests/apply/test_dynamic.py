@@ -654,10 +654,22 @@ def test_default_names_come_from_the_files(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("quality", ["lossless", "fused", "auto"])
 @pytest.mark.parametrize("tokens", [4, 200])  # the decode kernels, and the prefill path
-def test_gpu_cuda_graph_captured_warm_follows_strength_and_request_scale(quality, tokens):
+def test_gpu_cuda_graph_captured_warm_follows_strength_and_request_scale(quality, tokens,
+                                                                        monkeypatch):
     # Captured after eager calls have cached the combined scales: replays must still read the
     # tensors that set_strength and lora_scale update, not the vector cached before capture
     # (under "auto" the capture is detected once per call, by the tier's dispatch).
+    if quality == "auto":
+        from shuttle.apply import dynamic_layer
+        from shuttle.apply.tier import TierChoice, TierChooser
+
+        class FusedFastest(TierChooser):  # one pick eagerly and in graphs: outputs compare
+            def choose(self, key, candidates, *, graphs=False):
+                times = {name: 1.0 if name == "fused" else 2.0 for name in candidates}
+                self.choices[key] = TierChoice(times, times, times, times)
+                return self.choices[key].best(graphs)
+
+        monkeypatch.setattr(dynamic_layer, "TIERS", FusedFastest())
     g = torch.Generator().manual_seed(5)
     model = nn.Sequential(nn.Linear(256, 384)).cuda().bfloat16()
     sd = _lora_sd("0", 384, 256, 16, g, alpha=8.0)
