@@ -30,6 +30,13 @@ def test_the_tile_is_the_one_whose_rounds_of_units_finish_first(t, n, shrink, ti
     assert (best_tile(t, n, 132, shrink).m, best_tile(t, n, 132, shrink).n) == tile
 
 
+def test_pingpong_asks_among_the_pingpong_tiles():
+    from shuttle.kernels.cute_dsl import PINGPONG_TILES
+
+    assert best_tile(32760, 1536, 132, pingpong=True) in PINGPONG_TILES
+    assert best_tile(32760, 1536, 132) not in PINGPONG_TILES
+
+
 def test_tiles_compare_by_shape_alone():
     """The cost is a weight for the choice, not part of a compiled program's key."""
     assert CuteTile(128, 192, 64, cost=2.0) == CUTE_TILES[1]

@@ -54,18 +54,19 @@ PINGPONG_TILES: tuple[CuteTile, ...] = (CuteTile(128, 192, 64, pingpong=True),)
 
 
 @functools.lru_cache(maxsize=1024)  # asked per call: a lookup costs less host time
-def best_tile(t: int, n: int, sms: int, shrink: bool = False,
-              tiles: tuple[CuteTile, ...] = CUTE_TILES) -> CuteTile:
-    """The tile of ``tiles`` whose units finish first for ``t`` rows and ``n`` columns on
-    ``sms`` SMs: rounds of units (output tiles, and S tiles with the ``shrink``) times a unit's
-    cost. Ties go to the earlier tile.
+def best_tile(t: int, n: int, sms: int, shrink: bool = False, pingpong: bool = False
+              ) -> CuteTile:
+    """The tile of :data:`CUTE_TILES` (:data:`PINGPONG_TILES` with ``pingpong``) whose units
+    finish first for ``t`` rows and ``n`` columns on ``sms`` SMs: rounds of units (output tiles,
+    and S tiles with the ``shrink``) times a unit's cost. Ties go to the earlier tile.
     """
     def finish(tile: CuteTile) -> float:
         rows = -(-t // tile.m)
         units = rows * -(-n // tile.n) + (-(-rows * tile.m // tile.n) if shrink else 0)
         return -(-units // sms) * tile.m * tile.n * tile.cost
 
-    return min(tiles, key=finish)
+    # a flag, not the tuple, in the cached call's key: hashing the tiles costs each call
+    return min(PINGPONG_TILES if pingpong else CUTE_TILES, key=finish)
 
 CUTE_DTYPES = (torch.bfloat16, torch.float16)
 

@@ -225,10 +225,10 @@ class PreparedLoraLinear:
         self._fused = {cfg: _tma_constexprs(cfg, n, r, bias is not None, False, weight.dtype, True)
                        for cfg in (FUSED_TMA_CONFIG, FUSED_TMA_NARROW_CONFIG)}
         self._cute: dict = {}
-        self._tiles = PINGPONG_TILES if form == "fused_cute_pingpong" else CUTE_TILES
+        self._pingpong = form == "fused_cute_pingpong"
         if form != "fused":
             self._cute = _cute_gemms(weight, bias, down if form == "fused_cute_shrink" else None,
-                                     up, self._tiles)
+                                     up, PINGPONG_TILES if self._pingpong else CUTE_TILES)
             self.cute = bool(self._cute)
         # S among the CuTe kernel's units (its tile picked counting them)
         self._one_kernel = any(gemm.shrink for gemm in self._cute.values())
@@ -264,7 +264,8 @@ class PreparedLoraLinear:
         out = torch.empty(t, self._n, dtype=x.dtype, device=x.device)
         gemm = None
         if self._cute:
-            gemm = self._cute[best_tile(t, self._n, self._sms, self._one_kernel, self._tiles)]
+            gemm = self._cute[best_tile(t, self._n, self._sms, self._one_kernel,
+                                        self._pingpong)]
             if gemm.shrink:  # one kernel, S among its units (None: not in this capture)
                 with on_device_of(x):
                     if gemm(x, weight, bias, scale, out) is not None:
