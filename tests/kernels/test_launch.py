@@ -55,6 +55,34 @@ def test_sm_count_is_the_devices():
     assert launch.sm_count(0) == props.multi_processor_count
 
 
+def test_current_stream_handle_takes_the_public_query_where_the_raw_one_is_missing(monkeypatch):
+    asked = []
+
+    class Stream:
+        cuda_stream = 0x1234
+
+    monkeypatch.setattr(launch, "_RAW_STREAM", None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda i: asked.append(i) or Stream())
+    assert launch.current_stream_handle(3) == 0x1234 and asked == [3]
+
+
+def test_current_stream_handle_asks_the_raw_query_of_the_device_given(monkeypatch):
+    asked = []
+    monkeypatch.setattr(launch, "_RAW_STREAM", lambda i: asked.append(i) or 0x99)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda i: pytest.fail("public query"))
+    assert launch.current_stream_handle(1) == 0x99 and asked == [1]
+
+
+@pytest.mark.gpu
+def test_current_stream_handle_is_the_current_streams_on_every_stream():
+    index = torch.cuda.current_device()
+    assert launch.current_stream_handle(index) == torch.cuda.current_stream(index).cuda_stream
+    side = torch.cuda.Stream(index)
+    with torch.cuda.stream(side):
+        assert launch.current_stream_handle(index) == side.cuda_stream != 0
+    assert launch.current_stream_handle(index) == torch.cuda.current_stream(index).cuda_stream
+
+
 class _Param:
     def __init__(self, name):
         self.name = name

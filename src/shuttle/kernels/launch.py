@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["CompiledLaunch", "cdiv", "device_capability", "device_floats",
-           "interpreting", "next_power_of_2", "on_device_of", "seed32", "sm_count",
+__all__ = ["CompiledLaunch", "cdiv", "current_stream_handle", "device_capability",
+           "device_floats", "interpreting", "next_power_of_2", "on_device_of", "seed32", "sm_count",
            "triton_available"]
 
 
@@ -43,6 +43,22 @@ def sm_count(index: int | None) -> int:
     are sized by it on every launch of the persistent and split-K kernels).
     """
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def current_stream_handle(index: int) -> int:
+    """The raw handle (``cudaStream_t`` as an int) of CUDA device ``index``'s current stream.
+
+    ``torch.cuda.current_stream(i).cuda_stream`` builds a Python ``Stream`` object on every
+    call, costing microseconds of host time per launch of a kernel that takes the stream as
+    an argument; torch's own raw query (the one Triton's launcher and Inductor read) returns
+    the int directly. The public way where a torch build lacks that query.
+    """
+    if _RAW_STREAM is not None:
+        return _RAW_STREAM(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def interpreting() -> bool:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from shuttle.kernels.cute_dsl import CUTE_DTYPES, CUTE_TILES, CuteTile, dsl, numeric
+from shuttle.kernels.launch import current_stream_handle
 from shuttle.kernels.lora_gemm_sm90 import compile_lora_gemm
 from shuttle.kernels.lora_gemm_units import WorkLists, s_tiles_ahead
 
@@ -183,7 +184,7 @@ class CuteLoraGemm:
             self._bias_of = _refresh(self._bias, bias, self._bias_of)
         down_addr, s_addr, scale_addr, table_addr, flags_addr = addrs
         bias_addr = self._bias.data_ptr() if self._bias is not None else self._spare
-        stream = torch.cuda.current_stream(x.device).cuda_stream
+        stream = current_stream_handle(x.get_device())
         if self._ffi is not None:
             try:
                 self._ffi(x.data_ptr(), weight.data_ptr(), down_addr, s_addr,
