@@ -83,6 +83,24 @@ def test_current_stream_handle_is_the_current_streams_on_every_stream():
     assert launch.current_stream_handle(index) == torch.cuda.current_stream(index).cuda_stream
 
 
+def test_on_device_of_switches_only_to_another_gpu(monkeypatch):
+    class OnGpu:
+        is_cuda = True
+
+        def __init__(self, index):
+            self.index = index
+
+        def get_device(self):
+            return self.index
+
+    entered = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda i: entered.append(i) or "switch")
+    assert launch.on_device_of(torch.zeros(1)) is launch._NOTHING  # not a GPU tensor
+    assert launch.on_device_of(OnGpu(0)) is launch._NOTHING and entered == []
+    assert launch.on_device_of(OnGpu(1)) == "switch" and entered == [1]
+
+
 class _Param:
     def __init__(self, name):
         self.name = name
@@ -93,8 +111,9 @@ class _FakeKernel:
 
     params = [_Param(n) for n in ("x", "n", "BLOCK", "MODE")]
 
-    def __init__(self, fail_warmup=False):
+    def __init__(self, fail_warmup=False, streamless=False):
         self.jit_calls, self.binary_calls, self.fail_warmup = [], [], fail_warmup
+        self.launchers_made, self.streamless = [], streamless
 
     def __getitem__(self, grid):
         return lambda *args, **kw: self.jit_calls.append((grid, args, kw))
@@ -102,11 +121,14 @@ class _FakeKernel:
     def warmup(self, *args, grid, **kw):
         if self.fail_warmup:
             raise AttributeError("no compiled-kernel interface")
-        calls = self.binary_calls
+        calls, made, streamless = self.binary_calls, self.launchers_made, self.streamless
 
         class Binary:
             def __getitem__(self, g):
-                return lambda *a: calls.append((g, a))
+                made.append(g)
+                if streamless:
+                    return lambda *a: calls.append((g, a, None))
+                return lambda *a, stream=None: calls.append((g, a, stream))
 
         return Binary()
 
@@ -115,6 +137,7 @@ class _FakeKernel:
 def on_gpu_zero(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launch, "_RAW_STREAM", lambda i: 0x5000 + i)
 
 
 def test_compiled_launch_reuses_the_binary_per_key(on_gpu_zero):
@@ -124,8 +147,9 @@ def test_compiled_launch_reuses_the_binary_per_key(on_gpu_zero):
     run((3,), x, 7, BLOCK=16, MODE=1, num_warps=4)
     assert len(k.jit_calls) == 1 and not k.binary_calls  # first launch: Triton's own path
     run((5,), x, 9, BLOCK=16, MODE=1, num_warps=4)
-    # Later ones: the binary, grid padded to 3-D, constexprs appended in the kernel's order.
-    assert k.binary_calls == [((5, 1, 1), (x, 9, 16, 1))]
+    # Later ones: the binary, grid padded to 3-D, constexprs appended in the kernel's order,
+    # on the current stream of the current device.
+    assert k.binary_calls == [((5, 1, 1), (x, 9, 16, 1), 0x5000)]
     assert len(k.jit_calls) == 1
     # Another dtype, constexpr or int width is another binary: Triton's path first again.
     run((5,), x.double(), 9, BLOCK=16, MODE=1, num_warps=4)
@@ -134,6 +158,42 @@ def test_compiled_launch_reuses_the_binary_per_key(on_gpu_zero):
     assert len(k.jit_calls) == 4 and len(k.binary_calls) == 1
     run((5,), x, 2**41, BLOCK=16, MODE=1, num_warps=4)  # 64-bit again: that binary now
     assert len(k.binary_calls) == 2
+
+
+def test_compiled_launch_makes_one_launcher_per_grid(on_gpu_zero, monkeypatch):
+    k = _FakeKernel()
+    run = launch.CompiledLaunch(k)
+    x = torch.zeros(4)
+    run((3,), x, 7, BLOCK=16, MODE=1)
+    k.launchers_made.clear()  # the first launch's check of the binary
+    for grid in [(3,), (3,), (5, 2), (3,), (5, 2)]:
+        run(grid, x, 7, BLOCK=16, MODE=1)
+    assert k.launchers_made == [(3, 1, 1), (5, 2, 1)]
+    assert [c[0] for c in k.binary_calls] == [(3, 1, 1)] * 2 + [(5, 2, 1), (3, 1, 1), (5, 2, 1)]
+    # each launch reads the stream then current, not the one current when its launcher was made
+    monkeypatch.setattr(launch, "_RAW_STREAM", lambda i: 0x7000)
+    run((3,), x, 7, BLOCK=16, MODE=1)
+    assert k.binary_calls[-1][2] == 0x7000
+
+
+def test_compiled_launch_keeps_few_launchers_for_grids_that_keep_changing(on_gpu_zero):
+    k = _FakeKernel()
+    run = launch.CompiledLaunch(k)
+    x = torch.zeros(4)
+    for g in range(launch._MAX_GRIDS + 10):
+        run((g + 1,), x, 7, BLOCK=16, MODE=1)
+    run((launch._MAX_GRIDS + 5,), x, 7, BLOCK=16, MODE=1)  # past the limit: made again
+    assert len(k.launchers_made) == launch._MAX_GRIDS + 11  # the first launch's check + each
+    assert len(k.binary_calls) == launch._MAX_GRIDS + 10
+
+
+def test_compiled_launch_takes_tritons_path_for_launchers_without_a_stream(on_gpu_zero):
+    k = _FakeKernel(streamless=True)
+    run = launch.CompiledLaunch(k)
+    x = torch.zeros(4)
+    for _ in range(3):
+        run((3,), x, 7, BLOCK=16, MODE=1)
+    assert len(k.jit_calls) == 3 and not k.binary_calls and not run.direct
 
 
 def test_compiled_launch_keeps_tritons_path_when_binaries_cannot_be_fetched(on_gpu_zero):

@@ -119,9 +119,13 @@ def on_device_of(t: torch.Tensor) -> contextlib.AbstractContextManager:
     device's stream. Nothing to enter (no device switch, a few microseconds saved) when ``t`` is
     on the current device or not on a GPU.
     """
-    if not t.is_cuda or t.device.index == torch.cuda.current_device():
-        return contextlib.nullcontext()
-    return torch.cuda.device(t.device)
+    if not t.is_cuda:
+        return _NOTHING
+    index = t.get_device()
+    return _NOTHING if index == torch.cuda.current_device() else torch.cuda.device(index)
+
+
+_NOTHING = contextlib.nullcontext()  # stateless: one instance serves every call
 
 
 class CompiledLaunch:
@@ -132,35 +136,53 @@ class CompiledLaunch:
     compiled with ``do_not_specialize`` on every runtime argument (no value or alignment
     compiled in), the binary depends only on the arguments' types (tensor dtypes; 32- or 64-bit
     ints), the constexprs and the device: this keeps it under that key after the first launch
-    and launches it directly.
+    and launches it directly. The binary's launcher for a grid (``binary[grid]``, which looks
+    the device and its stream up through Triton's driver on every call) is kept per grid too,
+    and given the current stream's raw handle.
 
     The first launch of each key, the interpreter, and a Triton whose compiled-kernel interface
-    this does not know (a failure while fetching the binary) take Triton's own path.
+    this does not know (a failure while fetching the binary or making its launcher) take
+    Triton's own path.
     """
 
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
-        self._binaries: dict[tuple, tuple[Any, tuple]] = {}
+        # key -> (binary, the constexprs in the kernel's order, grid -> launcher)
+        self._binaries: dict[tuple, tuple[Any, tuple, dict[tuple, Any]]] = {}
         self.direct = True  # False once fetching a binary failed: Triton's own path only
 
     def __call__(self, grid: tuple[int, ...], *args: Any, **constexprs: Any) -> None:
         """``kernel[grid](*args, **constexprs)``.
 
-        ``args`` are the runtime arguments, in the kernel's order and before its constexprs;
-        ``constexprs`` every compile-time argument, with ``num_warps`` and ``num_stages``.
+        ``grid`` a tuple of ints; ``args`` the runtime arguments, in the kernel's order and
+        before its constexprs; ``constexprs`` every compile-time argument, with ``num_warps``
+        and ``num_stages``.
         """
         if not self.direct or interpreting():
             self.kernel[grid](*args, **constexprs)
             return
         # Triton's signature of an unspecialized argument: a tensor's dtype, an int's width.
-        key = (torch.cuda.current_device(), *constexprs.items(),
+        device = torch.cuda.current_device()
+        key = (device, *constexprs.items(),
                *[a.dtype if isinstance(a, torch.Tensor)
                  else -0x80000000 <= a <= 0x7FFFFFFF if type(a) is int else type(a)
                  for a in args])
         found = self._binaries.get(key)
         if found is not None:
-            binary, tail = found
-            binary[grid + (1,) * (3 - len(grid))](*args, *tail)
+            binary, tail, launchers = found
+            run = launchers.get(grid)
+            if run is not None:
+                run(*args, *tail, stream=current_stream_handle(device))
+                return
+            run = binary[grid + (1,) * (3 - len(grid))]
+            try:
+                run(*args, *tail, stream=current_stream_handle(device))
+            except TypeError:  # a launcher that takes no stream: Triton's own path from now
+                self.direct = False
+                self.kernel[grid](*args, **constexprs)
+                return
+            if len(launchers) < _MAX_GRIDS:  # grids that vary call to call: not all kept
+                launchers[grid] = run
             return
         self.kernel[grid](*args, **constexprs)
         try:
@@ -171,4 +193,7 @@ class CompiledLaunch:
         except Exception:  # noqa: BLE001 - another Triton's interface: keep Triton's own path
             self.direct = False
             return
-        self._binaries[key] = (binary, tail)
+        self._binaries[key] = (binary, tail, {})
+
+
+_MAX_GRIDS = 64  # launchers kept per binary (a layer's grid depends on its shape alone)

@@ -242,27 +242,33 @@ def lora_decode_add(out: torch.Tensor, x: torch.Tensor, down: torch.Tensor, up: 
                          f"{tuple(down.shape)}, {tuple(up.shape)}, {tuple(scale.shape)}")
     if t > DECODE_MAX_T:
         raise ValueError(f"lora_decode_add takes at most {DECODE_MAX_T} rows, got {t}")
+    # Called once per adapted layer and token step, where the host is the bottleneck: the
+    # checks are plain comparisons (no sets or generators: each costs a microsecond).
     interpret = interpreting()  # read once: an environment lookup costs microseconds
-    usable = (triton_available() and (out.is_cuda or interpret)
-              and {out.dtype, x.dtype, down.dtype, up.dtype} <= set(_DTYPES)
-              and len({out.dtype, x.dtype, down.dtype, up.dtype}) == 1
+    dt = out.dtype
+    usable = (triton_available() and (out.is_cuda or interpret) and dt in _DTYPES
+              and x.dtype == dt and down.dtype == dt and up.dtype == dt
               and out.stride(1) == 1 and x.stride(1) == 1 and down.stride(1) == 1
               and up.stride(1) == 1 and t > 0 and 0 < r <= _MAX_R)
     if not usable:
         return lora_decode_add_reference(out, x, down, up, scale)
 
-    bt = max(16, next_power_of_2(t))
-    br = max(16, next_power_of_2(r))
-    bk = 16 if interpret else 128
-    grid = (cdiv(n, block_n),)
+    if scale.dtype != torch.float32 or scale.stride(0) != 1:
+        scale = scale.to(torch.float32).contiguous()
+    sx, sd, su, so = x.stride(0), down.stride(0), up.stride(0), out.stride(0)
+    aligned = (k % 16 == 0 and n % 16 == 0 and _rows_aligned(x, sx) and _rows_aligned(down, sd)
+               and _rows_aligned(out, so))
     with on_device_of(x):
-        _kernel()(grid, x, down, up, scale.to(torch.float32).contiguous(), out, t, k, n, r,
-                  x.stride(0), down.stride(0), up.stride(0), out.stride(0),
-                  BT=bt, BK=bk, BR=br, BN=block_n, IEEE=interpret,
-                  ALIGNED=_aligned(x, down, out, sizes=(k, n)),
-                  UP_ALIGNED=_aligned(up, sizes=(r,)),
-                  num_warps=4)
+        _kernel()((cdiv(n, block_n),), x, down, up, scale, out, t, k, n, r, sx, sd, su, so,
+                  BT=max(16, next_power_of_2(t)), BK=16 if interpret else 128,
+                  BR=max(16, next_power_of_2(r)), BN=block_n, IEEE=interpret, ALIGNED=aligned,
+                  UP_ALIGNED=r % 16 == 0 and _rows_aligned(up, su), num_warps=4)
     return out
+
+
+def _rows_aligned(t: torch.Tensor, row_stride: int) -> bool:
+    """Every row of the 2-D ``t`` of 2-byte elements starts on 16 bytes."""
+    return t.data_ptr() % 16 == 0 and row_stride % 8 == 0
 
 
 def _aligned(*tensors: torch.Tensor, sizes: tuple[int, ...]) -> bool:
@@ -271,8 +277,7 @@ def _aligned(*tensors: torch.Tensor, sizes: tuple[int, ...]) -> bool:
     (aligned start, row stride a multiple of 8 elements).
     """
     return all(v % 16 == 0 for v in sizes) and all(
-        t.element_size() == 2 and t.data_ptr() % 16 == 0 and t.stride(0) % 8 == 0
-        for t in tensors)
+        t.element_size() == 2 and _rows_aligned(t, t.stride(0)) for t in tensors)
 
 
 class DecodeConfig(NamedTuple):
