@@ -196,6 +196,25 @@ def test_compiled_launch_takes_tritons_path_for_launchers_without_a_stream(on_gp
     assert len(k.jit_calls) == 3 and not k.binary_calls and not run.direct
 
 
+def test_compiled_launch_passes_on_a_launchers_own_type_errors(on_gpu_zero):
+    k = _FakeKernel()
+    run = launch.CompiledLaunch(k)
+    x = torch.zeros(4)
+    run((3,), x, 7, BLOCK=16, MODE=1)
+
+    class Refusing:
+        def __getitem__(self, g):
+            def launcher(*a, stream=None):
+                raise TypeError("expected an int for argument 2")
+            return launcher
+
+    (key, (_, tail, launchers)), = run._binaries.items()
+    run._binaries[key] = (Refusing(), tail, launchers)
+    with pytest.raises(TypeError, match="argument 2"):
+        run((3,), x, 7, BLOCK=16, MODE=1)
+    assert run.direct and len(k.jit_calls) == 1  # not sent down Triton's path for good
+
+
 def test_compiled_launch_keeps_tritons_path_when_binaries_cannot_be_fetched(on_gpu_zero):
     k = _FakeKernel(fail_warmup=True)
     run = launch.CompiledLaunch(k)

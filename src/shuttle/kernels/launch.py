@@ -177,8 +177,10 @@ class CompiledLaunch:
             run = binary[grid + (1,) * (3 - len(grid))]
             try:
                 run(*args, *tail, stream=current_stream_handle(device))
-            except TypeError:  # a launcher that takes no stream: Triton's own path from now
-                self.direct = False
+            except TypeError as e:
+                if "stream" not in str(e):  # the arguments' own fault: Triton's message
+                    raise
+                self.direct = False  # a launcher that takes no stream: Triton's path from now
                 self.kernel[grid](*args, **constexprs)
                 return
             if len(launchers) < _MAX_GRIDS:  # grids that vary call to call: not all kept
