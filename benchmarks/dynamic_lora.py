@@ -59,8 +59,21 @@ SHAPES = {
 COPY_GBS, GEMM_TFLOPS = 4213.0, 780.0
 BURST = 10  # calls per timed burst, as the tier chooser times them (shuttle.apply.tier)
 # One call from an idle GPU spreads most (its clocks, the host's launches): the eager column
-# takes this many times the rounds of the others (cheap: one call each).
+# takes this many times the rounds of the others (cheap: one call each), and where calls are
+# short (a decode step: host jitter is a large share of one call) as many rounds as fit in
+# EAGER_SECONDS of timing per shape, up to EAGER_MAX_ROUNDS.
 EAGER_ROUNDS = 4
+EAGER_SECONDS = 1.0
+EAGER_MAX_ROUNDS = 1000
+
+
+def eager_rounds(variants: dict, rounds: int) -> int:
+    """Rounds of the eager column for ``variants``: a round of one call each, timed once."""
+    start = time.perf_counter()
+    for fn in variants.values():
+        harness.time_once(fn, 0)
+    per_round = time.perf_counter() - start
+    return max(EAGER_ROUNDS * rounds, min(EAGER_MAX_ROUNDS, int(EAGER_SECONDS / per_round)))
 # The dynamic variants: name -> (quality, whether the CuTe kernel may run)
 TIERS = {"lossless": ("lossless", False), "fused": ("fused", False), "cute": ("fused", True),
          "cute1": ("fused", "fused_cute_shrink"), "cutepp": ("fused", "fused_cute_pingpong"),
@@ -135,7 +148,7 @@ def bench_shape(name: str, t: int, k: int, n: int, r: int, rounds: int) -> dict:
                 **{q: (lambda i, m=m: m(xs[i % 2])) for q, m in mods.items()}}
     names = ["naive", "wide", *mods]
     with torch.no_grad():
-        timings = harness.interleaved(variants, rounds=EAGER_ROUNDS * rounds, warmup=3)
+        timings = harness.interleaved(variants, rounds=eager_rounds(variants, rounds), warmup=3)
         bursts = harness.interleaved(
             {q: (lambda i, fn=fn: [fn(i + j) for j in range(BURST)]) for q, fn in variants.items()},
             rounds=rounds, warmup=3)
@@ -304,7 +317,9 @@ def write(rows: dict, dit: dict | None) -> None:
          *(f"{q} err" for q in names[1:])], table_rows)
     notes = ("Overheads are (t - t_base) / t_base, medians of interleaved rounds. Eager: one call "
              "timed from an idle GPU (host Python and launch time included, as an eager script "
-             f"runs a single layer; {EAGER_ROUNDS}x the rounds of the other columns). Burst: "
+             f"runs a single layer; at least {EAGER_ROUNDS}x the rounds of the other columns, "
+             f"short calls as many as fit in {EAGER_SECONDS:g} s a shape, up to "
+             f"{EAGER_MAX_ROUNDS}: the JSON's rounds). Burst: "
              f"{BURST} calls back to back between two events, per call (a model's forward: "
              "the host launches ahead while the GPU works; what the tier chooser measures). "
              "Graph: the same layers captured in CUDA graphs and replayed "
