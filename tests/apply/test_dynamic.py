@@ -305,6 +305,44 @@ def test_gpu_fused_layer_launches_from_checked_operands_and_follows_its_weight()
         handle.detach()
 
 
+@pytest.mark.parametrize("quality", [pytest.param("lossless", marks=pytest.mark.gpu), "fused"])
+def test_decode_runs_the_layers_prepared_kernels_and_follows_its_bias(quality, monkeypatch):
+    # At a few tokens both tiers launch the decode kernels bound once for the layer's factors
+    # (lossless's update: on CUDA; fused's whole layer: also under the interpreter), giving
+    # bit for bit what the kernel functions give, which a later call never reaches.
+    from shuttle.kernels import lora_decode, lora_decode_add, lora_decode_linear
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(3)
+    model = nn.Sequential(nn.Linear(64, 96)).to(device).bfloat16()
+    lin = model[0]
+    sd = _lora_sd("0", 96, 64, 16, g, alpha=8.0)
+    x = torch.randn(2, 3, 64, generator=g).to(device).bfloat16()
+    with torch.no_grad():
+        handle = shuttle.attach_lora(model, [(sd, 0.7)], quality=quality)
+        hook = hooks_of(lin)[0]
+
+        def functions(bias):
+            scale = hook.scales(x.device)
+            if quality == "fused":
+                return lora_decode_linear(x.view(6, 64), lin.weight, bias, hook.down, hook.up,
+                                          scale).view(2, 3, 96)
+            out = torch.nn.functional.linear(x, lin.weight, bias)
+            return lora_decode_add(out.view(6, 96), x.view(6, 64), hook.down, hook.up,
+                                   scale).view(2, 3, 96)
+
+        want = functions(lin.bias)
+        assert torch.equal(model(x), want)
+        for name in ("lora_decode_add", "lora_decode_linear"):
+            monkeypatch.setattr(lora_decode, name, lambda *a, **kw: pytest.fail("unbound"))
+        assert torch.equal(model(x), want)
+        lin.bias = None  # the fused output kernel bound again, without a bias
+        monkeypatch.undo()
+        want = functions(None)
+        assert torch.equal(model(x), want)
+        handle.detach()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("quality", ["fused", "auto"])
 def test_gpu_fused_layer_takes_a_transposed_input_by_its_prepared_path(quality, monkeypatch):

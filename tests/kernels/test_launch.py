@@ -230,3 +230,38 @@ def test_compiled_launch_under_the_interpreter_always_dispatches(on_gpu_zero, mo
     for _ in range(3):
         run((1,), torch.zeros(2), 1, BLOCK=16, MODE=0)
     assert len(k.jit_calls) == 3 and not k.binary_calls
+
+
+def test_bound_launch_goes_direct_once_the_launcher_exists(on_gpu_zero, monkeypatch):
+    k = _FakeKernel()
+    bound = launch.CompiledLaunch(k).bind((3,), BLOCK=16, MODE=1, num_warps=4)
+    x = torch.zeros(4)
+    bound(x, 7)  # Triton's path (compiles)
+    bound(x, 8)  # the binary's first direct launch: its launcher made
+    assert len(k.jit_calls) == 1 and len(k.binary_calls) == 1
+    # From now on straight to the launcher: no key is built from the arguments.
+    monkeypatch.setattr(launch, "_key", lambda *a: pytest.fail("key built for a bound call"))
+    monkeypatch.setattr(launch, "_RAW_STREAM", lambda i: 0x7000)
+    bound(x, 9)
+    assert k.binary_calls[-1] == ((3, 1, 1), (x, 9, 16, 1), 0x7000)  # the stream now current
+    assert len(k.launchers_made) == 2  # the first launch's check, then the grid's launcher
+
+
+def test_bound_launch_under_the_interpreter_always_dispatches(on_gpu_zero, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    k = _FakeKernel()
+    bound = launch.CompiledLaunch(k).bind((1,), BLOCK=16, MODE=0)
+    for _ in range(3):
+        bound(torch.zeros(2), 1)
+    assert len(k.jit_calls) == 3 and not k.binary_calls
+
+
+def test_layer_operands_fit_the_same_tensors_as_laid_out():
+    w, b = torch.zeros(4, 8), torch.zeros(4)
+    held = launch.LayerOperands(w, b)
+    assert held.fits(w, b) and held.get() == (w, b)
+    assert not held.fits(w, None) and not held.fits(torch.zeros(4, 8), b)
+    w.data = torch.zeros(4, 8)  # the same parameter object, new storage
+    assert not held.fits(w, b)
+    nobias = launch.LayerOperands(w, None)
+    assert nobias.fits(w, None) and not nobias.fits(w, b)

@@ -10,6 +10,7 @@ import torch
 
 from shuttle.kernels import triton_available
 from shuttle.kernels.lora_decode import (
+    PreparedLoraDecode,
     lora_decode_add,
     lora_decode_add_reference,
     lora_decode_linear,
@@ -171,3 +172,84 @@ def test_aligned_and_misaligned_layouts_agree(t, k, n, r, shift):
     out = torch.randn(t, n, dtype=x.dtype, device=DEVICE)
     got = lora_decode_add(out.clone(), ops["x"], down, ops["up"], scale)
     _assert_one_ulp(got, lora_decode_add_reference(out.clone(), x, down, up, scale))
+
+
+def _no_function(monkeypatch, name):
+    """Make ``lora_decode.<name>`` (the prepared path's fallback) fail if called."""
+    from shuttle.kernels import lora_decode
+
+    monkeypatch.setattr(lora_decode, name, lambda *a, **kw: pytest.fail(f"{name} called"))
+
+
+@pytest.mark.parametrize(("t", "k", "n", "r"), [(1, 40, 100, 3), (16, 64, 96, 16),
+                                                (40, 48, 64, 32)])
+def test_prepared_add_equals_the_function(t, k, n, r, monkeypatch):
+    out, x, down, up, scale = _case(t, k, n, r, torch.bfloat16)
+    prep = PreparedLoraDecode(down, up)
+    want = lora_decode_add(out.clone(), x, down, up, scale)
+    _no_function(monkeypatch, "lora_decode_add")
+    for _ in range(3):  # the first calls compile and bind; later ones launch bound
+        got = out.clone()
+        assert prep.add(got, x, scale) is got
+        assert torch.equal(got, want)
+    # (B, S, K) activations onto a (B, S, N) output; a misaligned x (its own binding)
+    got3 = out.clone().view(1, t, n)
+    assert torch.equal(prep.add(got3, x.view(1, t, k), scale).view(t, n), want)
+    assert torch.equal(prep.add(out.clone(), _shifted(x), scale), want)
+
+
+def test_prepared_add_takes_the_function_where_the_kernel_does_not_fit():
+    out, x, down, up, scale = _case(4, 32, 48, 8, torch.bfloat16)
+    prep = PreparedLoraDecode(down, up)
+    want = lora_decode_add_reference(out.clone(), x, down, up, scale)
+    # a float64 scale (converted by the function), a transposed output
+    _assert_one_ulp(prep.add(out.clone(), x, scale.double()), want)
+    t_out = out.T.contiguous().T
+    _assert_one_ulp(prep.add(t_out, x, scale), want)
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        prep.add(*_case(65, 32, 48, 8, torch.bfloat16)[:2], scale)
+    fp32 = PreparedLoraDecode(down.float(), up.float())
+    assert not fp32.usable
+    assert torch.equal(fp32.add(out.float(), x.float(), scale),
+                       lora_decode_add_reference(out.float(), x.float(), down.float(),
+                                                 up.float(), scale))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize(("t", "k", "n", "r"), [(1, 40, 100, 3), (16, 64, 96, 16),
+                                                (3, 48, 17, 1)])
+def test_prepared_linear_equals_the_function(t, k, n, r, bias, monkeypatch):
+    x, w, b, down, up, scale = _layer(t, k, n, r, torch.bfloat16)
+    b = b if bias else None
+    prep = PreparedLoraDecode(down, up)
+    want = lora_decode_linear(x, w, b, down, up, scale)
+    _no_function(monkeypatch, "lora_decode_linear")
+    for _ in range(3):
+        assert torch.equal(prep.linear(x, w, b, scale), want)
+    assert torch.equal(prep.linear(_shifted(x), w, b, scale), want)
+
+
+def test_prepared_linear_follows_the_layers_weight_and_bias(monkeypatch):
+    x, w, b, down, up, scale = _layer(5, 48, 64, 8, torch.bfloat16)
+    prep = PreparedLoraDecode(down, up)
+    layer = torch.nn.Linear(48, 64, dtype=torch.bfloat16, device=DEVICE).requires_grad_(False)
+    layer.weight.copy_(w)
+    layer.bias.copy_(b)
+    assert torch.equal(prep.linear(x, layer.weight, layer.bias, scale),
+                       lora_decode_linear(x, w, b, down, up, scale))
+    _no_function(monkeypatch, "lora_decode_linear")
+    layer.bias = None  # no bias now: another output kernel
+    assert torch.equal(prep.linear(x, layer.weight, None, scale),
+                       lora_decode_linear(x, w, None, down, up, scale))
+    w2 = _shifted(torch.randn_like(w))  # new storage, misaligned rows: bound again
+    layer.weight.data = w2
+    want = lora_decode_linear_reference(x, w2, None, down, up, scale)
+    _assert_one_ulp(prep.linear(x, layer.weight, None, scale), want)
+
+
+def test_prepared_linear_under_autograd_is_the_differentiable_reference():
+    x, w, b, down, up, scale = _layer(4, 32, 48, 8, torch.bfloat16)
+    prep = PreparedLoraDecode(down, up)
+    w = w.clone().requires_grad_()
+    prep.linear(x, w, b, scale).float().sum().backward()
+    assert w.grad is not None and bool(w.grad.abs().sum() > 0)

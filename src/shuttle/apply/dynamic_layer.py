@@ -56,7 +56,7 @@ from shuttle.apply.tier import TIERS, TierKey, row_bucket
 from shuttle.errors import UnsupportedLayerError, UnsupportedPlacementError
 from shuttle.hooks import ModuleHook, substituted
 from shuttle.kernels import interpreting, lora_linear_fused, lora_shrink, triton_available
-from shuttle.kernels.lora_decode import DECODE_MAX_T, lora_decode_add, lora_decode_linear
+from shuttle.kernels.lora_decode import DECODE_MAX_T, PreparedLoraDecode
 from shuttle.kernels.lora_gemm_sm90 import CUTE_SHRINK_MAX_RANK
 from shuttle.kernels.lora_linear_cute import cute_available
 from shuttle.kernels.lora_linear_tma import PreparedLoraLinear
@@ -162,7 +162,7 @@ class LoRAHook(ModuleHook):
     # -- building --------------------------------------------------------------------------
     def _build_lowrank(self, module: torch.nn.Module, pad_rank: int | None) -> None:
         """Concatenate the Linear slots' factors: down (R, K), up (N, R) zero outside rows."""
-        self.down = self.up = None
+        self.down = self.up = self._decode = None  # (the decode kernels for down and up)
         self.scales.base_scale = self.scales.col_adapter = None
         self._prepared: dict[str, PreparedLoraLinear] = {}  # per fused implementation
         if not self.layer.tiers or not self.slots:
@@ -187,6 +187,7 @@ class LoRAHook(ModuleHook):
         for slot, width in zip(self.slots, widths, strict=True):
             self._place(slot, start, width)
             start += width
+        self._decode = PreparedLoraDecode(self.down, self.up)
 
     def _place(self, slot: _Slot, start: int, width: int) -> None:
         up, down = slot.patch.factors()
@@ -212,6 +213,7 @@ class LoRAHook(ModuleHook):
             if t is not None:
                 setattr(owner, attr, t.to(device))
         self._prepared = {}
+        self._decode = PreparedLoraDecode(self.down, self.up) if self.down is not None else None
         self._picks = (-1, {})
         self._last = (None, "lossless")
         self.residuals = {k: r.to(device) for k, r in self.residuals.items()}
@@ -379,9 +381,7 @@ class LoRAHook(ModuleHook):
                 and x.numel() <= DECODE_MAX_T * x.shape[-1]
                 and x.dtype == out.dtype == self.down.dtype == self.up.dtype):
             # A few tokens (decode): the whole update in one launch, h kept in float32.
-            lora_decode_add(out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]),
-                            self.down, self.up, scale)
-            return out
+            return self._decode.add(out, x, scale)
         down, up = self.down, self.up
         if x.dtype != down.dtype:  # x is never narrowed to the stored factors' dtype
             cd = chain_dtype(x.dtype, down.dtype)
@@ -419,7 +419,7 @@ class LoRAHook(ModuleHook):
         if x2d.shape[0] <= DECODE_MAX_T and x.dtype == self.down.dtype == self.up.dtype:
             # A few tokens (decode): a split-K shrink, then one kernel for the base, the update
             # and the bias, bound by reading W (shuttle.kernels.lora_decode).
-            out = lora_decode_linear(x2d, w, b, self.down, self.up, scale)
+            out = self._decode.linear(x2d, w, b, scale)
         else:
             out = None
             if w is weight and b is bias:  # no per-call residual overrides

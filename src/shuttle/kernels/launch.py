@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["CompiledLaunch", "cdiv", "current_stream_handle", "device_capability",
-           "device_floats", "interpreting", "next_power_of_2", "on_device_of", "seed32", "sm_count",
-           "triton_available"]
+__all__ = ["BoundLaunch", "CompiledLaunch", "LayerOperands", "cdiv", "current_stream_handle",
+           "device_capability", "device_floats", "interpreting", "next_power_of_2",
+           "on_device_of", "seed32", "sm_count", "triton_available"]
 
 
 @functools.cache
@@ -128,6 +130,36 @@ def on_device_of(t: torch.Tensor) -> contextlib.AbstractContextManager:
 _NOTHING = contextlib.nullcontext()  # stateless: one instance serves every call
 
 
+class LayerOperands:
+    """A layer's weight and bias as a prepared launch was built for them: held weakly (a
+    replaced parameter is not kept alive here), with their layout then.
+    """
+
+    __slots__ = ("_bias", "_layout", "_weight")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self._weight = weakref.ref(weight)
+        self._bias = weakref.ref(bias) if bias is not None else None
+        self._layout = self._layout_of(weight, bias)
+
+    @staticmethod
+    def _layout_of(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+        # What a parameter can change without becoming another object (``param.data = ...``,
+        # as offloading does): its storage, dtype, shape and strides.
+        return (weight.data_ptr(), weight.dtype, weight.shape, weight.stride(),
+                bias.data_ptr() if bias is not None else 0)
+
+    def fits(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether these are the weight and bias held, still laid out as they were."""
+        return (weight is self._weight()
+                and bias is (self._bias() if self._bias is not None else None)
+                and self._layout == self._layout_of(weight, bias))
+
+    def get(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The weight (None once freed) and the bias."""
+        return self._weight(), self._bias() if self._bias is not None else None
+
+
 class CompiledLaunch:
     """A Triton kernel launched from its compiled binary, without Triton's per-call dispatch.
 
@@ -161,12 +193,8 @@ class CompiledLaunch:
         if not self.direct or interpreting():
             self.kernel[grid](*args, **constexprs)
             return
-        # Triton's signature of an unspecialized argument: a tensor's dtype, an int's width.
         device = torch.cuda.current_device()
-        key = (device, *constexprs.items(),
-               *[a.dtype if isinstance(a, torch.Tensor)
-                 else -0x80000000 <= a <= 0x7FFFFFFF if type(a) is int else type(a)
-                 for a in args])
+        key = _key(device, args, constexprs)
         found = self._binaries.get(key)
         if found is not None:
             binary, tail, launchers = found
@@ -196,6 +224,72 @@ class CompiledLaunch:
             self.direct = False
             return
         self._binaries[key] = (binary, tail, {})
+
+    def bind(self, grid: tuple[int, ...], **constexprs: Any) -> BoundLaunch:
+        """This kernel on ``grid`` with ``constexprs`` (with ``num_warps``, ``num_stages``), for
+        a caller whose arguments keep their types call to call (see :class:`BoundLaunch`).
+        """
+        return BoundLaunch(self, grid, constexprs)
+
+    def launcher(self, grid: tuple[int, ...], args: tuple,
+                 constexprs: dict[str, Any]) -> Callable[..., None] | None:
+        """A direct launch of ``kernel[grid](*args, **constexprs)`` on the current device, for
+        arguments of ``args``' types: ``run(*args)``, once a direct launch of that binary on
+        that grid was made; else None (the first launches, the interpreter, Triton's path).
+        """
+        if not self.direct or interpreting():
+            return None
+        device = torch.cuda.current_device()
+        found = self._binaries.get(_key(device, args, constexprs))
+        run = found[2].get(grid) if found is not None else None
+        if run is None:
+            return None
+        tail = found[1]
+
+        def launch(*args: Any) -> None:
+            run(*args, *tail, stream=current_stream_handle(device))
+
+        return launch
+
+
+class BoundLaunch:
+    """A :class:`CompiledLaunch` kernel on one grid with one set of constexprs.
+
+    A layer's decode kernels launch with the same grid, constexprs, argument dtypes and int
+    widths on every call; only addresses and a few small ints change. Bound once, a call
+    launches the binary's launcher directly: no key built from the arguments and no lookups,
+    the part of :class:`CompiledLaunch`'s host time that depends on the argument count. The
+    caller keeps to what the binary was compiled for: the tensors' dtypes, every int within
+    int32 or every one beyond (as at the first calls), and the device (entered, as for any
+    Triton launch). Until the binary and its launcher exist (the first two calls), under the
+    interpreter and on Triton's own path, a call goes through the :class:`CompiledLaunch`.
+    """
+
+    __slots__ = ("_compiled", "_constexprs", "_grid", "_run")
+
+    def __init__(self, compiled: CompiledLaunch, grid: tuple[int, ...],
+                 constexprs: dict[str, Any]) -> None:
+        self._compiled, self._grid, self._constexprs = compiled, grid, constexprs
+        self._run: Callable[..., None] | None = None
+
+    def __call__(self, *args: Any) -> None:
+        """``kernel[grid](*args, **constexprs)``; ``args`` the runtime arguments in order."""
+        run = self._run
+        if run is not None:
+            run(*args)
+            return
+        self._compiled(self._grid, *args, **self._constexprs)
+        self._run = self._compiled.launcher(self._grid, args, self._constexprs)
+
+
+def _key(device: int, args: tuple, constexprs: dict[str, Any]) -> tuple:
+    """A binary's key: the device, the constexprs, and Triton's signature of each
+    unspecialized argument (a tensor's dtype, whether an int fits in 32 bits, else its type).
+    """
+    return (device, *constexprs.items(),
+            *[a.dtype if isinstance(a, torch.Tensor)
+              else -0x80000000 <= a <= 0x7FFFFFFF if type(a) is int else type(a)
+              for a in args])
 
 
 _MAX_GRIDS = 64  # launchers kept per binary (a layer's grid depends on its shape alone)

@@ -17,19 +17,23 @@ base output is written and read back. (A one-launch form, every output program a
 the whole of ``h`` beside its base product, is slower: its extra per-step loads of A cost more
 than the second launch.)
 
-:func:`lora_decode_add_reference` and :func:`lora_decode_linear_reference` are the same
-computations in PyTorch: the fallbacks and oracles.
+:class:`PreparedLoraDecode` launches both for one layer whose factors (and weight) stay put,
+checked once. :func:`lora_decode_add_reference` and :func:`lora_decode_linear_reference` are
+the same computations in PyTorch: the fallbacks and oracles. The kernels themselves:
+:mod:`shuttle.kernels.lora_decode_device`.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 
 from shuttle.kernels.launch import (
-    CompiledLaunch,
+    BoundLaunch,
+    LayerOperands,
     cdiv,
     interpreting,
     next_power_of_2,
@@ -37,11 +41,13 @@ from shuttle.kernels.launch import (
     sm_count,
     triton_available,
 )
+from shuttle.kernels.lora_decode_device import decode_kernels
 
 __all__ = [
     "DECODE_LINEAR_CONFIG",
     "DECODE_MAX_T",
     "DecodeConfig",
+    "PreparedLoraDecode",
     "lora_decode_add",
     "lora_decode_add_reference",
     "lora_decode_linear",
@@ -73,148 +79,6 @@ def lora_decode_linear_reference(x: torch.Tensor, weight: torch.Tensor,
     return out.to(x.dtype)
 
 
-# Shared tile helpers, bound by tiles.bind_tiles() when the kernels are built (see there).
-shrink_step = store_rne = None
-
-
-@functools.cache
-def _kernel():
-    return _kernels()[0]
-
-
-@functools.cache
-def _kernels():
-    import triton
-    import triton.language as tl
-
-    from shuttle.kernels.tiles import bind_tiles
-
-    bind_tiles(globals(), "shrink_step", "store_rne")
-
-    # The kernels' runtime arguments are unspecialized: one binary per dtypes and constexprs,
-    # launched from it by CompiledLaunch (at decode the host is the bottleneck, and Triton's
-    # per-call dispatch is about half of a launch's host time). What specialization told the
-    # compiler about alignment, ALIGNED tells it (see _aligned): rows of x, of the weight or
-    # down factor and of the output start on 16 bytes and K, N are multiples of 16, so loads
-    # along K and stores along N are 16-byte vectors (the hints go on the pointer and mask
-    # tensors: Triton drops them on scalar arguments).
-    @triton.jit(do_not_specialize=["x_ptr", "d_ptr", "u_ptr", "scale_ptr", "o_ptr", "T", "K",
-                                   "N", "R", "stride_xt", "stride_dr", "stride_un",
-                                   "stride_ot"])
-    def decode_kernel(x_ptr, d_ptr, u_ptr, scale_ptr, o_ptr, T, K, N, R,
-                      stride_xt, stride_dr, stride_un, stride_ot,
-                      BT: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
-                      IEEE: tl.constexpr, ALIGNED: tl.constexpr, UP_ALIGNED: tl.constexpr):
-        rt = tl.arange(0, BT)
-        rr = tl.arange(0, BR)
-        rk = tl.arange(0, BK)
-        # h = x @ down.T over K: (BT, BR) in float32 (bf16/fp16 products are exact in it).
-        h = tl.zeros((BT, BR), dtype=tl.float32)
-        for k in range(0, tl.cdiv(K, BK)):
-            h = shrink_step(h, x_ptr, d_ptr, rt, rr, k * BK + rk, T, R, K, stride_xt,
-                            stride_dr, IEEE, ALIGNED)
-        h = h * tl.load(scale_ptr + rr, mask=rr < R, other=0.0)[None, :]
-        # This program's columns: out[:, rn] += h @ up[rn].T, all in float32.
-        rn = tl.program_id(0) * BN + tl.arange(0, BN)
-        u_ptrs = u_ptr + rn[None, :] * stride_un + rr[:, None]
-        u_mask = (rr[:, None] < R) & (rn[None, :] < N)
-        if UP_ALIGNED:  # rows of up start on 16 bytes and R is a multiple of 16
-            u_ptrs = tl.multiple_of(u_ptrs, [16, 16])
-            u_mask = tl.max_constancy(u_mask, [16, 1])
-        u = tl.load(u_ptrs, mask=u_mask, other=0.0)
-        delta = tl.dot(h, u.to(tl.float32), input_precision="ieee")
-        mask = (rt[:, None] < T) & (rn[None, :] < N)
-        o_ptrs = o_ptr + rt[:, None] * stride_ot + rn[None, :]
-        if ALIGNED:  # N is a multiple of 16 too
-            o_ptrs = tl.multiple_of(o_ptrs, [16, 16])
-            mask = tl.max_constancy(mask, [1, 16])
-        store_rne(o_ptrs, tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32) + delta, mask)
-
-    @triton.jit(do_not_specialize=["x_ptr", "d_ptr", "ws_ptr", "T", "K", "R", "K_PER",
-                                   "stride_xt", "stride_dr"])
-    def partial_shrink_kernel(x_ptr, d_ptr, ws_ptr, T, K, R, K_PER, stride_xt, stride_dr,
-                              BT: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
-                              IEEE: tl.constexpr, ALIGNED: tl.constexpr):
-        # Program p: the float32 partial h_p = x[:, Kp] @ down[:, Kp].T over its K range,
-        # stored whole, (BT, BR), at ws[p] (padding rows and ranks are zeros).
-        pid = tl.program_id(0)
-        rt = tl.arange(0, BT)
-        rr = tl.arange(0, BR)
-        rk = tl.arange(0, BK)
-        k0 = pid * K_PER
-        h = tl.zeros((BT, BR), dtype=tl.float32)
-        for k in range(k0, tl.minimum(k0 + K_PER, K), BK):
-            h = shrink_step(h, x_ptr, d_ptr, rt, rr, k + rk, T, R, K, stride_xt, stride_dr,
-                            IEEE, ALIGNED)
-        # A fresh float32 workspace of whole (BT, BR) tiles: rows start on 64 bytes.
-        tl.store(tl.multiple_of(ws_ptr + pid * BT * BR + rt[:, None] * BR + rr[None, :],
-                                [16, 16]), h)
-
-    @triton.jit(do_not_specialize=["x_ptr", "w_ptr", "b_ptr", "u_ptr", "scale_ptr", "ws_ptr",
-                                   "o_ptr", "T", "K", "N", "R", "stride_xt", "stride_wn",
-                                   "stride_un", "stride_ot"])
-    def linear_kernel(x_ptr, w_ptr, b_ptr, u_ptr, scale_ptr, ws_ptr, o_ptr, T, K, N, R,
-                      stride_xt, stride_wn, stride_un, stride_ot,
-                      BT: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
-                      H_PARTS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                      IEEE: tl.constexpr, ALIGNED: tl.constexpr):
-        # acc = x @ W[rn].T over K, then h summed from partial_shrink_kernel's H_PARTS
-        # partials in a fixed order (deterministic), acc += (h * scale) @ up[rn].T, + bias.
-        rt = tl.arange(0, BT)
-        rr = tl.arange(0, BR)
-        rk = tl.arange(0, BK)
-        rn = tl.program_id(0) * BN + tl.arange(0, BN)
-        # Rows of x past T are masked (no traffic: a wrapped row, as tiles.dot_over_k's callers
-        # use, would be fetched again for every padding row, which made one token slower than
-        # sixteen). Wrapped columns and ranks keep W and up loads in bounds without masks; the
-        # scale (0 past R) and the store mask cancel what they add.
-        row_ok = (rt < T)[:, None]
-        rn_l = (rn % N).to(tl.int64)
-        x_ptrs = x_ptr + rt[:, None] * stride_xt + rk[None, :]
-        w_ptrs = w_ptr + rn_l[None, :] * stride_wn + rk[:, None]
-        if ALIGNED:
-            x_ptrs = tl.multiple_of(x_ptrs, [16, 16])
-            w_ptrs = tl.multiple_of(w_ptrs, [16, 16])
-        acc = tl.zeros((BT, BN), dtype=tl.float32)
-        for k in range(0, tl.cdiv(K, BK)):
-            if EVEN_K:
-                x = tl.load(x_ptrs, mask=row_ok, other=0.0)
-                w = tl.load(w_ptrs)
-            else:
-                k_left = K - k * BK
-                x_mask = row_ok & (rk[None, :] < k_left)
-                w_mask = rk[:, None] < k_left
-                if ALIGNED:  # K is a multiple of 16: the masks hold over runs of 16 along K
-                    x_mask = tl.max_constancy(x_mask, [1, 16])
-                    w_mask = tl.max_constancy(w_mask, [16, 1])
-                x = tl.load(x_ptrs, mask=x_mask, other=0.0)
-                w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-            if IEEE:  # the interpreter, whose bf16 dot is wrong
-                acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x, w, acc)
-            x_ptrs += BK
-            w_ptrs += BK
-        ws_ptrs = tl.multiple_of(ws_ptr + rt[:, None] * BR + rr[None, :], [16, 16])
-        h = tl.load(ws_ptrs)
-        for p in range(1, H_PARTS):
-            h += tl.load(ws_ptrs + p * BT * BR)
-        h = h * tl.load(scale_ptr + rr, mask=rr < R, other=0.0)[None, :]
-        u = tl.load(u_ptr + rn_l[None, :] * stride_un + (rr % R)[:, None])
-        acc = tl.dot(h, u.to(tl.float32), acc, input_precision="ieee")
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn_l).to(tl.float32)[None, :]
-        mask = (rt[:, None] < T) & (rn[None, :] < N)
-        o_ptrs = o_ptr + rt[:, None] * stride_ot + rn[None, :]
-        if ALIGNED:  # N is a multiple of 16 too
-            o_ptrs = tl.multiple_of(o_ptrs, [16, 16])
-            mask = tl.max_constancy(mask, [1, 16])
-        store_rne(o_ptrs, acc, mask)
-
-    return (CompiledLaunch(decode_kernel), CompiledLaunch(linear_kernel),
-            CompiledLaunch(partial_shrink_kernel))
-
-
 def lora_decode_add(out: torch.Tensor, x: torch.Tensor, down: torch.Tensor, up: torch.Tensor,
                     scale: torch.Tensor, block_n: int = 64) -> torch.Tensor:
     """In place: ``out += ((x @ down.T) * scale) @ up.T``, float32 throughout, one rounding.
@@ -229,7 +93,8 @@ def lora_decode_add(out: torch.Tensor, x: torch.Tensor, down: torch.Tensor, up: 
 
     Returns:
         ``out``. Uses the Triton kernel on CUDA (or under ``TRITON_INTERPRET=1``) for these
-        dtypes, else :func:`lora_decode_add_reference`.
+        dtypes, else :func:`lora_decode_add_reference`. :class:`PreparedLoraDecode` runs it
+        for a layer whose factors stay put, with less host time per call.
 
     Raises:
         ValueError: shapes that do not fit together, or T above :data:`DECODE_MAX_T`.
@@ -242,8 +107,6 @@ def lora_decode_add(out: torch.Tensor, x: torch.Tensor, down: torch.Tensor, up: 
                          f"{tuple(down.shape)}, {tuple(up.shape)}, {tuple(scale.shape)}")
     if t > DECODE_MAX_T:
         raise ValueError(f"lora_decode_add takes at most {DECODE_MAX_T} rows, got {t}")
-    # Called once per adapted layer and token step, where the host is the bottleneck: the
-    # checks are plain comparisons (no sets or generators: each costs a microsecond).
     interpret = interpreting()  # read once: an environment lookup costs microseconds
     dt = out.dtype
     usable = (triton_available() and (out.is_cuda or interpret) and dt in _DTYPES
@@ -252,18 +115,30 @@ def lora_decode_add(out: torch.Tensor, x: torch.Tensor, down: torch.Tensor, up: 
               and up.stride(1) == 1 and t > 0 and 0 < r <= _MAX_R)
     if not usable:
         return lora_decode_add_reference(out, x, down, up, scale)
-
-    if scale.dtype != torch.float32 or scale.stride(0) != 1:
-        scale = scale.to(torch.float32).contiguous()
     sx, sd, su, so = x.stride(0), down.stride(0), up.stride(0), out.stride(0)
     aligned = (k % 16 == 0 and n % 16 == 0 and _rows_aligned(x, sx) and _rows_aligned(down, sd)
                and _rows_aligned(out, so))
     with on_device_of(x):
-        _kernel()((cdiv(n, block_n),), x, down, up, scale, out, t, k, n, r, sx, sd, su, so,
-                  BT=max(16, next_power_of_2(t)), BK=16 if interpret else 128,
-                  BR=max(16, next_power_of_2(r)), BN=block_n, IEEE=interpret, ALIGNED=aligned,
-                  UP_ALIGNED=r % 16 == 0 and _rows_aligned(up, su), num_warps=4)
+        decode_kernels()[0](
+            (cdiv(n, block_n),), x, down, up, _float32(scale), out, t, k, n, r, sx, sd, su, so,
+            **_add_constexprs(t, r, block_n, interpret, aligned,
+                              r % 16 == 0 and _rows_aligned(up, su)))
     return out
+
+
+def _add_constexprs(t: int, r: int, block_n: int, interpret: bool, aligned: bool,
+                    up_aligned: bool) -> dict[str, Any]:
+    """The update kernel's compile-time arguments for T rows and rank R."""
+    return {"BT": max(16, next_power_of_2(t)), "BK": 16 if interpret else 128,
+            "BR": max(16, next_power_of_2(r)), "BN": block_n, "IEEE": interpret,
+            "ALIGNED": aligned, "UP_ALIGNED": up_aligned, "num_warps": 4}
+
+
+def _float32(scale: torch.Tensor) -> torch.Tensor:
+    """The per-rank scale as the kernels read it: float32, unit stride (converted only if not)."""
+    if scale.dtype != torch.float32 or scale.stride(0) != 1:
+        return scale.to(torch.float32).contiguous()
+    return scale
 
 
 def _rows_aligned(t: torch.Tensor, row_stride: int) -> bool:
@@ -308,6 +183,36 @@ def _decode_config(n: int, device: torch.device) -> DecodeConfig:
     return cfg
 
 
+class _LinearLaunch(NamedTuple):
+    """The two launches of :func:`lora_decode_linear` for one (T, K, N, R) and layout."""
+
+    parts: int  # partial intermediates (the shrink's programs)
+    per: int  # K elements per partial
+    grid: tuple[int]  # the output kernel's
+    shrink: dict[str, Any]  # the partial shrink's constexprs
+    output: dict[str, Any]  # the output kernel's
+
+
+def _linear_launch(t: int, k: int, n: int, r: int, cfg: DecodeConfig, interpret: bool,
+                   x_aligned: bool, down_aligned: bool, out_aligned: bool,
+                   has_bias: bool) -> _LinearLaunch:
+    """How :func:`lora_decode_linear` launches for these sizes, ``cfg`` and alignment flags
+    (x's rows and K; the down factor's rows; the weight's and output's rows and N).
+    """
+    bt, br = max(16, next_power_of_2(t)), max(16, next_power_of_2(r))
+    step = cfg.block_k  # the shrink's K step too; each shrink program takes whole steps
+    per = max(cdiv(cfg.shrink_k, step), cdiv(cdiv(k, step), _MAX_PARTS)) * step
+    parts = cdiv(k, per)
+    return _LinearLaunch(
+        parts, per, (cdiv(n, cfg.block_n),),
+        {"BT": bt, "BK": step, "BR": br, "IEEE": interpret,
+         "ALIGNED": x_aligned and down_aligned, "num_warps": 4},
+        {"BT": bt, "BK": cfg.block_k, "BR": br, "BN": cfg.block_n, "H_PARTS": parts,
+         "HAS_BIAS": has_bias, "EVEN_K": k % cfg.block_k == 0, "IEEE": interpret,
+         "ALIGNED": x_aligned and out_aligned, "num_warps": cfg.num_warps,
+         "num_stages": cfg.num_stages})
+
+
 def lora_decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        down: torch.Tensor, up: torch.Tensor, scale: torch.Tensor,
                        config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
@@ -331,6 +236,8 @@ def lora_decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         rounded), one rounding. Uses the Triton kernels on CUDA (or under
         ``TRITON_INTERPRET=1``) where the dtypes and strides allow and autograd is not
         recording, else :func:`lora_decode_linear_reference` (differentiable).
+        :class:`PreparedLoraDecode` runs it for a layer whose weight and factors stay put,
+        with less host time per call.
 
     Raises:
         ValueError: shapes that do not fit together, T above :data:`DECODE_MAX_T`, or a
@@ -363,23 +270,179 @@ def lora_decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
     cfg = DecodeConfig(*config) if config is not None else (
         _INTERPRET_LINEAR_CONFIG if interpret else _decode_config(n, x.device))
-    bt, br = max(16, next_power_of_2(t)), max(16, next_power_of_2(r))
-    step = cfg.block_k  # the shrink's K step too; each shrink program takes whole steps
-    per = max(cdiv(cfg.shrink_k, step), cdiv(cdiv(k, step), _MAX_PARTS)) * step
-    parts = cdiv(k, per)
-    ws = torch.empty(parts * bt * br, dtype=torch.float32, device=x.device)
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
-    x_aligned = _aligned(x, sizes=(k,))  # both kernels read x
-    with on_device_of(x):
-        _kernels()[2]((parts,), x, down, ws, t, k, r, per, x.stride(0), down.stride(0),
-                      BT=bt, BK=step, BR=br, IEEE=interpret,
-                      ALIGNED=x_aligned and _aligned(down, sizes=()), num_warps=4)
-        _kernels()[1](
-            (cdiv(n, cfg.block_n),), x, weight, bias if bias is not None else out, up,
-            scale.to(torch.float32).contiguous(), ws, out, t, k, n, r,
-            x.stride(0), weight.stride(0), up.stride(0), out.stride(0),
-            BT=bt, BK=cfg.block_k, BR=br, BN=cfg.block_n, H_PARTS=parts,
-            HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, IEEE=interpret,
-            ALIGNED=x_aligned and _aligned(weight, out, sizes=(n,)), num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages)
+    plan = _linear_launch(t, k, n, r, cfg, interpret, _aligned(x, sizes=(k,)),
+                          _aligned(down, sizes=()), _aligned(weight, out, sizes=(n,)),
+                          bias is not None)
+    _, output, shrink = decode_kernels()
+    _launch_linear(plan, x, weight, bias, down, up, _float32(scale), out,
+                   functools.partial(shrink, (plan.parts,), **plan.shrink),
+                   functools.partial(output, plan.grid, **plan.output))
     return out
+
+
+def _launch_linear(plan: _LinearLaunch, x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None, down: torch.Tensor, up: torch.Tensor,
+                   scale: torch.Tensor, out: torch.Tensor, shrink: Callable[..., None],
+                   output: Callable[..., None]) -> None:
+    """``out = lora_decode_linear(x, ...)`` by ``plan``'s launches: ``shrink(*args)`` and
+    ``output(*args)`` bound to its grids and constexprs (a fresh float32 workspace between).
+    """
+    t, k = x.shape
+    n, r = up.shape
+    ws = torch.empty(plan.parts * plan.shrink["BT"] * plan.shrink["BR"], dtype=torch.float32,
+                     device=x.device)
+    with on_device_of(x):
+        shrink(x, down, ws, t, k, r, plan.per, x.stride(0), down.stride(0))
+        output(x, weight, bias if bias is not None else out, up, scale, ws, out, t, k, n, r,
+               x.stride(0), weight.stride(0), up.stride(0), out.stride(0))
+
+
+class PreparedLoraDecode:
+    """The decode kernels for one layer's factors, checked once.
+
+    :func:`lora_decode_add` and :func:`lora_decode_linear` check every operand and key their
+    launches by every argument on each call. At decode a layer's call is bound by the host's
+    time to issue its launches, and a dynamic layer's factors (and, for the whole layer, its
+    weight and bias) stay put between calls: built for the factors, this checks them once and
+    keeps its launches bound (:class:`~shuttle.kernels.launch.BoundLaunch`) per rows' bucket
+    and x's alignment, so that a call checks x, the output and the scale alone. It launches the
+    functions' kernels with their constexprs: its results are theirs bit for bit.
+
+    ``usable`` is False where the kernels do not take the factors; where they do not take a
+    call's operands (or ``usable`` is False) a call goes to the function, which falls back to
+    its reference.
+    """
+
+    def __init__(self, down: torch.Tensor, up: torch.Tensor) -> None:
+        r, k = down.shape
+        n = up.shape[0]
+        self.down, self.up = down, up
+        self._interpret = interpreting()
+        dt = down.dtype
+        self.usable = (triton_available() and (down.is_cuda or self._interpret)
+                       and dt in _DTYPES and up.dtype == dt and up.shape == (n, r)
+                       and up.device == down.device and down.stride(1) == 1
+                       and up.stride(1) == 1 and 0 < r <= _MAX_R and n > 0 and k > 0
+                       # every int argument a 32-bit one, as bound (x's row stride: per call)
+                       and max(down.stride(0), up.stride(0), k, n) <= _INT32_MAX)
+        self._k, self._n, self._r, self._dtype = k, n, r, dt
+        self._device = down.get_device()
+        self._sd, self._su = down.stride(0), up.stride(0)
+        self._down_aligned = _rows_aligned(down, self._sd)
+        self._up_aligned = r % 16 == 0 and _rows_aligned(up, self._su)
+        self._add_grid = (cdiv(n, _ADD_BLOCK_N),)
+        self._adds: dict[tuple[int, bool, bool], BoundLaunch] = {}
+        # the weight and bias the linear launches are bound for, and those launches
+        self._operands: LayerOperands | None = None
+        self._linears: dict[tuple[int, bool], tuple[_LinearLaunch, BoundLaunch, BoundLaunch]] \
+            = {}
+
+    def add(self, out: torch.Tensor, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """``lora_decode_add(out, x, down, up, scale)`` for a contiguous ``out`` (..., N) and
+        ``x`` (..., K) of at most :data:`DECODE_MAX_T` rows: in place, ``out`` returned.
+        """
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        out2 = out if out.dim() == 2 else out.view(-1, out.shape[-1])
+        if not self._bound_add(out2, x2, scale):
+            lora_decode_add(out2, x2, self.down, self.up, scale)
+        return out
+
+    def _bound_add(self, out: torch.Tensor, x: torch.Tensor, scale: torch.Tensor) -> bool:
+        """:meth:`add` by the bound launch; False (nothing done) where it does not apply."""
+        if not self.usable:
+            return False
+        k, n = self._k, self._n
+        t = x.shape[0]
+        if (t == 0 or t > DECODE_MAX_T or x.dtype != self._dtype or out.dtype != self._dtype
+                or x.shape[1] != k or out.shape[0] != t or out.shape[1] != n
+                or x.stride(1) != 1 or out.stride(1) != 1 or x.get_device() != self._device
+                or out.get_device() != self._device or not self._scale_ok(scale)):
+            return False
+        sx, so = x.stride(0), out.stride(0)
+        if sx > _INT32_MAX or so > _INT32_MAX:
+            return False
+        aligned = (k % 16 == 0 and n % 16 == 0 and self._down_aligned
+                   and _rows_aligned(x, sx) and _rows_aligned(out, so))
+        key = (max(16, next_power_of_2(t)), aligned)
+        launch = self._adds.get(key)
+        if launch is None:
+            launch = self._adds[key] = decode_kernels()[0].bind(
+                self._add_grid, **_add_constexprs(t, self._r, _ADD_BLOCK_N, self._interpret,
+                                                  aligned, self._up_aligned))
+        with on_device_of(x):
+            launch(x, self.down, self.up, scale, out, t, k, n, self._r, sx, self._sd,
+                   self._su, so)
+        return True
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               scale: torch.Tensor) -> torch.Tensor:
+        """``lora_decode_linear(x, weight, bias, down, up, scale)`` (its default
+        configuration) for ``x`` (T, K) of at most :data:`DECODE_MAX_T` rows.
+        """
+        out = self._bound_linear(x, weight, bias, scale)
+        if out is None:
+            out = lora_decode_linear(x, weight, bias, self.down, self.up, scale)
+        return out
+
+    def _bound_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      scale: torch.Tensor) -> torch.Tensor | None:
+        """:meth:`linear` by the bound launches; None where they do not apply (the kernels do
+        not take the operands, or autograd records).
+        """
+        if not self.usable:
+            return None
+        if (self._operands is None or not self._operands.fits(weight, bias)) \
+                and not self._take(weight, bias):
+            return None
+        k = self._k
+        t = x.shape[0]
+        if (x.dim() != 2 or t == 0 or t > DECODE_MAX_T or x.dtype != self._dtype
+                or x.shape[1] != k or x.stride(1) != 1 or x.stride(0) > _INT32_MAX
+                or x.get_device() != self._device or not self._scale_ok(scale)
+                or (torch.is_grad_enabled() and (
+                    x.requires_grad or weight.requires_grad or self.down.requires_grad
+                    or self.up.requires_grad or (bias is not None and bias.requires_grad)))):
+            return None
+        x_aligned = k % 16 == 0 and _rows_aligned(x, x.stride(0))
+        key = (max(16, next_power_of_2(t)), x_aligned)
+        bound = self._linears.get(key)
+        if bound is None:
+            plan = _linear_launch(t, k, self._n, self._r, self._config, self._interpret,
+                                  x_aligned, self._down_aligned, self._w_aligned,
+                                  bias is not None)
+            _, output, shrink = decode_kernels()
+            bound = self._linears[key] = (plan, shrink.bind((plan.parts,), **plan.shrink),
+                                          output.bind(plan.grid, **plan.output))
+        out = torch.empty(t, self._n, dtype=x.dtype, device=x.device)
+        _launch_linear(bound[0], x, weight, bias, self.down, self.up, scale, out, bound[1],
+                       bound[2])
+        return out
+
+    def _scale_ok(self, scale: torch.Tensor) -> bool:
+        return (scale.dtype == torch.float32 and scale.dim() == 1
+                and scale.shape[0] == self._r and scale.stride(0) == 1
+                and scale.get_device() == self._device)
+
+    def _take(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Bind the linear launches to ``weight`` and ``bias``; False where the kernels do not
+        take them.
+        """
+        self._operands, self._linears = None, {}
+        n, k = self._n, self._k
+        if not (weight.dtype == self._dtype and weight.shape == (n, k) and weight.stride(1) == 1
+                and weight.get_device() == self._device and weight.stride(0) <= _INT32_MAX
+                and (bias is None or (bias.dtype == self._dtype and bias.shape == (n,)
+                                      and bias.stride(0) == 1
+                                      and bias.get_device() == self._device))):
+            return False
+        self._operands = LayerOperands(weight, bias)
+        # the output is fresh and contiguous: its rows are aligned where N's are
+        self._w_aligned = n % 16 == 0 and _rows_aligned(weight, weight.stride(0))
+        self._config = _INTERPRET_LINEAR_CONFIG if self._interpret else _decode_config(
+            n, weight.device)
+        return True
+
+
+_ADD_BLOCK_N = 64  # lora_decode_add's default columns per program
+_INT32_MAX = 0x7FFFFFFF

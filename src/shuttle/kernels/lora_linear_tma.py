@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import functools
 import warnings
-import weakref
 
 import torch
 
 from shuttle.kernels.cute_dsl import CUTE_TILES, PINGPONG_TILES, best_tile
 from shuttle.kernels.launch import (
     CompiledLaunch,
+    LayerOperands,
     cdiv,
     interpreting,
     next_power_of_2,
@@ -196,12 +196,9 @@ class PreparedLoraLinear:
                  up: torch.Tensor, form: str = "fused") -> None:
         if form not in FUSED_FORMS:
             raise ValueError(f"form must be one of {FUSED_FORMS}, not {form!r}")
-        # The layer's weight and bias weakly (a replaced parameter is not kept alive here); the
-        # factors strongly (the caller's own tensors).
-        self._weight = weakref.ref(weight)
-        self._bias = weakref.ref(bias) if bias is not None else None
+        # The layer's weight and bias weakly; the factors strongly (the caller's own tensors).
+        self._operands = LayerOperands(weight, bias)
         self.down, self.up = down, up
-        self._layout = self._layout_of(weight, bias)
         n, k = weight.shape if weight.dim() == 2 else (0, 0)
         r = down.shape[0]
         self.usable = (
@@ -233,18 +230,9 @@ class PreparedLoraLinear:
         # S among the CuTe kernel's units (its tile picked counting them)
         self._one_kernel = any(gemm.shrink for gemm in self._cute.values())
 
-    @staticmethod
-    def _layout_of(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
-        # What a parameter can change without becoming another object (``param.data = ...``,
-        # as offloading does): its storage, dtype, shape and strides.
-        return (weight.data_ptr(), weight.dtype, weight.shape, weight.stride(),
-                bias.data_ptr() if bias is not None else 0)
-
     def fits(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether this was built for these weight and bias, still as they were laid out."""
-        return (weight is self._weight()
-                and bias is (self._bias() if self._bias is not None else None)
-                and self._layout == self._layout_of(weight, bias))
+        return self._operands.fits(weight, bias)
 
     def __call__(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
         """``x @ W.T + ((x @ down.T) * scale) @ up.T + bias`` for x (T, K) and a float32
@@ -252,8 +240,7 @@ class PreparedLoraLinear:
         where x does not take the Hopper path.
         """
         t = x.shape[0]
-        weight = self._weight()
-        bias = self._bias() if self._bias is not None else None
+        weight, bias = self._operands.get()
         if (t <= SMALL_T or weight is None or x.dtype != self._dtype or x.shape[1] != self._k
                 or x.get_device() != self._device or x.stride(1) != 1 or x.data_ptr() % 16
                 or x.stride(0) % 8 or scale.dtype != torch.float32 or scale.shape != (self._r,)
