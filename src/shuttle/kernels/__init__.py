@@ -2,6 +2,7 @@
 
 from shuttle.kernels.launch import interpreting, triton_available
 from shuttle.kernels.lora_decode import (
+    PreparedLoraDecode,
     lora_decode_add,
     lora_decode_add_reference,
     lora_decode_linear,
@@ -16,6 +17,7 @@ from shuttle.kernels.merge_scaled import ScaledMerge, merge_scaled, merge_scaled
 
 __all__ = [
     "FusedConfig",
+    "PreparedLoraDecode",
     "PreparedLoraLinear",
     "ScaledMerge",
     "ShrinkConfig",
