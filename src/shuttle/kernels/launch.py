@@ -1,5 +1,6 @@
-"""What the kernels' host sides share: whether Triton runs, how to bind shared tiles, grid
-arithmetic, scale constants on the device, and seeds.
+"""What the kernels' host sides share: whether Triton runs, grid arithmetic, scale constants on
+the device, seeds, launches from compiled binaries (bound once for a layer's fixed launches),
+and the weight and bias a prepared launch was built for.
 
 Host time matters here: a whole-model merge launches once per group of weights and a dynamic
 forward once or twice per layer, and every microsecond spent per launch in Python is a
