@@ -332,7 +332,7 @@ class PreparedLoraDecode:
         self._down_aligned = _rows_aligned(down, self._sd)
         self._up_aligned = r % 16 == 0 and _rows_aligned(up, self._su)
         self._add_grid = (cdiv(n, _ADD_BLOCK_N),)
-        self._adds: dict[tuple[int, bool, bool], BoundLaunch] = {}
+        self._adds: dict[tuple[int, bool], BoundLaunch] = {}  # by (BT, ALIGNED)
         # the weight and bias the linear launches are bound for, and those launches
         self._operands: LayerOperands | None = None
         self._linears: dict[tuple[int, bool], tuple[_LinearLaunch, BoundLaunch, BoundLaunch]] \
