@@ -238,19 +238,27 @@ class CompiledLaunch:
         arguments of ``args``' types: ``run(*args)``, once a direct launch of that binary on
         that grid was made; else None (the first launches, the interpreter, Triton's path).
         """
-        if not self.direct or interpreting():
+        found = self._direct(grid, args, constexprs)
+        if found is None:
             return None
-        device = torch.cuda.current_device()
-        found = self._binaries.get(_key(device, args, constexprs))
-        run = found[2].get(grid) if found is not None else None
-        if run is None:
-            return None
-        tail = found[1]
+        run, tail, device = found
 
         def launch(*args: Any) -> None:
             run(*args, *tail, stream=current_stream_handle(device))
 
         return launch
+
+    def _direct(self, grid: tuple[int, ...], args: tuple, constexprs: dict[str, Any]
+                ) -> tuple[Callable[..., None], tuple, int] | None:
+        """(the binary's launcher on ``grid``, the constexprs it takes after the arguments, the
+        current device) where :meth:`launcher` has one, else None.
+        """
+        if not self.direct or interpreting():
+            return None
+        device = torch.cuda.current_device()
+        found = self._binaries.get(_key(device, args, constexprs))
+        run = found[2].get(grid) if found is not None else None
+        return None if run is None else (run, found[1], device)
 
 
 class BoundLaunch:
@@ -266,21 +274,26 @@ class BoundLaunch:
     interpreter and on Triton's own path, a call goes through the :class:`CompiledLaunch`.
     """
 
-    __slots__ = ("_compiled", "_constexprs", "_grid", "_run")
+    __slots__ = ("_compiled", "_constexprs", "_device", "_grid", "_run", "_tail")
 
     def __init__(self, compiled: CompiledLaunch, grid: tuple[int, ...],
                  constexprs: dict[str, Any]) -> None:
         self._compiled, self._grid, self._constexprs = compiled, grid, constexprs
+        # the binary's launcher, the constexprs it takes after the arguments, its device
         self._run: Callable[..., None] | None = None
+        self._tail: tuple = ()
+        self._device = 0
 
     def __call__(self, *args: Any) -> None:
         """``kernel[grid](*args, **constexprs)``; ``args`` the runtime arguments in order."""
         run = self._run
         if run is not None:
-            run(*args)
+            run(*args, *self._tail, stream=current_stream_handle(self._device))
             return
         self._compiled(self._grid, *args, **self._constexprs)
-        self._run = self._compiled.launcher(self._grid, args, self._constexprs)
+        found = self._compiled._direct(self._grid, args, self._constexprs)
+        if found is not None:
+            self._run, self._tail, self._device = found
 
 
 def _key(device: int, args: tuple, constexprs: dict[str, Any]) -> tuple:

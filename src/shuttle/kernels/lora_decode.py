@@ -335,6 +335,9 @@ class PreparedLoraDecode:
         self._adds: dict[tuple[int, bool], BoundLaunch] = {}  # by (BT, ALIGNED)
         # the weight and bias the linear launches are bound for, and those launches
         self._operands: LayerOperands | None = None
+        # the weight's row alignment and the linear kernels' configuration (set by _take)
+        self._w_aligned = False
+        self._config: DecodeConfig | None = None
         self._linears: dict[tuple[int, bool], tuple[_LinearLaunch, BoundLaunch, BoundLaunch]] \
             = {}
 
