@@ -8,13 +8,16 @@ lossless tiers round differently).
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 from torch import nn
 
 import shuttle
 import shuttle.apply.dynamic_layer as dynamic_layer
-from shuttle.apply.tier import MODES, TierChooser, TierKey, row_bucket
+from shuttle.apply import tier
+from shuttle.apply.tier import MODES, TierChooser, TierKey, round_orders, row_bucket
 from shuttle.kernels import triton_available
 
 
@@ -58,11 +61,10 @@ def test_the_fastest_candidate_wins_per_mode_and_is_measured_once():
     cands = _named(lossless=_noop(), fused=_noop())
     assert chooser.choose(_key(), cands) == "fused"
     assert chooser.choose(_key(), cands, graphs=True) == "lossless"
-    assert sorted(calls) == [(name, mode) for name in ("fused", "lossless")
-                             for mode in sorted(MODES) for _ in range(2)]
-    # side by side in time: every candidate in one mode before any in the next, in two
-    # rounds of mirrored order
+    # side by side in time: every candidate in one mode before any in the next, in rounds of
+    # alternating order, at least _VISITS of them
     assert calls == [(name, mode) for mode in MODES
+                     for _ in range(tier._VISITS // 2)
                      for name in ("lossless", "fused", "fused", "lossless")]
     assert chooser.known(_key(), graphs=False) == "fused"
     assert chooser.known(_key(256), graphs=False) is None  # another row bucket
@@ -121,7 +123,48 @@ def test_lossless_runs_before_anything_is_timed():
     chooser.choose(_key(), cands)
     chooser.choose(_key(), cands)
     assert events[0] == ("lossless", "warm") and events.count(("lossless", "warm")) == 1
-    assert len(events) == 1 + 2 * 2 * len(MODES)
+    assert len(events) == 1 + 2 * tier._VISITS * len(MODES)
+
+
+@pytest.mark.parametrize("n", range(1, 9))
+def test_round_orders_balance_places_and_predecessors(n):
+    """Every candidate in every place equally often (a steady drift adds the same to each
+    mean) and after every other equally often within the rounds (each one's after-effect on
+    the clocks falls on all alike), never right after itself from three candidates on."""
+    orders = round_orders(n)
+    assert len(orders) == (n if n % 2 == 0 else 2 * n)
+    assert all(sorted(order) == list(range(n)) for order in orders)
+    for place in range(n):
+        assert sorted(order[place] for order in orders) == sorted(
+            list(range(n)) * (len(orders) // n))
+    follows = collections.Counter((o[i], o[i + 1]) for o in orders for i in range(n - 1))
+    assert set(follows) == {(a, b) for a in range(n) for b in range(n) if a != b}
+    assert len(set(follows.values())) <= 1
+    sequence = [i for order in orders for i in order]
+    assert n <= 2 or all(a != b for a, b in zip(sequence, sequence[1:], strict=False))
+
+
+def test_a_candidate_slowing_the_next_slows_every_other_alike():
+    """A candidate after which the device runs slower (its power draw holds the clocks down)
+    must not make one other candidate, measured after it each time, look slow: each of the
+    others follows it within a round equally often (a round's first visit follows the last
+    round's end: at most one visit more)."""
+    names = ["lossless", "fused", "fused_cute", "fused_cute_pingpong", "fused_cute_shrink"]
+    previous = []
+
+    def measure(fn, mode):
+        slowed = bool(previous) and previous[-1] == "fused_cute_pingpong"
+        previous.append(fn.name)
+        return {"lossless": 1.0}.get(fn.name, 0.9) * (1.5 if slowed else 1.0)
+
+    chooser = TierChooser(measure)
+    assert chooser.choose(_key(), _named(**{name: _noop() for name in names})) != "lossless"
+    visits = len(previous) // len(MODES) // len(names)
+    for mode in MODES:
+        times = getattr(chooser.choices[_key()], mode)
+        others = [times[name] for name in names[1:] if name != "fused_cute_pingpong"]
+        assert max(others) - min(others) <= 0.9 * 0.5 / visits + 1e-9, mode
+        assert times["lossless"] > max(others), mode
 
 
 def _timed(**changed):
@@ -235,7 +278,7 @@ def test_auto_runs_the_measured_fastest_and_layers_of_one_shape_share_it(monkeyp
             other = m(x)
     assert torch.equal(got, want) and not torch.equal(got, other)
     # one key for both layers: two candidates, each measured in every mode, once
-    assert len(chooser.choices) == 1 and len(calls) == 2 * 2 * len(MODES)
+    assert len(chooser.choices) == 1 and len(calls) == 2 * tier._VISITS * len(MODES)
 
 
 @pytest.mark.skipif(not triton_available(), reason="the fused tier needs triton")
@@ -276,10 +319,10 @@ def test_a_layer_keeps_its_pick_until_the_chooser_forgets(monkeypatch):
         m(x)
         m(x[:90])  # 90 rows: the same power-of-two bucket as 100
         chooser.known = known
-        assert len(calls) == 2 * 2 * len(MODES)  # two candidates, two rounds in every mode
+        assert len(calls) == 2 * tier._VISITS * len(MODES)  # two candidates, every round of every mode
         chooser.clear()
         m(x[:90])  # the last call's shape: the layer's memo of that call is forgotten too
-        assert len(calls) == 2 * 2 * 2 * len(MODES)  # measured again
+        assert len(calls) == 2 * 2 * tier._VISITS * len(MODES)  # measured again
 
 
 @pytest.mark.skipif(not triton_available(), reason="the fused tier needs triton")

@@ -28,10 +28,14 @@ input:
              issue until the last kernel's end, as a layer run on its own, or after a sync,
              takes it)
 
-each mode measuring every candidate before the next mode begins, in two rounds of opposite
-order (A B C, then C B A) whose mean is kept: the device's clocks drift over a measurement (a
-long GEMM heats it, power limits step in), a candidate always measured last would carry the
-drift alone, and over the mirrored rounds a steady drift adds the same to every candidate. The
+each mode measuring every candidate before the next mode begins, in rounds whose orders form a
+Williams design (:func:`round_orders`), the mean over the rounds kept. The device's clocks move
+while it is measured: they drift (a long GEMM heats it), and after a kernel that draws more
+power the power limit holds them lower for a while, so whatever is measured next runs slower.
+In the design every candidate is measured in every place of a round equally often, so a steady
+drift adds the same to each candidate's mean, and within a round after every other candidate
+equally often (never twice in a row, from three candidates on), so each one's after-effect
+falls on all of them alike. The
 drift is steepest first (an idle device boosts its first milliseconds): lossless runs for
 :data:`WARM_SECONDS` before anything is timed. The
 forward asks for the eager choice, or for the graphs choice while a CUDA graph is being
@@ -60,7 +64,7 @@ import torch
 from shuttle.kernels.lora_linear_tma import FUSED_FORMS
 
 __all__ = ["GRAPHS_MARGIN", "MARGIN", "MODES", "TIERS", "WARM_SECONDS", "TierChoice",
-           "TierChooser", "TierKey", "row_bucket", "warm_device"]
+           "TierChooser", "TierKey", "round_orders", "row_bucket", "warm_device"]
 
 # The implementations a Linear update can run by, in the order ties are broken.
 IMPLEMENTATIONS: tuple[str, ...] = ("lossless", *FUSED_FORMS)
@@ -77,7 +81,8 @@ _WARMUP = 3
 # first milliseconds of work at boost clocks, which would favour whatever is measured first.
 WARM_SECONDS = 0.05
 _BURST = 10
-_REPEATS = 3  # bursts per measure() call; a candidate gets two such calls per mode
+_REPEATS = 1  # bursts per measure() call: one per round
+_VISITS = 6  # rounds per mode at least (round_orders' design repeated until there are)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +128,29 @@ class TierChoice:
         if times[fastest] > times["lossless"] * (1 - (GRAPHS_MARGIN if graphs else MARGIN)):
             return "lossless"
         return fastest
+
+
+def round_orders(n: int) -> list[list[int]]:
+    """The orders in which ``n`` candidates are measured, one list of their indices per round:
+    a Williams design, ``n`` rounds for an even ``n`` and ``2n`` for an odd one (the second half
+    the first reversed), chained so that no round begins with the candidate the round before
+    it ended with (impossible for one or two candidates).
+
+    Over the rounds every index takes every place equally often, and within the rounds follows
+    every other index equally often.
+    """
+    first = [0]  # 0, 1, n-1, 2, n-2, ...: the differences of neighbours are all distinct mod n
+    for i in range(1, n):
+        first.append((i + 1) // 2 if i % 2 else n - i // 2)
+    rows = [[(v + r) % n for v in first] for r in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    chain = [rows.pop(0)]
+    while rows:
+        after = next((row for row in rows if row[0] != chain[-1][-1]), rows[0])
+        rows.remove(after)
+        chain.append(after)
+    return chain
 
 
 def row_bucket(rows: int) -> int:
@@ -292,15 +320,21 @@ class TierChooser:
         """
         choice = self.choices.get(key)
         if choice is None:
-            # Mode by mode, in two rounds of mirrored order (see the module docs): a steady
-            # drift of the device's clocks adds the same to each candidate's mean.
+            # Mode by mode, in the rounds of round_orders (see the module docs): a steady
+            # drift of the device's clocks adds the same to each candidate's mean, and each
+            # candidate's after-effect on the clocks falls on every other alike.
             samples: dict[str, dict[str, list[float]]] = {mode: {} for mode in MODES}
             live = dict(candidates)
+            names = list(live)
+            orders = round_orders(len(names))
+            orders *= -(-_VISITS // len(orders))
             if self.warm is not None:
                 self.warm(live["lossless"])
             for mode in MODES:
-                for mirrored in (False, True):
-                    for name in list(live)[::-1] if mirrored else list(live):
+                for order in orders:
+                    for name in (names[i] for i in order):
+                        if name not in live:
+                            continue
                         try:
                             t = self.measure(live[name], mode)
                         except Exception:
