@@ -319,7 +319,7 @@ def test_a_layer_keeps_its_pick_until_the_chooser_forgets(monkeypatch):
         m(x)
         m(x[:90])  # 90 rows: the same power-of-two bucket as 100
         chooser.known = known
-        assert len(calls) == 2 * tier._VISITS * len(MODES)  # two candidates, every round of every mode
+        assert len(calls) == 2 * tier._VISITS * len(MODES)  # two candidates, every round
         chooser.clear()
         m(x[:90])  # the last call's shape: the layer's memo of that call is forgotten too
         assert len(calls) == 2 * 2 * tier._VISITS * len(MODES)  # measured again
