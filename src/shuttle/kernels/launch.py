@@ -232,26 +232,13 @@ class CompiledLaunch:
         """
         return BoundLaunch(self, grid, constexprs)
 
-    def launcher(self, grid: tuple[int, ...], args: tuple,
-                 constexprs: dict[str, Any]) -> Callable[..., None] | None:
-        """A direct launch of ``kernel[grid](*args, **constexprs)`` on the current device, for
-        arguments of ``args``' types: ``run(*args)``, once a direct launch of that binary on
-        that grid was made; else None (the first launches, the interpreter, Triton's path).
-        """
-        found = self._direct(grid, args, constexprs)
-        if found is None:
-            return None
-        run, tail, device = found
-
-        def launch(*args: Any) -> None:
-            run(*args, *tail, stream=current_stream_handle(device))
-
-        return launch
-
-    def _direct(self, grid: tuple[int, ...], args: tuple, constexprs: dict[str, Any]
-                ) -> tuple[Callable[..., None], tuple, int] | None:
-        """(the binary's launcher on ``grid``, the constexprs it takes after the arguments, the
-        current device) where :meth:`launcher` has one, else None.
+    def launcher(self, grid: tuple[int, ...], args: tuple, constexprs: dict[str, Any]
+                 ) -> tuple[Callable[..., None], tuple, int] | None:
+        """How to launch ``kernel[grid](*args, **constexprs)`` directly on the current device,
+        for arguments of ``args``' types: ``(run, tail, device)``, called as
+        ``run(*args, *tail, stream=current_stream_handle(device))``, once a direct launch of
+        that binary on that grid was made; else None (the first launches, the interpreter,
+        Triton's path).
         """
         if not self.direct or interpreting():
             return None
@@ -291,7 +278,7 @@ class BoundLaunch:
             run(*args, *self._tail, stream=current_stream_handle(self._device))
             return
         self._compiled(self._grid, *args, **self._constexprs)
-        found = self._compiled._direct(self._grid, args, self._constexprs)
+        found = self._compiled.launcher(self._grid, args, self._constexprs)
         if found is not None:
             self._run, self._tail, self._device = found
 
