@@ -290,20 +290,15 @@ class LoRAHook(ModuleHook):
         if self.quality == "fused":
             return ("lossless" if not self._fused_ok(module, x)
                     else self.cute_form if self._cute_ok(module, x) else "fused"), None
-        if torch.compiler.is_compiling():
+        if (overrides or torch.compiler.is_compiling()
+                or (torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad
+                                                 or getattr(module.bias, "requires_grad", False)))):
             return "lossless", None
         graphs = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        # The last call's pick when this one has its shape (a loop calls each layer with one
-        # shape: one comparison, not the bucket's lookup). Lossless takes any call: nothing
-        # more is checked before the base GEMM's launch, where an eager call's host time shows.
+        # The last call's pick when this one has its shape: a loop calls each layer with one
+        # shape, and one comparison costs less host time than the bucket's lookup.
         call = (TIERS.generation, x.shape, graphs, x.dtype)
         last, pick = self._last
-        if pick == "lossless" and call == last:
-            return pick, graphs
-        if overrides or (torch.is_grad_enabled() and (
-                x.requires_grad or module.weight.requires_grad
-                or getattr(module.bias, "requires_grad", False))):
-            return "lossless", graphs
         if call != last:
             pick = self._pick(module, x, overrides, inner, args, kwargs, graphs, call)
         return pick, graphs
@@ -311,7 +306,9 @@ class LoRAHook(ModuleHook):
     def _pick(self, module: torch.nn.Module, x: torch.Tensor,
               overrides: dict[str, torch.Tensor], inner: Callable[..., Any], args: tuple,
               kwargs: dict, graphs: bool, call: tuple) -> str:
-        """The "auto" pick for ``x``'s row bucket (kept, else measured), kept for ``call`` too."""
+        """The "auto" pick for ``x``'s row bucket: kept per bucket, else measured; a pick
+        kept is also remembered for ``call`` (the next call of the same shape).
+        """
         at = (row_bucket(x.numel() // x.shape[-1]), graphs, x.dtype)
         if self._picks[0] == TIERS.generation:
             pick = self._picks[1].get(at)
@@ -348,7 +345,9 @@ class LoRAHook(ModuleHook):
         return pick
 
     def _cute_ok(self, module: torch.nn.Module, x: torch.Tensor) -> bool:
-        """Whether CuTe takes this call: the extra on sm_90, rows past decode's, x's dtype."""
+        """Whether the CuTe kernel can take this call (the extra on an sm_90 device, more rows
+        than the decode kernels take, the factors in the layer's dtype).
+        """
         return (self.allow_cute and x.is_cuda and x.numel() > DECODE_MAX_T * x.shape[-1]
                 and x.dtype == self.down.dtype == self.up.dtype
                 and cute_available(x.get_device()))
@@ -459,8 +458,8 @@ class LoRAHook(ModuleHook):
 
     def check_swap(self, module: torch.nn.Module, adapter: int, rows: tuple[int, int] | None,
                    patch: LowRank) -> None:
-        """Raise unless ``patch`` can replace ``adapter``'s slot on ``rows`` of the hook's
-        ``module`` (nothing changes).
+        """Raise unless ``patch`` can replace ``adapter``'s slot on ``rows`` of ``module`` (the
+        hook's module; nothing changes).
 
         Raises:
             UnsupportedLayerError: a patch this layer would run otherwise (a Tucker core on a
