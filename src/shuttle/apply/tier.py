@@ -83,7 +83,7 @@ _WARMUP = 1
 # first milliseconds of work at boost clocks, which would favour whatever is measured first.
 WARM_SECONDS = 0.05
 _BURST = 10
-_REPEATS = 1  # bursts per measure() call: one per round
+_REPEATS = 1  # bursts per measure() call: one per round (the rounds give the repeats)
 _VISITS = 6  # rounds per mode at least (round_orders' design repeated until there are)
 
 
@@ -164,11 +164,12 @@ Measure = Callable[[Callable[[], object], str], float]
 
 
 def measure_call(fn: Callable[[], object], mode: str) -> float:
-    """Seconds per call of ``fn`` in ``mode`` (one of :data:`MODES`): the median of several
-    bursts of back-to-back calls, timed by CUDA events on a CUDA device (eagerly or replayed
-    from a captured graph), by the clock around the burst's issue for ``"host"``, and by the
-    clock off CUDA (where there are no graphs: inf); for ``"idle"`` the median of single calls
-    each issued to a drained device.
+    """Seconds per call of ``fn`` in ``mode`` (one of :data:`MODES`): the median of
+    ``_REPEATS`` bursts of back-to-back calls (one: the chooser's rounds repeat each
+    measurement and it keeps their mean), timed by CUDA events on a CUDA device (eagerly or
+    replayed from a captured graph), by the clock around the burst's issue for ``"host"``, and
+    by the clock off CUDA (where there are no graphs: inf); for ``"idle"`` the median of
+    ``2 * _REPEATS`` single calls each issued to a drained device.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
@@ -222,7 +223,8 @@ def measure_call(fn: Callable[[], object], mode: str) -> float:
 
 def _host_seconds(fn: Callable[[], object]) -> float:
     """The host's seconds per call of ``fn``: the clock around a burst's issue, the device
-    drained before each burst (a launch never waits for a full queue), the median of several.
+    drained before each burst (a launch never waits for a full queue), the median of
+    ``_REPEATS`` bursts.
     """
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     samples = []
@@ -240,7 +242,7 @@ def _host_seconds(fn: Callable[[], object]) -> float:
 
 def _idle_seconds(fn: Callable[[], object]) -> float:
     """Seconds of one call of ``fn`` issued to a drained device, from before its issue to its
-    last kernel's end (CUDA events; the clock off CUDA), the median of several calls.
+    last kernel's end (CUDA events; the clock off CUDA), the median of ``2 * _REPEATS`` calls.
     """
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     samples = []
