@@ -24,7 +24,16 @@ from shuttle.apply.scale import (
 )
 from shuttle.apply.strength import Strengths
 
-__all__ = ["ScaleVector"]
+__all__ = ["ScaleVector", "capture_state"]
+
+
+def capture_state(device: torch.device) -> bool | None:
+    """Whether a CUDA graph is being captured on ``device``'s current stream (False off CUDA);
+    None while torch.compile traces (nothing is asked of CUDA then).
+    """
+    if torch.compiler.is_compiling():
+        return None
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 class ScaleVector:
@@ -71,9 +80,9 @@ class ScaleVector:
         caller asked already (it is then not compiling); None: asked here.
         """
         if capturing is None:
-            if torch.compiler.is_compiling():  # traced once: reads the shared tensors
+            capturing = capture_state(device)
+            if capturing is None:  # compiling: traced once, reads the shared tensors
                 return self._product(device, request_scale(device))
-            capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if capturing:
             # Replayed without Python: the graph reads this layer's own vector, which every
             # later change of its attachment's strengths or of the shared scale rewrites in

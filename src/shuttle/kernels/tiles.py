@@ -17,8 +17,9 @@ from shuttle.kernels.launch import interpreting
 # this module is imported, as Triton fixes interpretation when it decorates a kernel.
 _RNE_BY_HAND: tl.constexpr = tl.constexpr(interpreting())
 
-__all__ = ["bind_tiles", "dot_over_k", "hash_uniform", "lowrank_tile", "pick", "round_bf16",
-           "shrink_step", "store_rne", "tile_of"]
+__all__ = ["bind_tiles", "dot_over_k", "gather_partials", "hash_uniform", "lowrank_tile", "pick",
+           "publish_partial", "release_tickets", "round_bf16", "shrink_step", "store_rne",
+           "take_ticket", "tile_of"]
 
 
 def bind_tiles(namespace: dict, *names: str) -> None:
@@ -181,3 +182,67 @@ def shrink_step(h, x_ptr, d_ptr, rt, rr, kk, T, R, K, stride_xt, stride_dr,
     if IEEE:  # the interpreter, whose bf16 dot is wrong
         return tl.dot(x.to(tl.float32), d.to(tl.float32), h, input_precision="ieee")
     return tl.dot(x, d, h)
+
+
+# Split-K partials of a small shrink shared by one launch's programs. Program roles go by the
+# order in which programs start (a ticket from sem[0]), not by program id: the first H_PARTS
+# tickets compute one partial each and publish it (sem[1] counts them); the rest do their own
+# work, then wait for all partials. A ticket is only ever held by a running program, so every
+# wait ends whatever the hardware's scheduling order. The last program to finish (sem[2])
+# resets the three counters for the next launch on the stream (launches on one stream do not
+# overlap). The semaphores: shuttle.kernels.semaphore.
+@triton.jit
+def take_ticket(sem_ptr):
+    """This program's place in its launch's order of arrival."""
+    return tl.atomic_add(sem_ptr, 1, sem="relaxed")
+
+
+@triton.jit
+def publish_partial(part, x_ptr, d_ptr, ws_ptr, sem_ptr, T, K, R, K_PER, stride_xt, stride_dr,
+                    BT: tl.constexpr, BR: tl.constexpr, SK: tl.constexpr, IEEE: tl.constexpr,
+                    ALIGNED: tl.constexpr):
+    """Store the float32 partial ``x[:, Kp] @ down[:, Kp].T`` over K range ``part`` (K_PER
+    elements, whole SK steps) at ``ws[part]`` as a whole (BT, BR) tile, then publish it.
+    """
+    rt = tl.arange(0, BT)
+    rr = tl.arange(0, BR)
+    rk = tl.arange(0, SK)
+    k0 = part * K_PER
+    h = tl.zeros((BT, BR), dtype=tl.float32)
+    for k in range(k0, tl.minimum(k0 + K_PER, K), SK):
+        h = shrink_step(h, x_ptr, d_ptr, rt, rr, k + rk, T, R, K, stride_xt, stride_dr, IEEE,
+                        ALIGNED)
+    # a fresh float32 workspace of whole tiles: rows start on 64 bytes
+    tl.store(tl.multiple_of(ws_ptr + part * BT * BR + rt[:, None] * BR + rr[None, :],
+                            [16, 16]), h)
+    tl.atomic_add(sem_ptr + 1, 1, sem="release")  # the store is visible before the count
+
+
+@triton.jit
+def gather_partials(ws_ptr, sem_ptr, BT: tl.constexpr, BR: tl.constexpr,
+                    H_PARTS: tl.constexpr):
+    """(BT, BR) float32: the sum of the H_PARTS published partials, in part order (the same
+    bits in every program and every run), once all are published.
+    """
+    done = tl.atomic_add(sem_ptr + 1, 0, sem="acquire")
+    while done < H_PARTS:
+        done = tl.atomic_add(sem_ptr + 1, 0, sem="acquire")
+    rt = tl.arange(0, BT)
+    rr = tl.arange(0, BR)
+    ws_ptrs = tl.multiple_of(ws_ptr + rt[:, None] * BR + rr[None, :], [16, 16])
+    h = tl.load(ws_ptrs, cache_modifier=".cg")  # from L2: written by other programs
+    for p in range(1, H_PARTS):
+        h += tl.load(ws_ptrs + p * BT * BR, cache_modifier=".cg")
+    return h
+
+
+@triton.jit
+def release_tickets(sem_ptr, n_waiting):
+    """Called once by each of the ``n_waiting`` programs that gathered the partials, last:
+    the last of them resets the counters (every ticket is taken and every partial read).
+    """
+    finished = tl.atomic_add(sem_ptr + 2, 1, sem="acq_rel")
+    if finished == n_waiting - 1:
+        tl.atomic_xchg(sem_ptr, 0)
+        tl.atomic_xchg(sem_ptr + 1, 0)
+        tl.atomic_xchg(sem_ptr + 2, 0)
