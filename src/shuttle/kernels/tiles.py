@@ -215,7 +215,10 @@ def publish_partial(part, x_ptr, d_ptr, ws_ptr, sem_ptr, T, K, R, K_PER, stride_
     # a fresh float32 workspace of whole tiles: rows start on 64 bytes
     tl.store(tl.multiple_of(ws_ptr + part * BT * BR + rt[:, None] * BR + rr[None, :],
                             [16, 16]), h)
-    tl.atomic_add(sem_ptr + 1, 1, sem="release")  # the store is visible before the count
+    # Every thread's stores, then the count (a scalar atomic is one thread's: the barrier puts
+    # the others' stores before its release).
+    tl.debug_barrier()
+    tl.atomic_add(sem_ptr + 1, 1, sem="release")
 
 
 @triton.jit
@@ -227,6 +230,7 @@ def gather_partials(ws_ptr, sem_ptr, BT: tl.constexpr, BR: tl.constexpr,
     done = tl.atomic_add(sem_ptr + 1, 0, sem="acquire")
     while done < H_PARTS:
         done = tl.atomic_add(sem_ptr + 1, 0, sem="acquire")
+    tl.debug_barrier()  # every thread's loads after the acquire
     rt = tl.arange(0, BT)
     rr = tl.arange(0, BR)
     ws_ptrs = tl.multiple_of(ws_ptr + rt[:, None] * BR + rr[None, :], [16, 16])
