@@ -22,7 +22,7 @@ up_i: (N, r_i), s_i = strength_i * alpha_i / r_i * request scale):
     fused     S = (x @ down.T) * s in float32 (one kernel), then one kernel whose float32
               accumulator runs over x @ W.T and S @ up.T, adds the bias and writes out once
               (the CuTe-DSL Hopper GEMM where it runs, which can compute S itself, else
-              Triton's). At most 64 tokens: lora_decode_linear, one launch.
+              Triton's). At most 64 tokens: a split-K shrink, then lora_decode_linear.
     auto      each call by lossless or a fused form, whichever measured fastest for the
               layer's shape and device (:mod:`shuttle.apply.tier`).
 
@@ -416,12 +416,11 @@ class LoRAHook(ModuleHook):
         x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         # x with strided features (a transposed residual stream) copied once here, not per kernel
         x2d = x2d if x2d.stride(-1) == 1 else x2d.contiguous()
-        capturing = capture_state(x.device) if capturing is None else capturing  # asked once
         scale = self.scales(x.device, capturing)
         if x2d.shape[0] <= DECODE_MAX_T and x.dtype == self.down.dtype == self.up.dtype:
-            # A few tokens (decode): one launch for the base, the update and the bias, bound
-            # by reading W (shuttle.kernels.lora_decode).
-            out = self._decode.linear(x2d, w, b, scale, capturing)
+            # A few tokens (decode): a split-K shrink, then one kernel for the base, the update
+            # and the bias, bound by reading W (shuttle.kernels.lora_decode).
+            out = self._decode.linear(x2d, w, b, scale)
         else:
             out = None
             if w is weight and b is bias:  # no per-call residual overrides

@@ -1,23 +1,25 @@
-"""LoRA at a few tokens (decode): the update in one launch, or the whole layer in one.
+"""LoRA at a few tokens (decode): the update in one launch, or the whole layer in two.
 
 For T <= 64 rows the update ``((x @ A.T) * scale) @ B.T`` is tiny work spread over three or
 more launches (shrink GEMM, scale, expand GEMM with the add), each a few microseconds of fixed
-cost, which is why a dynamic adapter can double a decode step. Both kernels here are one launch
-whose first programs compute split-K partials of ``h = x @ A.T`` in float32 (a few small
-programs, one per K range of 256) while the others start on their own work; those then sum the
-partials in a fixed order (deterministic) and finish. (Each output program recomputing the
-whole of ``h`` itself was the earlier form: K / 128 dependent steps of L2 reads in every
-program; a separate shrink launch costs a launch's host time and its latency.) Programs take
-their roles in the order they start, so no wait depends on the hardware's scheduling order
-(``shuttle.kernels.tiles``); their counters: :mod:`shuttle.kernels.semaphore`.
+cost, which is why a dynamic adapter can double a decode step. :func:`lora_decode_add` does it
+in one launch: its first programs compute split-K partials of the (T, R) intermediate
+``h = x @ A.T`` in float32 (one per K range of 256) while the others load their BN columns of
+the output and of the up factor; those then sum the partials in a fixed order (deterministic),
+scale ``h`` in float32, multiply it by their columns of the up factor in float32 (``h`` is never
+rounded), add the base output tile and round once. Programs take those roles in the order they
+start, so no wait depends on the hardware's scheduling (``shuttle.kernels.tiles``; the counters
+and workspace: :mod:`shuttle.kernels.semaphore`). (Every program recomputing the whole of
+``h`` itself, the earlier form, chained K / 128 dependent steps of L2 reads in each program.)
 
-:func:`lora_decode_add` adds the update to a base output: each output program scales ``h`` in
-float32, multiplies it by its columns of the up factor in float32 (``h`` is never rounded), adds
-the base output tile and rounds once. :func:`lora_decode_linear` is the fused tier's decode
-form: the whole layer ``x @ W.T + ((x @ A.T) * scale) @ B.T + bias``; each output program
-streams its BN rows of W once (at decode the layer is bound by reading W), adds
-``(h * scale) @ B[rn].T`` (float32) and the bias, and rounds once. No base output is written
-and read back.
+:func:`lora_decode_linear` is the fused tier's decode form: the whole layer
+``x @ W.T + ((x @ A.T) * scale) @ B.T + bias``. A split-K shrink writes float32 partials of
+``h = x @ A.T`` (a few small programs, one per K range); then each output program streams its BN
+rows of W once (at decode the layer is bound by reading W), sums the partials in a fixed order,
+adds ``(h * scale) @ B[rn].T`` (float32, ``h`` never rounded) and the bias, and rounds once. No
+base output is written and read back. (A one-launch form, every output program accumulating
+the whole of ``h`` beside its base product, is slower: its extra per-step loads of A cost more
+than the second launch.)
 
 :class:`PreparedLoraDecode` launches both for one layer whose factors (and weight) stay put,
 checked once. :func:`lora_decode_add_reference` and :func:`lora_decode_linear_reference` are
@@ -44,7 +46,7 @@ from shuttle.kernels.launch import (
     triton_available,
 )
 from shuttle.kernels.lora_decode_device import decode_kernels
-from shuttle.kernels.semaphore import launch_semaphore
+from shuttle.kernels.semaphore import launch_scratch
 
 __all__ = [
     "DECODE_LINEAR_CONFIG",
@@ -86,10 +88,6 @@ def lora_decode_add(out: torch.Tensor, x: torch.Tensor, down: torch.Tensor, up: 
                     scale: torch.Tensor, block_n: int = 64) -> torch.Tensor:
     """In place: ``out += ((x @ down.T) * scale) @ up.T``, float32 throughout, one rounding.
 
-    One launch: a few programs compute split-K partials of ``h = x @ down.T``; each of the
-    others loads its BN columns of ``out`` and ``up`` meanwhile, then sums the partials in a
-    fixed order (deterministic), scales ``h`` and adds ``h @ up[cols].T``.
-
     Args:
         out: (T, N) the base output, T <= :data:`DECODE_MAX_T`, bf16/fp16, unit column stride.
         x: (T, K) activations of ``out``'s dtype.
@@ -122,22 +120,24 @@ def lora_decode_add(out: torch.Tensor, x: torch.Tensor, down: torch.Tensor, up: 
               and up.stride(1) == 1 and t > 0 and 0 < r <= _MAX_R)
     if not usable:
         return lora_decode_add_reference(out, x, down, up, scale)
-    sx, sd, su = x.stride(0), down.stride(0), up.stride(0)
+    sx, sd, su, so = x.stride(0), down.stride(0), up.stride(0), out.stride(0)
     aligned = (k % 16 == 0 and n % 16 == 0 and _rows_aligned(x, sx) and _rows_aligned(down, sd)
-               and _rows_aligned(out, out.stride(0)))
+               and _rows_aligned(out, so))
     plan = _add_launch(t, k, n, r, block_n, interpret, aligned,
                        r % 16 == 0 and _rows_aligned(up, su))
-    _launch_add(plan, functools.partial(decode_kernels()[0], plan.grid, **plan.constexprs),
-                x, down, up, _float32(scale), out, x.device, None)
+    sem, ws = launch_scratch(x.device, plan.floats)
+    with on_device_of(x):
+        decode_kernels()[0](plan.grid, x, down, up, _float32(scale), ws, sem, out, t, k, n, r,
+                            plan.per, plan.n_out, sx, sd, su, so, **plan.constexprs)
     return out
 
 
-class _Launch(NamedTuple):
-    """One launch of a decode kernel for one (T, K, N, R) and layout."""
+class _AddLaunch(NamedTuple):
+    """The launch of :func:`lora_decode_add` for one (T, K, N, R) and layout."""
 
-    parts: int  # split-K partials of h (the first programs)
-    per: int  # K elements per partial
+    per: int  # K elements per partial of h
     n_out: int  # output programs (after the partials' programs)
+    floats: int  # the partials' workspace
     grid: tuple[int]
     constexprs: dict[str, Any]
 
@@ -151,37 +151,15 @@ def _split(k: int, step: int, shrink_k: int) -> tuple[int, int]:
 
 
 def _add_launch(t: int, k: int, n: int, r: int, block_n: int, interpret: bool, aligned: bool,
-                up_aligned: bool) -> _Launch:
+                up_aligned: bool) -> _AddLaunch:
     """How :func:`lora_decode_add` launches for these sizes and alignment flags."""
-    step = 16 if interpret else 128
-    parts, per = _split(k, step, _INTERPRET_LINEAR_CONFIG.shrink_k if interpret
-                        else DECODE_LINEAR_CONFIG.shrink_k)
+    cfg = _INTERPRET_LINEAR_CONFIG if interpret else DECODE_LINEAR_CONFIG
+    bt, br = max(16, next_power_of_2(t)), max(16, next_power_of_2(r))
+    parts, per = _split(k, cfg.block_k, cfg.shrink_k)
     n_out = cdiv(n, block_n)
-    return _Launch(parts, per, n_out, (parts + n_out,), {
-        "BT": max(16, next_power_of_2(t)), "BR": max(16, next_power_of_2(r)), "BN": block_n,
-        "SK": step, "H_PARTS": parts, "IEEE": interpret, "ALIGNED": aligned,
-        "UP_ALIGNED": up_aligned, "num_warps": 4})
-
-
-def _workspace(plan: _Launch, device: torch.device) -> torch.Tensor:
-    """A fresh float32 buffer of the plan's partials, whole (BT, BR) tiles."""
-    c = plan.constexprs
-    return torch.empty(plan.parts * c["BT"] * c["BR"], dtype=torch.float32, device=device)
-
-
-def _launch_add(plan: _Launch, launch: Callable[..., None], x: torch.Tensor,
-                down: torch.Tensor, up: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
-                device: torch.device, capturing: bool | None) -> None:
-    """``lora_decode_add(out, x, ...)`` by ``plan``: ``launch(*args)`` bound to its grid and
-    constexprs (``capturing``: as :func:`~shuttle.kernels.semaphore.launch_semaphore` takes).
-    """
-    t, k = x.shape
-    n, r = up.shape
-    ws = _workspace(plan, device)
-    sem = launch_semaphore(device, capturing)
-    with on_device_of(x):
-        launch(x, down, up, scale, ws, sem, out, t, k, n, r, plan.per, plan.n_out, x.stride(0),
-               down.stride(0), up.stride(0), out.stride(0))
+    return _AddLaunch(per, n_out, parts * bt * br, (parts + n_out,), {
+        "BT": bt, "BR": br, "BN": block_n, "SK": cfg.block_k, "H_PARTS": parts,
+        "IEEE": interpret, "ALIGNED": aligned, "UP_ALIGNED": up_aligned, "num_warps": 4})
 
 
 def _float32(scale: torch.Tensor) -> torch.Tensor:
@@ -212,13 +190,14 @@ class DecodeConfig(NamedTuple):
     block_k: int  # base reduction step
     num_warps: int
     num_stages: int
-    shrink_k: int  # K elements per partial of h (> 0)
+    shrink_k: int  # K elements per partial-shrink program (> 0)
 
 
 # At decode the layer is bound by reading W once: column tiles narrow enough for every SM to
 # stream its share, block_n 64 where that still gives 1.5 programs per SM, else 32 (the choice
 # of tile, steps and warps: docs/benchmarks/fused_breakdown_decode.md). h comes from partials of
-# 256 K elements each, computed by the launch's first programs while the others stream W.
+# 256 K elements each, written by a separate split-K shrink: accumulating h in the main kernel
+# is slower (see the module docstring).
 # Under the interpreter: small steps, so test shapes span several of them.
 DECODE_LINEAR_CONFIG = DecodeConfig(32, 128, 4, 3, 256)
 _INTERPRET_LINEAR_CONFIG = DecodeConfig(16, 16, 1, 1, 32)
@@ -232,20 +211,33 @@ def _decode_config(n: int, device: torch.device) -> DecodeConfig:
     return cfg
 
 
+class _LinearLaunch(NamedTuple):
+    """The two launches of :func:`lora_decode_linear` for one (T, K, N, R) and layout."""
+
+    parts: int  # partial intermediates (the shrink's programs)
+    per: int  # K elements per partial
+    grid: tuple[int]  # the output kernel's
+    shrink: dict[str, Any]  # the partial shrink's constexprs
+    output: dict[str, Any]  # the output kernel's
+
+
 def _linear_launch(t: int, k: int, n: int, r: int, cfg: DecodeConfig, interpret: bool,
-                   aligned: bool, has_bias: bool) -> _Launch:
-    """How :func:`lora_decode_linear` launches for these sizes, ``cfg`` and alignment flag
-    (x's, the down factor's, the weight's and the output's rows start on 16 bytes; K and N are
-    multiples of 16).
+                   x_aligned: bool, down_aligned: bool, out_aligned: bool,
+                   has_bias: bool) -> _LinearLaunch:
+    """How :func:`lora_decode_linear` launches for these sizes, ``cfg`` and alignment flags
+    (x's rows and K; the down factor's rows; the weight's and output's rows and N).
     """
-    step = cfg.block_k  # the partials' K step too: each partial takes whole steps
+    bt, br = max(16, next_power_of_2(t)), max(16, next_power_of_2(r))
+    step = cfg.block_k  # the shrink's K step too; each shrink program takes whole steps
     parts, per = _split(k, step, cfg.shrink_k)
-    n_out = cdiv(n, cfg.block_n)
-    return _Launch(parts, per, n_out, (parts + n_out,), {
-        "BT": max(16, next_power_of_2(t)), "BK": step, "BR": max(16, next_power_of_2(r)),
-        "BN": cfg.block_n, "H_PARTS": parts, "HAS_BIAS": has_bias, "EVEN_K": k % step == 0,
-        "IEEE": interpret, "ALIGNED": aligned, "num_warps": cfg.num_warps,
-        "num_stages": cfg.num_stages})
+    return _LinearLaunch(
+        parts, per, (cdiv(n, cfg.block_n),),
+        {"BT": bt, "BK": step, "BR": br, "IEEE": interpret,
+         "ALIGNED": x_aligned and down_aligned, "num_warps": 4},
+        {"BT": bt, "BK": cfg.block_k, "BR": br, "BN": cfg.block_n, "H_PARTS": parts,
+         "HAS_BIAS": has_bias, "EVEN_K": k % cfg.block_k == 0, "IEEE": interpret,
+         "ALIGNED": x_aligned and out_aligned, "num_warps": cfg.num_warps,
+         "num_stages": cfg.num_stages})
 
 
 def lora_decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -253,9 +245,9 @@ def lora_decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                        config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """``x @ weight.T + ((x @ down.T) * scale) @ up.T + bias`` for a few tokens, rounded once.
 
-    One launch: a few programs compute split-K partials of ``h = x @ down.T`` (one per K
-    range) while the others stream their columns of W; those then sum the partials in a fixed
-    order (deterministic), and add ``(h * scale) @ up[rn].T`` and the bias.
+    Two launches: a split-K shrink writes float32 partials of ``h = x @ down.T`` (one small
+    program per K range), then each output program streams its columns of W, sums the partials
+    in a fixed order (deterministic), and adds ``(h * scale) @ up[rn].T`` and the bias.
 
     Args:
         x: (T, K) activations, T <= :data:`DECODE_MAX_T`, bf16/fp16.
@@ -268,7 +260,7 @@ def lora_decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
     Returns:
         (T, N) in x's dtype: float32 accumulation throughout (the (T, R) intermediate is never
-        rounded), one rounding. Uses the Triton kernel on CUDA (or under
+        rounded), one rounding. Uses the Triton kernels on CUDA (or under
         ``TRITON_INTERPRET=1``) where the dtypes and strides allow and autograd is not
         recording, else :func:`lora_decode_linear_reference` (differentiable).
         :class:`PreparedLoraDecode` runs it for a layer whose weight and factors stay put,
@@ -306,30 +298,31 @@ def lora_decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     cfg = DecodeConfig(*config) if config is not None else (
         _INTERPRET_LINEAR_CONFIG if interpret else _decode_config(n, x.device))
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
-    plan = _linear_launch(t, k, n, r, cfg, interpret,
-                          _aligned(x, sizes=(k,)) and _aligned(down, sizes=())
-                          and _aligned(weight, out, sizes=(n,)), bias is not None)
-    _launch_linear(plan, functools.partial(decode_kernels()[1], plan.grid, **plan.constexprs),
-                   x, weight, bias, down, up, _float32(scale), out, x.device, None)
+    plan = _linear_launch(t, k, n, r, cfg, interpret, _aligned(x, sizes=(k,)),
+                          _aligned(down, sizes=()), _aligned(weight, out, sizes=(n,)),
+                          bias is not None)
+    _, output, shrink = decode_kernels()
+    _launch_linear(plan, x, weight, bias, down, up, _float32(scale), out,
+                   functools.partial(shrink, (plan.parts,), **plan.shrink),
+                   functools.partial(output, plan.grid, **plan.output))
     return out
 
 
-def _launch_linear(plan: _Launch, launch: Callable[..., None], x: torch.Tensor,
-                   weight: torch.Tensor, bias: torch.Tensor | None, down: torch.Tensor,
-                   up: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
-                   device: torch.device, capturing: bool | None) -> None:
-    """``out = lora_decode_linear(x, ...)`` by ``plan``: ``launch(*args)`` bound to its grid
-    and constexprs (``capturing``: as :func:`~shuttle.kernels.semaphore.launch_semaphore`
-    takes).
+def _launch_linear(plan: _LinearLaunch, x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None, down: torch.Tensor, up: torch.Tensor,
+                   scale: torch.Tensor, out: torch.Tensor, shrink: Callable[..., None],
+                   output: Callable[..., None]) -> None:
+    """``out = lora_decode_linear(x, ...)`` by ``plan``'s launches: ``shrink(*args)`` and
+    ``output(*args)`` bound to its grids and constexprs (a fresh float32 workspace between).
     """
     t, k = x.shape
     n, r = up.shape
-    ws = _workspace(plan, device)
-    sem = launch_semaphore(device, capturing)
+    ws = torch.empty(plan.parts * plan.shrink["BT"] * plan.shrink["BR"], dtype=torch.float32,
+                     device=x.device)
     with on_device_of(x):
-        launch(x, weight, bias if bias is not None else out, down, up, scale, ws, sem, out, t, k,
-               n, r, plan.per, plan.n_out, x.stride(0), weight.stride(0), down.stride(0),
-               up.stride(0), out.stride(0))
+        shrink(x, down, ws, t, k, r, plan.per, x.stride(0), down.stride(0))
+        output(x, weight, bias if bias is not None else out, up, scale, ws, out, t, k, n, r,
+               x.stride(0), weight.stride(0), up.stride(0), out.stride(0))
 
 
 class PreparedLoraDecode:
@@ -345,8 +338,7 @@ class PreparedLoraDecode:
 
     ``usable`` is False where the kernels do not take the factors; where they do not take a
     call's operands (or ``usable`` is False) a call goes to the function, which falls back to
-    its reference. ``capturing`` (each call's): whether a CUDA graph is being captured on the
-    current stream, where the caller asked already (None: asked when needed).
+    its reference.
     """
 
     def __init__(self, down: torch.Tensor, up: torch.Tensor) -> None:
@@ -362,22 +354,26 @@ class PreparedLoraDecode:
                        # every int argument a 32-bit one, as bound (x's row stride: per call)
                        and max(down.stride(0), up.stride(0), k, n) <= _INT32_MAX)
         self._k, self._n, self._r, self._dtype = k, n, r, dt
-        self._device, self._torch_device = down.get_device(), down.device
+        self._device = down.get_device()
         self._sd, self._su = down.stride(0), up.stride(0)
         self._down_aligned = _rows_aligned(down, self._sd)
         self._up_aligned = r % 16 == 0 and _rows_aligned(up, self._su)
-        self._adds: dict[tuple[int, bool], tuple[_Launch, BoundLaunch]] = {}  # (BT, ALIGNED)
+        self._torch_device = down.device
+        self._adds: dict[tuple[int, bool], tuple[_AddLaunch, BoundLaunch]] = {}  # (BT, ALIGNED)
         # the weight and bias the linear launches are bound for, and those launches
         self._operands: LayerOperands | None = None
-        # the weight's row alignment and the linear kernel's configuration (set by _take)
+        # the weight's row alignment and the linear kernels' configuration (set by _take)
         self._w_aligned = False
         self._config: DecodeConfig | None = None
-        self._linears: dict[tuple[int, bool], tuple[_Launch, BoundLaunch]] = {}
+        self._linears: dict[tuple[int, bool], tuple[_LinearLaunch, BoundLaunch, BoundLaunch]] \
+            = {}
 
     def add(self, out: torch.Tensor, x: torch.Tensor, scale: torch.Tensor,
             capturing: bool | None = None) -> torch.Tensor:
         """``lora_decode_add(out, x, down, up, scale)`` for a contiguous ``out`` (..., N) and
         ``x`` (..., K) of at most :data:`DECODE_MAX_T` rows: in place, ``out`` returned.
+        ``capturing``: whether a CUDA graph is being captured on the current stream, where the
+        caller asked already (None: asked here).
         """
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         out2 = out if out.dim() == 2 else out.view(-1, out.shape[-1])
@@ -409,23 +405,26 @@ class PreparedLoraDecode:
                                self._up_aligned)
             bound = self._adds[key] = (plan, decode_kernels()[0].bind(plan.grid,
                                                                       **plan.constexprs))
-        _launch_add(bound[0], bound[1], x, self.down, self.up, scale, out, self._torch_device,
-                    capturing)
+        plan, launch = bound
+        sem, ws = launch_scratch(self._torch_device, plan.floats, capturing)
+        with on_device_of(x):
+            launch(x, self.down, self.up, scale, ws, sem, out, t, k, n, self._r, plan.per,
+                   plan.n_out, sx, self._sd, self._su, so)
         return True
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               scale: torch.Tensor, capturing: bool | None = None) -> torch.Tensor:
+               scale: torch.Tensor) -> torch.Tensor:
         """``lora_decode_linear(x, weight, bias, down, up, scale)`` (its default
         configuration) for ``x`` (T, K) of at most :data:`DECODE_MAX_T` rows.
         """
-        out = self._bound_linear(x, weight, bias, scale, capturing)
+        out = self._bound_linear(x, weight, bias, scale)
         if out is None:
             out = lora_decode_linear(x, weight, bias, self.down, self.up, scale)
         return out
 
     def _bound_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      scale: torch.Tensor, capturing: bool | None) -> torch.Tensor | None:
-        """:meth:`linear` by the bound launch; None where it does not apply (the kernel does
+                      scale: torch.Tensor) -> torch.Tensor | None:
+        """:meth:`linear` by the bound launches; None where they do not apply (the kernels do
         not take the operands, or autograd records).
         """
         if not self.usable:
@@ -447,13 +446,14 @@ class PreparedLoraDecode:
         bound = self._linears.get(key)
         if bound is None:
             plan = _linear_launch(t, k, self._n, self._r, self._config, self._interpret,
-                                  x_aligned and self._down_aligned and self._w_aligned,
+                                  x_aligned, self._down_aligned, self._w_aligned,
                                   bias is not None)
-            bound = self._linears[key] = (plan, decode_kernels()[1].bind(plan.grid,
-                                                                         **plan.constexprs))
+            _, output, shrink = decode_kernels()
+            bound = self._linears[key] = (plan, shrink.bind((plan.parts,), **plan.shrink),
+                                          output.bind(plan.grid, **plan.output))
         out = torch.empty(t, self._n, dtype=x.dtype, device=x.device)
-        _launch_linear(bound[0], bound[1], x, weight, bias, self.down, self.up, scale, out,
-                       self._torch_device, capturing)
+        _launch_linear(bound[0], x, weight, bias, self.down, self.up, scale, out, bound[1],
+                       bound[2])
         return out
 
     def _scale_ok(self, scale: torch.Tensor) -> bool:
@@ -462,7 +462,7 @@ class PreparedLoraDecode:
                 and scale.get_device() == self._device)
 
     def _take(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """Bind the linear launches to ``weight`` and ``bias``; False where the kernel does not
+        """Bind the linear launches to ``weight`` and ``bias``; False where the kernels do not
         take them.
         """
         self._operands, self._linears = None, {}
