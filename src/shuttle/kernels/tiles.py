@@ -190,7 +190,7 @@ def shrink_step(h, x_ptr, d_ptr, rt, rr, kk, T, R, K, stride_xt, stride_dr,
 # work, then wait for all partials. A ticket is only ever held by a running program, so every
 # wait ends whatever the hardware's scheduling order. The last program to finish (sem[2])
 # resets the three counters for the next launch on the stream (launches on one stream do not
-# overlap). The semaphores: shuttle.kernels.semaphore.
+# overlap). The counters and the workspace: shuttle.kernels.semaphore.
 @triton.jit
 def take_ticket(sem_ptr):
     """This program's place in its launch's order of arrival."""
@@ -212,11 +212,11 @@ def publish_partial(part, x_ptr, d_ptr, ws_ptr, sem_ptr, T, K, R, K_PER, stride_
     for k in range(k0, tl.minimum(k0 + K_PER, K), SK):
         h = shrink_step(h, x_ptr, d_ptr, rt, rr, k + rk, T, R, K, stride_xt, stride_dr, IEEE,
                         ALIGNED)
-    # a fresh float32 workspace of whole tiles: rows start on 64 bytes
+    # a float32 workspace of whole tiles: rows start on 64 bytes
     tl.store(tl.multiple_of(ws_ptr + part * BT * BR + rt[:, None] * BR + rr[None, :],
                             [16, 16]), h)
-    # Every thread's stores, then the count (a scalar atomic is one thread's: the barrier puts
-    # the others' stores before its release).
+    # Every thread's stores, then the count: a scalar atomic is one thread's, and the barrier
+    # orders the other threads' stores before it.
     tl.debug_barrier()
     tl.atomic_add(sem_ptr + 1, 1, sem="release")
 
