@@ -376,8 +376,9 @@ class LoRAHook(ModuleHook):
 
     def _lossless(self, x: torch.Tensor, out: torch.Tensor, capturing: bool | None = None
                   ) -> torch.Tensor:
-        capturing = capture_state(x.device) if capturing is None else capturing  # asked once
-        scale = self.scales(x.device, capturing)
+        device = x.device
+        capturing = capture_state(device) if capturing is None else capturing  # asked once
+        scale = self.scales(device, capturing)
         if (x.is_cuda and self.in_place and out.is_contiguous()
                 and x.numel() <= DECODE_MAX_T * x.shape[-1]
                 and x.dtype == out.dtype == self.down.dtype == self.up.dtype):
