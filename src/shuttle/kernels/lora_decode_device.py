@@ -13,7 +13,8 @@ from shuttle.kernels.launch import CompiledLaunch
 __all__ = ["decode_kernels"]
 
 # Shared tile helpers, bound by tiles.bind_tiles() when the kernels are built (see there).
-gather_partials = publish_partial = release_tickets = shrink_step = store_rne = take_ticket = None
+gather_partials = publish_partial = release_tickets = None
+store_partial = store_rne = take_ticket = None
 
 
 @functools.cache
@@ -26,8 +27,8 @@ def decode_kernels() -> tuple[CompiledLaunch, CompiledLaunch, CompiledLaunch]:
 
     from shuttle.kernels.tiles import bind_tiles
 
-    bind_tiles(globals(), "gather_partials", "publish_partial", "release_tickets", "shrink_step",
-               "store_rne", "take_ticket")
+    bind_tiles(globals(), "gather_partials", "publish_partial", "release_tickets",
+               "store_partial", "store_rne", "take_ticket")
 
     # The kernels' runtime arguments are unspecialized: one binary per dtypes and constexprs,
     # launched from it by CompiledLaunch (at decode the host is the bottleneck, and Triton's
@@ -79,20 +80,10 @@ def decode_kernels() -> tuple[CompiledLaunch, CompiledLaunch, CompiledLaunch]:
     def partial_shrink_kernel(x_ptr, d_ptr, ws_ptr, T, K, R, K_PER, stride_xt, stride_dr,
                               BT: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
                               IEEE: tl.constexpr, ALIGNED: tl.constexpr):
-        # Program p: the float32 partial h_p = x[:, Kp] @ down[:, Kp].T over its K range,
-        # stored whole, (BT, BR), at ws[p] (padding rows and ranks are zeros).
-        pid = tl.program_id(0)
-        rt = tl.arange(0, BT)
-        rr = tl.arange(0, BR)
-        rk = tl.arange(0, BK)
-        k0 = pid * K_PER
-        h = tl.zeros((BT, BR), dtype=tl.float32)
-        for k in range(k0, tl.minimum(k0 + K_PER, K), BK):
-            h = shrink_step(h, x_ptr, d_ptr, rt, rr, k + rk, T, R, K, stride_xt, stride_dr,
-                            IEEE, ALIGNED)
-        # A fresh float32 workspace of whole (BT, BR) tiles: rows start on 64 bytes.
-        tl.store(tl.multiple_of(ws_ptr + pid * BT * BR + rt[:, None] * BR + rr[None, :],
-                                [16, 16]), h)
+        # Program p: the float32 partial over its K range at ws[p] (padding rows and ranks
+        # are zeros), in a workspace fresh for each launch.
+        store_partial(tl.program_id(0), x_ptr, d_ptr, ws_ptr, T, K, R, K_PER, stride_xt,
+                      stride_dr, BT, BR, BK, IEEE, ALIGNED)
 
     @triton.jit(do_not_specialize=["x_ptr", "w_ptr", "b_ptr", "u_ptr", "scale_ptr", "ws_ptr",
                                    "o_ptr", "T", "K", "N", "R", "stride_xt", "stride_wn",

@@ -18,8 +18,8 @@ from shuttle.kernels.launch import interpreting
 _RNE_BY_HAND: tl.constexpr = tl.constexpr(interpreting())
 
 __all__ = ["bind_tiles", "dot_over_k", "gather_partials", "hash_uniform", "lowrank_tile", "pick",
-           "publish_partial", "release_tickets", "round_bf16", "shrink_step", "store_rne",
-           "take_ticket", "tile_of"]
+           "publish_partial", "release_tickets", "round_bf16", "shrink_step", "store_partial",
+           "store_rne", "take_ticket", "tile_of"]
 
 
 def bind_tiles(namespace: dict, *names: str) -> None:
@@ -198,11 +198,12 @@ def take_ticket(sem_ptr):
 
 
 @triton.jit
-def publish_partial(part, x_ptr, d_ptr, ws_ptr, sem_ptr, T, K, R, K_PER, stride_xt, stride_dr,
-                    BT: tl.constexpr, BR: tl.constexpr, SK: tl.constexpr, IEEE: tl.constexpr,
-                    ALIGNED: tl.constexpr):
+def store_partial(part, x_ptr, d_ptr, ws_ptr, T, K, R, K_PER, stride_xt, stride_dr,
+                  BT: tl.constexpr, BR: tl.constexpr, SK: tl.constexpr, IEEE: tl.constexpr,
+                  ALIGNED: tl.constexpr):
     """Store the float32 partial ``x[:, Kp] @ down[:, Kp].T`` over K range ``part`` (K_PER
-    elements, whole SK steps) at ``ws[part]`` as a whole (BT, BR) tile, then publish it.
+    elements, whole SK steps) at ``ws[part]`` as a whole (BT, BR) tile: rows past T and ranks
+    past R are zeros.
     """
     rt = tl.arange(0, BT)
     rr = tl.arange(0, BR)
@@ -215,6 +216,15 @@ def publish_partial(part, x_ptr, d_ptr, ws_ptr, sem_ptr, T, K, R, K_PER, stride_
     # a float32 workspace of whole tiles: rows start on 64 bytes
     tl.store(tl.multiple_of(ws_ptr + part * BT * BR + rt[:, None] * BR + rr[None, :],
                             [16, 16]), h)
+
+
+@triton.jit
+def publish_partial(part, x_ptr, d_ptr, ws_ptr, sem_ptr, T, K, R, K_PER, stride_xt, stride_dr,
+                    BT: tl.constexpr, BR: tl.constexpr, SK: tl.constexpr, IEEE: tl.constexpr,
+                    ALIGNED: tl.constexpr):
+    """:func:`store_partial`, then count it published for the programs that gather."""
+    store_partial(part, x_ptr, d_ptr, ws_ptr, T, K, R, K_PER, stride_xt, stride_dr, BT, BR, SK,
+                  IEEE, ALIGNED)
     # Every thread's stores, then the count: a scalar atomic is one thread's, and the barrier
     # orders the other threads' stores before it.
     tl.debug_barrier()
