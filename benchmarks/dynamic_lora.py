@@ -29,10 +29,19 @@ CUDA graph (GPU work only, one call per replay) and BURST calls captured in one 
 at the clocks a chain of layers sustains).
 
 Writes docs/benchmarks/dynamic_lora.{json,md} after every shape (a cut-off run keeps its rows).
+
+    python benchmarks/dynamic_lora.py 8                          # every shape, then the DiT
+    python benchmarks/dynamic_lora.py 8 --shapes llm_8b_decode_qkv \
+        --rows-from docs/benchmarks/dynamic_lora.json           # one row anew, the rest kept
+
+With --shapes only those shapes run (no DiT); --rows-from keeps an earlier run's other rows and
+its DiT, each naming the run it came from.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -308,7 +317,8 @@ def write(rows: dict, dit: dict | None) -> None:
         gt = r.get("graph") and r["graph"]["timings"]["base"]["median_ms"]
         gb = (r.get("graph_burst") or {}).get("overhead_pct")
         table_rows.append([
-            name, str(r["shape"]), f"{r['timings']['base']['median_ms']:.3f}",
+            name + (" *" if r.get("run") else ""), str(r["shape"]),
+            f"{r['timings']['base']['median_ms']:.3f}",
             *(f"{o[q]:.0f}" if q in o else "-" for q in names),
             *(f"{bo[q]:.0f}" if q in bo else "-" for q in names),
             f"{gt:.3f}" if g else "-", *(f"{g[q]:.0f}" if g and q in g else "-" for q in names),
@@ -338,6 +348,12 @@ def write(rows: dict, dit: dict | None) -> None:
              "shrink included; auto: the default's pick; "
              "wide: an experiment (one GEMM over [W; A], then the update onto the output "
              "columns), not a tier.")
+    runs = {f"{r['run']['date']}, {r['run']['device']}, commit {r['run']['commit']}"
+            for r in [*rows.values(), dit or {}] if r.get("run")}
+    if runs:
+        notes += ("\n\nRows marked * " + ("and the DiT forward " if dit and dit.get("run")
+                                           else "") + "come from an earlier run ("
+                  + "; ".join(sorted(runs)) + "), kept where this run did not measure them.")
     if dit:
         lines = []
         for label, t in (("eager", dit["timings"]), ("CUDA graph", dit.get("graph_timings")),
@@ -365,13 +381,44 @@ def write(rows: dict, dit: dict | None) -> None:
     print(notes)
 
 
+RUN_KEYS = ("date", "device", "commit")  # what names the run a row came from
+
+
+def earlier(path: Path | None) -> tuple[dict, dict | None]:
+    """An earlier run's rows and DiT, each marked with the run it came from (or none)."""
+    if path is None:
+        return {}, None
+    data = json.loads(path.read_text())
+    run = {k: data["env"].get(k) for k in RUN_KEYS}
+    rows = {name: {**r, "run": r.get("run") or run} for name, r in data["shapes"].items()}
+    dit = data.get("dit")
+    return rows, dit and {**dit, "run": dit.get("run") or run}
+
+
 def main() -> None:
-    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 15
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("rounds", type=int, nargs="?", default=15)
+    p.add_argument("--shapes", default="",
+                   help=f"comma-separated names among {', '.join(SHAPES)} (default: all, then "
+                        "the DiT forward; named shapes run without the DiT)")
+    p.add_argument("--rows-from", type=Path, default=None,
+                   help="an earlier run's json: its rows of shapes not run now, and its DiT "
+                        "where the DiT is not run, are kept (each naming its run)")
+    args = p.parse_args()
+    names = [n for n in args.shapes.split(",") if n] or list(SHAPES)
+    unknown = sorted(set(names) - set(SHAPES))
+    if unknown:
+        p.error(f"unknown shapes {unknown}: choose among {', '.join(SHAPES)}")
+    kept, kept_dit = earlier(args.rows_from)
     rows: dict = {}
     for name, shape in SHAPES.items():
-        rows[name] = bench_shape(name, *shape, rounds=rounds)
-        write(rows, None)
-    write(rows, bench_dit(rounds))
+        if name in names:
+            rows[name] = bench_shape(name, *shape, rounds=args.rounds)
+        elif name in kept:
+            rows[name] = kept[name]
+        write(rows, kept_dit)
+    if not args.shapes:
+        write(rows, bench_dit(args.rounds))
 
 
 if __name__ == "__main__":
