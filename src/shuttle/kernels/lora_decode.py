@@ -9,8 +9,8 @@ the output and of the up factor; those then sum the partials in a fixed order (d
 scale ``h`` in float32, multiply it by their columns of the up factor in float32 (``h`` is never
 rounded), add the base output tile and round once. Programs take those roles in the order they
 start, so no wait depends on the hardware's scheduling (``shuttle.kernels.tiles``; the counters
-and workspace: :mod:`shuttle.kernels.semaphore`). (Every program recomputing the whole of
-``h`` itself, the earlier form, chained K / 128 dependent steps of L2 reads in each program.)
+and workspace: :mod:`shuttle.kernels.semaphore`). Split, because a program computing all of
+``h`` itself would chain K / 128 dependent steps of L2 reads before its own work.
 
 :func:`lora_decode_linear` is the fused tier's decode form: the whole layer
 ``x @ W.T + ((x @ A.T) * scale) @ B.T + bias``. A split-K shrink writes float32 partials of
