@@ -339,6 +339,26 @@ def test_auto_runs_lossless_where_autograd_records(monkeypatch):
     assert not dynamic_layer.TIERS.choices
 
 
+@pytest.mark.skipif(not triton_available(), reason="the fused tier needs triton")
+def test_a_kept_fused_pick_gives_way_to_lossless_where_autograd_records(monkeypatch):
+    """The last call's pick is reused without the other checks only when it is lossless: a
+    fused pick kept for the shape still yields to autograd on the next call of that shape."""
+    chooser = TierChooser(_ranked(["fused", "lossless"]), devices=("cuda", "cpu"))
+    chooser.choose = lambda key, candidates, *, graphs=False: "fused"
+    monkeypatch.setattr(dynamic_layer, "TIERS", chooser)
+    m, sd, x = _model()
+    with shuttle.apply_lora(m, [(sd, 0.8)], mode="dynamic"):
+        with torch.no_grad():
+            fused = m(x)
+        got = m(x.clone().requires_grad_(True))
+    with torch.no_grad(), shuttle.apply_lora(m, [(sd, 0.8)], mode="dynamic", quality="fused"):
+        want_fused = m(x)
+    with shuttle.apply_lora(m, [(sd, 0.8)], mode="dynamic", quality="lossless"):
+        want = m(x)
+    assert torch.equal(fused, want_fused) and not torch.equal(fused, want)
+    assert torch.equal(got, want) and got.requires_grad
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not triton_available(), reason="the fused tier needs triton")
 def test_gpu_auto_measures_and_captures_in_a_graph():

@@ -214,8 +214,7 @@ class LoRAHook(ModuleHook):
                 setattr(owner, attr, t.to(device))
         self._prepared = {}
         self._decode = PreparedLoraDecode(self.down, self.up) if self.down is not None else None
-        self._picks = (-1, {})
-        self._last = (None, "lossless")
+        self._picks, self._last = (-1, {}), (None, "lossless")  # picks are per device
         self.residuals = {k: r.to(device) for k, r in self.residuals.items()}
         self.scales.moved()
         prepare_request_scale(device)
@@ -285,20 +284,23 @@ class LoRAHook(ModuleHook):
         """This call's implementation (``"fused"``: CuTe's where it applies, else Triton's;
         ``"auto"``: the measured fastest, lossless where nothing can be measured), and whether a
         CUDA graph is being captured where that was asked (else None). A pick is kept per (row
-        bucket, graphs, x's dtype); a call of the last call's shape compares one key.
+        bucket, graphs, x's dtype).
         """
         if self.quality == "fused":
             return ("lossless" if not self._fused_ok(module, x)
                     else self.cute_form if self._cute_ok(module, x) else "fused"), None
-        if (overrides or torch.compiler.is_compiling()
-                or (torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad
-                                                 or getattr(module.bias, "requires_grad", False)))):
+        if torch.compiler.is_compiling():
             return "lossless", None
         graphs = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        # The last call's pick when this one has its shape: a loop calls each layer with one
-        # shape, and one comparison costs less host time than the bucket's lookup.
+        # The last call's pick when this one has its shape (a loop calls each layer with one
+        # shape). This runs before the base GEMM is issued: a last pick of lossless stands
+        # without the other checks, each of which picks lossless too.
         call = (TIERS.generation, x.shape, graphs, x.dtype)
         last, pick = self._last
+        if (call == last and pick == "lossless") or overrides or (torch.is_grad_enabled() and (
+                x.requires_grad or module.weight.requires_grad
+                or getattr(module.bias, "requires_grad", False))):
+            return "lossless", graphs
         if call != last:
             pick = self._pick(module, x, overrides, inner, args, kwargs, graphs, call)
         return pick, graphs
@@ -318,8 +320,7 @@ class LoRAHook(ModuleHook):
         else:
             self._picks = (TIERS.generation, {})
         if x.device.type not in TIERS.devices or not self._fused_ok(module, x):
-            self._picks[1][at] = "lossless"
-            self._last = (call, "lossless")
+            self._picks[1][at], self._last = "lossless", (call, "lossless")
             return "lossless"
         cute = self._cute_ok(module, x)
         key = TierKey(str(x.device), x.dtype, at[0], module.weight.shape[0], x.shape[-1],
@@ -340,8 +341,7 @@ class LoRAHook(ModuleHook):
                 pick = TIERS.choose(key, candidates)
         if pick.startswith("fused_cute") and not cute:  # measured on a layer that could
             pick = "fused"
-        self._picks[1][at] = pick
-        self._last = (call, pick)
+        self._picks[1][at], self._last = pick, (call, pick)
         return pick
 
     def _cute_ok(self, module: torch.nn.Module, x: torch.Tensor) -> bool:
