@@ -488,6 +488,7 @@ def worker(args: argparse.Namespace) -> None:
                     walls.append(wall)
             row["disk_bytes_per_image"] = (read_bytes() - before) / args.runs
             row["s_per_image"] = statistics.median(walls)
+            row["image_s"] = walls  # each timed image, in order (the first after the warm-up)
             if device.type == "cuda":
                 row["peak_vram"] = torch.cuda.max_memory_allocated(device)
             if handle is not None:
