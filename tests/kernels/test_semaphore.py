@@ -1,6 +1,6 @@
 """The counters and workspace of launches whose programs wait for each other (the decode
-update and the decode layer): counters zero before and after every launch, one set per stream
-for eager launches, a set of their own for each captured launch.
+update): counters zero before and after every launch, one set per stream for eager launches, a
+set of their own for each captured launch.
 
 On CPU the decode kernels run under TRITON_INTERPRET=1 (set in conftest).
 """
@@ -15,8 +15,6 @@ from shuttle.kernels.lora_decode import (
     PreparedLoraDecode,
     lora_decode_add,
     lora_decode_add_reference,
-    lora_decode_linear,
-    lora_decode_linear_reference,
 )
 from shuttle.kernels.semaphore import launch_scratch
 
@@ -33,31 +31,13 @@ def _layer(t, k, n, r, device, seed=0):
     return out, x, down, up, scale
 
 
-def _calls(out, x, down, up, scale, kind):
-    """(the launch, its reference) of the decode update (``kind`` "add") or of the whole
-    decode layer ("linear", over a weight of its own)."""
-    if kind == "add":
-        return (lambda: lora_decode_add(out.clone(), x, down, up, scale),
-                lora_decode_add_reference(out.clone(), x, down, up, scale))
-    w = _weight(x, up)
-    return (lambda: lora_decode_linear(x, w, None, down, up, scale),
-            lora_decode_linear_reference(x, w, None, down, up, scale))
-
-
-def _weight(x, up):
-    g = torch.Generator().manual_seed(7)
-    return (torch.randn(up.shape[0], x.shape[1], generator=g) / x.shape[1] ** 0.5).to(
-        x.dtype).to(x.device)
-
-
-@pytest.mark.parametrize("kind", ["add", "linear"])
-def test_counters_are_zero_after_each_launch_and_launches_repeat(kind):
+def test_counters_are_zero_after_each_launch_and_launches_repeat():
     out, x, down, up, scale = _layer(5, 80, 48, 12, "cpu")
     sem, ws = launch_scratch(torch.device("cpu"), 16)
     assert sem.dtype == torch.int32 and ws.dtype == torch.float32 and ws.numel() >= 16
-    call, want = _calls(out, x, down, up, scale, kind)
+    want = lora_decode_add_reference(out.clone(), x, down, up, scale)
     for _ in range(3):  # a launch that left its counters set would spoil the next one
-        assert torch.equal(call(), want)
+        assert torch.equal(lora_decode_add(out.clone(), x, down, up, scale), want)
         assert launch_scratch(torch.device("cpu"), 16)[0] is sem and not sem.any()
 
 
@@ -69,9 +49,6 @@ def test_a_launch_leaves_no_trace_for_the_next_layer():
         for (out, x, down, up, scale), prep in zip(layers, preps, strict=True):
             assert torch.equal(prep.add(out.clone(), x, scale),
                                lora_decode_add_reference(out.clone(), x, down, up, scale))
-            w = _weight(x, up)  # the whole layer between the updates, on the same counters
-            assert torch.equal(prep.linear(x, w, None, scale),
-                               lora_decode_linear_reference(x, w, None, down, up, scale))
     assert not launch_scratch(torch.device("cpu"), 0)[0].any()
 
 
@@ -99,37 +76,32 @@ def test_one_set_per_stream_and_one_per_captured_launch():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["add", "linear"])
-def test_graphs_replayed_at_once_on_two_streams_beside_eager_launches(kind):
+def test_graphs_replayed_at_once_on_two_streams_beside_eager_launches():
     # Both graphs are captured on torch's one capture stream: with that stream's counters in
     # both, replays running at once would take each other's tickets.
     _, x, down, up, scale = _layer(16, 4096, 6144, 16, "cuda")
     w = (torch.randn(6144, 4096, device="cuda") / 64).bfloat16()
     prep = PreparedLoraDecode(down, up)
-
-    def call():
-        if kind == "add":
-            return prep.add(torch.nn.functional.linear(x, w), x, scale)
-        return prep.linear(x, w, None, scale)
-    want = call()
+    want = prep.add(torch.nn.functional.linear(x, w), x, scale)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(3):
-            call()
+            prep.add(torch.nn.functional.linear(x, w), x, scale)
     torch.cuda.current_stream().wait_stream(side)
     graphs, outs = [], []
     for _ in range(2):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            outs.append([call() for _ in range(4)])
+            outs.append([prep.add(torch.nn.functional.linear(x, w), x, scale)
+                         for _ in range(4)])
         graphs.append(graph)
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     for _ in range(50):
         for graph, stream in zip(graphs, streams, strict=True):
             with torch.cuda.stream(stream):
                 graph.replay()
-        eager = call()  # beside the replays
+        eager = prep.add(torch.nn.functional.linear(x, w), x, scale)  # beside the replays
         torch.cuda.synchronize()
         assert all(torch.equal(o, want) for got in outs for o in got)
         assert torch.equal(eager, want)

@@ -421,7 +421,7 @@ class LoRAHook(ModuleHook):
         if x2d.shape[0] <= DECODE_MAX_T and x.dtype == self.down.dtype == self.up.dtype:
             # A few tokens (decode): a split-K shrink, then one kernel for the base, the update
             # and the bias, bound by reading W (shuttle.kernels.lora_decode).
-            out = self._decode.linear(x2d, w, b, scale, capturing)
+            out = self._decode.linear(x2d, w, b, scale)
         else:
             out = None
             if w is weight and b is bias:  # no per-call residual overrides

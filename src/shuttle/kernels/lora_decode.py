@@ -1,4 +1,4 @@
-"""LoRA at a few tokens (decode): the update, or the whole layer, in one launch.
+"""LoRA at a few tokens (decode): the update in one launch, or the whole layer in two.
 
 For T <= 64 rows the update ``((x @ A.T) * scale) @ B.T`` is tiny work spread over three or
 more launches (shrink GEMM, scale, expand GEMM with the add), each a few microseconds of fixed
@@ -13,12 +13,13 @@ and workspace: :mod:`shuttle.kernels.semaphore`). Split, because a program compu
 ``h`` itself would chain K / 128 dependent steps of L2 reads before its own work.
 
 :func:`lora_decode_linear` is the fused tier's decode form: the whole layer
-``x @ W.T + ((x @ A.T) * scale) @ B.T + bias``, also one launch: its first programs write the
-same split-K partials, while each output program streams its BN rows of W once (at decode the
-layer is bound by reading W), then sums the partials in a fixed order, adds
-``(h * scale) @ B[rn].T`` (float32, ``h`` never rounded) and the bias, and rounds once. No base
-output is written and read back. (Every output program accumulating the whole of ``h`` beside
-its base product is slower: its extra per-step loads of A cost more than they save.)
+``x @ W.T + ((x @ A.T) * scale) @ B.T + bias``. A split-K shrink writes float32 partials of
+``h = x @ A.T`` (a few small programs, one per K range); then each output program streams its BN
+rows of W once (at decode the layer is bound by reading W), sums the partials in a fixed order,
+adds ``(h * scale) @ B[rn].T`` (float32, ``h`` never rounded) and the bias, and rounds once. No
+base output is written and read back. (A one-launch form, every output program accumulating
+the whole of ``h`` beside its base product, is slower: its extra per-step loads of A cost more
+than the second launch.)
 
 :class:`PreparedLoraDecode` launches both for one layer whose factors (and weight) stay put,
 checked once. :func:`lora_decode_add_reference` and :func:`lora_decode_linear_reference` are
@@ -189,14 +190,14 @@ class DecodeConfig(NamedTuple):
     block_k: int  # base reduction step
     num_warps: int
     num_stages: int
-    shrink_k: int  # K elements per partial program (> 0)
+    shrink_k: int  # K elements per partial-shrink program (> 0)
 
 
 # At decode the layer is bound by reading W once: column tiles narrow enough for every SM to
 # stream its share, block_n 64 where that still gives 1.5 programs per SM, else 32 (the choice
 # of tile, steps and warps: docs/benchmarks/fused_breakdown_decode.md). h comes from partials of
-# 256 K elements each, written by the launch's first programs: accumulating h in every output
-# program is slower (see the module docstring).
+# 256 K elements each, written by a separate split-K shrink: accumulating h in the main kernel
+# is slower (see the module docstring).
 # Under the interpreter: small steps, so test shapes span several of them.
 DECODE_LINEAR_CONFIG = DecodeConfig(32, 128, 4, 3, 256)
 _INTERPRET_LINEAR_CONFIG = DecodeConfig(16, 16, 1, 1, 32)
@@ -211,13 +212,13 @@ def _decode_config(n: int, device: torch.device) -> DecodeConfig:
 
 
 class _LinearLaunch(NamedTuple):
-    """The launch of :func:`lora_decode_linear` for one (T, K, N, R) and layout."""
+    """The two launches of :func:`lora_decode_linear` for one (T, K, N, R) and layout."""
 
-    per: int  # K elements per partial of h
-    n_out: int  # output programs (after the partials' programs)
-    floats: int  # the partials' workspace
-    grid: tuple[int]
-    constexprs: dict[str, Any]
+    parts: int  # partial intermediates (the shrink's programs)
+    per: int  # K elements per partial
+    grid: tuple[int]  # the output kernel's
+    shrink: dict[str, Any]  # the partial shrink's constexprs
+    output: dict[str, Any]  # the output kernel's
 
 
 def _linear_launch(t: int, k: int, n: int, r: int, cfg: DecodeConfig, interpret: bool,
@@ -227,14 +228,16 @@ def _linear_launch(t: int, k: int, n: int, r: int, cfg: DecodeConfig, interpret:
     (x's rows and K; the down factor's rows; the weight's and output's rows and N).
     """
     bt, br = max(16, next_power_of_2(t)), max(16, next_power_of_2(r))
-    # the partials' K step is the base product's: each partial takes whole steps
-    parts, per = _split(k, cfg.block_k, cfg.shrink_k)
-    n_out = cdiv(n, cfg.block_n)
-    return _LinearLaunch(per, n_out, parts * bt * br, (parts + n_out,), {
-        "BT": bt, "BK": cfg.block_k, "BR": br, "BN": cfg.block_n, "H_PARTS": parts,
-        "HAS_BIAS": has_bias, "EVEN_K": k % cfg.block_k == 0, "IEEE": interpret,
-        "ALIGNED": x_aligned and out_aligned, "SHRINK_ALIGNED": x_aligned and down_aligned,
-        "num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    step = cfg.block_k  # the shrink's K step too; each shrink program takes whole steps
+    parts, per = _split(k, step, cfg.shrink_k)
+    return _LinearLaunch(
+        parts, per, (cdiv(n, cfg.block_n),),
+        {"BT": bt, "BK": step, "BR": br, "IEEE": interpret,
+         "ALIGNED": x_aligned and down_aligned, "num_warps": 4},
+        {"BT": bt, "BK": cfg.block_k, "BR": br, "BN": cfg.block_n, "H_PARTS": parts,
+         "HAS_BIAS": has_bias, "EVEN_K": k % cfg.block_k == 0, "IEEE": interpret,
+         "ALIGNED": x_aligned and out_aligned, "num_warps": cfg.num_warps,
+         "num_stages": cfg.num_stages})
 
 
 def lora_decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -242,9 +245,9 @@ def lora_decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                        config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """``x @ weight.T + ((x @ down.T) * scale) @ up.T + bias`` for a few tokens, rounded once.
 
-    One launch: its first programs write float32 partials of ``h = x @ down.T`` (one per K
-    range), while each output program streams its columns of W, then sums the partials in a
-    fixed order (deterministic) and adds ``(h * scale) @ up[rn].T`` and the bias.
+    Two launches: a split-K shrink writes float32 partials of ``h = x @ down.T`` (one small
+    program per K range), then each output program streams its columns of W, sums the partials
+    in a fixed order (deterministic), and adds ``(h * scale) @ up[rn].T`` and the bias.
 
     Args:
         x: (T, K) activations, T <= :data:`DECODE_MAX_T`, bf16/fp16.
@@ -298,26 +301,28 @@ def lora_decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     plan = _linear_launch(t, k, n, r, cfg, interpret, _aligned(x, sizes=(k,)),
                           _aligned(down, sizes=()), _aligned(weight, out, sizes=(n,)),
                           bias is not None)
+    _, output, shrink = decode_kernels()
     _launch_linear(plan, x, weight, bias, down, up, _float32(scale), out,
-                   functools.partial(decode_kernels()[1], plan.grid, **plan.constexprs))
+                   functools.partial(shrink, (plan.parts,), **plan.shrink),
+                   functools.partial(output, plan.grid, **plan.output))
     return out
 
 
 def _launch_linear(plan: _LinearLaunch, x: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None, down: torch.Tensor, up: torch.Tensor,
-                   scale: torch.Tensor, out: torch.Tensor, launch: Callable[..., None],
-                   capturing: bool | None = None) -> None:
-    """``out = lora_decode_linear(x, ...)`` by ``plan``: ``launch(*args)`` bound to its grid
-    and constexprs, with the stream's counters and workspace (``capturing``: see
-    :func:`~shuttle.kernels.semaphore.launch_scratch`).
+                   scale: torch.Tensor, out: torch.Tensor, shrink: Callable[..., None],
+                   output: Callable[..., None]) -> None:
+    """``out = lora_decode_linear(x, ...)`` by ``plan``'s launches: ``shrink(*args)`` and
+    ``output(*args)`` bound to its grids and constexprs (a fresh float32 workspace between).
     """
     t, k = x.shape
     n, r = up.shape
-    sem, ws = launch_scratch(x.device, plan.floats, capturing)
+    ws = torch.empty(plan.parts * plan.shrink["BT"] * plan.shrink["BR"], dtype=torch.float32,
+                     device=x.device)
     with on_device_of(x):
-        launch(x, weight, bias if bias is not None else out, down, up, scale, ws, sem, out, t,
-               k, n, r, plan.per, plan.n_out, x.stride(0), weight.stride(0), down.stride(0),
-               up.stride(0), out.stride(0))
+        shrink(x, down, ws, t, k, r, plan.per, x.stride(0), down.stride(0))
+        output(x, weight, bias if bias is not None else out, up, scale, ws, out, t, k, n, r,
+               x.stride(0), weight.stride(0), up.stride(0), out.stride(0))
 
 
 class PreparedLoraDecode:
@@ -360,7 +365,8 @@ class PreparedLoraDecode:
         # the weight's row alignment and the linear kernels' configuration (set by _take)
         self._w_aligned = False
         self._config: DecodeConfig | None = None
-        self._linears: dict[tuple[int, bool], tuple[_LinearLaunch, BoundLaunch]] = {}
+        self._linears: dict[tuple[int, bool], tuple[_LinearLaunch, BoundLaunch, BoundLaunch]] \
+            = {}
 
     def add(self, out: torch.Tensor, x: torch.Tensor, scale: torch.Tensor,
             capturing: bool | None = None) -> torch.Tensor:
@@ -407,18 +413,17 @@ class PreparedLoraDecode:
         return True
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               scale: torch.Tensor, capturing: bool | None = None) -> torch.Tensor:
+               scale: torch.Tensor) -> torch.Tensor:
         """``lora_decode_linear(x, weight, bias, down, up, scale)`` (its default
-        configuration) for ``x`` (T, K) of at most :data:`DECODE_MAX_T` rows. ``capturing``:
-        as for :meth:`add`.
+        configuration) for ``x`` (T, K) of at most :data:`DECODE_MAX_T` rows.
         """
-        out = self._bound_linear(x, weight, bias, scale, capturing)
+        out = self._bound_linear(x, weight, bias, scale)
         if out is None:
             out = lora_decode_linear(x, weight, bias, self.down, self.up, scale)
         return out
 
     def _bound_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      scale: torch.Tensor, capturing: bool | None) -> torch.Tensor | None:
+                      scale: torch.Tensor) -> torch.Tensor | None:
         """:meth:`linear` by the bound launches; None where they do not apply (the kernels do
         not take the operands, or autograd records).
         """
@@ -443,11 +448,12 @@ class PreparedLoraDecode:
             plan = _linear_launch(t, k, self._n, self._r, self._config, self._interpret,
                                   x_aligned, self._down_aligned, self._w_aligned,
                                   bias is not None)
-            bound = self._linears[key] = (plan, decode_kernels()[1].bind(plan.grid,
-                                                                         **plan.constexprs))
+            _, output, shrink = decode_kernels()
+            bound = self._linears[key] = (plan, shrink.bind((plan.parts,), **plan.shrink),
+                                          output.bind(plan.grid, **plan.output))
         out = torch.empty(t, self._n, dtype=x.dtype, device=x.device)
         _launch_linear(bound[0], x, weight, bias, self.down, self.up, scale, out, bound[1],
-                       capturing)
+                       bound[2])
         return out
 
     def _scale_ok(self, scale: torch.Tensor) -> bool:

@@ -1,7 +1,7 @@
-"""The decode kernels' device code (Triton): the update onto a base output and the whole
-layer, each one launch whose first programs compute split-K partials of ``h = x @ down.T`` for
-the rest (``tiles.publish_partial`` / ``gather_partials``). Their host side, and what each
-computes: :mod:`shuttle.kernels.lora_decode`.
+"""The decode kernels' device code (Triton): the update onto a base output (one launch whose
+first programs compute split-K partials of ``h = x @ down.T`` for the rest:
+``tiles.publish_partial`` / ``gather_partials``), and the whole layer's split-K shrink and
+output kernel. Their host side, and what each computes: :mod:`shuttle.kernels.lora_decode`.
 """
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ from shuttle.kernels.launch import CompiledLaunch
 __all__ = ["decode_kernels"]
 
 # Shared tile helpers, bound by tiles.bind_tiles() when the kernels are built (see there).
-gather_partials = publish_partial = release_tickets = store_rne = take_ticket = None
+gather_partials = publish_partial = release_tickets = None
+store_partial = store_rne = take_ticket = None
 
 
 @functools.cache
-def decode_kernels() -> tuple[CompiledLaunch, CompiledLaunch]:
-    """The update kernel and the whole layer's kernel, compiled on first launch (per dtypes
-    and constexprs) and launched through :class:`CompiledLaunch`.
+def decode_kernels() -> tuple[CompiledLaunch, CompiledLaunch, CompiledLaunch]:
+    """The update kernel, the layer's output kernel and its partial shrink, compiled on first
+    launch (per dtypes and constexprs) and launched through :class:`CompiledLaunch`.
     """
     import triton
     import triton.language as tl
@@ -27,7 +28,7 @@ def decode_kernels() -> tuple[CompiledLaunch, CompiledLaunch]:
     from shuttle.kernels.tiles import bind_tiles
 
     bind_tiles(globals(), "gather_partials", "publish_partial", "release_tickets",
-               "store_rne", "take_ticket")
+               "store_partial", "store_rne", "take_ticket")
 
     # The kernels' runtime arguments are unspecialized: one binary per dtypes and constexprs,
     # launched from it by CompiledLaunch (at decode the host is the bottleneck, and Triton's
@@ -74,74 +75,76 @@ def decode_kernels() -> tuple[CompiledLaunch, CompiledLaunch]:
             store_rne(o_ptrs, o + delta, mask)
             release_tickets(sem_ptr, n_out)
 
-    @triton.jit(do_not_specialize=["x_ptr", "w_ptr", "b_ptr", "d_ptr", "u_ptr", "scale_ptr",
-                                   "ws_ptr", "sem_ptr", "o_ptr", "T", "K", "N", "R", "K_PER",
-                                   "n_out", "stride_xt", "stride_wn", "stride_dr", "stride_un",
-                                   "stride_ot"])
-    def linear_kernel(x_ptr, w_ptr, b_ptr, d_ptr, u_ptr, scale_ptr, ws_ptr, sem_ptr, o_ptr, T,
-                      K, N, R, K_PER, n_out, stride_xt, stride_wn, stride_dr, stride_un,
-                      stride_ot, BT: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
-                      BN: tl.constexpr, H_PARTS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      EVEN_K: tl.constexpr, IEEE: tl.constexpr, ALIGNED: tl.constexpr,
-                      SHRINK_ALIGNED: tl.constexpr):
-        # H_PARTS programs: partials of h over K ranges (BK steps each); n_out programs:
-        # acc = x @ W[rn].T over K, then h summed from the partials in a fixed order
-        # (deterministic), acc += (h * scale) @ up[rn].T, + bias, rounded once. An output
-        # program reaches the partials after streaming its rows of W, long after they are
-        # published: the wait costs nothing, and the shrink needs no launch of its own.
-        ticket = take_ticket(sem_ptr)
-        if ticket < H_PARTS:
-            publish_partial(ticket, x_ptr, d_ptr, ws_ptr, sem_ptr, T, K, R, K_PER, stride_xt,
-                            stride_dr, BT, BR, BK, IEEE, SHRINK_ALIGNED)
-        else:
-            rt = tl.arange(0, BT)
-            rr = tl.arange(0, BR)
-            rk = tl.arange(0, BK)
-            rn = (ticket - H_PARTS) * BN + tl.arange(0, BN)
-            # Rows of x past T are masked (no traffic: a wrapped row, as tiles.dot_over_k's
-            # callers use, would be fetched again for every padding row, which made one token
-            # slower than sixteen). Wrapped columns and ranks keep W and up loads in bounds
-            # without masks; the scale (0 past R) and the store mask cancel what they add.
-            row_ok = (rt < T)[:, None]
-            rn_l = (rn % N).to(tl.int64)
-            x_ptrs = x_ptr + rt[:, None] * stride_xt + rk[None, :]
-            w_ptrs = w_ptr + rn_l[None, :] * stride_wn + rk[:, None]
-            if ALIGNED:
-                x_ptrs = tl.multiple_of(x_ptrs, [16, 16])
-                w_ptrs = tl.multiple_of(w_ptrs, [16, 16])
-            acc = tl.zeros((BT, BN), dtype=tl.float32)
-            for k in range(0, tl.cdiv(K, BK)):
-                if EVEN_K:
-                    x = tl.load(x_ptrs, mask=row_ok, other=0.0)
-                    w = tl.load(w_ptrs)
-                else:
-                    k_left = K - k * BK
-                    x_mask = row_ok & (rk[None, :] < k_left)
-                    w_mask = rk[:, None] < k_left
-                    if ALIGNED:  # K is a multiple of 16: the masks hold over runs of 16
-                        x_mask = tl.max_constancy(x_mask, [1, 16])
-                        w_mask = tl.max_constancy(w_mask, [16, 1])
-                    x = tl.load(x_ptrs, mask=x_mask, other=0.0)
-                    w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-                if IEEE:  # the interpreter, whose bf16 dot is wrong
-                    acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc,
-                                 input_precision="ieee")
-                else:
-                    acc = tl.dot(x, w, acc)
-                x_ptrs += BK
-                w_ptrs += BK
-            u = tl.load(u_ptr + rn_l[None, :] * stride_un + (rr % R)[:, None])
-            scale = tl.load(scale_ptr + rr, mask=rr < R, other=0.0)
-            h = gather_partials(ws_ptr, sem_ptr, BT, BR, H_PARTS) * scale[None, :]
-            acc = tl.dot(h, u.to(tl.float32), acc, input_precision="ieee")
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + rn_l).to(tl.float32)[None, :]
-            mask = (rt[:, None] < T) & (rn[None, :] < N)
-            o_ptrs = o_ptr + rt[:, None] * stride_ot + rn[None, :]
-            if ALIGNED:  # N is a multiple of 16 too
-                o_ptrs = tl.multiple_of(o_ptrs, [16, 16])
-                mask = tl.max_constancy(mask, [1, 16])
-            store_rne(o_ptrs, acc, mask)
-            release_tickets(sem_ptr, n_out)
+    @triton.jit(do_not_specialize=["x_ptr", "d_ptr", "ws_ptr", "T", "K", "R", "K_PER",
+                                   "stride_xt", "stride_dr"])
+    def partial_shrink_kernel(x_ptr, d_ptr, ws_ptr, T, K, R, K_PER, stride_xt, stride_dr,
+                              BT: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
+                              IEEE: tl.constexpr, ALIGNED: tl.constexpr):
+        # Program p: the float32 partial over its K range at ws[p] (padding rows and ranks
+        # are zeros), in a workspace fresh for each launch.
+        store_partial(tl.program_id(0), x_ptr, d_ptr, ws_ptr, T, K, R, K_PER, stride_xt,
+                      stride_dr, BT, BR, BK, IEEE, ALIGNED)
 
-    return CompiledLaunch(decode_kernel), CompiledLaunch(linear_kernel)
+    @triton.jit(do_not_specialize=["x_ptr", "w_ptr", "b_ptr", "u_ptr", "scale_ptr", "ws_ptr",
+                                   "o_ptr", "T", "K", "N", "R", "stride_xt", "stride_wn",
+                                   "stride_un", "stride_ot"])
+    def linear_kernel(x_ptr, w_ptr, b_ptr, u_ptr, scale_ptr, ws_ptr, o_ptr, T, K, N, R,
+                      stride_xt, stride_wn, stride_un, stride_ot,
+                      BT: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
+                      H_PARTS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                      IEEE: tl.constexpr, ALIGNED: tl.constexpr):
+        # acc = x @ W[rn].T over K, then h summed from partial_shrink_kernel's H_PARTS
+        # partials in a fixed order (deterministic), acc += (h * scale) @ up[rn].T, + bias.
+        rt = tl.arange(0, BT)
+        rr = tl.arange(0, BR)
+        rk = tl.arange(0, BK)
+        rn = tl.program_id(0) * BN + tl.arange(0, BN)
+        # Rows of x past T are masked (no traffic: a wrapped row, as tiles.dot_over_k's callers
+        # use, would be fetched again for every padding row, which made one token slower than
+        # sixteen). Wrapped columns and ranks keep W and up loads in bounds without masks; the
+        # scale (0 past R) and the store mask cancel what they add.
+        row_ok = (rt < T)[:, None]
+        rn_l = (rn % N).to(tl.int64)
+        x_ptrs = x_ptr + rt[:, None] * stride_xt + rk[None, :]
+        w_ptrs = w_ptr + rn_l[None, :] * stride_wn + rk[:, None]
+        if ALIGNED:
+            x_ptrs = tl.multiple_of(x_ptrs, [16, 16])
+            w_ptrs = tl.multiple_of(w_ptrs, [16, 16])
+        acc = tl.zeros((BT, BN), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BK)):
+            if EVEN_K:
+                x = tl.load(x_ptrs, mask=row_ok, other=0.0)
+                w = tl.load(w_ptrs)
+            else:
+                k_left = K - k * BK
+                x_mask = row_ok & (rk[None, :] < k_left)
+                w_mask = rk[:, None] < k_left
+                if ALIGNED:  # K is a multiple of 16: the masks hold over runs of 16 along K
+                    x_mask = tl.max_constancy(x_mask, [1, 16])
+                    w_mask = tl.max_constancy(w_mask, [16, 1])
+                x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+                w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+            if IEEE:  # the interpreter, whose bf16 dot is wrong
+                acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, w, acc)
+            x_ptrs += BK
+            w_ptrs += BK
+        ws_ptrs = tl.multiple_of(ws_ptr + rt[:, None] * BR + rr[None, :], [16, 16])
+        h = tl.load(ws_ptrs)
+        for p in range(1, H_PARTS):
+            h += tl.load(ws_ptrs + p * BT * BR)
+        h = h * tl.load(scale_ptr + rr, mask=rr < R, other=0.0)[None, :]
+        u = tl.load(u_ptr + rn_l[None, :] * stride_un + (rr % R)[:, None])
+        acc = tl.dot(h, u.to(tl.float32), acc, input_precision="ieee")
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn_l).to(tl.float32)[None, :]
+        mask = (rt[:, None] < T) & (rn[None, :] < N)
+        o_ptrs = o_ptr + rt[:, None] * stride_ot + rn[None, :]
+        if ALIGNED:  # N is a multiple of 16 too
+            o_ptrs = tl.multiple_of(o_ptrs, [16, 16])
+            mask = tl.max_constancy(mask, [1, 16])
+        store_rne(o_ptrs, acc, mask)
+
+    return (CompiledLaunch(decode_kernel), CompiledLaunch(linear_kernel),
+            CompiledLaunch(partial_shrink_kernel))
