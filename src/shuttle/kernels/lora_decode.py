@@ -17,9 +17,11 @@ and workspace: :mod:`shuttle.kernels.semaphore`). Split, because a program compu
 ``h = x @ A.T`` (a few small programs, one per K range); then each output program streams its BN
 rows of W once (at decode the layer is bound by reading W), sums the partials in a fixed order,
 adds ``(h * scale) @ B[rn].T`` (float32, ``h`` never rounded) and the bias, and rounds once. No
-base output is written and read back. (A one-launch form, every output program accumulating
-the whole of ``h`` beside its base product, is slower: its extra per-step loads of A cost more
-than the second launch.)
+base output is written and read back. (Two one-launch forms are slower where it counts: every
+output program accumulating the whole of ``h`` beside its base product, whose extra per-step
+loads of A cost more than the second launch; and the first programs publishing the partials as
+the update's do, bit-identical and faster eagerly, but slower in CUDA graphs, where a second
+launch costs less than the partials' programs holding SM slots and the gather.)
 
 :class:`PreparedLoraDecode` launches both for one layer whose factors (and weight) stay put,
 checked once. :func:`lora_decode_add_reference` and :func:`lora_decode_linear_reference` are
