@@ -494,6 +494,10 @@ def worker(args: argparse.Namespace) -> None:
             if handle is not None:
                 row["device_bytes_per_image"] = sum(copied) / args.runs
                 row["host_bytes"] = handle.cache.used_bytes
+                # the modules active after a call (those activated ahead of the next call's
+                # among them) and the activation bytes each module's plan keeps room for
+                row["active_after"] = sorted(n for n, o in handle.offloaders.items() if o.active)
+                row["reserves"] = handle.reserves
         row["peak_rss"] = rss.peak
         row["rss_after_calls"] = rss_parts()
         torch.save({k: v.cpu() for k, v in out.items()}, keep / f"{vram}-{host}.pt")

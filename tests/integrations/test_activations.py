@@ -8,7 +8,6 @@ layouts, so the budgets below are exact, not guessed.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import pytest
@@ -17,8 +16,9 @@ import torch.nn.functional as F
 
 from shuttle.errors import BudgetTooSmallError
 from shuttle.integrations import diffusers as shuttle_diffusers
-from shuttle.integrations.activations import DeviceMeter, Reading, meta_peak
-from shuttle.offload import ModelOffloader, floor_bytes
+from shuttle.integrations.activations import DeviceMeter, meta_peak
+from shuttle.offload import ModelOffloader
+from tests.integrations.meters import FakeMeter, active, offload, record, sizes
 from tests.integrations.models import run_flux, snapshot
 
 pytest.importorskip("diffusers")
@@ -27,47 +27,6 @@ pytest.importorskip("diffusers")
 @pytest.fixture(autouse=True)
 def _cpu_copy(cpu_copy):
     """Every test here activates on the CPU through the copy path."""
-
-
-class FakeMeter:
-    """Reports ``peaks[name]`` bytes (a number, or a function of nothing) for each call of
-    module ``name`` with ``margin`` bytes, and logs ``(name, sample)`` per call."""
-
-    def __init__(self, peaks: dict | None = None, margin: int = 0):
-        self.peaks = peaks or {}
-        self.margin = margin
-        self.calls: list[tuple[str, bool]] = []
-
-    @contextlib.contextmanager
-    def measure(self, name, device, sample):
-        self.calls.append((name, sample))
-        reading = Reading()
-        yield reading
-        peak = self.peaks.get(name, 0)
-        reading.peak, reading.margin = peak() if callable(peak) else peak, self.margin
-
-
-def offload(pipe, budget, meter):
-    return shuttle_diffusers.offload(pipe, max_host_bytes=2**22, vram_budget=budget,
-                                     device="cpu", prefetch=1, meter=meter)
-
-
-def sizes(off: ModelOffloader) -> tuple[int, int]:
-    """(floor, everything resident) device weight bytes."""
-    s = off.storage
-    return floor_bytes(s), s.rest.layout.nbytes + sum(
-        u.layout.nbytes for us in s.groups.values() for u in us)
-
-
-def active(handle) -> set[str]:
-    return {n for n, o in handle.offloaders.items() if o.active}
-
-
-def record(module: torch.nn.Module, what) -> list:
-    """The values of ``what()`` at each call of ``module`` (a forward pre-hook)."""
-    seen: list = []
-    module.register_forward_pre_hook(lambda m, a: seen.append(what()))
-    return seen
 
 
 @pytest.mark.parametrize(("reserve", "kept"), [(0, 5), (160_000, 1)])

@@ -93,8 +93,13 @@ def test_flux_pipeline_under_offload_is_the_resident_pipeline(flux, budget):
     plans = []  # the denoiser's plan in each of its calls
     hook = pipe.transformer.transformer_blocks[0].register_forward_pre_hook(
         lambda m, a: plans.append(handle.offloaders["transformer"].plan))
-    for _ in range(2):  # the first call measures the activations; later ones use them
+    encoders = {"text_encoder", "text_encoder_2"}
+    for i in range(3):  # the first call measures the activations; later ones use them
         assert torch.equal(run_midsize_flux(pipe), refs["plain"])
+        # From the second call on, a budget's VAE decode runs over the copies of the next
+        # call's encoders (activated ahead: the third call starts on them)
+        ahead = {n for n, o in handle.offloaders.items() if o.active} & encoders
+        assert ahead == (encoders if i and budget is not None else set()), i
     hook.remove()
     plan = plans[-1]
     if budget is not None:  # weights within the budget less the measured activations

@@ -3,6 +3,7 @@ from __future__ import annotations
 import copy
 import gc
 import inspect
+import time
 import weakref
 
 import pytest
@@ -87,6 +88,23 @@ def test_cpu_activation_is_a_pass_through():
         x = tokens()
         assert torch.equal(model(x), ref(x))
     assert_unchanged(off.model, before)
+
+
+def test_an_activation_left_unwaited_is_readied_before_its_forward(cpu_copy):
+    ref, off = pair()
+    x = tokens()
+    for ready in (True, False):  # ended unreadied, it is taken down all the same
+        off.activate("cpu", StreamConfig(prefetch=1, resident=2), wait=False)
+        resident = sum(map(len, off.plan.resident.values())) + 1  # and the rest
+        assert len(off._active.unready) == resident  # placed, nothing waited for yet
+        if ready:
+            off.ready()
+            assert off._active.unready == []
+            with torch.no_grad():
+                assert torch.equal(off.model(x), ref(x))
+        off.deactivate()
+    with off.use("cpu", StreamConfig(prefetch=1, resident=2)):
+        assert off._active.unready == []  # waited for at once by default
 
 
 def device_bytes_held(off: ModelOffloader) -> int:
@@ -325,3 +343,31 @@ def _live_blocks() -> dict[int, tuple[int, str]]:
                       if "shuttle" in f["filename"] or "tests" in f["filename"]]
             out[block["address"]] = (block["size"], " < ".join(frames[:6]))
     return out
+
+
+@pytest.mark.gpu
+def test_an_activation_left_unwaited_keeps_the_compute_stream_free_of_its_copies():
+    # The copy stream is held back by a sleeping kernel: an activation that waits holds every
+    # later kernel of the compute stream behind its copies, one left unwaited does not, and
+    # ready() then orders the forward after them (the sanitizer checks that order).
+    from shuttle.offload.activation import copy_stream_of
+
+    ref, off = pair(torch.bfloat16)
+    ref, x = ref.cuda(), tokens().cuda()
+    with torch.no_grad():
+        want = ref(x)
+    for wait in (False, True):
+        torch.cuda.synchronize()
+        with torch.cuda.stream(copy_stream_of(torch.device("cuda", 0))):
+            torch.cuda._sleep(2_000_000_000)  # about a second at the H100's clocks
+        off.activate("cuda", StreamConfig(prefetch=1, resident=2), wait=wait)
+        done = torch.cuda.Event()
+        done.record()  # on the compute stream, after the activation
+        deadline = time.perf_counter() + 0.3
+        while not done.query() and time.perf_counter() < deadline:
+            time.sleep(0.001)
+        assert done.query() is not wait, f"wait={wait}"
+        off.ready()
+        with torch.no_grad():
+            assert torch.equal(off.model(x), want)
+        off.deactivate()

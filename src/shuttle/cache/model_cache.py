@@ -64,7 +64,7 @@ class ModelCache(ResourceCache):
             mode: Mode = "merge", stream: StreamConfig | None = None, *,
             plan: ResidencyPlan | None = None, quality: Quality | None = None,
             mapping: KeyMapping | None = None, auto_threshold: float = DEFAULT_THRESHOLD,
-            lora_mode: Mode | None = None) -> Iterator[torch.nn.Module]:
+            lora_mode: Mode | None = None, wait: bool = True) -> Iterator[torch.nn.Module]:
         """Lease, build if missing, and activate a model for the ``with`` block.
 
         Args:
@@ -81,6 +81,9 @@ class ModelCache(ResourceCache):
                 :meth:`~shuttle.offload.ModelOffloader.plan_for` (where the budget was given);
                 ``stream`` then gives only ``compile``.
             lora_mode: the former name of ``mode`` (a ``FutureWarning``).
+            wait: False: activated without making the current stream wait for its copies
+                (:meth:`ModelOffloader.activate <shuttle.offload.ModelOffloader.activate>`);
+                its ``ready()`` must come before the model runs.
 
         Yields:
             The model, active on ``device``.
@@ -113,7 +116,7 @@ class ModelCache(ResourceCache):
                                      "building an offloader)")
                 active = stack.enter_context(off.use(
                     device, stream, plan=plan, loras=adapters, mode=mode, quality=quality,
-                    mapping=mapping, auto_threshold=auto_threshold))
+                    mapping=mapping, auto_threshold=auto_threshold, wait=wait))
                 _log_residency(key, off)
                 yield active
         finally:

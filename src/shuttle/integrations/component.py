@@ -15,7 +15,7 @@ import torch
 
 from shuttle.cache import ModelSpec
 from shuttle.errors import BudgetTooSmallError, OffloadError
-from shuttle.hooks import ModuleHook, hooks_of
+from shuttle.hooks import ModuleHook, hooks_of, remove_hook
 from shuttle.integrations.activations import CallShrinker, Reading, predicted_reserve
 from shuttle.offload import ResidencyPlan
 from shuttle.offload.host_storage import HostStorage
@@ -130,6 +130,25 @@ class Component:
         # The margin is capped by the room: the measured peak itself fits there.
         self.reserve = min(reading.reserve, room)
         return True
+
+
+    def uninstall(self) -> None:
+        """Undo what the handle installed on the module: its float8 upcasting, shrunk calls,
+        hook, wrapped methods, attributes and offloaded class.
+        """
+        if self.upcasting is not None:
+            self.upcasting.remove()
+            self.upcasting = None
+        if self.shrunk and self.shrink is not None:
+            self.shrink.restore()
+            self.shrunk = False
+        if self.hook is not None:
+            remove_hook(self.module, self.hook)
+        for attr in self.wrapped + self.attrs:
+            del self.module.__dict__[attr]
+        if self.own_class is not None:
+            self.module.__class__ = self.own_class
+        self.hook, self.wrapped, self.attrs, self.own_class = None, [], [], None
 
 
 @dataclass

@@ -20,7 +20,8 @@ floor. What the caller holds on the device as a call begins (a pipeline's latent
 embeddings) counts with the call's activations: the budget bounds everything allocated since
 the handle was made.
 While a module runs, the others stay on the device only as far as their weights fit beside its
-weights and reserve.
+weights and reserve, and the modules called after it last time are activated beside it as far as
+theirs fit too: their copies run under its compute (:mod:`~shuttle.integrations.call_order`).
 
 **Host ceiling.** The cache's byte budget (``max_host_bytes`` of the integrations' ``offload``)
 bounds everything shuttle holds in host memory for the handle: arenas, staging buffers and
@@ -55,11 +56,12 @@ from shuttle.cache.specs import module_bytes
 from shuttle.errors import BudgetTooSmallError
 from shuttle.formats import LoRA
 from shuttle.formats.safetensors_file import LazyTensor
-from shuttle.hooks import add_hook, remove_hook
+from shuttle.hooks import add_hook
 from shuttle.integrations.activations import ActivationMeter, CallShrinker, DeviceMeter, Reading
 from shuttle.integrations.budgets import SourcedSpec, check_device, host_shares, read_order
+from shuttle.integrations.call_order import CallOrder
 from shuttle.integrations.component import ActivateHook, Active, Component, check_free, restore
-from shuttle.integrations.routing import route_lora
+from shuttle.integrations.routing import Routed, route_loras
 from shuttle.offload import ModelOffloader, RingOnlyResidency, StreamConfig
 from shuttle.offload.coded import Compression
 from shuttle.offload.host_storage import HostBacking
@@ -154,9 +156,10 @@ class OffloadHandle:
         self._leases = contextlib.ExitStack()
         self._active: dict[str, Active] = {}  # least recently used first
         self._running: dict[str, int] = {}  # calls in progress: never deactivated
+        self._order = CallOrder()
         self._loras: dict[str, list[tuple[LoRASpec, float]]] = {}
         self._mode: Mode = "merge"
-        self._routed: dict[int, tuple[LoRA, dict[str, LoRASpec]]] = {}  # id(lora) -> specs
+        self._routed: Routed = {}  # id(lora) -> (lora, component -> its spec)
         check_free(modules, methods, attrs, classes)
         self._hot = tuple(hot)
         shares = host_shares(modules, blocks, host, sources, cache.available_bytes, self._hot)
@@ -222,21 +225,9 @@ class OffloadHandle:
         """
         check_mode(mode, "OffloadHandle.set_loras")
         pairs = normalize_loras(loras)
-        modules = {n: c.module for n, c in self._components.items()}
-        specs: dict[int, tuple[LoRA, dict[str, LoRASpec]]] = {}
-        unmatched: dict[str, str] = {}
-        wanted: dict[str, list[tuple[LoRASpec, float]]] = {}
-        for lora, strength in pairs:
-            if id(lora) not in specs:
-                subs, missed = route_lora(lora, modules)
-                unmatched.update(missed)
-                old = self._routed.get(id(lora), (lora, {}))[1]
-                # The same LoRA object keeps its specs: an adapter already loaded stays cached.
-                specs[id(lora)] = (lora, {comp: old.get(comp) or LoRASpec(
-                    f"{self._components[comp].spec.key}.lora{id(sub):x}", sub)
-                    for comp, sub in subs.items()})
-            for comp, spec in specs[id(lora)][1].items():
-                wanted.setdefault(comp, []).append((spec, strength))
+        specs, wanted, unmatched = route_loras(
+            pairs, {n: c.module for n, c in self._components.items()}, self._routed,
+            {n: c.spec.key for n, c in self._components.items()})
         self._mode, self._loras = mode, wanted
         for name in list(self._active):
             if self._active[name].config != self._config(name):
@@ -263,19 +254,7 @@ class OffloadHandle:
         """
         self.deactivate()
         for c in self._components.values():
-            if c.upcasting is not None:
-                c.upcasting.remove()
-                c.upcasting = None
-            if c.shrunk and c.shrink is not None:
-                c.shrink.restore()
-                c.shrunk = False
-            if c.hook is not None:
-                remove_hook(c.module, c.hook)
-            for attr in c.wrapped + c.attrs:
-                del c.module.__dict__[attr]
-            if c.own_class is not None:
-                c.module.__class__ = c.own_class
-            c.hook, c.wrapped, c.attrs, c.own_class = None, [], [], None
+            c.uninstall()
         self._leases.close()
         self._drop_specs({})
         for name, off in self._offloaders.items():
@@ -408,6 +387,9 @@ class OffloadHandle:
             c.foresee(self._vram_budget - outside, self.device,
                       getattr(fn, "__name__", "forward"), args, kwargs)
         self._enter(name)
+        if not any(self._running.values()):  # called from outside the modules
+            self._order.saw(name)
+            self._look_ahead(c)
         self._running[name] = self._running.get(name, 0) + 1
         try:
             if self._vram_budget is None:  # nothing to plan against: nothing measured
@@ -422,10 +404,9 @@ class OffloadHandle:
         return out
 
     def _outside(self) -> int:
-        """Device bytes allocated since the handle was made beside the weights of the active
-        modules, as a call begins: the caller's tensors (a pipeline's latents and prompt
-        embeddings, the image a decode returns into), which a meter counts from the call's
-        start and the budget must hold as well. 0 off CUDA, where nothing is measured.
+        """Device bytes allocated since the handle was made beside the active modules' weights
+        as a call begins: the caller's tensors (a pipeline's latents and prompt embeddings),
+        which the budget must hold as well. 0 off CUDA, where nothing is measured.
         """
         if self.device.type != "cuda":
             return 0
@@ -460,14 +441,34 @@ class OffloadHandle:
         self._make_room(c)  # on every call: others may have come since its activation
         if active is not None:
             self._active[name] = self._active.pop(name)  # most recently used now
+            self._offloaders[name].ready()  # copies of an activation ahead of its call
             return
+        self._activate(c)
+
+    def _activate(self, c: Component, wait: bool = True) -> None:
         stack = contextlib.ExitStack()
         with stack:
-            pairs = self._loras.get(name, [])
-            stack.enter_context(self._cache.use(
-                c.spec, self.device, loras=pairs, plan=c.plan,
-                mode=self._mode))
-            self._active[name] = Active(stack.pop_all(), self._config(name), c.plan, c.need)
+            stack.enter_context(self._cache.use(c.spec, self.device,
+                                                loras=self._loras.get(c.name, []), plan=c.plan,
+                                                mode=self._mode, wait=wait))
+            self._active[c.name] = Active(stack.pop_all(), self._config(c.name), c.plan, c.need)
+
+    def _look_ahead(self, c: Component) -> None:
+        """Activate the modules called after ``c``, nearest first, while their weights fit
+        beside the active ones and ``c``'s reserve (each waits for its copies at its call);
+        not those unmeasured (plans may change) or reading from disk (the host would wait).
+        """
+        if self._vram_budget is None or c.reserve is None:
+            return
+        room = (self._vram_budget - c.reserve - self._outside()
+                - sum(a.need for a in self._active.values()))
+        for s in (self._components[n] for n in self._order.after(c.name)
+                  if n not in self._active):
+            if s.reserve is None or s.share is not None or s.need > room:
+                return
+            self._activate(s, wait=False)
+            room -= s.need
+            logger.info("%s: activated ahead of its call, under %s's", s.name, c.name)
 
     def _make_room(self, c: Component) -> None:
         budget = self._vram_budget
@@ -485,11 +486,10 @@ class OffloadHandle:
                              else f"{c.name!r} is called (vram_budget=None: one at a time)")
 
     def _deactivate(self, name: str, why: str) -> None:
-        logger.info("deactivating %s (%d device bytes): %s", name, self._active[name].need,
-                    why)
+        logger.info("deactivating %s (%d device bytes): %s", name, self._active[name].need, why)
         self._active.pop(name).stack.close()
 
-    def _drop_specs(self, keep: dict[int, tuple[LoRA, dict[str, LoRASpec]]]) -> None:
+    def _drop_specs(self, keep: Routed) -> None:
         """Evict the adapters of the previous :meth:`set_loras` that ``keep`` lacks."""
         kept = {spec.key for _, specs in keep.values() for spec in specs.values()}
         for _, specs in self._routed.values():

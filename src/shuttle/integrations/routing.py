@@ -1,4 +1,4 @@
-"""Route one adapter over several components: which component each adapter key belongs to."""
+"""Route adapters over several components: which component each adapter key belongs to."""
 
 from __future__ import annotations
 
@@ -7,11 +7,48 @@ from collections import defaultdict
 
 import torch
 
+from shuttle.cache import LoRASpec
 from shuttle.errors import DuplicateTargetError
 from shuttle.formats import LoRA
 from shuttle.targets import ModelNames, fused_modules, resolve
 
-__all__ = ["route_lora"]
+__all__ = ["Routed", "route_lora", "route_loras"]
+
+# id(lora) -> (the adapter, component name -> the cache spec of its part there)
+Routed = dict[int, tuple[LoRA, dict[str, LoRASpec]]]
+
+
+def route_loras(pairs: list[tuple[LoRA, float]], components: dict[str, torch.nn.Module],
+                routed: Routed, keys: dict[str, str]
+                ) -> tuple[Routed, dict[str, list[tuple[LoRASpec, float]]], dict[str, str]]:
+    """Route each adapter of ``pairs`` (:func:`route_lora`) into one cache spec per component.
+
+    Args:
+        pairs: ``(adapter, strength)`` pairs.
+        components: component name -> module.
+        routed: an earlier call's specs: an adapter object routed before keeps its specs, so
+            that its parts already in the cache stay there.
+        keys: component name -> its cache key (its parts' keys are made under it).
+
+    Returns:
+        ``(specs, component name -> [(spec, strength), ...], unmatched key -> why)``.
+
+    Raises:
+        DuplicateTargetError: one adapter key lands in two components.
+    """
+    specs: Routed = {}
+    unmatched: dict[str, str] = {}
+    wanted: dict[str, list[tuple[LoRASpec, float]]] = {}
+    for lora, strength in pairs:
+        if id(lora) not in specs:
+            subs, missed = route_lora(lora, components)
+            unmatched.update(missed)
+            old = routed.get(id(lora), (lora, {}))[1]
+            specs[id(lora)] = (lora, {comp: old.get(comp) or LoRASpec(
+                f"{keys[comp]}.lora{id(sub):x}", sub) for comp, sub in subs.items()})
+        for comp, spec in specs[id(lora)][1].items():
+            wanted.setdefault(comp, []).append((spec, strength))
+    return specs, wanted, unmatched
 
 
 def route_lora(lora: LoRA, components: dict[str, torch.nn.Module]

@@ -39,6 +39,10 @@ class Activation:
         # (pool, slot, unit) of every unit on the device for the whole activation.
         self.placed: list[tuple[SlotPool, int, HostUnit]] = []
         self.decoder: Decoder | None = None  # coded units' staging (compress="lossless")
+        # (pool, slot) of placed units the compute stream has not been made to wait for yet
+        # (``place(wait=False)``): :meth:`ready` makes it wait.
+        self.unready: list[tuple[SlotPool, int]] = []
+        self._wait = True
 
     def pass_through(self, storage: HostStorage) -> None:
         """Run on the host tensors themselves (the CPU pass-through)."""
@@ -52,9 +56,15 @@ class Activation:
                 unit.bind(unit.host_tensors())
 
     def place(self, storage: HostStorage, blocks: dict[str, list[torch.nn.Module]],
-              layers: dict[str, torch.nn.Module]) -> None:
-        """Load the plan's resident units, build the rings and attach the streamers."""
+              layers: dict[str, torch.nn.Module], wait: bool = True) -> None:
+        """Load the plan's resident units, build the rings and attach the streamers.
+
+        ``wait=False`` leaves the current stream free of the resident units' copies: work
+        queued on it next (another module's call) runs beside them, and :meth:`ready` must be
+        called before the model's own forward.
+        """
         plan, device = self.plan, self.device
+        self._wait = wait
         assert plan is not None
         copy_stream = copy_stream_of(device) if device.type == "cuda" else None
         fold = self.adapters.fold if self.adapters and self.adapters.merges else None
@@ -98,7 +108,7 @@ class Activation:
             self.pools.append(pool)
             for slot, unit in enumerate(same):
                 pool.load(slot, unit)
-                pool.wait_loaded(slot)
+                self._loaded(pool, slot)
                 unit.bind(pool.views[slot])
                 self.placed.append((pool, slot, unit))
 
@@ -111,7 +121,7 @@ class Activation:
             pool = SlotPool(units[pos].layout, 1, device, copy_stream, fold, self.decoder)
             self.pools.append(pool)
             pool.load(0, units[pos])
-            pool.wait_loaded(0)
+            self._loaded(pool, 0)
             units[pos].bind(pool.views[0])
             self.placed.append((pool, 0, units[pos]))
         if plan.layer_ring:
@@ -125,6 +135,20 @@ class Activation:
             self.layer_streamer = streamer
             streamer.attach()
             streamer.warm()
+
+    def _loaded(self, pool: SlotPool, slot: int) -> None:
+        """The current stream waits for ``slot``'s load now, or at :meth:`ready`."""
+        if self._wait:
+            pool.wait_loaded(slot)
+        else:
+            pool.finish_read(slot)  # a read from disk lands, its copy queued
+            self.unready.append((pool, slot))
+
+    def ready(self) -> None:
+        """Make the current stream wait for every load :meth:`place` left unwaited."""
+        unready, self.unready = self.unready, []
+        for pool, slot in unready:
+            pool.wait_loaded(slot)
 
     def teardown(self, storage: HostStorage, on_device: Sequence[torch.nn.Parameter]) -> None:
         """Undo everything :meth:`place` (or :meth:`pass_through`) did; raise for a damaged
@@ -144,7 +168,8 @@ class Activation:
             pool.close()
         if self.device.type != "cpu" or os.environ.get(CPU_COPY_ENV) == "1":
             move(on_device, torch.device("cpu"))
-        self.pools.clear()
+        self.pools.clear()  # closed: later work waits for their copies, awaited or not
+        self.unready.clear()
         self.streamers.clear()
         self.placed.clear()
         self.layer_streamer = self.compiler = None

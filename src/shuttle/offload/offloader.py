@@ -282,7 +282,7 @@ class ModelOffloader:
                  mode: Mode = "merge", quality: Quality | None = None,
                  mapping: KeyMapping | None = None,
                  auto_threshold: float = DEFAULT_THRESHOLD,
-                 lora_mode: Mode | None = None) -> torch.nn.Module:
+                 lora_mode: Mode | None = None, wait: bool = True) -> torch.nn.Module:
         """Place the model on ``device``, with adapters applied if given; returns the model.
 
         Args:
@@ -305,6 +305,9 @@ class ModelOffloader:
             mapping: adapter module key -> model module path, as for ``merge_lora``.
             auto_threshold: see ``mode="auto"``.
             lora_mode: the former name of ``mode`` (a ``FutureWarning``).
+            wait: False: the current stream is not made to wait for the resident weights'
+                copies, so that work queued on it next (another model's call) runs while they
+                land; call :meth:`ready` before the model's first forward.
 
         Raises:
             AlreadyActiveError: an activation is in progress (call ``deactivate`` first).
@@ -359,7 +362,7 @@ class ModelOffloader:
             if through:
                 active.pass_through(self.storage)
             else:
-                active.place(self.storage, self.blocks, self.layers)
+                active.place(self.storage, self.blocks, self.layers, wait)
             if adapters is not None and adapters.dynamic:
                 adapters.attach()  # after the stream hooks: they bind weights first
             if not through and stream is not None and stream.compile is not False:
@@ -372,6 +375,13 @@ class ModelOffloader:
             raise
         self._active = active
         return self.model
+
+    def ready(self) -> None:
+        """Make the current stream wait for the copies an ``activate(wait=False)`` left
+        unwaited (nothing when there are none).
+        """
+        if self._active is not None:
+            self._active.ready()
 
     def deactivate(self) -> None:
         """End the activation: hooks removed, tensors back on the host, device slots dropped.
@@ -387,12 +397,12 @@ class ModelOffloader:
     def use(self, device: str | torch.device = "cuda", stream: StreamConfig | None = None, *,
             plan: ResidencyPlan | None = None, loras: AdapterList = (), mode: Mode = "merge",
             quality: Quality | None = None, mapping: KeyMapping | None = None,
-            auto_threshold: float = DEFAULT_THRESHOLD, lora_mode: Mode | None = None
-            ) -> Iterator[torch.nn.Module]:
+            auto_threshold: float = DEFAULT_THRESHOLD, lora_mode: Mode | None = None,
+            wait: bool = True) -> Iterator[torch.nn.Module]:
         """``activate`` for the ``with`` block, ``deactivate`` after it (also on error)."""
         model = self.activate(device, stream, plan=plan, loras=loras,
-                              mode=former_mode(mode, lora_mode),
-                              quality=quality, mapping=mapping, auto_threshold=auto_threshold)
+                              mode=former_mode(mode, lora_mode), quality=quality,
+                              mapping=mapping, auto_threshold=auto_threshold, wait=wait)
         try:
             yield model
         finally:

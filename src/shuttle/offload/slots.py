@@ -176,14 +176,24 @@ class SlotPool:
                 every later wait, until the slot is loaded anew).
             AdapterFileError: the slot's load from disk could not read its file.
         """
+        self.finish_read(slot)
+        if self._stream is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._loaded[slot])
+
+    def finish_read(self, slot: int) -> None:
+        """The host's part of :meth:`wait_loaded`: a read of ``slot`` from disk still in
+        flight is waited for and its copy queued (other landed reads' copies too); no stream
+        is made to wait.
+
+        Raises:
+            FileChangedError, AdapterFileError: as :meth:`wait_loaded`.
+        """
         pending = self._disk[slot]
         if pending is not None:
             pending.reader.finish(pending)  # raises while the load stays failed
             self._disk[slot] = None
         else:
             self._pump()
-        if self._stream is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._loaded[slot])
 
     def release(self, slot: int) -> None:
         """Mark ``slot`` reusable after the work queued so far on the current stream."""
