@@ -491,6 +491,9 @@ def worker(args: argparse.Namespace) -> None:
             row["image_s"] = walls  # each timed image, in order (the first after the warm-up)
             if device.type == "cuda":
                 row["peak_vram"] = torch.cuda.max_memory_allocated(device)
+                # what the caching allocator took from the card (allocated plus its cached
+                # free blocks): a card of the budget's size must hold this
+                row["peak_reserved"] = torch.cuda.max_memory_reserved(device)
             if handle is not None:
                 row["device_bytes_per_image"] = sum(copied) / args.runs
                 row["host_bytes"] = handle.cache.used_bytes

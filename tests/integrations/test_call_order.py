@@ -39,33 +39,48 @@ def test_the_order_is_learned_from_the_calls_and_walked_once_around():
     assert list(order.after("dit")) == ["vae", "clip", "t5"]
     assert list(order.after("clip")) == ["t5", "dit", "vae"]
     assert list(order.after("unet")) == []  # never called
+    assert [order.once(n) for n in ("clip", "t5", "dit", "vae", "unet")] == [
+        True, True, False, True, False]
     order.saw("vae")  # clip -> vae now: the latest order replaces the one before
     assert list(order.after("clip")) == ["vae"]
 
 
-@pytest.mark.parametrize("short", [None, "text_encoder_2", "text_encoder"])
-def test_the_next_modules_are_activated_under_the_vae_as_far_as_they_fit(
-        plain, monkeypatch, short):
-    # room: what the budget leaves beside the VAE's weights and reserve, sized so that both
-    # encoders fit (short=None), only CLIP (T5's need is one byte over), or neither.
-    ref, _, pixels = plain
-    whole = {n: sizes(o)[1] for n, o in shuttle_diffusers.offload(
-        copy.deepcopy(ref), max_host_bytes=2**22, device="cpu").offloaders.items()}
-    room = sum(whole[n] for n in ENCODERS)
-    if short is not None:
-        room -= 1 + (whole["text_encoder_2"] if short == "text_encoder" else 0)
-    ahead = set() if short == "text_encoder" else {"text_encoder"} if short else set(ENCODERS)
-    pipe = copy.deepcopy(ref)
-    handle = offload(pipe, BUDGET, FakeMeter({"vae": BUDGET - whole["vae"] - room}))
-    waits = []  # (module, wait) of each activation; the modules that waited for their copies
+def footprints(ref) -> dict[str, tuple[int, int]]:
+    """Each module's (floor, everything resident) device bytes, streamed as under a budget."""
+    handle = offload(copy.deepcopy(ref), BUDGET, FakeMeter())
+    return {n: sizes(o) for n, o in handle.offloaders.items()}
+
+
+def spy(handle, monkeypatch) -> tuple[list, list]:
+    """Lists that get (module, wait) at each activation and the module at each ready()."""
     names = {id(o): n for n, o in handle.offloaders.items()}
+    waits, readied = [], []
     activate, ready = ModelOffloader.activate, ModelOffloader.ready
     monkeypatch.setattr(ModelOffloader, "activate", lambda self, *a, **k: waits.append(
         (names[id(self)], k.get("wait", True))) or activate(self, *a, **k))
-    readied = []
     monkeypatch.setattr(ModelOffloader, "ready", lambda self: readied.append(
         names[id(self)]) or ready(self))
+    return waits, readied
+
+
+@pytest.mark.parametrize("fit", ["whole", "fewer", "none"])
+def test_the_next_modules_are_activated_under_the_vae_as_far_as_they_fit(
+        plain, monkeypatch, fit):
+    # room: what the budget leaves beside the VAE's weights and reserve, sized so that both
+    # encoders fit whole, T5 only with a block fewer resident (a byte short: T5 is called once
+    # a turn, so it is activated with a smaller plan), or not even CLIP's floor.
+    ref, _, pixels = plain
+    size = footprints(ref)
+    room = {"whole": size["text_encoder"][1] + size["text_encoder_2"][1],
+            "fewer": size["text_encoder"][1] + size["text_encoder_2"][1] - 1,
+            "none": size["text_encoder"][0] - 1}[fit]
+    ahead = set() if fit == "none" else set(ENCODERS)
+    pipe = copy.deepcopy(ref)
+    handle = offload(pipe, BUDGET, FakeMeter({"vae": BUDGET - size["vae"][1] - room}))
+    waits, readied = spy(handle, monkeypatch)
     decoding = record(pipe.vae.decoder, lambda: active(handle))
+    t5 = record(pipe.text_encoder_2.encoder.block[0],
+                lambda: handle.offloaders["text_encoder_2"].plan.device_bytes)
     assert torch.equal(run_flux(pipe, "pt"), pixels)  # learns the order and the activations
     assert decoding[-1] == {"vae"} and all(w for _, w in waits)  # nothing known: nothing ahead
     waits.clear()
@@ -78,6 +93,25 @@ def test_the_next_modules_are_activated_under_the_vae_as_far_as_they_fit(
     assert torch.equal(run_flux(pipe, "pt"), pixels)  # starts on the modules activated ahead
     assert ahead <= set(readied)  # each waited for its copies at its own call
     assert not ahead & {n for n, w in waits if w}  # not activated again at its call
+    whole = size["text_encoder_2"][1]
+    assert (t5[-1] == whole) if fit == "whole" else (t5[-1] < whole) if fit == "fewer" else True
+    handle.remove()
+
+
+def test_a_module_called_in_a_loop_is_activated_ahead_only_with_its_own_plan(
+        plain, monkeypatch):
+    # Room for the transformer's floor beside the others, not for its plan: with fewer blocks
+    # resident its every step would copy more, so it waits for its call.
+    ref, latents, pixels = plain
+    size = footprints(ref)
+    budget = sum(size[n][1] for n in ("vae", *ENCODERS)) + size["transformer"][0]
+    pipe = copy.deepcopy(ref)
+    handle = offload(pipe, budget, FakeMeter())
+    waits, _ = spy(handle, monkeypatch)
+    for _ in range(3):
+        assert torch.equal(run_flux(pipe, "pt"), pixels)
+    assert {n for n, w in waits if not w} == set(ENCODERS)
+    assert torch.equal(run_flux(pipe), latents)
     handle.remove()
 
 

@@ -159,6 +159,7 @@ class Active:
     config: tuple  # (adapter keys and strengths, mode) it was activated with
     plan: ResidencyPlan | None  # the plan it was activated with
     need: int  # its device weight bytes
+    ahead: bool = False  # activated ahead of its call (its plan may keep fewer blocks)
 
 
 class ActivateHook(ModuleHook):

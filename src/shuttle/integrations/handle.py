@@ -62,7 +62,7 @@ from shuttle.integrations.budgets import SourcedSpec, check_device, host_shares,
 from shuttle.integrations.call_order import CallOrder
 from shuttle.integrations.component import ActivateHook, Active, Component, check_free, restore
 from shuttle.integrations.routing import Routed, route_loras
-from shuttle.offload import ModelOffloader, RingOnlyResidency, StreamConfig
+from shuttle.offload import ModelOffloader, ResidencyPlan, RingOnlyResidency, StreamConfig
 from shuttle.offload.coded import Compression
 from shuttle.offload.host_storage import HostBacking
 from shuttle.offload.residency import floor_bytes
@@ -387,8 +387,8 @@ class OffloadHandle:
             c.foresee(self._vram_budget - outside, self.device,
                       getattr(fn, "__name__", "forward"), args, kwargs)
         self._enter(name)
-        if not any(self._running.values()):  # called from outside the modules
-            self._order.saw(name)
+        # a turn's first call from outside the modules (not a step loop's next)
+        if not any(self._running.values()) and self._order.saw(name):
             self._look_ahead(c)
         self._running[name] = self._running.get(name, 0) + 1
         try:
@@ -435,40 +435,39 @@ class OffloadHandle:
     def _enter(self, name: str) -> None:
         active = self._active.get(name)
         c = self._components[name]
-        if active is not None and active.plan != c.plan:
+        if active is not None and active.plan != c.plan and not active.ahead:
             self._deactivate(name, "planned again with its measured activations")
             active = None
         self._make_room(c)  # on every call: others may have come since its activation
         if active is not None:
             self._active[name] = self._active.pop(name)  # most recently used now
             self._offloaders[name].ready()  # copies of an activation ahead of its call
+            active.ahead = False  # its plan stands for this call only
             return
-        self._activate(c)
+        self._activate(c, c.plan)
 
-    def _activate(self, c: Component, wait: bool = True) -> None:
+    def _activate(self, c: Component, plan: ResidencyPlan | None, wait: bool = True) -> None:
         stack = contextlib.ExitStack()
         with stack:
             stack.enter_context(self._cache.use(c.spec, self.device,
-                                                loras=self._loras.get(c.name, []), plan=c.plan,
+                                                loras=self._loras.get(c.name, []), plan=plan,
                                                 mode=self._mode, wait=wait))
-            self._active[c.name] = Active(stack.pop_all(), self._config(c.name), c.plan, c.need)
+            self._active[c.name] = Active(stack.pop_all(), self._config(c.name), plan,
+                                          plan.device_bytes if plan else 0, not wait)
 
     def _look_ahead(self, c: Component) -> None:
-        """Activate the modules called after ``c``, nearest first, while their weights fit
-        beside the active ones and ``c``'s reserve (each waits for its copies at its call);
-        not those unmeasured (plans may change) or reading from disk (the host would wait).
+        """Activate what :meth:`CallOrder.ahead` names while ``c`` runs, in the room the
+        budget leaves beside the active modules and ``c``'s reserve.
         """
         if self._vram_budget is None or c.reserve is None:
             return
         room = (self._vram_budget - c.reserve - self._outside()
                 - sum(a.need for a in self._active.values()))
-        for s in (self._components[n] for n in self._order.after(c.name)
-                  if n not in self._active):
-            if s.reserve is None or s.share is not None or s.need > room:
-                return
-            self._activate(s, wait=False)
-            room -= s.need
-            logger.info("%s: activated ahead of its call, under %s's", s.name, c.name)
+        for s, plan in self._order.ahead(c.name, room, self._components, self._offloaders,
+                                         self._active, self._prefetch):
+            self._activate(s, plan, wait=False)
+            logger.info("%s: activated ahead of its call under %s's (%d of its %d device "
+                        "bytes)", s.name, c.name, plan.device_bytes, s.need)
 
     def _make_room(self, c: Component) -> None:
         budget = self._vram_budget
