@@ -527,8 +527,11 @@ def count_streamed(handle, pipe, stack: contextlib.ExitStack) -> list[int]:
     """A list that gets, while ``stack`` is open, the bytes each of ``handle``'s modules
     (``pipe``'s components of those names) copies to the device: at the end of every call what
     its plan streamed in that call (:func:`streamed`), and at every activation what it placed
-    (:func:`placed`: a module is activated again after another took its room)."""
+    (:func:`placed`: a module is activated again after another took its room). An activation
+    ahead of a module's call (under the call before it) counts at that call, so that the last
+    image's activations for an image not timed are not counted and its first one's are."""
     copied: list[int] = []
+    ahead: dict[int, int] = {}  # id(offloader) -> bytes placed ahead of its next call
     for name, off in handle.offloaders.items():
         hook = getattr(pipe, name).register_forward_hook(
             lambda *_, off=off: copied.append(streamed(off)) if off.plan is not None else None)
@@ -536,11 +539,20 @@ def count_streamed(handle, pipe, stack: contextlib.ExitStack) -> list[int]:
 
         def activate(*args, off=off, original=off.activate, **kwargs):
             model = original(*args, **kwargs)
-            copied.append(placed(off))
+            if kwargs.get("wait", True):
+                copied.append(placed(off))
+            else:
+                ahead[id(off)] = placed(off)
             return model
 
-        off.activate = activate  # an instance attribute over the method, until the stack ends
+        def ready(off=off, original=off.ready):
+            copied.append(ahead.pop(id(off), 0))
+            original()
+
+        # instance attributes over the methods, until the stack ends
+        off.activate, off.ready = activate, ready
         stack.callback(off.__dict__.pop, "activate", None)
+        stack.callback(off.__dict__.pop, "ready", None)
     return copied
 
 

@@ -33,14 +33,21 @@ def _cpu_copy(cpu_copy):
 
 def test_the_order_is_learned_from_the_calls_and_walked_once_around():
     order = CallOrder()
-    for name in ["clip", "t5", "dit", "dit", "dit", "vae", "clip"]:  # a step loop calls dit
-        order.saw(name)
+    # a one-step warm-up, then a step loop calling dit three times
+    turns = [order.saw(n) for n in ["clip", "t5", "dit", "vae", "clip", "t5", "dit", "dit",
+                                     "dit", "vae", "clip"]]
+    assert turns == [True] * 7 + [False, False, True, True]
     assert list(order.after("vae")) == ["clip", "t5", "dit"]  # up to vae itself
     assert list(order.after("dit")) == ["vae", "clip", "t5"]
     assert list(order.after("clip")) == ["t5", "dit", "vae"]
     assert list(order.after("unet")) == []  # never called
+    # once a turn: in two finished turns at least, every one of a single call
     assert [order.once(n) for n in ("clip", "t5", "dit", "vae", "unet")] == [
         True, True, False, True, False]
+    first = CallOrder()  # one finished turn of one call: it may have been a warm-up
+    for name in ["t5", "dit", "t5"]:
+        first.saw(name)
+    assert not first.once("t5") and not first.once("dit")
     order.saw("vae")  # clip -> vae now: the latest order replaces the one before
     assert list(order.after("clip")) == ["vae"]
 

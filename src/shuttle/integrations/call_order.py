@@ -26,7 +26,7 @@ class CallOrder:
 
     def __init__(self) -> None:
         self._next: dict[str, str] = {}
-        self._runs: dict[str, int] = {}  # calls in a row at each module's last turn
+        self._runs: dict[str, tuple[int, int]] = {}  # (finished turns, most calls in one)
         self._last: str | None = None
         self._run = 0
 
@@ -38,13 +38,18 @@ class CallOrder:
             self._run += 1
             return False
         if self._last is not None:
-            self._next[self._last], self._runs[self._last] = name, self._run
+            turns, most = self._runs.get(self._last, (0, 0))
+            self._next[self._last] = name
+            self._runs[self._last] = (turns + 1, max(most, self._run))
         self._last, self._run = name, 1
         return True
 
     def once(self, name: str) -> bool:
-        """Whether ``name`` was called once at its last finished turn."""
-        return self._runs.get(name) == 1
+        """Whether ``name`` was called once a turn in each of its finished turns, two at least
+        (a pipeline's first call may be a warm-up of one step).
+        """
+        turns, most = self._runs.get(name, (0, 0))
+        return turns >= 2 and most == 1
 
     def after(self, name: str) -> Iterator[str]:
         """The modules called after ``name``, nearest first, each once, up to ``name``."""
