@@ -122,6 +122,30 @@ def test_a_module_called_in_a_loop_is_activated_ahead_only_with_its_own_plan(
     handle.remove()
 
 
+def test_an_activation_ahead_that_fails_leaves_the_call_and_the_module_as_they_were(
+        plain, monkeypatch, caplog):
+    # A device OOM while activating T5 ahead (under the VAE's decode): the decode goes on, T5
+    # is rolled back and activated at its own call as without the guess.
+    ref, _, pixels = plain
+    pipe = copy.deepcopy(ref)
+    handle = offload(pipe, BUDGET, FakeMeter())
+    activate = ModelOffloader.activate
+    t5 = handle.offloaders["text_encoder_2"]
+
+    def failing(self, *args, **kwargs):
+        if self is t5 and not kwargs.get("wait", True):
+            raise torch.OutOfMemoryError("CUDA out of memory (planted)")
+        return activate(self, *args, **kwargs)
+
+    monkeypatch.setattr(ModelOffloader, "activate", failing)
+    for _ in range(3):
+        assert torch.equal(run_flux(pipe, "pt"), pixels)
+    assert "activating ahead under vae's call failed" in caplog.text
+    assert active(handle) == {"vae", "text_encoder"}  # CLIP ahead; T5 not, and not half-placed
+    assert not t5.active
+    handle.remove()
+
+
 def test_nothing_is_activated_ahead_without_a_budget(plain):
     ref, _, pixels = plain
     pipe = copy.deepcopy(ref)

@@ -456,18 +456,20 @@ class OffloadHandle:
                                           plan.device_bytes if plan else 0, not wait)
 
     def _look_ahead(self, c: Component) -> None:
-        """Activate what :meth:`CallOrder.ahead` names while ``c`` runs, in the room the
-        budget leaves beside the active modules and ``c``'s reserve.
-        """
+        """Activate what :meth:`CallOrder.ahead` names in the room left beside ``c``'s call."""
         if self._vram_budget is None or c.reserve is None:
             return
         room = (self._vram_budget - c.reserve - self._outside()
                 - sum(a.need for a in self._active.values()))
-        for s, plan in self._order.ahead(c.name, room, self._components, self._offloaders,
-                                         self._active, self._prefetch):
-            self._activate(s, plan, wait=False)
-            logger.info("%s: activated ahead of its call under %s's (%d of its %d device "
-                        "bytes)", s.name, c.name, plan.device_bytes, s.need)
+        try:
+            for s, plan in self._order.ahead(c.name, room, self._components, self._offloaders,
+                                             self._active, self._prefetch):
+                self._activate(s, plan, wait=False)  # rolled back whole if it fails
+                logger.info("%s: activated ahead under %s's call (%d of its %d device bytes)",
+                            s.name, c.name, plan.device_bytes, s.need)
+        except Exception:  # a guess at the next calls never fails this one (a device OOM)
+            logger.warning("activating ahead under %s's call failed: the modules after it wait "
+                           "for their own calls", c.name, exc_info=True)
 
     def _make_room(self, c: Component) -> None:
         budget = self._vram_budget
