@@ -131,7 +131,6 @@ class Component:
         self.reserve = min(reading.reserve, room)
         return True
 
-
     def uninstall(self) -> None:
         """Undo what the handle installed on the module: its float8 upcasting, shrunk calls,
         hook, wrapped methods, attributes and offloaded class.
