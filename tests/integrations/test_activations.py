@@ -18,8 +18,7 @@ from shuttle.errors import BudgetTooSmallError
 from shuttle.integrations import diffusers as shuttle_diffusers
 from shuttle.integrations.activations import DeviceMeter, meta_peak
 from shuttle.offload import ModelOffloader
-from tests.integrations.meters import FakeMeter, active, offload, record, sizes
-from tests.integrations.models import run_flux, snapshot
+from tests.integrations.models import FakeMeter, active, offload, record, run_flux, sizes, snapshot
 
 pytest.importorskip("diffusers")
 

@@ -3,7 +3,7 @@
 A pipeline calls its modules in one order at every call; while one runs, the handle activates
 the modules called after it as far as their weights fit beside it and its reserve, without the
 compute stream waiting for their copies (each waits at its own call). The tiny FluxPipeline
-runs on the CPU copy path with a meter that reports given activations (tests.integrations.meters);
+runs on the CPU copy path with a meter that reports given activations (tests.integrations.models);
 the GPU side (the copies under the VAE's decode, the waits) is in test_e2e_gpu.py.
 """
 
@@ -17,8 +17,7 @@ import torch
 from shuttle.integrations import diffusers as shuttle_diffusers
 from shuttle.integrations.call_order import CallOrder
 from shuttle.offload import ModelOffloader
-from tests.integrations.meters import FakeMeter, active, offload, record, sizes
-from tests.integrations.models import run_flux
+from tests.integrations.models import FakeMeter, active, offload, record, run_flux, sizes
 
 pytest.importorskip("diffusers")
 
