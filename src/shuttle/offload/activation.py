@@ -40,9 +40,8 @@ class Activation:
         self.placed: list[tuple[SlotPool, int, HostUnit]] = []
         self.decoder: Decoder | None = None  # coded units' staging (compress="lossless")
         # (pool, slot) of placed units the compute stream has not been made to wait for yet
-        # (``place(wait=False)``): :meth:`ready` makes it wait.
-        self.unready: list[tuple[SlotPool, int]] = []
-        self._wait = True
+        # (``place(wait=False)``: :meth:`ready` makes it wait); None: each waited for at once.
+        self.unready: list[tuple[SlotPool, int]] | None = None
 
     def pass_through(self, storage: HostStorage) -> None:
         """Run on the host tensors themselves (the CPU pass-through)."""
@@ -64,7 +63,7 @@ class Activation:
         called before the model's own forward.
         """
         plan, device = self.plan, self.device
-        self._wait = wait
+        self.unready = None if wait else []
         assert plan is not None
         copy_stream = copy_stream_of(device) if device.type == "cuda" else None
         fold = self.adapters.fold if self.adapters and self.adapters.merges else None
@@ -138,7 +137,7 @@ class Activation:
 
     def _loaded(self, pool: SlotPool, slot: int) -> None:
         """The current stream waits for ``slot``'s load now, or at :meth:`ready`."""
-        if self._wait:
+        if self.unready is None:
             pool.wait_loaded(slot)
         else:
             pool.finish_read(slot)  # a read from disk lands, its copy queued
@@ -146,7 +145,7 @@ class Activation:
 
     def ready(self) -> None:
         """Make the current stream wait for every load :meth:`place` left unwaited."""
-        unready, self.unready = self.unready, []
+        unready, self.unready = self.unready or [], None
         for pool, slot in unready:
             pool.wait_loaded(slot)
 
@@ -169,7 +168,7 @@ class Activation:
         if self.device.type != "cpu" or os.environ.get(CPU_COPY_ENV) == "1":
             move(on_device, torch.device("cpu"))
         self.pools.clear()  # closed: later work waits for their copies, awaited or not
-        self.unready.clear()
+        self.unready = None
         self.streamers.clear()
         self.placed.clear()
         self.layer_streamer = self.compiler = None
