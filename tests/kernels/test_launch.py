@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -265,3 +267,80 @@ def test_layer_operands_fit_the_same_tensors_as_laid_out():
     assert not held.fits(w, b)
     nobias = launch.LayerOperands(w, None)
     assert nobias.fits(w, None) and not nobias.fits(w, b)
+
+
+def test_no_dependent_launch_off_a_compiled_gpu():
+    """Under the interpreter (as on this CPU) no kernel asks to be launched early."""
+    if not launch.interpreting():
+        pytest.skip("kernels compiled here")
+    assert launch.dependent_launch(0) is False
+
+
+# What the kernels below call, bound from Triton when they are built (Triton resolves a kernel's
+# calls among its module's globals).
+gdc_launch_dependents = globaltimer = wait_for_primary = None
+
+
+@functools.cache
+def _late_copy_kernel():
+    import triton
+    import triton.language as tl
+    from triton.language.extra import cuda
+
+    globals().update(gdc_launch_dependents=cuda.gdc_launch_dependents,
+                     globaltimer=cuda.globaltimer)
+
+    @triton.jit
+    def late_copy_kernel(src_ptr, dst_ptr, n, delay_ns, BLOCK: tl.constexpr):
+        # lets its programmatic dependent start, waits delay_ns, then copies
+        gdc_launch_dependents()
+        start = globaltimer()
+        now = start
+        while now - start < delay_ns:
+            now = globaltimer()
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=offs < n), mask=offs < n)
+
+    return late_copy_kernel
+
+
+def late_copy(src: torch.Tensor, dst: torch.Tensor, delay_s: float = 1e-3) -> None:
+    """``dst.copy_(src)`` by a kernel that lets a kernel launched as its programmatic dependent
+    start at once and writes ``delay_s`` later: a dependent reading ``dst`` before it waits for
+    its primary reads what was there before.
+    """
+    n = src.numel()
+    _late_copy_kernel()[(-(-n // 1024),)](src, dst, n, int(delay_s * 1e9), BLOCK=1024)
+
+
+@pytest.mark.gpu
+def test_a_dependent_kernel_starts_under_its_primary_and_waits_for_its_writes():
+    """Launched with launch_pdl after a slow primary, a kernel reading at once sees the memory
+    as it was; one that waits first (tiles.wait_for_primary) sees the primary's writes."""
+    import triton
+    import triton.language as tl
+
+    from shuttle.kernels.tiles import bind_tiles
+
+    bind_tiles(globals(), "wait_for_primary")
+    if not launch.dependent_launch(torch.cuda.current_device()):
+        pytest.skip("programmatic dependent launch needs sm_90 and a Triton with it")
+
+    @triton.jit
+    def read(src_ptr, dst_ptr, n, WAIT: tl.constexpr, BLOCK: tl.constexpr):
+        if WAIT:
+            wait_for_primary()
+        offs = tl.arange(0, BLOCK)
+        tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=offs < n), mask=offs < n)
+
+    src = torch.arange(1, 257, dtype=torch.float32, device="cuda")
+    for wait in (False, True):  # compiled first: a compile would outlast the primary
+        read[(1,)](src, torch.empty_like(src), 256, WAIT=wait, BLOCK=256, launch_pdl=True)
+    late_copy(src, torch.empty_like(src))
+    for wait in (False, True):
+        mid = torch.zeros_like(src)
+        got = torch.empty_like(src)
+        late_copy(src, mid)
+        read[(1,)](mid, got, 256, WAIT=wait, BLOCK=256, launch_pdl=True)
+        torch.cuda.synchronize()
+        assert torch.equal(got, src) == wait

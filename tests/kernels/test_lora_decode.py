@@ -253,3 +253,41 @@ def test_prepared_linear_under_autograd_is_the_differentiable_reference():
     w = w.clone().requires_grad_()
     prep.linear(x, w, b, scale).float().sum().backward()
     assert w.grad is not None and bool(w.grad.abs().sum() > 0)
+
+
+@pytest.mark.gpu
+def test_linear_output_kernel_reads_the_partials_once_the_shrink_ended():
+    """On sm_90 the output kernel is launched as the shrink's programmatic dependent: it
+    streams W while the shrink runs and reads the partials after the shrink's end. After a
+    kernel writing them a millisecond late, it gives the shipped result bit for bit; compiled
+    without its wait (PDL off, launched early all the same) it reads them before they exist.
+    """
+    from shuttle.kernels.launch import dependent_launch
+    from shuttle.kernels.lora_decode import DECODE_LINEAR_CONFIG, _linear_launch, decode_kernels
+    from tests.kernels.test_launch import late_copy
+
+    if not dependent_launch(torch.cuda.current_device()):
+        pytest.skip("programmatic dependent launch needs sm_90 and a Triton with it")
+    t, k, n, r = 16, 4096, 6144, 16
+    x, w, b, down, up, scale = _layer(t, k, n, r, torch.bfloat16)
+    want = lora_decode_linear(x, w, b, down, up, scale)
+    plan = _linear_launch(t, k, n, r, DECODE_LINEAR_CONFIG, False, True, True, True, True, True)
+    assert plan.shrink["PDL"] and plan.output["PDL"] and plan.output["launch_pdl"]
+    _, output, shrink = decode_kernels()
+    partials = torch.empty(plan.parts * plan.shrink["BT"] * plan.shrink["BR"],
+                           dtype=torch.float32, device="cuda")
+    shrink((plan.parts,), x, down, partials, t, k, r, plan.per, k, k, **plan.shrink)
+
+    def run(ws, wait):
+        out = torch.empty(t, n, dtype=x.dtype, device="cuda")
+        output(plan.grid, x, w, b, up, scale, ws, out, t, k, n, r, k, k, r, n,
+               **{**plan.output, "PDL": wait})
+        return out
+    for wait in (False, True):  # compiled first: a compile would outlast the late copy
+        run(partials, wait)
+    for wait in (False, True):
+        ws = torch.zeros_like(partials)
+        late_copy(partials, ws)
+        got = run(ws, wait)
+        torch.cuda.synchronize()
+        assert torch.equal(got, want) == wait

@@ -27,8 +27,9 @@ def ptx_of(tmp_path_factory):
     """The PTX of a compile (the DSL writes it under a dump folder: a temporary one here)."""
     options = f"--keep-ptx --dump-dir {tmp_path_factory.mktemp('cute')}"
 
-    def ptx(dtype, tile, bias, shrink=False) -> str:
-        return str(compile_lora_gemm(dtype, tile, bias, 132, options, shrink).artifacts.PTX)
+    def ptx(dtype, tile, bias, shrink=False, pdl=False) -> str:
+        return str(compile_lora_gemm(dtype, tile, bias, 132, options, shrink,
+                                     pdl).artifacts.PTX)
     return ptx
 
 
@@ -97,3 +98,19 @@ def test_compiles_for_a_tvm_ffi_launch_on_the_cpu():
         pytest.skip("apache-tvm-ffi not installed")
     compiled = compile_lora_gemm(BF16, CUTE_TILES[0], True, 132, TVM_FFI_OPTION)
     assert hasattr(compiled, "__tvm_ffi_object__")
+
+
+@needs_dsl
+@pytest.mark.parametrize("tile", [CUTE_TILES[0], PINGPONG_TILES[0]], ids=tile_id)
+def test_a_dependent_launch_waits_before_s_and_before_the_bias(tile, ptx_of):
+    """With pdl the producer waits for the kernel before it (the one writing S) before its
+    first S tile (in each copy the compiler unrolls its loop into), and the consumers once
+    more before reading the bias; without it nothing waits."""
+    def waits(ptx):
+        return len(re.findall(r"griddepcontrol\.wait", ptx))
+    producer = waits(ptx_of(BF16, tile, False, pdl=True))
+    assert producer >= 1
+    assert waits(ptx_of(BF16, tile, True, pdl=True)) == producer + 1
+    assert waits(ptx_of(BF16, tile, True)) == 0
+    with pytest.raises(ValueError, match="shrink form computes S itself"):
+        compile_lora_gemm(BF16, tile, True, 132, "", shrink=True, pdl=True)

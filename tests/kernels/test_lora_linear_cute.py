@@ -46,7 +46,7 @@ def test_a_kernel_that_cannot_be_built_leaves_the_layer_to_triton(monkeypatch):
     class Broken:
         supports = staticmethod(lambda weight, up, down=None, tile=None: True)
 
-        def __init__(self, *args):
+        def __init__(self, *args, **kwargs):
             raise RuntimeError("DSL: unsupported driver")
     monkeypatch.setattr(mod, "cute_available", lambda device=None: True)
     monkeypatch.setattr(mod, "CuteLoraGemm", Broken)
@@ -88,6 +88,40 @@ def test_gpu_matches_reference(tile, dtype, t, k, n, r):
         bias.add_(1.0)
     gemm(x, w, bias, s, out)
     _assert_one_ulp(out, lora_linear_fused_reference(x, w, bias, s, up))
+
+
+@pytest.mark.gpu
+@needs_dsl
+@pytest.mark.parametrize("tile", [CUTE_TILES[0], PINGPONG_TILES[0]], ids=tile_id)
+def test_a_dependent_gemm_reads_s_and_the_bias_once_the_kernel_before_it_ended(tile):
+    """Built with pdl, the GEMM starts while the kernel before it runs (late_copy, writing S a
+    millisecond after letting it start) and reads S only after that kernel's end: the result
+    is the ordinary launch's, bit for bit. Its bias copy, refreshed by a kernel right before
+    the GEMM, is waited for too."""
+    from tests.kernels.test_launch import late_copy
+
+    if not cute_available():
+        pytest.skip("needs an sm_90 GPU")
+    t, k, n, r = 1000, 1536, 1536, 64
+    x, w, bias, down, up, scale = _layer(t, k, n, r, BF16, BF16, device="cuda")
+    s = ((x.float() @ down.float().T) * scale).to(BF16)
+    plain, dependent = (CuteLoraGemm(w, up, True, tile, pdl=pdl) for pdl in (False, True))
+    want, got = (torch.empty(t, n, dtype=BF16, device="cuda") for _ in range(2))
+    plain(x, w, bias, s, want)
+    dependent(x, w, bias, s, got)  # compiled and its bias copied before the timed launch
+    s_late = torch.zeros_like(s)
+    late_copy(s, s_late)
+    dependent(x, w, bias, s_late, got)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    with torch.no_grad():
+        bias.add_(1.0)  # the next call copies it by a kernel between late_copy and the GEMM
+    plain(x, w, bias, s, want)
+    s_late.zero_()
+    late_copy(s, s_late)
+    dependent(x, w, bias, s_late, got)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
 
 
 def _ulp(v):

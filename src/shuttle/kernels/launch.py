@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 __all__ = ["BoundLaunch", "CompiledLaunch", "LayerOperands", "cdiv", "current_stream_handle",
-           "device_capability", "device_floats", "interpreting", "next_power_of_2",
-           "on_device_of", "seed32", "sm_count", "triton_available"]
+           "dependent_launch", "device_capability", "device_floats", "interpreting",
+           "next_power_of_2", "on_device_of", "seed32", "sm_count", "triton_available"]
 
 
 @functools.cache
@@ -38,6 +38,21 @@ def device_capability(device: torch.device | int) -> tuple[int, int]:
     kernels' wrappers check it on every call: every dynamic forward, every float8 upcast).
     """
     return torch.cuda.get_device_capability(device)
+
+
+@functools.cache
+def dependent_launch(index: int) -> bool:
+    """Whether Triton kernels on CUDA device ``index`` can be launched as programmatic
+    dependents (``launch_pdl=True``: the kernel starts while the one before it in the stream
+    still runs, and waits where it reads that kernel's output; ``shuttle.kernels.tiles.
+    wait_for_primary``): an sm_90 or later device, compiled kernels (not the interpreter, which
+    Triton fixes per process as this does) and a Triton with grid dependency control.
+    """
+    if interpreting() or not triton_available():
+        return False
+    from shuttle.kernels.tiles import dependent_launch_available
+
+    return dependent_launch_available() and device_capability(index) >= (9, 0)
 
 
 @functools.cache

@@ -15,7 +15,9 @@ and workspace: :mod:`shuttle.kernels.semaphore`). Split, because a program compu
 :func:`lora_decode_linear` is the fused tier's decode form: the whole layer
 ``x @ W.T + ((x @ A.T) * scale) @ B.T + bias``. A split-K shrink writes float32 partials of
 ``h = x @ A.T`` (a few small programs, one per K range); then each output program streams its BN
-rows of W once (at decode the layer is bound by reading W), sums the partials in a fixed order,
+rows of W once (at decode the layer is bound by reading W; on sm_90 and later the output kernel
+is the shrink's programmatic dependent, so that stream starts under the shrink and only the
+partials wait for its end), sums the partials in a fixed order,
 adds ``(h * scale) @ B[rn].T`` (float32, ``h`` never rounded) and the bias, and rounds once. No
 base output is written and read back. (Two one-launch forms are slower where it counts: every
 output program accumulating the whole of ``h`` beside its base product, whose extra per-step
@@ -41,6 +43,7 @@ from shuttle.kernels.launch import (
     BoundLaunch,
     LayerOperands,
     cdiv,
+    dependent_launch,
     interpreting,
     next_power_of_2,
     on_device_of,
@@ -225,9 +228,11 @@ class _LinearLaunch(NamedTuple):
 
 def _linear_launch(t: int, k: int, n: int, r: int, cfg: DecodeConfig, interpret: bool,
                    x_aligned: bool, down_aligned: bool, out_aligned: bool,
-                   has_bias: bool) -> _LinearLaunch:
+                   has_bias: bool, pdl: bool) -> _LinearLaunch:
     """How :func:`lora_decode_linear` launches for these sizes, ``cfg`` and alignment flags
-    (x's rows and K; the down factor's rows; the weight's and output's rows and N).
+    (x's rows and K; the down factor's rows; the weight's and output's rows and N); with
+    ``pdl`` the output kernel is the shrink's programmatic dependent (``launch.dependent_launch``:
+    it streams W while the shrink runs).
     """
     bt, br = max(16, next_power_of_2(t)), max(16, next_power_of_2(r))
     step = cfg.block_k  # the shrink's K step too; each shrink program takes whole steps
@@ -235,11 +240,11 @@ def _linear_launch(t: int, k: int, n: int, r: int, cfg: DecodeConfig, interpret:
     return _LinearLaunch(
         parts, per, (cdiv(n, cfg.block_n),),
         {"BT": bt, "BK": step, "BR": br, "IEEE": interpret,
-         "ALIGNED": x_aligned and down_aligned, "num_warps": 4},
+         "ALIGNED": x_aligned and down_aligned, "PDL": pdl, "num_warps": 4},
         {"BT": bt, "BK": cfg.block_k, "BR": br, "BN": cfg.block_n, "H_PARTS": parts,
          "HAS_BIAS": has_bias, "EVEN_K": k % cfg.block_k == 0, "IEEE": interpret,
-         "ALIGNED": x_aligned and out_aligned, "num_warps": cfg.num_warps,
-         "num_stages": cfg.num_stages})
+         "ALIGNED": x_aligned and out_aligned, "PDL": pdl, "num_warps": cfg.num_warps,
+         "num_stages": cfg.num_stages, "launch_pdl": pdl})
 
 
 def lora_decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -302,7 +307,7 @@ def lora_decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
     plan = _linear_launch(t, k, n, r, cfg, interpret, _aligned(x, sizes=(k,)),
                           _aligned(down, sizes=()), _aligned(weight, out, sizes=(n,)),
-                          bias is not None)
+                          bias is not None, x.is_cuda and dependent_launch(x.get_device()))
     _, output, shrink = decode_kernels()
     _launch_linear(plan, x, weight, bias, down, up, _float32(scale), out,
                    functools.partial(shrink, (plan.parts,), **plan.shrink),
@@ -338,12 +343,15 @@ class PreparedLoraDecode:
     and x's alignment, so that a call checks x, the output and the scale alone. It launches the
     functions' kernels with their constexprs: its results are theirs bit for bit.
 
+    ``pdl``: the whole layer's output kernel launched as the shrink's programmatic dependent
+    where the device allows, as :func:`lora_decode_linear` does (False: in stream order).
+
     ``usable`` is False where the kernels do not take the factors; where they do not take a
     call's operands (or ``usable`` is False) a call goes to the function, which falls back to
     its reference.
     """
 
-    def __init__(self, down: torch.Tensor, up: torch.Tensor) -> None:
+    def __init__(self, down: torch.Tensor, up: torch.Tensor, pdl: bool = True) -> None:
         r, k = down.shape
         n = up.shape[0]
         self.down, self.up = down, up
@@ -361,6 +369,7 @@ class PreparedLoraDecode:
         self._down_aligned = _rows_aligned(down, self._sd)
         self._up_aligned = r % 16 == 0 and _rows_aligned(up, self._su)
         self._torch_device = down.device
+        self._pdl = pdl and down.is_cuda and dependent_launch(self._device)
         self._adds: dict[tuple[int, bool], tuple[_AddLaunch, BoundLaunch]] = {}  # (BT, ALIGNED)
         # the weight and bias the linear launches are bound for, and those launches
         self._operands: LayerOperands | None = None
@@ -449,7 +458,7 @@ class PreparedLoraDecode:
         if bound is None:
             plan = _linear_launch(t, k, self._n, self._r, self._config, self._interpret,
                                   x_aligned, self._down_aligned, self._w_aligned,
-                                  bias is not None)
+                                  bias is not None, self._pdl)
             _, output, shrink = decode_kernels()
             bound = self._linears[key] = (plan, shrink.bind((plan.parts,), **plan.shrink),
                                           output.bind(plan.grid, **plan.output))

@@ -13,8 +13,8 @@ from shuttle.kernels.launch import CompiledLaunch
 __all__ = ["decode_kernels"]
 
 # Shared tile helpers, bound by tiles.bind_tiles() when the kernels are built (see there).
-gather_partials = publish_partial = release_tickets = None
-store_partial = store_rne = take_ticket = None
+gather_partials = publish_partial = release_dependents = release_tickets = None
+store_partial = store_rne = take_ticket = wait_for_primary = None
 
 
 @functools.cache
@@ -27,8 +27,8 @@ def decode_kernels() -> tuple[CompiledLaunch, CompiledLaunch, CompiledLaunch]:
 
     from shuttle.kernels.tiles import bind_tiles
 
-    bind_tiles(globals(), "gather_partials", "publish_partial", "release_tickets",
-               "store_partial", "store_rne", "take_ticket")
+    bind_tiles(globals(), "gather_partials", "publish_partial", "release_dependents",
+               "release_tickets", "store_partial", "store_rne", "take_ticket", "wait_for_primary")
 
     # The kernels' runtime arguments are unspecialized: one binary per dtypes and constexprs,
     # launched from it by CompiledLaunch (at decode the host is the bottleneck, and Triton's
@@ -79,9 +79,12 @@ def decode_kernels() -> tuple[CompiledLaunch, CompiledLaunch, CompiledLaunch]:
                                    "stride_xt", "stride_dr"])
     def partial_shrink_kernel(x_ptr, d_ptr, ws_ptr, T, K, R, K_PER, stride_xt, stride_dr,
                               BT: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
-                              IEEE: tl.constexpr, ALIGNED: tl.constexpr):
+                              IEEE: tl.constexpr, ALIGNED: tl.constexpr, PDL: tl.constexpr):
         # Program p: the float32 partial over its K range at ws[p] (padding rows and ranks
-        # are zeros), in a workspace fresh for each launch.
+        # are zeros), in a workspace fresh for each launch. PDL: the output kernel follows as
+        # a programmatic dependent, let it start streaming W now.
+        if PDL:
+            release_dependents()
         store_partial(tl.program_id(0), x_ptr, d_ptr, ws_ptr, T, K, R, K_PER, stride_xt,
                       stride_dr, BT, BR, BK, IEEE, ALIGNED)
 
@@ -92,9 +95,11 @@ def decode_kernels() -> tuple[CompiledLaunch, CompiledLaunch, CompiledLaunch]:
                       stride_xt, stride_wn, stride_un, stride_ot,
                       BT: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
                       H_PARTS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                      IEEE: tl.constexpr, ALIGNED: tl.constexpr):
+                      IEEE: tl.constexpr, ALIGNED: tl.constexpr, PDL: tl.constexpr):
         # acc = x @ W[rn].T over K, then h summed from partial_shrink_kernel's H_PARTS
         # partials in a fixed order (deterministic), acc += (h * scale) @ up[rn].T, + bias.
+        # PDL: launched as the shrink's programmatic dependent, so W streams under the shrink
+        # (x and W were in memory before it started); the partials are read after its end.
         rt = tl.arange(0, BT)
         rr = tl.arange(0, BR)
         rk = tl.arange(0, BK)
@@ -130,6 +135,8 @@ def decode_kernels() -> tuple[CompiledLaunch, CompiledLaunch, CompiledLaunch]:
                 acc = tl.dot(x, w, acc)
             x_ptrs += BK
             w_ptrs += BK
+        if PDL:
+            wait_for_primary()
         ws_ptrs = tl.multiple_of(ws_ptr + rt[:, None] * BR + rr[None, :], [16, 16])
         h = tl.load(ws_ptrs)
         for p in range(1, H_PARTS):

@@ -26,7 +26,8 @@ applied to the float32 accumulator from float32 copies padded to whole tiles (re
 bound check).
 
 :func:`compile_lora_gemm` compiles it once per (dtype, tile shape, bias or not, SM count,
-shrink or not); :class:`~shuttle.kernels.lora_linear_cute.CuteLoraGemm` launches it for a layer.
+shrink or not, programmatic dependent launch or not);
+:class:`~shuttle.kernels.lora_linear_cute.CuteLoraGemm` launches it for a layer.
 """
 
 # No `from __future__ import annotations`: the DSL reads the jit functions' annotations as
@@ -56,7 +57,8 @@ def _stages(tile: CuteTile, epi_tile: tuple[int, int], elem_bytes: int, smem: in
 
 
 class _Kernel:
-    """The DSL program for one (dtype, tile, bias or not, SM count, shrink or not); see the
+    """The DSL program for one (dtype, tile, bias or not, SM count, shrink or not, dependent
+    launch or not); see the
     module docstring.
 
     ``host`` builds the ``@cute.jit`` launcher (tensors from raw pointers, TMA descriptors,
@@ -66,12 +68,13 @@ class _Kernel:
     """
 
     def __init__(self, dtype: torch.dtype, tile: CuteTile, has_bias: bool, sms: int,
-                 shrink: bool):
+                 shrink: bool, pdl: bool):
         self.dtype = dtype
         self.tile = tile
         self.has_bias = has_bias
         self.sms = sms
         self.shrink = shrink
+        self.pdl = pdl
         self.consumers = tile.consumers
         self.threads = (1 + self.consumers) * THREADS_PER_WARPGROUP
         self.elem = numeric(dtype)
@@ -174,17 +177,22 @@ class _Kernel:
                    tma_a, g_a, tma_xn, g_xn, tma_st, g_st, m_bias, m_scale, m_table, m_flags,
                    this.a_smem, this.b_smem, this.epi_smem, this.epi_smem_t, sched, t, n, k,
                    r).launch(grid=grid, block=[this.threads, 1, 1], cluster=(1, 1, 1),
-                             min_blocks_per_mp=1, stream=stream)
+                             min_blocks_per_mp=1, stream=stream, use_pdl=this.pdl)
 
         return launch
 
 
 @functools.cache
 def compile_lora_gemm(dtype: torch.dtype, tile: CuteTile, has_bias: bool, sms: int,
-                      options: str = "", shrink: bool = False) -> Any:
+                      options: str = "", shrink: bool = False, pdl: bool = False) -> Any:
     """The compiled kernel for ``dtype`` operands, ``tile`` and ``sms`` persistent CTAs (once
     per process per arguments; compiling takes a second or two, a call microseconds); with
-    ``shrink`` the program computes S itself (the module docstring).
+    ``shrink`` the program computes S itself (the module docstring). With ``pdl`` (S given
+    only) it is launched as a programmatic dependent of the kernel before it, the one writing
+    S: it starts while that kernel runs, streaming x and W, and its producer waits for that
+    kernel's end before the first S tile (its consumers before reading the bias, whose
+    refreshing copy may be that kernel). A call must then come right after the kernel writing
+    S, with x and W in memory before that kernel started.
 
     Compiles for sm_90a with or without a GPU, so the CPU tests check that the program is well
     formed. ``options``: more of the DSL's compile options (``"--keep-ptx --dump-dir D"`` keeps
@@ -192,12 +200,15 @@ def compile_lora_gemm(dtype: torch.dtype, tile: CuteTile, has_bias: bool, sms: i
     """
     if dtype not in CUTE_DTYPES:
         raise TypeError(f"the CuTe LoRA kernel takes bfloat16 or float16 operands, not {dtype}")
+    if pdl and shrink:
+        raise ValueError("compile_lora_gemm: pdl waits for a kernel writing S; the shrink "
+                         "form computes S itself (pass pdl=False)")
     d = dsl()
     cute, cutlass = d.cute, d.cutlass
     elem, f32, i32 = numeric(dtype), cutlass.Float32, cutlass.Int32
     ptr = functools.partial(d.make_ptr, value=0, mem_space=cute.AddressSpace.gmem,
                             assumed_align=16)
-    kernel = _Kernel(dtype, tile, has_bias, sms, shrink)
+    kernel = _Kernel(dtype, tile, has_bias, sms, shrink, pdl)
     from cuda.bindings import driver
 
     pointers = (elem, elem, elem, elem, elem, f32, f32, elem, i32, i32)  # x W A S B scale bias

@@ -26,7 +26,7 @@ def device_kernel(spec: Any) -> Any:
     cutlass, cute, pipeline, utils, sm90 = d.cutlass, d.cute, d.pipeline, d.utils, d.sm90
     cpasync, warpgroup = cute.nvgpu.cpasync, cute.nvgpu.warpgroup
     tile, consumers, has_bias, elem = spec.tile, spec.consumers, spec.has_bias, spec.elem
-    shrink, pingpong = spec.shrink, tile.pingpong
+    shrink, pingpong, pdl = spec.shrink, tile.pingpong, spec.pdl
     # The S tiles a row tile reads: one where an S tile's tokens (tile.n) are whole row tiles,
     # else up to two (a row tile straddling their boundary).
     spans = 1 if tile.n % tile.m == 0 else 2
@@ -181,6 +181,10 @@ def device_kernel(spec: Any) -> Any:
                                             cute.arch.store(seen, cutlass.Int32(0))
                             cute.arch.sync_warp()
                             cute.arch.fence_proxy("async.global")
+                    if cutlass.const_expr(pdl):  # noqa: SIM102 (the DSL's rule)
+                        # launched as the shrink's programmatic dependent: S once it ended
+                        if step == k_tiles:
+                            cute.arch.griddepcontrol_wait()
                     ring.producer_acquire(state)
                     bar = ring.producer_get_barrier(state)
                     at = state.index
@@ -355,6 +359,8 @@ def device_kernel(spec: Any) -> Any:
                                                  scope="gpu")
                 else:
                     if cutlass.const_expr(has_bias):
+                        if cutlass.const_expr(pdl):  # the bias copy may be the kernel before
+                            cute.arch.griddepcontrol_wait()
                         # this thread's accumulator elements: the slice of its own thread
                         # (thr_mma is the warpgroup's, right for shared-memory operands
                         # only)

@@ -77,6 +77,9 @@ class CuteLoraGemm:
         has_bias: whether calls pass a bias.
         tile: the CTA tile (:data:`CUTE_TILES`).
         down: A (R, K), W's dtype, contiguous: the kernel computes S.
+        pdl: without ``down``, launch as a programmatic dependent of the kernel before it
+            (``compile_lora_gemm``'s ``pdl``): x and W stream while that kernel, the one
+            writing S, still runs. Every call must then come right after that kernel.
 
     Raises:
         ValueError: operands the kernel does not take (another dtype or device, sizes not a
@@ -85,7 +88,8 @@ class CuteLoraGemm:
     """
 
     def __init__(self, weight: torch.Tensor, up: torch.Tensor, has_bias: bool,
-                 tile: CuteTile = CUTE_TILES[0], down: torch.Tensor | None = None) -> None:
+                 tile: CuteTile = CUTE_TILES[0], down: torch.Tensor | None = None,
+                 pdl: bool = False) -> None:
         if not self.supports(weight, up, down, tile):
             shapes = f", A {tuple(down.shape)} {down.dtype}" if down is not None else ""
             raise ValueError(
@@ -95,6 +99,7 @@ class CuteLoraGemm:
                 f"{up.dtype}{shapes}")
         self.up, self.down, self.tile, self.m, self.n = up, down, tile, tile.m, tile.n
         self.shrink = down is not None
+        self.pdl = pdl and not self.shrink
         n, k = weight.shape
         self._shape = (n, k, up.shape[1])  # N, K, R
         device = weight.device
@@ -114,7 +119,7 @@ class CuteLoraGemm:
                                        tile.n * k * up.element_size()))
         # With TVM FFI the program is a C function taking addresses, sizes and the stream
         # handle as Python ints (no DSL pointer objects, no Python-side argument packing).
-        self._build = (weight.dtype, tile, has_bias, self._sms, self.shrink)
+        self._build = (weight.dtype, tile, has_bias, self._sms, self.shrink, self.pdl)
         self._ffi = _ffi_function(*self._build)
         self._compiled = None if self._ffi is not None else self._compile()
         d = dsl()
@@ -127,8 +132,8 @@ class CuteLoraGemm:
         self._stream_type = driver.CUstream
 
     def _compile(self) -> Any:
-        dtype, tile, has_bias, sms, shrink = self._build
-        return compile_lora_gemm(dtype, tile, has_bias, sms, shrink=shrink)
+        dtype, tile, has_bias, sms, shrink, pdl = self._build
+        return compile_lora_gemm(dtype, tile, has_bias, sms, shrink=shrink, pdl=pdl)
 
     @staticmethod
     def supports(weight: torch.Tensor, up: torch.Tensor, down: torch.Tensor | None = None,
@@ -246,13 +251,13 @@ def tvm_ffi_installed() -> bool:
 
 
 def _ffi_function(dtype: torch.dtype, tile: CuteTile, has_bias: bool, sms: int,
-                  shrink: bool) -> Callable[..., Any] | None:
+                  shrink: bool, pdl: bool) -> Callable[..., Any] | None:
     """The C-level TVM FFI function of the program compiled with :data:`TVM_FFI_OPTION` (it
     takes pointers as integer addresses and the stream as its integer handle), or None where
     TVM FFI is not installed or gives no function (then the DSL's own launcher serves).
     """
     if not tvm_ffi_installed():
         return None
-    compiled = compile_lora_gemm(dtype, tile, has_bias, sms, TVM_FFI_OPTION, shrink)
+    compiled = compile_lora_gemm(dtype, tile, has_bias, sms, TVM_FFI_OPTION, shrink, pdl)
     get = getattr(compiled, "__tvm_ffi_object__", None)
     return get() if get is not None else None

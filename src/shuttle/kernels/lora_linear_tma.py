@@ -31,6 +31,7 @@ from shuttle.kernels.launch import (
     CompiledLaunch,
     LayerOperands,
     cdiv,
+    dependent_launch,
     interpreting,
     next_power_of_2,
     on_device_of,
@@ -80,7 +81,7 @@ SHRINK_TMA_CONFIG = FusedConfig(64, 128, 128, 64, 8, 4, 4)
 
 
 # Shared tile helpers, bound by tiles.bind_tiles() when the kernel is built (see there).
-round_bf16 = None
+release_dependents = round_bf16 = None
 
 
 @functools.cache
@@ -90,7 +91,7 @@ def _kernel():
 
     from shuttle.kernels.tiles import bind_tiles
 
-    bind_tiles(globals(), "round_bf16")
+    bind_tiles(globals(), "release_dependents", "round_bf16")
 
     # Nothing specialized on values or alignment (TMA needs neither compiled in): one binary per
     # dtypes and constexprs, which CompiledLaunch launches without Triton's dispatch.
@@ -103,13 +104,16 @@ def _kernel():
                           BK: tl.constexpr, BR: tl.constexpr, GROUP: tl.constexpr,
                           HAS_LORA: tl.constexpr,
                           HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, IEEE: tl.constexpr,
-                          OUT_BF16: tl.constexpr, STAGES: tl.constexpr):
+                          OUT_BF16: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
         # out = x @ W.T (+ S @ B.T) (* scale per column) (+ bias), one float32 accumulator per
         # tile, rounded once. Hopper form: every operand tile arrives by TMA bulk copy into
         # shared memory (pipelined STAGES deep), and the N_PROGS persistent programs walk the
         # tiles in the swizzled order, so one tile's epilogue overlaps the next tile's loads.
         # Also the shrink: x against the down factor, with the per-rank scale as column scale.
         # Descriptors are built here, on the device (see shuttle.kernels.tma).
+        # PDL (the shrink): a GEMM launched as this kernel's programmatic dependent may start.
+        if PDL:
+            release_dependents()
         x_desc = tl.make_tensor_descriptor(x_ptr, shape=[T, K], strides=[stride_xt, 1],
                                            block_shape=[BT, BK])
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1],
@@ -187,13 +191,17 @@ class PreparedLoraLinear:
     shrink); ``"fused_cute_pingpong"`` the ping-pong tile's GEMM
     (:data:`~shuttle.kernels.cute_dsl.PINGPONG_TILES`) after Triton's shrink.
 
+    With ``pdl`` (the default) the CuTe GEMM after Triton's shrink is launched as the shrink's
+    programmatic dependent where the device allows (sm_90): it starts streaming x and W while
+    the shrink runs, and reads S after its end (False: in stream order, as before).
+
     ``usable`` is False where the TMA path does not apply to the fixed operands; a call answers
     None where it does not apply to x (few rows, another dtype or device, misaligned rows,
     autograd recording): then use the functions.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, down: torch.Tensor,
-                 up: torch.Tensor, form: str = "fused") -> None:
+                 up: torch.Tensor, form: str = "fused", pdl: bool = True) -> None:
         if form not in FUSED_FORMS:
             raise ValueError(f"form must be one of {FUSED_FORMS}, not {form!r}")
         # The layer's weight and bias weakly; the factors strongly (the caller's own tensors).
@@ -212,7 +220,9 @@ class PreparedLoraLinear:
             return
         self._n, self._k, self._r = n, k, r
         self._dtype, self._device = weight.dtype, weight.get_device()
-        self._shrink = _tma_constexprs(SHRINK_TMA_CONFIG, r, 0, False, True, weight.dtype, True)
+        pdl = pdl and dependent_launch(self._device)
+        self._shrink = _tma_constexprs(SHRINK_TMA_CONFIG, r, 0, False, True, weight.dtype, True,
+                                       pdl and form != "fused")
         # lora_shrink's choice for short inputs, the same kernel (imported here: that module
         # imports this one)
         from shuttle.kernels.lora_shrink import launch_short_shrink, short_shrink
@@ -225,7 +235,7 @@ class PreparedLoraLinear:
         self._pingpong = form == "fused_cute_pingpong"
         if form != "fused":
             self._cute = _cute_gemms(weight, bias, down if form == "fused_cute_shrink" else None,
-                                     up, PINGPONG_TILES if self._pingpong else CUTE_TILES)
+                                     up, PINGPONG_TILES if self._pingpong else CUTE_TILES, pdl)
             self.cute = bool(self._cute)
         # S among the CuTe kernel's units (its tile picked counting them)
         self._one_kernel = any(gemm.shrink for gemm in self._cute.values())
@@ -275,11 +285,11 @@ class PreparedLoraLinear:
 
 
 def _cute_gemms(weight: torch.Tensor, bias: torch.Tensor | None, down: torch.Tensor | None,
-                up: torch.Tensor, tiles: tuple) -> dict:
+                up: torch.Tensor, tiles: tuple, pdl: bool = False) -> dict:
     """The CuTe kernel for this layer per tile of ``tiles`` (computing S itself given ``down``
-    where the rank allows, else after Triton's shrink), or {} where it does not run (no DSL,
-    not sm_90, operands it does not take, or a build that failed: then Triton's kernels serve,
-    with a warning saying why).
+    where the rank allows, else after Triton's shrink, as its programmatic dependent with
+    ``pdl``), or {} where it does not run (no DSL, not sm_90, operands it does not take, or a
+    build that failed: then Triton's kernels serve, with a warning saying why).
     """
     from shuttle.kernels.lora_linear_cute import CuteLoraGemm, cute_available
 
@@ -288,7 +298,8 @@ def _cute_gemms(weight: torch.Tensor, bias: torch.Tensor | None, down: torch.Ten
     try:
         return {tile: CuteLoraGemm(weight, up, bias is not None, tile,
                                    down if down is not None
-                                   and CuteLoraGemm.supports(weight, up, down, tile) else None)
+                                   and CuteLoraGemm.supports(weight, up, down, tile) else None,
+                                   pdl=pdl)
                 for tile in tiles}
     except Exception as e:  # the DSL's own errors: a version or driver it does not take
         warnings.warn(f"the CuTe LoRA kernel could not be built ({type(e).__name__}: {e}); "
@@ -316,9 +327,10 @@ def _round_fill(t: int, n: int, block_t: int, block_n: int, sms: int) -> float:
 
 
 def _tma_constexprs(cfg: FusedConfig, n: int, r: int, has_bias: bool, has_scale: bool,
-                    out_dtype: torch.dtype, cuda: bool) -> dict:
+                    out_dtype: torch.dtype, cuda: bool, pdl: bool = False) -> dict:
     """The TMA kernel's compile-time arguments (all but N_PROGS) for an output of n columns
-    and a LoRA part of rank r (0: none, the shrink).
+    and a LoRA part of rank r (0: none, the shrink); ``pdl``: the shrink's dependent (the CuTe
+    GEMM) may start at once.
     """
     return {"BT": cfg.block_t,
             # The shrink's output columns are the ranks: its column tile is fitted to them.
@@ -328,7 +340,7 @@ def _tma_constexprs(cfg: FusedConfig, n: int, r: int, has_bias: bool, has_scale:
             "HAS_SCALE": has_scale,
             "IEEE": not cuda,  # off CUDA this runs in the interpreter
             "OUT_BF16": out_dtype == torch.bfloat16, "STAGES": cfg.num_stages,
-            "num_warps": cfg.num_warps}
+            "PDL": pdl, "num_warps": cfg.num_warps}
 
 
 def _launch_tma(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None,

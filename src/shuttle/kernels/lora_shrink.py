@@ -29,6 +29,7 @@ import torch
 
 from shuttle.kernels.launch import (
     cdiv,
+    dependent_launch,
     interpreting,
     next_power_of_2,
     on_device_of,
@@ -103,7 +104,7 @@ def lora_shrink_reference(x: torch.Tensor, down: torch.Tensor, scale: torch.Tens
 
 
 # Shared tile helpers, bound by tiles.bind_tiles() when the kernel is built (see there).
-dot_over_k = store_rne = None
+dot_over_k = release_dependents = store_rne = None
 
 
 @functools.cache
@@ -113,16 +114,21 @@ def _kernel():
 
     from shuttle.kernels.tiles import bind_tiles
 
-    bind_tiles(globals(), "dot_over_k", "store_rne")
+    bind_tiles(globals(), "dot_over_k", "release_dependents", "store_rne")
 
     @triton.jit
     def shrink_kernel(x_ptr, d_ptr, scale_ptr, o_ptr, T, R, K, K_PER_SPLIT, stride_xt,
                       stride_dr, stride_ot, stride_os,
                       BT: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
-                      SPLIT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr):
+                      SPLIT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+                      PDL: tl.constexpr):
         # One (BT, BR) tile of S over the K range [pid_k * K_PER_SPLIT, ... + K_PER_SPLIT).
         # With SPLIT > 1 the float32 partial sums go to a workspace (SPLIT, T, R) that the host
         # reduces, scales and rounds; with SPLIT == 1 the tile is scaled and rounded here.
+        # PDL: a GEMM launched as this kernel's programmatic dependent may start now (it waits
+        # for this kernel's end before reading S; nothing else reacts).
+        if PDL:
+            release_dependents()
         pid_t = tl.program_id(0)
         pid_r = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -251,4 +257,5 @@ def _launch(x: torch.Tensor, down: torch.Tensor, scale: torch.Tensor, out: torch
             out.stride(1), out.stride(0),
             BT=cfg.block_t, BR=br, BK=bk, SPLIT=out.shape[0],
             IEEE=ieee_dot(x.dtype, down.dtype, interpret), EVEN_K=k % bk == 0,
+            PDL=x.is_cuda and dependent_launch(x.get_device()),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)

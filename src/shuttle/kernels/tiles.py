@@ -17,9 +17,21 @@ from shuttle.kernels.launch import interpreting
 # this module is imported, as Triton fixes interpretation when it decorates a kernel.
 _RNE_BY_HAND: tl.constexpr = tl.constexpr(interpreting())
 
-__all__ = ["bind_tiles", "dot_over_k", "gather_partials", "hash_uniform", "lowrank_tile", "pick",
-           "publish_partial", "release_tickets", "round_bf16", "shrink_step", "store_partial",
-           "store_rne", "take_ticket", "tile_of"]
+try:  # grid dependency control (programmatic dependent launch, sm_90 on): Triton 3.3 on
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
+
+__all__ = ["bind_tiles", "dependent_launch_available", "dot_over_k", "gather_partials",
+           "hash_uniform", "lowrank_tile", "pick",
+           "publish_partial", "release_dependents", "release_tickets", "round_bf16",
+           "shrink_step", "store_partial", "store_rne", "take_ticket", "tile_of",
+           "wait_for_primary"]
+
+
+def dependent_launch_available() -> bool:
+    """Whether this Triton has grid dependency control (:func:`wait_for_primary`)."""
+    return gdc_wait is not None
 
 
 def bind_tiles(namespace: dict, *names: str) -> None:
@@ -260,3 +272,24 @@ def release_tickets(sem_ptr, n_waiting):
         tl.atomic_xchg(sem_ptr, 0)
         tl.atomic_xchg(sem_ptr + 1, 0)
         tl.atomic_xchg(sem_ptr + 2, 0)
+
+
+# Programmatic dependent launch (sm_90 on): a kernel launched with ``launch_pdl=True`` may start
+# while the kernel before it in the stream (its primary) still runs, once every program of the
+# primary has released it or ended. Until it waits it may only read what was in memory before
+# the primary started, and write nothing: its waiting programs (those of a kernel launched
+# without it too) then see all of the primary's writes.
+
+
+@triton.jit
+def release_dependents():
+    """Let the next kernel, launched as a programmatic dependent, start (no effect otherwise)."""
+    gdc_launch_dependents()
+
+
+@triton.jit
+def wait_for_primary():
+    """Wait until the kernel before this one in the stream has ended, its writes visible (at
+    once where this kernel was launched the ordinary way).
+    """
+    gdc_wait()
