@@ -9,7 +9,8 @@ dependent (sm_90: ``launch_pdl`` / ``use_pdl``) it starts while the shrink runs,
 first S tile. Per shape (tokens T, in K, out N, rank r), bf16 with bias:
     base        F.linear (cuBLAS)
     fused       at T <= 64 (decode): PreparedLoraDecode.linear, the split-K shrink then the
-                output kernel streaming W
+                output kernel streaming W; above, PreparedLoraLinear "fused": Triton's shrink
+                and GEMM (dependent only after the short shrink, at most 8192 x 4096)
     cute        PreparedLoraLinear "fused_cute": Triton's shrink, then the CuTe GEMM (hopper extra)
     cutepp      the same with the ping-pong tile ("fused_cute_pingpong")
 each ``ordered`` (pdl=False) and ``dependent`` (pdl=True, the default), their outputs compared bit
@@ -53,9 +54,10 @@ def layer_calls(t: int, k: int, n: int, r: int) -> tuple[dict, list[torch.Tensor
             prep = PreparedLoraDecode(down, up, pdl=pdl)
             calls[f"fused {order}"] = lambda x, p=prep: p.linear(x, w, bias, scale)
             continue
-        for name, form in (("cute", "fused_cute"), ("cutepp", "fused_cute_pingpong")):
+        for name, form in (("fused", "fused"), ("cute", "fused_cute"),
+                           ("cutepp", "fused_cute_pingpong")):
             prep = PreparedLoraLinear(w, bias, down, up, form, pdl=pdl)
-            if prep.usable and prep.cute:
+            if prep.usable and (prep.cute or form == "fused"):
                 calls[f"{name} {order}"] = lambda x, p=prep: p(x, scale)
     return calls, xs
 

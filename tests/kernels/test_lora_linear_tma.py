@@ -94,6 +94,36 @@ def test_gpu_prepared_layer_is_the_functions_bit_for_bit():
     assert prep(x, scale) is None  # the weight it was built for is gone
 
 
+@pytest.mark.gpu
+def test_gpu_the_gemm_as_a_dependent_reads_s_once_the_kernel_before_it_ended():
+    """Launched as the shrink's programmatic dependent (as after the short shrink), the GEMM
+    starts while the kernel before it runs (late_copy, writing S a millisecond after letting
+    it start) and reads S after that kernel's end: the ordered launch's output, bit for bit."""
+    from shuttle.kernels.launch import dependent_launch, sm_count
+    from shuttle.kernels.lora_linear_tma import FUSED_TMA_CONFIG, _launch_tma, _tma_constexprs
+    from shuttle.kernels.tma import ensure_allocator
+    from tests.kernels.test_launch import late_copy
+
+    if not dependent_launch(torch.cuda.current_device()):
+        pytest.skip("programmatic dependent launch needs sm_90 and a Triton with it")
+    t, k, n, r = 300, 512, 384, 32
+    x, w, bias, down, up, scale = _layer(t, k, n, r, BF16, BF16, device="cuda")
+    s = lora_shrink(x, down, scale)
+    ensure_allocator()
+    ordered, dependent = (_tma_constexprs(FUSED_TMA_CONFIG, n, r, True, False, BF16, True, pdl)
+                          for pdl in (False, True))
+    assert dependent["launch_pdl"] and not ordered["launch_pdl"]
+    want, got = (torch.empty(t, n, dtype=BF16, device="cuda") for _ in range(2))
+    sms = sm_count(torch.cuda.current_device())
+    _launch_tma(x, w, s, up, bias, None, want, sms, ordered)
+    _launch_tma(x, w, s, up, bias, None, got, sms, dependent)  # compiled before the timed launch
+    s_late = torch.zeros_like(s)
+    late_copy(s, s_late)
+    _launch_tma(x, w, s_late, up, bias, None, got, sms, dependent)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+
+
 def test_fused_tiles_narrow_where_wide_ones_fill_the_sms_poorly():
     from shuttle.kernels.lora_linear_tma import (
         FUSED_TMA_CONFIG,

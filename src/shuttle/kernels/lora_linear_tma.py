@@ -81,7 +81,7 @@ SHRINK_TMA_CONFIG = FusedConfig(64, 128, 128, 64, 8, 4, 4)
 
 
 # Shared tile helpers, bound by tiles.bind_tiles() when the kernel is built (see there).
-release_dependents = round_bf16 = None
+release_dependents = round_bf16 = wait_for_primary = None
 
 
 @functools.cache
@@ -91,7 +91,7 @@ def _kernel():
 
     from shuttle.kernels.tiles import bind_tiles
 
-    bind_tiles(globals(), "release_dependents", "round_bf16")
+    bind_tiles(globals(), "release_dependents", "round_bf16", "wait_for_primary")
 
     # Nothing specialized on values or alignment (TMA needs neither compiled in): one binary per
     # dtypes and constexprs, which CompiledLaunch launches without Triton's dispatch.
@@ -111,8 +111,9 @@ def _kernel():
         # tiles in the swizzled order, so one tile's epilogue overlaps the next tile's loads.
         # Also the shrink: x against the down factor, with the per-rank scale as column scale.
         # Descriptors are built here, on the device (see shuttle.kernels.tma).
-        # PDL (the shrink): a GEMM launched as this kernel's programmatic dependent may start.
-        if PDL:
+        # PDL: as the shrink, a GEMM launched as this kernel's programmatic dependent may
+        # start now; as that GEMM, read S only once the shrink ended.
+        if PDL and not HAS_LORA:
             release_dependents()
         x_desc = tl.make_tensor_descriptor(x_ptr, shape=[T, K], strides=[stride_xt, 1],
                                            block_shape=[BT, BK])
@@ -147,6 +148,8 @@ def _kernel():
                 else:
                     acc = tl.dot(a, b.T, acc)
             if HAS_LORA:
+                if PDL:
+                    wait_for_primary()
                 for r in range(0, tl.cdiv(R, BR)):
                     a = s_desc.load([ot, r * BR])
                     b = u_desc.load([on, r * BR])
@@ -191,9 +194,10 @@ class PreparedLoraLinear:
     shrink); ``"fused_cute_pingpong"`` the ping-pong tile's GEMM
     (:data:`~shuttle.kernels.cute_dsl.PINGPONG_TILES`) after Triton's shrink.
 
-    With ``pdl`` (the default) the CuTe GEMM after Triton's shrink is launched as the shrink's
-    programmatic dependent where the device allows (sm_90): it starts streaming x and W while
-    the shrink runs, and reads S after its end (False: in stream order, as before).
+    With ``pdl`` (the default) the GEMM after Triton's shrink (the CuTe GEMM; Triton's after
+    the short shrink) is launched as the shrink's programmatic dependent where the device
+    allows (sm_90): it starts streaming x and W while the shrink runs, and reads S after its
+    end (False: in stream order).
 
     ``usable`` is False where the TMA path does not apply to the fixed operands; a call answers
     None where it does not apply to x (few rows, another dtype or device, misaligned rows,
@@ -229,8 +233,15 @@ class PreparedLoraLinear:
 
         self._short_shrink = short_shrink, launch_short_shrink
         self._sms = sm_count(self._device)
+        configs = (FUSED_TMA_CONFIG, FUSED_TMA_NARROW_CONFIG)
         self._fused = {cfg: _tma_constexprs(cfg, n, r, bias is not None, False, weight.dtype, True)
-                       for cfg in (FUSED_TMA_CONFIG, FUSED_TMA_NARROW_CONFIG)}
+                       for cfg in configs}
+        # Triton's GEMM as the shrink's programmatic dependent only after the short shrink: it
+        # makes its TMA descriptors in allocator scratch at its start, which may be the block
+        # the TMA shrink's own descriptors held (freed at that launch) while that still runs.
+        self._fused_after_short = {
+            cfg: _tma_constexprs(cfg, n, r, bias is not None, False, weight.dtype, True, True)
+            for cfg in configs} if pdl else self._fused
         self._cute: dict = {}
         self._pingpong = form == "fused_cute_pingpong"
         if form != "fused":
@@ -272,15 +283,17 @@ class PreparedLoraLinear:
         ensure_allocator()
         short, launch_short = self._short_shrink
         with on_device_of(x):
-            if short(t, self._k):
+            short_shrink = short(t, self._k)
+            if short_shrink:
                 launch_short(x, self.down, scale, s)
             else:
                 _launch_tma(x, self.down, None, None, None, scale, s, self._sms, self._shrink)
             if gemm is not None:
                 gemm(x, weight, bias, s, out)
             else:
+                fused = self._fused_after_short if short_shrink else self._fused
                 _launch_tma(x, weight, s, self.up, bias, None, out, self._sms,
-                            self._fused[fused_tma_config(t, self._n, self._sms)])
+                            fused[fused_tma_config(t, self._n, self._sms)])
         return out
 
 
@@ -329,8 +342,8 @@ def _round_fill(t: int, n: int, block_t: int, block_n: int, sms: int) -> float:
 def _tma_constexprs(cfg: FusedConfig, n: int, r: int, has_bias: bool, has_scale: bool,
                     out_dtype: torch.dtype, cuda: bool, pdl: bool = False) -> dict:
     """The TMA kernel's compile-time arguments (all but N_PROGS) for an output of n columns
-    and a LoRA part of rank r (0: none, the shrink); ``pdl``: the shrink's dependent (the CuTe
-    GEMM) may start at once.
+    and a LoRA part of rank r (0: none, the shrink). ``pdl``: the shrink lets a GEMM launched
+    as its programmatic dependent start at once; the GEMM (r > 0) is launched as one.
     """
     return {"BT": cfg.block_t,
             # The shrink's output columns are the ranks: its column tile is fitted to them.
@@ -340,7 +353,7 @@ def _tma_constexprs(cfg: FusedConfig, n: int, r: int, has_bias: bool, has_scale:
             "HAS_SCALE": has_scale,
             "IEEE": not cuda,  # off CUDA this runs in the interpreter
             "OUT_BF16": out_dtype == torch.bfloat16, "STAGES": cfg.num_stages,
-            "PDL": pdl, "num_warps": cfg.num_warps}
+            "PDL": pdl, "num_warps": cfg.num_warps, "launch_pdl": pdl and r > 0}
 
 
 def _launch_tma(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None,
