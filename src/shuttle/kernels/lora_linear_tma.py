@@ -81,7 +81,7 @@ SHRINK_TMA_CONFIG = FusedConfig(64, 128, 128, 64, 8, 4, 4)
 
 
 # Shared tile helpers, bound by tiles.bind_tiles() when the kernel is built (see there).
-release_dependents = round_bf16 = wait_for_primary = None
+round_bf16 = wait_for_primary = None
 
 
 @functools.cache
@@ -91,7 +91,7 @@ def _kernel():
 
     from shuttle.kernels.tiles import bind_tiles
 
-    bind_tiles(globals(), "release_dependents", "round_bf16", "wait_for_primary")
+    bind_tiles(globals(), "round_bf16", "wait_for_primary")
 
     # Nothing specialized on values or alignment (TMA needs neither compiled in): one binary per
     # dtypes and constexprs, which CompiledLaunch launches without Triton's dispatch.
@@ -111,10 +111,6 @@ def _kernel():
         # tiles in the swizzled order, so one tile's epilogue overlaps the next tile's loads.
         # Also the shrink: x against the down factor, with the per-rank scale as column scale.
         # Descriptors are built here, on the device (see shuttle.kernels.tma).
-        # PDL: as the shrink, a GEMM launched as this kernel's programmatic dependent may
-        # start now; as that GEMM, read S only once the shrink ended.
-        if PDL and not HAS_LORA:
-            release_dependents()
         x_desc = tl.make_tensor_descriptor(x_ptr, shape=[T, K], strides=[stride_xt, 1],
                                            block_shape=[BT, BK])
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1],
@@ -148,7 +144,7 @@ def _kernel():
                 else:
                     acc = tl.dot(a, b.T, acc)
             if HAS_LORA:
-                if PDL:
+                if PDL:  # launched as the shrink's programmatic dependent: S once it ended
                     wait_for_primary()
                 for r in range(0, tl.cdiv(R, BR)):
                     a = s_desc.load([ot, r * BR])
@@ -194,10 +190,12 @@ class PreparedLoraLinear:
     shrink); ``"fused_cute_pingpong"`` the ping-pong tile's GEMM
     (:data:`~shuttle.kernels.cute_dsl.PINGPONG_TILES`) after Triton's shrink.
 
-    With ``pdl`` (the default) the GEMM after Triton's shrink (the CuTe GEMM; Triton's after
-    the short shrink) is launched as the shrink's programmatic dependent where the device
-    allows (sm_90): it starts streaming x and W while the shrink runs, and reads S after its
-    end (False: in stream order).
+    With ``pdl`` (the default) Triton's GEMM after the short shrink is launched as the shrink's
+    programmatic dependent where the device allows (sm_90): it starts streaming x and W while
+    the shrink runs, and reads S after its end (False: in stream order). The CuTe GEMM after
+    the shrink stays in stream order: launched as a dependent (``CuteLoraGemm(pdl=True)``) it
+    measured slower at three of seven shapes (up to a third at Z-Image's FFN up,
+    docs/benchmarks.md).
 
     ``usable`` is False where the TMA path does not apply to the fixed operands; a call answers
     None where it does not apply to x (few rows, another dtype or device, misaligned rows,
@@ -225,8 +223,7 @@ class PreparedLoraLinear:
         self._n, self._k, self._r = n, k, r
         self._dtype, self._device = weight.dtype, weight.get_device()
         pdl = pdl and dependent_launch(self._device)
-        self._shrink = _tma_constexprs(SHRINK_TMA_CONFIG, r, 0, False, True, weight.dtype, True,
-                                       pdl and form != "fused")
+        self._shrink = _tma_constexprs(SHRINK_TMA_CONFIG, r, 0, False, True, weight.dtype, True)
         # lora_shrink's choice for short inputs, the same kernel (imported here: that module
         # imports this one)
         from shuttle.kernels.lora_shrink import launch_short_shrink, short_shrink
@@ -246,7 +243,7 @@ class PreparedLoraLinear:
         self._pingpong = form == "fused_cute_pingpong"
         if form != "fused":
             self._cute = _cute_gemms(weight, bias, down if form == "fused_cute_shrink" else None,
-                                     up, PINGPONG_TILES if self._pingpong else CUTE_TILES, pdl)
+                                     up, PINGPONG_TILES if self._pingpong else CUTE_TILES)
             self.cute = bool(self._cute)
         # S among the CuTe kernel's units (its tile picked counting them)
         self._one_kernel = any(gemm.shrink for gemm in self._cute.values())
@@ -298,11 +295,12 @@ class PreparedLoraLinear:
 
 
 def _cute_gemms(weight: torch.Tensor, bias: torch.Tensor | None, down: torch.Tensor | None,
-                up: torch.Tensor, tiles: tuple, pdl: bool = False) -> dict:
+                up: torch.Tensor, tiles: tuple) -> dict:
     """The CuTe kernel for this layer per tile of ``tiles`` (computing S itself given ``down``
-    where the rank allows, else after Triton's shrink, as its programmatic dependent with
-    ``pdl``), or {} where it does not run (no DSL, not sm_90, operands it does not take, or a
-    build that failed: then Triton's kernels serve, with a warning saying why).
+    where the rank allows, else after Triton's shrink, in stream order: see
+    :class:`PreparedLoraLinear`), or {} where it does not run (no DSL, not sm_90, operands it
+    does not take, or a build that failed: then Triton's kernels serve, with a warning saying
+    why).
     """
     from shuttle.kernels.lora_linear_cute import CuteLoraGemm, cute_available
 
@@ -311,8 +309,7 @@ def _cute_gemms(weight: torch.Tensor, bias: torch.Tensor | None, down: torch.Ten
     try:
         return {tile: CuteLoraGemm(weight, up, bias is not None, tile,
                                    down if down is not None
-                                   and CuteLoraGemm.supports(weight, up, down, tile) else None,
-                                   pdl=pdl)
+                                   and CuteLoraGemm.supports(weight, up, down, tile) else None)
                 for tile in tiles}
     except Exception as e:  # the DSL's own errors: a version or driver it does not take
         warnings.warn(f"the CuTe LoRA kernel could not be built ({type(e).__name__}: {e}); "
@@ -342,8 +339,8 @@ def _round_fill(t: int, n: int, block_t: int, block_n: int, sms: int) -> float:
 def _tma_constexprs(cfg: FusedConfig, n: int, r: int, has_bias: bool, has_scale: bool,
                     out_dtype: torch.dtype, cuda: bool, pdl: bool = False) -> dict:
     """The TMA kernel's compile-time arguments (all but N_PROGS) for an output of n columns
-    and a LoRA part of rank r (0: none, the shrink). ``pdl``: the shrink lets a GEMM launched
-    as its programmatic dependent start at once; the GEMM (r > 0) is launched as one.
+    and a LoRA part of rank r (0: none, the shrink); with ``pdl`` the GEMM (r > 0) is launched
+    as the shrink's programmatic dependent.
     """
     return {"BT": cfg.block_t,
             # The shrink's output columns are the ranks: its column tile is fitted to them.
@@ -353,7 +350,7 @@ def _tma_constexprs(cfg: FusedConfig, n: int, r: int, has_bias: bool, has_scale:
             "HAS_SCALE": has_scale,
             "IEEE": not cuda,  # off CUDA this runs in the interpreter
             "OUT_BF16": out_dtype == torch.bfloat16, "STAGES": cfg.num_stages,
-            "PDL": pdl, "num_warps": cfg.num_warps, "launch_pdl": pdl and r > 0}
+            "PDL": pdl and r > 0, "num_warps": cfg.num_warps, "launch_pdl": pdl and r > 0}
 
 
 def _launch_tma(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None,

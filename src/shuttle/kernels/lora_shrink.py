@@ -126,7 +126,8 @@ def _kernel():
         # With SPLIT > 1 the float32 partial sums go to a workspace (SPLIT, T, R) that the host
         # reduces, scales and rounds; with SPLIT == 1 the tile is scaled and rounded here.
         # PDL: a GEMM launched as this kernel's programmatic dependent may start now (it waits
-        # for this kernel's end before reading S; nothing else reacts).
+        # for this kernel's end before reading S; a kernel launched the ordinary way waits
+        # for it all the same).
         if PDL:
             release_dependents()
         pid_t = tl.program_id(0)
