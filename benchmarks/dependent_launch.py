@@ -34,12 +34,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
-from dynamic_lora import SHAPES  # noqa: E402
+from dynamic_lora import BURST, SHAPES, burst_of  # noqa: E402
 from shuttle.kernels.lora_decode import DECODE_MAX_T, PreparedLoraDecode  # noqa: E402
 from shuttle.kernels.lora_linear_tma import PreparedLoraLinear  # noqa: E402
 from shuttle.kernels.lora_shrink import short_shrink  # noqa: E402
 
-BURST = 10
 ORDERS = ("ordered", "dependent")
 
 
@@ -84,14 +83,7 @@ def bench_shape(t: int, k: int, n: int, r: int, rounds: int) -> dict:
                                       for q, g in graphs.items()}, rounds=rounds, warmup=3)
     del graphs
 
-    def burst_of(fn):
-        def run():
-            out = None
-            for j in range(BURST):
-                out = fn(xs[j % 2])
-            return out
-        return run
-    graphs = {q: harness.graphed(burst_of(fn)) for q, fn in calls.items()}
+    graphs = {q: harness.graphed(burst_of(fn, xs)) for q, fn in calls.items()}
     with torch.no_grad():
         burst = harness.interleaved({q: (lambda i, g=g: g.replay()) for q, g in graphs.items()},
                                     rounds=rounds, warmup=3)

@@ -186,10 +186,10 @@ def bench_shape(name: str, t: int, k: int, n: int, r: int, rounds: int) -> dict:
                 {q: (lambda i, g=g: g[i % 2].replay()) for q, g in graphs.items()},
                 rounds=rounds, warmup=3)
         del graphs
-        # BURST calls in one graph (_burst: the graph's pool holds two outputs at a time):
+        # BURST calls in one graph (burst_of: the graph's pool holds two outputs at a time):
         # the clocks a chain of layers sustains, where a single replay after an idle gap runs
         # at the clocks the GPU boosts to first.
-        graphs = {q: harness.graphed(_burst(m, xs)) for q, m in layers.items()}
+        graphs = {q: harness.graphed(burst_of(m, xs)) for q, m in layers.items()}
         with torch.no_grad():
             got = harness.interleaved({q: (lambda i, g=g: g.replay()) for q, g in graphs.items()},
                                       rounds=rounds, warmup=3)
@@ -223,7 +223,7 @@ def bench_shape(name: str, t: int, k: int, n: int, r: int, rounds: int) -> dict:
                                 if graph else None)}
 
 
-def _burst(layer, xs: list[torch.Tensor]):
+def burst_of(layer, xs: list[torch.Tensor]):
     """BURST calls of ``layer``, inputs alternating, each output dropped once the next exists."""
     def run():
         out = None
