@@ -1,5 +1,6 @@
 """The fused tiers' second kernel launched as the shrink's programmatic dependent, against the same
-kernels in stream order, at the shapes of benchmarks/dynamic_lora.py, one interleaved run.
+kernels in stream order, at the shapes of benchmarks/dynamic_lora.py where the tiers do so, one
+interleaved run.
 
 A two-kernel form computes S = (x @ A.T) * scale first, then the GEMM over [x | S] and [W | B].
 In stream order the GEMM starts once the shrink has ended (its launch, its prologue and the
@@ -10,14 +11,10 @@ first S tile. Per shape (tokens T, in K, out N, rank r), bf16 with bias:
     base        F.linear (cuBLAS)
     fused       at T <= 64 (decode): PreparedLoraDecode.linear, the split-K shrink then the
                 output kernel streaming W; above, PreparedLoraLinear "fused": Triton's short
-                shrink and GEMM (only at most 8192 rows of 4096 features: after the TMA shrink
-                Triton's GEMM stays in stream order)
-    cute        PreparedLoraLinear "fused_cute": Triton's shrink, then the CuTe GEMM (the hopper
-                extra), started at the shrink's end
-    cutepp      the same with the ping-pong tile ("fused_cute_pingpong")
+                shrink (at most 8192 rows of 4096 features: the shapes run here) and GEMM
 each ``ordered`` (pdl=False) and ``dependent`` (pdl=True, the default), their outputs compared bit
-for bit. (The CuTe GEMM started at the short shrink's start measured slower at three shapes:
-commit 126def4, this file's history.) Timed in CUDA graphs (one call a replay, inputs rotated; and
+for bit. (The CuTe GEMM as a dependent, CuteLoraGemm(pdl=True), is not a tier's: measured at
+126def4, this file's history.) Timed in CUDA graphs (one call a replay, inputs rotated; and
 BURST calls in one graph: the clocks a chain of layers sustains) and eagerly in bursts of BURST
 calls, CUDA events, medians of interleaved rounds after warm-up.
 Usage: python benchmarks/dependent_launch.py [rounds] [--shapes a,b]
@@ -58,11 +55,8 @@ def layer_calls(t: int, k: int, n: int, r: int) -> tuple[dict, list[torch.Tensor
             prep = PreparedLoraDecode(down, up, pdl=pdl)
             calls[f"fused {order}"] = lambda x, p=prep: p.linear(x, w, bias, scale)
             continue
-        for name, form in (("fused", "fused"), ("cute", "fused_cute"),
-                           ("cutepp", "fused_cute_pingpong")):
-            prep = PreparedLoraLinear(w, bias, down, up, form, pdl=pdl)
-            if (prep.cute if form != "fused" else short_shrink(t, k)) and prep.usable:
-                calls[f"{name} {order}"] = lambda x, p=prep: p(x, scale)
+        prep = PreparedLoraLinear(w, bias, down, up, "fused", pdl=pdl)
+        calls[f"fused {order}"] = lambda x, p=prep: p(x, scale)
     return calls, xs
 
 
@@ -133,7 +127,8 @@ def main() -> None:
     p.add_argument("rounds", type=int, nargs="?", default=30)
     p.add_argument("--shapes", default="", help=f"comma-separated among {', '.join(SHAPES)}")
     args = p.parse_args()
-    names = [s for s in args.shapes.split(",") if s] or list(SHAPES)
+    names = [s for s in args.shapes.split(",") if s] or [
+        name for name, (t, k, _, _) in SHAPES.items() if t <= DECODE_MAX_T or short_shrink(t, k)]
     harness.spin_up()
     rows = {}
     for name in names:

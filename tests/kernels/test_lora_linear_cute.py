@@ -124,25 +124,6 @@ def test_a_dependent_gemm_reads_s_and_the_bias_once_the_kernel_before_it_ended(t
     assert torch.equal(got, want)
 
 
-@pytest.mark.gpu
-@needs_dsl
-@pytest.mark.parametrize("form", ["fused", "fused_cute", "fused_cute_pingpong"])
-def test_a_prepared_layer_launching_dependents_equals_stream_order(form):
-    """pdl=True (the default: the GEMM as the shrink's programmatic dependent where it applies)
-    gives the stream-ordered launches' bits, after the short shrink and after the TMA one."""
-    from shuttle.kernels import PreparedLoraLinear
-
-    if not cute_available():
-        pytest.skip("needs an sm_90 GPU")
-    for t, k in ((1000, 1536), (9000, 512)):  # the short shrink; the TMA shrink (rows)
-        x, w, bias, down, up, scale = _layer(t, k, 1536, 64, BF16, BF16, device="cuda")
-        ordered, dependent = (PreparedLoraLinear(w, bias, down, up, form, pdl=pdl)
-                              for pdl in (False, True))
-        want = ordered(x, scale)
-        for _ in range(3):  # the compiled binaries' launches after the first
-            assert torch.equal(dependent(x, scale), want)
-
-
 def _ulp(v):
     """The larger gap to v's two neighbours, in float64."""
     return torch.maximum(*((torch.nextafter(v, torch.full_like(v, inf)).double()

@@ -190,13 +190,12 @@ class PreparedLoraLinear:
     shrink); ``"fused_cute_pingpong"`` the ping-pong tile's GEMM
     (:data:`~shuttle.kernels.cute_dsl.PINGPONG_TILES`) after Triton's shrink.
 
-    With ``pdl`` (the default) the GEMM after Triton's shrink is launched as the shrink's
-    programmatic dependent where the device allows (sm_90), and reads S after the shrink's end
-    (False: in stream order). Triton's GEMM after the short shrink starts at the shrink's
-    start, streaming x and W under it; the CuTe GEMM starts at the shrink's end, its launch and
-    prologue under the shrink's last programs (started at the shrink's start, it measured
-    slower at three of seven shapes, up to a third at Z-Image's FFN up: docs/benchmarks.md).
-    Triton's GEMM after the TMA shrink stays in stream order.
+    With ``pdl`` (the default) Triton's GEMM after the short shrink is launched as the shrink's
+    programmatic dependent where the device allows (sm_90): it starts streaming x and W while
+    the shrink runs, and reads S after its end (False: in stream order). The CuTe GEMM after
+    the shrink stays in stream order: launched as a dependent (``CuteLoraGemm(pdl=True)``) it
+    measured slower at three of seven shapes (up to a third at Z-Image's FFN up,
+    docs/benchmarks.md).
 
     ``usable`` is False where the TMA path does not apply to the fixed operands; a call answers
     None where it does not apply to x (few rows, another dtype or device, misaligned rows,
@@ -244,7 +243,7 @@ class PreparedLoraLinear:
         self._pingpong = form == "fused_cute_pingpong"
         if form != "fused":
             self._cute = _cute_gemms(weight, bias, down if form == "fused_cute_shrink" else None,
-                                     up, PINGPONG_TILES if self._pingpong else CUTE_TILES, pdl)
+                                     up, PINGPONG_TILES if self._pingpong else CUTE_TILES)
             self.cute = bool(self._cute)
         # S among the CuTe kernel's units (its tile picked counting them)
         self._one_kernel = any(gemm.shrink for gemm in self._cute.values())
@@ -282,8 +281,8 @@ class PreparedLoraLinear:
         short, launch_short = self._short_shrink
         with on_device_of(x):
             short_shrink = short(t, self._k)
-            if short_shrink:  # the CuTe GEMM starts at its end (see the class docstring)
-                launch_short(x, self.down, scale, s, gemm is None)
+            if short_shrink:
+                launch_short(x, self.down, scale, s)
             else:
                 _launch_tma(x, self.down, None, None, None, scale, s, self._sms, self._shrink)
             if gemm is not None:
@@ -296,11 +295,12 @@ class PreparedLoraLinear:
 
 
 def _cute_gemms(weight: torch.Tensor, bias: torch.Tensor | None, down: torch.Tensor | None,
-                up: torch.Tensor, tiles: tuple, pdl: bool = False) -> dict:
+                up: torch.Tensor, tiles: tuple) -> dict:
     """The CuTe kernel for this layer per tile of ``tiles`` (computing S itself given ``down``
-    where the rank allows, else after Triton's shrink, as its programmatic dependent with
-    ``pdl``), or {} where it does not run (no DSL, not sm_90, operands it does not take, or a
-    build that failed: then Triton's kernels serve, with a warning saying why).
+    where the rank allows, else after Triton's shrink, in stream order: see
+    :class:`PreparedLoraLinear`), or {} where it does not run (no DSL, not sm_90, operands it
+    does not take, or a build that failed: then Triton's kernels serve, with a warning saying
+    why).
     """
     from shuttle.kernels.lora_linear_cute import CuteLoraGemm, cute_available
 
@@ -309,8 +309,7 @@ def _cute_gemms(weight: torch.Tensor, bias: torch.Tensor | None, down: torch.Ten
     try:
         return {tile: CuteLoraGemm(weight, up, bias is not None, tile,
                                    down if down is not None
-                                   and CuteLoraGemm.supports(weight, up, down, tile) else None,
-                                   pdl=pdl)
+                                   and CuteLoraGemm.supports(weight, up, down, tile) else None)
                 for tile in tiles}
     except Exception as e:  # the DSL's own errors: a version or driver it does not take
         warnings.warn(f"the CuTe LoRA kernel could not be built ({type(e).__name__}: {e}); "

@@ -232,12 +232,10 @@ def lora_shrink(x: torch.Tensor, down: torch.Tensor, scale: torch.Tensor,
 
 
 def launch_short_shrink(x: torch.Tensor, down: torch.Tensor, scale: torch.Tensor,
-                        out: torch.Tensor, release: bool = True) -> None:
+                        out: torch.Tensor) -> None:
     """Write ``(x @ down.T) * scale`` into ``out`` (T, R) by :data:`SHRINK_SHORT_CONFIG`, as
     :func:`lora_shrink` does for a :func:`short_shrink` input (bit for bit), on operands the
     caller checked: contiguous 16-bit x and ``down`` of one dtype, a float32 ``scale``.
-    ``release``: a kernel launched next as its programmatic dependent may start at the
-    shrink's start (False: at its end).
     """
     cfg = SHRINK_SHORT_CONFIG
     k, r = x.shape[1], down.shape[0]
@@ -246,15 +244,12 @@ def launch_short_shrink(x: torch.Tensor, down: torch.Tensor, scale: torch.Tensor
                   cfg.num_stages)
     # CPU tensors run only in the interpreter (its float32 dots for 16-bit operands)
     _launch(x, down, scale, out.unsqueeze(0), cfg, br, bk, max(1, cdiv(k, bk)) * bk,
-            not x.is_cuda, release)
+            not x.is_cuda)
 
 
 def _launch(x: torch.Tensor, down: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
-            cfg: ShrinkConfig, br: int, bk: int, k_per_split: int, interpret: bool,
-            release: bool = True) -> None:
-    """The kernel over ``out`` (splits, T, R): ``k_per_split`` features per split; with
-    ``release`` a programmatic dependent launched next may start at once.
-    """
+            cfg: ShrinkConfig, br: int, bk: int, k_per_split: int, interpret: bool) -> None:
+    """The kernel over ``out`` (splits, T, R): ``k_per_split`` features per split."""
     t, k = x.shape
     r = down.shape[0]
     with on_device_of(x):
@@ -263,5 +258,5 @@ def _launch(x: torch.Tensor, down: torch.Tensor, scale: torch.Tensor, out: torch
             out.stride(1), out.stride(0),
             BT=cfg.block_t, BR=br, BK=bk, SPLIT=out.shape[0],
             IEEE=ieee_dot(x.dtype, down.dtype, interpret), EVEN_K=k % bk == 0,
-            PDL=release and x.is_cuda and dependent_launch(x.get_device()),
+            PDL=x.is_cuda and dependent_launch(x.get_device()),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
