@@ -276,9 +276,9 @@ def release_tickets(sem_ptr, n_waiting):
 
 # Programmatic dependent launch (sm_90 on): a kernel launched with ``launch_pdl=True`` may start
 # while the kernel before it in the stream (its primary) still runs, once every program of the
-# primary has released it or ended. Until it waits it may only read what was in memory before
-# the primary started, and write nothing: its waiting programs (those of a kernel launched
-# without it too) then see all of the primary's writes.
+# primary has let it (the first helper below) or ended. Until it calls wait_for_primary it may only
+# read what was in memory before the primary started, and write nothing; after the wait it sees
+# all of the primary's writes. A kernel launched the ordinary way waits for the primary's end.
 
 
 @triton.jit
