@@ -47,6 +47,12 @@ def is_peft_lora(module: torch.nn.Module) -> bool:
 def static_reason(module: torch.nn.Module) -> str | None:
     """Why a PEFT LoRA layer can never take the fast path (None: it can, by its build)."""
     base = module.base_layer
+    param = getattr(module, "parameter_name", None)
+    if param is not None:  # PEFT's ParamWrapper: LoRA on one stacked (experts, in, out) tensor
+        while getattr(base, "parameter_name", None) is not None:
+            base = base.base_layer
+        return (f"LoRA on the stacked expert parameter {param!r} of {type(base).__name__} "
+                "(PEFT's target_parameters: grouped expert GEMMs keep PEFT's forward)")
     if not isinstance(base, torch.nn.Linear):
         return f"a {type(base).__name__} base layer (the fast path takes Linear layers)"
     if getattr(module, "fan_in_fan_out", False):
