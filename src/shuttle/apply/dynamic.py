@@ -39,7 +39,7 @@ from shuttle.errors import (
 from shuttle.formats import LoRA, load_lora
 from shuttle.hooks import add_hook, remove_hook
 from shuttle.patches import PATCH_KINDS
-from shuttle.targets import KeyMapping, fused_modules
+from shuttle.targets import KeyMapping, fused_modules, transposed_modules
 from shuttle.targets.split import Rows
 
 __all__ = ["QUALITIES", "DynamicAdapters", "attach_lora", "attach_plan", "default_quality"]
@@ -254,7 +254,7 @@ class DynamicAdapters:
         new = load_lora(lora)
         plan = plan_params(dict(self.model.named_parameters()), [(new, 1.0)], mapping,
                            load=False, fused=fused_modules(self.model),
-                           memo=memo_of(self.model))
+                           transposed=transposed_modules(self.model), memo=memo_of(self.model))
         attached = self.loras[index].source
         fix = "detach() and attach_lora(...) the new adapter instead"
         dense = sorted(n for n, h in self.hooks.items()

@@ -54,7 +54,7 @@ from shuttle.formats.safetensors_file import LazyTensor
 from shuttle.formats.source import Source
 from shuttle.patches import PATCH_KINDS
 from shuttle.patches.patch import Tensorish, materialize
-from shuttle.targets import KeyMapping, ModelNames, resolve
+from shuttle.targets import KeyMapping, ModelNames, resolve, transposed_modules
 from shuttle.weights.dtensor import ShardedWeight, sharded
 from shuttle.weights.lossless_file import CodedRef, open_decoded
 
@@ -180,10 +180,9 @@ def load_checkpoint(
     ckpt, source, unexpected, specs, plan, supplied, missing, dense_unmatched = agreed(
         {n: s.tensor for n, s in slots.items()},
         lambda: _validate(files, slots, alias, loras, mapping, dtype, target, strict,
-                          strict_adapters),
+                          strict_adapters, transposed_modules(model)),
         lambda r: merge_fingerprint(r[4], rounding, seed))
 
-    # The checkpoint's own order, file by file: reads go through each file front to back.
     # The checkpoint's own order, file by file: reads go through each file front to back.
     reads = [(k, alias[k]) for k in ckpt.tensors if k in alias and source[alias[k]] == k]
     total = len(reads) + len(supplied)
@@ -223,7 +222,8 @@ def load_checkpoint(
 
 def _validate(files: CheckpointSource, slots: dict[str, _Slot], alias: dict[str, str],
               loras: AdapterList, mapping: KeyMapping | None, dtype: torch.dtype | None,
-              target: torch.device | None, strict: bool, strict_adapters: bool) -> tuple:
+              target: torch.device | None, strict: bool, strict_adapters: bool,
+              transposed: frozenset[str]) -> tuple:
     """Everything :func:`load_checkpoint` checks before its first write."""
     ckpt = open_decoded(files)
 
@@ -240,7 +240,8 @@ def _validate(files: CheckpointSource, slots: dict[str, _Slot], alias: dict[str,
     specs = {name: ParamSpec(s.tensor.shape, _final_dtype(s, ckpt, source.get(name), dtype),
                          _device(s, target))
              for name, s in slots.items() if s.is_param}
-    plan = plan_params(specs, loras, mapping, load=False, strict=strict_adapters)
+    plan = plan_params(specs, loras, mapping, load=False, strict=strict_adapters,
+                       transposed=transposed)
     _check_sets(plan)
     supplied = [n for n, cs in plan.params.items()
                 if n not in source and any(PATCH_KINDS[c.patch.kind].replaces and c.rows is None

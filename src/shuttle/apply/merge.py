@@ -58,7 +58,7 @@ from shuttle.kernels.merge_lowrank import (
     overflow_margin,
     replay_merges,
 )
-from shuttle.targets import KeyMapping, fused_modules
+from shuttle.targets import KeyMapping, fused_modules, transposed_modules
 from shuttle.weights import PLAIN_DTYPES, WeightRepresentation
 from shuttle.weights.plain import is_plain_tensor
 
@@ -178,8 +178,9 @@ def merge_lora(
     params = dict(model.named_parameters())
 
     def validate() -> tuple[MergePlan, MergePlan, dict[str, torch.Tensor]]:
-        plan = plan_params(params, loras, mapping, fused=fused_modules(model), widen=True,
-                           strict=strict, memo=memo_of(model))
+        plan = plan_params(params, loras, mapping, fused=fused_modules(model),
+                           transposed=transposed_modules(model), widen=True, strict=strict,
+                           memo=memo_of(model))
         # DTensor parameters: their local shards, and the windows of the updates they hold
         local_plan, local = localize(plan, params, rounding=rounding, seed=seed)
         check_mergeable(local_plan, local)

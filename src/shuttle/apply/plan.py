@@ -29,7 +29,14 @@ from shuttle.formats import LoRA, load_lora
 from shuttle.formats.source import Source
 from shuttle.kernels.rounding import GlobalDraws
 from shuttle.patches import DoRA, Patch
-from shuttle.targets import KeyMapping, ModelNames, Target, fused_modules, resolve
+from shuttle.targets import (
+    KeyMapping,
+    ModelNames,
+    Target,
+    fused_modules,
+    resolve,
+    transposed_modules,
+)
 from shuttle.targets.family import widenable
 from shuttle.weights.dtensor import is_dtensor
 from shuttle.weights.plain import is_plain_tensor
@@ -210,8 +217,8 @@ def plan_merge(
         messages; the model is untouched.
     """
     return plan_params(dict(model.named_parameters()), loras, mapping,
-                       fused=fused_modules(model), widen=widen, strict=strict,
-                       memo=memo_of(model))
+                       fused=fused_modules(model), transposed=transposed_modules(model),
+                       widen=widen, strict=strict, memo=memo_of(model))
 
 
 def plan_params(
@@ -222,6 +229,7 @@ def plan_params(
     device: torch.device | str | None = None,
     load: bool = True,
     fused: Collection[str] = (),
+    transposed: Collection[str] | None = None,
     widen: bool = False,
     strict: bool = False,
     memo: MergeMemo | None = None,
@@ -238,6 +246,9 @@ def plan_params(
         fused: modules running fused projections beside their split ones
             (:func:`~shuttle.targets.fused_modules` of the model): updates of the split layers
             go to the rows of the fused layer the forward reads.
+        transposed: modules storing stacked experts (experts, in, out)
+            (:func:`~shuttle.targets.transposed_modules` of the model), which places PEFT
+            ``target_parameters`` updates; None: no model, only shapes (a checkpoint).
         widen: accept updates with more input columns than their 2-D weight (a control
             LoRA's ``img_in``), validated at the wider shape and listed in ``plan.widen``;
             the caller widens the layers before merging (:mod:`shuttle.apply.widen`).
@@ -254,7 +265,9 @@ def plan_params(
     # Quantized weights are planned by the weight they stand for (shape, compute dtype).
     params = {n: logical_spec(p) for n, p in params.items()}
     _check_components(per_component, params)
-    signature = (_signature(params), frozenset(fused)) if mapping is None else None
+    signature = ((_signature(params), frozenset(fused),
+                  None if transposed is None else frozenset(transposed))
+                 if mapping is None else None)
     names: ModelNames | None = None
     memo = memo if memo is not None else MergeMemo()
     plan = MergePlan({}, {}, {}, pairs, components=per_component, memo=memo)
@@ -264,7 +277,7 @@ def plan_params(
         placed = _cached_placement(memo, lora, signature)
         if placed is None:
             if names is None:
-                names = ModelNames({n: p.shape for n, p in params.items()}, fused)
+                names = ModelNames({n: p.shape for n, p in params.items()}, fused, transposed)
             res = resolve(lora, names, mapping)
             wide = _widened(res.targets, params, widenable(names))
             for t in res.targets:

@@ -9,6 +9,10 @@ Scale rules (the same in every format; see docs/formats.md):
       the adapter's one config;
     * without either, the scale is 1.
 
+A PEFT config with ``target_parameters`` turns the factors of each ``ParamWrapper`` into an
+:class:`~shuttle.patches.ExpertsLowRank` on the module it wraps, to be placed on one of its
+parameters by shape (:meth:`~shuttle.patches.experts.ExpertsLowRankKind.place`).
+
 Tensors a PEFT config says are saved whole (``modules_to_save`` copies, ``bias="all"``
 biases) become :class:`~shuttle.patches.Replace` patches, ahead of the module's other patches
 (PEFT adds a ``lora_B.bias`` to the trained bias it loaded).
@@ -24,7 +28,8 @@ from shuttle.errors import AdapterFormatError, UnknownKeyError, UnsupportedForma
 from shuttle.formats.peft import PeftConfig
 from shuttle.formats.registry import AdapterFormat
 from shuttle.formats.roles import split_key, unsupported_kind
-from shuttle.patches import PATCH_KINDS, Found, Patch, Replace, materialize
+from shuttle.patches import PATCH_KINDS, ExpertsLowRank, Found, LowRank, Patch, Replace, materialize
+from shuttle.patches.experts import Choice
 from shuttle.patches.kind import STAGES
 from shuttle.patches.patch import Tensorish
 
@@ -136,9 +141,36 @@ def assemble(
             for key, _ in roles[module].values():
                 skipped[key] = "alpha without factors: nothing to apply"
         patches = [Replace(p, value=t) for p, (_, t) in whole.get(module, {}).items()] + patches
+        wrapped = cfg.wrapped_parameter(name) if cfg is not None and module in roles else None
+        if wrapped is not None and patches:
+            module = module[: len(module) - len(name)] + wrapped[0]
+            patches = [_param_wrapper(p, wrapped, cfg, source) for p in patches]
         if patches:
-            modules[module] = patches
+            modules.setdefault(module, []).extend(patches)
     return modules, skipped
+
+
+def _param_wrapper(patch: Patch, wrapped: tuple[str, int, tuple[str, ...]], cfg: PeftConfig,
+                   source: str) -> Patch:
+    """A ``ParamWrapper``'s LoRA as an :class:`ExpertsLowRank` that may adapt each parameter
+    the config allows on its module, with that parameter's rank and scale (PEFT matches
+    ``rank_pattern``/``alpha_pattern`` against ``<module>.<param>``).
+    """
+    module, depth, names = wrapped
+    if not isinstance(patch, LowRank) or patch.mid is not None or patch.transposed:
+        raise AdapterFormatError(
+            f"{source}: module {module!r} is adapted through PEFT's target_parameters (the "
+            f"config's {list(cfg.target_parameters)}), whose wrapper saves lora_A/lora_B "
+            f"only, but the file has a {patch.kind} patch there. The file and its "
+            "adapter_config.json do not belong together; export the adapter again.")
+    inner = module.removeprefix("base_model.model.")
+    choices = []
+    for param in names:
+        rank = cfg.rank_for(f"{inner}.{param}")
+        choices.append(Choice(param, rank, cfg.scale_for(f"{inner}.{param}", rank),
+                              cfg.alpha_for(f"{inner}.{param}")))
+    return ExpertsLowRank("|".join(names), up=patch.up, down=patch.down, choices=tuple(choices),
+                          depth=depth)
 
 
 _PEFT_WHOLE = (

@@ -48,6 +48,13 @@ class PeftConfig:
         modules_to_save: module names whose trained copies the file holds whole; a module
             matches as PEFT matches it, when its name (or a module above it) ends with one.
         bias: ``"none"``, ``"all"`` or ``"lora_only"``: which trained biases the file holds.
+        target_modules: the config's ``target_modules``: module names (a module matches when
+            its name is one or ends with ``"." + one``), one regular expression matched
+            against the whole name, or None.
+        target_parameters: the config's ``target_parameters``: parameters (``"down_proj"``,
+            ``"mlp.experts.down_proj"``) adapted in place by a ``ParamWrapper``, per expert
+            on a stacked MoE tensor. Its factors are saved under the module's name, one more
+            ``.base_layer`` for each wrapper nested inside the outermost.
     """
 
     peft_type: str = "LORA"
@@ -59,6 +66,8 @@ class PeftConfig:
     fan_in_fan_out: bool = False
     modules_to_save: tuple[str, ...] = ()
     bias: str = "none"
+    target_modules: tuple[str, ...] | str | None = None
+    target_parameters: tuple[str, ...] = ()
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str = "adapter_config.json") -> PeftConfig:
@@ -94,20 +103,17 @@ class PeftConfig:
                 fan_in_fan_out=bool(d.get("fan_in_fan_out", False)),
                 modules_to_save=tuple(str(m) for m in (d.get("modules_to_save") or ())),
                 bias=str(d.get("bias") or "none"),
+                target_modules=_targets(d.get("target_modules"), where),
+                target_parameters=tuple(
+                    str(t) for t in _names(d.get("target_parameters"), "target_parameters",
+                                           where)),
             )
         except (TypeError, ValueError) as e:
             raise AdapterFormatError(f"{where}: invalid field ({e}); fix the config file") from None
         for pat in (*cfg.rank_pattern, *cfg.alpha_pattern):
             compile_key(pat, where)  # refuse what cannot be matched safely, at load
-        if d.get("target_parameters"):
-            # ParamWrapper keys name the module, not the parameter (nested wrappers spell the
-            # others as <module>.base_layer...), and the per-expert layout of the factors
-            # depends on the model class (is_transposed): they cannot be placed from the file.
-            raise UnsupportedFormatError(
-                f"{where}: PEFT target_parameters (per-expert LoRA on a 3-D parameter: "
-                f"{list(d['target_parameters'])[:4]}) is not supported yet; merge with PEFT's "
-                "merge_and_unload()."
-            )
+        if isinstance(cfg.target_modules, str):
+            compile_key(cfg.target_modules, where, whole=True)
         if d.get("trainable_token_indices"):
             raise UnsupportedFormatError(
                 f"{where}: PEFT trainable_token_indices (trained rows of an embedding, saved as "
@@ -144,6 +150,37 @@ class PeftConfig:
             return module, None
         return None
 
+    def wrapped_parameter(self, module: str) -> tuple[str, int, tuple[str, ...]] | None:
+        """Whether module key ``module`` holds the factors of a ``ParamWrapper``, and of which.
+
+        Returns:
+            None for an ordinary LoRA layer; else ``(module, depth, names)``: the adapted
+            module's key (``.base_layer`` levels dropped), how many wrappers are nested
+            outside this one, and the parameter names ``target_parameters`` allows there
+            (which one it is, the model's shapes tell: see ``ExpertsLowRankKind.place``).
+        """
+        if not self.target_parameters:
+            return None
+        depth = 0
+        while module.endswith(".base_layer"):
+            module, depth = module[: -len(".base_layer")], depth + 1
+        name = module.removeprefix("base_model.model.")
+        if depth == 0 and self._targets_module(name):
+            return None
+        # PEFT adapts parameter p of this module when "<name>.<p>" is an entry or ends with
+        # "." + an entry
+        names = tuple(sorted({
+            t.rpartition(".")[2] for t in self.target_parameters
+            if f"{name}.{t.rpartition('.')[2]}" == t
+            or f"{name}.{t.rpartition('.')[2]}".endswith(f".{t}")}))
+        return (module, depth, names) if names else None
+
+    def _targets_module(self, name: str) -> bool:
+        """PEFT's ``target_modules`` test of module ``name`` (without the PeftModel prefix)."""
+        if isinstance(self.target_modules, str):
+            return compile_key(self.target_modules, whole=True).matches(name)
+        return any(name == t or name.endswith(f".{t}") for t in self.target_modules or ())
+
     def _pattern(self, table: dict[str, Any], module: str) -> Any:
         name = module.removeprefix("base_model.model.")
         for pat, value in table.items():
@@ -175,6 +212,23 @@ def _table(d: dict[str, Any], field: str, where: str) -> dict[Any, Any]:
             f'values (e.g. {{"down_blocks.0": 4}}). Fix the config file.'
         )
     return value
+
+
+def _names(value: Any, field: str, where: str) -> list[Any]:
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise AdapterFormatError(
+            f"{where}: {field} is {value!r}; it must be a list of names (e.g. "
+            '["mlp.experts.down_proj"]). Fix the config file.')
+    return list(value)
+
+
+def _targets(value: Any, where: str) -> tuple[str, ...] | str | None:
+    """``target_modules``: None, one regular expression, or a list of module names."""
+    if value is None or isinstance(value, str):
+        return value
+    return tuple(_names(value, "target_modules", where))
 
 
 def _rank(value: Any, field: str, where: str) -> int:

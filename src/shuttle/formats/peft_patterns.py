@@ -14,6 +14,9 @@ Accepted: every construct a finite automaton runs: characters and escapes (``\\d
 ``\\A``, ``\\Z``, ``\\b``, ``\\B``. One character (or class) and one zero-width assertion are
 each tested by ``re`` itself, so they mean exactly what they mean to PEFT.
 
+``target_modules`` given as one string is run by PEFT as ``re.fullmatch(key, name)``:
+``compile_key(key, whole=True)`` matches that, the same way.
+
 Refused (:class:`~shuttle.errors.AdapterFormatError`): what no automaton runs without
 backtracking (backreferences, lookarounds, conditionals, atomic groups, possessive
 quantifiers), inline flags, keys longer than :data:`MAX_KEY_CHARS`, groups nested deeper than
@@ -64,11 +67,16 @@ class PatternKey:
 
     key: str
     _plain: bool
+    _whole: bool
     _states: tuple[_State, ...]
     _start: int
 
     def matches(self, name: str) -> bool:
-        """``re.match(rf"(.*\\.)?({key})$", name) is not None``, in O(len(name) x states)."""
+        """``re.match(rf"(.*\\.)?({key})$", name) is not None`` (``re.fullmatch(key, name)``
+        for a key compiled ``whole``), in O(len(name) x states).
+        """
+        if self._plain and self._whole:
+            return name == self.key
         if self._plain:  # the name or a dotted suffix of it
             return any(_ends_with(text, self.key) for text in
                        (name, *([name[:-1]] if name.endswith("\n") else [])))
@@ -104,29 +112,35 @@ class PatternKey:
 
 
 @functools.lru_cache(maxsize=1024)
-def compile_key(key: str, where: str = "adapter_config.json") -> PatternKey:
+def compile_key(key: str, where: str = "adapter_config.json", *, whole: bool = False
+                ) -> PatternKey:
     """Parse a ``rank_pattern``/``alpha_pattern`` key (see the module docstring).
 
     Args:
         key: the key.
         where: the file, for messages.
+        whole: match the whole name (``re.fullmatch``: a ``target_modules`` string) instead of
+            PEFT's ``(.*\\.)?(key)$``.
 
     Raises:
         AdapterFormatError: the key is no regular expression, or one shuttle refuses.
     """
     def refuse(why: str) -> AdapterFormatError:
         return AdapterFormatError(
-            f"{where}: rank_pattern/alpha_pattern key {key[:80]!r}{'...' if len(key) > 80 else ''}"
+            f"{where}: {'target_modules' if whole else 'rank_pattern/alpha_pattern key'} "
+            f"{key[:80]!r}{'...' if len(key) > 80 else ''}"
             f" {why}. shuttle matches these keys as PEFT does, in linear time: plain module "
             "names, and regular expressions without backreferences, lookarounds, atomic groups, "
             f"possessive quantifiers or inline flags, of at most {MAX_KEY_CHARS} characters. "
             "Rewrite the key, e.g. as module names joined by '|'.")
 
     if not set(key) & _SPECIAL and "\n" not in key:
-        return PatternKey(key, True, (), 0)
+        return PatternKey(key, True, whole, (), 0)
     if len(key) > MAX_KEY_CHARS:
         raise refuse(f"has {len(key)} characters")
-    full = f"{_PREFIX}{key})$"
+    prefix = "(" if whole else _PREFIX
+    # fullmatch: "$" may also match before a final newline, "\Z" only at the end
+    full = f"{prefix}{key})" + ("\\Z" if whole else "$")
     try:
         re.compile(full)
     except re.error as e:
@@ -140,9 +154,9 @@ def compile_key(key: str, where: str = "adapter_config.json") -> PatternKey:
         start = builder.build(node, builder.add(("match",)))
     except _Refused as e:
         what, at = e.args
-        where_in = "" if at is None else f" at index {max(at - len(_PREFIX), 0)}"
+        where_in = "" if at is None else f" at index {max(at - len(prefix), 0)}"
         raise refuse(f"uses {what}{where_in}") from None
-    return PatternKey(key, False, tuple(builder.states), start)
+    return PatternKey(key, False, whole, tuple(builder.states), start)
 
 
 def _ends_with(text: str, key: str) -> bool:

@@ -25,6 +25,7 @@ from shuttle.formats.lora import DORA_RULES, LoRA
 from shuttle.formats.lycoris import DORA_RULE_KEY
 from shuttle.formats.safetensors_writer import create_temp, publish_mode
 from shuttle.patches import Diff, DoRA, LowRank, materialize
+from shuttle.patches.experts import NOT_WRITTEN
 from shuttle.patches.kind import spell_patch
 
 __all__ = ["PIPELINE_COMPONENTS", "TARGETS", "pipeline_components", "save_lora"]
@@ -148,6 +149,9 @@ def _peft_tensors(lora: LoRA, names: Mapping[str, str]) -> tuple[dict[str, torch
             tensors[f"{base}.lora_B.bias"] = materialize(p.diff)
             lora_bias = True
             continue
+        if p.kind == "experts_lora":
+            raise UnsupportedFormatError(
+                f"module {module!r}: {NOT_WRITTEN}")
         if not isinstance(inner, LowRank) or inner.mid is not None or inner.split_qkv:
             raise UnsupportedFormatError(
                 f"module {module!r}: a {p.kind} patch has no PEFT LoRA spelling; convert to "

@@ -45,7 +45,7 @@ from shuttle.errors import OffloadError, UnsupportedLayerError
 from shuttle.hooks import add_hook, substituted
 from shuttle.offload.host_storage import HostStorage
 from shuttle.offload.host_unit import HostUnit
-from shuttle.targets import KeyMapping, fused_modules
+from shuttle.targets import KeyMapping, fused_modules, transposed_modules
 from shuttle.weights.plain import is_plain_tensor
 
 __all__ = ["ActivationAdapters", "check_quality", "former_mode"]
@@ -116,7 +116,7 @@ class ActivationAdapters:
         # onto the device and checks them finite.
         params = dict(model.named_parameters())
         plan = plan_params(params, loras, mapping, device=device, fused=fused_modules(model),
-                           memo=memo_of(model))
+                           transposed=transposed_modules(model), memo=memo_of(model))
         quantized = [n for n in plan.params if not is_plain_tensor(params[n])]
         if quantized and mode != "dynamic":
             # The slots hold such a weight's storage tensors (packed data, scales): a merge as

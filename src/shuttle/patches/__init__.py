@@ -5,6 +5,7 @@ dynamic form) in :data:`PATCH_KINDS`.
 
 from shuttle.patches.dense import Diff, Set
 from shuttle.patches.dora import DoRA
+from shuttle.patches.experts import ExpertsLowRank
 from shuttle.patches.ia3 import IA3
 from shuttle.patches.kind import PATCH_KINDS, Found, PatchKind, register_kind, register_patch
 from shuttle.patches.loha import LoHa
@@ -19,6 +20,7 @@ __all__ = [
     "PATCH_KINDS",
     "Diff",
     "DoRA",
+    "ExpertsLowRank",
     "Found",
     "LoHa",
     "LoKr",

@@ -8,6 +8,9 @@ Generic code reads :data:`PATCH_KINDS` and calls the kind; it never names one:
     apply.dynamic_layer   whether a patch runs beside the layer as     ``kind.lowrank(patch)``
                           low-rank factors (the Linear tiers, a conv or
                           lookup residual) or joins the weight residual
+    targets.resolve       which parameter of the module it updates,   ``kind.place(...)``
+                          when the file does not say (PEFT's
+                          ``target_parameters``)
     apply (merge)         its contribution: the patch class's own ``apply``/``delta``
 
 A new kind is one file: its :class:`~shuttle.patches.patch.Patch` subclass and a
@@ -139,6 +142,22 @@ class PatchKind:
         raise UnsupportedFormatError(
             f"module {module!r}: patch kind {self.name!r} has no {to} spelling (override "
             "spell() in its PatchKind to add one)")
+
+    def place(self, patch: Patch, params: Mapping[str, tuple[int, ...]],
+              transposed: bool | None, ordered: bool) -> Patch | str:
+        """``patch`` on its module's parameter, or a reason it fits none: a kind whose files
+        name the module but not the parameter chooses it here by shape. The default keeps
+        ``patch.param``.
+
+        Args:
+            patch: a patch of this kind.
+            params: the module's parameters (name -> shape), in the order the module registers
+                them when ``ordered``.
+            transposed: the module's ``is_transposed`` (stacked experts stored (E, in, out));
+                None when the shapes come without the module.
+            ordered: whether ``params`` is in registration order.
+        """
+        return patch
 
     def lowrank(self, patch: Patch) -> LowRank | None:
         """``patch`` as low-rank factors that a dynamic forward runs beside the layer (the

@@ -14,7 +14,7 @@ from shuttle.targets import (  # noqa: F401
 )
 from shuttle.targets.family import FAMILY_MAPS, register_family
 from shuttle.targets.fused import FUSED_GROUPS
-from shuttle.targets.names import ADAPTER_PREFIXES, ModelNames, fused_modules
+from shuttle.targets.names import ADAPTER_PREFIXES, ModelNames, fused_modules, transposed_modules
 from shuttle.targets.resolve import KeyMapping, Resolution, Target, resolve
 from shuttle.targets.split import Split
 
@@ -28,6 +28,7 @@ __all__ = [
     "Split",
     "Target",
     "fused_modules",
+    "transposed_modules",
     "register_family",
     "resolve",
 ]

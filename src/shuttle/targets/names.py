@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-__all__ = ["ADAPTER_PREFIXES", "ModelNames", "fused_modules"]
+__all__ = ["ADAPTER_PREFIXES", "ModelNames", "fused_modules", "transposed_modules"]
 
 # Prefixes adapters put before module paths, and that models may have as component roots.
 ADAPTER_PREFIXES = (
@@ -34,12 +34,17 @@ class ModelNames:
         fused: paths of modules that run fused projections beside their split ones
             (:func:`fused_modules`); adapter updates of their split layers go to the rows of
             the fused layer instead.
+        transposed: the module paths whose ``is_transposed`` is true (transformers' MoE
+            experts stored (experts, in, out)); None when only shapes are known (a
+            checkpoint), which also leaves ``params`` out of registration order.
     """
 
     def __init__(self, params: Mapping[str, torch.Size | tuple[int, ...]],
-                 fused: Iterable[str] = ()):
+                 fused: Iterable[str] = (), transposed: Iterable[str] | None = None):
         self.shapes = {n: torch.Size(s) for n, s in params.items()}
         self.fused = frozenset(fused)
+        self.transposed = None if transposed is None else frozenset(transposed)
+        self._order: dict[str, int] | None = None
         # module path -> its parameter names (relative); a bare parameter is its own module.
         self.modules: dict[str, set[str]] = defaultdict(set)
         # PEFT's wrapped layers (after diffusers' load_lora_weights, or in a PeftModel) keep
@@ -69,7 +74,18 @@ class ModelNames:
         """Index ``model.named_parameters()`` (tied parameters are listed once) and the
         modules that run fused projections (:func:`fused_modules`).
         """
-        return cls({n: p.shape for n, p in model.named_parameters()}, fused_modules(model))
+        return cls({n: p.shape for n, p in model.named_parameters()}, fused_modules(model),
+                   transposed_modules(model))
+
+    def params_of(self, module: str) -> dict[str, torch.Size]:
+        """``module``'s own parameters (leaf -> shape), in the model's order."""
+        if self._order is None:
+            self._order = {n: i for i, n in enumerate(self.shapes)}
+        full = {leaf: self.param(module, leaf) for leaf in self.modules.get(module, ())}
+        order = self._order
+        return {leaf: self.shapes[n] for leaf, n in
+                sorted(((k, v) for k, v in full.items() if v is not None),
+                       key=lambda kv: order[kv[1]])}
 
     def param(self, module: str, leaf: str) -> str | None:
         """The full name of parameter ``leaf`` of ``module``, or of the bare parameter
@@ -112,6 +128,15 @@ class ModelNames:
     def text_encoder_root(index: int) -> str:
         """``text_encoder.`` for 1, ``text_encoder_2.`` for 2, ..."""
         return "text_encoder." if index == 1 else f"text_encoder_{index}."
+
+
+def transposed_modules(model: torch.nn.Module) -> frozenset[str]:
+    """Paths of the modules of ``model`` whose stacked expert tensors are stored
+    (experts, in, out): transformers marks them ``is_transposed`` (GPT-OSS); the others are
+    (experts, out, in).
+    """
+    return frozenset(n for n, m in model.named_modules()
+                     if getattr(m, "is_transposed", False) is True)
 
 
 def fused_modules(model: torch.nn.Module) -> frozenset[str]:

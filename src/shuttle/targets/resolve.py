@@ -28,7 +28,7 @@ import torch
 from shuttle.errors import DuplicateTargetError, ShapeMismatchError
 from shuttle.formats import LoRA
 from shuttle.formats.kohya import KOHYA_PREFIXES
-from shuttle.patches import Patch, select_rows
+from shuttle.patches import PATCH_KINDS, Patch, PatchKind, select_rows
 from shuttle.targets.family import FAMILY_MAPS
 from shuttle.targets.fused import fused_candidates, live_fused
 from shuttle.targets.names import ADAPTER_PREFIXES, ModelNames
@@ -118,6 +118,11 @@ def resolve(
     for module, module_places in places.items():
         for place in module_places:
             for patch in lora.modules[module]:
+                placed = _placed(patch, place.path, names)
+                if isinstance(placed, str):
+                    unmatched[f"{module} ({patch.param})"] = placed
+                    continue
+                patch = placed
                 leaf = dict(place.params).get(patch.param, patch.param)
                 param = names.param(place.path, leaf)
                 if param is None:
@@ -130,6 +135,18 @@ def resolve(
     _check_rows(targets, names)
     _check_duplicates(targets)
     return Resolution(targets, unmatched)
+
+
+def _placed(patch: Patch, path: str, names: ModelNames) -> Patch | str:
+    """``patch`` on the parameter its kind chooses at ``path`` (PEFT's ``target_parameters``
+    factors name the module only), or why none fits.
+    """
+    kind = PATCH_KINDS[patch.kind]
+    if type(kind).place is PatchKind.place:
+        return patch
+    known = names.transposed is not None
+    return kind.place(patch, names.params_of(path),
+                      path in names.transposed if names.transposed is not None else None, known)
 
 
 def _places(module: str, value: MappingValue, names: ModelNames,
