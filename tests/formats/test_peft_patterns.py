@@ -81,6 +81,23 @@ def test_random_patterns_match_like_re(key):
         assert compiled.matches(name) == bool(pattern.match(name)), (key, name)
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(_TOKENS), min_size=1, max_size=8).map("".join))
+def test_whole_name_patterns_match_like_fullmatch(key):
+    """A ``target_modules`` string: PEFT runs ``re.fullmatch(key, name)``."""
+    try:
+        re.compile(key)
+    except re.error:
+        return
+    try:
+        compiled = compile_key(key, whole=True)
+    except AdapterFormatError as e:
+        assert "possessive quantifier" in str(e), key
+        return
+    for name in _NAMES:
+        assert compiled.matches(name) == bool(re.fullmatch(key, name)), (key, name)
+
+
 class Attn(nn.Module):
     def __init__(self):
         super().__init__()

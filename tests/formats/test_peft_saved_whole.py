@@ -5,8 +5,8 @@ PEFT writes them as plain ``base_model.model.<module>.<param>`` keys and names t
 (strength m: ``W + m * (value - W)``, PEFT's copy at m = 1); the files here are written by PEFT
 itself (``get_peft_model`` + ``save_pretrained``) and compared with ``merge_and_unload()``.
 Without the config they are refused with an error saying what they look like and how to load
-them. ``target_parameters`` (LoRA on 3-D expert weights) and ``trainable_token_indices`` are
-refused when read.
+them. ``trainable_token_indices`` is refused when read (``target_parameters``:
+test_peft_target_parameters.py).
 """
 
 from __future__ import annotations
@@ -149,33 +149,6 @@ def test_a_bare_file_is_refused_with_what_the_keys_are(tmp_path):
     config = json.loads((tmp_path / "adapter_config.json").read_text())
     assert {p.kind for ps in shuttle.load_lora(file, config=config).modules.values()
             for p in ps} == {"lora", "replace"}
-
-
-def test_target_parameters_is_refused_when_read(tmp_path):
-    """PEFT's ParamWrapper keys name the module, not the 3-D parameter they update (nested
-    wrappers spell the second one ``<module>.base_layer.lora_A``)."""
-
-    class Experts(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.gate_up_proj = nn.Parameter(torch.randn(3, 8, 12))  # (experts, in, out)
-            self.down_proj = nn.Parameter(torch.randn(3, 6, 8))
-
-    class Moe(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.experts = Experts()
-            self.lin = nn.Linear(8, 8)
-
-    torch.manual_seed(0)
-    pm = peft.get_peft_model(Moe(), peft.LoraConfig(
-        r=2, target_modules=["lin"],
-        target_parameters=["experts.gate_up_proj", "experts.down_proj"]))
-    pm.save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedFormatError,
-                       match="target_parameters .per-expert LoRA on a 3-D parameter.*"
-                             "merge_and_unload"):
-        shuttle.load_lora(tmp_path)
 
 
 def test_trainable_token_indices_is_refused_when_read(tmp_path):
