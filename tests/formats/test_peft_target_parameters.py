@@ -208,15 +208,20 @@ def test_factors_for_another_model_are_reported_not_merged(tmp_path):
     assert all(torch.equal(before[n], p) for n, p in other.named_parameters())
 
 
-def test_dynamic_forward_equals_peft(tmp_path):
+def test_dynamic_and_scoped_forwards_equal_peft(tmp_path):
     base = _qwen2_moe()
-    _peft_file(tmp_path, base, r=2, target_modules=["q_proj"], target_parameters=EXPERTS)
+    want = _peft_file(tmp_path, base, r=2, target_modules=["q_proj"], target_parameters=EXPERTS)
     ref = peft.PeftModel.from_pretrained(copy.deepcopy(base), tmp_path)
-    model = copy.deepcopy(base)
-    shuttle.attach_lora(model, [(tmp_path, 1.0)])
     ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+    model = copy.deepcopy(base)
     with torch.no_grad():
-        close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+        expected = ref(input_ids=ids).logits
+        with shuttle.apply_lora(model, [(tmp_path, 1.0)]):  # a merge, undone on exit
+            _assert_merged_as_peft(dict(model.named_parameters()), want, base)
+        for name, p in base.named_parameters():
+            assert torch.equal(dict(model.named_parameters())[name], p), name
+        shuttle.attach_lora(model, [(tmp_path, 1.0)])
+        close(model(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("field, value", [("target_parameters", "down_proj"),
