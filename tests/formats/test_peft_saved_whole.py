@@ -5,8 +5,8 @@ PEFT writes them as plain ``base_model.model.<module>.<param>`` keys and names t
 (strength m: ``W + m * (value - W)``, PEFT's copy at m = 1); the files here are written by PEFT
 itself (``get_peft_model`` + ``save_pretrained``) and compared with ``merge_and_unload()``.
 Without the config they are refused with an error saying what they look like and how to load
-them. ``trainable_token_indices`` is refused when read (``target_parameters``:
-test_peft_target_parameters.py).
+them. The embedding rows of ``trainable_token_indices``: test_peft_trainable_tokens.py;
+``target_parameters``: test_peft_target_parameters.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import shuttle
-from shuttle.errors import UnknownKeyError, UnsupportedFormatError
+from shuttle.errors import UnknownKeyError
 from shuttle.formats.peft import PeftConfig
 from tests import assert_bits_equal, close
 
@@ -149,17 +149,6 @@ def test_a_bare_file_is_refused_with_what_the_keys_are(tmp_path):
     config = json.loads((tmp_path / "adapter_config.json").read_text())
     assert {p.kind for ps in shuttle.load_lora(file, config=config).modules.values()
             for p in ps} == {"lora", "replace"}
-
-
-def test_trainable_token_indices_is_refused_when_read(tmp_path):
-    """Its ``token_adapter.trainable_tokens_delta`` rows would otherwise read as unknown keys
-    (or, misleadingly, as a modules_to_save copy)."""
-    torch.manual_seed(0)
-    pm = peft.get_peft_model(_base(), peft.LoraConfig(
-        r=2, target_modules=["lin"], trainable_token_indices={"emb": [1, 3]}))
-    pm.save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedFormatError, match="trainable_token_indices.*merge_and_unload"):
-        shuttle.load_lora(tmp_path)
 
 
 def test_which_keys_the_config_saves_whole():

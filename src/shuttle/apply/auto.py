@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Literal
 
 import torch
@@ -106,6 +106,7 @@ def decide(
     *,
     rounding: Rounding | None = None,
     seed: int | None = None,
+    tied: Collection[str] = (),
 ) -> dict[str, Decision]:
     """Measure, per parameter of ``plan``, how much of its update a merge would lose.
 
@@ -117,6 +118,8 @@ def decide(
         params: parameter name -> tensor, for every parameter of the plan.
         threshold: merge where ``loss <= threshold``.
         rounding, seed: as for :func:`~shuttle.merge_lora`.
+        tied: parameters other modules share (tied embeddings): merged whatever they lose,
+            since a dynamic update would reach one module's forward only.
 
     Returns:
         parameter name -> :class:`Decision`, in plan order; also logged (``shuttle``, info).
@@ -137,7 +140,8 @@ def decide(
             err = float(torch.linalg.vector_norm(lost))
             # A merge that overflows (err non-finite) cannot be merged; a zero update loses nothing.
             loss = math.inf if not math.isfinite(err) else err / update if update else 0.0
-            out[name] = Decision("merge" if loss <= threshold else "dynamic", loss)
+            out[name] = Decision("merge" if loss <= threshold or name in tied else "dynamic",
+                                 loss)
             log.info("auto: %s -> %s (%.3g of the update lost to %s rounding)", name,
                      out[name].mode, loss, p.dtype)
     merged = sum(d.mode == "merge" for d in out.values())

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -429,6 +429,7 @@ def attach_plan(model: torch.nn.Module, plan: MergePlan, quality: Quality,
         raise InvalidStrengthError(
             f"loras[{i}] has a strength per component; dynamic adapters hold one strength per "
             "adapter: merge it (mode='merge'), or attach one adapter list per component")
+    check_untied(model, plan.params)
     per_module: dict[str, dict[str, list[Contribution]]] = defaultdict(lambda: defaultdict(list))
     for param, contribs in plan.params.items():
         module, _, leaf = param.rpartition(".")
@@ -456,3 +457,31 @@ def attach_plan(model: torch.nn.Module, plan: MergePlan, quality: Quality,
         handle.detach()  # roll back the hooks already installed
         raise
     return handle
+
+
+
+def tied_parameters(model: torch.nn.Module) -> dict[str, list[str]]:
+    """Parameters other modules share (tied embeddings): each one's name as
+    ``model.named_parameters()`` gives it -> the other names of the same tensor.
+    """
+    names: dict[int, list[str]] = defaultdict(list)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names[id(p)].append(name)
+    return {n[0]: n[1:] for n in names.values() if len(n) > 1}
+
+
+def check_untied(model: torch.nn.Module, params: Collection[str]) -> None:
+    """Refuse dynamic updates of a tensor several modules share: a dynamic update runs in one
+    module's forward, so the others would read the weight without it, unlike the merged model.
+
+    Raises:
+        UnsupportedLayerError: one of ``params`` is tied to another module's parameter.
+    """
+    shared = tied_parameters(model)
+    tied = sorted(p for p in params if p in shared)
+    if tied:
+        raise UnsupportedLayerError(
+            f"parameter {tied[0]!r} is tied to {shared[tied[0]]} (one tensor, several "
+            "modules): a dynamic update would reach only one module's forward, and the model "
+            "would not compute what the merged one does. Merge these adapters (mode='merge' or "
+            "'auto', or shuttle.merge_lora), or untie the weights first; nothing was attached.")

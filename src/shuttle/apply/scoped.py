@@ -16,6 +16,7 @@ from shuttle.apply.dynamic import (
     attach_lora,
     attach_plan,
     default_quality,
+    tied_parameters,
 )
 from shuttle.apply.dynamic_layer import Quality
 from shuttle.apply.merge import MergeReport, merge_plan
@@ -127,7 +128,8 @@ def apply_lora(
     report: MergeReport | AutoReport = MergeReport(list(plan.params), plan.unmatched,
                                                    plan.skipped, notes)
     if mode == "auto":
-        decisions = decide(plan, params, auto_threshold, rounding=rounding, seed=seed)
+        decisions = decide(plan, params, auto_threshold, rounding=rounding, seed=seed,
+                           tied=tied_parameters(model).keys())
         merged = dataclasses.replace(plan, params={
             n: cs for n, cs in plan.params.items() if decisions[n].mode == "merge"})
         dynamic = dataclasses.replace(plan, params={

@@ -13,6 +13,10 @@ A PEFT config with ``target_parameters`` turns the factors of each ``ParamWrappe
 :class:`~shuttle.patches.ExpertsLowRank` on the module it wraps, to be placed on one of its
 parameters by shape (:meth:`~shuttle.patches.experts.ExpertsLowRankKind.place`).
 
+Embedding rows PEFT trained (``trainable_token_indices``, saved as
+``<module>.token_adapter.trainable_tokens_delta``) become a
+:class:`~shuttle.patches.ReplaceRows` of the rows the config names.
+
 Tensors a PEFT config says are saved whole (``modules_to_save`` copies, ``bias="all"``
 biases) become :class:`~shuttle.patches.Replace` patches, ahead of the module's other patches
 (PEFT adds a ``lora_B.bias`` to the trained bias it loaded).
@@ -28,7 +32,16 @@ from shuttle.errors import AdapterFormatError, UnknownKeyError, UnsupportedForma
 from shuttle.formats.peft import PeftConfig
 from shuttle.formats.registry import AdapterFormat
 from shuttle.formats.roles import split_key, unsupported_kind
-from shuttle.patches import PATCH_KINDS, ExpertsLowRank, Found, LowRank, Patch, Replace, materialize
+from shuttle.patches import (
+    PATCH_KINDS,
+    ExpertsLowRank,
+    Found,
+    LowRank,
+    Patch,
+    Replace,
+    ReplaceRows,
+    materialize,
+)
 from shuttle.patches.experts import Choice
 from shuttle.patches.kind import STAGES
 from shuttle.patches.patch import Tensorish
@@ -74,8 +87,13 @@ def assemble(
     on_input_modules = {k[: -len(".on_input")] for k in table if k.endswith(".on_input")}
     names = {key: fmt.rename(key) if fmt.rename else key for key in table}
     plain = set(names.values())
+    rows: dict[str, list[Patch]] = defaultdict(list)  # PEFT's trainable token rows
     for key, t in table.items():
         name = names[key]
+        if name.endswith(_TOKEN_ROWS):
+            module = name[: -len(_TOKEN_ROWS)]
+            rows[module].append(_token_rows(key, module, t, config, components or {}, source))
+            continue
         split = split_key(name)
         if split is None and name.endswith(".weight") and name[:-7] in on_input_modules:
             split = (name[:-7], "ia3_weight")
@@ -133,21 +151,50 @@ def assemble(
                           "adapter_config.json names it (strict=False)" if k in peft else
                           "key of no known adapter kind (strict=False)")
     modules: dict[str, list[Patch]] = {}
-    for module in {**whole, **roles}:
+    for module in {**whole, **roles, **rows}:
         cfg, name = _config_of(module, config, components or {})
         patches = _build_module(module, roles[module], cfg, name, fmt, source) \
             if module in roles else []
         if not patches and module in roles:
             for key, _ in roles[module].values():
                 skipped[key] = "alpha without factors: nothing to apply"
-        patches = [Replace(p, value=t) for p, (_, t) in whole.get(module, {}).items()] + patches
-        wrapped = cfg.wrapped_parameter(name) if cfg is not None and module in roles else None
-        if wrapped is not None and patches:
-            module = module[: len(module) - len(name)] + wrapped[0]
-            patches = [_param_wrapper(p, wrapped, cfg, source) for p in patches]
+        wrapped = cfg.wrapped_parameter(name) if cfg is not None and patches else None
+        if wrapped is not None:  # a ParamWrapper's factors: kept under the module it wraps
+            adapted = module[: len(module) - len(name)] + wrapped[0]
+            modules.setdefault(adapted, []).extend(
+                _param_wrapper(p, wrapped, cfg, source) for p in patches)
+            patches = []
+        patches = [Replace(p, value=t) for p, (_, t) in whole.get(module, {}).items()] \
+            + rows.get(module, []) + patches
         if patches:
             modules.setdefault(module, []).extend(patches)
     return modules, skipped
+
+
+_TOKEN_ROWS = ".token_adapter.trainable_tokens_delta"
+
+
+def _token_rows(key: str, module: str, t: Tensorish, config: PeftConfig | None,
+                components: Mapping[str, PeftConfig], source: str) -> Patch:
+    """PEFT's trained embedding rows (``trainable_token_indices``) as a ``ReplaceRows``."""
+    cfg, inner = _config_of(module, config, components)
+    indices = cfg.token_rows(inner) if cfg is not None else None
+    if indices is None:
+        raise AdapterFormatError(
+            f"{source}: {key!r} holds embedding rows PEFT trained (trainable_token_indices), "
+            "but no adapter_config.json says which token ids they are: load the adapter "
+            "directory with its adapter_config.json, or pass load_lora(file, config={...}) "
+            "with its trainable_token_indices.")
+    if not t.dtype.is_floating_point:
+        raise AdapterFormatError(
+            f"{source}: {key!r} is {str(t.dtype).removeprefix('torch.')}; trained embedding "
+            "rows must be floating point. The file is corrupt; export it again.")
+    if len(t.shape) != 2 or t.shape[0] != len(indices):
+        raise AdapterFormatError(
+            f"{source}: {key!r} has shape {tuple(t.shape)}, but the config trains "
+            f"{len(indices)} token(s) there (trainable_token_indices): one row each. The "
+            "file and its adapter_config.json do not belong together; export them again.")
+    return ReplaceRows("weight", indices=indices, value=t)
 
 
 def _param_wrapper(patch: Patch, wrapped: tuple[str, int, tuple[str, ...]], cfg: PeftConfig,

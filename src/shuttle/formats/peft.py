@@ -55,6 +55,9 @@ class PeftConfig:
             ``"mlp.experts.down_proj"``) adapted in place by a ``ParamWrapper``, per expert
             on a stacked MoE tensor. Its factors are saved under the module's name, one more
             ``.base_layer`` for each wrapper nested inside the outermost.
+        trainable_token_indices: the embedding rows (token ids) PEFT trained and saved as
+            ``<module>.token_adapter.trainable_tokens_delta``: per module name (matched as a
+            dotted suffix), or one list for the model's input embedding.
     """
 
     peft_type: str = "LORA"
@@ -68,6 +71,7 @@ class PeftConfig:
     bias: str = "none"
     target_modules: tuple[str, ...] | str | None = None
     target_parameters: tuple[str, ...] = ()
+    trainable_token_indices: dict[str, tuple[int, ...]] | tuple[int, ...] | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str = "adapter_config.json") -> PeftConfig:
@@ -107,6 +111,7 @@ class PeftConfig:
                 target_parameters=tuple(
                     str(t) for t in _names(d.get("target_parameters"), "target_parameters",
                                            where)),
+                trainable_token_indices=_token_indices(d.get("trainable_token_indices"), where),
             )
         except (TypeError, ValueError) as e:
             raise AdapterFormatError(f"{where}: invalid field ({e}); fix the config file") from None
@@ -114,12 +119,6 @@ class PeftConfig:
             compile_key(pat, where)  # refuse what cannot be matched safely, at load
         if isinstance(cfg.target_modules, str):
             compile_key(cfg.target_modules, where, whole=True)
-        if d.get("trainable_token_indices"):
-            raise UnsupportedFormatError(
-                f"{where}: PEFT trainable_token_indices (trained rows of an embedding, saved as "
-                "<module>.token_adapter.trainable_tokens_delta) is not supported yet; merge "
-                "with PEFT's merge_and_unload()."
-            )
         return cfg
 
     def saved_whole(self, module: str, param: str) -> tuple[str, str | None] | None:
@@ -175,6 +174,15 @@ class PeftConfig:
             or f"{name}.{t.rpartition('.')[2]}".endswith(f".{t}")}))
         return (module, depth, names) if names else None
 
+    def token_rows(self, module: str) -> tuple[int, ...] | None:
+        """The trained rows of ``module``'s ``trainable_tokens_delta``, or None."""
+        indices = self.trainable_token_indices
+        if indices is None or isinstance(indices, tuple):
+            return indices
+        name = module.removeprefix("base_model.model.")
+        return next((rows for t, rows in indices.items()
+                     if name == t or name.endswith(f".{t}")), None)
+
     def _targets_module(self, name: str) -> bool:
         """PEFT's ``target_modules`` test of module ``name`` (without the PeftModel prefix)."""
         if isinstance(self.target_modules, str):
@@ -222,6 +230,26 @@ def _names(value: Any, field: str, where: str) -> list[Any]:
             f"{where}: {field} is {value!r}; it must be a list of names (e.g. "
             '["mlp.experts.down_proj"]). Fix the config file.')
     return list(value)
+
+
+def _token_indices(value: Any, where: str
+                   ) -> dict[str, tuple[int, ...]] | tuple[int, ...] | None:
+    """``trainable_token_indices``: a list of token ids, or module name -> such a list."""
+    if value is None:
+        return None
+
+    def rows(v: Any, field: str) -> tuple[int, ...]:
+        ok = isinstance(v, (list, tuple)) and all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in v)
+        if not ok or len(set(v)) != len(v):
+            raise AdapterFormatError(
+                f"{where}: {field} is {v!r}; it must list distinct token ids (whole numbers "
+                ">= 0, e.g. [32000, 32001]). Fix the config file.")
+        return tuple(v)
+
+    if isinstance(value, dict):
+        return {str(k): rows(v, f"trainable_token_indices[{k!r}]") for k, v in value.items()}
+    return rows(value, "trainable_token_indices")
 
 
 def _targets(value: Any, where: str) -> tuple[str, ...] | str | None:

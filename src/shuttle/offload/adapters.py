@@ -33,7 +33,13 @@ from typing import NamedTuple
 import torch
 
 from shuttle.apply.auto import DEFAULT_THRESHOLD, Decision, decide
-from shuttle.apply.dynamic import QUALITIES, DynamicAdapters, default_quality
+from shuttle.apply.dynamic import (
+    QUALITIES,
+    DynamicAdapters,
+    check_untied,
+    default_quality,
+    tied_parameters,
+)
 from shuttle.apply.dynamic_layer import LoRAHook, Quality
 from shuttle.apply.memo import memo_of
 from shuttle.apply.merge import MergeReport
@@ -133,9 +139,12 @@ class ActivationAdapters:
         self.folds = 0
         self.decisions: dict[str, Decision] = {}
         merged, dynamic = (plan.params, {}) if mode == "merge" else ({}, plan.params)
+        if mode == "dynamic":
+            check_untied(model, plan.params)
         if mode == "auto":
             params = dict(model.named_parameters())
-            self.decisions = decide(plan, _OnDevice(params, device), auto_threshold)
+            self.decisions = decide(plan, _OnDevice(params, device), auto_threshold,
+                                    tied=tied_parameters(model).keys())
             merged = {n: cs for n, cs in plan.params.items()
                       if self.decisions[n].mode == "merge"}
             dynamic = {n: cs for n, cs in plan.params.items() if n not in merged}

@@ -12,7 +12,7 @@ from shuttle.patches.loha import LoHa
 from shuttle.patches.lokr import LoKr
 from shuttle.patches.lowrank import LowRank
 from shuttle.patches.patch import Patch, TensorRef, materialize
-from shuttle.patches.replace import Replace
+from shuttle.patches.replace import Replace, ReplaceRows
 from shuttle.patches.select_rows import RowSlice, select_rows
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "Patch",
     "PatchKind",
     "Replace",
+    "ReplaceRows",
     "RowSlice",
     "Set",
     "TensorRef",
