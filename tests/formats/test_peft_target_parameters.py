@@ -106,61 +106,38 @@ def test_experts_named_in_target_modules_merge_as_peft(tmp_path):
               rtol=1e-6, atol=1e-6)
 
 
-def test_a_module_without_is_transposed_is_read_as_experts_out_in(tmp_path):
-    """PEFT's rule for a module of its own: (experts, out, in) unless ``is_transposed``."""
-
-    class Experts(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.gate_up_proj = torch.nn.Parameter(torch.randn(3, 8, 12))
-            self.down_proj = torch.nn.Parameter(torch.randn(3, 6, 8))
-
-    class Moe(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.experts = Experts()
-            self.lin = torch.nn.Linear(8, 8)
-
+def _moe(**stacked: tuple[int, ...]) -> torch.nn.Module:
+    """A module of our own: ``experts`` holding the ``stacked`` tensors, and a Linear ``lin``."""
     torch.manual_seed(0)
-    base = Moe()
-    pm = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(
-        r=2, init_lora_weights=False, target_modules=["lin"],
-        target_parameters=["experts.gate_up_proj", "experts.down_proj"]))
-    pm.save_pretrained(tmp_path)
-    want = pm.merge_and_unload()
-    merged = copy.deepcopy(base)
-    assert not shuttle.merge_lora(merged, [(tmp_path, 1.0)]).unmatched
-    got = dict(merged.named_parameters())
-    for name, p in want.named_parameters():
-        close(got[name], p.detach(), rtol=1e-6, atol=1e-6)
+    moe = torch.nn.Module()
+    moe.experts = torch.nn.Module()
+    for name, shape in stacked.items():  # registered in this order
+        setattr(moe.experts, name, torch.nn.Parameter(torch.randn(shape)))
+    moe.lin = torch.nn.Linear(8, 8)
+    return moe
 
 
-def test_parameters_of_one_shape_are_placed_as_peft_nests_them(tmp_path):
-    """Two stacked tensors of one shape and rank: the factors fit both, and PEFT's nesting
-    (the module's registration order, first innermost; here not alphabetical) says which."""
-
-    class Experts(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w2 = torch.nn.Parameter(torch.randn(3, 8, 8))
-            self.w1 = torch.nn.Parameter(torch.randn(3, 8, 8))
-
-    class Moe(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.experts = Experts()
-
-    torch.manual_seed(0)
-    base = Moe()
-    pm = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(
-        r=2, init_lora_weights=False, target_parameters=["experts.w1", "experts.w2"]))
-    pm.save_pretrained(tmp_path)
-    want = pm.merge_and_unload()
+def _merges_as_peft(tmp_path, base: torch.nn.Module, **config) -> None:
+    want = _peft_file(tmp_path, base, r=2, **config)
     merged = copy.deepcopy(base)
     assert not shuttle.merge_lora(merged, [(tmp_path, 1.0)], strict=True).unmatched
     got = dict(merged.named_parameters())
     for name, p in want.named_parameters():
         close(got[name], p.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_a_module_without_is_transposed_is_read_as_experts_out_in(tmp_path):
+    """PEFT's rule for a module of its own: (experts, out, in) unless ``is_transposed``."""
+    _merges_as_peft(tmp_path, _moe(gate_up_proj=(3, 8, 12), down_proj=(3, 6, 8)),
+                    target_modules=["lin"],
+                    target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+
+
+def test_parameters_of_one_shape_are_placed_as_peft_nests_them(tmp_path):
+    """Two stacked tensors of one shape and rank: the factors fit both, and PEFT's nesting
+    (the module's registration order, first innermost; here not alphabetical) says which."""
+    _merges_as_peft(tmp_path, _moe(w2=(3, 8, 8), w1=(3, 8, 8)),
+                    target_parameters=["experts.w1", "experts.w2"])
 
 
 def test_merge_files_and_load_checkpoint_equal_peft(tmp_path):
