@@ -13,8 +13,11 @@ weights_sd)``. DyLoRA saves a conv's ``lora_up`` as ``(out, r)``, which LyCORIS'
 cannot copy into its ``(out, r, 1, 1)`` layer (a LyCORIS bug), so the oracle is given those ups
 reshaped to ``(out, r, 1, 1)``; the file shuttle reads is unchanged.
 
-The algorithms shuttle does not implement (GLoRA, diagonal OFT, BOFT, T-LoRA) must be refused when
-the file is read, with a typed error that names the algorithm and a key.
+Diag-OFT with ``rescaled`` is compared at strength 1 only: LyCORIS applies the row scale whole at
+any multiplier, shuttle moves it with the strength (docs/formats.md).
+
+The algorithms shuttle does not implement (GLoRA, BOFT, T-LoRA) must be refused when the file is
+read, with a typed error that names the algorithm and a key.
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ CONFIGS = {
     "lokr-dora": {"algo": "lokr", "dora_wd": True},
     "full": {"algo": "full"},
     "ia3": {"algo": "ia3"},
+    "diag-oft": {"algo": "diag-oft"},
+    "diag-oft-constrained": {"algo": "diag-oft", "constraint": 1e-3},
 }
 
 
@@ -100,6 +105,17 @@ def test_matches_lycoris_forward(name, k, mode, tmp_path):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_rescaled_diag_oft_matches_lycoris_forward(mode, tmp_path):
+    base = make_base()
+    path = tmp_path / "a.safetensors"
+    net, model = lycoris_net(base, path, algo="diag-oft", rescaled=True)
+    expected = outputs(model)
+    lora = shuttle.load_lora(path)
+    assert {p.kind for ps in lora.modules.values() for p in ps} == {"oft"}
+    assert_outputs_close(shuttle_outputs(base, lora, 1.0, mode), expected, outputs(base), WRAPPED)
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("k", STRENGTHS)
 def test_dylora_matches_lycoris_load(k, mode, tmp_path):
     base = make_base()
@@ -120,7 +136,6 @@ def test_dylora_matches_lycoris_load(k, mode, tmp_path):
 
 UNSUPPORTED = {
     "glora": ("GLoRA", "a1.weight"),
-    "diag-oft": ("OFT", "oft_blocks"),
     "boft": ("BOFT", "oft_blocks"),
     "tlora": ("T-LoRA", "lambda_layer"),
 }

@@ -142,10 +142,22 @@ def test_a_missing_role_of_a_new_kind_names_it(rank1, tmp_path):
 
 
 def test_every_builtin_kind_is_registered_with_its_patch_class():
-    from shuttle.patches import IA3, Diff, DoRA, ExpertsLowRank, LoHa, LoKr, Replace, Set
+    from shuttle.patches import (
+        IA3,
+        OFT,
+        Diff,
+        DoRA,
+        ExpertsLowRank,
+        LoHa,
+        LoKr,
+        Replace,
+        ReplaceRows,
+        Set,
+    )
 
     want = {"lora": LowRank, "loha": LoHa, "lokr": LoKr, "diff": Diff, "set": Set, "ia3": IA3,
-            "dora": DoRA, "replace": Replace, "experts_lora": ExpertsLowRank}
+            "dora": DoRA, "replace": Replace, "experts_lora": ExpertsLowRank,
+            "replace_rows": ReplaceRows, "oft": OFT}
     assert {n: k.patch for n, k in PATCH_KINDS.items()} == want
     assert all(k.name == n and k.patch.kind == n for n, k in PATCH_KINDS.items())
     with pytest.raises(AssertionError, match="registered twice"):

@@ -31,9 +31,7 @@ def role_suffixes() -> dict[str, tuple[str, ...]]:
 
 # Spellings of formats shuttle recognizes but does not implement, with the format's name.
 UNSUPPORTED_SUFFIXES: dict[str, str] = {
-    "oft_blocks": "OFT/BOFT (LyCORIS)",
     "oft_diag": "OFT (kohya)",
-    "rescale": "OFT/BOFT (LyCORIS)",
     "a1.weight": "GLoRA",
     "a2.weight": "GLoRA",
     "b1.weight": "GLoRA",

@@ -11,12 +11,14 @@ from shuttle.patches.kind import PATCH_KINDS, Found, PatchKind, register_kind, r
 from shuttle.patches.loha import LoHa
 from shuttle.patches.lokr import LoKr
 from shuttle.patches.lowrank import LowRank
+from shuttle.patches.oft import OFT
 from shuttle.patches.patch import Patch, TensorRef, materialize
 from shuttle.patches.replace import Replace, ReplaceRows
 from shuttle.patches.select_rows import RowSlice, select_rows
 
 __all__ = [
     "IA3",
+    "OFT",
     "PATCH_KINDS",
     "Diff",
     "DoRA",
