@@ -76,6 +76,19 @@ def test_a_report_that_kept_nothing_says_how():
         shuttle.unmerge_lora(model, report)
 
 
+def test_a_subtraction_cannot_undo_a_weight_dependent_patch():
+    """(IA)3 scales the weight: merging it at -m is no inverse, so the subtraction is refused
+    (nothing written) and the kept report undoes it exactly."""
+    model = _model(torch.float32)
+    ia3 = {"0.weight": torch.rand(48) + 0.5, "0.on_input": torch.tensor(False)}
+    report = shuttle.merge_lora(model, [(ia3, 1.0)], keep=True)
+    merged = snapshot(model)
+    with pytest.raises(ShuttleError, match="ia3 patches.*keep=True"):
+        shuttle.unmerge_lora(model, [(ia3, 1.0)])
+    assert_unchanged(model, merged)
+    assert shuttle.unmerge_lora(model, report).exact
+
+
 def test_a_changed_parameter_is_refused_and_nothing_is_written():
     model = _model(torch.bfloat16)
     report = shuttle.merge_lora(model, [(_lora(), 1.0)], keep=True)

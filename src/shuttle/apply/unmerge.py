@@ -94,7 +94,9 @@ def unmerge_lora(
         InvalidOptionError: ``merged`` is neither a merge report nor a list of
             ``(lora, strength)`` pairs (None, say).
         ShuttleError: a report that kept nothing (merge with ``keep=True``, or pass the
-            adapters to subtract them).
+            adapters to subtract them); adapters to subtract with a patch whose update
+            depends on the weight (DoRA, (IA)3, OFT, replacements), which a subtraction
+            cannot undo.
         ShapeMismatchError: a kept parameter no longer exists, or changed shape, dtype, form
             or (DTensor) shard since the merge.
         ScopeOrderError: a later kept merge of a kept parameter is still in force (undo it
@@ -121,6 +123,13 @@ def unmerge_lora(
             "merge_lora(..., keep=True) to write its copies back exactly, or the "
             "[(lora, strength), ...] that were merged to subtract them")
     pairs, per_component = normalize_adapters(merged)
+    weighty = sorted({p.kind for lora, _ in pairs for _, p in lora.patches() if not p.additive})
+    if weighty:
+        raise ShuttleError(
+            f"the adapters hold {', '.join(weighty)} patches, whose update depends on the "
+            "weight it changes (a rotation, a scale, a replacement): merging them at the "
+            "negated strength does not undo them. Merge with merge_lora(..., keep=True) and "
+            "pass its report here to write the weights back exactly; nothing was written.")
     negated = [(lora, {c: -s for c, s in per_component[i].items()} if i in per_component
                 else -strength) for i, (lora, strength) in enumerate(pairs)]
     params = dict(model.named_parameters())
