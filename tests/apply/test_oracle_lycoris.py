@@ -13,10 +13,10 @@ weights_sd)``. DyLoRA saves a conv's ``lora_up`` as ``(out, r)``, which LyCORIS'
 cannot copy into its ``(out, r, 1, 1)`` layer (a LyCORIS bug), so the oracle is given those ups
 reshaped to ``(out, r, 1, 1)``; the file shuttle reads is unchanged.
 
-Diag-OFT with ``rescaled`` is compared at strength 1 only: LyCORIS applies the row scale whole at
-any multiplier, shuttle moves it with the strength (docs/formats.md).
+Diag-OFT and BOFT with ``rescaled`` are compared at strength 1 only: LyCORIS applies the row
+scale whole at any multiplier, shuttle moves it with the strength (docs/formats.md).
 
-The algorithms shuttle does not implement (GLoRA, BOFT, T-LoRA) must be refused when the file is
+The algorithms shuttle does not implement (GLoRA, T-LoRA) must be refused when the file is
 read, with a typed error that names the algorithm and a key.
 """
 
@@ -69,6 +69,8 @@ CONFIGS = {
     "ia3": {"algo": "ia3"},
     "diag-oft": {"algo": "diag-oft"},
     "diag-oft-constrained": {"algo": "diag-oft", "constraint": 1e-3},
+    "boft": {"algo": "boft"},
+    "boft-constrained": {"algo": "boft", "constraint": 1e-3},
 }
 
 
@@ -105,10 +107,11 @@ def test_matches_lycoris_forward(name, k, mode, tmp_path):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_rescaled_diag_oft_matches_lycoris_forward(mode, tmp_path):
+@pytest.mark.parametrize("algo", ["diag-oft", "boft"])
+def test_rescaled_oft_matches_lycoris_forward(algo, mode, tmp_path):
     base = make_base()
     path = tmp_path / "a.safetensors"
-    net, model = lycoris_net(base, path, algo="diag-oft", rescaled=True)
+    net, model = lycoris_net(base, path, algo=algo, rescaled=True)
     expected = outputs(model)
     lora = shuttle.load_lora(path)
     assert {p.kind for ps in lora.modules.values() for p in ps} == {"oft"}
@@ -136,7 +139,6 @@ def test_dylora_matches_lycoris_load(k, mode, tmp_path):
 
 UNSUPPORTED = {
     "glora": ("GLoRA", "a1.weight"),
-    "boft": ("BOFT", "oft_blocks"),
     "tlora": ("T-LoRA", "lambda_layer"),
 }
 

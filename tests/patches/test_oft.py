@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import shuttle
-from shuttle.errors import ShapeMismatchError
+from shuttle.errors import AdapterFormatError, ShapeMismatchError
 from shuttle.patches import OFT
 from tests import close
 
@@ -64,3 +64,12 @@ def test_a_written_oft_reads_back_as_the_same_patch(to, tmp_path):
     assert isinstance(patch, OFT) and patch.alpha == 0.5
     a, b = model.state_dict()["0.weight"].clone(), model.state_dict()["0.weight"].clone()
     torch.testing.assert_close(patch.load().apply(a, 0.7), lora.modules["0"][0].apply(b, 0.7))
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 4, 4), (4, 4, 3), (2, 4, 3, 3), (4, 4)])
+def test_blocks_of_no_oft_shape_are_refused(shape, tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"lycoris_lin.oft_blocks": torch.zeros(shape)}, str(tmp_path / "a.safetensors"))
+    with pytest.raises(AdapterFormatError, match="OFT blocks"):
+        shuttle.load_lora(tmp_path / "a.safetensors")
