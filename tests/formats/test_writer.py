@@ -482,11 +482,13 @@ def test_peft_lokr_with_a_3d_w2_has_no_lycoris_spelling(tmp_path, to):
     save_lora(load_lora(conv2d, config=cfg), tmp_path / "b.safetensors", to=to)
 
 
-def test_every_patch_kind_but_replace_has_a_kohya_comfy_spelling():
+def test_every_patch_kind_but_peft_copies_has_a_kohya_comfy_spelling():
+    """PEFT's saved copies (whole, or embedding rows) have none; experts_lora says why it has
+    none (its own spell)."""
     from shuttle.patches import PATCH_KINDS, PatchKind
 
     spelled = {n for n, k in PATCH_KINDS.items() if type(k).spell is not PatchKind.spell}
-    assert spelled == set(PATCH_KINDS) - {"replace"}
+    assert spelled == set(PATCH_KINDS) - {"replace", "replace_rows"}
 
 
 def test_a_patch_kind_without_a_spelling_is_refused_naming_the_fix(tmp_path):
