@@ -222,12 +222,12 @@ def test_unknown_key_kind(extra):
 
 
 @pytest.mark.parametrize("extra", [
-    {"lycoris_second.oft_blocks": torch.randn(2, 2, 2)},
+    {"lycoris_second.oft_diag": torch.randn(2, 2, 2)},
     {"lycoris_second.a1.weight": torch.randn(6, 2), "lycoris_second.a2.weight": torch.randn(2, 6),
      "lycoris_second.b1.weight": torch.randn(4, 2), "lycoris_second.b2.weight": torch.randn(2, 6)},
     {"second.oft_r": torch.randn(2, 3)},
     {"second.ia3_l": torch.randn(4)},
-], ids=["oft", "glora", "peft-oft", "peft-ia3"])
+], ids=["kohya-oft", "glora", "peft-oft", "peft-ia3"])
 def test_unsupported_format_keys(extra):
     expect_unchanged(Net(), UnsupportedFormatError, [(good(), 1.0), ({**good(), **extra}, 1.0)])
 

@@ -472,13 +472,17 @@ def test_lycoris_ia3(on_input):
 
 
 @pytest.mark.parametrize("key,kind", [
-    ("lycoris_x.oft_blocks", "OFT"), ("lycoris_x.rescale", "OFT"),
     ("oft_unet_x.oft_diag", "OFT"), ("lycoris_x.a1.weight", "GLoRA"),
     ("lycoris_x.b2.weight", "GLoRA"), ("base_model.model.x.oft_r", "OFT"),
 ])
 def test_unsupported_formats(key, kind):
     with pytest.raises(UnsupportedFormatError, match=kind):
         load_lora({key: torch.randn(2, 2, 2)})
+
+
+def test_an_oft_row_scale_without_its_blocks_names_them():
+    with pytest.raises(AdapterFormatError, match="lacks its oft_blocks"):
+        load_lora({"lycoris_x.rescale": torch.ones(4, 1)})
 
 
 def test_two_factor_kinds_on_one_module():
