@@ -225,3 +225,7 @@ def test_which_modules_hold_wrappers():
         assert cfg.wrapped_parameter("base_model.model.other.experts") == \
             ("base_model.model.other.experts", 0, ("down_proj",))
     assert PeftConfig.from_dict({"target_modules": ["q"]}).wrapped_parameter(m + "x") is None
+    linear = PeftConfig.from_dict({"target_modules": "all-linear",
+                                   "target_parameters": ["down_proj"]})
+    assert linear.wrapped_parameter(m + "q_proj") is None
+    assert linear.wrapped_parameter(m + "experts.base_layer")[1:] == (1, ("down_proj",))

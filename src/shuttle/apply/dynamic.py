@@ -42,7 +42,8 @@ from shuttle.patches import PATCH_KINDS
 from shuttle.targets import KeyMapping, fused_modules, transposed_modules
 from shuttle.targets.split import Rows
 
-__all__ = ["QUALITIES", "DynamicAdapters", "attach_lora", "attach_plan", "default_quality"]
+__all__ = ["QUALITIES", "DynamicAdapters", "attach_lora", "attach_plan", "check_untied",
+           "default_quality", "tied_parameters"]
 
 QUALITIES: tuple[str, ...] = ("exact", "lossless", "fused", "auto")
 
@@ -457,7 +458,6 @@ def attach_plan(model: torch.nn.Module, plan: MergePlan, quality: Quality,
         handle.detach()  # roll back the hooks already installed
         raise
     return handle
-
 
 
 def tied_parameters(model: torch.nn.Module) -> dict[str, list[str]]:

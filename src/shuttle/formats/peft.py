@@ -184,7 +184,11 @@ class PeftConfig:
                      if name == t or name.endswith(f".{t}")), None)
 
     def _targets_module(self, name: str) -> bool:
-        """PEFT's ``target_modules`` test of module ``name`` (without the PeftModel prefix)."""
+        """PEFT's ``target_modules`` test of module ``name`` (without the PeftModel prefix);
+        ``"all-linear"`` (which PEFT expands to names before saving) takes every module.
+        """
+        if self.target_modules == "all-linear":
+            return True
         if isinstance(self.target_modules, str):
             return compile_key(self.target_modules, whole=True).matches(name)
         return any(name == t or name.endswith(f".{t}") for t in self.target_modules or ())
