@@ -34,10 +34,12 @@ __all__ = ["OFT", "OFTKind"]
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class OFT(Patch):
-    """Rotates blocks of output rows: ``W_j <- (I + m (R_j - I))^T W_j``, rows then rescaled.
+    """Rotates blocks of output rows (diag-OFT: ``W_j <- (I + m (R_j - I))^T W_j``; BOFT: its
+    stages in turn), rows then rescaled.
 
     Attributes:
-        blocks: (k, b, b) trained blocks (their skew-symmetric part is the generator).
+        blocks: (k, b, b) diag-OFT or (s, k, b, b) BOFT trained blocks (their skew-symmetric
+            part is the generator).
         rescale: optional (out, 1, ...) row scales.
         alpha_value: the file's ``alpha`` (the constraint per output row; 0: unconstrained).
     """
